@@ -1,0 +1,220 @@
+"""FusionBridge: built once per layer; one `finalize_epilogue` call per forward.
+
+Building it is collective over `group` (every rank builds its bridge in the same order):
+static capability checks -> per-rank resource checks -> agreement -> collective prepare (workspaces)
+-> self-test against the oracle -> agreement -> plan. A call then validates metadata (no sync) and
+dispatches by token bucket in O(1).
+
+Environment variables:
+  FUSION_BRIDGE_STRATEGY=<name>   overrides the `strategy` argument (an explicit request: raises if
+                                  that strategy cannot run, never falls back)
+  FUSION_BRIDGE_DEBUG=1           value checks at every call (index range, T equal on all ranks);
+                                  they sync, so keep it off on the hot path and under CUDA graphs
+  FUSION_BRIDGE_SELF_TEST=0       skip the self-test at build time
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from typing import Optional
+
+import torch
+
+from . import registry
+from .agreement import agree_flags, collective_device, other_rank_reason
+from .environment import Environment, detect
+from .io import EpilogueInputs, EpilogueOutputs
+from .planner import AUTO, Plan, StrategyStatus, select
+from .reasons import Reason
+from .report import Report
+from .selftest import agreed_rank, self_test
+from .spec import EpilogueSpec, QuantKind
+from .quant_ref import sf_shape
+from .strategies.base import Strategy
+from .validation import check_token_limit, validate_index_values, validate_inputs, validate_tokens_agree
+
+_LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+class FusionBridge:
+    """The MoE epilogue for one layer.
+
+    spec: the layer's static EpilogueSpec. group: the TP process group (None: the default group if
+    torch.distributed is initialised, else a single process). strategy: "auto" or a registered name.
+    device: where the tensors live (default: the current CUDA device, else CPU). environment: override
+    the detected Environment (tests). self_test / debug: see the module docstring.
+    """
+
+    def __init__(self, spec: EpilogueSpec, group=None, strategy: str = AUTO, *,
+                 device: Optional[torch.device] = None, environment: Optional[Environment] = None,
+                 self_test: Optional[bool] = None, debug: Optional[bool] = None,
+                 measured_us: Optional[dict] = None) -> None:
+        if not isinstance(spec, EpilogueSpec):
+            raise TypeError(f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}")
+        requested = os.environ.get("FUSION_BRIDGE_STRATEGY") or strategy
+        if requested != AUTO and requested not in registry.REGISTRY:
+            raise ValueError(f"FusionBridge: strategy must be 'auto' or one of {list(registry.REGISTRY)}, "
+                             f"got {requested!r}")
+        self.spec, self.group, self.requested = spec, group, requested
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        self.device = device
+        self.env = environment or detect(group, device)
+        self.debug = _env_flag("FUSION_BRIDGE_DEBUG", False) if debug is None else debug
+        run_self_test = _env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test
+        self.reroutes = 0
+        self._closed = False
+        self._instances: dict[str, Strategy] = {}
+        self.statuses = self._build_statuses(run_self_test)
+        try:
+            self.plan: Plan = select(self.statuses, spec, requested, measured_us)
+        except Exception:
+            self.close()
+            raise
+        self._by_bucket = [self._instances[name] for name in self.plan.choice]
+        self._overflow = self._instances.get(self.plan.overflow) if self.plan.overflow else None
+        self._max_tokens = spec.max_tokens
+        _LIVE_BRIDGES.add(self)
+
+    # ---------------------------------------------------------------- build
+    def _build_statuses(self, run_self_test: bool) -> list[StrategyStatus]:
+        classes = registry.strategy_classes()
+        reasons: dict[str, list[Reason]] = {c.name: list(c.not_supported_reasons(self.spec, self.env))
+                                           for c in classes}
+        # Prepare what could be picked: everything available under auto, only the request otherwise.
+        wanted = [c for c in classes if self.requested in (AUTO, c.name)]
+        for cls in wanted:
+            if not reasons[cls.name]:
+                inst = cls(self.spec, self.env, self.group, self.device)
+                reasons[cls.name] += inst.local_resource_reasons()
+                if not reasons[cls.name]:
+                    self._instances[cls.name] = inst
+        self._agree(classes, reasons, "capability or resources")
+        for name, inst in list(self._instances.items()):  # same order on every rank: registry order
+            try:
+                inst.prepare()
+            except Exception as exc:
+                reasons[name].append(Reason("prepare_failed", f"prepare() raised {type(exc).__name__}: {exc}",
+                                            "see the exception; the strategy stays off"))
+        self._agree(classes, reasons, "prepare")
+        self_tests: dict[str, tuple[str, Optional[float]]] = {}
+        rank = agreed_rank(self.group) if self.env.world_size > 1 else 0
+        for name, inst in list(self._instances.items()):
+            if not (run_self_test and inst.self_tested and self.device.type == "cuda"):
+                continue
+            result = self_test(inst, self.spec, rank)
+            self_tests[name] = ("passed" if result.passed else "failed", result.worst_rel_err)
+            if result.reason:
+                reasons[name].append(result.reason)
+        self._agree(classes, reasons, "self-test")
+        statuses = []
+        for cls in classes:
+            inst = self._instances.get(cls.name)
+            test_state, test_err = self_tests.get(cls.name, ("not run", None))
+            statuses.append(StrategyStatus(
+                name=cls.name, summary=cls.summary, reasons=tuple(reasons[cls.name]),
+                steps=tuple(cls.steps(self.spec, self.env)),
+                auto_selectable=cls.is_auto_selectable(self.spec, self.env),
+                max_tokens_per_call=cls.max_tokens_per_call(self.spec, self.env),
+                error_bound=cls.error_bound(self.spec, self.env), self_test=test_state,
+                self_test_error=test_err, workspace_bytes=inst.workspace_bytes if inst else 0))
+        return statuses
+
+    def _agree(self, classes, reasons: dict[str, list[Reason]], stage: str) -> None:
+        """AND each strategy's local 'still usable' flag across ranks; drop and close the rest."""
+        if self.env.world_size <= 1:
+            flags = [int(not reasons[c.name]) for c in classes]
+        else:
+            flags = agree_flags([int(not reasons[c.name]) for c in classes], self.group,
+                                collective_device(self.group, self.device))
+        for cls, ok in zip(classes, flags):
+            if not ok and not reasons[cls.name]:
+                reasons[cls.name].append(other_rank_reason(stage))
+            if not ok and cls.name in self._instances:
+                self._instances.pop(cls.name).close()
+
+    # ---------------------------------------------------------------- call
+    def finalize_epilogue(self, gemm2_out: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
+                          expert_weights: torch.Tensor, shared_output: Optional[torch.Tensor],
+                          residual: torch.Tensor, gamma: torch.Tensor) -> EpilogueOutputs:
+        """Finalize + shared add + all-reduce + residual add + RMSNorm (+ quant), on every rank.
+
+        gemm2_out [P, H] act dtype; expanded_idx_to_permuted_idx [T, K] int32 (-1 = skip);
+        expert_weights [T, K] fp32/bf16/fp16; shared_output [T, H] or None (as the spec says);
+        residual [T, H]; gamma [H]. Returns EpilogueOutputs (residual_out, norm_out [T, H] act dtype;
+        quant/scale when the spec quantizes). The inputs are never modified. Collective when world > 1.
+        """
+        if self._closed:
+            raise RuntimeError("finalize_epilogue: this FusionBridge was closed")
+        inputs = EpilogueInputs(gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output,
+                                residual, gamma)
+        validate_inputs(self.spec, inputs, self.device)
+        tokens = inputs.tokens
+        if self.device.type == "cpu" or self.debug:
+            validate_index_values(inputs)
+        if self.debug and self.env.world_size > 1:
+            validate_tokens_agree(tokens, self.group, collective_device(self.group, self.device))
+        if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
+            return self._empty_outputs()
+        if tokens <= self._max_tokens:
+            strategy = self._by_bucket[(tokens - 1).bit_length()]
+        else:
+            strategy = self._overflow
+            if strategy is None:
+                check_token_limit(tokens, self._max_tokens, self.plan.choice[-1])
+            self.reroutes += 1
+        return strategy.run(inputs)
+
+    __call__ = finalize_epilogue
+
+    def _empty_outputs(self) -> EpilogueOutputs:
+        h, dev = self.spec.hidden_size, self.device
+        empty = torch.empty(0, h, dtype=self.spec.dtype, device=dev)
+        q = self.spec.quant
+        if q.kind is QuantKind.FP8:
+            return EpilogueOutputs(empty, empty.clone(), torch.empty(0, h, dtype=torch.float8_e4m3fn, device=dev))
+        if q.kind is QuantKind.NVFP4:
+            return EpilogueOutputs(empty, empty.clone(), torch.empty(0, h // 2, dtype=torch.uint8, device=dev),
+                                   torch.empty(sf_shape(0, h, q.sf_layout), dtype=torch.uint8, device=dev))
+        return EpilogueOutputs(empty, empty.clone())
+
+    # ---------------------------------------------------------------- report & lifecycle
+    def strategy_for(self, tokens: int) -> Optional[str]:
+        return self.plan.strategy_for(tokens) if tokens > 0 else None
+
+    def explain(self, tokens: Optional[int] = None) -> Report:
+        """The structured report: environment, every strategy (selected or rejected, with all reasons),
+        the plan per token bucket, workspace bytes and reroutes. `.to_dict()`, `.to_json()`, `str()`."""
+        return Report(self.env, self.spec, self.statuses, self.plan, tokens=tokens, reroutes=self.reroutes)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(i.workspace_bytes for i in self._instances.values())
+
+    def close(self) -> None:
+        """Free workspaces. Idempotent; also runs on leaving `with` and at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        for inst in self._instances.values():
+            inst.close()
+
+    def __enter__(self) -> "FusionBridge":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_all_bridges() -> None:
+    for bridge in list(_LIVE_BRIDGES):
+        bridge.close()

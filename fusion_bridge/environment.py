@@ -1,0 +1,94 @@
+"""The environment a bridge runs in, as a plain value.
+
+Capability checks are pure functions of (EpilogueSpec, Environment), so tests build Environment
+values directly instead of needing hardware. `detect()` reads the real machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Environment:
+    device_type: str = "cpu"              # "cpu" or "cuda"
+    sm: Optional[int] = None              # e.g. 90 for H100/H200, 100 for B200; None on CPU
+    gpu_name: Optional[str] = None
+    world_size: int = 1
+    single_node: bool = True
+    torch_version: str = torch.__version__
+    triton_version: Optional[str] = None  # None: not importable
+    flashinfer_version: Optional[str] = None  # None: not importable
+    flashinfer_error: Optional[str] = None
+    triton_interpret: bool = False        # TRITON_INTERPRET=1: Triton kernels run on CPU (tests only)
+
+    def replace(self, **changes) -> "Environment":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'0.7.2.post1' -> (0, 7, 2, 1); '2.13.0+cpu' -> (2, 13, 0). Good enough to order releases."""
+    parts = re.findall(r"\d+", version.split("+")[0])
+    return tuple(int(p) for p in parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+        return triton.__version__
+    except Exception:  # pragma: no cover - depends on the install
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _flashinfer_probe() -> tuple[Optional[str], Optional[str]]:
+    """(version, None) when flashinfer.comm imports, else (None, the error). Importing costs ~3 s."""
+    try:
+        importlib.import_module("flashinfer.comm")
+        return importlib.metadata.version("flashinfer-python"), None
+    except Exception as exc:  # ImportError, or a broken native dependency
+        return None, f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _group_is_single_node(group) -> bool:
+    """True when every rank of `group` runs on this host. Collective: all ranks must call it."""
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) == 1
+
+
+def detect(group=None, device: Optional[torch.device] = None, *, probe_flashinfer: bool = True) -> Environment:
+    """Read the environment of this process. With a process group this is collective."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    world_size, single_node = 1, True
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        world_size = dist.get_world_size(group)
+        single_node = _group_is_single_node(group) if world_size > 1 else True
+    fi_version, fi_error = _flashinfer_probe() if probe_flashinfer else (None, "not probed")
+    sm = gpu_name = None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        sm, gpu_name = major * 10 + minor, torch.cuda.get_device_name(device)
+    return Environment(
+        device_type=device.type, sm=sm, gpu_name=gpu_name, world_size=world_size,
+        single_node=single_node, torch_version=torch.__version__, triton_version=_triton_version(),
+        flashinfer_version=fi_version, flashinfer_error=fi_error,
+        triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+    )

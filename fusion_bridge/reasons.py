@@ -1,0 +1,103 @@
+"""Reasons a strategy cannot run, as data, and the small shared checks that produce them.
+
+Every check returns a Reason or None; a strategy lists its checks and collects *all* reasons.
+Codes are stable identifiers that tests and tools match on; messages say what was required and
+what was seen; hints say what to do about it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from .environment import Environment, version_tuple
+from .spec import EpilogueSpec
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    message: str
+    hint: str = ""
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "hint": self.hint}
+
+
+MaybeReason = Optional[Reason]
+
+
+def collect(*checks: MaybeReason | Iterable[MaybeReason]) -> list[Reason]:
+    out: list[Reason] = []
+    for c in checks:
+        if c is None:
+            continue
+        if isinstance(c, Reason):
+            out.append(c)
+        else:
+            out.extend(r for r in c if r is not None)
+    return out
+
+
+def not_implemented(who: str) -> Reason:
+    return Reason("not_implemented", f"{who}: not implemented yet",
+                  "track the issue that adds this strategy")
+
+
+def require_cuda(env: Environment, who: str) -> MaybeReason:
+    if env.device_type != "cuda":
+        return Reason("needs_cuda", f"{who} requires a CUDA device, but the device is {env.device_type!r}",
+                      "run on a GPU, or pick strategy 'separate'")
+    return None
+
+
+def require_sm_at_least(env: Environment, who: str, min_sm: int, code: str = "sm_too_low",
+                        why: str = "") -> MaybeReason:
+    if env.device_type == "cuda" and (env.sm is None or env.sm < min_sm):
+        return Reason(code, f"{who} requires SM >= {min_sm}{why}, but the GPU is SM {env.sm}",
+                      "use a Hopper or newer GPU, or another strategy")
+    return None
+
+
+def require_triton(env: Environment, who: str) -> MaybeReason:
+    if env.triton_version is None:
+        return Reason("triton_missing", f"{who} requires triton, which is not importable",
+                      "pip install triton")
+    return None
+
+
+def require_flashinfer(env: Environment, who: str, min_version: str) -> MaybeReason:
+    if env.flashinfer_version is None:
+        return Reason("flashinfer_missing",
+                      f"{who} requires flashinfer-python >= {min_version}, which is not importable"
+                      + (f" ({env.flashinfer_error})" if env.flashinfer_error else ""),
+                      "pip install 'fusion-bridge[flashinfer]'")
+    if version_tuple(env.flashinfer_version) < version_tuple(min_version):
+        return Reason("flashinfer_too_old",
+                      f"{who} requires flashinfer-python >= {min_version}, found {env.flashinfer_version}",
+                      "upgrade flashinfer-python")
+    return None
+
+
+def require_world_size_in(env: Environment, who: str, sizes: tuple[int, ...]) -> MaybeReason:
+    if env.world_size not in sizes:
+        return Reason("world_size_unsupported",
+                      f"{who} supports world sizes {list(sizes)}, but the group has {env.world_size} ranks",
+                      "use NCCL all-reduce (strategy 'separate' or 'local_fused')")
+    return None
+
+
+def require_single_node(env: Environment, who: str) -> MaybeReason:
+    if not env.single_node:
+        return Reason("multi_node_group",
+                      f"{who} needs all ranks on one node (IPC peer memory), but the group spans nodes",
+                      "use an NCCL-based strategy across nodes")
+    return None
+
+
+def require_hidden_multiple(spec: EpilogueSpec, who: str, multiple: int, code: str, why: str) -> MaybeReason:
+    if spec.hidden_size % multiple:
+        return Reason(code, f"{who} requires hidden_size % {multiple} == 0{why}, but hidden_size is "
+                            f"{spec.hidden_size} (remainder {spec.hidden_size % multiple})",
+                      "another strategy handles this hidden size")
+    return None

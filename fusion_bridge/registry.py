@@ -1,0 +1,53 @@
+"""The strategy registry: name -> "module:Class", imported lazily.
+
+Adding a strategy is one file under strategies/ plus one line here. The public view is read-only and
+registration refuses to overwrite a name silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+from typing import Mapping
+
+from .strategies.base import Strategy
+
+# Order is the static preference when no measurements exist (fastest first, per DESIGN.md section 5).
+_REGISTRY: dict[str, str] = {
+    "local_fused": "fusion_bridge.strategies.local_fused:LocalFusedStrategy",
+    "flashinfer_fused": "fusion_bridge.strategies.flashinfer_fused:FlashInferFusedStrategy",
+    "separate": "fusion_bridge.strategies.separate:SeparateStrategy",
+    "reference": "fusion_bridge.strategies.reference:ReferenceStrategy",
+}
+
+REGISTRY: Mapping[str, str] = MappingProxyType(_REGISTRY)
+
+
+def register(name: str, target: str, *, replace: bool = False) -> None:
+    """Add a strategy ("package.module:Class"). Refuses to overwrite unless replace=True."""
+    if ":" not in target:
+        raise ValueError(f"register: target must be 'module:Class', got {target!r}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"register: strategy {name!r} is already registered as {_REGISTRY[name]!r}; "
+                         "pass replace=True to override it")
+    _REGISTRY[name] = target
+
+
+def unregister(name: str) -> None:
+    if name not in _REGISTRY:
+        raise KeyError(f"unregister: no strategy named {name!r}; registered: {sorted(_REGISTRY)}")
+    del _REGISTRY[name]
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if name not in _REGISTRY:
+        raise ValueError(f"strategy must be 'auto' or one of {list(_REGISTRY)}, got {name!r}")
+    module_name, _, class_name = _REGISTRY[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if cls.name != name:
+        raise RuntimeError(f"registry entry {name!r} points at a class named {cls.name!r}")
+    return cls
+
+
+def strategy_classes() -> list[type[Strategy]]:
+    return [strategy_class(n) for n in _REGISTRY]

@@ -1,0 +1,84 @@
+"""The report is a value: `to_dict()`/`to_json()` for tools, `str()` for people."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from .environment import Environment
+from .planner import Plan, StrategyStatus
+from .spec import EpilogueSpec
+
+
+@dataclass(frozen=True)
+class Report:
+    environment: Environment
+    spec: EpilogueSpec
+    strategies: list[StrategyStatus]
+    plan: Optional[Plan]
+    tokens: Optional[int] = None
+    reroutes: int = 0
+
+    @property
+    def selected(self) -> Optional[str]:
+        if self.plan is None or self.tokens is None or self.tokens <= 0:
+            return None
+        return self.plan.strategy_for(self.tokens)
+
+    def to_dict(self) -> dict:
+        chosen = set(self.plan.choice) if self.plan else set()
+        strategies = []
+        for st in self.strategies:
+            d = st.to_dict()
+            d["selected"] = st.name in chosen
+            strategies.append(d)
+        out = {"environment": self.environment.to_dict(), "spec": self.spec.to_dict(),
+               "strategies": strategies, "plan": self.plan.to_dict() if self.plan else None,
+               "workspace_bytes": sum(s.workspace_bytes for s in self.strategies),
+               "reroutes": self.reroutes}
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+            out["selected"] = self.selected
+        return out
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        env, spec = self.environment, self.spec
+        where = f"{env.device_type}" + (f" SM{env.sm} {env.gpu_name or ''}".rstrip() if env.device_type == "cuda" else "")
+        lines = [
+            f"fusion-bridge on {where}, world size {env.world_size}"
+            f"{'' if env.single_node else ' (multi-node)'}; torch {env.torch_version}, "
+            f"triton {env.triton_version or 'missing'}, flashinfer {env.flashinfer_version or 'missing'}",
+            f"spec: H={spec.hidden_size} K={spec.top_k} {spec.dtype_name} quant={spec.quant.kind.value} "
+            f"shared={'yes' if spec.has_shared_output else 'no'} max_tokens={spec.max_tokens}",
+            "",
+        ]
+        chosen = set(self.plan.choice) if self.plan else set()
+        for st in self.strategies:
+            if st.name in chosen:
+                state = "SELECTED"
+            elif st.available:
+                state = "available" + ("" if st.auto_selectable else " (never auto-selected here)")
+            else:
+                state = "rejected"
+            extra = f", self-test {st.self_test}" + (f" (rel err {st.self_test_error:.2e})"
+                                                     if st.self_test_error is not None else "")
+            ws = f", workspace {st.workspace_bytes / 2**20:.1f} MiB/rank" if st.workspace_bytes else ""
+            lines.append(f"{st.name:18s} {state}{extra}{ws}")
+            lines.append(f"{'':18s} steps: {' -> '.join(s.name for s in st.steps)}")
+            for r in st.reasons:
+                lines.append(f"{'':18s} [{r.code}] {r.message}" + (f"\n{'':20s}hint: {r.hint}" if r.hint else ""))
+        if self.plan:
+            lines += ["", f"plan ({self.plan.source}, requested {self.plan.requested}):"]
+            for b in self.plan.to_dict()["buckets"]:
+                t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
+                lines.append(f"  T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
+            lines.append(f"  T >  {spec.max_tokens:6d}: {self.plan.overflow or 'error (raises)'}"
+                         + (f", rerouted {self.reroutes} calls so far" if self.reroutes else ""))
+            lines += [f"  note: {n}" for n in self.plan.notes]
+        if self.tokens is not None:
+            lines.append(f"selected for T={self.tokens}: {self.selected}")
+        return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""What every strategy declares: its capability checks, its steps, its error bound, how it runs.
+
+A strategy is one cover of the epilogue's stages (finalize, shared add, all-reduce, residual+norm,
+quant) by launch steps. Its class-level methods are pure functions of (spec, environment) so the
+planner and the golden tests need no hardware; an instance holds what `prepare()` built (workspaces).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from ..environment import Environment
+from ..io import EpilogueInputs, EpilogueOutputs
+from ..reasons import Reason
+from ..spec import EpilogueSpec, QuantKind, Stage
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One launch (or one library call) of a strategy, named `<library>.<what>`, and the stages it covers."""
+
+    name: str
+    stages: tuple[Stage, ...]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "stages": [s.value for s in self.stages]}
+
+
+def required_stages(spec: EpilogueSpec, world_size: int) -> tuple[Stage, ...]:
+    stages = [Stage.FINALIZE]
+    if spec.has_shared_output:
+        stages.append(Stage.SHARED_ADD)
+    if world_size > 1:
+        stages.append(Stage.ALL_REDUCE)
+    stages.append(Stage.RESIDUAL_NORM)
+    if spec.quant.kind is not QuantKind.NONE:
+        stages.append(Stage.QUANT)
+    return tuple(stages)
+
+
+def rounding_error_bound(dtype: torch.dtype, roundings: int) -> float:
+    """Norm-wise relative error bound for `roundings` independent roundings to `dtype`.
+
+    Each rounding moves every element by at most u relative (u = 2^-8 bf16, 2^-11 fp16), so its
+    norm-wise error is at most u; independent zero-mean errors add in quadrature: sqrt(n) * u.
+    Inputs are random in every parity test, which is what makes the roundings independent.
+    """
+    return math.sqrt(max(roundings, 1)) * UNIT_ROUNDOFF[dtype]
+
+
+class Strategy:
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    #: auto may pick it (the fp32 oracle may not)
+    auto_selectable: ClassVar[bool] = True
+    #: run the collective self-test against the oracle when the bridge is prepared (GPU strategies)
+    self_tested: ClassVar[bool] = False
+
+    # ---- pure, class-level: used by the planner, the report and golden tests ----
+    @classmethod
+    def not_supported_reasons(cls, spec: EpilogueSpec, env: Environment) -> list[Reason]:
+        """Every reason this strategy cannot run (empty list = supported)."""
+        raise NotImplementedError
+
+    @classmethod
+    def steps(cls, spec: EpilogueSpec, env: Environment) -> list[Step]:
+        """The launches, in order, that one call makes."""
+        raise NotImplementedError
+
+    @classmethod
+    def roundings(cls, spec: EpilogueSpec, env: Environment) -> int:
+        """How many roundings to the activation dtype lie between the inputs and norm_out."""
+        raise NotImplementedError
+
+    @classmethod
+    def error_bound(cls, spec: EpilogueSpec, env: Environment) -> float:
+        """Norm-wise relative error bound of residual_out and norm_out against the fp32 oracle.
+
+        The oracle's outputs are rounded too, so its one rounding counts alongside the strategy's."""
+        return rounding_error_bound(spec.dtype, cls.roundings(spec, env) + 1)
+
+    @classmethod
+    def is_auto_selectable(cls, spec: EpilogueSpec, env: Environment) -> bool:
+        """Whether auto may pick it when available (the oracle and interpreter-only paths may not)."""
+        return cls.auto_selectable
+
+    @classmethod
+    def max_tokens_per_call(cls, spec: EpilogueSpec, env: Environment) -> Optional[int]:
+        """The largest T one call may carry, or None for no limit (workspace-backed paths have one)."""
+        return None
+
+    # ---- per instance: built by the bridge, collectively ----
+    def __init__(self, spec: EpilogueSpec, env: Environment, group=None,
+                 device: Optional[torch.device] = None) -> None:
+        self.spec, self.env, self.group = spec, env, group
+        self.device = device or torch.device("cpu")
+
+    def local_resource_reasons(self) -> list[Reason]:
+        """Per-rank checks that must pass before the collective prepare() (e.g. can we allocate)."""
+        return []
+
+    def prepare(self) -> None:
+        """One-time collective setup (workspaces). Called on every rank, or on none."""
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0
+
+    def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what prepare() built. Idempotent."""

@@ -1,0 +1,53 @@
+"""`separate`: every stage its own op, as model code writes it by hand today. Runs anywhere.
+
+finalize (torch, rounded to the activation dtype) -> + shared (rounded) -> torch.distributed
+all_reduce (NCCL on GPU, gloo on CPU, in the activation dtype) -> residual add + RMSNorm (torch,
+fp32 inside) -> quant (torch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..io import EpilogueInputs, EpilogueOutputs
+from ..spec import Stage
+from ..torch_math import finalize_fp32, residual_norm_outputs
+from .base import Step, Strategy, required_stages
+
+
+class SeparateStrategy(Strategy):
+    name = "separate"
+    summary = "torch ops and torch.distributed all_reduce, one launch per stage"
+
+    @classmethod
+    def not_supported_reasons(cls, spec, env):
+        return []
+
+    @classmethod
+    def steps(cls, spec, env):
+        stages = required_stages(spec, env.world_size)
+        steps = [Step("torch.finalize", (Stage.FINALIZE,))]
+        if Stage.SHARED_ADD in stages:
+            steps.append(Step("torch.shared_add", (Stage.SHARED_ADD,)))
+        if Stage.ALL_REDUCE in stages:
+            backend = "nccl" if env.device_type == "cuda" else "gloo"
+            steps.append(Step(f"torch_distributed.all_reduce_{backend}", (Stage.ALL_REDUCE,)))
+        steps.append(Step("torch.residual_rmsnorm", (Stage.RESIDUAL_NORM,)))
+        if Stage.QUANT in stages:
+            steps.append(Step(f"torch.quant_{spec.quant.kind.value}", (Stage.QUANT,)))
+        return steps
+
+    @classmethod
+    def roundings(cls, spec, env):
+        # finalize output, shared add, each hop of a ring all-reduce (world-1), norm output
+        return 1 + int(spec.has_shared_output) + (env.world_size - 1) + 1
+
+    def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+        partial = finalize_fp32(inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
+                                inputs.expert_weights, self.spec.routed_scaling_factor).to(self.spec.dtype)
+        if inputs.shared_output is not None:
+            partial = partial + inputs.shared_output
+        if self.env.world_size > 1:
+            dist.all_reduce(partial, group=self.group)
+        return residual_norm_outputs(inputs.residual.float() + partial.float(), inputs.gamma, self.spec)

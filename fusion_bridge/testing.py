@@ -1,0 +1,126 @@
+"""Random epilogue inputs and error metrics, shared by the tests, the self-test, `parity` and benchmarks."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import quant_ref
+from .io import EpilogueInputs, EpilogueOutputs
+from .spec import NVFP4_BLOCK, EpilogueSpec, QuantKind
+
+
+def make_inputs(spec: EpilogueSpec, tokens: int, *, rank: int = 0, seed: int = 0,
+                device: torch.device | str = "cpu", weight_dtype: torch.dtype = torch.float32,
+                skip_fraction: float = 0.1, padding_rows: int = 3) -> EpilogueInputs:
+    """Fresh random inputs for one rank.
+
+    The routing (index map, weights), residual and gamma are the same on every rank, as in tensor
+    parallelism; gemm2_out and shared_output are per-rank partial sums, drawn from a per-rank seed.
+    A `skip_fraction` of the index map is -1, and every gemm2_out row that no valid index points at
+    (padding, skipped slots) holds NaN, so a kernel that reads one shows it.
+    """
+    common = torch.Generator().manual_seed(seed)
+    per_rank = torch.Generator().manual_seed(seed * 7919 + 1000003 * (rank + 1))
+    hidden, k = spec.hidden_size, spec.top_k
+    slots = tokens * k
+    rows = slots + padding_rows
+    perm = torch.randperm(max(slots, 1), generator=common)[:slots].reshape(tokens, k).to(torch.int32)
+    if skip_fraction > 0 and slots:
+        perm[torch.rand(tokens, k, generator=common) < skip_fraction] = -1
+    weights = torch.rand(tokens, k, generator=common).to(weight_dtype)
+    residual = torch.randn(tokens, hidden, generator=common).to(spec.dtype)
+    gamma = (1.0 + 0.1 * torch.randn(hidden, generator=common)).to(spec.dtype)
+    gemm2_out = torch.randn(rows, hidden, generator=per_rank)
+    referenced = torch.zeros(rows, dtype=torch.bool)
+    referenced[perm[perm >= 0].long()] = True
+    gemm2_out[~referenced] = float("nan")
+    shared = torch.randn(tokens, hidden, generator=per_rank).to(spec.dtype) if spec.has_shared_output else None
+    dev = torch.device(device)
+    return EpilogueInputs(gemm2_out.to(spec.dtype).to(dev), perm.to(dev), weights.to(dev),
+                          None if shared is None else shared.to(dev), residual.to(dev), gamma.to(dev))
+
+
+def clone_inputs(inputs: EpilogueInputs) -> EpilogueInputs:
+    return EpilogueInputs(*(None if t is None else t.clone() for t in (
+        inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights,
+        inputs.shared_output, inputs.residual, inputs.gamma)))
+
+
+def inputs_equal(a: EpilogueInputs, b: EpilogueInputs) -> bool:
+    pairs = [(a.gemm2_out, b.gemm2_out), (a.expanded_idx_to_permuted_idx, b.expanded_idx_to_permuted_idx),
+             (a.expert_weights, b.expert_weights), (a.shared_output, b.shared_output),
+             (a.residual, b.residual), (a.gamma, b.gamma)]
+    return all((x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
+                                             and torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)))
+               for x, y in pairs)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64; NaN/Inf anywhere gives inf (never passes)."""
+    out, ref = out.double(), ref.double()
+    if out.numel() == 0:
+        return 0.0
+    if not torch.isfinite(out).all():
+        return math.inf
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if out.numel() == 0:
+        return 0.0
+    d = (out.double() - ref.double()).abs()
+    return math.inf if not torch.isfinite(d).all() else d.max().item()
+
+
+def dequantized(spec: EpilogueSpec, outputs: EpilogueOutputs) -> Optional[torch.Tensor]:
+    q = spec.quant
+    if q.kind is QuantKind.FP8:
+        return outputs.quant.float() * q.scale
+    if q.kind is QuantKind.NVFP4:
+        return quant_ref.dequantize_nvfp4(outputs.quant, outputs.scale, q.global_scale, spec.hidden_size,
+                                          q.sf_layout)
+    return None
+
+
+def quant_error_bound(spec: EpilogueSpec, ref: EpilogueOutputs, norm_bound: float) -> float:
+    """Norm-wise bound of dequant(quant) against the oracle's norm_out.
+
+    fp8 e4m3 keeps 3 mantissa bits: round-to-nearest moves an element by at most 2^-4 relative.
+    nvfp4: e2m1's widest gap is 2 (between 4 and 6) in units of sf_b/global_scale, so an element
+    moves by at most sf_b/global_scale; the bound is that, norm-wise, taken from the oracle's scales
+    (times 1+2^-3 for one e4m3 step of difference in a block scale computed from a slightly different
+    norm_out). Both add the norm_out error the quantizer starts from.
+    """
+    if spec.quant.kind is QuantKind.FP8:
+        return 2.0 ** -4 + norm_bound
+    hidden = ref.norm_out.shape[1]
+    step = quant_ref.dequantize_nvfp4(  # one unit per element: every code 2 (value 1.0), two per byte
+        torch.full_like(ref.quant, 0x22), ref.scale, spec.quant.global_scale, hidden, spec.quant.sf_layout)
+    denom = ref.norm_out.double().norm().item() or 1.0
+    return step.double().norm().item() / denom * (1 + 2.0 ** -3) + norm_bound
+
+
+def compare(spec: EpilogueSpec, got: EpilogueOutputs, ref: EpilogueOutputs) -> dict[str, tuple[float, float]]:
+    """output name -> (rel_err, max_abs_err) against the oracle; quant outputs compared dequantized."""
+    out = {"residual_out": (rel_err(got.residual_out, ref.residual_out), max_abs_err(got.residual_out, ref.residual_out)),
+           "norm_out": (rel_err(got.norm_out, ref.norm_out), max_abs_err(got.norm_out, ref.norm_out))}
+    deq = dequantized(spec, got)
+    if deq is not None:
+        ref_norm = ref.norm_out.float()
+        out["quant"] = (rel_err(deq, ref_norm), max_abs_err(deq, ref_norm))
+    return out
+
+
+def failures(spec: EpilogueSpec, errors: dict[str, tuple[float, float]], ref: EpilogueOutputs,
+             bound: float) -> list[str]:
+    """The outputs whose rel_err exceeds the strategy's bound (NaN fails)."""
+    bad = []
+    for name, (err, _) in errors.items():
+        limit = quant_error_bound(spec, ref, bound) if name == "quant" else bound
+        if not err <= limit:
+            bad.append(f"{name}: rel_err {err:.3g} > bound {limit:.3g}")
+    return bad

@@ -1,0 +1,91 @@
+"""Checks at the call. Cheap metadata checks always run; value checks (index range, T across ranks)
+need a device-to-host read or a collective, so they run on CPU tensors or in debug mode only.
+
+Debug mode: FusionBridge(..., debug=True) or FUSION_BRIDGE_DEBUG=1. It syncs, so never capture a CUDA
+graph with it on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .io import EpilogueInputs
+from .spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
+
+
+class EpilogueInputError(ValueError):
+    """An argument of finalize_epilogue is not what the spec says."""
+
+
+def _fail(name: str, expected: str, actual: object) -> None:
+    raise EpilogueInputError(f"finalize_epilogue: {name} must be {expected}, got {actual}")
+
+
+def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        _fail(f"{name}.dtype", " or ".join(str(d) for d in dtypes), t.dtype)
+    if tuple(t.shape) != shape:
+        _fail(f"{name}.shape", str(list(shape)), list(t.shape))
+    if t.device != device:
+        _fail(f"{name}.device", str(device), t.device)
+    if not t.is_contiguous():
+        _fail(name, "contiguous (call .contiguous())", f"strides {t.stride()}")
+
+
+def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.device) -> None:
+    """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe."""
+    perm = inputs.expanded_idx_to_permuted_idx
+    if not isinstance(perm, torch.Tensor):
+        _fail("expanded_idx_to_permuted_idx", "a torch.Tensor", type(perm).__name__)
+    if perm.dim() != 2:
+        _fail("expanded_idx_to_permuted_idx", "2-D [T, top_k]", f"{perm.dim()}-D shape {list(perm.shape)}")
+    tokens, hidden = perm.shape[0], spec.hidden_size
+    if perm.shape[1] != spec.top_k:
+        _fail("expanded_idx_to_permuted_idx.shape[1] (top_k)", f"{spec.top_k} (spec.top_k)", perm.shape[1])
+    _check_tensor("expanded_idx_to_permuted_idx", perm, (tokens, spec.top_k), (torch.int32,), device)
+    g = inputs.gemm2_out
+    if not isinstance(g, torch.Tensor) or g.dim() != 2:
+        _fail("gemm2_out", "a 2-D tensor [P, hidden_size]", getattr(g, "shape", type(g).__name__))
+    _check_tensor("gemm2_out", g, (g.shape[0], hidden), (spec.dtype,), device)
+    _check_tensor("expert_weights", inputs.expert_weights, (tokens, spec.top_k), EXPERT_WEIGHT_DTYPES, device)
+    if spec.has_shared_output:
+        if inputs.shared_output is None:
+            _fail("shared_output", "a tensor (spec.has_shared_output=True)", None)
+        _check_tensor("shared_output", inputs.shared_output, (tokens, hidden), (spec.dtype,), device)
+    elif inputs.shared_output is not None:
+        _fail("shared_output", "None (spec.has_shared_output=False)", "a tensor")
+    _check_tensor("residual", inputs.residual, (tokens, hidden), (spec.dtype,), device)
+    _check_tensor("gamma", inputs.gamma, (hidden,), (spec.dtype,), device)
+
+
+def validate_index_values(inputs: EpilogueInputs) -> None:
+    """Every index in [-1, P). Reads values: host sync on GPU."""
+    perm, rows = inputs.expanded_idx_to_permuted_idx, inputs.gemm2_out.shape[0]
+    if perm.numel() == 0:
+        return
+    lo, hi = int(perm.min()), int(perm.max())
+    if lo < -1 or hi >= rows:
+        bad = perm[(perm < -1) | (perm >= rows)]
+        _fail("expanded_idx_to_permuted_idx values", f"in [-1, {rows}) (gemm2_out has {rows} rows)",
+              f"{bad.numel()} out of range, e.g. {int(bad[0])}")
+
+
+def validate_tokens_agree(tokens: int, group, device: torch.device) -> None:
+    """T must be identical on every rank (tokens are replicated across TP). Collective."""
+    t = torch.tensor([tokens, -tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    lo, hi = -int(t[1]), int(t[0])
+    if lo != hi:
+        _fail("the token count T", "identical on every rank of the group",
+              f"{tokens} on this rank, between {lo} and {hi} across ranks")
+
+
+def check_token_limit(tokens: int, limit: Optional[int], strategy: str) -> None:
+    if limit is not None and tokens > limit:
+        _fail("the token count T", f"<= {limit} for strategy {strategy!r} (its workspace size; "
+              "raise EpilogueSpec.max_tokens or use strategy='auto', which reroutes)", tokens)

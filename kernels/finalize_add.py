@@ -1,0 +1,64 @@
+"""Fused MoE finalize + shared-expert add:
+
+    out[t] = routed_scaling * sum_k w[t,k] * gemm2_out[perm[t,k]] + shared[t]
+
+fp32 accumulation, one rounding to the activation dtype. Slots with perm == -1 are masked out of the
+load (never read). 64-bit row offsets: P * H may exceed 2^31.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import round_to
+
+
+@triton.jit
+def _finalize_add_kernel(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, out_ptr, hidden, routed_scaling,
+                         TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(perm_ptr + token * TOP_K + k).to(tl.int64)
+        weight = tl.load(weight_ptr + token * TOP_K + k).to(tl.float32)
+        valid = (cols * 0 + row) >= 0  # vector form: the interpreter rejects a scalar-bool mask
+        x = tl.load(gemm2_ptr + row * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+        # where, not x * 0: a skipped slot's weight may be garbage (NaN)
+        acc += tl.where(valid, x * weight, 0.0)
+    acc = acc * routed_scaling
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + token * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, round_to(acc, out_ptr.dtype.element_ty), mask=in_row)
+
+
+def block_h_for(hidden: int) -> int:
+    return min(1024, triton.next_power_of_2(hidden))
+
+
+def finalize_add_into(out: torch.Tensor, gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
+                      shared: Optional[torch.Tensor], routed_scaling: float) -> torch.Tensor:
+    """Launch into a preallocated `out` [T, H] (activation dtype). T == 0 launches nothing."""
+    tokens, top_k = perm.shape
+    hidden = gemm2_out.shape[1]
+    if tokens == 0:
+        return out
+    block = block_h_for(hidden)
+    grid = (tokens, triton.cdiv(hidden, block))
+    _finalize_add_kernel[grid](gemm2_out, perm, weights, shared if shared is not None else out, out, hidden,
+                               float(routed_scaling), TOP_K=top_k, HAS_SHARED=shared is not None,
+                               BLOCK_H=block, num_warps=4 if block >= 512 else 2)
+    return out
+
+
+def finalize_add(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
+                 shared: Optional[torch.Tensor], routed_scaling: float) -> torch.Tensor:
+    """gemm2_out [P, H] bf16/fp16, perm [T, K] int32, weights [T, K] fp32/bf16/fp16, shared [T, H] or
+    None -> [T, H] in gemm2_out's dtype."""
+    out = torch.empty(perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device)
+    return finalize_add_into(out, gemm2_out, perm, weights, shared, routed_scaling)
