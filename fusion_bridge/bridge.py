@@ -33,7 +33,7 @@ from .selftest import agreed_rank, self_test
 from .spec import EpilogueSpec, QuantKind
 from .quant_ref import sf_shape
 from .strategies.base import Strategy
-from .validation import check_token_limit, validate_index_values, validate_inputs, validate_tokens_agree
+from .validation import EpilogueInputError, check_token_limit, validate_index_values, validate_inputs, validate_tokens_agree
 
 _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 
@@ -119,13 +119,9 @@ class FusionBridge:
         for cls in classes:
             inst = self._instances.get(cls.name)
             test_state, test_err = self_tests.get(cls.name, ("not run", None))
-            statuses.append(StrategyStatus(
-                name=cls.name, summary=cls.summary, reasons=tuple(reasons[cls.name]),
-                steps=tuple(cls.steps(self.spec, self.env)),
-                auto_selectable=cls.is_auto_selectable(self.spec, self.env),
-                max_tokens_per_call=cls.max_tokens_per_call(self.spec, self.env),
-                error_bound=cls.error_bound(self.spec, self.env), self_test=test_state,
-                self_test_error=test_err, workspace_bytes=inst.workspace_bytes if inst else 0))
+            statuses.append(StrategyStatus.of(cls, self.spec, self.env, reasons[cls.name], test_state, test_err,
+                                              inst.workspace_bytes if inst else 0,
+                                              inst.instance_steps() if inst else None))
         return statuses
 
     def _agree(self, classes, reasons: dict[str, list[Reason]], stage: str) -> None:
@@ -164,16 +160,39 @@ class FusionBridge:
             validate_tokens_agree(tokens, self.group, collective_device(self.group, self.device))
         if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
             return self._empty_outputs()
-        if tokens <= self._max_tokens:
-            strategy = self._by_bucket[(tokens - 1).bit_length()]
-        else:
-            strategy = self._overflow
-            if strategy is None:
-                check_token_limit(tokens, self._max_tokens, self.plan.choice[-1])
-            self.reroutes += 1
+        strategy = self._by_bucket[(tokens - 1).bit_length()] if tokens <= self._max_tokens else None
+        if strategy is None or not strategy.accepts(inputs):
+            strategy = self._reroute(inputs, strategy)
         return strategy.run(inputs)
 
     __call__ = finalize_epilogue
+
+    def _reroute(self, inputs: EpilogueInputs, refused: Optional[Strategy]) -> Strategy:
+        """T above max_tokens, or a shape the bucket's strategy refuses: the overflow path, or an error."""
+        name = refused.name if refused is not None else self.plan.choice[-1]
+        if self._overflow is None or self._overflow is refused:
+            check_token_limit(inputs.tokens, self._max_tokens, name)
+            raise EpilogueInputError(f"finalize_epilogue: strategy {name!r} cannot take these inputs "
+                                     f"(gemm2_out has {inputs.gemm2_out.numel()} elements, its kernel "
+                                     "indexes with int32) and no other strategy was selected")
+        self.reroutes += 1
+        return self._overflow
+
+    def run_strategy(self, name: str, inputs: EpilogueInputs) -> EpilogueOutputs:
+        """Run one prepared strategy by name on validated inputs, whatever the plan says (parity, shadow).
+        Collective when world > 1: every rank must call it with the same name."""
+        if name not in self._instances:
+            raise ValueError(f"run_strategy: strategy must be one of the prepared {list(self._instances)}, "
+                             f"got {name!r}")
+        validate_inputs(self.spec, inputs, self.device)
+        if inputs.tokens == 0:
+            return self._empty_outputs()
+        check_token_limit(inputs.tokens, self._instances[name].max_tokens_per_call(self.spec, self.env), name)
+        return self._instances[name].run(inputs)
+
+    @property
+    def prepared(self) -> list[str]:
+        return list(self._instances)
 
     def _empty_outputs(self) -> EpilogueOutputs:
         h, dev = self.spec.hidden_size, self.device

@@ -35,6 +35,19 @@ class StrategyStatus:
     def available(self) -> bool:
         return not self.reasons
 
+    @staticmethod
+    def of(cls, spec: EpilogueSpec, env, reasons: list[Reason], self_test: str = "not run",
+           self_test_error: Optional[float] = None, workspace_bytes: int = 0,
+           steps: Optional[list[Step]] = None) -> "StrategyStatus":
+        """The status of strategy class `cls` given the reasons gathered for it (and, once prepared,
+        the steps its instance actually runs)."""
+        return StrategyStatus(
+            name=cls.name, summary=cls.summary, reasons=tuple(reasons),
+            steps=tuple(steps if steps is not None else cls.steps(spec, env)),
+            auto_selectable=cls.is_auto_selectable(spec, env),
+            max_tokens_per_call=cls.max_tokens_per_call(spec, env), error_bound=cls.error_bound(spec, env),
+            self_test=self_test, self_test_error=self_test_error, workspace_bytes=workspace_bytes)
+
     def to_dict(self) -> dict:
         return {
             "name": self.name, "summary": self.summary, "available": self.available,
@@ -58,6 +71,12 @@ class NoStrategyAvailable(RuntimeError):
             for r in st.reasons:
                 lines.append(f"  {st.name}: [{r.code}] {r.message}" + (f" -- {r.hint}" if r.hint else ""))
         super().__init__("\n".join(lines))
+
+
+def static_statuses(spec: EpilogueSpec, env) -> list[StrategyStatus]:
+    """Every registered strategy's status from its static checks alone (no prepare, no self-test)."""
+    from .registry import strategy_classes
+    return [StrategyStatus.of(c, spec, env, c.not_supported_reasons(spec, env)) for c in strategy_classes()]
 
 
 def bucket_index(tokens: int) -> int:

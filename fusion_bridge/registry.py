@@ -16,6 +16,7 @@ from .strategies.base import Strategy
 _REGISTRY: dict[str, str] = {
     "local_fused": "fusion_bridge.strategies.local_fused:LocalFusedStrategy",
     "flashinfer_fused": "fusion_bridge.strategies.flashinfer_fused:FlashInferFusedStrategy",
+    "flashinfer_fused_fp4": "fusion_bridge.strategies.flashinfer_fused_fp4:FlashInferFusedFp4Strategy",
     "separate": "fusion_bridge.strategies.separate:SeparateStrategy",
     "reference": "fusion_bridge.strategies.reference:ReferenceStrategy",
 }

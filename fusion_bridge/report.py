@@ -67,16 +67,22 @@ class Report:
             extra = f", self-test {st.self_test}" + (f" (rel err {st.self_test_error:.2e})"
                                                      if st.self_test_error is not None else "")
             ws = f", workspace {st.workspace_bytes / 2**20:.1f} MiB/rank" if st.workspace_bytes else ""
-            lines.append(f"{st.name:18s} {state}{extra}{ws}")
-            lines.append(f"{'':18s} steps: {' -> '.join(s.name for s in st.steps)}")
+            lines.append(f"{st.name:22s} {state}{extra}{ws}")
+            lines.append(f"{'':22s} steps: {' -> '.join(s.name for s in st.steps)}")
             for r in st.reasons:
-                lines.append(f"{'':18s} [{r.code}] {r.message}" + (f"\n{'':20s}hint: {r.hint}" if r.hint else ""))
+                lines.append(f"{'':22s} [{r.code}] {r.message}" + (f"\n{'':24s}hint: {r.hint}" if r.hint else ""))
         if self.plan:
             lines += ["", f"plan ({self.plan.source}, requested {self.plan.requested}):"]
-            for b in self.plan.to_dict()["buckets"]:
+            low = 1
+            buckets = self.plan.to_dict()["buckets"]
+            for i, b in enumerate(buckets):  # merge neighbours with the same strategy and no timing
+                nxt = buckets[i + 1] if i + 1 < len(buckets) else None
+                if nxt and b["measured_us"] is None and nxt["measured_us"] is None and nxt["strategy"] == b["strategy"]:
+                    continue
                 t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
-                lines.append(f"  T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
-            lines.append(f"  T >  {spec.max_tokens:6d}: {self.plan.overflow or 'error (raises)'}"
+                lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
+                low = b["max_tokens"] + 1
+            lines.append(f"  T > {spec.max_tokens:6d}:           {self.plan.overflow or 'error (raises)'}"
                          + (f", rerouted {self.reroutes} calls so far" if self.reroutes else ""))
             lines += [f"  note: {n}" for n in self.plan.notes]
         if self.tokens is not None:

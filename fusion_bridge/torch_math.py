@@ -18,7 +18,7 @@ def finalize_fp32(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Te
     valid = perm >= 0
     if gemm2_out.shape[0] == 0:  # then every index is -1 (validated); shape-only test, no host sync
         return torch.zeros(tokens, hidden, dtype=torch.float32, device=gemm2_out.device)
-    rows = gemm2_out.index_select(0, perm.clamp(min=0).reshape(-1).long()).reshape(tokens, -1, hidden).float()
+    rows = gemm2_out.index_select(0, perm.clamp(min=0).reshape(-1).long()).reshape(tokens, perm.shape[1], hidden).float()
     # where, not a zero weight: a skipped slot may point at a padding row holding NaN
     weighted = torch.where(valid.unsqueeze(-1), rows * weights.float().unsqueeze(-1), 0.0)
     return weighted.sum(dim=1) * routed_scaling_factor

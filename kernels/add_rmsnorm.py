@@ -1,17 +1,9 @@
-"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization), one program per token row.
+"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization, see quant.py), one program per token row.
 
     x            = residual + reduced                       (fp32)
     residual_out = round(x)
     norm_out     = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias))
-    fp8:   q = e4m3_satfinite(norm_out / scale)
-    nvfp4: per 16-element block: sf = e4m3(global_scale * amax / 6);
-           q = e2m1_rne_satfinite(norm_out * global_scale / sf), 0 where sf == 0; 2 codes per byte,
-           low nibble first; sf in FlashInfer's 128x4 swizzled layout (padding rows/cols written 0)
-           or linear [T, H/16].
-
-The e4m3 and e2m1 conversions are done in software (integer and fp32 ops), so they run on SM90, where
-FlashInfer's fused FP4 writes zeros, and under the Triton interpreter. Divisions use div_rn so the
-results match the IEEE torch reference bit for bit.
+    quant        = quantize(norm_out)                       (reads the rounded norm_out)
 """
 
 from __future__ import annotations
@@ -20,36 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant import QUANT_NVFP4, launch_rows, quantize_row, row_block, row_num_warps
 from .rounding import round_to
-
-QUANT_NONE, QUANT_FP8, QUANT_NVFP4 = 0, 1, 2
-
-
-@triton.jit
-def _e4m3_rne_satfinite(v):
-    """fp32 -> (e4m3 code as int32 incl. sign bit 0x80, |value| after rounding as fp32)."""
-    a = tl.minimum(tl.abs(v), 448.0)
-    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exponent = tl.maximum(exponent, -6)  # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9
-    quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent-3): 3 mantissa bits
-    magic = quantum * 8388608.0  # 2^23 * quantum: adding it rounds a to the quantum grid, ties to even
-    r = (a + magic) - magic
-    rbits = r.to(tl.int32, bitcast=True)
-    normal_code = ((((rbits >> 23) & 0xFF) - 127 + 7) << 3) | ((rbits >> 20) & 7)
-    subnormal_code = (r * 512.0).to(tl.int32)
-    code = tl.where(r >= 0.015625, normal_code, subnormal_code)
-    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
-    return code | sign, r
-
-
-@triton.jit
-def _e2m1_rne_satfinite(s):
-    """fp32 -> e2m1 code (int32, sign in bit 3). Values 0,.5,1,1.5,2,3,4,6; ties to the even code."""
-    a = tl.abs(s)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    return code | ((s < 0).to(tl.int32) << 3)
 
 
 @triton.jit
@@ -69,34 +33,7 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
     y = round_to(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
     tl.store(norm_out_ptr + offs, y, mask=mask)
-    if QUANT == 1:
-        code, _ = _e4m3_rne_satfinite(tl.math.div_rn(y.to(tl.float32), quant_scale))
-        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mask)
-    if QUANT == 2:
-        yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
-        amax = tl.max(tl.abs(yb), axis=1)
-        sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
-        safe_sf = tl.where(sf == 0.0, 1.0, sf)
-        scaled = tl.math.div_rn(yb * quant_scale, safe_sf[:, None])
-        scaled = tl.where(sf[:, None] == 0.0, 0.0, scaled)
-        codes = _e2m1_rne_satfinite(scaled)
-        lo, hi = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
-        packed_cols = tl.arange(0, BLOCK // 2)
-        tl.store(q_ptr + row * (hidden // 2) + packed_cols, (lo | (hi << 4)).to(tl.uint8),
-                 mask=(packed_cols < hidden // 2) & ((packed_cols * 0 + row) < tokens))
-        kb = tl.arange(0, BLOCK // 16)
-        sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
-        if SWIZZLED:
-            sf_off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16
-                      + ((row % 128) // 32) * 4 + (kb % 4))
-            tl.store(sf_ptr + sf_off, sf_byte, mask=kb < sf_cols)
-        else:
-            tl.store(sf_ptr + row * (hidden // 16) + kb, sf_byte, mask=(kb < hidden // 16) & ((kb * 0 + row) < tokens))
-
-
-def block_for(hidden: int) -> int:
-    # >= 64 so the BLOCK/16 scale blocks always cover round_up(H/16, 4) swizzled columns
-    return max(64, triton.next_power_of_2(hidden))
+    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK)
 
 
 def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
@@ -107,10 +44,8 @@ def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torc
     tokens, hidden = residual.shape
     if tokens == 0:
         return
-    block = block_for(hidden)
-    rows = sf.shape[0] if quant == QUANT_NVFP4 and swizzled else tokens
+    block = row_block(hidden)
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
-    num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
-    _add_rmsnorm_kernel[(rows,)](residual, reduced, gamma, residual_out, norm_out, q, sf, tokens, hidden,
-                                 float(eps), float(weight_bias), float(quant_scale), sf_cols,
-                                 QUANT=quant, SWIZZLED=swizzled, BLOCK=block, num_warps=num_warps)
+    _add_rmsnorm_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
+        residual, reduced, gamma, residual_out, norm_out, q, sf, tokens, hidden, float(eps), float(weight_bias),
+        float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block, num_warps=row_num_warps(block))

@@ -1,5 +1,8 @@
 """Torch custom ops over our kernels, with fake implementations, so they trace under torch.compile and
-capture in CUDA graphs. They allocate their outputs (the caching allocator serves them inside graphs)."""
+capture in CUDA graphs. They allocate their outputs (the caching allocator serves them inside graphs).
+
+quant codes: 0 none, 1 fp8 (quant_scale is the divisor), 2 nvfp4 (quant_scale is the global scale).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +10,28 @@ from typing import Optional
 
 import torch
 
-from .add_rmsnorm import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, add_rmsnorm_into
+from .add_rmsnorm import add_rmsnorm_into
 from .finalize_add import finalize_add_into
+from .quant import QUANT_FP8, QUANT_NVFP4, quantize_into
 
 
-def _sf_rows_cols(tokens: int, hidden: int, swizzled: bool) -> tuple[int, int]:
-    blocks = hidden // 16
-    return ((-(-tokens // 128) * 128, -(-blocks // 4) * 4) if swizzled else (tokens, blocks))
+def _quant_outputs(like: torch.Tensor, quant: int, swizzled: bool, fake: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q returned, q as uint8 for the kernel, sf returned, sf for the kernel). Unused ones are empty
+    and distinct: a custom op's outputs may not alias each other."""
+    tokens, hidden = like.shape
+    new = like.new_empty
+    if quant == QUANT_FP8:
+        q = new(tokens, hidden, dtype=torch.float8_e4m3fn)
+        sf = new(0, dtype=torch.uint8)
+        return q, (q if fake else q.view(torch.uint8)), sf, sf
+    if quant == QUANT_NVFP4:
+        blocks = hidden // 16
+        shape = (-(-tokens // 128) * 128, -(-blocks // 4) * 4) if swizzled else (tokens, blocks)
+        q, sf = new(tokens, hidden // 2, dtype=torch.uint8), new(shape, dtype=torch.uint8)
+        return q, q, sf, sf
+    q, sf = new(0, dtype=torch.uint8), new(0, dtype=torch.uint8)
+    return q, q, sf, sf
 
 
 @torch.library.custom_op("fusion_bridge::finalize_add", mutates_args=())
@@ -34,36 +52,30 @@ def add_rmsnorm_quant(residual: torch.Tensor, reduced: torch.Tensor, gamma: torc
                       weight_bias: float, quant: int, quant_scale: float, swizzled: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """residual, reduced [T, H], gamma [H] -> (residual_out, norm_out, q, sf).
-
-    quant 0: q, sf empty. 1 (fp8, quant_scale = divisor): q [T, H] float8_e4m3fn, sf empty.
-    2 (nvfp4, quant_scale = global scale): q [T, H/2] uint8, sf uint8 (swizzled 128x4 or linear)."""
-    tokens, hidden = residual.shape
-    dev = residual.device
+    q: fp8 [T, H] float8_e4m3fn, nvfp4 [T, H/2] uint8, else empty; sf: nvfp4 uint8 scales, else empty."""
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
-    if quant == QUANT_FP8:
-        q = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=dev)
-        q_bytes, sf = q.view(torch.uint8), torch.empty(0, dtype=torch.uint8, device=dev)
-    elif quant == QUANT_NVFP4:
-        q = q_bytes = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=dev)
-        sf = torch.empty(_sf_rows_cols(tokens, hidden, swizzled), dtype=torch.uint8, device=dev)
-    else:
-        q = q_bytes = sf = torch.empty(0, dtype=torch.uint8, device=dev)
-    add_rmsnorm_into(residual_out, norm_out, q_bytes, sf, residual, reduced, gamma, eps, weight_bias, quant,
-                     quant_scale, swizzled)
-    if quant == QUANT_NONE:
-        sf = torch.empty(0, dtype=torch.uint8, device=dev)  # distinct outputs: a custom op may not alias
+    q, q_bytes, sf, sf_bytes = _quant_outputs(residual, quant, swizzled)
+    add_rmsnorm_into(residual_out, norm_out, q_bytes, sf_bytes, residual, reduced, gamma, eps, weight_bias,
+                     quant, quant_scale, swizzled)
     return residual_out, norm_out, q, sf
 
 
 @add_rmsnorm_quant.register_fake
 def _(residual, reduced, gamma, eps, weight_bias, quant, quant_scale, swizzled):
-    tokens, hidden = residual.shape
-    if quant == QUANT_FP8:
-        q = residual.new_empty(tokens, hidden, dtype=torch.float8_e4m3fn)
-        sf = residual.new_empty(0, dtype=torch.uint8)
-    elif quant == QUANT_NVFP4:
-        q = residual.new_empty(tokens, hidden // 2, dtype=torch.uint8)
-        sf = residual.new_empty(_sf_rows_cols(tokens, hidden, swizzled), dtype=torch.uint8)
-    else:
-        q, sf = residual.new_empty(0, dtype=torch.uint8), residual.new_empty(0, dtype=torch.uint8)
+    q, _, sf, _ = _quant_outputs(residual, quant, swizzled, fake=True)
     return torch.empty_like(residual), torch.empty_like(residual), q, sf
+
+
+@torch.library.custom_op("fusion_bridge::quantize", mutates_args=())
+def quantize(x: torch.Tensor, quant: int, quant_scale: float, swizzled: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] activation dtype -> (q, sf) as in add_rmsnorm_quant."""
+    q, q_bytes, sf, sf_bytes = _quant_outputs(x, quant, swizzled)
+    quantize_into(q_bytes, sf_bytes, x, quant, quant_scale, swizzled)
+    return q, sf
+
+
+@quantize.register_fake
+def _(x, quant, quant_scale, swizzled):
+    q, _, sf, _ = _quant_outputs(x, quant, swizzled, fake=True)
+    return q, sf

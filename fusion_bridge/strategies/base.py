@@ -108,6 +108,14 @@ class Strategy:
     def prepare(self) -> None:
         """One-time collective setup (workspaces). Called on every rank, or on none."""
 
+    def instance_steps(self) -> list[Step]:
+        """The steps this prepared instance runs (a sub-path may differ from the static guess)."""
+        return self.steps(self.spec, self.env)
+
+    def accepts(self, inputs: EpilogueInputs) -> bool:
+        """Shape-only per-call check (never syncs); False reroutes the call under auto."""
+        return True
+
     @property
     def workspace_bytes(self) -> int:
         return 0

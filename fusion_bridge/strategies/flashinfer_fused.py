@@ -1,21 +1,47 @@
-"""`flashinfer_fused`: FlashInfer's trtllm_moe_finalize_allreduce_fusion (finalize + shared + AR +
-residual + RMSNorm in one kernel). Not implemented yet: listed so the report shows it."""
+"""`flashinfer_fused`: FlashInfer's trtllm_moe_finalize_allreduce_fusion (pattern
+kMoEFinalizeARResidualRMSNorm): finalize + shared add + all-reduce + residual + RMSNorm in one kernel;
+for a quantized spec, our quant kernel as a second step (FlashInfer's fused FP4 is unusable in
+0.7.2.post1 -- see flashinfer_fused_fp4 for the variant that would use it).
+
+Traps guarded (DESIGN.md section 4, measured on 2x H200):
+- correct only when hidden % 256 == 0 (FlashInfer checks % 8): H=2880 gave inf, NaN, then a hang;
+- reads expert weights in the activation dtype without a check: we cast them;
+- one-shot Lamport only, world sizes 2/4/8/16, SM >= 90 (below, the kernel body is empty);
+- int32 row offsets: gemm2_out with >= 2^31 elements is rerouted (never reaches the kernel);
+- a call with more tokens than the workspace holds corrupts memory: rerouted or raised.
+"""
 
 from __future__ import annotations
 
-from ..reasons import not_implemented
-from ..spec import Stage
+from typing import Optional
+
+import torch
+
+from ..io import EpilogueInputs, EpilogueOutputs
+from ..reasons import collect, require_hidden_multiple
+from ..spec import QuantKind, Stage
+from . import flashinfer_common as fic
 from .base import Step, Strategy, required_stages
+
+INT32_LIMIT = 2 ** 31
+_QUANT_CODE = {QuantKind.FP8: 1, QuantKind.NVFP4: 2}
 
 
 class FlashInferFusedStrategy(Strategy):
     name = "flashinfer_fused"
-    summary = "FlashInfer trtllm_moe_finalize_allreduce_fusion: finalize+shared+AR+residual+RMSNorm in one kernel"
+    summary = ("FlashInfer trtllm_moe_finalize_allreduce_fusion: finalize+shared+AR+residual+RMSNorm in one "
+               "kernel (+ our quant kernel)")
     self_tested = True
+    fused_fp4 = False  # the flashinfer_fused_fp4 subclass lets FlashInfer quantize to FP4 itself
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
-        return [not_implemented(cls.name)]
+        return collect(
+            fic.common_reasons(spec, env, cls.name),
+            require_hidden_multiple(spec, cls.name, 256, "hidden_not_multiple_of_256",
+                                    " (H/8 a whole number of warps; at H=2880 we measured inf, NaN and a hang "
+                                    "although FlashInfer checks only % 8)"),
+        )
 
     @classmethod
     def steps(cls, spec, env):
@@ -28,4 +54,61 @@ class FlashInferFusedStrategy(Strategy):
 
     @classmethod
     def roundings(cls, spec, env):
-        return 2 * spec.top_k + 2
+        # FlashInfer accumulates the top-k sum in the activation dtype: each product is rounded and each
+        # add is rounded (2K), then shared add, the all-reduce output, residual add and the norm output.
+        return 2 * spec.top_k + int(spec.has_shared_output) + 3
+
+    @classmethod
+    def max_tokens_per_call(cls, spec, env):
+        return fic.max_tokens_for(spec, env.world_size)
+
+    def local_resource_reasons(self):
+        return collect(fic.memory_reason(self.spec, self.env.world_size, self.device, self.name))
+
+    def prepare(self) -> None:
+        import flashinfer.comm as fi_comm
+        from ..kernels import ops  # noqa: F401  (our quant op)
+        self._fi = fi_comm
+        self._workspace = fic.acquire_workspace(self.group, self.spec, self.env.world_size)
+        self._rank = torch.distributed.get_rank(self.group)
+
+    @property
+    def workspace_bytes(self) -> int:
+        ws = getattr(self, "_workspace", None)
+        return fic.workspace_bytes(ws) if ws is not None else 0
+
+    def accepts(self, inputs: EpilogueInputs) -> bool:
+        """Shape-only per-call check (no sync): FlashInfer indexes rows with int32 offsets."""
+        return inputs.gemm2_out.numel() < INT32_LIMIT
+
+    def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+        spec = self.spec
+        residual_out, norm_out = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
+        quant_out, scale_out = self._fused_quant_outputs(inputs)
+        weights = inputs.expert_weights
+        if weights.dtype != spec.dtype:  # FlashInfer reads them as the activation dtype, unchecked
+            weights = weights.to(spec.dtype)
+        self._fi.trtllm_moe_finalize_allreduce_fusion(
+            allreduce_in=inputs.gemm2_out, residual_in=inputs.residual, norm_weight=inputs.gamma,
+            expanded_idx_to_permuted_idx=inputs.expanded_idx_to_permuted_idx, norm_out=norm_out,
+            residual_out=residual_out, quant_out=quant_out, scale_out=scale_out,
+            workspace_ptrs=self._workspace.workspace_tensor, launch_with_pdl=False, world_rank=self._rank,
+            world_size=self.env.world_size, eps=spec.eps, shared_expert_output=inputs.shared_output,
+            expert_scale_factor=weights, routed_scaling_factor=spec.routed_scaling_factor,
+            weight_bias=spec.weight_bias)
+        q = spec.quant
+        if q.kind is QuantKind.NONE:
+            return EpilogueOutputs(residual_out, norm_out)
+        if quant_out is None:
+            quant_out, scale_out = torch.ops.fusion_bridge.quantize(
+                norm_out, _QUANT_CODE[q.kind], q.scale if q.kind is QuantKind.FP8 else q.global_scale,
+                q.sf_layout.value == "swizzled_128x4")
+        return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out if q.kind is QuantKind.NVFP4 else None)
+
+    def _fused_quant_outputs(self, inputs: EpilogueInputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        return None, None
+
+    def close(self) -> None:
+        if getattr(self, "_workspace", None) is not None:
+            self._workspace = None
+            fic.release_workspace(self.group, self.spec, self.env.world_size)

@@ -1,30 +1,36 @@
 """`local_fused`: our fused finalize + shared-add kernel, then the best available all-reduce + residual
 add + RMSNorm (+ quant) sub-path.
 
-Sub-paths for the all-reduce + norm slot (static preference, first that can run wins; measured tuning
-may override per token bucket):
-  1. "flashinfer_ar_norm": FlashInfer trtllm_allreduce_fusion (AR + residual + RMSNorm [+FP8/FP4]), if
-     registered in ALL_REDUCE_NORM_SUBPATHS and supported;
-  2. "nccl_local_norm": torch.distributed all_reduce (NCCL), then our add+RMSNorm(+quant) kernel.
-With world size 1 the all-reduce is skipped: finalize_add, then our add+RMSNorm(+quant) kernel.
+The all-reduce + norm slot, static preference (first that can run wins; tuning may pin one):
+  1. "flashinfer_ar_norm": FlashInfer trtllm_allreduce_fusion (flashinfer_ar_norm.py), for
+     T <= its workspace size. Measured on 2x H200 at T=1: AR+norm 5.6 us vs NCCL AR alone 10.7 us.
+  2. "nccl_local_norm": torch.distributed all_reduce (NCCL; gloo on CPU), then our add+RMSNorm(+quant)
+     kernel. Takes any T, so T above the FlashInfer workspace goes here instead of failing.
+With world size 1 there is no all-reduce: finalize_add, then our add+RMSNorm(+quant) kernel.
 
 On CPU it runs under TRITON_INTERPRET=1 only (tests, `parity`); auto never picks it there.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import torch.distributed as dist
 
+from ..agreement import agree_flags, collective_device
 from ..io import EpilogueInputs, EpilogueOutputs
 from ..reasons import Reason, collect, require_sm_at_least, require_triton
 from ..spec import QuantKind, Stage
+from . import flashinfer_ar_norm, flashinfer_common
 from .base import Step, Strategy, required_stages
 
 MAX_HIDDEN = 32768  # one token row per program, held in registers
-_QUANT_CODE = {QuantKind.NONE: 0, QuantKind.FP8: 1, QuantKind.NVFP4: 2}
+QUANT_CODE = {QuantKind.NONE: 0, QuantKind.FP8: 1, QuantKind.NVFP4: 2}
+SUBPATH_FLASHINFER, SUBPATH_NCCL, SUBPATH_NONE = "flashinfer_ar_norm", "nccl_local_norm", "none"
 
 
-def _needs_device(env) -> Reason | None:
+def _needs_device(env) -> Optional[Reason]:
     if env.device_type == "cuda" or env.triton_interpret:
         return None
     return Reason("needs_cuda_or_interpreter",
@@ -33,20 +39,23 @@ def _needs_device(env) -> Reason | None:
                   "run on a GPU; for CPU tests set TRITON_INTERPRET=1 before importing fusion_bridge")
 
 
-def _hidden_fits(spec) -> Reason | None:
+def _hidden_fits(spec) -> Optional[Reason]:
     if spec.hidden_size > MAX_HIDDEN:
         return Reason("hidden_too_large", f"local_fused's add+RMSNorm kernel holds one row per program: "
                       f"hidden_size <= {MAX_HIDDEN} required, got {spec.hidden_size}", "use 'separate'")
     return None
 
 
-def _norm_step_name(spec) -> str:
-    return "local.add_rmsnorm" + ("" if spec.quant.kind is QuantKind.NONE else f"_{spec.quant.kind.value}")
+def quant_args(spec) -> tuple[int, float, bool]:
+    """(quant code, scale for the kernel, swizzled?) for our quant kernels."""
+    q = spec.quant
+    scale = q.scale if q.kind is QuantKind.FP8 else (q.global_scale if q.kind is QuantKind.NVFP4 else 1.0)
+    return QUANT_CODE[q.kind], scale, q.sf_layout.value == "swizzled_128x4"
 
 
 class LocalFusedStrategy(Strategy):
     name = "local_fused"
-    summary = "our Triton finalize+shared-add kernel, then all-reduce + our add+RMSNorm(+quant) kernel"
+    summary = "our Triton finalize+shared-add kernel, then the best all-reduce + add+RMSNorm(+quant) sub-path"
     self_tested = True
 
     @classmethod
@@ -60,41 +69,78 @@ class LocalFusedStrategy(Strategy):
         return env.device_type == "cuda"
 
     @classmethod
-    def subpath(cls, spec, env) -> str:
-        return "none" if env.world_size == 1 else "nccl_local_norm"
+    def static_subpath(cls, spec, env) -> str:
+        if env.world_size == 1:
+            return SUBPATH_NONE
+        return SUBPATH_FLASHINFER if not flashinfer_ar_norm.reasons(spec, env) else SUBPATH_NCCL
 
     @classmethod
-    def steps(cls, spec, env):
+    def steps(cls, spec, env, subpath: Optional[str] = None):
+        subpath = subpath or cls.static_subpath(spec, env)
         stages = required_stages(spec, env.world_size)
-        first = tuple(s for s in stages if s in (Stage.FINALIZE, Stage.SHARED_ADD))
-        rest = tuple(s for s in stages if s in (Stage.RESIDUAL_NORM, Stage.QUANT))
-        steps = [Step("local.finalize_add", first)]
+        steps = [Step("local.finalize_add", tuple(s for s in stages if s in (Stage.FINALIZE, Stage.SHARED_ADD)))]
+        if subpath == SUBPATH_FLASHINFER:
+            return steps + flashinfer_ar_norm.steps(spec, env)
         if Stage.ALL_REDUCE in stages:
-            steps.append(Step("torch_distributed.all_reduce_nccl" if env.device_type == "cuda"
-                              else "torch_distributed.all_reduce_gloo", (Stage.ALL_REDUCE,)))
-        steps.append(Step(_norm_step_name(spec), rest))
+            backend = "nccl" if env.device_type == "cuda" else "gloo"
+            steps.append(Step(f"torch_distributed.all_reduce_{backend}", (Stage.ALL_REDUCE,)))
+        norm = "local.add_rmsnorm" + ("" if spec.quant.kind is QuantKind.NONE else f"_{spec.quant.kind.value}")
+        steps.append(Step(norm, tuple(s for s in stages if s in (Stage.RESIDUAL_NORM, Stage.QUANT))))
         return steps
 
     @classmethod
     def roundings(cls, spec, env):
+        if cls.static_subpath(spec, env) == SUBPATH_FLASHINFER:
+            return 4  # finalize_add output, all-reduce output, residual add, norm output
         return 1 + (env.world_size - 1) + 1  # finalize_add output, ring all-reduce hops, norm output
 
+    def __init__(self, spec, env, group=None, device=None) -> None:
+        super().__init__(spec, env, group, device)
+        self.subpath = SUBPATH_NONE if env.world_size == 1 else SUBPATH_NCCL
+        self._fi_ar_norm: Optional[flashinfer_ar_norm.FlashInferArNorm] = None
+        self.nccl_reroutes = 0  # calls above the FlashInfer workspace that took the NCCL sub-path
+        self._quant = quant_args(spec)
+
     def prepare(self) -> None:
+        """Collective. Picks the sub-path on every rank alike, creating the FlashInfer workspace if used."""
         from ..kernels import ops  # noqa: F401  (registers the custom ops; Triton compiles lazily)
+        if self.env.world_size == 1:
+            return
+        wanted = self.static_subpath(self.spec, self.env) == SUBPATH_FLASHINFER
+        can = wanted and flashinfer_common.memory_reason(self.spec, self.env.world_size, self.device,
+                                                         self.name) is None
+        # every rank must agree before the collective workspace creation
+        if agree_flags([int(can)], self.group, collective_device(self.group, self.device))[0]:
+            self._fi_ar_norm = flashinfer_ar_norm.FlashInferArNorm(self.spec, self.env, self.group, self.device)
+            self.subpath = SUBPATH_FLASHINFER
+
+    def instance_steps(self) -> list[Step]:
+        return self.steps(self.spec, self.env, self.subpath)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self._fi_ar_norm.workspace_bytes if self._fi_ar_norm else 0
 
     def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
-        import torch
         spec = self.spec
         partial = torch.ops.fusion_bridge.finalize_add(
             inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights,
             inputs.shared_output, spec.routed_scaling_factor)
+        fi = self._fi_ar_norm
+        if fi is not None:
+            if inputs.tokens <= fi.max_tokens:
+                return fi.run(partial, inputs.residual, inputs.gamma)
+            self.nccl_reroutes += 1
         if self.env.world_size > 1:
             dist.all_reduce(partial, group=self.group)
-        q = spec.quant
-        scale = q.scale if q.kind is QuantKind.FP8 else (q.global_scale if q.kind is QuantKind.NVFP4 else 1.0)
-        residual_out, norm_out, quant, sf = torch.ops.fusion_bridge.add_rmsnorm_quant(
-            inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, _QUANT_CODE[q.kind], scale,
-            q.sf_layout.value == "swizzled_128x4")
-        if q.kind is QuantKind.NONE:
-            return EpilogueOutputs(residual_out, norm_out)
-        return EpilogueOutputs(residual_out, norm_out, quant, sf if q.kind is QuantKind.NVFP4 else None)
+        quant, scale, swizzled = self._quant
+        residual_out, norm_out, q, sf = torch.ops.fusion_bridge.add_rmsnorm_quant(
+            inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, quant, scale, swizzled)
+        kind = spec.quant.kind
+        return EpilogueOutputs(residual_out, norm_out, None if kind is QuantKind.NONE else q,
+                               sf if kind is QuantKind.NVFP4 else None)
+
+    def close(self) -> None:
+        if self._fi_ar_norm is not None:
+            self._fi_ar_norm.close()
+            self._fi_ar_norm = None

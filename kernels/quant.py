@@ -1,0 +1,115 @@
+"""FP8 and NVFP4 quantization of a normalized row, in software (integer and fp32 ops).
+
+Software conversion runs on SM90, where FlashInfer's fused FP4 writes zeros, and under the Triton
+interpreter. Divisions use div_rn so results match the IEEE torch reference (fusion_bridge.quant_ref)
+bit for bit.
+
+    fp8:   q = e4m3_satfinite(x / scale)
+    nvfp4: per 16-element block: sf = e4m3(global_scale * amax / 6);
+           q = e2m1_rne_satfinite(x * global_scale / sf), 0 where sf == 0; 2 codes per byte, low
+           nibble first; sf in FlashInfer's 128x4 swizzled layout (padding rows/cols written 0) or
+           linear [T, H/16].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_NONE, QUANT_FP8, QUANT_NVFP4 = 0, 1, 2
+
+
+@triton.jit
+def _e4m3_rne_satfinite(v):
+    """fp32 -> (e4m3 code as int32 incl. sign bit 0x80, |value| after rounding as fp32)."""
+    a = tl.minimum(tl.abs(v), 448.0)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)  # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9
+    quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent-3): 3 mantissa bits
+    magic = quantum * 8388608.0  # 2^23 * quantum: adding it rounds a to the quantum grid, ties to even
+    r = (a + magic) - magic
+    rbits = r.to(tl.int32, bitcast=True)
+    normal_code = ((((rbits >> 23) & 0xFF) - 127 + 7) << 3) | ((rbits >> 20) & 7)
+    subnormal_code = (r * 512.0).to(tl.int32)
+    code = tl.where(r >= 0.015625, normal_code, subnormal_code)
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return code | sign, r
+
+
+@triton.jit
+def _e2m1_rne_satfinite(s):
+    """fp32 -> e2m1 code (int32, sign in bit 3). Values 0,.5,1,1.5,2,3,4,6; ties to the even code."""
+    a = tl.abs(s)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    return code | ((s < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols,
+                 QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr):
+    """Quantize row `row` (values y [BLOCK], already rounded to the activation dtype) and store it.
+    Rows at or past `tokens` store only swizzled scale padding (zeros)."""
+    row_ok_cols = (cols * 0 + row) < tokens  # vector form: the interpreter rejects scalar-bool masks
+    if QUANT == 1:
+        code, _ = _e4m3_rne_satfinite(tl.math.div_rn(y.to(tl.float32), quant_scale))
+        tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=(cols < hidden) & row_ok_cols)
+    if QUANT == 2:
+        yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
+        amax = tl.max(tl.abs(yb), axis=1)
+        sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
+        safe_sf = tl.where(sf == 0.0, 1.0, sf)
+        scaled = tl.math.div_rn(yb * quant_scale, safe_sf[:, None])
+        scaled = tl.where(sf[:, None] == 0.0, 0.0, scaled)
+        codes = _e2m1_rne_satfinite(scaled)
+        lo, hi = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
+        packed_cols = tl.arange(0, BLOCK // 2)
+        tl.store(q_ptr + row * (hidden // 2) + packed_cols, (lo | (hi << 4)).to(tl.uint8),
+                 mask=(packed_cols < hidden // 2) & ((packed_cols * 0 + row) < tokens))
+        kb = tl.arange(0, BLOCK // 16)
+        sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
+        if SWIZZLED:
+            sf_off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16
+                      + ((row % 128) // 32) * 4 + (kb % 4))
+            tl.store(sf_ptr + sf_off, sf_byte, mask=kb < sf_cols)
+        else:
+            tl.store(sf_ptr + row * (hidden // 16) + kb, sf_byte,
+                     mask=(kb < hidden // 16) & ((kb * 0 + row) < tokens))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, sf_ptr, tokens, hidden, quant_scale, sf_cols,
+                     QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    y = tl.load(x_ptr + row * hidden + cols, mask=(cols < hidden) & ((cols * 0 + row) < tokens), other=0.0)
+    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK)
+
+
+def row_block(hidden: int) -> int:
+    # >= 64 so the BLOCK/16 scale blocks always cover round_up(H/16, 4) swizzled columns
+    return max(64, triton.next_power_of_2(hidden))
+
+
+def row_num_warps(block: int) -> int:
+    return 4 if block <= 2048 else (8 if block <= 8192 else 16)
+
+
+def launch_rows(quant: int, swizzled: bool, tokens: int, sf: torch.Tensor) -> int:
+    """Programs to launch: one per token, or per swizzled scale row (padding rows get zeros)."""
+    return sf.shape[0] if quant == QUANT_NVFP4 and swizzled else tokens
+
+
+def quantize_into(q: torch.Tensor, sf: torch.Tensor, x: torch.Tensor, quant: int, quant_scale: float,
+                  swizzled: bool) -> None:
+    """x [T, H] activation dtype -> q (uint8 view: [T, H] fp8 codes or [T, H/2] packed fp4), sf."""
+    tokens, hidden = x.shape
+    if tokens == 0 or quant == QUANT_NONE:
+        return
+    block = row_block(hidden)
+    sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
+    _quantize_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
+        x, q, sf, tokens, hidden, float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block,
+        num_warps=row_num_warps(block))

@@ -1,0 +1,25 @@
+"""Test setup. On a machine without a GPU the Triton kernels run under the interpreter (set before any
+kernel module is imported), and debug validation is on. Tests marked `gpu` skip without CUDA."""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("FUSION_BRIDGE_DEBUG", "1")
+
+from fusion_bridge.launch import NO_MULTICAST_ENV  # noqa: E402  (after TRITON_INTERPRET is set)
+
+os.environ.update(NO_MULTICAST_ENV)
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
