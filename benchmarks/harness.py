@@ -1,0 +1,67 @@
+"""Timing on the GPU: CUDA graphs of many calls, events, medians; inputs rotated beyond L2 or replayed.
+
+Each measurement captures `calls` launches (cycling over `sets` input sets) in one CUDA graph, replays
+it `repeats` times and reports the median time per call in microseconds."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+L2_BYTES = 60 * 2 ** 20  # H200
+
+
+def sets_to_rotate(bytes_per_set: int, min_total: int = 4 * L2_BYTES, max_sets: int = 256) -> int:
+    """How many input sets make one pass over them larger than the L2 several times over."""
+    return max(2, min(max_sets, -(-min_total // max(bytes_per_set, 1))))
+
+
+def time_graph(fn: Callable[[int], object], sets: int, calls: int = 0, repeats: int = 15,
+               warmup: int = 2) -> float:
+    """Median microseconds per call of fn(i), i cycling over range(sets), captured in a CUDA graph."""
+    calls = calls or max(sets, 20)
+    for i in range(min(sets, 3)):
+        fn(i)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % sets)
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 * 2 ** 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus written (GB/s)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = time_graph(lambda i: dst.copy_(src), sets=1, calls=10, repeats=10)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def write_csv(path: str, rows: Sequence[dict]) -> None:
+    import csv
+    import os
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
