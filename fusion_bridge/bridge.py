@@ -90,7 +90,8 @@ class FusionBridge:
         reasons: dict[str, list[Reason]] = {c.name: list(c.not_supported_reasons(self.spec, self.env))
                                            for c in classes}
         # Prepare what could be picked: everything available under auto, only the request otherwise.
-        wanted = [c for c in classes if self.requested in (AUTO, c.name)]
+        # (the oracle always: parity and shadow runs compare against it; it has nothing to prepare)
+        wanted = [c for c in classes if self.requested in (AUTO, c.name) or not c.auto_selectable]
         for cls in wanted:
             if not reasons[cls.name]:
                 inst = cls(self.spec, self.env, self.group, self.device)
