@@ -1,0 +1,136 @@
+"""Golden selection table: (environment, spec) -> selected strategy and every strategy's reason codes.
+Pure functions of values; no hardware."""
+
+import pytest
+import torch
+
+from fusion_bridge import EpilogueSpec, Environment, NoStrategyAvailable, QuantSpec
+from fusion_bridge.planner import bucket_bounds, bucket_index, select, static_statuses
+
+CPU = Environment(device_type="cpu", triton_version="3.6.0", flashinfer_version="0.7.2.post1")
+H200 = Environment(device_type="cuda", sm=90, gpu_name="NVIDIA H200", world_size=2, triton_version="3.6.0",
+                   flashinfer_version="0.7.2.post1")
+B200 = H200.replace(sm=100, gpu_name="NVIDIA B200")
+A100 = H200.replace(sm=80, gpu_name="NVIDIA A100")
+DSV3 = EpilogueSpec(hidden_size=7168, top_k=8)
+GPT_OSS = EpilogueSpec(hidden_size=2880, top_k=4)
+NVFP4 = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(336.0))
+
+FI_AR = "flashinfer.ar_residual_rmsnorm"
+
+GOLDEN = [
+    # (id, env, spec, selected, {strategy: reason codes}, {strategy: steps that must appear})
+    ("cpu", CPU, DSV3, "separate",
+     {"local_fused": ["needs_cuda_or_interpreter"], "flashinfer_fused": ["needs_cuda", "world_size_unsupported"],
+      "separate": [],
+      "reference": []}, {}),
+    ("cpu-interpreter", CPU.replace(triton_interpret=True), DSV3, "separate", {"local_fused": []}, {}),
+    ("h200-tp2", H200, DSV3, "local_fused", {"local_fused": [], "flashinfer_fused": []},
+     {"local_fused": ["local.finalize_add", FI_AR]}),
+    ("h200-tp2-gpt-oss", H200, GPT_OSS, "local_fused",
+     {"flashinfer_fused": ["hidden_not_multiple_of_256"], "local_fused": []}, {"local_fused": [FI_AR]}),
+    ("h200-tp1", H200.replace(world_size=1), DSV3, "local_fused",
+     {"flashinfer_fused": ["world_size_unsupported"]}, {"local_fused": ["local.add_rmsnorm"]}),
+    ("h200-tp3", H200.replace(world_size=3), DSV3, "local_fused",
+     {"flashinfer_fused": ["world_size_unsupported"]},
+     {"local_fused": ["torch_distributed.all_reduce_nccl", "local.add_rmsnorm"]}),
+    ("a100-tp2", A100, DSV3, "local_fused", {"flashinfer_fused": ["sm_too_low"]},
+     {"local_fused": ["torch_distributed.all_reduce_nccl"]}),
+    ("no-flashinfer", H200.replace(flashinfer_version=None, flashinfer_error="ImportError: x"), DSV3,
+     "local_fused", {"flashinfer_fused": ["flashinfer_missing"]}, {}),
+    ("old-flashinfer", H200.replace(flashinfer_version="0.6.0"), DSV3, "local_fused",
+     {"flashinfer_fused": ["flashinfer_too_old"]}, {}),
+    ("multi-node", H200.replace(single_node=False, world_size=16), DSV3, "local_fused",
+     {"flashinfer_fused": ["multi_node_group"]}, {}),
+    ("every-reason-at-once", A100.replace(world_size=3, single_node=False), GPT_OSS, "local_fused",
+     {"flashinfer_fused": ["sm_too_low", "world_size_unsupported", "multi_node_group",
+                           "hidden_not_multiple_of_256"]}, {}),
+    ("nvfp4-h200", H200, NVFP4, "local_fused",
+     {"flashinfer_fused": [], "flashinfer_fused_fp4": ["flashinfer_fused_fp4_broken", "fp4_needs_sm100"]},
+     {"flashinfer_fused": ["flashinfer.moe_finalize_ar_residual_rmsnorm", "local.quant_nvfp4"],
+      "local_fused": [FI_AR, "local.quant_nvfp4"]}),
+    ("nvfp4-b200", B200, NVFP4, "local_fused", {"flashinfer_fused_fp4": ["flashinfer_fused_fp4_broken"]},
+     {"local_fused": ["flashinfer.ar_residual_rmsnorm_fp4"]}),
+    ("nvfp4-b200-newer-flashinfer", B200.replace(flashinfer_version="0.8.0"), NVFP4, "local_fused",
+     {"flashinfer_fused_fp4": []}, {}),
+    ("nvfp4-linear", B200.replace(flashinfer_version="0.8.0"),
+     EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(336.0, "linear")), "local_fused",
+     {"flashinfer_fused_fp4": ["sf_layout_fixed"]}, {}),
+    ("fp8-h200", H200, EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(0.05)), "local_fused",
+     {"flashinfer_fused_fp4": ["quant_not_nvfp4", "flashinfer_fused_fp4_broken", "fp4_needs_sm100"]},
+     {"local_fused": ["flashinfer.ar_residual_rmsnorm_fp8"], "flashinfer_fused": ["local.quant_fp8"]}),
+    ("huge-hidden", H200, EpilogueSpec(hidden_size=65536, top_k=8), "flashinfer_fused",
+     {"local_fused": ["hidden_too_large"]}, {}),
+]
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=[c[0] for c in GOLDEN])
+def test_golden_selection(case):
+    _, env, spec, selected, codes, steps = case
+    statuses = {s.name: s for s in static_statuses(spec, env)}
+    assert select(list(statuses.values()), spec).strategy_for(16) == selected
+    for name, expected in codes.items():
+        assert [r.code for r in statuses[name].reasons] == expected, name
+    for name, expected in steps.items():
+        names = [s.name for s in statuses[name].steps]
+        assert all(e in names for e in expected), (name, names)
+
+
+def test_every_reason_says_what_was_required_and_what_was_seen():
+    statuses = static_statuses(GPT_OSS, A100.replace(world_size=3))
+    fi = {s.name: s for s in statuses}["flashinfer_fused"]
+    messages = {r.code: r.message for r in fi.reasons}
+    assert "SM >= 90" in messages["sm_too_low"] and "SM 80" in messages["sm_too_low"]
+    assert "[2, 4, 8, 16]" in messages["world_size_unsupported"] and "3 ranks" in messages["world_size_unsupported"]
+    assert "2880" in messages["hidden_not_multiple_of_256"]
+    assert all(r.hint for r in fi.reasons)
+
+
+def test_reference_is_never_auto_selected_but_can_be_requested():
+    statuses = static_statuses(DSV3, CPU)
+    assert "reference" not in select(statuses, DSV3).choice
+    assert set(select(statuses, DSV3, "reference").choice) == {"reference"}
+
+
+def test_explicit_request_that_cannot_run_raises_with_all_reasons():
+    with pytest.raises(NoStrategyAvailable) as err:
+        select(static_statuses(GPT_OSS, A100), GPT_OSS, "flashinfer_fused")
+    assert "sm_too_low" in str(err.value) and "hidden_not_multiple_of_256" in str(err.value)
+
+
+def test_unknown_strategy_name_is_rejected():
+    with pytest.raises(ValueError, match="'auto' or one of"):
+        select(static_statuses(DSV3, CPU), DSV3, "fastest")
+
+
+def test_measurements_pick_the_fastest_per_bucket_and_static_order_fills_gaps():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=16)
+    statuses = static_statuses(spec, H200)
+    measured = {"local_fused": {1: 7.2, 2: 7.5, 16: 12.0}, "flashinfer_fused": {1: 6.0, 2: 9.0, 16: 10.0},
+                "separate": {1: 45.0}}
+    plan = select(statuses, spec, measured_us=measured)
+    assert plan.bounds == (1, 2, 4, 8, 16)
+    assert plan.choice == ("flashinfer_fused", "local_fused", "local_fused", "local_fused", "flashinfer_fused")
+    assert plan.measured_us[0] == 6.0 and plan.measured_us[2] is None and plan.source == "measured"
+
+
+def test_tokens_above_a_workspace_limit_go_to_a_strategy_without_one():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64)
+    statuses = [s for s in static_statuses(spec, H200) if s.name in ("flashinfer_fused", "separate")]
+    plan = select(statuses, spec)
+    assert plan.strategy_for(64) == "flashinfer_fused" and plan.strategy_for(65) == "separate"
+    explicit = select(statuses, spec, "flashinfer_fused")
+    assert explicit.overflow is None
+
+
+def test_bucket_index_is_the_power_of_two_ceiling():
+    assert [bucket_index(t) for t in (1, 2, 3, 4, 5, 8, 9, 1024, 1025)] == [0, 1, 2, 2, 3, 3, 4, 10, 11]
+    assert bucket_bounds(1) == (1,) and bucket_bounds(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+def test_error_bounds_are_wider_for_flashinfer_bf16_accumulation():
+    statuses = {s.name: s for s in static_statuses(DSV3, H200)}
+    assert statuses["reference"].error_bound < statuses["local_fused"].error_bound
+    assert statuses["local_fused"].error_bound < statuses["flashinfer_fused"].error_bound
+    fp16 = {s.name: s for s in static_statuses(EpilogueSpec(hidden_size=7168, top_k=8, dtype=torch.float16), H200)}
+    assert fp16["local_fused"].error_bound < statuses["local_fused"].error_bound / 4
