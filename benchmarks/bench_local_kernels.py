@@ -11,18 +11,15 @@ the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from harness import copy_bandwidth_gbs, sets_to_rotate, time_graph, write_csv  # noqa: E402
-
-from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into  # noqa: E402
-from fusion_bridge.kernels.finalize_add import finalize_add_into  # noqa: E402
-from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4  # noqa: E402
-from fusion_bridge.torch_math import finalize_fp32  # noqa: E402
+from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
+from fusion_bridge.kernels.finalize_add import finalize_add_into
+from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
+from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph, write_csv
+from fusion_bridge.torch_math import finalize_fp32
 
 
 def finalize_sets(tokens, hidden, top_k, count, dev):
@@ -108,6 +105,20 @@ def main() -> int:
         del fs
         torch.cuda.empty_cache()
         tokens *= 2
+    sweep = []
+    for tokens in (1, 16):  # launch shape of finalize_add where latency, not bandwidth, bounds it
+        fs = finalize_sets(tokens, hidden, top_k, 1, dev)[0]
+        for block in (256, 512, 1024, 2048):
+            for warps in (1, 2, 4, 8):
+                if block // (32 * warps) < 1:
+                    continue
+                us = time_graph(lambda i, b=block, w=warps: finalize_add_into(
+                    fs["out"], fs["gemm2"], fs["perm"], fs["w"], fs["shared"], 1.0, b, w), sets=1, calls=100)
+                sweep.append((tokens, block, warps, us))
+    write_csv(args.csv.replace(".csv", "_launch_sweep.csv"),
+              [{"tokens": t, "block_h": b, "num_warps": w, "us_same_inputs": round(u, 2)} for t, b, w, u in sweep])
+    print("finalize_add launch sweep, same inputs (T, BLOCK_H, warps, us): " +
+          ", ".join(f"{t}/{b}/{w}: {u:.2f}" for t, b, w, u in sorted(sweep, key=lambda x: x[3])[:8]))
     write_csv(args.csv, rows)
     print(f"{'kernel':24s} {'T':>5s} {'us rot':>8s} {'us same':>8s} {'GB/s':>7s} {'of copy':>7s}")
     for r in rows:

@@ -1,4 +1,4 @@
-"""python -m fusion_bridge [info|explain|parity] ...
+"""python -m fusion_bridge [info|explain|parity|tune|bench] ...
 
 With no arguments: `explain` for the built-in DeepSeek-V3 shape (H=7168, K=8, T=16) on this machine.
 With --json, stdout carries only the JSON document; logs and progress go to stderr.
@@ -90,6 +90,54 @@ def cmd_parity(args) -> int:
     return 0 if rows and all(r["passed"] for r in rows) else 1
 
 
+def _require_gpus(world_size: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
+                         f"found {found}")
+
+
+def _on_ranks(fn, world_size: int, *fn_args):
+    from .launch import run_distributed
+    if world_size == 1:
+        return fn(0, 1, *fn_args)
+    return run_distributed(fn, world_size, *fn_args, backend="nccl", timeout_s=3000)[0]
+
+
+def cmd_tune(args) -> int:
+    from .bench import tune_rank
+    _require_gpus(args.world_size)
+    table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
+    lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
+    for b in table["plan"]["buckets"]:
+        lines.append(f"  T <= {b['max_tokens']:6d}: {b['strategy']:18s} {b['measured_us']:.1f} us")
+    _emit(args, table, "\n".join(lines))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import bench_rank, plot, rows_from, summary
+    from .timing import write_csv
+    _require_gpus(args.world_size)
+    tokens = [2 ** i for i in range(args.max_tokens.bit_length()) if 2 ** i <= args.max_tokens]
+    spec = _spec(args)
+    result = _on_ranks(bench_rank, args.world_size, spec, tokens, not args.json)
+    rows = rows_from(result, args.world_size)
+    write_csv(args.csv, rows)
+    png = plot(rows, args.csv.rsplit(".", 1)[0] + ".png",
+               f"{result['gpu']} TP{args.world_size} H={spec.hidden_size} K={spec.top_k} {spec.dtype_name} "
+               f"quant={spec.quant.kind.value}")
+    table = summary(rows)
+    text = [f"wrote {args.csv}" + (f" and {png}" if png else " (no matplotlib: no PNG)")]
+    keys = list(table[0])
+    text.append(" ".join(f"{k:>14s}" for k in keys))
+    text += [" ".join(f"{str(line.get(k, '')):>14s}" for k in keys) for line in table]
+    text.append(f"host overhead (eager, us per call): {result['overhead']}")
+    _emit(args, {"csv": args.csv, "png": png, "summary": table, "overhead": result["overhead"],
+                 "subpaths": result["subpaths"], "rows": rows}, "\n".join(text))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fusion_bridge", description=(
         "The MoE epilogue bridge: which strategy runs, why the others don't, and whether they agree. "
@@ -110,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="expert weight dtype")
     p.set_defaults(fn=cmd_parity)
+    p = sub.add_parser("tune", help="measure every strategy per token bucket on this machine's GPUs and cache "
+                                    "the plan (needs CUDA)")
+    _spec_args(p, 16)
+    p.add_argument("--world-size", type=int, default=1, help="ranks (one GPU each, NCCL)")
+    p.set_defaults(fn=cmd_tune)
+    p = sub.add_parser("bench", help="time every strategy and auto for T = 1, 2, 4, ... (needs CUDA); "
+                                     "CSV + PNG")
+    _spec_args(p, 16)
+    p.add_argument("--world-size", type=int, default=1, help="ranks (one GPU each, NCCL)")
+    p.add_argument("--csv", default="benchmarks/results/epilogue.csv", help="output CSV (PNG beside it)")
+    p.set_defaults(fn=cmd_bench, max_tokens=4096)
     return parser
 
 
@@ -121,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["explain", *argv])
     try:
         return args.fn(args)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from . import registry
+from . import tuning as tuning_tables
 from .agreement import agree_flags, collective_device, other_rank_reason
 from .environment import Environment, detect
 from .io import EpilogueInputs, EpilogueOutputs
@@ -55,7 +56,7 @@ class FusionBridge:
     def __init__(self, spec: EpilogueSpec, group=None, strategy: str = AUTO, *,
                  device: Optional[torch.device] = None, environment: Optional[Environment] = None,
                  self_test: Optional[bool] = None, debug: Optional[bool] = None,
-                 measured_us: Optional[dict] = None) -> None:
+                 tuning: str = "auto", measured_us: Optional[dict] = None) -> None:
         if not isinstance(spec, EpilogueSpec):
             raise TypeError(f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}")
         requested = os.environ.get("FUSION_BRIDGE_STRATEGY") or strategy
@@ -74,15 +75,30 @@ class FusionBridge:
         self._closed = False
         self._instances: dict[str, Strategy] = {}
         self.statuses = self._build_statuses(run_self_test)
+        self._max_tokens = spec.max_tokens
+        self.table: Optional[dict] = None
+        if tuning not in ("auto", "off"):
+            raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
+        if measured_us is None and tuning == "auto" and self.device.type == "cuda":
+            self.table = tuning_tables.load_table(spec, self.env, group)  # collective: rank 0 decides
+            if self.table is not None:
+                measured_us = tuning_tables.as_measurements(self.table)
         try:
-            self.plan: Plan = select(self.statuses, spec, requested, measured_us)
+            self._plan_from(measured_us)
         except Exception:
             self.close()
             raise
+        _LIVE_BRIDGES.add(self)
+
+    def _plan_from(self, measured_us: Optional[dict]) -> None:
+        """Plan per token bucket from measurements (candidate labels may name local_fused sub-paths)."""
+        best, subpaths = tuning_tables.per_strategy(measured_us or {})
+        self.plan: Plan = select(self.statuses, self.spec, self.requested, best or None)
+        local = self._instances.get("local_fused")
+        if local is not None and subpaths:
+            local.subpath_by_bucket = [subpaths.get(b, "") for b in self.plan.bounds]
         self._by_bucket = [self._instances[name] for name in self.plan.choice]
         self._overflow = self._instances.get(self.plan.overflow) if self.plan.overflow else None
-        self._max_tokens = spec.max_tokens
-        _LIVE_BRIDGES.add(self)
 
     # ---------------------------------------------------------------- build
     def _build_statuses(self, run_self_test: bool) -> list[StrategyStatus]:
@@ -206,6 +222,41 @@ class FusionBridge:
                                    torch.empty(sf_shape(0, h, q.sf_layout), dtype=torch.uint8, device=dev))
         return EpilogueOutputs(empty, empty.clone())
 
+    # ---------------------------------------------------------------- tuning
+    def tuning_candidates(self) -> list[tuple[str, object]]:
+        """(label, run(inputs)) for every available auto-selectable strategy, one per sub-path."""
+        out = []
+        for st in self.statuses:
+            inst = self._instances.get(st.name)
+            if inst is None or not st.available or not st.auto_selectable:
+                continue
+            subpaths = inst.subpaths() if hasattr(inst, "subpaths") else []
+            for sub in subpaths:
+                out.append((f"{st.name}{tuning_tables.SUBPATH_SEP}{sub}", _forced(inst, sub)))
+            if not subpaths:
+                out.append((st.name, inst.run))
+        return out
+
+    def tune(self, buckets: Optional[list[int]] = None, progress: bool = True, save: bool = True) -> dict:
+        """Measure every candidate per token bucket (CUDA graphs, inputs rotated beyond L2, max over
+        ranks), re-plan from the measurements and cache the table (rank 0). Collective."""
+        if self.device.type != "cuda":
+            raise RuntimeError("tune: needs a CUDA device (it times CUDA graphs); this bridge is on "
+                               f"{self.device.type}")
+        measured = tuning_tables.measure(self, self.tuning_candidates(), list(buckets or self.plan.bounds),
+                                         progress=progress)
+        table = {"gpu": self.env.gpu_name, "world_size": self.env.world_size, "spec": tuning_tables.spec_key(self.spec),
+                 "versions": {"torch": self.env.torch_version, "triton": self.env.triton_version,
+                              "flashinfer": self.env.flashinfer_version},
+                 "measured_us": {label: {str(b): us for b, us in per.items()} for label, per in measured.items()}}
+        if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):
+            path = tuning_tables.cache_path(self.spec, self.env)
+            tuning_tables.save_table(table, path)
+            table["path"] = str(path)
+        self.table = table
+        self._plan_from(measured)
+        return table
+
     # ---------------------------------------------------------------- report & lifecycle
     def strategy_for(self, tokens: int) -> Optional[str]:
         return self.plan.strategy_for(tokens) if tokens > 0 else None
@@ -232,6 +283,16 @@ class FusionBridge:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _forced(strategy, subpath: str):
+    def run(inputs: EpilogueInputs) -> EpilogueOutputs:
+        strategy.forced_subpath = subpath
+        try:
+            return strategy.run(inputs)
+        finally:
+            strategy.forced_subpath = None
+    return run
 
 
 @atexit.register

@@ -22,25 +22,25 @@ def make_inputs(spec: EpilogueSpec, tokens: int, *, rank: int = 0, seed: int = 0
     A `skip_fraction` of the index map is -1, and every gemm2_out row that no valid index points at
     (padding, skipped slots) holds NaN, so a kernel that reads one shows it.
     """
-    common = torch.Generator().manual_seed(seed)
-    per_rank = torch.Generator().manual_seed(seed * 7919 + 1000003 * (rank + 1))
+    dev = torch.device(device)
+    common = torch.Generator(device=dev).manual_seed(seed)
+    per_rank = torch.Generator(device=dev).manual_seed(seed * 7919 + 1000003 * (rank + 1))
     hidden, k = spec.hidden_size, spec.top_k
     slots = tokens * k
     rows = slots + padding_rows
-    perm = torch.randperm(max(slots, 1), generator=common)[:slots].reshape(tokens, k).to(torch.int32)
+    perm = torch.randperm(max(slots, 1), generator=common, device=dev)[:slots].reshape(tokens, k).to(torch.int32)
     if skip_fraction > 0 and slots:
-        perm[torch.rand(tokens, k, generator=common) < skip_fraction] = -1
-    weights = torch.rand(tokens, k, generator=common).to(weight_dtype)
-    residual = torch.randn(tokens, hidden, generator=common).to(spec.dtype)
-    gamma = (1.0 + 0.1 * torch.randn(hidden, generator=common)).to(spec.dtype)
-    gemm2_out = torch.randn(rows, hidden, generator=per_rank)
-    referenced = torch.zeros(rows, dtype=torch.bool)
+        perm[torch.rand(tokens, k, generator=common, device=dev) < skip_fraction] = -1
+    weights = torch.rand(tokens, k, generator=common, device=dev).to(weight_dtype)
+    residual = torch.randn(tokens, hidden, generator=common, device=dev).to(spec.dtype)
+    gamma = (1.0 + 0.1 * torch.randn(hidden, generator=common, device=dev)).to(spec.dtype)
+    gemm2_out = torch.randn(rows, hidden, generator=per_rank, device=dev)
+    referenced = torch.zeros(rows, dtype=torch.bool, device=dev)
     referenced[perm[perm >= 0].long()] = True
     gemm2_out[~referenced] = float("nan")
-    shared = torch.randn(tokens, hidden, generator=per_rank).to(spec.dtype) if spec.has_shared_output else None
-    dev = torch.device(device)
-    return EpilogueInputs(gemm2_out.to(spec.dtype).to(dev), perm.to(dev), weights.to(dev),
-                          None if shared is None else shared.to(dev), residual.to(dev), gamma.to(dev))
+    shared = (torch.randn(tokens, hidden, generator=per_rank, device=dev).to(spec.dtype)
+              if spec.has_shared_output else None)
+    return EpilogueInputs(gemm2_out.to(spec.dtype), perm, weights, shared, residual, gamma)
 
 
 def clone_inputs(inputs: EpilogueInputs) -> EpilogueInputs:

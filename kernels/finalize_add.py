@@ -42,17 +42,19 @@ def block_h_for(hidden: int) -> int:
 
 
 def finalize_add_into(out: torch.Tensor, gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
-                      shared: Optional[torch.Tensor], routed_scaling: float) -> torch.Tensor:
-    """Launch into a preallocated `out` [T, H] (activation dtype). T == 0 launches nothing."""
+                      shared: Optional[torch.Tensor], routed_scaling: float, block_h: Optional[int] = None,
+                      num_warps: Optional[int] = None) -> torch.Tensor:
+    """Launch into a preallocated `out` [T, H] (activation dtype). T == 0 launches nothing.
+    block_h / num_warps override the launch shape (benchmark sweeps)."""
     tokens, top_k = perm.shape
     hidden = gemm2_out.shape[1]
     if tokens == 0:
         return out
-    block = block_h_for(hidden)
+    block = block_h or block_h_for(hidden)
     grid = (tokens, triton.cdiv(hidden, block))
     _finalize_add_kernel[grid](gemm2_out, perm, weights, shared if shared is not None else out, out, hidden,
                                float(routed_scaling), TOP_K=top_k, HAS_SHARED=shared is not None,
-                               BLOCK_H=block, num_warps=4 if block >= 512 else 2)
+                               BLOCK_H=block, num_warps=num_warps or (4 if block >= 512 else 2))
     return out
 
 

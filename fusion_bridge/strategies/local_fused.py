@@ -99,6 +99,8 @@ class LocalFusedStrategy(Strategy):
         self.subpath = SUBPATH_NONE if env.world_size == 1 else SUBPATH_NCCL
         self._fi_ar_norm: Optional[flashinfer_ar_norm.FlashInferArNorm] = None
         self.nccl_reroutes = 0  # calls above the FlashInfer workspace that took the NCCL sub-path
+        self.forced_subpath: Optional[str] = None  # tuning measures each sub-path in turn
+        self.subpath_by_bucket: Optional[list[str]] = None  # tuned choice per token bucket
         self._quant = quant_args(spec)
 
     def prepare(self) -> None:
@@ -128,9 +130,10 @@ class LocalFusedStrategy(Strategy):
             inputs.shared_output, spec.routed_scaling_factor)
         fi = self._fi_ar_norm
         if fi is not None:
-            if inputs.tokens <= fi.max_tokens:
+            if inputs.tokens > fi.max_tokens:
+                self.nccl_reroutes += 1
+            elif self._flashinfer_wanted(inputs.tokens):
                 return fi.run(partial, inputs.residual, inputs.gamma)
-            self.nccl_reroutes += 1
         if self.env.world_size > 1:
             dist.all_reduce(partial, group=self.group)
         quant, scale, swizzled = self._quant
@@ -139,6 +142,19 @@ class LocalFusedStrategy(Strategy):
         kind = spec.quant.kind
         return EpilogueOutputs(residual_out, norm_out, None if kind is QuantKind.NONE else q,
                                sf if kind is QuantKind.NVFP4 else None)
+
+    def _flashinfer_wanted(self, tokens: int) -> bool:
+        if self.forced_subpath is not None:
+            return self.forced_subpath == SUBPATH_FLASHINFER
+        table = self.subpath_by_bucket
+        i = (tokens - 1).bit_length()
+        return table is None or i >= len(table) or table[i] == SUBPATH_FLASHINFER
+
+    def subpaths(self) -> list[str]:
+        """The sub-paths this prepared instance can run (what tuning measures)."""
+        if self.env.world_size == 1:
+            return []
+        return [SUBPATH_FLASHINFER, SUBPATH_NCCL] if self._fi_ar_norm is not None else [SUBPATH_NCCL]
 
     def close(self) -> None:
         if self._fi_ar_norm is not None:

@@ -1,4 +1,4 @@
-"""Timing on the GPU: CUDA graphs of many calls, events, medians; inputs rotated beyond L2 or replayed.
+"""Timing on the GPU (used by tuning and the benchmarks): CUDA graphs of many calls, events, medians; inputs rotated beyond L2 or replayed.
 
 Each measurement captures `calls` launches (cycling over `sets` input sets) in one CUDA graph, replays
 it `repeats` times and reports the median time per call in microseconds."""

@@ -1,0 +1,133 @@
+"""`python -m fusion_bridge tune` and `bench`: measured selection and the benchmark of every strategy
+and `auto` against each other, in one run, on this machine's GPUs (one rank per GPU, NCCL).
+
+bench writes a long-format CSV (candidate, tokens, us_rotated, us_same_inputs, ...) and, when
+matplotlib is importable, a log-log PNG of time vs T with `auto` highlighted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from .spec import EpilogueSpec
+
+
+def _bridge(spec: EpilogueSpec, world_size: int, tuning: str = "auto"):
+    from .bridge import FusionBridge
+    group = torch.distributed.group.WORLD if world_size > 1 else None
+    return FusionBridge(spec, group, debug=False, tuning=tuning)
+
+
+def tune_rank(rank: int, world_size: int, spec: EpilogueSpec, progress: bool) -> dict:
+    with _bridge(spec, world_size, tuning="off") as bridge:
+        table = bridge.tune(progress=progress)
+        table["plan"] = bridge.plan.to_dict()
+        return table
+
+
+def host_overhead_us(bridge, tokens: int, calls: int = 300) -> dict:
+    """Eager host time per call of finalize_epilogue and of the selected strategy's run() directly."""
+    from .testing import make_inputs
+    inp = make_inputs(bridge.spec, tokens, device=bridge.device)
+    strategy = bridge._by_bucket[(tokens - 1).bit_length()]
+
+    def bridge_call():
+        bridge.finalize_epilogue(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
+                                 inp.shared_output, inp.residual, inp.gamma)
+
+    def raw_call():
+        strategy.run(inp)
+
+    out = {}
+    for name, fn in (("bridge", bridge_call), ("raw", raw_call), ("bridge2", bridge_call), ("raw2", raw_call)):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+    return {"bridge_us": min(out["bridge"], out["bridge2"]), "raw_us": min(out["raw"], out["raw2"]),
+            "strategy": strategy.name}
+
+
+def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool) -> dict:
+    from .tuning import measure
+    with _bridge(spec, world_size, tuning="off") as bridge:
+        bridge.tune(buckets=tokens, progress=progress, save=False)
+        candidates = bridge.tuning_candidates() + [("auto", lambda inp: bridge.finalize_epilogue(
+            inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
+            inp.residual, inp.gamma))]
+        rotated = measure(bridge, candidates, tokens, rotate=True, progress=progress, seed=1)
+        same = measure(bridge, candidates, tokens, rotate=False, progress=progress, seed=2)
+        overhead = {t: host_overhead_us(bridge, t) for t in (1, 64)}
+        plan = {t: bridge.strategy_for(t) for t in tokens}
+        sub = bridge._instances.get("local_fused")
+        subpaths = list(sub.subpath_by_bucket) if sub is not None and sub.subpath_by_bucket else None
+        return {"rotated": rotated, "same": same, "overhead": overhead, "plan": plan, "subpaths": subpaths,
+                "gpu": bridge.env.gpu_name}
+
+
+def rows_from(result: dict, world_size: int) -> list[dict]:
+    rows = []
+    for label, per in result["rotated"].items():
+        for tokens, us in per.items():
+            rows.append({"candidate": label, "tokens": tokens, "world_size": world_size,
+                         "us_rotated": round(us, 2), "us_same_inputs": round(result["same"][label][tokens], 2),
+                         "auto_picks": result["plan"][tokens] if label == "auto" else "",
+                         "gpu": result["gpu"]})
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per T: auto vs the fastest candidate, vs flashinfer_fused, vs local_fused/flashinfer_ar_norm, vs separate."""
+    by_t: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_t.setdefault(r["tokens"], {})[r["candidate"]] = r
+    out = []
+    for tokens, cands in sorted(by_t.items()):
+        auto = cands["auto"]
+        line = {"tokens": tokens, "auto_picks": auto["auto_picks"]}
+        for mode in ("us_rotated", "us_same_inputs"):
+            others = {k: v[mode] for k, v in cands.items() if k != "auto"}
+            tag = "rot" if mode == "us_rotated" else "same"
+            line[f"auto_{tag}"] = auto[mode]
+            line[f"vs_best_{tag}"] = round(auto[mode] / min(others.values()), 3)
+            for name in ("flashinfer_fused", "local_fused/flashinfer_ar_norm", "separate"):
+                if name in others:
+                    line[f"vs_{name.split('/')[-1]}_{tag}"] = round(auto[mode] / others[name], 3)
+        out.append(line)
+    return out
+
+
+def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, mode, label in ((axes[0], "us_rotated", "inputs rotated beyond L2"),
+                            (axes[1], "us_same_inputs", "same inputs replayed")):
+        for cand in sorted({r["candidate"] for r in rows}):
+            pts = sorted((r["tokens"], r[mode]) for r in rows if r["candidate"] == cand)
+            is_auto = cand == "auto"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=cand,
+                    linewidth=3.5 if is_auto else 1.2, color="black" if is_auto else None,
+                    zorder=10 if is_auto else 1, alpha=1.0 if is_auto else 0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens T")
+        ax.set_title(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("us per call (CUDA graph, median)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
