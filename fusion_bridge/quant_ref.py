@@ -3,7 +3,9 @@
 Conventions (DESIGN.md section 1, matching FlashInfer 0.7.2.post1):
 - fp8:   q = e4m3_satfinite(x / scale), x already rounded to the activation dtype.
 - nvfp4: per 16-element block b: sf_b = e4m3(global_scale * amax_b / 6);
-         q = e2m1_rne_satfinite(x * global_scale / float(sf_b)), q = 0 where sf_b == 0.
+         q = e2m1_rne_satfinite(x * global_scale / float(sf_b)), q = 0 where sf_b == 0; the quotient
+         is exact (not rounded to fp32 before the e2m1 rounding): an ulp-level refinement of DESIGN.md's
+         formula that lets the kernel compare against exact thresholds instead of dividing.
          Two e2m1 codes per byte, element 2i in the low nibble. Scales in the 128x4 swizzled layout
          ([round_up(T,128), round_up(H/16,4)], padding 0) or linear ([T, H/16]).
 """
@@ -71,7 +73,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float, layout: SFLayout) -> tu
     amax = blocks.abs().amax(dim=-1)
     sf = e4m3_satfinite(gs * amax / 6.0)
     sf_f = sf.float().unsqueeze(-1)
-    scaled = torch.where(sf_f == 0, torch.zeros_like(blocks), blocks * gs / torch.where(sf_f == 0, 1.0, sf_f))
+    # the quotient is taken exactly (float64 holds it far beyond the e2m1 thresholds' resolution) and
+    # rounded once, to e2m1; the product x * global_scale is an fp32 product, as in the kernel
+    scaled = torch.where(sf_f == 0, torch.zeros_like(blocks, dtype=torch.float64),
+                         (blocks * gs).double() / torch.where(sf_f == 0, 1.0, sf_f).double())
     codes = e2m1_codes(scaled).reshape(tokens, hidden)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     sf_bytes = sf.view(torch.uint8)

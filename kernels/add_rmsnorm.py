@@ -19,7 +19,7 @@ from .rounding import round_to
 @triton.jit
 def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
                         tokens, hidden, eps, weight_bias, quant_scale, sf_cols,
-                        QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr):
+                        QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     # programs past T only write the swizzled scale padding; vector form of `row < tokens` because the
@@ -33,7 +33,7 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
     y = round_to(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
     tl.store(norm_out_ptr + offs, y, mask=mask)
-    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK)
+    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK, HW_CVT)
 
 
 def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
@@ -48,4 +48,5 @@ def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torc
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
     _add_rmsnorm_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
         residual, reduced, gamma, residual_out, norm_out, q, sf, tokens, hidden, float(eps), float(weight_bias),
-        float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block, num_warps=row_num_warps(block))
+        float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block, HW_CVT=residual.is_cuda,
+        num_warps=row_num_warps(block))

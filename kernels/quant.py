@@ -1,12 +1,14 @@
 """FP8 and NVFP4 quantization of a normalized row, in software (integer and fp32 ops).
 
 Software conversion runs on SM90, where FlashInfer's fused FP4 writes zeros, and under the Triton
-interpreter. Divisions use div_rn so results match the IEEE torch reference (fusion_bridge.quant_ref)
-bit for bit.
+interpreter; on a GPU the fp8 cast uses the hardware's RNE conversion. Divisions use div_rn and the
+e2m1 rounding compares against exact thresholds, so results match the torch reference
+(fusion_bridge.quant_ref) bit for bit.
 
     fp8:   q = e4m3_satfinite(x / scale)
     nvfp4: per 16-element block: sf = e4m3(global_scale * amax / 6);
-           q = e2m1_rne_satfinite(x * global_scale / sf), 0 where sf == 0; 2 codes per byte, low
+           q = e2m1_rne_satfinite(x * global_scale / sf) of the exact quotient (no rounding of the
+           quotient before the e2m1 rounding), 0 where sf == 0; 2 codes per byte, low
            nibble first; sf in FlashInfer's 128x4 swizzled layout (padding rows/cols written 0) or
            linear [T, H/16].
 """
@@ -38,32 +40,37 @@ def _e4m3_rne_satfinite(v):
 
 
 @triton.jit
-def _e2m1_rne_satfinite(s):
-    """fp32 -> e2m1 code (int32, sign in bit 3). Values 0,.5,1,1.5,2,3,4,6; ties to the even code."""
-    a = tl.abs(s)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    return code | ((s < 0).to(tl.int32) << 3)
+def _e2m1_codes(a, sf):
+    """e2m1 magnitude code of the exact quotient a / sf (a >= 0), round to nearest, ties to the even code,
+    saturating at 6; 0 where sf == 0. Compares a against threshold * sf instead of dividing: each
+    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4, so every
+    product is exact in fp32 and the comparisons decide exactly as the real quotient would."""
+    s = tl.where(sf == 0.0, float("inf"), sf)
+    return ((a > 0.25 * s).to(tl.int32) + (a >= 0.75 * s).to(tl.int32) + (a > 1.25 * s).to(tl.int32)
+            + (a >= 1.75 * s).to(tl.int32) + (a > 2.5 * s).to(tl.int32) + (a >= 3.5 * s).to(tl.int32)
+            + (a > 5.0 * s).to(tl.int32))
 
 
 @triton.jit
 def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols,
-                 QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr):
+                 QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
     """Quantize row `row` (values y [BLOCK], already rounded to the activation dtype) and store it.
-    Rows at or past `tokens` store only swizzled scale padding (zeros)."""
+    Rows at or past `tokens` store only swizzled scale padding (zeros). HW_CVT: use the GPU's
+    round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it takes the software one)."""
     row_ok_cols = (cols * 0 + row) < tokens  # vector form: the interpreter rejects scalar-bool masks
     if QUANT == 1:
-        code, _ = _e4m3_rne_satfinite(tl.math.div_rn(y.to(tl.float32), quant_scale))
+        v = tl.math.div_rn(y.to(tl.float32), quant_scale)
+        if HW_CVT:
+            code = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code, _ = _e4m3_rne_satfinite(v)
         tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=(cols < hidden) & row_ok_cols)
     if QUANT == 2:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = tl.max(tl.abs(yb), axis=1)
         sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
-        safe_sf = tl.where(sf == 0.0, 1.0, sf)
-        scaled = tl.math.div_rn(yb * quant_scale, safe_sf[:, None])
-        scaled = tl.where(sf[:, None] == 0.0, 0.0, scaled)
-        codes = _e2m1_rne_satfinite(scaled)
+        scaled = yb * quant_scale
+        codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
         lo, hi = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
         packed_cols = tl.arange(0, BLOCK // 2)
         tl.store(q_ptr + row * (hidden // 2) + packed_cols, (lo | (hi << 4)).to(tl.uint8),
@@ -81,11 +88,12 @@ def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_co
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, sf_ptr, tokens, hidden, quant_scale, sf_cols,
-                     QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr):
+                     QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     y = tl.load(x_ptr + row * hidden + cols, mask=(cols < hidden) & ((cols * 0 + row) < tokens), other=0.0)
-    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK)
+    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK,
+                 HW_CVT)
 
 
 def row_block(hidden: int) -> int:
@@ -112,4 +120,4 @@ def quantize_into(q: torch.Tensor, sf: torch.Tensor, x: torch.Tensor, quant: int
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
     _quantize_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
         x, q, sf, tokens, hidden, float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block,
-        num_warps=row_num_warps(block))
+        HW_CVT=x.is_cuda, num_warps=row_num_warps(block))
