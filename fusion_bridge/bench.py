@@ -58,7 +58,7 @@ def host_overhead_us(bridge, tokens: int, calls: int = 300) -> dict:
 def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool) -> dict:
     from .tuning import measure
     with _bridge(spec, world_size, tuning="off") as bridge:
-        bridge.tune(buckets=tokens, progress=progress, save=False)
+        bridge.tune(buckets=tokens, progress=progress, save=True)
         candidates = bridge.tuning_candidates() + [("auto", lambda inp: bridge.finalize_epilogue(
             inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
             inp.residual, inp.gamma))]
@@ -69,7 +69,7 @@ def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int]
         sub = bridge._instances.get("local_fused")
         subpaths = list(sub.subpath_by_bucket) if sub is not None and sub.subpath_by_bucket else None
         return {"rotated": rotated, "same": same, "overhead": overhead, "plan": plan, "subpaths": subpaths,
-                "gpu": bridge.env.gpu_name}
+                "gpu": bridge.env.gpu_name, "table_path": (bridge.table or {}).get("path")}
 
 
 def rows_from(result: dict, world_size: int) -> list[dict]:

@@ -36,7 +36,9 @@ def cache_dir() -> Path:
 
 def spec_key(spec: EpilogueSpec) -> dict:
     d = spec.to_dict()
-    d.pop("eps"), d.pop("weight_bias"), d.pop("routed_scaling_factor")  # do not change the timing
+    # these do not change the timing; max_tokens only adds buckets (unmeasured ones use the static order)
+    for field in ("eps", "weight_bias", "routed_scaling_factor", "max_tokens"):
+        d.pop(field)
     return d
 
 
