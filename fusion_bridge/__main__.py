@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -40,8 +41,22 @@ def _spec(args) -> EpilogueSpec:
                         has_shared_output=not args.no_shared, quant=quant, max_tokens=args.max_tokens)
 
 
+_JSON_FD: list[int] = []  # the real stdout while --json sends everything else (C++ logs too) to stderr
+
+
 def _emit(args, doc: dict, text: str) -> None:
-    print(json.dumps(doc, indent=2) if args.json else text)
+    if args.json:
+        sys.stdout.flush()
+        os.write(_JSON_FD[0] if _JSON_FD else 1, (json.dumps(doc, indent=2) + "\n").encode())
+    else:
+        print(text)
+
+
+def _stdout_to_stderr() -> None:
+    """Keep stdout for the JSON document alone: FlashInfer's kernels print warnings to fd 1."""
+    sys.stdout.flush()
+    _JSON_FD.append(os.dup(1))
+    os.dup2(2, 1)
 
 
 def cmd_info(args) -> int:
@@ -178,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or ["explain"])
     if args.command is None:
         args = parser.parse_args(["explain", *argv])
+    if getattr(args, "json", False):
+        _stdout_to_stderr()
     try:
         return args.fn(args)
     except (ValueError, TypeError, RuntimeError) as exc:

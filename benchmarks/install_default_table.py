@@ -1,0 +1,33 @@
+"""Ship a tuned table as a default: copy a cache file written by `tune`/`bench` into fusion_bridge/tables/
+under the name a bridge looks up (GPU name, world size and spec; library versions not part of the key).
+
+    python benchmarks/install_default_table.py ~/.cache/fusion_bridge/nvidia_h200_tp2_<hash>.json
+"""
+
+import json
+import shutil
+import sys
+
+from fusion_bridge import EpilogueSpec, Environment, QuantSpec
+from fusion_bridge.spec import DTYPE_BY_NAME
+from fusion_bridge.tuning import default_table_path
+
+
+def main(paths: list[str]) -> int:
+    for path in paths:
+        table = json.load(open(path))
+        s = table["spec"]
+        q = s["quant"]
+        quant = QuantSpec(q["kind"], scale=q["scale"], global_scale=q["global_scale"], sf_layout=q["sf_layout"])
+        spec = EpilogueSpec(hidden_size=s["hidden_size"], top_k=s["top_k"], dtype=DTYPE_BY_NAME[s["dtype"]],
+                            has_shared_output=s["has_shared_output"], quant=quant)
+        dest = default_table_path(spec, Environment(device_type="cuda", gpu_name=table["gpu"],
+                                                    world_size=table["world_size"]))
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copy(path, dest)
+        print(f"{path} -> {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
