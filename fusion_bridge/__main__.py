@@ -1,4 +1,4 @@
-"""python -m fusion_bridge [info|explain|parity|tune|bench] ...
+"""python -m fusion_bridge [info|explain|parity|tune|bench|matrix] ...
 
 With no arguments: `explain` for the built-in DeepSeek-V3 shape (H=7168, K=8, T=16) on this machine.
 With --json, stdout carries only the JSON document; logs and progress go to stderr.
@@ -153,6 +153,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_matrix(args) -> int:
+    from .matrix import markdown, rows
+    _emit(args, {"matrix": rows()}, markdown())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fusion_bridge", description=(
         "The MoE epilogue bridge: which strategy runs, why the others don't, and whether they agree. "
@@ -184,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1, help="ranks (one GPU each, NCCL)")
     p.add_argument("--csv", default="benchmarks/results/epilogue.csv", help="output CSV (PNG beside it)")
     p.set_defaults(fn=cmd_bench, max_tokens=4096)
+    p = sub.add_parser("matrix", help="compatibility matrix generated from the registry (markdown)")
+    p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
+    p.set_defaults(fn=cmd_matrix)
     return parser
 
 

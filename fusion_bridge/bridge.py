@@ -11,6 +11,8 @@ Environment variables:
   FUSION_BRIDGE_DEBUG=1           value checks at every call (index range, T equal on all ranks);
                                   they sync, so keep it off on the hot path and under CUDA graphs
   FUSION_BRIDGE_SELF_TEST=0       skip the self-test at build time
+  FUSION_BRIDGE_SHADOW=name[:N]   shadow mode: run `name` beside the selected strategy every N-th call
+                                  and record divergence in explain() (see shadow.py for the cost)
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .planner import AUTO, Plan, StrategyStatus, select
 from .reasons import Reason
 from .report import Report
 from .selftest import agreed_rank, self_test
+from .shadow import Shadow, parse_env as parse_shadow_env
 from .spec import EpilogueSpec, QuantKind
 from .quant_ref import sf_shape
 from .strategies.base import Strategy
@@ -56,7 +59,8 @@ class FusionBridge:
     def __init__(self, spec: EpilogueSpec, group=None, strategy: str = AUTO, *,
                  device: Optional[torch.device] = None, environment: Optional[Environment] = None,
                  self_test: Optional[bool] = None, debug: Optional[bool] = None,
-                 tuning: str = "auto", measured_us: Optional[dict] = None) -> None:
+                 tuning: str = "auto", measured_us: Optional[dict] = None,
+                 shadow: Optional[str] = None, shadow_every: int = 100) -> None:
         if not isinstance(spec, EpilogueSpec):
             raise TypeError(f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}")
         requested = os.environ.get("FUSION_BRIDGE_STRATEGY") or strategy
@@ -64,6 +68,11 @@ class FusionBridge:
             raise ValueError(f"FusionBridge: strategy must be 'auto' or one of {list(registry.REGISTRY)}, "
                              f"got {requested!r}")
         self.spec, self.group, self.requested = spec, group, requested
+        if shadow is None and os.environ.get("FUSION_BRIDGE_SHADOW"):
+            shadow, shadow_every = parse_shadow_env(os.environ["FUSION_BRIDGE_SHADOW"])
+        if shadow is not None and shadow not in registry.REGISTRY:
+            raise ValueError(f"FusionBridge: shadow must be one of {list(registry.REGISTRY)}, got {shadow!r}")
+        self._shadow = Shadow(shadow, shadow_every) if shadow else None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
@@ -107,7 +116,9 @@ class FusionBridge:
                                            for c in classes}
         # Prepare what could be picked: everything available under auto, only the request otherwise.
         # (the oracle always: parity and shadow runs compare against it; it has nothing to prepare)
-        wanted = [c for c in classes if self.requested in (AUTO, c.name) or not c.auto_selectable]
+        shadow = self._shadow.strategy if self._shadow else None
+        wanted = [c for c in classes if self.requested in (AUTO, c.name) or not c.auto_selectable
+                  or c.name == shadow]
         for cls in wanted:
             if not reasons[cls.name]:
                 inst = cls(self.spec, self.env, self.group, self.device)
@@ -180,7 +191,17 @@ class FusionBridge:
         strategy = self._by_bucket[(tokens - 1).bit_length()] if tokens <= self._max_tokens else None
         if strategy is None or not strategy.accepts(inputs):
             strategy = self._reroute(inputs, strategy)
-        return strategy.run(inputs)
+        out = strategy.run(inputs)
+        if self._shadow is not None and self._shadow.due():
+            self._run_shadow(inputs, out)
+        return out
+
+    def _run_shadow(self, inputs: EpilogueInputs, out: EpilogueOutputs) -> None:
+        name = self._shadow.strategy
+        if name not in self._instances:
+            raise RuntimeError(f"shadow strategy {name!r} cannot run here: "
+                               f"{[r.code for s in self.statuses if s.name == name for r in s.reasons]}")
+        self._shadow.record(self.spec, out, self._instances[name].run(inputs))
 
     __call__ = finalize_epilogue
 
@@ -264,7 +285,9 @@ class FusionBridge:
     def explain(self, tokens: Optional[int] = None) -> Report:
         """The structured report: environment, every strategy (selected or rejected, with all reasons),
         the plan per token bucket, workspace bytes and reroutes. `.to_dict()`, `.to_json()`, `str()`."""
-        return Report(self.env, self.spec, self.statuses, self.plan, tokens=tokens, reroutes=self.reroutes)
+        return Report(self.env, self.spec, self.statuses, self.plan, tokens=tokens, reroutes=self.reroutes,
+                      shadow=self._shadow.to_dict() if self._shadow else None,
+                      table=(self.table or {}).get("path"))
 
     @property
     def workspace_bytes(self) -> int:

@@ -19,6 +19,8 @@ class Report:
     plan: Optional[Plan]
     tokens: Optional[int] = None
     reroutes: int = 0
+    shadow: Optional[dict] = None
+    table: Optional[str] = None  # the tuning table the plan came from
 
     @property
     def selected(self) -> Optional[str]:
@@ -36,7 +38,7 @@ class Report:
         out = {"environment": self.environment.to_dict(), "spec": self.spec.to_dict(),
                "strategies": strategies, "plan": self.plan.to_dict() if self.plan else None,
                "workspace_bytes": sum(s.workspace_bytes for s in self.strategies),
-               "reroutes": self.reroutes}
+               "reroutes": self.reroutes, "shadow": self.shadow, "tuning_table": self.table}
         if self.tokens is not None:
             out["tokens"] = self.tokens
             out["selected"] = self.selected
@@ -85,6 +87,15 @@ class Report:
             lines.append(f"  T > {spec.max_tokens:6d}:           {self.plan.overflow or 'error (raises)'}"
                          + (f", rerouted {self.reroutes} calls so far" if self.reroutes else ""))
             lines += [f"  note: {n}" for n in self.plan.notes]
+            if self.table:
+                lines.append(f"  measurements from {self.table}")
+        if self.shadow:
+            sh = self.shadow
+            lines += ["", f"shadow {sh['strategy']} every {sh['every']} calls: {sh['sampled']} sampled of "
+                          f"{sh['calls']} ({sh['skipped_in_capture']} skipped in CUDA-graph capture)"]
+            for name, s in sh["outputs"].items():
+                lines.append(f"  {name:13s} max rel err {s['max_rel_err']:.2e}, max abs {s['max_abs']:.2e}, "
+                             f"NaN {s['nan']}, Inf {s['inf']}")
         if self.tokens is not None:
             lines.append(f"selected for T={self.tokens}: {self.selected}")
         return "\n".join(lines)
