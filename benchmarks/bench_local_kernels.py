@@ -105,7 +105,7 @@ def main() -> int:
         del fs
         torch.cuda.empty_cache()
         tokens *= 2
-    sweep = []
+    sweep = []  # (T, kernel or BLOCK_H, warps, us)
     for tokens in (1, 16):  # launch shape of finalize_add where latency, not bandwidth, bounds it
         fs = finalize_sets(tokens, hidden, top_k, 1, dev)[0]
         for block in (256, 512, 1024, 2048):
@@ -114,11 +114,18 @@ def main() -> int:
                     continue
                 us = time_graph(lambda i, b=block, w=warps: finalize_add_into(
                     fs["out"], fs["gemm2"], fs["perm"], fs["w"], fs["shared"], 1.0, b, w), sets=1, calls=100)
-                sweep.append((tokens, block, warps, us))
+                sweep.append((tokens, f"finalize_block{block}", warps, us))
+    for tokens in (1024, 4096):  # add_rmsnorm(+quant) warps per row program
+        for quant in (QUANT_NONE, QUANT_FP8, QUANT_NVFP4):
+            ns = norm_sets(tokens, hidden, quant, 2, dev)
+            for warps in (4, 8, 16, 32):
+                us = time_graph(lambda i, ns=ns, q=quant, w=warps: add_rmsnorm_into(
+                    ns[i]["res_out"], ns[i]["norm_out"], ns[i]["q"], ns[i]["sf"], ns[i]["res"], ns[i]["red"], gamma,
+                    1e-6, 0.0, q, 0.05 if q == QUANT_FP8 else 336.0, True, w), sets=2)
+                sweep.append((tokens, f"norm_q{quant}", warps, us))
     write_csv(args.csv.replace(".csv", "_launch_sweep.csv"),
-              [{"tokens": t, "block_h": b, "num_warps": w, "us_same_inputs": round(u, 2)} for t, b, w, u in sweep])
-    print("finalize_add launch sweep, same inputs (T, BLOCK_H, warps, us): " +
-          ", ".join(f"{t}/{b}/{w}: {u:.2f}" for t, b, w, u in sorted(sweep, key=lambda x: x[3])[:8]))
+              [{"tokens": t, "variant": b, "num_warps": w, "us": round(u, 2)} for t, b, w, u in sweep])
+    print("launch sweep (T/variant/warps: us): " + ", ".join(f"{t}/{b}/{w}: {u:.2f}" for t, b, w, u in sweep))
     write_csv(args.csv, rows)
     print(f"{'kernel':24s} {'T':>5s} {'us rot':>8s} {'us same':>8s} {'GB/s':>7s} {'of copy':>7s}")
     for r in rows:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 
-@dataclass(frozen=True)
-class EpilogueInputs:
+class EpilogueInputs(NamedTuple):
     """gemm2_out [P, H] act dtype: unfinalized routed-expert output, permuted rows (P may include padding).
     expanded_idx_to_permuted_idx [T, K] int32: row of gemm2_out for (token, k), -1 = skip.
     expert_weights [T, K] fp32/bf16/fp16. shared_output [T, H] act dtype or None.

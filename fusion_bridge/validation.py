@@ -63,6 +63,29 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
     _check_tensor("gamma", inputs.gamma, (hidden,), (spec.dtype,), device)
 
 
+def inputs_look_valid(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.device) -> bool:
+    """The same metadata checks as validate_inputs in one expression, for the hot path (a few us).
+    False means: call validate_inputs, which says what is wrong."""
+    g, p, w, s, r, gamma = inputs
+    try:
+        tokens = p.shape[0]
+        ok = (p.dtype is torch.int32 and p.dim() == 2 and p.shape[1] == spec.top_k and p.is_contiguous()
+              and g.dtype is spec.dtype and g.dim() == 2 and g.shape[1] == spec.hidden_size and g.is_contiguous()
+              and w.dtype in EXPERT_WEIGHT_DTYPES and w.shape == p.shape and w.is_contiguous()
+              and r.dtype is spec.dtype and r.shape == (tokens, spec.hidden_size) and r.is_contiguous()
+              and gamma.dtype is spec.dtype and gamma.shape == (spec.hidden_size,) and gamma.is_contiguous()
+              and (s is None) != spec.has_shared_output
+              and (s is None or (s.dtype is spec.dtype and s.shape == r.shape and s.is_contiguous())))
+        if not ok:
+            return False
+        if device.type == "cuda":
+            index = device.index
+            return all(t.is_cuda and t.get_device() == index for t in inputs if t is not None)
+        return all(t.device == device for t in inputs if t is not None)
+    except (AttributeError, TypeError):  # not a tensor somewhere
+        return False
+
+
 def validate_index_values(inputs: EpilogueInputs) -> None:
     """Every index in [-1, P). Reads values: host sync on GPU."""
     perm, rows = inputs.expanded_idx_to_permuted_idx, inputs.gemm2_out.shape[0]

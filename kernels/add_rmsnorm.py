@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -38,9 +40,11 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
 
 def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
                      residual: torch.Tensor, reduced: torch.Tensor, gamma: torch.Tensor, eps: float,
-                     weight_bias: float, quant: int, quant_scale: float, swizzled: bool) -> None:
+                     weight_bias: float, quant: int, quant_scale: float, swizzled: bool,
+                     num_warps: Optional[int] = None) -> None:
     """Launch into preallocated outputs. q: uint8 view ([T, H] fp8 codes or [T, H/2] packed fp4);
-    sf: uint8 scales (nvfp4 only). Unused q/sf may be any tensor. T == 0 launches nothing."""
+    sf: uint8 scales (nvfp4 only). Unused q/sf may be any tensor. T == 0 launches nothing.
+    num_warps overrides the launch shape (benchmark sweeps)."""
     tokens, hidden = residual.shape
     if tokens == 0:
         return
@@ -49,4 +53,4 @@ def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torc
     _add_rmsnorm_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
         residual, reduced, gamma, residual_out, norm_out, q, sf, tokens, hidden, float(eps), float(weight_bias),
         float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block, HW_CVT=residual.is_cuda,
-        num_warps=row_num_warps(block))
+        num_warps=num_warps or row_num_warps(block, quant))

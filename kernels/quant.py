@@ -101,7 +101,7 @@ def row_block(hidden: int) -> int:
     return max(64, triton.next_power_of_2(hidden))
 
 
-def row_num_warps(block: int) -> int:
+def row_num_warps(block: int, quant: int = QUANT_NONE) -> int:
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
@@ -120,4 +120,4 @@ def quantize_into(q: torch.Tensor, sf: torch.Tensor, x: torch.Tensor, quant: int
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
     _quantize_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
         x, q, sf, tokens, hidden, float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block,
-        HW_CVT=x.is_cuda, num_warps=row_num_warps(block))
+        HW_CVT=x.is_cuda, num_warps=row_num_warps(block, quant))

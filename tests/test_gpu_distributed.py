@@ -193,3 +193,19 @@ def test_graphs_routing_fp4_and_self_test_catch_the_traps():
         assert not passed and code == "self_test_mismatch", message
         passed, code = out["self_test_fp32_weights_uncast"]
         assert not passed and code == "self_test_mismatch"
+
+
+def test_migration_example_on_two_gpus_with_nccl():
+    import json
+    import os
+    import subprocess
+    import sys
+    needs_two_gpus()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "migration.examples.deepseek_moe", "--world-size", "2", "--shadow",
+                           "--json"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["agree"]
+    for r in doc["ranks"]:
+        assert r["device"] == "cuda" and r["strategy"] == "local_fused" and r["shadow"]["sampled"] == 1

@@ -95,3 +95,18 @@ def test_finalize_add_with_more_than_2_to_the_31_elements():
     assert rel_err(out, ref) < 2 * 2 ** -8
     del gemm2_out
     torch.cuda.empty_cache()
+
+
+def test_shadow_samples_eager_calls_and_skips_graph_capture():
+    spec = EpilogueSpec(hidden_size=4096, top_k=8)
+    with FusionBridge(spec, debug=False, shadow="reference", shadow_every=1) as bridge:
+        inp = make_inputs(spec, 8, device=DEV)
+        call(bridge, inp)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(bridge, inp)
+        graph.replay()
+        shadow = bridge.explain().to_dict()["shadow"]
+    assert shadow["calls"] == 2 and shadow["sampled"] == 1 and shadow["skipped_in_capture"] == 1
+    assert 0 < shadow["outputs"]["norm_out"]["max_rel_err"] < 5e-3

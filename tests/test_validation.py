@@ -8,6 +8,7 @@ import torch
 
 from fusion_bridge import EpilogueInputError, EpilogueSpec, FusionBridge, QuantSpec
 from fusion_bridge.testing import clone_inputs, inputs_equal, make_inputs
+from fusion_bridge.validation import inputs_look_valid
 
 SPEC = EpilogueSpec(hidden_size=64, top_k=2)
 
@@ -56,13 +57,21 @@ def bridge():
 def test_bad_input_raises_clearly_and_changes_nothing(bridge, case):
     _, change, message = case
     good = make_inputs(SPEC, 5, padding_rows=3)
-    bad = dataclasses.replace(good, **change(good))
+    bad = good._replace(**change(good))
     before = clone_inputs(good)
     with pytest.raises(EpilogueInputError, match="finalize_epilogue: ") as err:
         bridge.finalize_epilogue(bad.gemm2_out, bad.expanded_idx_to_permuted_idx, bad.expert_weights,
                                  bad.shared_output, bad.residual, bad.gamma)
     assert message in str(err.value) and "got" in str(err.value)
     assert inputs_equal(good, before)
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if not c[0].startswith("index ")],
+                         ids=[c[0] for c in BAD_INPUTS if not c[0].startswith("index ")])
+def test_the_hot_path_check_rejects_every_bad_metadata_case(case):
+    good = make_inputs(SPEC, 5, padding_rows=3)
+    assert inputs_look_valid(SPEC, good, torch.device("cpu"))
+    assert not inputs_look_valid(SPEC, good._replace(**case[1](good)), torch.device("cpu"))
 
 
 def test_shared_output_given_when_spec_has_none():

@@ -67,7 +67,8 @@ class FlashInferFusedStrategy(Strategy):
 
     def prepare(self) -> None:
         import flashinfer.comm as fi_comm
-        from ..kernels import ops  # noqa: F401  (our quant op)
+        from ..kernels import ops
+        self._ops = ops.fast  # our quant kernel
         self._fi = fi_comm
         self._workspace = fic.acquire_workspace(self.group, self.spec, self.env.world_size)
         self._rank = torch.distributed.get_rank(self.group)
@@ -100,7 +101,7 @@ class FlashInferFusedStrategy(Strategy):
         if q.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
         if quant_out is None:
-            quant_out, scale_out = torch.ops.fusion_bridge.quantize(
+            quant_out, scale_out = self._ops.quantize(
                 norm_out, _QUANT_CODE[q.kind], q.scale if q.kind is QuantKind.FP8 else q.global_scale,
                 q.sf_layout.value == "swizzled_128x4")
         return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out if q.kind is QuantKind.NVFP4 else None)

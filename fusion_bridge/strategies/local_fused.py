@@ -105,7 +105,8 @@ class LocalFusedStrategy(Strategy):
 
     def prepare(self) -> None:
         """Collective. Picks the sub-path on every rank alike, creating the FlashInfer workspace if used."""
-        from ..kernels import ops  # noqa: F401  (registers the custom ops; Triton compiles lazily)
+        from ..kernels import ops  # registers the custom ops; Triton compiles lazily
+        self._ops = ops.fast
         if self.env.world_size == 1:
             return
         wanted = self.static_subpath(self.spec, self.env) == SUBPATH_FLASHINFER
@@ -125,7 +126,7 @@ class LocalFusedStrategy(Strategy):
 
     def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
         spec = self.spec
-        partial = torch.ops.fusion_bridge.finalize_add(
+        partial = self._ops.finalize_add(
             inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights,
             inputs.shared_output, spec.routed_scaling_factor)
         fi = self._fi_ar_norm
@@ -137,7 +138,7 @@ class LocalFusedStrategy(Strategy):
         if self.env.world_size > 1:
             dist.all_reduce(partial, group=self.group)
         quant, scale, swizzled = self._quant
-        residual_out, norm_out, q, sf = torch.ops.fusion_bridge.add_rmsnorm_quant(
+        residual_out, norm_out, q, sf = self._ops.add_rmsnorm_quant(
             inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, quant, scale, swizzled)
         kind = spec.quant.kind
         return EpilogueOutputs(residual_out, norm_out, None if kind is QuantKind.NONE else q,
