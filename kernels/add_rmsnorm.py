@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import QUANT_NVFP4, launch_rows, quantize_row, row_block, row_num_warps, row_offsets, row_sum
+from .quant import QUANT_NVFP4, launch_rows, quantize_row, row_block, row_num_warps
 from .rounding import round_to
 
 
@@ -23,7 +23,7 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
                         tokens, hidden, eps, weight_bias, quant_scale, sf_cols,
                         QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = row_offsets(BLOCK, QUANT)
+    cols = tl.arange(0, BLOCK)
     # programs past T only write the swizzled scale padding; vector form of `row < tokens` because the
     # interpreter rejects a scalar-bool mask
     mask = (cols < hidden) & ((cols * 0 + row) < tokens)
@@ -31,7 +31,7 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
     x = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(reduced_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(residual_out_ptr + offs, round_to(x, residual_out_ptr.dtype.element_ty), mask=mask)
-    inv_rms = tl.rsqrt(row_sum(x * x, QUANT) / hidden + eps)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
     y = round_to(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
     tl.store(norm_out_ptr + offs, y, mask=mask)

@@ -54,7 +54,7 @@ def _e2m1_codes(a, sf):
 @triton.jit
 def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols,
                  QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
-    """Quantize row `row` (values y laid out by row_offsets, already rounded to the activation dtype).
+    """Quantize row `row` (values y [BLOCK], already rounded to the activation dtype) and store it.
     Rows at or past `tokens` store only swizzled scale padding (zeros). HW_CVT: use the GPU's
     round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it takes the software one)."""
     row_ok_cols = (cols * 0 + row) < tokens  # vector form: the interpreter rejects scalar-bool masks
@@ -66,18 +66,16 @@ def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_co
             code, _ = _e4m3_rne_satfinite(v)
         tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=(cols < hidden) & row_ok_cols)
     if QUANT == 2:
-        # y arrives as [BLOCK/16 scale blocks, 8 pairs, 2] (see row_offsets): no reshapes, whose layout
-        # conversions through shared memory would cost more than the arithmetic
-        yf = y.to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(yf), axis=2), axis=1)
+        yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
+        amax = tl.max(tl.abs(yb), axis=1)
         sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
-        scaled = yf * quant_scale
-        codes = _e2m1_codes(tl.abs(scaled), sf[:, None, None]) | ((scaled < 0).to(tl.int32) << 3)
-        lo, hi = tl.split(codes)
+        scaled = yb * quant_scale
+        codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
+        lo, hi = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
+        packed_cols = tl.arange(0, BLOCK // 2)
+        tl.store(q_ptr + row * (hidden // 2) + packed_cols, (lo | (hi << 4)).to(tl.uint8),
+                 mask=(packed_cols < hidden // 2) & ((packed_cols * 0 + row) < tokens))
         kb = tl.arange(0, BLOCK // 16)
-        byte = kb[:, None] * 8 + tl.arange(0, 8)[None, :]
-        tl.store(q_ptr + row * (hidden // 2) + byte, (lo | (hi << 4)).to(tl.uint8),
-                 mask=(byte < hidden // 2) & ((byte * 0 + row) < tokens))
         sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
         if SWIZZLED:
             sf_off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16
@@ -89,32 +87,10 @@ def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_co
 
 
 @triton.jit
-def row_offsets(BLOCK: tl.constexpr, QUANT: tl.constexpr):
-    """Element offsets within a row: [BLOCK] flat, or for NVFP4 [BLOCK/16, 8, 2] (scale block, pair,
-    element of the pair), the shape its quantization works in."""
-    if QUANT == 2:
-        offs = (tl.arange(0, BLOCK // 16)[:, None, None] * 16 + tl.arange(0, 8)[None, :, None] * 2
-                + tl.arange(0, 2)[None, None, :])
-    else:
-        offs = tl.arange(0, BLOCK)
-    return offs
-
-
-@triton.jit
-def row_sum(v, QUANT: tl.constexpr):
-    """Sum of a row laid out by row_offsets."""
-    if QUANT == 2:
-        total = tl.sum(tl.sum(tl.sum(v, axis=2), axis=1), axis=0)
-    else:
-        total = tl.sum(v, axis=0)
-    return total
-
-
-@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, sf_ptr, tokens, hidden, quant_scale, sf_cols,
                      QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = row_offsets(BLOCK, QUANT)
+    cols = tl.arange(0, BLOCK)
     y = tl.load(x_ptr + row * hidden + cols, mask=(cols < hidden) & ((cols * 0 + row) < tokens), other=0.0)
     quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK,
                  HW_CVT)
@@ -126,8 +102,9 @@ def row_block(hidden: int) -> int:
 
 
 def row_num_warps(block: int, quant: int = QUANT_NONE) -> int:
-    """Warps per row program. From the H200 sweep at H=7168 (benchmarks/results/*launch_sweep.csv):
-    fp8 is issue-bound and wants the most threads (32 warps: 79 us vs 88 us at 8 warps, T=4096)."""
+    """Warps per row program. From the H200 sweeps at H=7168 (benchmarks/results/*launch_sweep.csv):
+    fp8 is issue-bound and wants the most threads (32 warps: 79 us vs 88 us at 8 warps, T=4096); nvfp4
+    is best at 8 (97 us vs 103-111 us at 16-32)."""
     if quant == QUANT_FP8:
         return max(4, min(32, block // 256))
     return 4 if block <= 2048 else (8 if block <= 4096 or quant == QUANT_NVFP4 else 16)
