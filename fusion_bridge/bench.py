@@ -28,31 +28,31 @@ def tune_rank(rank: int, world_size: int, spec: EpilogueSpec, progress: bool) ->
         return table
 
 
-def host_overhead_us(bridge, tokens: int, calls: int = 300) -> dict:
-    """Eager host time per call of finalize_epilogue and of the selected strategy's run() directly."""
+def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> dict:
+    """Eager host time per call: finalize_epilogue against the selected strategy's run() (the kernel
+    launches themselves), interleaved in `rounds` rounds of `calls` calls; medians."""
+    import statistics
     from .testing import make_inputs
     inp = make_inputs(bridge.spec, tokens, device=bridge.device)
     strategy = bridge._by_bucket[(tokens - 1).bit_length()]
-
-    def bridge_call():
-        bridge.finalize_epilogue(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                                 inp.shared_output, inp.residual, inp.gamma)
-
-    def raw_call():
-        strategy.run(inp)
-
-    out = {}
-    for name, fn in (("bridge", bridge_call), ("raw", raw_call), ("bridge2", bridge_call), ("raw2", raw_call)):
+    args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
+            inp.residual, inp.gamma)
+    fns = {"bridge": lambda: bridge.finalize_epilogue(*args), "raw": lambda: strategy.run(inp)}
+    samples: dict[str, list[float]] = {"bridge": [], "raw": []}
+    for fn in fns.values():
         for _ in range(20):
             fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out[name] = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-    return {"bridge_us": min(out["bridge"], out["bridge2"]), "raw_us": min(out["raw"], out["raw2"]),
-            "strategy": strategy.name}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    bridge_us, raw_us = statistics.median(samples["bridge"]), statistics.median(samples["raw"])
+    return {"bridge_us": round(bridge_us, 2), "raw_us": round(raw_us, 2),
+            "overhead_us": round(bridge_us - raw_us, 2), "strategy": strategy.name}
 
 
 def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool) -> dict:
