@@ -68,6 +68,8 @@ class FusionBridge:
         if requested != AUTO and requested not in registry.REGISTRY:
             raise ValueError(f"FusionBridge: strategy must be 'auto' or one of {list(registry.REGISTRY)}, "
                              f"got {requested!r}")
+        if tuning not in ("auto", "off"):
+            raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
         self.spec, self.group, self.requested = spec, group, requested
         if shadow is None and os.environ.get("FUSION_BRIDGE_SHADOW"):
             shadow, shadow_every = parse_shadow_env(os.environ["FUSION_BRIDGE_SHADOW"])
@@ -87,8 +89,6 @@ class FusionBridge:
         self.statuses = self._build_statuses(run_self_test)
         self._max_tokens = spec.max_tokens
         self.table: Optional[dict] = None
-        if tuning not in ("auto", "off"):
-            raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
         if measured_us is None and tuning == "auto" and self.device.type == "cuda":
             self.table = tuning_tables.load_table(spec, self.env, group)  # collective: rank 0 decides
             if self.table is not None:

@@ -76,3 +76,12 @@ def test_every_rank_uses_rank_zeros_table(tmp_path):
         del os.environ["FUSION_BRIDGE_CACHE_DIR"]
     r0, r1 = run_distributed(_load_on_ranks, 2, dirs, backend="gloo", timeout_s=120)
     assert r0 == r1 == {"separate": {"1": 3.0}}
+
+
+def test_local_fused_keeps_flashinfer_for_buckets_the_table_did_not_measure():
+    from fusion_bridge.strategies.local_fused import LocalFusedStrategy
+    strategy = LocalFusedStrategy(DSV3, H200_TP2)
+    strategy.subpath_by_bucket = ["nccl_local_norm", "flashinfer_ar_norm", ""]
+    assert [strategy._flashinfer_wanted(t) for t in (1, 2, 3, 4096)] == [False, True, True, True]
+    strategy.forced_subpath = "nccl_local_norm"
+    assert not strategy._flashinfer_wanted(2)

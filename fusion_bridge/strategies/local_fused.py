@@ -149,7 +149,8 @@ class LocalFusedStrategy(Strategy):
             return self.forced_subpath == SUBPATH_FLASHINFER
         table = self.subpath_by_bucket
         i = (tokens - 1).bit_length()
-        return table is None or i >= len(table) or table[i] == SUBPATH_FLASHINFER
+        # unmeasured buckets ("" or beyond the table) keep the static preference: FlashInfer
+        return table is None or i >= len(table) or table[i] != SUBPATH_NCCL
 
     def subpaths(self) -> list[str]:
         """The sub-paths this prepared instance can run (what tuning measures)."""
