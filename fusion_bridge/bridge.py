@@ -18,6 +18,7 @@ Environment variables:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import weakref
 from typing import Optional
@@ -107,6 +108,9 @@ class FusionBridge:
         local = self._instances.get("local_fused")
         if local is not None and subpaths:
             local.subpath_by_bucket = [subpaths.get(b, "") for b in self.plan.bounds]
+            chosen = ", ".join(f"T<={b}: {subpaths[b]}" for b in self.plan.bounds if b in subpaths)
+            self.plan = dataclasses.replace(self.plan, notes=self.plan.notes + (
+                f"local_fused all-reduce+norm sub-path, measured per bucket: {chosen}",))
         self._by_bucket = [self._instances[name] for name in self.plan.choice]
         self._overflow = self._instances.get(self.plan.overflow) if self.plan.overflow else None
 

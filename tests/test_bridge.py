@@ -61,3 +61,12 @@ def test_outputs_are_fresh_tensors_in_the_activation_dtype():
         out = call(bridge, inp)
     assert out.residual_out.dtype == out.norm_out.dtype == torch.float16
     assert out.named().keys() == {"residual_out", "norm_out"}
+
+
+def test_measured_sub_paths_reach_local_fused_and_the_report():
+    measured = {"local_fused/nccl_local_norm": {1: 5.0, 2: 5.0}, "separate": {1: 50.0, 2: 50.0}}
+    with FusionBridge(SPEC, measured_us=measured) as bridge:
+        assert bridge.plan.source == "measured" and bridge.strategy_for(1) == "separate"  # CPU: never local
+        local = bridge._instances["local_fused"]
+        assert local.subpath_by_bucket[:2] == ["nccl_local_norm", "nccl_local_norm"]
+        assert "sub-path, measured per bucket: T<=1: nccl_local_norm" in str(bridge.explain())
