@@ -80,9 +80,14 @@ class FusionBridge:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # compare against the tensors' cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.env = environment or detect(group, device)
         self.debug = _env_flag("FUSION_BRIDGE_DEBUG", False) if debug is None else debug
+        self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
+        self._check_tokens = self.debug and self.env.world_size > 1    # T equal on all ranks: a collective
         run_self_test = _env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test
         self.reroutes = 0
         self._closed = False
@@ -112,6 +117,7 @@ class FusionBridge:
             self.plan = dataclasses.replace(self.plan, notes=self.plan.notes + (
                 f"local_fused all-reduce+norm sub-path, measured per bucket: {chosen}",))
         self._by_bucket = [self._instances[name] for name in self.plan.choice]
+        self._bucket_checks_shape = [type(s).accepts is not Strategy.accepts for s in self._by_bucket]
         self._overflow = self._instances.get(self.plan.overflow) if self.plan.overflow else None
 
     # ---------------------------------------------------------------- build
@@ -187,16 +193,20 @@ class FusionBridge:
                                 residual, gamma)
         if not inputs_look_valid(self.spec, inputs, self.device):
             validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
-        tokens = inputs.tokens
-        if self.device.type == "cpu" or self.debug:
+        tokens = expanded_idx_to_permuted_idx.shape[0]
+        if self._check_values:
             validate_index_values(inputs)
-        if self.debug and self.env.world_size > 1:
+        if self._check_tokens:
             validate_tokens_agree(tokens, self.group, collective_device(self.group, self.device))
         if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
             return self._empty_outputs()
-        strategy = self._by_bucket[(tokens - 1).bit_length()] if tokens <= self._max_tokens else None
-        if strategy is None or not strategy.accepts(inputs):
-            strategy = self._reroute(inputs, strategy)
+        if tokens <= self._max_tokens:
+            bucket = (tokens - 1).bit_length()
+            strategy = self._by_bucket[bucket]
+            if self._bucket_checks_shape[bucket] and not strategy.accepts(inputs):
+                strategy = self._reroute(inputs, strategy)
+        else:
+            strategy = self._reroute(inputs, None)
         out = strategy.run(inputs)
         if self._shadow is not None and self._shadow.due():
             self._run_shadow(inputs, out)

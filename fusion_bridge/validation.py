@@ -80,8 +80,11 @@ def inputs_look_valid(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.
             return False
         if device.type == "cuda":
             index = device.index
-            return all(t.is_cuda and t.get_device() == index for t in inputs if t is not None)
-        return all(t.device == device for t in inputs if t is not None)
+            return (g.get_device() == index and p.get_device() == index and w.get_device() == index
+                    and r.get_device() == index and gamma.get_device() == index
+                    and (s is None or s.get_device() == index))
+        return (g.device == device and p.device == device and w.device == device and r.device == device
+                and gamma.device == device and (s is None or s.device == device))
     except (AttributeError, TypeError):  # not a tensor somewhere
         return False
 
