@@ -39,11 +39,6 @@ def collect(*checks: MaybeReason | Iterable[MaybeReason]) -> list[Reason]:
     return out
 
 
-def not_implemented(who: str) -> Reason:
-    return Reason("not_implemented", f"{who}: not implemented yet",
-                  "track the issue that adds this strategy")
-
-
 def require_cuda(env: Environment, who: str) -> MaybeReason:
     if env.device_type != "cuda":
         return Reason("needs_cuda", f"{who} requires a CUDA device, but the device is {env.device_type!r}",
