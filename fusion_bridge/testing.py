@@ -9,7 +9,7 @@ import torch
 
 from . import quant_ref
 from .io import EpilogueInputs, EpilogueOutputs
-from .spec import NVFP4_BLOCK, EpilogueSpec, QuantKind
+from .spec import EpilogueSpec, QuantKind
 
 
 def make_inputs(spec: EpilogueSpec, tokens: int, *, rank: int = 0, seed: int = 0,

@@ -136,7 +136,8 @@ def measure(bridge, candidates: list[tuple[str, Callable]], buckets: list[int], 
                           for i in range(1, count)]
         times = []
         for label, run in candidates:
-            times.append(time_graph(lambda i, run=run: run(sets[i]), sets=count, calls=max(count, 20)))
+            times.append(time_graph(lambda i, run=run, inputs=sets: run(inputs[i]), sets=count,
+                                    calls=max(count, 20)))
             step(f"T={tokens} {label}")
         t = torch.tensor(times, dtype=torch.float64, device=dev)
         if env.world_size > 1:

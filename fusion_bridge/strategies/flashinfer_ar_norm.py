@@ -18,7 +18,7 @@ from ..io import EpilogueOutputs
 from ..reasons import Reason, collect, require_hidden_multiple
 from ..spec import EpilogueSpec, QuantKind, Stage
 from . import flashinfer_common as fic
-from .base import Step
+from .base import Step, kernel_quant_args
 
 NAME = "flashinfer_ar_norm"
 _ONESHOT_MAX_MB = {2: 512, 4: 64, 8: 42, 16: 42}  # FlashInfer's B200 heuristic; tuning may override
@@ -106,8 +106,7 @@ class FlashInferArNorm:
             rms_gamma=gamma, rms_eps=spec.eps, scale_factor=self.scale, layout_code=self.layout,
             weight_bias=spec.weight_bias)
         if spec.quant.kind is QuantKind.NVFP4 and not self.fused_fp4:
-            quant_out, scale_out = self._ops.quantize(
-                norm_out, 2, spec.quant.global_scale, spec.quant.sf_layout.value == "swizzled_128x4")
+            quant_out, scale_out = self._ops.quantize(norm_out, *kernel_quant_args(spec))
         return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out)
 
     def close(self) -> None:

@@ -21,10 +21,9 @@ from ..io import EpilogueInputs, EpilogueOutputs
 from ..reasons import collect, require_hidden_multiple
 from ..spec import QuantKind, Stage
 from . import flashinfer_common as fic
-from .base import Step, Strategy, required_stages
+from .base import Step, Strategy, kernel_quant_args, required_stages
 
 INT32_LIMIT = 2 ** 31
-_QUANT_CODE = {QuantKind.FP8: 1, QuantKind.NVFP4: 2}
 
 
 class FlashInferFusedStrategy(Strategy):
@@ -101,9 +100,7 @@ class FlashInferFusedStrategy(Strategy):
         if q.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
         if quant_out is None:
-            quant_out, scale_out = self._ops.quantize(
-                norm_out, _QUANT_CODE[q.kind], q.scale if q.kind is QuantKind.FP8 else q.global_scale,
-                q.sf_layout.value == "swizzled_128x4")
+            quant_out, scale_out = self._ops.quantize(norm_out, *kernel_quant_args(spec))
         return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out if q.kind is QuantKind.NVFP4 else None)
 
     def _fused_quant_outputs(self, inputs: EpilogueInputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from ..agreement import agree_flags, collective_device
@@ -23,10 +22,9 @@ from ..io import EpilogueInputs, EpilogueOutputs
 from ..reasons import Reason, collect, require_sm_at_least, require_triton
 from ..spec import QuantKind, Stage
 from . import flashinfer_ar_norm, flashinfer_common
-from .base import Step, Strategy, required_stages
+from .base import Step, Strategy, kernel_quant_args, required_stages
 
 MAX_HIDDEN = 32768  # one token row per program, held in registers
-QUANT_CODE = {QuantKind.NONE: 0, QuantKind.FP8: 1, QuantKind.NVFP4: 2}
 SUBPATH_FLASHINFER, SUBPATH_NCCL, SUBPATH_NONE = "flashinfer_ar_norm", "nccl_local_norm", "none"
 
 
@@ -44,13 +42,6 @@ def _hidden_fits(spec) -> Optional[Reason]:
         return Reason("hidden_too_large", f"local_fused's add+RMSNorm kernel holds one row per program: "
                       f"hidden_size <= {MAX_HIDDEN} required, got {spec.hidden_size}", "use 'separate'")
     return None
-
-
-def quant_args(spec) -> tuple[int, float, bool]:
-    """(quant code, scale for the kernel, swizzled?) for our quant kernels."""
-    q = spec.quant
-    scale = q.scale if q.kind is QuantKind.FP8 else (q.global_scale if q.kind is QuantKind.NVFP4 else 1.0)
-    return QUANT_CODE[q.kind], scale, q.sf_layout.value == "swizzled_128x4"
 
 
 class LocalFusedStrategy(Strategy):
@@ -101,7 +92,7 @@ class LocalFusedStrategy(Strategy):
         self.nccl_reroutes = 0  # calls above the FlashInfer workspace that took the NCCL sub-path
         self.forced_subpath: Optional[str] = None  # tuning measures each sub-path in turn
         self.subpath_by_bucket: Optional[list[str]] = None  # tuned choice per token bucket
-        self._quant = quant_args(spec)
+        self._quant = kernel_quant_args(spec)
 
     def prepare(self) -> None:
         """Collective. Picks the sub-path on every rank alike, creating the FlashInfer workspace if used."""

@@ -7,7 +7,6 @@ fp32 inside) -> quant (torch).
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ..io import EpilogueInputs, EpilogueOutputs
