@@ -10,7 +10,7 @@ import sys
 import time
 
 from fusion_bridge import EpilogueSpec, FusionBridge
-from fusion_bridge.testing import make_inputs
+from fusion_bridge.synthetic import make_inputs
 
 
 class NoOp:

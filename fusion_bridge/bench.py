@@ -32,7 +32,7 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
     """Eager host time per call: finalize_epilogue against the selected strategy's run() (the kernel
     launches themselves), interleaved in `rounds` rounds of `calls` calls; medians."""
     import statistics
-    from .testing import make_inputs
+    from .synthetic import make_inputs
     inp = make_inputs(bridge.spec, tokens, device=bridge.device)
     strategy = bridge._by_bucket[(tokens - 1).bit_length()]
     args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,

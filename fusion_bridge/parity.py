@@ -9,7 +9,8 @@ import torch
 from .bridge import FusionBridge
 from .launch import run_distributed
 from .spec import EpilogueSpec
-from .testing import compare, make_inputs, quant_error_bound
+from .numerics import compare, quant_error_bound
+from .synthetic import make_inputs
 
 
 def parity_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: int, seed: int,

@@ -18,7 +18,8 @@ from .reasons import Reason
 from .spec import EpilogueSpec
 from .strategies.base import Strategy
 from .strategies.reference import ReferenceStrategy
-from .testing import compare, failures, make_inputs
+from .numerics import compare, failures
+from .synthetic import make_inputs
 
 SELF_TEST_TOKENS = 7  # several tokens, odd: T=1 hides the H=2880 FlashInfer bug (DESIGN.md section 4)
 SELF_TEST_SEED = 20261130

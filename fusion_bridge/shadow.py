@@ -19,7 +19,7 @@ import torch
 
 from .io import EpilogueOutputs
 from .spec import EpilogueSpec
-from .testing import compare
+from .numerics import compare
 
 
 @dataclass

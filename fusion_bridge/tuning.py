@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .environment import Environment
 from .spec import EpilogueSpec
-from .testing import make_inputs
+from .synthetic import make_inputs
 from .timing import sets_to_rotate, time_graph
 
 TABLES_DIR = Path(__file__).with_name("tables")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusion_bridge import EpilogueSpec, FusionBridge, NoStrategyAvailable
-from fusion_bridge.testing import make_inputs
+from fusion_bridge.synthetic import make_inputs
 
 SPEC = EpilogueSpec(hidden_size=64, top_k=2, max_tokens=8)
 

@@ -20,7 +20,7 @@ def test_parity_over_real_gloo_groups(world_size):
 
 
 def _inputs_differ_per_rank(rank, world_size):
-    from fusion_bridge.testing import make_inputs
+    from fusion_bridge.synthetic import make_inputs
     inp = make_inputs(SPEC, 4, rank=rank)
     return inp.gemm2_out.nan_to_num(0).sum().item(), inp.residual.sum().item()
 
@@ -58,7 +58,7 @@ def test_an_explicit_request_missing_on_one_rank_raises_on_every_rank_without_ha
 
 def _token_counts(rank, world_size):
     from fusion_bridge import EpilogueInputError, FusionBridge
-    from fusion_bridge.testing import make_inputs
+    from fusion_bridge.synthetic import make_inputs
     out = {}
     with FusionBridge(SPEC, debug=True) as bridge:
         empty = make_inputs(SPEC, 0, rank=rank)  # every rank idle: no collective may run

@@ -19,7 +19,8 @@ def needs_two_gpus():
 
 def _grid(rank, world_size):
     from fusion_bridge import EpilogueSpec, FusionBridge
-    from fusion_bridge.testing import compare, failures, make_inputs
+    from fusion_bridge.numerics import compare, failures
+    from fusion_bridge.synthetic import make_inputs
 
     dev = torch.device("cuda", rank)
     problems, ran = [], set()
@@ -69,7 +70,8 @@ def _graphs_routing_and_fp4(rank, world_size):
     from fusion_bridge.selftest import self_test
     from fusion_bridge.strategies.flashinfer_fused import FlashInferFusedStrategy
     from fusion_bridge.strategies.flashinfer_fused_fp4 import FlashInferFusedFp4Strategy
-    from fusion_bridge.testing import compare, failures, make_inputs
+    from fusion_bridge.numerics import compare, failures
+    from fusion_bridge.synthetic import make_inputs
     from fusion_bridge.validation import EpilogueInputError
 
     dev = torch.device("cuda", rank)

@@ -7,7 +7,8 @@ import torch
 
 from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
 from fusion_bridge.strategies.reference import reference_epilogue
-from fusion_bridge.testing import compare, failures, make_inputs, rel_err
+from fusion_bridge.numerics import compare, failures, rel_err
+from fusion_bridge.synthetic import make_inputs
 from fusion_bridge.torch_math import finalize_fp32
 
 pytestmark = pytest.mark.gpu

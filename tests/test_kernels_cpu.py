@@ -7,7 +7,8 @@ import torch
 from fusion_bridge import EpilogueSpec, SFLayout
 from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
 from fusion_bridge.strategies.base import rounding_error_bound
-from fusion_bridge.testing import make_inputs, rel_err
+from fusion_bridge.numerics import rel_err
+from fusion_bridge.synthetic import make_inputs
 from fusion_bridge.torch_math import finalize_fp32, rmsnorm_fp32
 from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.finalize_add import finalize_add_into

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
-from fusion_bridge.testing import compare, failures, make_inputs
+from fusion_bridge.numerics import compare, failures
+from fusion_bridge.synthetic import make_inputs
 
 SEPARATE_GRID = list(itertools.product(
     [0, 1, 3, 64],            # T

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fusion_bridge import EpilogueInputError, EpilogueSpec, FusionBridge, QuantSpec
-from fusion_bridge.testing import clone_inputs, inputs_equal, make_inputs
+from fusion_bridge.synthetic import make_inputs
+from tests.helpers import clone_inputs, inputs_equal
 from fusion_bridge.validation import inputs_look_valid
 
 SPEC = EpilogueSpec(hidden_size=64, top_k=2)

@@ -1,4 +1,5 @@
-"""Random epilogue inputs and error metrics, shared by the tests, the self-test, `parity` and benchmarks."""
+"""Error metrics and error bounds: how an output is judged against the oracle (self-test, shadow,
+`parity`, the tests)."""
 
 from __future__ import annotations
 
@@ -8,54 +9,8 @@ from typing import Optional
 import torch
 
 from . import quant_ref
-from .io import EpilogueInputs, EpilogueOutputs
+from .io import EpilogueOutputs
 from .spec import EpilogueSpec, QuantKind
-
-
-def make_inputs(spec: EpilogueSpec, tokens: int, *, rank: int = 0, seed: int = 0,
-                device: torch.device | str = "cpu", weight_dtype: torch.dtype = torch.float32,
-                skip_fraction: float = 0.1, padding_rows: int = 3) -> EpilogueInputs:
-    """Fresh random inputs for one rank.
-
-    The routing (index map, weights), residual and gamma are the same on every rank, as in tensor
-    parallelism; gemm2_out and shared_output are per-rank partial sums, drawn from a per-rank seed.
-    A `skip_fraction` of the index map is -1, and every gemm2_out row that no valid index points at
-    (padding, skipped slots) holds NaN, so a kernel that reads one shows it.
-    """
-    dev = torch.device(device)
-    common = torch.Generator(device=dev).manual_seed(seed)
-    per_rank = torch.Generator(device=dev).manual_seed(seed * 7919 + 1000003 * (rank + 1))
-    hidden, k = spec.hidden_size, spec.top_k
-    slots = tokens * k
-    rows = slots + padding_rows
-    perm = torch.randperm(max(slots, 1), generator=common, device=dev)[:slots].reshape(tokens, k).to(torch.int32)
-    if skip_fraction > 0 and slots:
-        perm[torch.rand(tokens, k, generator=common, device=dev) < skip_fraction] = -1
-    weights = torch.rand(tokens, k, generator=common, device=dev).to(weight_dtype)
-    residual = torch.randn(tokens, hidden, generator=common, device=dev).to(spec.dtype)
-    gamma = (1.0 + 0.1 * torch.randn(hidden, generator=common, device=dev)).to(spec.dtype)
-    gemm2_out = torch.randn(rows, hidden, generator=per_rank, device=dev)
-    referenced = torch.zeros(rows, dtype=torch.bool, device=dev)
-    referenced[perm[perm >= 0].long()] = True
-    gemm2_out[~referenced] = float("nan")
-    shared = (torch.randn(tokens, hidden, generator=per_rank, device=dev).to(spec.dtype)
-              if spec.has_shared_output else None)
-    return EpilogueInputs(gemm2_out.to(spec.dtype), perm, weights, shared, residual, gamma)
-
-
-def clone_inputs(inputs: EpilogueInputs) -> EpilogueInputs:
-    return EpilogueInputs(*(None if t is None else t.clone() for t in (
-        inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights,
-        inputs.shared_output, inputs.residual, inputs.gamma)))
-
-
-def inputs_equal(a: EpilogueInputs, b: EpilogueInputs) -> bool:
-    pairs = [(a.gemm2_out, b.gemm2_out), (a.expanded_idx_to_permuted_idx, b.expanded_idx_to_permuted_idx),
-             (a.expert_weights, b.expert_weights), (a.shared_output, b.shared_output),
-             (a.residual, b.residual), (a.gamma, b.gamma)]
-    return all((x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
-                                             and torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)))
-               for x, y in pairs)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
