@@ -29,6 +29,7 @@ class Environment:
     single_node: bool = True
     torch_version: str = torch.__version__
     triton_version: Optional[str] = None  # None: not importable
+    triton_error: Optional[str] = None    # why triton did not import (e.g. the interpreter needs numpy)
     flashinfer_version: Optional[str] = None  # None: not importable
     flashinfer_error: Optional[str] = None
     triton_interpret: bool = False        # TRITON_INTERPRET=1: Triton kernels run on CPU (tests only)
@@ -47,12 +48,14 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_version() -> Optional[str]:
+def _triton_probe() -> tuple[Optional[str], Optional[str]]:
+    """(version, None) when triton imports, else (None, the error). Under TRITON_INTERPRET=1 importing
+    triton loads its interpreter, which needs numpy: that error is the real cause, so keep it."""
     try:
         import triton
-        return triton.__version__
-    except Exception:  # pragma: no cover - depends on the install
-        return None
+        return triton.__version__, None
+    except Exception as exc:  # ImportError (triton or numpy missing), or a broken install
+        return None, f"{type(exc).__name__}: {exc}"[:300]
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,13 +85,15 @@ def detect(group=None, device: Optional[torch.device] = None, *, probe_flashinfe
         world_size = dist.get_world_size(group)
         single_node = _group_is_single_node(group) if world_size > 1 else True
     fi_version, fi_error = _flashinfer_probe() if probe_flashinfer else (None, "not probed")
+    triton_version, triton_error = _triton_probe()
     sm = gpu_name = None
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         sm, gpu_name = major * 10 + minor, torch.cuda.get_device_name(device)
     return Environment(
         device_type=device.type, sm=sm, gpu_name=gpu_name, world_size=world_size,
-        single_node=single_node, torch_version=torch.__version__, triton_version=_triton_version(),
+        single_node=single_node, torch_version=torch.__version__, triton_version=triton_version,
+        triton_error=triton_error,
         flashinfer_version=fi_version, flashinfer_error=fi_error,
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
     )

@@ -56,8 +56,17 @@ def require_sm_at_least(env: Environment, who: str, min_sm: int, code: str = "sm
 
 def require_triton(env: Environment, who: str) -> MaybeReason:
     if env.triton_version is None:
-        return Reason("triton_missing", f"{who} requires triton, which is not importable",
-                      "pip install triton")
+        cause = env.triton_error or ""
+        if env.triton_interpret and cause and "No module named 'triton'" not in cause:
+            # triton is installed, but under TRITON_INTERPRET=1 its import loads the interpreter,
+            # which failed: say so, not "triton missing"
+            return Reason("triton_interpreter_unavailable",
+                          f"{who} runs its Triton kernels under TRITON_INTERPRET=1 here, but importing "
+                          f"triton's interpreter failed ({cause})",
+                          "pip install numpy (the interpreter needs it; fusion-bridge's 'test' extra "
+                          "brings it)" if "numpy" in cause else "fix the triton install")
+        return Reason("triton_missing", f"{who} requires triton, which is not importable"
+                      + (f" ({cause})" if cause else ""), "pip install triton")
     return None
 
 
@@ -78,7 +87,7 @@ def require_world_size_in(env: Environment, who: str, sizes: tuple[int, ...]) ->
     if env.world_size not in sizes:
         return Reason("world_size_unsupported",
                       f"{who} supports world sizes {list(sizes)}, but the group has {env.world_size} ranks",
-                      "use NCCL all-reduce (strategy 'separate' or 'local_fused')")
+                      "use an NCCL all-reduce strategy ('local_fused_nccl' or 'separate')")
     return None
 
 

@@ -24,10 +24,29 @@ def finalize_fp32(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Te
     return weighted.sum(dim=1) * routed_scaling_factor
 
 
+def overflow_scale(x: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
+    """Per row: 1.0, or, where the fp32 mean of squares overflowed (a finite row with |x| >~ 1.8e19,
+    which bf16 can hold), the power of two 2^(31 - floor(log2(amax))) that brings the
+    row's largest magnitude into [2^31, 2^32). Computed without a host sync (graph-safe)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    _, e = torch.frexp(amax)  # amax in [2^(e-1), 2^e)
+    # the power of two built from its exponent bits: exact, and normal for every finite fp32 amax
+    power = ((127 + 32 - e).clamp(1, 254).to(torch.int32) << 23).view(torch.float32)
+    return torch.where(mean_sq == float("inf"), power, torch.ones_like(power))
+
+
 def rmsnorm_fp32(x: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias) in fp32.
+
+    Overflow-safe: a row whose sum of squares overflows fp32 is first scaled by a power of two s
+    (then x*s, and eps*s^2 in place of eps: the same value up to rounding). Every other row has
+    s = 1 and computes exactly the unscaled formula, bit for bit."""
     x = x.float()
-    inv_rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return x * inv_rms * (gamma.float() + weight_bias)
+    mean_sq = x.pow(2).mean(dim=-1, keepdim=True)
+    s = overflow_scale(x, mean_sq)
+    xs = x * s
+    inv_rms = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps * s * s)
+    return xs * inv_rms * (gamma.float() + weight_bias)
 
 
 def quantize(norm_out: torch.Tensor, spec: EpilogueSpec) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

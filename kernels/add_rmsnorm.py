@@ -2,7 +2,7 @@
 
     x            = residual + reduced                       (fp32)
     residual_out = round(x)
-    norm_out     = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias))
+    norm_out     = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias))   (overflow-safe, see below)
     quant        = quantize(norm_out)                       (reads the rounded norm_out)
 """
 
@@ -31,9 +31,20 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
     x = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(reduced_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(residual_out_ptr + offs, round_to(x, residual_out_ptr.dtype.element_ty), mask=mask)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    sum_sq = tl.sum(x * x, axis=0)
+    # Overflow-safe: a finite row with |x| >~ 1.8e19 (bf16 holds up to 3.4e38) overflows the fp32 sum
+    # of squares, and rsqrt(inf) = 0 would zero the row. Such a row is scaled by the power of two s
+    # bringing its largest magnitude into [2^31, 2^32) (exact), with eps*s^2 in place of eps. Every
+    # other row has s = 1 and computes the unscaled formula bit for bit.
+    overflow = sum_sq == float("inf")
+    amax_exp = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
+    power = ((tl.minimum(tl.maximum(285 - amax_exp, 1), 254)) << 23).to(tl.float32, bitcast=True)
+    s = tl.where(overflow, power, 1.0)
+    x_s = x * s
+    sum_sq = tl.where(overflow, tl.sum(x_s * x_s, axis=0), sum_sq)
+    inv_rms = tl.rsqrt(sum_sq / hidden + eps * s * s)
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
-    y = round_to(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
+    y = round_to(x_s * inv_rms * g, norm_out_ptr.dtype.element_ty)
     tl.store(norm_out_ptr + offs, y, mask=mask)
     quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK, HW_CVT)
 

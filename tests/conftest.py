@@ -1,5 +1,9 @@
 """Test setup. On a machine without a GPU the Triton kernels run under the interpreter (set before any
-kernel module is imported), and debug validation is on. Tests marked `gpu` skip without CUDA."""
+kernel module is imported). Tests marked `gpu` skip without CUDA.
+
+The suite tests the default (non-debug) path: FUSION_BRIDGE_DEBUG is removed from the environment, so
+a shell that exports it cannot hide a check that only debug mode makes. Tests of debug mode ask for it
+explicitly (FusionBridge(..., debug=True) or monkeypatch.setenv)."""
 
 import os
 
@@ -9,7 +13,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("FUSION_BRIDGE_DEBUG", "1")
+os.environ.pop("FUSION_BRIDGE_DEBUG", None)
 
 from fusion_bridge.launch import NO_MULTICAST_ENV  # noqa: E402  (after TRITON_INTERPRET is set)
 

@@ -1,21 +1,36 @@
-"""Our Triton kernels against the pure-torch references, under TRITON_INTERPRET=1 on CPU (on a GPU
-machine the same tests run on the GPU). Outputs are poisoned first and checked fully written."""
+"""Our Triton kernels under TRITON_INTERPRET=1 on CPU (on a GPU machine the same tests run on the GPU).
+
+Two oracles: the fp32 torch reference rounded once (`torch_math` / `quant_ref`: each kernel rounds once
+from fp32, so under the interpreter the outputs must be *equal*; on a GPU FMA contraction may move a
+value by at most one ulp), and the independent float64 oracle (`tests/oracle64.py`): every element
+within half an ulp of the exact value, plus the fp32 arithmetic error before the one rounding.
+Quantized outputs are checked bit for bit against both quantizers applied to the kernel's own
+norm_out. Outputs are poisoned first, so an element left unwritten shows up.
+"""
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from fusion_bridge import EpilogueSpec, SFLayout
+from fusion_bridge import EpilogueSpec
+from fusion_bridge.spec import SFLayout
 from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
-from fusion_bridge.strategies.base import rounding_error_bound
-from fusion_bridge.numerics import rel_err
 from fusion_bridge.synthetic import make_inputs
 from fusion_bridge.torch_math import finalize_fp32, rmsnorm_fp32
 from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.finalize_add import finalize_add_into
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, quantize_into
+from tests import oracle64
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = 0xFF
+# fp32 error before the one rounding, relative: an RMSNorm row (sum of squares, rsqrt, two products)
+# stays below 2^-22 measured (2.4e-7 worst over H=80..2880); 2^-20 leaves 4x.
+NORM_FP32_SLACK = 2.0 ** -20
+# a finalize sum of K+1 <= 9 fp32 terms errs by at most 9 * 2^-24 <= 2^-20 times the sum of |terms|
+FINALIZE_FP32_SLACK = 2.0 ** -20
 
 
 def poisoned(shape, dtype):
@@ -24,71 +39,131 @@ def poisoned(shape, dtype):
     return t
 
 
-@pytest.mark.parametrize("tokens", [0, 1, 3, 17])
-@pytest.mark.parametrize("hidden,top_k", [(80, 1), (256, 8), (2880, 2)])
+def assert_rounded_once(got, ref_fp32):
+    """Equal to the fp32 reference rounded once (interpreter); within one ulp on a GPU (FMA)."""
+    want = ref_fp32.to(got.dtype)
+    if DEVICE == "cpu":
+        diff = (got.float() != want.float()).nonzero()
+        assert torch.equal(got, want), f"{len(diff)} elements differ, e.g. at {diff[:5].tolist()}"
+    else:
+        ulp = oracle64.ulp(want.cpu().double(), got.dtype)
+        assert ((got.cpu().double() - want.cpu().double()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 3, 9])
+@pytest.mark.parametrize("hidden,top_k", [(80, 1), (160, 8), (2880, 2)])
 @pytest.mark.parametrize("dtype,weight_dtype,shared", [
     (torch.bfloat16, torch.float32, True), (torch.bfloat16, torch.bfloat16, False),
     (torch.float16, torch.float32, True)])
-def test_finalize_add_matches_fp32_reference(tokens, hidden, top_k, dtype, weight_dtype, shared):
+def test_finalize_add_rounds_once_from_fp32(tokens, hidden, top_k, dtype, weight_dtype, shared):
+    scaling = 2.5  # != 1: a kernel that drops it is off by 2.5x
     spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, dtype=dtype, has_shared_output=shared,
-                        routed_scaling_factor=2.5)
+                        routed_scaling_factor=scaling)
     inp = make_inputs(spec, tokens, seed=tokens + hidden, device=DEVICE, weight_dtype=weight_dtype)
     out = poisoned((tokens, hidden), dtype)
     finalize_add_into(out, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                      inp.shared_output, 2.5)
-    ref = finalize_fp32(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, 2.5)
+                      inp.shared_output, scaling)
+    ref = finalize_fp32(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, scaling)
     if shared:
         ref = ref + inp.shared_output.float()
-    # one rounding in the kernel and one in rounding the reference for comparison; skipped slots
-    # point at NaN rows, so any read of them shows up as a non-finite output
+    # skipped slots point at NaN rows: a read of one shows up as non-finite
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref.to(dtype)) <= rounding_error_bound(dtype, 2)
+    assert_rounded_once(out, ref)
+    cpu = [None if t is None else t.cpu() for t in inp]
+    exact = oracle64.finalize64(cpu[0], cpu[1], cpu[2], scaling)
+    magnitude = oracle64.finalize64(cpu[0].abs(), cpu[1], cpu[2].abs(), scaling)
+    if shared:
+        exact, magnitude = exact + cpu[3].double(), magnitude + cpu[3].double().abs()
+    oracle64.check_rounded_once(out.cpu(), exact, slack_abs=FINALIZE_FP32_SLACK * magnitude)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 130])
-@pytest.mark.parametrize("hidden", [80, 2880])
-@pytest.mark.parametrize("quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_FP8, SFLayout.LINEAR),
-                                          (QUANT_NVFP4, SFLayout.SWIZZLED_128x4), (QUANT_NVFP4, SFLayout.LINEAR)])
-def test_add_rmsnorm_quant_matches_reference(tokens, hidden, quant, layout):
-    dtype = torch.bfloat16
-    g = torch.Generator().manual_seed(tokens * 31 + hidden)
-    residual = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
-    reduced = (3 * torch.randn(tokens, hidden, generator=g)).to(dtype).to(DEVICE)
-    gamma = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
-    scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 6.0}[quant]
+def _norm_inputs(tokens, hidden, seed, magnitude=1.0):
+    g = torch.Generator().manual_seed(seed)
+    residual = (magnitude * torch.randn(tokens, hidden, generator=g)).to(torch.bfloat16)
+    reduced = (3 * magnitude * torch.randn(tokens, hidden, generator=g)).to(torch.bfloat16)
+    gamma = (1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
+    return residual.to(DEVICE), reduced.to(DEVICE), gamma.to(DEVICE)
+
+
+def _run_add_rmsnorm(residual, reduced, gamma, eps, weight_bias, quant, scale, layout):
+    tokens, hidden = residual.shape
+    dtype = residual.dtype
     residual_out, norm_out = poisoned((tokens, hidden), dtype), poisoned((tokens, hidden), dtype)
     q_shape = {QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[quant]
     q = poisoned(q_shape, torch.uint8)
     sf = poisoned(sf_shape(tokens, hidden, layout) if quant == QUANT_NVFP4 else (0,), torch.uint8)
-    add_rmsnorm_into(residual_out, norm_out, q, sf, residual, reduced, gamma, 1e-6, 0.5, quant, scale,
+    add_rmsnorm_into(residual_out, norm_out, q, sf, residual, reduced, gamma, eps, weight_bias, quant, scale,
                      layout is SFLayout.SWIZZLED_128x4)
-    x = residual.float() + reduced.float()
-    assert torch.equal(residual_out, x.to(dtype))  # one RNE rounding of the same fp32 sum
-    ref_norm = rmsnorm_fp32(x, gamma, 1e-6, 0.5)
-    assert torch.isfinite(norm_out).all()
-    assert rel_err(norm_out, ref_norm.to(dtype)) <= rounding_error_bound(dtype, 2)
-    # quantization reads the kernel's own rounded norm_out: then it must match the reference bit for bit
+    return residual_out, norm_out, q, sf
+
+
+def check_quant_codes(quant, layout, scale, norm_out, q, sf):
+    """Bit for bit against quant_ref and against the float64 oracle's quantizers, both applied to the
+    kernel's own rounded norm_out (the quantizers' input by convention)."""
+    swizzled = layout is SFLayout.SWIZZLED_128x4
     if quant == QUANT_FP8:
         assert torch.equal(q, quantize_fp8(norm_out, scale).view(torch.uint8))
+        assert torch.equal(q.cpu(), oracle64.fp8_codes(norm_out.cpu(), scale))
     if quant == QUANT_NVFP4:
         ref_q, ref_sf = quantize_nvfp4(norm_out, scale, layout)
         assert torch.equal(q, ref_q)
         assert torch.equal(sf, ref_sf)  # includes the zeroed swizzle padding (was poisoned)
+        o_q, o_sf = oracle64.nvfp4(norm_out.cpu(), scale, swizzled)
+        assert torch.equal(q.cpu(), o_q) and torch.equal(sf.cpu(), o_sf)
 
 
-@pytest.mark.parametrize("quant", [QUANT_FP8, QUANT_NVFP4])
-def test_standalone_quantize_matches_reference(quant):
-    x = (2 * torch.randn(5, 96, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16).to(DEVICE)
+QUANTS = [(QUANT_NONE, SFLayout.LINEAR), (QUANT_FP8, SFLayout.LINEAR),
+          (QUANT_NVFP4, SFLayout.SWIZZLED_128x4), (QUANT_NVFP4, SFLayout.LINEAR)]
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 80), (3, 160), (130, 80), (3, 2880)])
+@pytest.mark.parametrize("quant,layout", QUANTS)
+def test_add_rmsnorm_quant_rounds_once_and_quantizes_its_own_output(tokens, hidden, quant, layout):
+    residual, reduced, gamma = _norm_inputs(tokens, hidden, tokens * 31 + hidden)
+    scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 6.0}[quant]
+    eps, weight_bias = 1e-6, 0.5  # weight_bias != 0: the scale is gamma + 0.5, not gamma
+    residual_out, norm_out, q, sf = _run_add_rmsnorm(residual, reduced, gamma, eps, weight_bias, quant, scale,
+                                                     layout)
+    x = residual.float() + reduced.float()
+    assert torch.equal(residual_out, x.to(residual.dtype))  # one RNE rounding of the same fp32 sum
+    assert torch.isfinite(norm_out).all()
+    assert_rounded_once(norm_out, rmsnorm_fp32(x, gamma, eps, weight_bias))
+    oracle64.check_rounded_once(norm_out.cpu(), oracle64.rmsnorm64(x.cpu(), gamma.cpu(), eps, weight_bias),
+                                NORM_FP32_SLACK)
+    check_quant_codes(quant, layout, scale, norm_out, q, sf)
+
+
+@pytest.mark.parametrize("quant,layout", QUANTS)
+def test_eps_is_observable_and_applied(quant, layout):
+    """Rows of rms ~0.03: mean(x^2) ~ 1e-3, so eps = 1e-2 shrinks norm_out about 3x; dropping eps (or
+    using another) cannot pass the once-rounded comparison."""
+    eps, weight_bias = 1e-2, -0.25
+    residual, reduced, gamma = _norm_inputs(5, 96, 7, magnitude=0.01)
+    x = residual.float() + reduced.float()
+    with_eps = oracle64.rmsnorm64(x.cpu(), gamma.cpu(), eps, weight_bias)
+    without = oracle64.rmsnorm64(x.cpu(), gamma.cpu(), 1e-9, weight_bias)
+    assert oracle64.normwise_rel_err(with_eps, without) > 0.5  # the case really observes eps
+    scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.002, QUANT_NVFP4: 448 * 6 / 0.5}[quant]
+    _, norm_out, q, sf = _run_add_rmsnorm(residual, reduced, gamma, eps, weight_bias, quant, scale, layout)
+    assert_rounded_once(norm_out, rmsnorm_fp32(x, gamma, eps, weight_bias))
+    oracle64.check_rounded_once(norm_out.cpu(), with_eps, NORM_FP32_SLACK)
+    check_quant_codes(quant, layout, scale, norm_out, q, sf)
+
+
+@pytest.mark.parametrize("quant,layout", [(QUANT_FP8, SFLayout.LINEAR), (QUANT_NVFP4, SFLayout.SWIZZLED_128x4),
+                                          (QUANT_NVFP4, SFLayout.LINEAR)])
+def test_standalone_quantize_matches_both_quantizers(quant, layout):
+    x = (2 * torch.randn(5, 96, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    x[0, :16] = 0.0  # an all-zero block: sf 0, every code 0
+    x[1, 0] = 1000.0  # fp8 saturates (1000 / 0.01 far above 448)
+    x = x.to(DEVICE)
     scale = 0.01 if quant == QUANT_FP8 else 100.0
     if quant == QUANT_FP8:
-        q = poisoned((5, 96), torch.uint8)
-        quantize_into(q, torch.empty(0, dtype=torch.uint8, device=DEVICE), x, quant, scale, False)
-        assert torch.equal(q, quantize_fp8(x, scale).view(torch.uint8))
+        q, sf = poisoned((5, 96), torch.uint8), torch.empty(0, dtype=torch.uint8, device=DEVICE)
     else:
-        q, sf = poisoned((5, 48), torch.uint8), poisoned(sf_shape(5, 96, SFLayout.SWIZZLED_128x4), torch.uint8)
-        quantize_into(q, sf, x, quant, scale, True)
-        ref_q, ref_sf = quantize_nvfp4(x, scale, SFLayout.SWIZZLED_128x4)
-        assert torch.equal(q, ref_q) and torch.equal(sf, ref_sf)
+        q, sf = poisoned((5, 48), torch.uint8), poisoned(sf_shape(5, 96, layout), torch.uint8)
+    quantize_into(q, sf, x, quant, scale, layout is SFLayout.SWIZZLED_128x4)
+    check_quant_codes(quant, layout, scale, x, q, sf)
 
 
 def test_custom_ops_allocate_empty_outputs_for_zero_tokens():
@@ -101,3 +176,23 @@ def test_custom_ops_allocate_empty_outputs_for_zero_tokens():
     r, n, q, sf = torch.ops.fusion_bridge.add_rmsnorm_quant(empty, empty, torch.ones(64, dtype=torch.bfloat16,
                                                             device=DEVICE), 1e-6, 0.0, QUANT_NVFP4, 1.0, True)
     assert r.shape == n.shape == (0, 64) and q.shape == (0, 32) and sf.shape == (0, 4)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="about the interpreter")
+def test_an_interpreter_that_cannot_import_is_reported_with_its_cause():
+    """numpy missing: under TRITON_INTERPRET=1 `import triton` fails; the reason must say so, not
+    claim that triton is missing."""
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"  # as if numpy were not installed
+        "from fusion_bridge.environment import detect\n"
+        "from fusion_bridge.reasons import require_triton\n"
+        "env = detect(probe_flashinfer=False)\n"
+        "r = require_triton(env, 'local_fused')\n"
+        "print(env.triton_version, '|', r.code, '|', r.message, '|', r.hint)\n")
+    import os
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    version, reason_code, message, hint = [p.strip() for p in res.stdout.strip().splitlines()[-1].split("|")]
+    assert version == "None" and reason_code == "triton_interpreter_unavailable"
+    assert "numpy" in message and "TRITON_INTERPRET=1" in message and "pip install numpy" in hint
