@@ -1,0 +1,131 @@
+"""`symm_fused_oneshot`: our own single launch over PyTorch symmetric memory (multicast off):
+finalize + shared add + all-reduce + residual add + RMSNorm (+ FP8 / NVFP4) for small T.
+
+Each rank finalizes its partial (fp32 accumulate, routed scaling, shared add), rounds it ONCE to the
+activation dtype and pushes it into every rank's buffer; after system-scope release/acquire flags
+every rank sums the W rounded partials in rank order in fp32, adds the residual and normalizes, so
+all outputs are bitwise identical on every rank. Error against the fp32 oracle: the partial's
+rounding + the output's rounding + the oracle's (3 roundings in quadrature).
+
+Calls with more tokens than the workspace holds (`max_tokens_per_call`) take the planner's overflow
+route. A peer that does not arrive within the timeout makes the kernel write NaN and an error word,
+and every later call on every rank raises: the bridge must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..io import EpilogueInputs, EpilogueOutputs
+from ..reasons import collect
+from ..spec import QuantKind
+from . import symm_workspace as sw
+from .base import Step, Strategy, kernel_quant_args, required_stages
+
+#: launch variants (BLOCK1 finalize chunk, BLOCK2 norm chunk, warps); None = the per-T default
+LaunchVariant = Optional[tuple[int, int, int]]
+
+
+class SymmFusedOneshotStrategy(Strategy):
+    name = "symm_fused_oneshot"
+    summary = ("one Triton launch over symmetric memory: finalize+shared, push to peers, rank-ordered fp32 "
+               "reduce, residual+RMSNorm (+fp8/nvfp4)")
+    self_tested = True
+    #: seconds a rank waits for its peers before the call fails (override before prepare(); tests use less)
+    timeout_s: float = float(os.environ.get("FUSION_BRIDGE_SYMM_TIMEOUT_S", sw.DEFAULT_TIMEOUT_S))
+
+    @classmethod
+    def not_supported_reasons(cls, spec, env):
+        return sw.reasons(spec, env, cls.name)
+
+    @classmethod
+    def steps(cls, spec, env):
+        return [Step("triton.symm_oneshot_epilogue", required_stages(spec, env.world_size))]
+
+    @classmethod
+    def roundings(cls, spec, env):
+        return 2  # the partial (activation dtype, read back by every rank) and each output
+
+    @classmethod
+    def max_tokens_per_call(cls, spec, env):
+        return sw.capacity(spec, env.world_size)
+
+    def local_resource_reasons(self):
+        return collect(sw.memory_reason(self.spec, self.env.world_size, self.device, self.name))
+
+    def prepare(self) -> None:
+        from ..kernels import symm_oneshot
+        self._kernel = symm_oneshot
+        self._quant_args = kernel_quant_args(self.spec)
+        self._ws = sw.create(self.group, self.spec, self.env.world_size, self.device, self.timeout_s)
+
+    @property
+    def workspace_bytes(self) -> int:
+        ws = getattr(self, "_ws", None)
+        return ws.nbytes if ws is not None else 0
+
+    def accepts(self, inputs: EpilogueInputs) -> bool:
+        ws = getattr(self, "_ws", None)
+        return ws is not None and inputs.expanded_idx_to_permuted_idx.shape[0] <= ws.cap
+
+    def check_error(self) -> None:
+        """Raise if an earlier launch timed out or was aborted (reads pinned memory; no sync)."""
+        word = self._ws.error_word()
+        if word:
+            raise RuntimeError(describe_error(word, self._ws.rank))
+
+    def run(self, inputs: EpilogueInputs, variant: LaunchVariant = None) -> EpilogueOutputs:
+        ws = self._ws
+        self.check_error()
+        tokens, hidden = inputs.residual.shape
+        if tokens > ws.cap:
+            raise ValueError(f"{self.name}: T={tokens} exceeds the workspace's {ws.cap} tokens (the planner "
+                             "routes such calls elsewhere)")
+        spec = self.spec
+        residual_out, norm_out = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
+        quant, scale, swizzled = self._quant_args
+        q, sf = _quant_outputs(inputs.residual, spec.quant.kind, swizzled)
+        self._kernel.fused_into(
+            ws, residual_out, norm_out, q.view(torch.uint8) if q.dtype != torch.uint8 else q, sf,
+            inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights, inputs.shared_output,
+            inputs.residual, inputs.gamma, spec.routed_scaling_factor, spec.eps, spec.weight_bias, quant, scale,
+            swizzled, launch=variant)
+        if spec.quant.kind is QuantKind.NONE:
+            return EpilogueOutputs(residual_out, norm_out)
+        return EpilogueOutputs(residual_out, norm_out, q, sf if spec.quant.kind is QuantKind.NVFP4 else None)
+
+    def close(self) -> None:
+        ws, self._ws = getattr(self, "_ws", None), None
+        sw.close(ws, self.group)
+
+
+def _quant_outputs(like: torch.Tensor, kind: QuantKind, swizzled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, sf): fp8 [T, H] float8_e4m3fn; nvfp4 [T, H/2] uint8 + uint8 scales
+    ([round_up(T,128), round_up(H/16,4)] swizzled or [T, H/16]); unused ones empty uint8."""
+    tokens, hidden = like.shape
+    new = like.new_empty
+    if kind is QuantKind.FP8:
+        return new(tokens, hidden, dtype=torch.float8_e4m3fn), new(0, dtype=torch.uint8)
+    if kind is QuantKind.NVFP4:
+        blocks = hidden // 16
+        shape = (-(-tokens // 128) * 128, -(-blocks // 4) * 4) if swizzled else (tokens, blocks)
+        return new(tokens, hidden // 2, dtype=torch.uint8), new(shape, dtype=torch.uint8)
+    return new(0, dtype=torch.uint8), new(0, dtype=torch.uint8)
+
+
+def describe_error(word: int, rank: int) -> str:
+    """Turn the kernel's error word into a message naming the rank(s) that did not arrive."""
+    from ..kernels.symm_oneshot import ERR_ABORTED, ERR_TIMEOUT
+    missed = [r for r in range(16) if word & (1 << r)]
+    if word & int(ERR_ABORTED):
+        return (f"symm_fused_oneshot: rank {rank} stopped because rank {(word >> 20) & 0xFF} timed out waiting for "
+                f"rank(s) {missed} in an earlier call; its outputs since then are NaN. The peers are out of step: "
+                "rebuild the bridge (close it and create a new one on every rank)")
+    if word & int(ERR_TIMEOUT):
+        return (f"symm_fused_oneshot: rank {rank} timed out waiting for rank(s) {missed}, which did not make the "
+                "matching call (all ranks must call with the same T, in the same order); that call's outputs are "
+                "NaN. Rebuild the bridge (close it and create a new one on every rank)")
+    return f"symm_fused_oneshot: rank {rank}: unknown kernel error word {word:#x}; rebuild the bridge"

@@ -1,0 +1,171 @@
+"""The symmetric-memory workspace of `symm_fused_oneshot`: capability checks, sizing, collective
+creation and release.
+
+PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
+buffer into every peer's address space over NVLink. We use only `empty`, `rendezvous` and the
+handle's `buffer_ptrs` / `multicast_ptr`. NVLink multicast must stay off: multicast objects can take
+shared GPUs out of service, so the variables below must hold these values before the rendezvous, the
+handle must expose no multicast pointer, and our kernel uses no multimem instruction.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..environment import Environment
+from ..reasons import Reason, collect, require_cuda, require_single_node, require_sm_at_least, require_triton
+from ..spec import EpilogueSpec
+
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a drift test)
+HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
+WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
+MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in registers
+MAX_CAP_TOKENS = 2048  # one-shot is the small-T path; larger T takes the overflow route
+MAX_BUFFER_BYTES = 512 << 20
+DEFAULT_TIMEOUT_S = 60.0  # a peer that has not arrived by then is treated as gone (bridge must be rebuilt)
+
+
+@functools.lru_cache(maxsize=None)
+def probe_symm_mem() -> Optional[str]:
+    """None when the symmetric-memory API we use is importable, else what is missing."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except Exception as exc:  # ImportError, or a build without distributed
+        return f"torch.distributed._symmetric_memory does not import ({type(exc).__name__}: {exc})"[:300]
+    missing = [n for n in SYMM_MEM_API if not hasattr(symm_mem, n)]
+    handle_cls = getattr(symm_mem, "_SymmetricMemory", None)
+    missing += [f"_SymmetricMemory.{n}" for n in HANDLE_API if handle_cls is None or not hasattr(handle_cls, n)]
+    return f"torch.distributed._symmetric_memory lacks {missing}" if missing else None
+
+
+def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> Optional[Reason]:
+    """The multicast-disabling variables must be set (to exactly these values) in this process."""
+    environ = os.environ if environ is None else environ
+    wrong = {k: environ.get(k) for k, v in MULTICAST_OFF.items() if environ.get(k) != v}
+    if wrong:
+        return Reason("multicast_not_disabled",
+                      f"{who} requires {MULTICAST_OFF} before the symmetric-memory rendezvous (NVLink multicast "
+                      f"can take shared GPUs out of service), but found {wrong}",
+                      "export " + " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items())
+                      + " in every rank before torch.distributed is initialized")
+    return None
+
+
+def capacity(spec: EpilogueSpec, world_size: int) -> int:
+    """Tokens one call may carry: the data slots are [2][W][cap][H], bounded in bytes."""
+    per_token = 2 * max(world_size, 1) * spec.hidden_size * torch.finfo(spec.dtype).bits // 8
+    return max(0, min(spec.max_tokens, MAX_CAP_TOKENS, MAX_BUFFER_BYTES // per_token))
+
+
+def buffer_bytes(spec: EpilogueSpec, world_size: int) -> int:
+    from ..kernels.symm_oneshot import buffer_bytes as kernel_bytes
+    return kernel_bytes(world_size, capacity(spec, world_size), spec.hidden_size,
+                        torch.finfo(spec.dtype).bits // 8)
+
+
+def reasons(spec: EpilogueSpec, env: Environment, who: str,
+            probe: Callable[[], Optional[str]] = probe_symm_mem,
+            environ: Optional[Mapping[str, str]] = None) -> list[Reason]:
+    """Every static reason the symmetric-memory one-shot cannot run (pure but for the probe and the
+    process environment, both injectable for tests)."""
+    out = collect(require_cuda(env, who), require_triton(env, who),
+                  require_sm_at_least(env, who, 90, why=" (system-scope acquire/release over NVLink; validated "
+                                                        "on H200)"),
+                  require_single_node(env, who), multicast_reason(who, environ))
+    if env.triton_interpret:
+        out.append(Reason("triton_interpreter", f"{who} signals peers with inline PTX, which the Triton "
+                          "interpreter (TRITON_INTERPRET=1) cannot run", "unset TRITON_INTERPRET"))
+    missing = probe()
+    if missing is not None:
+        out.append(Reason("symm_mem_unavailable", f"{who} requires PyTorch symmetric memory: {missing} "
+                          f"(torch {env.torch_version})", "use a torch build with CUDA symmetric memory (>= 2.6)"))
+    if env.world_size not in WORLD_SIZES:
+        out.append(Reason("world_size_unsupported", f"{who} supports world sizes {list(WORLD_SIZES)} (one NVLink "
+                          f"node), but the group has {env.world_size} ranks", "use an NCCL-based strategy"))
+    if spec.hidden_size > MAX_HIDDEN:
+        out.append(Reason("hidden_too_large", f"{who} supports hidden_size <= {MAX_HIDDEN} (a row is held in "
+                          f"registers), but hidden_size is {spec.hidden_size}", "another strategy handles it"))
+    elif capacity(spec, env.world_size) == 0:
+        out.append(Reason("workspace_too_small", f"{who}: not one token of H={spec.hidden_size} fits the "
+                          f"{MAX_BUFFER_BYTES >> 20} MiB workspace at world size {env.world_size}", ""))
+    return out
+
+
+def memory_reason(spec: EpilogueSpec, world_size: int, device: torch.device, who: str) -> Optional[Reason]:
+    """Can this rank hold the buffer? Checked locally before the collective creation."""
+    need = buffer_bytes(spec, world_size)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need + (256 << 20) > free:
+        return Reason("workspace_no_memory", f"{who}: the symmetric buffer for {capacity(spec, world_size)} tokens "
+                      f"needs {need / 2**20:.0f} MiB (+256 MiB headroom), {free / 2**20:.0f} MiB are free",
+                      "lower EpilogueSpec.max_tokens or free GPU memory")
+    return None
+
+
+@dataclass
+class SymmWorkspace:
+    """What one launch needs. ptrs: int64 [W + 1] device (every rank's buffer, then the pinned error
+    word); state: int32 [4] device (epoch, done-counter, error word); err: int32 [4] pinned host."""
+
+    buffer: torch.Tensor
+    handle: object
+    ptrs: torch.Tensor
+    state: torch.Tensor
+    err: torch.Tensor
+    world: int
+    rank: int
+    cap: int
+    data_off: int  # elements of the activation dtype before slot 0
+    num_sms: int
+    timeout_ns: int
+    nbytes: int
+
+    def error_word(self) -> int:
+        """The error the kernel left (0: none). Reads pinned host memory: no device sync."""
+        return int(self.err[0])
+
+
+def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
+           timeout_s: float = DEFAULT_TIMEOUT_S) -> SymmWorkspace:
+    """Collective: every rank of `group` calls it. Raises RuntimeError if multicast could be used."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ..kernels.symm_oneshot import flags_bytes
+    bad = multicast_reason("symm_fused_oneshot")
+    if bad is not None:
+        raise RuntimeError(f"[{bad.code}] {bad.message}. {bad.hint}")
+    group = group if group is not None else dist.group.WORLD
+    elem = torch.finfo(spec.dtype).bits // 8
+    cap = capacity(spec, world_size)
+    nbytes = buffer_bytes(spec, world_size)
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
+        raise RuntimeError("[multicast_present] symm_fused_oneshot: the symmetric-memory handle exposes a multicast "
+                           "pointer although multicast is disabled; refusing to run")
+    buffer.zero_()  # flags start at 0 < the first epoch (1)
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # no rank signals before every rank's flags are zeroed
+    torch.cuda.synchronize(device)
+    err = torch.zeros(4, dtype=torch.int32).pin_memory()
+    ptrs = torch.tensor([int(p) for p in handle.buffer_ptrs] + [err.data_ptr()], dtype=torch.int64, device=device)
+    state = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=device)
+    return SymmWorkspace(buffer, handle, ptrs, state, err, world_size, dist.get_rank(group), cap,
+                         flags_bytes(world_size) // elem, torch.cuda.get_device_properties(device).multi_processor_count,
+                         int(timeout_s * 1e9), nbytes)
+
+
+def close(ws: Optional[SymmWorkspace], group) -> None:
+    """Collective release: wait until no rank's kernel can still write into a peer's buffer."""
+    if ws is None:
+        return
+    torch.cuda.synchronize(ws.buffer.device)
+    if dist.is_initialized():
+        dist.barrier(group if group is not None else dist.group.WORLD)

@@ -1,0 +1,204 @@
+"""`symm_fused_oneshot` on CPU: the kernel's arithmetic under TRITON_INTERPRET=1 with the ranks emulated
+in one process (the signalling is GPU-only and tested on the device), its capability checks on
+Environment values, and the symmetric-memory API it calls (drift)."""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from fusion_bridge.spec import EpilogueSpec, SFLayout
+from fusion_bridge.environment import Environment
+from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
+from fusion_bridge.kernels.symm_oneshot import (ERR_ABORTED, ERR_TIMEOUT, emulate_publish,
+                                                emulate_reduce_norm, row_block)
+from fusion_bridge.numerics import rel_err
+from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
+from fusion_bridge.spec import QuantSpec, Stage
+from fusion_bridge.strategies import symm_workspace as sw
+from fusion_bridge.strategies.base import UNIT_ROUNDOFF
+from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy, describe_error
+from fusion_bridge.synthetic import make_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GOOD_ENV = Environment(device_type="cuda", sm=90, gpu_name="H200", world_size=2, triton_version="3.6.0")
+SAFE = dict(sw.MULTICAST_OFF)
+
+
+def poisoned(shape, dtype):
+    t = torch.empty(shape, dtype=dtype, device=DEVICE)
+    t.view(torch.uint8).fill_(0xFF)  # NaN for float dtypes
+    return t
+
+
+def oracle64(per_rank, spec):
+    """float64: partials [W, T, H], residual_out, norm_out of the exact math (no rounding at all)."""
+    partials = []
+    for inp in per_rank:
+        perm, w = inp.expanded_idx_to_permuted_idx.long(), inp.expert_weights.double()
+        g = inp.gemm2_out.double()
+        acc = torch.zeros(perm.shape[0], g.shape[1], dtype=torch.float64, device=g.device)
+        for t in range(perm.shape[0]):
+            for k in range(perm.shape[1]):
+                if perm[t, k] >= 0:
+                    acc[t] += w[t, k] * g[perm[t, k]]
+        acc *= spec.routed_scaling_factor
+        if inp.shared_output is not None:
+            acc += inp.shared_output.double()
+        partials.append(acc)
+    x = per_rank[0].residual.double() + sum(partials)
+    norm = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + spec.eps) * (per_rank[0].gamma.double() + spec.weight_bias)
+    return torch.stack(partials), x, norm
+
+
+def run_emulated(spec, tokens, world, quant, layout, block1, block2, seed=0):
+    per_rank = [make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
+                for r in range(world)]
+    hidden = spec.hidden_size
+    slots = poisoned((world, tokens, hidden), spec.dtype)
+    for r, inp in enumerate(per_rank):
+        emulate_publish(slots, r, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
+                        inp.shared_output, spec.routed_scaling_factor, block1=block1)
+    res = per_rank[0]
+    residual_out, norm_out = poisoned((tokens, hidden), spec.dtype), poisoned((tokens, hidden), spec.dtype)
+    q = poisoned({QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[quant],
+                 torch.uint8)
+    sf = poisoned(sf_shape(tokens, hidden, layout) if quant == QUANT_NVFP4 else (0,), torch.uint8)
+    scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}[quant]
+    emulate_reduce_norm(slots, res.residual, res.gamma, residual_out, norm_out, q, sf, spec.eps, spec.weight_bias,
+                        quant, scale, layout is SFLayout.SWIZZLED_128x4, block2=block2)
+    return per_rank, slots, residual_out, norm_out, q, sf, scale
+
+
+CASES = [  # tokens, hidden, top_k, world, block1, block2 (block2 >= H: whole rows; else chunks + row re-read)
+    (1, 96, 8, 2, 64, 64), (3, 160, 1, 2, 64, 1024), (5, 96, 8, 3, 64, 64), (4, 256, 2, 2, 128, 64),
+    (0, 96, 8, 2, 64, 64),
+]
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,world,block1,block2", CASES)
+@pytest.mark.parametrize("quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_FP8, SFLayout.LINEAR),
+                                          (QUANT_NVFP4, SFLayout.SWIZZLED_128x4), (QUANT_NVFP4, SFLayout.LINEAR)])
+def test_emulated_ranks_match_the_float64_oracle(tokens, hidden, top_k, world, block1, block2, quant, layout):
+    spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
+                        has_shared_output=(top_k != 2))
+    per_rank, slots, residual_out, norm_out, q, sf, scale = run_emulated(
+        spec, tokens, world, quant, layout, block1, block2, seed=tokens * 13 + hidden + world)
+    if tokens == 0:
+        return
+    partials, x, norm = oracle64(per_rank, spec)
+    u = UNIT_ROUNDOFF[spec.dtype]
+    # the partial is rounded once to bf16 (fp32 accumulation adds ~1e-7): norm-wise at most u; unwritten
+    # slots stay NaN (poisoned), and a read of a skipped slot's NaN row would make them NaN too
+    assert torch.isfinite(slots).all()
+    assert rel_err(slots, partials) <= u
+    # residual_out, norm_out: the partial's rounding + the output's, independent, in quadrature
+    for got, ref in ((residual_out, x), (norm_out, norm)):
+        assert torch.isfinite(got).all()
+        assert rel_err(got, ref) <= math.sqrt(2) * u
+    # residual_out is exactly one RNE rounding of the rank-ordered fp32 sum of the rounded partials
+    summed = slots[0].float()
+    for r in range(1, world):
+        summed = summed + slots[r].float()
+    assert torch.equal(residual_out, (per_rank[0].residual.float() + summed).to(spec.dtype))
+    # quantization reads the kernel's own rounded norm_out: bit-exact against the reference, padding included
+    if quant == QUANT_FP8:
+        assert torch.equal(q, quantize_fp8(norm_out, scale).view(torch.uint8))
+    if quant == QUANT_NVFP4:
+        ref_q, ref_sf = quantize_nvfp4(norm_out, scale, layout)
+        assert torch.equal(q, ref_q)
+        assert torch.equal(sf, ref_sf)
+
+
+def test_model_width_single_token():
+    """H=7168 (DeepSeek-V3), T=1, K=8, with the norm split into 1024-column chunks."""
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5)
+    per_rank, slots, residual_out, norm_out, q, sf, scale = run_emulated(
+        spec, 1, 2, QUANT_NVFP4, SFLayout.SWIZZLED_128x4, 1024, 1024)
+    partials, x, norm = oracle64(per_rank, spec)
+    u = UNIT_ROUNDOFF[spec.dtype]
+    assert rel_err(norm_out, norm) <= math.sqrt(2) * u
+    assert rel_err(residual_out, x) <= math.sqrt(2) * u
+    ref_q, ref_sf = quantize_nvfp4(norm_out, scale, SFLayout.SWIZZLED_128x4)
+    assert torch.equal(q, ref_q) and torch.equal(sf, ref_sf)
+
+
+def test_chunked_and_whole_row_norms_are_bitwise_equal():
+    """The row's sum of squares comes from the whole row either way, so launch variants (and hence ranks,
+    which all launch the same variant) agree bit for bit."""
+    spec = EpilogueSpec(hidden_size=160, top_k=4)
+    a = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, seed=5)
+    b = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, row_block(160), seed=5)
+    assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+
+
+# ---- capability checks (pure: Environment values, injected probe and process environment) ----
+def codes(spec, env, probe=lambda: None, environ=SAFE):
+    return {r.code for r in sw.reasons(spec, env, "symm_fused_oneshot", probe=probe, environ=environ)}
+
+
+def test_supported_on_h200_tp2():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8)
+    assert codes(spec, GOOD_ENV) == set()
+    for world in (2, 4, 8):
+        assert codes(spec, GOOD_ENV.replace(world_size=world)) == set()
+
+
+def test_missing_symmetric_memory_is_a_coded_reason():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8)
+    reasons = sw.reasons(spec, GOOD_ENV, "symm_fused_oneshot", probe=lambda: "no module named x", environ=SAFE)
+    assert [r.code for r in reasons] == ["symm_mem_unavailable"]
+    assert "no module named x" in reasons[0].message
+
+
+@pytest.mark.parametrize("missing", list(sw.MULTICAST_OFF))
+def test_multicast_variables_are_required(missing):
+    spec = EpilogueSpec(hidden_size=7168, top_k=8)
+    environ = {k: v for k, v in SAFE.items() if k != missing}
+    reasons = sw.reasons(spec, GOOD_ENV, "symm_fused_oneshot", probe=lambda: None, environ=environ)
+    assert [r.code for r in reasons] == ["multicast_not_disabled"]
+    assert missing in reasons[0].message
+    wrong = dict(SAFE, **{missing: "0" if SAFE[missing] == "1" else "1"})
+    assert codes(spec, GOOD_ENV, environ=wrong) == {"multicast_not_disabled"}
+
+
+def test_every_reason_is_collected():
+    spec = EpilogueSpec(hidden_size=20000, top_k=8)
+    env = Environment(device_type="cpu", world_size=1, single_node=False, triton_interpret=True)
+    got = codes(spec, env, probe=lambda: "absent", environ={})
+    assert got == {"needs_cuda", "triton_missing", "multi_node_group", "multicast_not_disabled",
+                   "triton_interpreter", "symm_mem_unavailable", "world_size_unsupported", "hidden_too_large"}
+    assert codes(EpilogueSpec(hidden_size=7168, top_k=8), GOOD_ENV.replace(sm=80)) == {"sm_too_low"}
+    assert codes(EpilogueSpec(hidden_size=7168, top_k=8), GOOD_ENV.replace(world_size=16)) == {"world_size_unsupported"}
+
+
+def test_strategy_declarations():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(100.0), max_tokens=8192)
+    cls = SymmFusedOneshotStrategy
+    assert cls.self_tested
+    (step,) = cls.steps(spec, GOOD_ENV)
+    assert step.stages == (Stage.FINALIZE, Stage.SHARED_ADD, Stage.ALL_REDUCE, Stage.RESIDUAL_NORM, Stage.QUANT)
+    assert cls.error_bound(spec, GOOD_ENV) == pytest.approx(math.sqrt(3) * 2.0 ** -8)
+    assert cls.max_tokens_per_call(spec, GOOD_ENV) == sw.MAX_CAP_TOKENS  # larger T overflows elsewhere
+    assert cls.max_tokens_per_call(EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64), GOOD_ENV) == 64
+    assert "variant" in inspect.signature(cls.run).parameters
+    # the buffer: 2 parity slots x W sources x cap tokens x H, plus the flag page
+    assert sw.buffer_bytes(spec, 2) == 2 * 2 * 2048 * 7168 * 2 + 4096 + 256
+
+
+def test_error_words_name_the_missing_rank():
+    msg = describe_error(int(ERR_TIMEOUT) | 0b10, rank=0)
+    assert "rank 0 timed out" in msg and "[1]" in msg and "rebuild the bridge" in msg.lower()
+    msg = describe_error(int(ERR_ABORTED) | (0 << 20) | 0b10, rank=1)
+    assert "rank 1 stopped because rank 0 timed out" in msg and "[1]" in msg
+
+
+# ---- API drift: what we call in torch's private symmetric-memory module ----
+def test_symmetric_memory_api_drift():
+    symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
+    assert sw.probe_symm_mem() is None
+    assert {"dtype", "device"} <= set(inspect.signature(symm_mem.empty).parameters)
+    assert list(inspect.signature(symm_mem.rendezvous).parameters)[:2] == ["tensor", "group"]
+    for attr in sw.HANDLE_API:
+        assert hasattr(symm_mem._SymmetricMemory, attr)
