@@ -76,6 +76,24 @@ def epilogue64_from(spec, per_rank_inputs: Sequence) -> tuple[torch.Tensor, torc
                       weight_bias=spec.weight_bias, routed_scaling=spec.routed_scaling_factor)
 
 
+def fp32_slack64(spec, per_rank_inputs: Sequence, rel: float = 2.0 ** -20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute error that fp32 arithmetic may add before the one rounding of residual_out and
+    norm_out: a sum of n <= 16 fp32 terms errs by at most n * 2^-24 <= 2^-20 (`rel`) times the sum of
+    the terms' magnitudes (cancellation makes that much larger than the result); norm_out carries it
+    through 1/rms * |gamma + weight_bias|, plus `rel` of its own value."""
+    first = per_rank_inputs[0]
+    magnitude = first.residual.to(F64).abs()
+    for i in per_rank_inputs:
+        magnitude = magnitude + finalize64(i.gemm2_out.abs(), i.expanded_idx_to_permuted_idx,
+                                           i.expert_weights.abs(), abs(spec.routed_scaling_factor))
+        if i.shared_output is not None:
+            magnitude = magnitude + i.shared_output.to(F64).abs()
+    residual_exact, norm_exact = epilogue64_from(spec, per_rank_inputs)
+    rms = torch.sqrt((residual_exact ** 2).mean(dim=1, keepdim=True) + spec.eps)
+    scale = (first.gamma.to(F64) + spec.weight_bias).abs()
+    return rel * magnitude, rel * magnitude / rms * scale + rel * norm_exact.abs()
+
+
 # ------------------------------------------------------------------ rounding to the activation dtype
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of `dtype` (bf16: 8 significant bits, fp16: 11) at |x|, float64."""
