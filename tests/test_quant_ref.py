@@ -1,10 +1,13 @@
-"""The torch FP8 / NVFP4 reference against hand-computed values and the swizzle formula."""
+"""The torch FP8 / NVFP4 reference against hand-computed values, the swizzle formula, and the
+independent float64 oracle's quantizers (tests/oracle64.py) over many binades."""
 
+import pytest
 import torch
 
-from fusion_bridge import SFLayout
+from fusion_bridge.spec import SFLayout
 from fusion_bridge.quant_ref import (dequantize_nvfp4, e2m1_codes, e4m3_satfinite, quantize_fp8,
                                      quantize_nvfp4, swizzled_sf_offset)
+from tests import oracle64
 
 
 def bits(t):
@@ -75,3 +78,42 @@ def test_swizzled_scales_land_at_their_offsets_and_padding_is_zero():
     written = torch.zeros_like(flat, dtype=torch.bool)
     written[offsets.reshape(-1)] = True
     assert (flat[~written] == 0).all() and (sf_lin != 0).all()
+
+
+def _wide_range(tokens, hidden, seed):
+    """Values over many binades: tiny (e4m3 subnormals after scaling), ordinary, saturating; zeros."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-20, 12, (tokens, hidden), generator=g).float())
+    x = torch.randn(tokens, hidden, generator=g) * mag
+    x[0, :16] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_reference_matches_the_float64_oracle(dtype):
+    x = _wide_range(7, 96, 1).to(dtype)
+    for scale in (0.02, 1.0, 3.0):
+        assert torch.equal(quantize_fp8(x, scale).view(torch.uint8), oracle64.fp8_codes(x, scale))
+
+
+@pytest.mark.parametrize("swizzled", [True, False])
+def test_nvfp4_reference_matches_the_float64_oracle(swizzled):
+    layout = SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
+    for tokens, hidden, gs in [(3, 96, 448.0), (130, 80, 100.0), (5, 160, 2688.0 / 7.0)]:
+        x = _wide_range(tokens, hidden, tokens).to(torch.bfloat16)
+        q, sf = quantize_nvfp4(x, gs, layout)
+        o_q, o_sf = oracle64.nvfp4(x, gs, swizzled)
+        assert torch.equal(q, o_q) and torch.equal(sf, o_sf)
+
+
+def test_the_three_swizzle_descriptions_agree():
+    """quant_ref's offset formula, the oracle's restatement of it, and the oracle's tile permutation."""
+    for tokens, blocks in [(1, 1), (130, 5), (256, 9)]:
+        sf = (torch.arange(tokens * blocks) % 251 + 1).to(torch.uint8).reshape(tokens, blocks)
+        tiled = oracle64.swizzle(sf).reshape(-1)
+        for m in range(0, tokens, 7):
+            for k in range(blocks):
+                off = oracle64.swizzle_offset(m, k, blocks)
+                assert off == swizzled_sf_offset(torch.tensor(m), torch.tensor(k), blocks).item()
+                assert tiled[off] == sf[m, k]
+        assert torch.equal(oracle64.unswizzle(oracle64.swizzle(sf), tokens, blocks), sf)
