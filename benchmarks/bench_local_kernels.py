@@ -3,7 +3,7 @@
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_local_kernels.py [--hidden 7168 --top-k 8] [--csv PATH]
 
 For T in 1, 2, 4, ..., 8192: kernel time inside a CUDA graph with inputs rotated beyond L2 ("rotated")
-and with the same inputs replayed ("same", as DESIGN.md section 5 timed), the achieved bandwidth
+and with the same inputs replayed ("same": L2-resident at small T, which flatters them), the achieved bandwidth
 (bytes read + written, each once) and its fraction of the device-to-device copy bandwidth measured in
 the same run.
 """

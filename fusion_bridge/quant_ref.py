@@ -1,11 +1,12 @@
 """Pure-torch FP8 and NVFP4 quantization, written for clarity: the oracle our kernels are checked against.
 
-Conventions (DESIGN.md section 1, matching FlashInfer 0.7.2.post1):
+Conventions (docs/math.md section 3, matching FlashInfer 0.7.2.post1 through 0.7.4):
 - fp8:   q = e4m3_satfinite(x / scale), x already rounded to the activation dtype.
 - nvfp4: per 16-element block b: sf_b = e4m3(global_scale * amax_b / 6);
          q = e2m1_rne_satfinite(x * global_scale / float(sf_b)), q = 0 where sf_b == 0; the quotient
-         is exact (not rounded to fp32 before the e2m1 rounding): an ulp-level refinement of DESIGN.md's
-         formula that lets the kernel compare against exact thresholds instead of dividing.
+         is exact (not rounded to fp32 before the e2m1 rounding), which lets the kernel compare against
+         exact thresholds instead of dividing; rounding the quotient to fp32 first would differ only
+         where that rounding crosses an e2m1 rounding boundary.
          Two e2m1 codes per byte, element 2i in the low nibble. Scales in the 128x4 swizzled layout
          ([round_up(T,128), round_up(H/16,4)], padding 0) or linear ([T, H/16]).
 """

@@ -3,11 +3,12 @@
 The workspace (FlashInfer's TRT-LLM all-reduce fusion workspace) is created collectively, once per
 (group, max_tokens, H, dtype), and shared by every strategy that needs it; it is freed when the last
 user releases it. Never use backend="auto" or MNNVL here: they create NVLink multicast objects, which
-can take shared GPUs out of service (DESIGN.md section 4).
+can take shared GPUs out of service (docs/upstream.md, section 7).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..environment import Environment, version_tuple
+from ..environment import Environment
 from ..reasons import Reason, collect, require_cuda, require_flashinfer, require_single_node, \
     require_sm_at_least, require_world_size_in
 from ..spec import EpilogueSpec
@@ -24,6 +25,11 @@ MIN_FLASHINFER = "0.7.2"
 LAMPORT_WORLD_SIZES = (2, 4, 8, 16)
 MAX_COMM_SIZE = 2147483647 & ~((1 << 21) - 1)  # flashinfer trtllm_ar.MAX_COMM_SIZE (checked by a drift test)
 BARRIER_FLAG_COUNT = 256
+# The last FlashInfer release whose fused FP4 in trtllm_moe_finalize_allreduce_fusion is known broken.
+# Measured broken in 0.7.2.post1; the MoE-finalize sources of 0.7.4 (csrc/trtllm_moe_allreduce_fusion.cu,
+# include/flashinfer/comm/trtllm_moe_allreduce_fusion.cuh) are byte-identical to it. A later release is
+# not trusted by version either: it passes this gate and must then pass the self-test.
+FP4_FUSION_BROKEN_THROUGH = (0, 7, 4)
 
 # trtllm_allreduce_fusion is marked deprecated in favour of a wrapper that allocates per call; the
 # direct call is the lean one, so silence its warning once instead of paying for it per call.
@@ -42,18 +48,37 @@ def common_reasons(spec: EpilogueSpec, env: Environment, who: str) -> list[Reaso
     )
 
 
+def release_of(version: str) -> tuple[int, int, int] | None:
+    """'0.7.4', '0.7.4rc1', '0.7.4.post1', '0.7.4.dev3', '0.7.4+cu130' -> (0, 7, 4): the release a pre-,
+    post-, dev- or local build belongs to. None when the string does not start with a version."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
 def fp4_fusion_reasons(spec: EpilogueSpec, env: Environment, who: str) -> list[Reason]:
-    """FlashInfer's own FP4 conversion: compiled only for SM>=100; and in <= 0.7.2.post1 the MoE-finalize
-    binding never sets the global scale (writes all-zero FP4 on H200 without an error, measured)."""
+    """Why FlashInfer's own fused FP4 (MoE-finalize kernel) cannot be used here.
+
+    - Every release through 0.7.4 (pre-, post- and dev-releases of those included): the binding never
+      sets the global FP4 scale (MoeFinalizeAllReduceFusionParams::scale_factor stays uninitialised)
+      and the SF layout is fixed to 128x4; on H200, 0.7.2.post1 wrote all-zero FP4 without an error
+      (measured), and 0.7.4's MoE-finalize sources are byte-identical. A version string we cannot read
+      counts as broken.
+    - Below SM100 on any version: FlashInfer compiles its FP4 conversion only for SM >= 100.
+    A later release that passes both is admitted only if it also passes the self-test.
+    """
     reasons = []
-    if env.flashinfer_version is not None and version_tuple(env.flashinfer_version) <= version_tuple("0.7.2.post1"):
-        reasons.append(Reason(
-            "flashinfer_fused_fp4_broken",
-            f"{who}: flashinfer {env.flashinfer_version}'s fused FP4 is unusable on every SM: the binding "
-            "never sets the global FP4 scale and the SF layout is fixed; on H200 it writes all-zero output "
-            "without an error (measured)",
-            "the bridge quantizes with its own FP4 kernel after the fused norm instead; a newer flashinfer "
-            "is admitted through the self-test"))
+    if env.flashinfer_version is not None:
+        release = release_of(env.flashinfer_version)
+        if release is None or release <= FP4_FUSION_BROKEN_THROUGH:
+            through = ".".join(map(str, FP4_FUSION_BROKEN_THROUGH))
+            reasons.append(Reason(
+                "flashinfer_fused_fp4_broken",
+                f"{who}: fused FP4 is known broken in flashinfer through {through}, found "
+                f"{env.flashinfer_version}: the binding never sets the global FP4 scale and the SF layout is "
+                "fixed; on H200 0.7.2.post1 wrote all-zero output without an error (measured), and the "
+                f"MoE-finalize sources are unchanged through {through}",
+                "the bridge quantizes with its own FP4 kernel after the fused norm (flashinfer_fused); a "
+                f"flashinfer release after {through} is admitted only if it passes the self-test"))
     if env.device_type == "cuda" and (env.sm is None or env.sm < 100):
         reasons.append(Reason(
             "fp4_needs_sm100", f"{who}: FlashInfer's FP4 conversion is compiled only for SM >= 100, but the "
