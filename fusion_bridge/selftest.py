@@ -21,7 +21,7 @@ from .strategies.reference import ReferenceStrategy
 from .numerics import compare, failures
 from .synthetic import make_inputs
 
-SELF_TEST_TOKENS = 7  # several tokens, odd: T=1 hides the H=2880 FlashInfer bug (DESIGN.md section 4)
+SELF_TEST_TOKENS = 7  # several tokens, odd: T=1 hides the H=2880 FlashInfer bug (docs/upstream.md section 1)
 SELF_TEST_SEED = 20261130
 SELF_TEST_TIME_LIMIT_S = 10.0
 
