@@ -5,20 +5,17 @@
                                    shared_output, residual, gamma)
     out.residual_out, out.norm_out   # (+ out.quant, out.scale when the spec quantizes)
     print(bridge.explain())          # which strategy runs per token count, and why the others don't
+
+What a model author uses comes from here; what a strategy author uses comes from
+`fusion_bridge.strategies`.
 """
 
 from .bridge import FusionBridge
-from .environment import Environment, detect
-from .io import EpilogueInputs, EpilogueOutputs
+from .io import EpilogueOutputs
 from .planner import NoStrategyAvailable
-from .reasons import Reason
-from .registry import REGISTRY, register
-from .spec import EpilogueSpec, QuantKind, QuantSpec, SFLayout
+from .spec import EpilogueSpec, QuantSpec
 from .validation import EpilogueInputError
 
-__version__ = "0.1.0"
-__all__ = [
-    "FusionBridge", "EpilogueSpec", "QuantSpec", "QuantKind", "SFLayout", "EpilogueInputs",
-    "EpilogueOutputs", "Environment", "detect", "Reason", "NoStrategyAvailable", "EpilogueInputError",
-    "REGISTRY", "register", "__version__",
-]
+__version__ = "0.2.0"
+__all__ = ["FusionBridge", "EpilogueSpec", "QuantSpec", "EpilogueOutputs", "EpilogueInputError",
+           "NoStrategyAvailable", "__version__"]

@@ -14,7 +14,7 @@ from .reasons import Reason
 
 def agree_flags(flags: list[int], group, device: torch.device) -> list[int]:
     """Elementwise AND of 0/1 flags across the ranks of `group`. Collective; identity without a group."""
-    if not flags or group is None and not (dist.is_available() and dist.is_initialized()):
+    if not flags or not group_active(group):
         return list(flags)
     if dist.get_world_size(group) == 1:
         return list(flags)
@@ -34,3 +34,13 @@ def other_rank_reason(stage: str) -> Reason:
                   f"another rank of the group cannot run this strategy ({stage}); every rank must pick "
                   "the same plan, so it is off on all ranks",
                   "run `python -m fusion_bridge info` on each rank to see which one and why")
+
+
+def group_active(group) -> bool:
+    """Whether `group` (None: the default group) names an initialised torch.distributed group."""
+    return group is not None or (dist.is_available() and dist.is_initialized())
+
+
+def my_rank(group) -> int:
+    """This process's rank in `group` (None: the default group); 0 without torch.distributed."""
+    return dist.get_rank(group) if group_active(group) else 0

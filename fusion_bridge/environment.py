@@ -20,6 +20,11 @@ import torch
 import torch.distributed as dist
 
 
+# NVLink multicast (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS) can take the GPUs of a shared
+# host out of service; nothing in this library uses it, and these variables keep every library off it.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 @dataclass(frozen=True)
 class Environment:
     device_type: str = "cpu"              # "cpu" or "cuda"
@@ -75,11 +80,21 @@ def _group_is_single_node(group) -> bool:
     return len(set(hosts)) == 1
 
 
+def default_device(device: Optional[torch.device | str] = None) -> torch.device:
+    """The device a bridge works on: `device` if given (a bare "cuda" becomes the current cuda:N, so it
+    compares equal to the tensors' devices), else the current CUDA device, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def detect(group=None, device: Optional[torch.device] = None, *, probe_flashinfer: bool = True) -> Environment:
     """Read the environment of this process. With a process group this is collective."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+    device = default_device(device)
     world_size, single_node = 1, True
     if group is not None or (dist.is_available() and dist.is_initialized()):
         world_size = dist.get_world_size(group)

@@ -7,6 +7,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .quant_ref import sf_shape
+from .spec import EpilogueSpec, QuantKind, SFLayout
+
 
 class EpilogueInputs(NamedTuple):
     """gemm2_out [P, H] act dtype: unfinalized routed-expert output, permuted rows (P may include padding).
@@ -44,3 +47,23 @@ class EpilogueOutputs:
         if self.scale is not None:
             out["scale"] = self.scale
         return out
+
+
+def quant_buffers(tokens: int, hidden: int, kind: QuantKind, layout: SFLayout, device: torch.device
+                  ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(quant, scale) outputs, uninitialised: fp8 -> ([T, H] float8_e4m3fn, None); nvfp4 -> ([T, H/2]
+    uint8, uint8 scales of `sf_shape(T, H, layout)`); none -> (None, None)."""
+    if kind is QuantKind.FP8:
+        return torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device), None
+    if kind is QuantKind.NVFP4:
+        return (torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device),
+                torch.empty(sf_shape(tokens, hidden, layout), dtype=torch.uint8, device=device))
+    return None, None
+
+
+def allocate_outputs(spec: EpilogueSpec, tokens: int, device: torch.device) -> EpilogueOutputs:
+    """Every output of one call for `spec` and T, uninitialised. The one owner of output shapes: the
+    strategies, the T == 0 path and the custom ops' fake implementations all allocate through it."""
+    residual_out = torch.empty(tokens, spec.hidden_size, dtype=spec.dtype, device=device)
+    quant, scale = quant_buffers(tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, device)
+    return EpilogueOutputs(residual_out, torch.empty_like(residual_out), quant, scale)

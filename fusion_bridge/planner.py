@@ -11,7 +11,7 @@ from typing import Mapping, Optional
 
 from .reasons import Reason
 from .spec import EpilogueSpec
-from .strategies.base import Step
+from .strategies.base import DEFAULT_VARIANT, Step
 
 AUTO = "auto"
 
@@ -30,6 +30,10 @@ class StrategyStatus:
     self_test: str = "not run"            # "passed" | "failed" | "not run"
     self_test_error: Optional[float] = None
     workspace_bytes: int = 0
+    variants: tuple[str, ...] = (DEFAULT_VARIANT,)
+    #: the unmeasured choice of variant per token bucket (aligned with bucket_bounds) and above max_tokens
+    default_variants: tuple[str, ...] = ()
+    overflow_variant: str = DEFAULT_VARIANT
 
     @property
     def available(self) -> bool:
@@ -37,16 +41,19 @@ class StrategyStatus:
 
     @staticmethod
     def of(cls, spec: EpilogueSpec, env, reasons: list[Reason], self_test: str = "not run",
-           self_test_error: Optional[float] = None, workspace_bytes: int = 0,
-           steps: Optional[list[Step]] = None) -> "StrategyStatus":
-        """The status of strategy class `cls` given the reasons gathered for it (and, once prepared,
-        the steps its instance actually runs)."""
+           self_test_error: Optional[float] = None, workspace_bytes: int = 0) -> "StrategyStatus":
+        """The status of strategy class `cls` given the reasons gathered for it."""
         return StrategyStatus(
-            name=cls.name, summary=cls.summary, reasons=tuple(reasons),
-            steps=tuple(steps if steps is not None else cls.steps(spec, env)),
+            name=cls.name, summary=cls.summary, reasons=tuple(reasons), steps=tuple(cls.steps(spec, env)),
             auto_selectable=cls.is_auto_selectable(spec, env),
             max_tokens_per_call=cls.max_tokens_per_call(spec, env), error_bound=cls.error_bound(spec, env),
-            self_test=self_test, self_test_error=self_test_error, workspace_bytes=workspace_bytes)
+            self_test=self_test, self_test_error=self_test_error, workspace_bytes=workspace_bytes,
+            variants=tuple(cls.variants(spec, env)),
+            default_variants=tuple(cls.default_variant(spec, env, b) for b in bucket_bounds(spec.max_tokens)),
+            overflow_variant=cls.default_variant(spec, env, None))
+
+    def variant_for(self, bucket: int) -> str:
+        return self.default_variants[bucket] if bucket < len(self.default_variants) else self.variants[0]
 
     def to_dict(self) -> dict:
         return {
@@ -55,7 +62,7 @@ class StrategyStatus:
             "step_stages": [s.to_dict() for s in self.steps], "auto_selectable": self.auto_selectable,
             "max_tokens_per_call": self.max_tokens_per_call, "error_bound": self.error_bound,
             "self_test": self.self_test, "self_test_error": self.self_test_error,
-            "workspace_bytes": self.workspace_bytes,
+            "workspace_bytes": self.workspace_bytes, "variants": list(self.variants),
         }
 
 
@@ -96,71 +103,112 @@ def bucket_bounds(max_tokens: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Plan:
+    """The whole decision: a (strategy, variant) route per token bucket, and the route above max_tokens.
+    Identical on every rank (built from rank-agreed statuses and rank-0's measurements)."""
+
     requested: str
     bounds: tuple[int, ...]
     choice: tuple[str, ...]                 # strategy per bucket
+    variants: tuple[str, ...]               # launch variant per bucket
     overflow: Optional[str]                 # strategy for T > max_tokens, None -> error
+    overflow_variant: str = DEFAULT_VARIANT
     measured_us: tuple[Optional[float], ...] = ()
-    source: str = "static order"            # or "measured"
+    source: str = "static order"            # or "measured", "requested"
     notes: tuple[str, ...] = field(default=())
 
-    def strategy_for(self, tokens: int) -> Optional[str]:
+    def route_for(self, tokens: int) -> Optional[tuple[str, str]]:
+        """(strategy, variant) for T tokens (T >= 1), or None when T > max_tokens has no route."""
         i = bucket_index(tokens)
-        return self.choice[i] if i < len(self.choice) else self.overflow
+        if i < len(self.choice):
+            return self.choice[i], self.variants[i]
+        return (self.overflow, self.overflow_variant) if self.overflow else None
+
+    def strategy_for(self, tokens: int) -> Optional[str]:
+        route = self.route_for(tokens)
+        return route[0] if route else None
 
     def to_dict(self) -> dict:
         return {
             "requested": self.requested, "source": self.source, "overflow": self.overflow,
-            "buckets": [{"max_tokens": b, "strategy": s,
+            "overflow_variant": self.overflow_variant,
+            "buckets": [{"max_tokens": b, "strategy": s, "variant": v,
                          "measured_us": self.measured_us[i] if i < len(self.measured_us) else None}
-                        for i, (b, s) in enumerate(zip(self.bounds, self.choice))],
+                        for i, (b, s, v) in enumerate(zip(self.bounds, self.choice, self.variants))],
             "notes": list(self.notes),
         }
 
 
+Measurements = Mapping[str, Mapping[str, Mapping[int, float]]]  # strategy -> variant -> bucket bound -> us
+
+
 def select(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = AUTO,
-           measured_us: Optional[Mapping[str, Mapping[int, float]]] = None) -> Plan:
-    """Pick a strategy per token bucket.
+           measured_us: Optional[Measurements] = None) -> Plan:
+    """Pick a (strategy, variant) per token bucket.
 
     requested: "auto" or a strategy name. An explicit name that cannot run raises NoStrategyAvailable
     with its reasons; it never falls back. Under auto, among available auto-selectable strategies that
-    can take the bucket's largest T, the fastest measured one wins (measured_us: name -> {bucket upper
-    bound: microseconds}); without a measurement the static order (the order of `statuses`) decides.
-    T above spec.max_tokens goes to the first candidate without a per-call limit (auto) or raises.
+    can take the bucket's largest T, the fastest measured (strategy, variant) wins; a bucket nobody
+    measured takes the first fitting strategy in the static order (the order of `statuses`) with its
+    default variant. Measurements naming a strategy or variant that is not registered are ignored, with
+    a note. T above spec.max_tokens goes to the first candidate without a per-call limit, or raises.
     """
     by_name = {s.name: s for s in statuses}
     bounds = bucket_bounds(spec.max_tokens)
+    measured, notes = _known_measurements(measured_us or {}, by_name)
     if requested != AUTO:
         if requested not in by_name:
             raise ValueError(f"strategy must be 'auto' or one of {list(by_name)}, got {requested!r}")
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
+        variants, times = [], []
+        for i, bound in enumerate(bounds):
+            timed = sorted((per[bound], v) for v, per in measured.get(requested, {}).items() if bound in per)
+            variants.append(timed[0][1] if timed else st.variant_for(i))
+            times.append(timed[0][0] if timed else None)
         overflow = requested if st.max_tokens_per_call is None else None
-        return Plan(requested, bounds, tuple(requested for _ in bounds), overflow, source="requested")
+        return Plan(requested, bounds, tuple(requested for _ in bounds), tuple(variants), overflow,
+                    st.overflow_variant, tuple(times), "requested", tuple(notes))
 
     candidates = [s for s in statuses if s.available and s.auto_selectable]
     if not candidates:
         raise NoStrategyAvailable(AUTO, statuses)
-    choice, times, notes = [], [], []
-    used_measurements = False
-    for bound in bounds:
+    choice, variants, times = [], [], []
+    for i, bound in enumerate(bounds):
         fits = [s for s in candidates if s.max_tokens_per_call is None or s.max_tokens_per_call >= bound]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
-        timed = [(measured_us[s.name][bound], i, s.name) for i, s in enumerate(fits)
-                 if measured_us and bound in measured_us.get(s.name, {})]
+        timed = [(per[bound], order, s.name, v) for order, s in enumerate(fits)
+                 for v, per in measured.get(s.name, {}).items() if bound in per]
         if timed:
-            best_time, _, best = min(timed)
-            used_measurements = True
-            choice.append(best)
-            times.append(best_time)
+            best_time, _, best, variant = min(timed)
         else:
-            choice.append(fits[0].name)
-            times.append(None)
-    unlimited = [s.name for s in candidates if s.max_tokens_per_call is None]
+            best_time, best, variant = None, fits[0].name, fits[0].variant_for(i)
+        choice.append(best)
+        variants.append(variant)
+        times.append(best_time)
+    unlimited = [s for s in candidates if s.max_tokens_per_call is None]
     overflow = unlimited[0] if unlimited else None
     if overflow is None:
         notes.append(f"T > max_tokens={spec.max_tokens} raises: every candidate has a per-call token limit")
-    return Plan(AUTO, bounds, tuple(choice), overflow, tuple(times),
-                "measured" if used_measurements else "static order", tuple(notes))
+    source = "measured" if any(t is not None for t in times) else "static order"
+    return Plan(AUTO, bounds, tuple(choice), tuple(variants), overflow.name if overflow else None,
+                overflow.overflow_variant if overflow else DEFAULT_VARIANT, tuple(times), source, tuple(notes))
+
+
+def _known_measurements(measured: Measurements, by_name: Mapping[str, StrategyStatus]
+                        ) -> tuple[dict[str, dict[str, Mapping[int, float]]], list[str]]:
+    """The measurements of registered strategies and their declared variants; a note for the rest."""
+    known: dict[str, dict[str, Mapping[int, float]]] = {}
+    notes = []
+    for name, per_variant in measured.items():
+        if name not in by_name:
+            notes.append(f"measurements for unknown strategy {name!r} ignored (not registered here)")
+            continue
+        for variant, per in per_variant.items():
+            if variant not in by_name[name].variants:
+                notes.append(f"measurements for unknown variant {name}:{variant} ignored "
+                             f"(declared: {', '.join(by_name[name].variants)})")
+                continue
+            known.setdefault(name, {})[variant] = per
+    return known, notes

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .reasons import Reason
 from .spec import EpilogueSpec
@@ -74,8 +73,3 @@ def _wait(device: torch.device, start: float, time_limit_s: float) -> None:
         if time.monotonic() - start > time_limit_s:
             raise TimeoutError(f"the kernel did not finish within {time_limit_s:.0f} s (hang?)")
         time.sleep(1e-4)
-
-
-def agreed_rank(group) -> int:
-    return dist.get_rank(group) if group is not None or (dist.is_available() and dist.is_initialized()) else 0
-

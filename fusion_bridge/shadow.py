@@ -7,7 +7,7 @@ capture the shadow is skipped (and counted); graph replays never reach Python, s
 
 Cost, on a sampled call only: one extra run of the shadow strategy (its kernels and, for `reference`,
 an fp32 all-reduce), plus the comparison, which reads scalars to the host (a sync). Off by default.
-Enable: FusionBridge(..., shadow="reference", shadow_every=100) or FUSION_BRIDGE_SHADOW=reference:100.
+Enable: FusionBridge(..., shadow="reference:100") or FUSION_BRIDGE_SHADOW=reference:100.
 """
 
 from __future__ import annotations
@@ -34,6 +34,20 @@ class Shadow:
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"FusionBridge: shadow_every must be an int >= 1, got {self.every!r}")
+
+    @staticmethod
+    def parse(value: str, known: list[str]) -> "Shadow":
+        """'reference' or 'reference:100' (every 100th call; the default) -> Shadow."""
+        name, _, every = str(value).partition(":")
+        if name not in known:
+            raise ValueError(f"FusionBridge: shadow must be '<strategy>[:<every>]' with a strategy among "
+                             f"{known}, got {value!r}")
+        try:
+            period = int(every) if every else 100
+        except ValueError:
+            raise ValueError(f"FusionBridge: shadow must be '<strategy>[:<every>]' with an int period, got "
+                             f"{value!r}") from None
+        return Shadow(name, period)
 
     def due(self) -> bool:
         """Advance the call counter; True on every `every`-th call (the first call included)."""
@@ -67,12 +81,3 @@ class Shadow:
 
 def _worst(a: float, b: float) -> float:
     return math.inf if (math.isnan(b) or math.isinf(b)) else max(a, b)
-
-
-def parse_env(value: str) -> tuple[str, int]:
-    """'reference' or 'reference:100' -> (name, every)."""
-    name, _, every = value.partition(":")
-    try:
-        return name, int(every) if every else 100
-    except ValueError:
-        raise ValueError(f"FUSION_BRIDGE_SHADOW must be '<strategy>' or '<strategy>:<every>', got {value!r}") from None

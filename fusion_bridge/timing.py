@@ -57,13 +57,3 @@ def copy_bandwidth_gbs(nbytes: int = 2 * 2 ** 30) -> float:
     us = min(time_graph(lambda i: dst.copy_(src), sets=1, calls=10, repeats=10),
              time_graph(lambda i: torch.mul(src, 1, out=dst), sets=1, calls=10, repeats=10))
     return 2 * nbytes / (us * 1e-6) / 1e9
-
-
-def write_csv(path: str, rows: Sequence[dict]) -> None:
-    import csv
-    import os
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)

@@ -1,10 +1,15 @@
-"""Measured selection: time every candidate per token bucket, cache the table, ship defaults.
+"""Measured selection: time every (strategy, launch variant) per token bucket, keep the table on disk,
+ship default tables for known GPUs.
 
-A candidate is a strategy, or for local_fused one of its all-reduce+norm sub-paths. Timing uses CUDA
-graphs with inputs rotated beyond L2, and takes the max over ranks, so every rank holds the same table
-and makes the same choice. Tables are cached on disk keyed by GPU name, world size, library versions
-and spec; shipped defaults (fusion_bridge/tables/) match on GPU name, world size and spec alone.
-Which table a bridge uses is decided on rank 0 and broadcast, so ranks never disagree.
+Timing uses CUDA graphs with inputs rotated beyond L2 and takes the max over ranks, so every rank holds
+the same numbers. Which table a bridge uses is decided on rank 0 and broadcast, so ranks never
+disagree. Cached tables are keyed by GPU name, world size, library versions and spec; shipped defaults
+(fusion_bridge/tables/) by GPU name, world size and spec alone.
+
+Table format (schema_version 2), JSON:
+    {"schema_version": 2, "gpu": ..., "world_size": ..., "spec": {...}, "versions": {...},
+     "measured_us": {strategy: {variant: {bucket upper bound (str): microseconds}}}}
+A table in another format is ignored with a warning that says why (never a crash).
 
 Cache directory: $FUSION_BRIDGE_CACHE_DIR, else ~/.cache/fusion_bridge.
 """
@@ -14,20 +19,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from .agreement import my_rank
 from .environment import Environment
 from .spec import EpilogueSpec
 from .synthetic import make_inputs
 from .timing import sets_to_rotate, time_graph
 
+SCHEMA_VERSION = 2
 TABLES_DIR = Path(__file__).with_name("tables")
-SUBPATH_SEP = "/"  # candidate label for a sub-path: "local_fused/nccl_local_norm"
 
 
 def cache_dir() -> Path:
@@ -61,16 +67,54 @@ def default_table_path(spec: EpilogueSpec, env: Environment) -> Path:
     return TABLES_DIR / f"{_slug(env)}_tp{env.world_size}_{table_key(spec, env, False)}.json"
 
 
+def make_table(spec: EpilogueSpec, env: Environment, measured: dict[str, dict[str, dict[int, float]]]) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "gpu": env.gpu_name, "world_size": env.world_size,
+            "spec": spec_key(spec),
+            "versions": {"torch": env.torch_version, "triton": env.triton_version,
+                         "flashinfer": env.flashinfer_version},
+            "measured_us": {name: {v: {str(b): us for b, us in per.items()} for v, per in variants.items()}
+                            for name, variants in measured.items()}}
+
+
+def format_problem(table: object) -> Optional[str]:
+    """Why `table` cannot be used (None: it can)."""
+    if not isinstance(table, dict):
+        return f"not a JSON object but {type(table).__name__}"
+    version = table.get("schema_version")
+    if version != SCHEMA_VERSION:
+        return (f"schema_version {version!r}, this fusion_bridge reads {SCHEMA_VERSION} "
+                "(re-run `python -m fusion_bridge tune`)")
+    measured = table.get("measured_us")
+    if not isinstance(measured, dict) or not all(
+            isinstance(v, dict) and all(isinstance(p, dict) for p in v.values()) for v in measured.values()):
+        return "measured_us is not {strategy: {variant: {bucket: us}}}"
+    return None
+
+
+def read_table(path: Path) -> Optional[dict]:
+    """The table at `path`, or None with a warning saying why it is ignored."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"fusion_bridge: tuning table {path} ignored: {exc}", stacklevel=2)
+        return None
+    problem = format_problem(table)
+    if problem:
+        warnings.warn(f"fusion_bridge: tuning table {path} ignored: {problem}", stacklevel=2)
+        return None
+    table["path"] = str(path)
+    return table
+
+
 def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
     """The table every rank uses: rank 0's cache, else rank 0's shipped default, else None. Collective."""
     table = None
-    rank0 = env.world_size == 1 or dist.get_rank(group) == 0
-    if rank0:
+    if my_rank(group) == 0:
         for path in (cache_path(spec, env), default_table_path(spec, env)):
             if path.is_file():
-                table = json.loads(path.read_text())
-                table["path"] = str(path)
-                break
+                table = read_table(path)
+                if table is not None:
+                    break
     if env.world_size > 1:
         box = [table]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
@@ -82,67 +126,59 @@ def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
 def save_table(table: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps({k: v for k, v in table.items() if k != "path"}, indent=1, sort_keys=True))
     tmp.replace(path)
 
 
-def as_measurements(table: dict) -> dict[str, dict[int, float]]:
-    """{candidate: {bucket: us}} with int buckets (JSON keys are strings)."""
-    return {name: {int(b): us for b, us in per.items()} for name, per in table["measured_us"].items()}
+def as_measurements(table: dict) -> dict[str, dict[str, dict[int, float]]]:
+    """{strategy: {variant: {bucket: us}}} with int buckets (JSON keys are strings)."""
+    return {name: {v: {int(b): us for b, us in per.items()} for v, per in variants.items()}
+            for name, variants in table["measured_us"].items()}
 
 
-def per_strategy(measured: dict[str, dict[int, float]]) -> tuple[dict[str, dict[int, float]], dict[int, str]]:
-    """Collapse sub-path candidates: a strategy's time per bucket is its fastest sub-path's, and the
-    winning sub-path per bucket is returned for local_fused."""
-    best: dict[str, dict[int, float]] = {}
-    subpaths: dict[int, str] = {}
-    for label, per in measured.items():
-        name, _, sub = label.partition(SUBPATH_SEP)
-        for bucket, us in per.items():
-            if bucket not in best.setdefault(name, {}) or us < best[name][bucket]:
-                best[name][bucket] = us
-                if sub:
-                    subpaths[bucket] = sub
-    return best, subpaths
+Candidate = tuple[str, str, Callable]  # (strategy, variant, run(inputs))
 
 
-def progress_bar(total: int, label: str, enabled: bool) -> Callable[[str], None]:
-    done = [0]
-
-    def step(what: str) -> None:
-        done[0] += 1
-        if enabled:
-            filled = int(30 * done[0] / total)
-            sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] {done[0]}/{total} {what:40s}")
-            if done[0] == total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-    return step
-
-
-def measure(bridge, candidates: list[tuple[str, Callable]], buckets: list[int], rotate: bool = True,
-            progress: bool = True, seed: int = 0) -> dict[str, dict[int, float]]:
-    """Time each candidate (label, run(inputs)) at each bucket's largest T. Collective; max over ranks."""
-    spec, env, dev = bridge.spec, bridge.env, bridge.device
-    rank = dist.get_rank(bridge.group) if env.world_size > 1 else 0
-    step = progress_bar(len(buckets) * len(candidates), "tune", progress and rank == 0)
-    out: dict[str, dict[int, float]] = {label: {} for label, _ in candidates}
+def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, candidates: list[Candidate],
+            buckets: list[int], rotate: bool = True, progress: bool = True,
+            seed: int = 0) -> dict[str, dict[str, dict[int, float]]]:
+    """Time each candidate at each bucket's largest T. Collective; max over ranks."""
+    rank = my_rank(group)
+    bar = _progress(len(buckets) * len(candidates), progress and rank == 0)
+    out: dict[str, dict[str, dict[int, float]]] = {}
     for tokens in buckets:
-        probe = make_inputs(spec, tokens, rank=rank, seed=seed, device=dev, skip_fraction=0.0)
+        probe = make_inputs(spec, tokens, rank=rank, seed=seed, device=device, skip_fraction=0.0)
         per_set = sum(t.numel() * t.element_size() for t in (probe.gemm2_out, probe.residual, probe.shared_output)
                       if t is not None)
         count = sets_to_rotate(per_set, max_sets=512) if rotate else 1
-        sets = [probe] + [make_inputs(spec, tokens, rank=rank, seed=seed + i, device=dev, skip_fraction=0.0)
+        sets = [probe] + [make_inputs(spec, tokens, rank=rank, seed=seed + i, device=device, skip_fraction=0.0)
                           for i in range(1, count)]
         times = []
-        for label, run in candidates:
-            times.append(time_graph(lambda i, run=run, inputs=sets: run(inputs[i]), sets=count,
+        for name, variant, run in candidates:
+            times.append(time_graph(lambda i, run=run, variant=variant: run(sets[i], variant), sets=count,
                                     calls=max(count, 20)))
-            step(f"T={tokens} {label}")
-        t = torch.tensor(times, dtype=torch.float64, device=dev)
+            bar.set_postfix_str(f"T={tokens} {name}:{variant}", refresh=False)
+            bar.update()
+        t = torch.tensor(times, dtype=torch.float64, device=device)
         if env.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=bridge.group)
-        for (label, _), us in zip(candidates, t.tolist()):
-            out[label][tokens] = us
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        for (name, variant, _), us in zip(candidates, t.tolist()):
+            out.setdefault(name, {}).setdefault(variant, {})[tokens] = us
         del sets, probe
+    bar.close()
     return out
+
+
+def _progress(total: int, enabled: bool):
+    """A progress bar on stderr (tqdm, which flashinfer installs; a silent stand-in otherwise)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        enabled = False
+    if not enabled:
+        class _Silent:
+            def set_postfix_str(self, *a, **k): ...
+            def update(self, *a): ...
+            def close(self): ...
+        return _Silent()
+    return tqdm(total=total, desc="tune", unit="case", dynamic_ncols=True)

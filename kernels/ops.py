@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from ..io import quant_buffers
+from ..spec import QuantKind, SFLayout
 from .add_rmsnorm import add_rmsnorm_into
 from .finalize_add import finalize_add_into
 from .quant import QUANT_FP8, QUANT_NVFP4, quantize_into
@@ -24,18 +26,13 @@ def _quant_outputs(like: torch.Tensor, quant: int, swizzled: bool, fake: bool = 
     """(q returned, q as uint8 for the kernel, sf returned, sf for the kernel). Unused ones are empty
     and distinct: a custom op's outputs may not alias each other."""
     tokens, hidden = like.shape
-    new = like.new_empty
-    if quant == QUANT_FP8:
-        q = new(tokens, hidden, dtype=torch.float8_e4m3fn)
-        sf = new(0, dtype=torch.uint8)
-        return q, (q if fake else q.view(torch.uint8)), sf, sf
-    if quant == QUANT_NVFP4:
-        blocks = hidden // 16
-        shape = (-(-tokens // 128) * 128, -(-blocks // 4) * 4) if swizzled else (tokens, blocks)
-        q, sf = new(tokens, hidden // 2, dtype=torch.uint8), new(shape, dtype=torch.uint8)
-        return q, q, sf, sf
-    q, sf = new(0, dtype=torch.uint8), new(0, dtype=torch.uint8)
-    return q, q, sf, sf
+    kind = {QUANT_FP8: QuantKind.FP8, QUANT_NVFP4: QuantKind.NVFP4}.get(quant, QuantKind.NONE)
+    layout = SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
+    q, sf = quant_buffers(tokens, hidden, kind, layout, like.device)
+    q = q if q is not None else like.new_empty(0, dtype=torch.uint8)
+    sf = sf if sf is not None else like.new_empty(0, dtype=torch.uint8)
+    q_bytes = q.view(torch.uint8) if (quant == QUANT_FP8 and not fake) else q
+    return q, q_bytes, sf, sf
 
 
 def _finalize_add(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,

@@ -49,7 +49,7 @@ def test_report_json_and_text_name_every_strategy_and_the_plan():
     assert doc["selected"] == "separate" and doc["tokens"] == 5
     assert [b["max_tokens"] for b in doc["plan"]["buckets"]] == [1, 2, 4, 8]
     text = str(report)
-    for name in ("local_fused", "flashinfer_fused", "separate", "reference"):
+    for name in ("local_fused_flashinfer", "local_fused_nccl", "flashinfer_fused", "separate", "reference"):
         assert name in text
     assert "SELECTED" in text and "[needs_cuda]" in text
 
@@ -63,10 +63,25 @@ def test_outputs_are_fresh_tensors_in_the_activation_dtype():
     assert out.named().keys() == {"residual_out", "norm_out"}
 
 
-def test_measured_sub_paths_reach_local_fused_and_the_report():
-    measured = {"local_fused/nccl_local_norm": {1: 5.0, 2: 5.0}, "separate": {1: 50.0, 2: 50.0}}
+def test_measured_routes_reach_the_call_and_the_report():
+    # separate measured slower than the oracle-free alternative does not matter on CPU: only separate is
+    # auto-selectable there, so the measured time of a variant it does not declare is ignored with a note
+    measured = {"separate": {"default": {1: 50.0, 2: 40.0}, "fast": {1: 1.0}}, "local_fused": {"x": {1: 1.0}}}
     with FusionBridge(SPEC, measured_us=measured) as bridge:
-        assert bridge.plan.source == "measured" and bridge.strategy_for(1) == "separate"  # CPU: never local
-        local = bridge._instances["local_fused"]
-        assert local.subpath_by_bucket[:2] == ["nccl_local_norm", "nccl_local_norm"]
-        assert "sub-path, measured per bucket: T<=1: nccl_local_norm" in str(bridge.explain())
+        assert bridge.plan.source == "measured" and bridge.route_for(1) == ("separate", "default")
+        assert bridge.plan.measured_us[:2] == (50.0, 40.0)
+        text = str(bridge.explain())
+    assert "50.0 us" in text and "unknown variant separate:fast" in text and "unknown strategy 'local_fused'" in text
+
+
+def test_shadow_is_one_string_and_a_shadow_that_cannot_run_is_rejected_at_build():
+    with FusionBridge(SPEC, shadow="reference:2") as bridge:
+        for tokens in (1, 2, 3):
+            call(bridge, make_inputs(SPEC, tokens, seed=tokens))
+        doc = bridge.explain().to_dict()["shadow"]
+    assert doc["strategy"] == "reference" and doc["every"] == 2 and doc["calls"] == 3 and doc["sampled"] == 2
+    assert doc["outputs"]["norm_out"]["max_rel_err"] < 1e-2
+    with pytest.raises(ValueError, match="shadow strategy 'flashinfer_fused' cannot run here.*needs_cuda"):
+        FusionBridge(SPEC, shadow="flashinfer_fused:1")
+    with pytest.raises(ValueError, match="int period"):
+        FusionBridge(SPEC, shadow="reference:often")

@@ -6,7 +6,7 @@ returns its failures; the test asserts there are none."""
 import pytest
 import torch
 
-from fusion_bridge.launch import run_distributed
+from fusion_bridge.cli.launch import run_distributed
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
@@ -28,15 +28,16 @@ def _grid(rank, world_size):
         for top_k in (1, 8):
             for shared in (True, False):
                 spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, has_shared_output=shared,
-                                    routed_scaling_factor=2.5, max_tokens=1024)
+                                    routed_scaling_factor=2.5, weight_bias=0.5, max_tokens=1024)
                 with FusionBridge(spec, debug=False) as bridge:
                     status = {s.name: s for s in bridge.statuses}
                     if hidden == 2880 and status["flashinfer_fused"].available:
                         problems.append("H=2880 reached flashinfer_fused")
                     if hidden != 2880 and not status["flashinfer_fused"].available:
                         problems.append(f"H={hidden}: flashinfer_fused rejected: {status['flashinfer_fused'].reasons}")
-                    if "flashinfer.ar_residual_rmsnorm" not in [s.name for s in status["local_fused"].steps]:
-                        problems.append(f"H={hidden}: local_fused did not take the FlashInfer AR+norm sub-path")
+                    for name in ("local_fused_flashinfer", "local_fused_nccl"):
+                        if not status[name].available:
+                            problems.append(f"H={hidden}: {name} rejected: {status[name].reasons}")
                     for tokens in (1, 3, 64, 128, 129, 1000):
                         for wdt in (torch.float32, torch.bfloat16):
                             inp = make_inputs(spec, tokens, rank=rank, seed=tokens * 7 + top_k, device=dev,
@@ -46,19 +47,33 @@ def _grid(rank, world_size):
                                 if name == "reference" or not status[name].available:
                                     continue
                                 ran.add(name)
-                                got = bridge.run_strategy(name, inp)
-                                bad = failures(spec, compare(spec, got, ref), ref, status[name].error_bound)
-                                if bad:
-                                    problems.append(f"{name} H={hidden} K={top_k} shared={shared} T={tokens} "
-                                                    f"{wdt}: {bad}")
+                                for variant in status[name].variants:
+                                    got = bridge.run_strategy(name, inp, variant)
+                                    bad = failures(spec, compare(spec, got, ref), ref, status[name].error_bound)
+                                    bad += _differs_across_ranks(got)
+                                    if bad:
+                                        problems.append(f"{name}:{variant} H={hidden} K={top_k} shared={shared} "
+                                                        f"T={tokens} {wdt}: {bad}")
     return problems, sorted(ran)
+
+
+def _differs_across_ranks(outputs) -> list:
+    """The residual stream must not drift across TP ranks: every output bitwise equal on every rank."""
+    bad = []
+    for name, tensor in outputs.named().items():
+        mine = tensor.contiguous().view(torch.uint8)
+        gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, mine)
+        if not all(torch.equal(g, gathered[0]) for g in gathered):
+            bad.append(f"{name} differs across ranks")
+    return bad
 
 
 def test_every_strategy_matches_the_oracle_over_the_grid():
     needs_two_gpus()
     results = run_distributed(_grid, WORLD, backend="nccl", timeout_s=540)
     for problems, ran in results:
-        assert ran == ["flashinfer_fused", "local_fused", "separate"]
+        assert ran == ["flashinfer_fused", "local_fused_flashinfer", "local_fused_nccl", "separate"]
         assert not problems, "\n".join(problems[:20])
 
 
@@ -84,7 +99,7 @@ def _graphs_routing_and_fp4(rank, world_size):
     # 1. CUDA graphs: capture each strategy at T=64, replay with fresh inputs copied in
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=256)
     graph_errors = {}
-    for name in ("flashinfer_fused", "local_fused", "separate"):
+    for name in ("flashinfer_fused", "local_fused_flashinfer", "local_fused_nccl", "separate"):
         with FusionBridge(spec, strategy=name, debug=False) as bridge:
             static = make_inputs(spec, 64, rank=rank, seed=1, device=dev)
             call(bridge, static)
@@ -157,7 +172,7 @@ def _graphs_routing_and_fp4(rank, world_size):
     fused_fp4.close()
 
     class NoWeightCast(FlashInferFusedStrategy):
-        def run(self, inputs):
+        def run(self, inputs, variant="default"):
             # the same kernel call as flashinfer_fused, but with the fp32 weights passed uncast
             res, norm = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
             self._fi.trtllm_moe_finalize_allreduce_fusion(
@@ -182,9 +197,10 @@ def _graphs_routing_and_fp4(rank, world_size):
 def test_graphs_routing_fp4_and_self_test_catch_the_traps():
     needs_two_gpus()
     for out in run_distributed(_graphs_routing_and_fp4, WORLD, backend="nccl", timeout_s=300):
-        assert out["graph_errors"] == {"flashinfer_fused": [], "local_fused": [], "separate": []}
+        assert out["graph_errors"] == {"flashinfer_fused": [], "local_fused_flashinfer": [], "local_fused_nccl": [],
+                                       "separate": []}
         strategy, reroutes, errors = out["reroute"]
-        assert strategy == "local_fused" and reroutes == 1 and not errors and out["report_reroutes"] == 1
+        assert strategy == "local_fused_nccl" and reroutes == 1 and not errors and out["report_reroutes"] == 1
         assert "<= 64" in out["explicit_over_limit"]
         fp4 = out["fp4"]
         assert fp4["steps"] == ["flashinfer.moe_finalize_ar_residual_rmsnorm", "local.quant_nvfp4"]

@@ -1,4 +1,4 @@
-"""GPU tests of our kernels and the local_fused strategy on one GPU (run on the device machine).
+"""GPU tests of our kernels and the local_fused_nccl strategy on one GPU (run on the device machine).
 
 test_kernels_cpu.py also runs on the GPU when one is present (same parity grid, poisoned outputs)."""
 
@@ -26,21 +26,22 @@ def call(bridge, inp):
 def test_local_fused_parity_grid(hidden, top_k, quant):
     spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, quant=quant, routed_scaling_factor=2.5,
                         weight_bias=1.0)
-    with FusionBridge(spec, strategy="local_fused", debug=False) as bridge:
-        assert [s for s in bridge.statuses if s.name == "local_fused"][0].self_test == "passed"
+    with FusionBridge(spec, strategy="local_fused_nccl", debug=False) as bridge:
+        status = {s.name: s for s in bridge.statuses}["local_fused_nccl"]
+        assert status.self_test == "passed"
         for tokens in (1, 3, 64, 129, 1000):
             for wdt in (torch.float32, torch.bfloat16):
                 inp = make_inputs(spec, tokens, seed=tokens, device=DEV, weight_dtype=wdt)
                 got, ref = call(bridge, inp), reference_epilogue(spec, inp)
-                bad = failures(spec, compare(spec, got, ref), ref, bridge.statuses[0].error_bound)
+                bad = failures(spec, compare(spec, got, ref), ref, status.error_bound)
                 assert not bad, f"T={tokens} {wdt}: {bad}"
 
 
-def test_auto_on_one_gpu_selects_local_fused_after_its_self_test():
+def test_auto_on_one_gpu_selects_local_fused_nccl_after_its_self_test():
     with FusionBridge(EpilogueSpec(hidden_size=7168, top_k=8)) as bridge:
         status = {s.name: s for s in bridge.statuses}
-        assert bridge.strategy_for(16) == "local_fused"
-        assert status["local_fused"].self_test == "passed" and status["local_fused"].self_test_error < 5e-3
+        assert bridge.strategy_for(16) == "local_fused_nccl"
+        assert status["local_fused_nccl"].self_test == "passed" and status["local_fused_nccl"].self_test_error < 5e-3
         assert status["flashinfer_fused"].reasons[0].code in ("world_size_unsupported", "flashinfer_missing")
 
 
@@ -63,7 +64,8 @@ def test_cuda_graph_capture_and_replay_with_new_inputs():
             out.norm_out.fill_(float("nan"))  # poison: the replay must rewrite it
             graph.replay()
             ref = reference_epilogue(spec, fresh)
-            assert not failures(spec, compare(spec, out, ref), ref, bridge.statuses[0].error_bound)
+            bound = {s.name: s.error_bound for s in bridge.statuses}[bridge.strategy_for(16)]
+            assert not failures(spec, compare(spec, out, ref), ref, bound)
 
 
 def test_torch_compile_of_a_function_calling_the_ops():
@@ -100,7 +102,7 @@ def test_finalize_add_with_more_than_2_to_the_31_elements():
 
 def test_shadow_samples_eager_calls_and_skips_graph_capture():
     spec = EpilogueSpec(hidden_size=4096, top_k=8)
-    with FusionBridge(spec, debug=False, shadow="reference", shadow_every=1) as bridge:
+    with FusionBridge(spec, debug=False, shadow="reference:1") as bridge:
         inp = make_inputs(spec, 8, device=DEV)
         call(bridge, inp)
         torch.cuda.synchronize()

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from fusion_bridge.matrix import embedded, markdown
+from fusion_bridge.cli.matrix import embedded, markdown
 from migration.examples.deepseek_moe import DeepSeekMoEBlock, MoEConfig, run_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,8 @@ import itertools
 
 import pytest
 
-from fusion_bridge import EpilogueSpec, Environment, QuantSpec, REGISTRY, register
+from fusion_bridge import EpilogueSpec, QuantSpec
+from fusion_bridge.strategies import REGISTRY, Environment, register
 from fusion_bridge.registry import strategy_class, strategy_classes, unregister
 from fusion_bridge.strategies.base import required_stages
 
@@ -43,3 +44,19 @@ def test_a_new_strategy_is_one_registry_entry():
     finally:
         unregister("separate_again")
     assert "separate_again" not in REGISTRY
+
+
+def test_every_strategy_declares_its_variants_and_a_default_for_every_bucket():
+    for spec, env, cls in itertools.product(SPECS, ENVS, strategy_classes()):
+        variants = cls.variants(spec, env)
+        assert variants and len(set(variants)) == len(variants), cls.name
+        for tokens in (1, 2, 7, 64, 4096, None):
+            assert cls.default_variant(spec, env, tokens) in variants, (cls.name, tokens)
+
+
+def test_the_public_surfaces_are_small():
+    import fusion_bridge
+    import fusion_bridge.strategies
+    assert set(fusion_bridge.__all__) == {"FusionBridge", "EpilogueSpec", "QuantSpec", "EpilogueOutputs",
+                                          "EpilogueInputError", "NoStrategyAvailable", "__version__"}
+    assert {"Strategy", "register", "Reason", "Environment", "EpilogueInputs"} <= set(fusion_bridge.strategies.__all__)

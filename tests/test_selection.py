@@ -4,7 +4,8 @@ Pure functions of values; no hardware."""
 import pytest
 import torch
 
-from fusion_bridge import EpilogueSpec, Environment, NoStrategyAvailable, QuantSpec
+from fusion_bridge import EpilogueSpec, NoStrategyAvailable, QuantSpec
+from fusion_bridge.strategies import Environment
 from fusion_bridge.planner import bucket_bounds, bucket_index, select, static_statuses
 
 CPU = Environment(device_type="cpu", triton_version="3.6.0", flashinfer_version="0.7.2.post1")
@@ -18,49 +19,54 @@ NVFP4 = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(336.0))
 
 FI_AR = "flashinfer.ar_residual_rmsnorm"
 
+LF, LN = "local_fused_flashinfer", "local_fused_nccl"
+
 GOLDEN = [
     # (id, env, spec, selected, {strategy: reason codes}, {strategy: steps that must appear})
     ("cpu", CPU, DSV3, "separate",
-     {"local_fused": ["needs_cuda_or_interpreter"], "flashinfer_fused": ["needs_cuda", "world_size_unsupported"],
-      "separate": [],
-      "reference": []}, {}),
-    ("cpu-interpreter", CPU.replace(triton_interpret=True), DSV3, "separate", {"local_fused": []}, {}),
-    ("h200-tp2", H200, DSV3, "local_fused", {"local_fused": [], "flashinfer_fused": []},
-     {"local_fused": ["local.finalize_add", FI_AR]}),
-    ("h200-tp2-gpt-oss", H200, GPT_OSS, "local_fused",
-     {"flashinfer_fused": ["hidden_not_multiple_of_256"], "local_fused": []}, {"local_fused": [FI_AR]}),
-    ("h200-tp1", H200.replace(world_size=1), DSV3, "local_fused",
-     {"flashinfer_fused": ["world_size_unsupported"]}, {"local_fused": ["local.add_rmsnorm"]}),
-    ("h200-tp3", H200.replace(world_size=3), DSV3, "local_fused",
-     {"flashinfer_fused": ["world_size_unsupported"]},
-     {"local_fused": ["torch_distributed.all_reduce_nccl", "local.add_rmsnorm"]}),
-    ("a100-tp2", A100, DSV3, "local_fused", {"flashinfer_fused": ["sm_too_low"]},
-     {"local_fused": ["torch_distributed.all_reduce_nccl"]}),
+     {LN: ["needs_cuda_or_interpreter"], LF: ["needs_cuda", "world_size_unsupported"],
+      "flashinfer_fused": ["needs_cuda", "world_size_unsupported"], "separate": [], "reference": []}, {}),
+    ("cpu-interpreter", CPU.replace(triton_interpret=True), DSV3, "separate", {LN: []}, {}),
+    ("h200-tp2", H200, DSV3, LF, {LF: [], LN: [], "flashinfer_fused": []},
+     {LF: ["local.finalize_add", FI_AR], LN: ["local.finalize_add", "torch_distributed.all_reduce_nccl"]}),
+    ("h200-tp2-gpt-oss", H200, GPT_OSS, LF,
+     {"flashinfer_fused": ["hidden_not_multiple_of_256"], LF: []}, {LF: [FI_AR]}),
+    ("h200-tp1", H200.replace(world_size=1), DSV3, LN,
+     {"flashinfer_fused": ["world_size_unsupported"], LF: ["world_size_unsupported"]},
+     {LN: ["local.finalize_add", "local.add_rmsnorm"]}),
+    ("h200-tp3", H200.replace(world_size=3), DSV3, LN,
+     {"flashinfer_fused": ["world_size_unsupported"], LF: ["world_size_unsupported"]},
+     {LN: ["torch_distributed.all_reduce_nccl", "local.add_rmsnorm"]}),
+    ("a100-tp2", A100, DSV3, LN, {"flashinfer_fused": ["sm_too_low"], LF: ["sm_too_low"]},
+     {LN: ["torch_distributed.all_reduce_nccl"]}),
     ("no-flashinfer", H200.replace(flashinfer_version=None, flashinfer_error="ImportError: x"), DSV3,
-     "local_fused", {"flashinfer_fused": ["flashinfer_missing"]}, {}),
-    ("old-flashinfer", H200.replace(flashinfer_version="0.6.0"), DSV3, "local_fused",
+     LN, {"flashinfer_fused": ["flashinfer_missing"], LF: ["flashinfer_missing"]}, {}),
+    ("old-flashinfer", H200.replace(flashinfer_version="0.6.0"), DSV3, LN,
      {"flashinfer_fused": ["flashinfer_too_old"]}, {}),
-    ("multi-node", H200.replace(single_node=False, world_size=16), DSV3, "local_fused",
-     {"flashinfer_fused": ["multi_node_group"]}, {}),
-    ("every-reason-at-once", A100.replace(world_size=3, single_node=False), GPT_OSS, "local_fused",
+    ("multi-node", H200.replace(single_node=False, world_size=16), DSV3, LN,
+     {"flashinfer_fused": ["multi_node_group"], LF: ["multi_node_group"]}, {}),
+    ("every-reason-at-once", A100.replace(world_size=3, single_node=False), GPT_OSS, LN,
      {"flashinfer_fused": ["sm_too_low", "world_size_unsupported", "multi_node_group",
                            "hidden_not_multiple_of_256"]}, {}),
-    ("nvfp4-h200", H200, NVFP4, "local_fused",
+    ("nvfp4-h200", H200, NVFP4, LF,
      {"flashinfer_fused": [], "flashinfer_fused_fp4": ["flashinfer_fused_fp4_broken", "fp4_needs_sm100"]},
      {"flashinfer_fused": ["flashinfer.moe_finalize_ar_residual_rmsnorm", "local.quant_nvfp4"],
-      "local_fused": [FI_AR, "local.quant_nvfp4"]}),
-    ("nvfp4-b200", B200, NVFP4, "local_fused", {"flashinfer_fused_fp4": ["flashinfer_fused_fp4_broken"]},
-     {"local_fused": ["flashinfer.ar_residual_rmsnorm_fp4"]}),
-    ("nvfp4-b200-newer-flashinfer", B200.replace(flashinfer_version="0.8.0"), NVFP4, "local_fused",
+      LF: [FI_AR, "local.quant_nvfp4"], LN: ["local.add_rmsnorm_nvfp4"]}),
+    ("nvfp4-b200", B200, NVFP4, LF, {"flashinfer_fused_fp4": ["flashinfer_fused_fp4_broken"]},
+     {LF: ["flashinfer.ar_residual_rmsnorm_fp4"]}),
+    ("nvfp4-b200-newer-flashinfer", B200.replace(flashinfer_version="0.8.0"), NVFP4, LF,
      {"flashinfer_fused_fp4": []}, {}),
     ("nvfp4-linear", B200.replace(flashinfer_version="0.8.0"),
-     EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(336.0, "linear")), "local_fused",
+     EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(336.0, "linear")), LF,
      {"flashinfer_fused_fp4": ["sf_layout_fixed"]}, {}),
-    ("fp8-h200", H200, EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(0.05)), "local_fused",
+    ("fp8-h200", H200, EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(0.05)), LF,
      {"flashinfer_fused_fp4": ["quant_not_nvfp4", "flashinfer_fused_fp4_broken", "fp4_needs_sm100"]},
-     {"local_fused": ["flashinfer.ar_residual_rmsnorm_fp8"], "flashinfer_fused": ["local.quant_fp8"]}),
-    ("huge-hidden", H200, EpilogueSpec(hidden_size=65536, top_k=8), "flashinfer_fused",
-     {"local_fused": ["hidden_too_large"]}, {}),
+     {LF: ["flashinfer.ar_residual_rmsnorm_fp8"], "flashinfer_fused": ["local.quant_fp8"],
+      LN: ["local.add_rmsnorm_fp8"]}),
+    ("huge-hidden", H200, EpilogueSpec(hidden_size=65536, top_k=8), LF,
+     {LN: ["hidden_too_large"], LF: []}, {}),
+    ("huge-hidden-nvfp4", H200, EpilogueSpec(hidden_size=65536, top_k=8, quant=QuantSpec.nvfp4(1.0)),
+     "flashinfer_fused", {LN: ["hidden_too_large"], LF: ["hidden_too_large"]}, {}),
 ]
 
 
@@ -103,15 +109,49 @@ def test_unknown_strategy_name_is_rejected():
         select(static_statuses(DSV3, CPU), DSV3, "fastest")
 
 
-def test_measurements_pick_the_fastest_per_bucket_and_static_order_fills_gaps():
+def test_measurements_pick_the_fastest_strategy_and_variant_per_bucket_and_static_order_fills_gaps():
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=16)
     statuses = static_statuses(spec, H200)
-    measured = {"local_fused": {1: 7.2, 2: 7.5, 16: 12.0}, "flashinfer_fused": {1: 6.0, 2: 9.0, 16: 10.0},
-                "separate": {1: 45.0}}
+    measured = {LF: {"oneshot": {1: 7.2, 2: 7.5, 16: 12.0}, "twoshot": {16: 11.0}},
+                "flashinfer_fused": {"default": {1: 6.0, 2: 9.0, 16: 10.5}}, "separate": {"default": {1: 45.0}}}
     plan = select(statuses, spec, measured_us=measured)
     assert plan.bounds == (1, 2, 4, 8, 16)
-    assert plan.choice == ("flashinfer_fused", "local_fused", "local_fused", "local_fused", "flashinfer_fused")
+    assert plan.choice == ("flashinfer_fused", LF, LF, LF, "flashinfer_fused")
+    assert plan.variants == ("default", "oneshot", "oneshot", "oneshot", "default")
     assert plan.measured_us[0] == 6.0 and plan.measured_us[2] is None and plan.source == "measured"
+    measured[LF]["twoshot"][16] = 9.0
+    plan = select(statuses, spec, measured_us=measured)
+    assert plan.route_for(16) == (LF, "twoshot") and plan.route_for(9) == (LF, "twoshot")
+
+
+def test_unmeasured_buckets_take_the_strategy_s_own_variant_heuristic():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=8192)
+    plan = select(static_statuses(spec, H200.replace(world_size=8)), spec)
+    # FlashInfer's heuristic at TP8: one-shot up to 42 MB of traffic, and always for T <= world size
+    assert plan.route_for(1) == (LF, "oneshot") and plan.route_for(8) == (LF, "oneshot")
+    assert plan.route_for(256) == (LF, "twoshot")
+
+
+def test_measurements_for_unknown_strategies_or_variants_are_ignored_with_a_note():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=4)
+    measured = {"local_fused": {"default": {1: 1.0}}, LF: {"threeshot": {1: 1.0}, "oneshot": {2: 9.0}},
+                "separate": {"default": {1: 50.0}}}
+    plan = select(static_statuses(spec, H200), spec, measured_us=measured)
+    assert plan.route_for(1) == ("separate", "default") and plan.route_for(2) == (LF, "oneshot")
+    notes = " ".join(plan.notes)
+    assert "unknown strategy 'local_fused'" in notes and "unknown variant local_fused_flashinfer:threeshot" in notes
+
+
+def test_buckets_above_the_flashinfer_workspace_choose_the_nccl_strategy():
+    # FlashInfer's Lamport buffers cap its workspace below max_tokens at H=7168: 2^31 / (2 * 7168 * 2)
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=131072)
+    statuses = {s.name: s for s in static_statuses(spec, H200)}
+    limit = statuses[LF].max_tokens_per_call
+    assert limit is not None and limit < spec.max_tokens
+    plan = select(list(statuses.values()), spec)
+    assert plan.strategy_for(limit // 2) == LF
+    first_above = min(b for b in plan.bounds if b > limit)
+    assert plan.strategy_for(first_above) == LN and plan.overflow == LN
 
 
 def test_tokens_above_a_workspace_limit_go_to_a_strategy_without_one():
@@ -130,7 +170,7 @@ def test_bucket_index_is_the_power_of_two_ceiling():
 
 def test_error_bounds_are_wider_for_flashinfer_bf16_accumulation():
     statuses = {s.name: s for s in static_statuses(DSV3, H200)}
-    assert statuses["reference"].error_bound < statuses["local_fused"].error_bound
-    assert statuses["local_fused"].error_bound < statuses["flashinfer_fused"].error_bound
+    assert statuses["reference"].error_bound < statuses[LF].error_bound
+    assert statuses[LF].error_bound < statuses["flashinfer_fused"].error_bound
     fp16 = {s.name: s for s in static_statuses(EpilogueSpec(hidden_size=7168, top_k=8, dtype=torch.float16), H200)}
-    assert fp16["local_fused"].error_bound < statuses["local_fused"].error_bound / 4
+    assert fp16[LF].error_bound < statuses[LF].error_bound / 4

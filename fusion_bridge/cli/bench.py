@@ -8,15 +8,15 @@ matplotlib is importable, a log-log PNG of time vs T with `auto` highlighted.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from .spec import EpilogueSpec
+from ..spec import EpilogueSpec
 
 
 def _bridge(spec: EpilogueSpec, world_size: int, tuning: str = "auto"):
-    from .bridge import FusionBridge
+    from ..bridge import FusionBridge
     group = torch.distributed.group.WORLD if world_size > 1 else None
     return FusionBridge(spec, group, debug=False, tuning=tuning)
 
@@ -32,12 +32,12 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
     """Eager host time per call: finalize_epilogue against the selected strategy's run() (the kernel
     launches themselves), interleaved in `rounds` rounds of `calls` calls; medians."""
     import statistics
-    from .synthetic import make_inputs
+    from ..synthetic import make_inputs
     inp = make_inputs(bridge.spec, tokens, device=bridge.device)
-    strategy = bridge._by_bucket[(tokens - 1).bit_length()]
+    raw = bridge.selected_run(tokens)
     args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
             inp.residual, inp.gamma)
-    fns = {"bridge": lambda: bridge.finalize_epilogue(*args), "raw": lambda: strategy.run(inp)}
+    fns = {"bridge": lambda: bridge.finalize_epilogue(*args), "raw": lambda: raw(inp)}
     samples: dict[str, list[float]] = {"bridge": [], "raw": []}
     for fn in fns.values():
         for _ in range(20):
@@ -52,39 +52,54 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
     torch.cuda.synchronize()
     bridge_us, raw_us = statistics.median(samples["bridge"]), statistics.median(samples["raw"])
     return {"bridge_us": round(bridge_us, 2), "raw_us": round(raw_us, 2),
-            "overhead_us": round(bridge_us - raw_us, 2), "strategy": strategy.name}
+            "overhead_us": round(bridge_us - raw_us, 2), "route": ":".join(bridge.route_for(tokens))}
 
 
 def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool) -> dict:
-    from .tuning import measure
+    from ..tuning import measure
     with _bridge(spec, world_size, tuning="off") as bridge:
         bridge.tune(buckets=tokens, progress=progress, save=True)
-        candidates = bridge.tuning_candidates() + [("auto", lambda inp: bridge.finalize_epilogue(
+        auto = ("auto", "planned", lambda inp, _variant: bridge.finalize_epilogue(
             inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
-            inp.residual, inp.gamma))]
-        rotated = measure(bridge, candidates, tokens, rotate=True, progress=progress, seed=1)
-        same = measure(bridge, candidates, tokens, rotate=False, progress=progress, seed=2)
+            inp.residual, inp.gamma))
+        candidates = bridge.tuning_candidates() + [auto]
+        args = (bridge.spec, bridge.env, bridge.group, bridge.device, candidates, tokens)
+        rotated = measure(*args, rotate=True, progress=progress, seed=1)
+        same = measure(*args, rotate=False, progress=progress, seed=2)
         overhead = {t: host_overhead_us(bridge, t) for t in (1, 64)}
-        plan = {t: bridge.strategy_for(t) for t in tokens}
-        sub = bridge._instances.get("local_fused")
-        subpaths = list(sub.subpath_by_bucket) if sub is not None and sub.subpath_by_bucket else None
-        return {"rotated": rotated, "same": same, "overhead": overhead, "plan": plan, "subpaths": subpaths,
+        plan = {t: ":".join(bridge.route_for(t)) for t in tokens}
+        return {"rotated": rotated, "same": same, "overhead": overhead, "plan": plan,
                 "gpu": bridge.env.gpu_name, "table_path": (bridge.table or {}).get("path")}
 
 
 def rows_from(result: dict, world_size: int) -> list[dict]:
+    """Long format: one row per (candidate, T); candidate is "strategy:variant", or "auto"."""
     rows = []
-    for label, per in result["rotated"].items():
-        for tokens, us in per.items():
-            rows.append({"candidate": label, "tokens": tokens, "world_size": world_size,
-                         "us_rotated": round(us, 2), "us_same_inputs": round(result["same"][label][tokens], 2),
-                         "auto_picks": result["plan"][tokens] if label == "auto" else "",
-                         "gpu": result["gpu"]})
+    for name, variants in result["rotated"].items():
+        for variant, per in variants.items():
+            label = name if name == "auto" else f"{name}:{variant}"
+            for tokens, us in per.items():
+                rows.append({"candidate": label, "tokens": tokens, "world_size": world_size,
+                             "us_rotated": round(us, 2),
+                             "us_same_inputs": round(result["same"][name][variant][tokens], 2),
+                             "auto_picks": result["plan"][tokens] if name == "auto" else "",
+                             "gpu": result["gpu"]})
     return rows
 
 
+def write_csv(path: str, rows: Sequence[dict]) -> None:
+    import csv
+    import os
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def summary(rows: list[dict]) -> list[dict]:
-    """Per T: auto vs the fastest candidate, vs flashinfer_fused, vs local_fused/flashinfer_ar_norm, vs separate."""
+    """Per T: auto vs the fastest candidate, and vs the best variant of flashinfer_fused,
+    local_fused_flashinfer and separate."""
     by_t: dict[int, dict[str, dict]] = {}
     for r in rows:
         by_t.setdefault(r["tokens"], {})[r["candidate"]] = r
@@ -97,9 +112,10 @@ def summary(rows: list[dict]) -> list[dict]:
             tag = "rot" if mode == "us_rotated" else "same"
             line[f"auto_{tag}"] = auto[mode]
             line[f"vs_best_{tag}"] = round(auto[mode] / min(others.values()), 3)
-            for name in ("flashinfer_fused", "local_fused/flashinfer_ar_norm", "separate"):
-                if name in others:
-                    line[f"vs_{name.split('/')[-1]}_{tag}"] = round(auto[mode] / others[name], 3)
+            for name in ("flashinfer_fused", "local_fused_flashinfer", "separate"):
+                times = [us for label, us in others.items() if label.split(":")[0] == name]
+                if times:
+                    line[f"vs_{name}_{tag}"] = round(auto[mode] / min(times), 3)
         out.append(line)
     return out
 

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# NVLink multicast can take shared GPUs out of service (DESIGN.md section 4): off in every rank.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from ..environment import NO_MULTICAST_ENV
 
 
 def free_port() -> int:

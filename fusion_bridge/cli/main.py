@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from .environment import detect
-from .planner import NoStrategyAvailable, select, static_statuses
-from .report import Report
-from .spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
+from ..environment import detect
+from ..planner import NoStrategyAvailable, select, static_statuses
+from ..report import Report
+from ..spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
 
 DEEPSEEK_V3 = {"hidden": 7168, "top_k": 8}
 DEFAULT_FP8_SCALE = 0.05           # divisor: |norm_out| up to ~22 fits e4m3's 448
@@ -60,7 +60,7 @@ def _stdout_to_stderr() -> None:
 
 
 def cmd_info(args) -> int:
-    from .bridge import FusionBridge
+    from ..bridge import FusionBridge
     spec = _spec(args)
     with FusionBridge(spec) as bridge:
         report = bridge.explain(args.tokens)
@@ -125,14 +125,14 @@ def cmd_tune(args) -> int:
     table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
     lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
     for b in table["plan"]["buckets"]:
-        lines.append(f"  T <= {b['max_tokens']:6d}: {b['strategy']:18s} {b['measured_us']:.1f} us")
+        lines.append(f"  T <= {b['max_tokens']:6d}: {b['strategy']}:{b['variant']:10s} {b['measured_us']:.1f} us")
     _emit(args, table, "\n".join(lines))
     return 0
 
 
 def cmd_bench(args) -> int:
     from .bench import bench_rank, plot, rows_from, summary
-    from .timing import write_csv
+    from .bench import write_csv
     _require_gpus(args.world_size)
     tokens = [2 ** i for i in range(args.max_tokens.bit_length()) if 2 ** i <= args.max_tokens]
     spec = _spec(args)
@@ -149,7 +149,7 @@ def cmd_bench(args) -> int:
     text += [" ".join(f"{str(line.get(k, '')):>14s}" for k in keys) for line in table]
     text.append(f"host overhead (eager, us per call): {result['overhead']}")
     _emit(args, {"csv": args.csv, "png": png, "summary": table, "overhead": result["overhead"],
-                 "subpaths": result["subpaths"], "rows": rows}, "\n".join(text))
+                 "rows": rows}, "\n".join(text))
     return 0
 
 

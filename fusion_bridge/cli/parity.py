@@ -6,11 +6,11 @@ from typing import Optional
 
 import torch
 
-from .bridge import FusionBridge
+from ..bridge import FusionBridge
 from .launch import run_distributed
-from .spec import EpilogueSpec
-from .numerics import compare, quant_error_bound
-from .synthetic import make_inputs
+from ..spec import EpilogueSpec
+from ..numerics import compare, quant_error_bound
+from ..synthetic import make_inputs
 
 
 def parity_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: int, seed: int,

@@ -19,6 +19,7 @@ from ..reasons import Reason
 from ..spec import EpilogueSpec, QuantKind, SFLayout, Stage
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+DEFAULT_VARIANT = "default"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,18 @@ class Strategy:
         """The largest T one call may carry, or None for no limit (workspace-backed paths have one)."""
         return None
 
+    @classmethod
+    def variants(cls, spec: EpilogueSpec, env: Environment) -> tuple[str, ...]:
+        """Launch variants: ways to launch the same steps that differ only in speed (one-shot / two-shot,
+        PDL on / off). Tuning measures each; the plan stores one per token bucket; `run` receives it."""
+        return (DEFAULT_VARIANT,)
+
+    @classmethod
+    def default_variant(cls, spec: EpilogueSpec, env: Environment, tokens: Optional[int]) -> str:
+        """The variant for a bucket whose largest T is `tokens` (None: above max_tokens) when nothing
+        was measured. A pure function, like every class-level method."""
+        return cls.variants(spec, env)[0]
+
     # ---- per instance: built by the bridge, collectively ----
     def __init__(self, spec: EpilogueSpec, env: Environment, group=None,
                  device: Optional[torch.device] = None) -> None:
@@ -117,10 +130,6 @@ class Strategy:
     def prepare(self) -> None:
         """One-time collective setup (workspaces). Called on every rank, or on none."""
 
-    def instance_steps(self) -> list[Step]:
-        """The steps this prepared instance runs (a sub-path may differ from the static guess)."""
-        return self.steps(self.spec, self.env)
-
     def accepts(self, inputs: EpilogueInputs) -> bool:
         """Shape-only per-call check (never syncs); False reroutes the call under auto."""
         return True
@@ -129,7 +138,9 @@ class Strategy:
     def workspace_bytes(self) -> int:
         return 0
 
-    def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+        """One call on validated inputs with 0 < T <= max_tokens_per_call. `variant` is one of
+        `variants()`, as the plan chose it for this T. Collective when the world size is > 1."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -3,7 +3,7 @@ kMoEFinalizeARResidualRMSNorm): finalize + shared add + all-reduce + residual + 
 for a quantized spec, our quant kernel as a second step (FlashInfer's fused FP4 is unusable in
 0.7.2.post1 -- see flashinfer_fused_fp4 for the variant that would use it).
 
-Traps guarded (DESIGN.md section 4, measured on 2x H200):
+Traps guarded (measured on 2x H200; docs/upstream.md):
 - correct only when hidden % 256 == 0 (FlashInfer checks % 8): H=2880 gave inf, NaN, then a hang;
 - reads expert weights in the activation dtype without a check: we cast them;
 - one-shot Lamport only, world sizes 2/4/8/16, SM >= 90 (below, the kernel body is empty);
@@ -13,15 +13,13 @@ Traps guarded (DESIGN.md section 4, measured on 2x H200):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs
+from ..io import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from ..reasons import collect, require_hidden_multiple
 from ..spec import QuantKind, Stage
 from . import flashinfer_common as fic
-from .base import Step, Strategy, kernel_quant_args, required_stages
+from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
 
 INT32_LIMIT = 2 ** 31
 
@@ -81,10 +79,12 @@ class FlashInferFusedStrategy(Strategy):
         """Shape-only per-call check (no sync): FlashInfer indexes rows with int32 offsets."""
         return inputs.gemm2_out.numel() < INT32_LIMIT
 
-    def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         spec = self.spec
-        residual_out, norm_out = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
-        quant_out, scale_out = self._fused_quant_outputs(inputs)
+        out = allocate_outputs(spec, inputs.tokens, inputs.residual.device) if self.fused_fp4 else None
+        residual_out, norm_out = ((out.residual_out, out.norm_out) if out is not None else
+                                  (torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)))
+        quant_out, scale_out = (out.quant, out.scale) if out is not None else (None, None)
         weights = inputs.expert_weights
         if weights.dtype != spec.dtype:  # FlashInfer reads them as the activation dtype, unchecked
             weights = weights.to(spec.dtype)
@@ -102,9 +102,6 @@ class FlashInferFusedStrategy(Strategy):
         if quant_out is None:
             quant_out, scale_out = self._ops.quantize(norm_out, *kernel_quant_args(spec))
         return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out if q.kind is QuantKind.NVFP4 else None)
-
-    def _fused_quant_outputs(self, inputs: EpilogueInputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        return None, None
 
     def close(self) -> None:
         if getattr(self, "_workspace", None) is not None:

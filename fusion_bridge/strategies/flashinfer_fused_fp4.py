@@ -7,9 +7,6 @@ that passes the static checks is adopted only if it also passes the self-test ag
 
 from __future__ import annotations
 
-import torch
-
-from ..quant_ref import sf_shape
 from ..reasons import Reason, collect
 from ..spec import QuantKind, SFLayout
 from . import flashinfer_common as fic
@@ -35,9 +32,3 @@ class FlashInferFusedFp4Strategy(FlashInferFusedStrategy):
     @classmethod
     def steps(cls, spec, env):
         return [Step("flashinfer.moe_finalize_ar_residual_rmsnorm_fp4", required_stages(spec, env.world_size))]
-
-    def _fused_quant_outputs(self, inputs):
-        tokens, hidden = inputs.residual.shape
-        dev = inputs.residual.device
-        return (torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=dev),
-                torch.empty(sf_shape(tokens, hidden, self.spec.quant.sf_layout), dtype=torch.uint8, device=dev))

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ..io import EpilogueInputs, EpilogueOutputs
 from ..spec import Stage
 from ..torch_math import finalize_fp32, residual_norm_outputs
-from .base import Step, Strategy, required_stages
+from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class ReferenceStrategy(Strategy):
@@ -40,7 +40,7 @@ class ReferenceStrategy(Strategy):
     def error_bound(cls, spec, env):
         return 1e-5  # fp32 reassociation only (the all-reduce order), far below one bf16/fp16 rounding
 
-    def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         partial = finalize_fp32(inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
                                 inputs.expert_weights, self.spec.routed_scaling_factor)
         if inputs.shared_output is not None:

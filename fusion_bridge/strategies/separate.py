@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..io import EpilogueInputs, EpilogueOutputs
 from ..spec import Stage
 from ..torch_math import finalize_fp32, residual_norm_outputs
-from .base import Step, Strategy, required_stages
+from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class SeparateStrategy(Strategy):
@@ -42,7 +42,7 @@ class SeparateStrategy(Strategy):
         # finalize output, shared add, each hop of a ring all-reduce (world-1), norm output
         return 1 + int(spec.has_shared_output) + (env.world_size - 1) + 1
 
-    def run(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         partial = finalize_fp32(inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
                                 inputs.expert_weights, self.spec.routed_scaling_factor).to(self.spec.dtype)
         if inputs.shared_output is not None:

@@ -134,7 +134,7 @@ def run_rank(rank: int, world: int, tokens: int, shadow: bool) -> dict:
     x = torch.randn(tokens, block.cfg.hidden, generator=g).to(block.cfg.dtype).to(device)
     residual = torch.randn(tokens, block.cfg.hidden, generator=g).to(block.cfg.dtype).to(device)
     normed_before, residual_before = block.forward_before(x, residual, group)
-    with block.make_bridge(group, shadow="reference" if shadow else None, shadow_every=1) as bridge:
+    with block.make_bridge(group, shadow="reference:1" if shadow else None) as bridge:
         normed_after, residual_after = block.forward_after(x, residual, bridge)
         report = bridge.explain(tokens).to_dict()
     return {"strategy": report["selected"], "device": device.type,
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     if args.world_size == 1:
         results = [run_rank(0, 1, args.tokens, args.shadow)]
     else:
-        from fusion_bridge.launch import run_distributed
+        from fusion_bridge.cli.launch import run_distributed
         results = run_distributed(run_rank, args.world_size, args.tokens, args.shadow, timeout_s=600)
     # before and after both round to bf16 a few times; 2^-6 is four bf16 roundings' worth of difference
     agree = all(r["norm_rel_diff"] < 2 ** -6 and r["residual_rel_diff"] < 2 ** -6 for r in results)
