@@ -34,6 +34,7 @@ BAD_INPUTS = [
     ("index map 1-D", lambda i: {"expanded_idx_to_permuted_idx": i.expanded_idx_to_permuted_idx.reshape(-1)},
      "2-D [T, top_k]"),
     ("index past gemm2_out rows", _perm_with(10_000), "in [-1, 13)"),
+    ("index equal to P (one past the last row)", _perm_with(13), "in [-1, 13)"),
     ("index below -1", _perm_with(-2), "in [-1, 13)"),
     ("weights wrong T", lambda i: {"expert_weights": i.expert_weights[:4].contiguous()}, "expert_weights.shape"),
     ("weights int", lambda i: {"expert_weights": i.expert_weights.to(torch.int32)}, "expert_weights.dtype"),
@@ -50,7 +51,10 @@ BAD_INPUTS = [
 
 @pytest.fixture(scope="module")
 def bridge():
-    with FusionBridge(SPEC, debug=True) as b:
+    """The default path: no debug mode (conftest clears FUSION_BRIDGE_DEBUG). On CPU the index values
+    are checked anyway."""
+    with FusionBridge(SPEC) as b:
+        assert not b.debug
         yield b
 
 
@@ -117,3 +121,32 @@ def test_bad_quant_scales_and_strategy_names():
         FusionBridge(SPEC, strategy="fastest")
     with pytest.raises(TypeError, match="spec must be an EpilogueSpec"):
         FusionBridge({"hidden_size": 64})
+
+
+def test_index_bounds_are_inclusive_of_minus_one_and_p_minus_one(bridge):
+    """-1 (skip) and P-1 (the last row) are valid; P and -2 are not (the cases above)."""
+    good = make_inputs(SPEC, 5, padding_rows=3)
+    rows = good.gemm2_out.shape[0]
+    perm = good.expanded_idx_to_permuted_idx.clone()
+    perm[0, 0], perm[0, 1] = -1, rows - 1
+    gemm2_out = good.gemm2_out.clone()
+    gemm2_out[rows - 1] = 1.0  # was padding (NaN); now read
+    out = bridge(gemm2_out, perm, good.expert_weights, good.shared_output, good.residual, good.gamma)
+    assert torch.isfinite(out.norm_out).all()
+
+
+def test_debug_mode_comes_from_the_argument_or_the_variable(monkeypatch):
+    with FusionBridge(SPEC) as b:
+        assert not b.debug
+    with FusionBridge(SPEC, debug=True) as b:
+        assert b.debug
+    monkeypatch.setenv("FUSION_BRIDGE_DEBUG", "1")
+    with FusionBridge(SPEC) as b:
+        assert b.debug
+        good = make_inputs(SPEC, 5, padding_rows=3)  # debug mode checks index values too
+        bad = good._replace(**_perm_with(13)(good))
+        with pytest.raises(EpilogueInputError, match=r"in \[-1, 13\)"):
+            b(*bad)
+    monkeypatch.setenv("FUSION_BRIDGE_DEBUG", "0")
+    with FusionBridge(SPEC) as b:
+        assert not b.debug
