@@ -173,6 +173,13 @@ def _sf_padding_item(item, sf_ptr, tokens, sf_cols):
 # signalling (GPU only)
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
+def _peer_ptr(ptrs_ptr, q, dtype: tl.constexpr):
+    """Rank q's buffer as a `dtype` pointer. Buffers are 256-byte aligned: saying so lets the slot
+    loads and stores vectorize (the compiler knows nothing about an integer cast to a pointer)."""
+    return tl.multiple_of(tl.load(ptrs_ptr + q).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
 def _globaltimer():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
                                      pack=1)
@@ -189,13 +196,16 @@ def _or(a, b):
     return a | b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout_us"])  # one compile for every T
 def _fused_kernel(ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, residual_ptr, gamma_ptr,
                   residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, cap, data_off, rank,
-                  routed_scaling, eps, weight_bias, quant_scale, sf_rows, sf_cols, timeout_ns,
+                  routed_scaling, eps, weight_bias, quant_scale, sf_rows, sf_cols, timeout_us,
                   WORLD: tl.constexpr, MAXP: tl.constexpr, FLAGS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                   HAS_SHARED: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
-                  BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
+                  BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr,
+                  ABLATE: tl.constexpr = 0):
+    # ABLATE (benchmarks only; results are wrong): 1 no wait, 2 no peers (own slot, no flags, no wait),
+    # 3 signal only (flags + wait, no finalize, no norm): where the time goes
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
@@ -204,19 +214,23 @@ def _fused_kernel(ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_p
 
     # 1. finalize + publish into every rank's slot [parity][rank]
     chunks1 = tl.cdiv(hidden, BLOCK1)
-    for item in range(pid, tokens * chunks1, nprog):
+    for item in range(pid, tokens * chunks1 if ABLATE != 3 else 0, nprog):
         row = (item // chunks1).to(tl.int64)
         cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
         part = round_to(_finalize_chunk(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden,
                                         routed_scaling, TOP_K, HAS_SHARED), dtype)
         dst_row = (slot_rows + rank * cap + row) * hidden + data_off
-        for q in tl.static_range(WORLD):
-            base = tl.load(ptrs_ptr + q).to(tl.pointer_type(dtype))
-            tl.store(base + dst_row + cols, part, mask=cols < hidden)
+        if ABLATE == 2:
+            tl.store(_peer_ptr(ptrs_ptr, rank, dtype) + dst_row + cols, part, mask=cols < hidden)
+        else:
+            for q in tl.static_range(WORLD):
+                base = _peer_ptr(ptrs_ptr, q, dtype)
+                tl.store(base + dst_row + cols, part, mask=cols < hidden)
     tl.debug_barrier()  # every thread's stores precede the release below (cumulativity)
-    for q in tl.static_range(WORLD):
-        flags_q = tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(flags_q + rank * MAXP + pid, epoch, sem="release", scope="sys")
+    if ABLATE != 2:
+        for q in tl.static_range(WORLD):
+            flags_q = tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(flags_q + rank * MAXP + pid, epoch, sem="release", scope="sys")
 
     # 2. wait for every program of every rank (bounded)
     local_flags = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int32))
@@ -226,9 +240,10 @@ def _fused_kernel(ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_p
     addr = tl.where(is_flag, local_flags + src * MAXP + idx % nprog, local_flags + WORLD * MAXP)
     start = _globaltimer()
     now = start
-    missing = 1
+    missing = 1 if ABLATE == 0 or ABLATE == 3 else 0
     aborted = 0
     f = tl.zeros([FLAGS_BLOCK], dtype=tl.int32)
+    timeout_ns = timeout_us.to(tl.int64) * 1000
     while (missing > 0) & (aborted == 0) & (now - start < timeout_ns):
         f = _ld_acquire_sys(addr)
         missing = tl.sum((is_flag & ((f - epoch) < 0)).to(tl.int32), axis=0)
@@ -248,9 +263,9 @@ def _fused_kernel(ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_p
                                scope="sys")
 
     # 3. reduce in rank order + residual + RMSNorm (+ quant) from the local buffer
-    local_slots = tl.load(ptrs_ptr + rank).to(tl.pointer_type(dtype)) + data_off + slot_rows * hidden
+    local_slots = _peer_ptr(ptrs_ptr, rank, dtype) + data_off + slot_rows * hidden
     chunks2 = tl.cdiv(hidden, BLOCK2)
-    for item in range(pid, tokens * chunks2, nprog):
+    for item in range(pid, tokens * chunks2 if ABLATE != 3 else 0, nprog):
         _reduce_norm_item((item // chunks2).to(tl.int64), item % chunks2, local_slots, cap * hidden, residual_ptr,
                           gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
                           weight_bias, quant_scale, sf_cols, bad, WORLD, QUANT, SWIZZLED, BLOCK2, ROW_BLOCK, HW_CVT)
@@ -355,7 +370,7 @@ def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.
                gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor, shared: Optional[torch.Tensor],
                residual: torch.Tensor, gamma: torch.Tensor, routed_scaling: float, eps: float, weight_bias: float,
                quant: int, quant_scale: float, swizzled: bool,
-               launch: Optional[tuple[int, int, int]] = None) -> None:
+               launch: Optional[tuple[int, int, int]] = None, ablate: int = 0) -> None:
     """One launch. `ws`: ptrs (int64 [W + 1]: every rank's buffer address, then the pinned error word's),
     state (int32 [4] device: epoch, done-counter, error), world, rank, cap, data_off (elements),
     num_sms, timeout_ns. T == 0 launches nothing (on every rank). T must be <= ws.cap."""
@@ -369,10 +384,11 @@ def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.
     items = max(tokens * triton.cdiv(hidden, block1), tokens * triton.cdiv(hidden, block2))
     nprog = max(1, min(ws.num_sms, MAX_PROGS, items))
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant == QUANT_NVFP4 else (tokens, 0)
+    flags_block = triton.next_power_of_2(ws.world * min(ws.num_sms, MAX_PROGS) + 1)  # same for every T
     _fused_kernel[(nprog,)](
         ws.ptrs, ws.state, gemm2_out, perm, weights, shared if shared is not None else residual, residual, gamma,
         residual_out, norm_out, q, sf, tokens, hidden, ws.cap, ws.data_off, ws.rank, float(routed_scaling),
-        float(eps), float(weight_bias), float(quant_scale), sf_rows, sf_cols, ws.timeout_ns,
-        WORLD=ws.world, MAXP=MAX_PROGS, FLAGS_BLOCK=triton.next_power_of_2(ws.world * nprog + 1), TOP_K=top_k,
+        float(eps), float(weight_bias), float(quant_scale), sf_rows, sf_cols, ws.timeout_ns // 1000,
+        WORLD=ws.world, MAXP=MAX_PROGS, FLAGS_BLOCK=flags_block, TOP_K=top_k,
         HAS_SHARED=shared is not None, QUANT=quant, SWIZZLED=swizzled, BLOCK1=block1, BLOCK2=block2,
-        ROW_BLOCK=rb, HW_CVT=True, num_warps=warps)
+        ROW_BLOCK=rb, HW_CVT=True, ABLATE=ablate, num_warps=warps)
