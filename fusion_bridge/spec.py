@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import functools
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -55,22 +58,25 @@ class QuantSpec:
 
     @staticmethod
     def fp8(scale: float) -> "QuantSpec":
-        return QuantSpec(QuantKind.FP8, scale=float(scale))
+        return QuantSpec(QuantKind.FP8, scale=scale)
 
     @staticmethod
     def nvfp4(global_scale: float, sf_layout: SFLayout | str = SFLayout.SWIZZLED_128x4) -> "QuantSpec":
-        return QuantSpec(QuantKind.NVFP4, global_scale=float(global_scale), sf_layout=SFLayout(sf_layout))
+        return QuantSpec(QuantKind.NVFP4, global_scale=global_scale, sf_layout=sf_layout)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", QuantKind(self.kind))
-        object.__setattr__(self, "sf_layout", SFLayout(self.sf_layout))
-        if self.kind is QuantKind.FP8:
-            _require(self.scale is not None and self.scale > 0 and self.scale == self.scale,
-                     "quant.scale", "a positive finite float for fp8", self.scale)
-        if self.kind is QuantKind.NVFP4:
-            _require(self.global_scale is not None and self.global_scale > 0
-                     and self.global_scale == self.global_scale,
-                     "quant.global_scale", "a positive finite float for nvfp4", self.global_scale)
+        """Check every field, then normalise: kind and sf_layout to their enums, scales to float."""
+        kind = _enum_field("quant.kind", QuantKind, self.kind)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "sf_layout", _enum_field("quant.sf_layout", SFLayout, self.sf_layout))
+        for name, needed_by in (("scale", QuantKind.FP8), ("global_scale", QuantKind.NVFP4)):
+            value = getattr(self, name)
+            if kind is needed_by:
+                value = _real_field(f"quant.{name}", value, f"a positive finite float for {kind.value}",
+                                    positive=True)
+            else:  # a scale the kind does not use is a mistake, and would differ silently across ranks
+                _require(value is None, f"quant.{name}", f"None for kind {kind.value!r}", value)
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True)
@@ -94,13 +100,21 @@ class EpilogueSpec:
     max_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.hidden_size, int) and self.hidden_size > 0,
-                 "hidden_size", "a positive int", self.hidden_size)
-        _require(isinstance(self.top_k, int) and self.top_k > 0, "top_k", "a positive int", self.top_k)
-        _require(self.dtype in ACTIVATION_DTYPES, "dtype", "torch.bfloat16 or torch.float16", self.dtype)
-        _require(self.eps > 0, "eps", "a positive float", self.eps)
-        _require(isinstance(self.max_tokens, int) and self.max_tokens > 0,
-                 "max_tokens", "a positive int", self.max_tokens)
+        """Check every field's type and value (ints are ints, not bools; floats are finite real numbers,
+        not strings or bools), then normalise ints to int and floats to float, so `to_dict()` is the same
+        JSON on every rank whether a caller wrote 2 or 2.0."""
+        set_ = functools.partial(object.__setattr__, self)
+        set_("hidden_size", _int_field("hidden_size", self.hidden_size))
+        set_("top_k", _int_field("top_k", self.top_k))
+        _require(isinstance(self.dtype, torch.dtype) and self.dtype in ACTIVATION_DTYPES,
+                 "dtype", "torch.bfloat16 or torch.float16", self.dtype)
+        set_("eps", _real_field("eps", self.eps, "a positive float (finite)", positive=True))
+        set_("weight_bias", _real_field("weight_bias", self.weight_bias, "a finite float"))
+        set_("routed_scaling_factor", _real_field("routed_scaling_factor", self.routed_scaling_factor,
+                                                  "a finite float"))
+        _require(isinstance(self.has_shared_output, bool), "has_shared_output", "a bool (True or False)",
+                 self.has_shared_output, show_type=True)
+        set_("max_tokens", _int_field("max_tokens", self.max_tokens))
         _require(isinstance(self.quant, QuantSpec), "quant", "a QuantSpec", type(self.quant).__name__)
         if self.quant.kind is QuantKind.NVFP4:
             _require(self.hidden_size % NVFP4_BLOCK == 0, "hidden_size",
@@ -124,6 +138,32 @@ class EpilogueSpec:
 DTYPE_BY_NAME = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _require(ok: bool, name: str, expected: str, actual: object) -> None:
+def _require(ok: bool, name: str, expected: str, actual: object, show_type: bool = False) -> None:
     if not ok:
-        raise ValueError(f"EpilogueSpec: {name} must be {expected}, got {actual!r}")
+        kind = type(actual).__name__
+        seen = f"{actual!r} ({'an' if kind[0] in 'aeiou' else 'a'} {kind})" if show_type else repr(actual)
+        raise ValueError(f"EpilogueSpec: {name} must be {expected}, got {seen}")
+
+
+def _int_field(name: str, value: object) -> int:
+    """A positive int (any integral type but bool), as int."""
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    _require(is_int and value > 0, name, "a positive int", value, show_type=not is_int)
+    return int(value)
+
+
+def _real_field(name: str, value: object, expected: str, positive: bool = False) -> float:
+    """A finite real number (int or float, not bool, not str), as float; > 0 when `positive`."""
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    _require(is_real and math.isfinite(value) and (value > 0 or not positive), name, expected, value,
+             show_type=not is_real)
+    return float(value)
+
+
+def _enum_field(name: str, enum_cls: type, value: object):
+    """`value` as a member of `enum_cls` (a member or its string value)."""
+    try:
+        return enum_cls(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"EpilogueSpec: {name} must be one of "
+                         f"{', '.join(repr(m.value) for m in enum_cls)}, got {value!r}") from None
