@@ -1,7 +1,7 @@
-"""torch.library.opcheck on every custom op we register (kernels/ops.py): schema, fake (meta)
-implementation against the real one, autograd registration, and AOT dispatch. Real outputs come from
-the Triton kernels (under the interpreter on CPU). A new op must be added to CASES: the last test
-fails when an op of the namespace has no case."""
+"""torch.library.opcheck on every custom op we register (kernels/ops.py, and the whole-epilogue op of
+fusion_bridge/compiled.py): schema, fake (meta) implementation against the real one, autograd
+registration, and AOT dispatch. Real outputs come from the Triton kernels (under the interpreter on
+CPU). A new op must get a case: the last test fails when an op of the namespace has none."""
 
 import pytest
 import torch
@@ -38,6 +38,19 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
+def test_opcheck_whole_epilogue(quant):
+    from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
+    from fusion_bridge import compiled
+    from fusion_bridge.synthetic import make_inputs
+    spec = EpilogueSpec(hidden_size=64, top_k=2, quant={"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.02),
+                                                         "nvfp4": QuantSpec.nvfp4(448.0)}[quant])
+    with FusionBridge(spec) as bridge:
+        name = next(k for k, v in compiled._BRIDGES.items() if v is bridge)
+        inp = make_inputs(spec, 3, device=DEVICE)
+        torch.library.opcheck(torch.ops.fusion_bridge.finalize_epilogue.default, (*inp, name))
+
+
 @pytest.mark.parametrize("op_name,label,args", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_opcheck(op_name, label, args):
     op = getattr(torch.ops.fusion_bridge, op_name).default
@@ -47,4 +60,4 @@ def test_opcheck(op_name, label, args):
 def test_every_registered_op_has_a_case():
     registered = {name for name in dir(torch.ops.fusion_bridge)
                   if isinstance(getattr(torch.ops.fusion_bridge, name), torch._ops.OpOverloadPacket)}
-    assert registered and registered == {c[0] for c in CASES}, registered
+    assert registered and registered == {c[0] for c in CASES} | {"finalize_epilogue"}, registered
