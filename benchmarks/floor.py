@@ -27,7 +27,16 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fusion_bridge.launch import run_distributed  # noqa: E402
-from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph, write_csv  # noqa: E402
+from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    import csv
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def _rmax(value: float, dev) -> float:
@@ -62,7 +71,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
     from fusion_bridge.environment import detect
     from fusion_bridge.kernels.finalize_add import finalize_add_into
     from fusion_bridge.spec import EpilogueSpec, QuantSpec
-    from fusion_bridge.strategies.flashinfer_ar_norm import FlashInferArNorm
+    from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
     from fusion_bridge.kernels import symm_oneshot
 
@@ -83,8 +92,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
         symm4 = SymmFusedOneshotStrategy(spec4, env, group, dev)
         symm.prepare()
         symm4.prepare()
-        arn = FlashInferArNorm(spec, env, group, dev)
-        ws_ptrs = arn.workspace.workspace_tensor
+        ws_ptrs = fic.acquire_workspace(group, spec, world).workspace_tensor
         sig_us = None
         for tokens in tokens_list:
             per_set = tokens * hidden * 2 * (top_k + 6)
@@ -93,7 +101,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
             parts = [torch.empty(tokens, hidden, dtype=spec.dtype, device=dev) for _ in range(n)]
             outs = [torch.empty(tokens, hidden, dtype=spec.dtype, device=dev) for _ in range(3)]
             w_bf16 = [s.expert_weights.to(spec.dtype) for s in sets]
-            oneshot = arn.use_oneshot(tokens)
+            oneshot = True  # FlashInfer's own heuristic at TP2 (one-shot up to 512 MB)
 
             def fin(i):
                 s = sets[i]
@@ -186,7 +194,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
             symm.check_error()
         symm.close()
         symm4.close()
-        arn.close()
+        fic.release_workspace(group, spec, world)
     return rows
 
 

@@ -157,10 +157,21 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     torch.cuda.synchronize(device)
     dist.barrier(group)  # no rank signals before every rank's flags are zeroed
     torch.cuda.synchronize(device)
+    # buffer_ptrs are the bases of each rank's symmetric allocation; a tensor carved out of a pooled
+    # allocation sits at an offset (measured: a re-used pool put a new buffer over an old one's flags).
+    # The offset is the same on every rank; check it rather than assume it.
+    rank = dist.get_rank(group)
+    bases = [int(p) for p in handle.buffer_ptrs]
+    offset = buffer.data_ptr() - bases[rank]
+    offsets: list = [None] * world_size
+    dist.all_gather_object(offsets, offset, group=group)
+    if len(set(offsets)) != 1 or not 0 <= offset or offset % 256:
+        raise RuntimeError(f"[symm_offset_mismatch] symm_fused_oneshot: the buffer's offsets in the symmetric "
+                           f"allocations differ across ranks or are misaligned: {offsets}")
     err = torch.zeros(4, dtype=torch.int32).pin_memory()
-    ptrs = torch.tensor([int(p) for p in handle.buffer_ptrs] + [err.data_ptr()], dtype=torch.int64, device=device)
+    ptrs = torch.tensor([b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device)
     state = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=device)
-    return SymmWorkspace(buffer, handle, ptrs, state, err, world_size, dist.get_rank(group), cap,
+    return SymmWorkspace(buffer, handle, ptrs, state, err, world_size, rank, cap,
                          flags_bytes(world_size) // elem, torch.cuda.get_device_properties(device).multi_processor_count,
                          int(timeout_s * 1e9), nbytes)
 
