@@ -356,14 +356,12 @@ def emulate_reduce_norm(slots: torch.Tensor, residual: torch.Tensor, gamma: torc
 # the fused launch
 # ---------------------------------------------------------------------------------------------------
 def default_launch(tokens: int, hidden: int) -> tuple[int, int, int]:
-    """(BLOCK1, BLOCK2, num_warps). Few tokens: narrow chunks spread each row over many SMs; from 32
-    tokens on, whole rows for the norm (no re-reads of the row per chunk)."""
+    """(BLOCK1, BLOCK2, num_warps). Measured on 2x H200 (H=7168, K=8, graph, rotated inputs; us at
+    T=1/16/64/256): (1024, whole row, 8 warps) 8.0/12.0/17.5/41.3 was best or within noise of the best at
+    every T; narrow chunks that spread a row over many SMs lost (256, 512, 8: 9.7/17.8/45.7/155), since
+    each chunk re-reads its whole row for the sum of squares."""
     rb = row_block(hidden)
-    if tokens <= 4:
-        return 256, min(512, rb), 8 if rb >= 4096 else 4
-    if tokens < 32:
-        return 256, min(1024, rb), 8 if rb >= 4096 else 4
-    return 1024, rb, 8 if rb >= 4096 else 4
+    return min(1024, rb), rb, 8 if rb >= 4096 else 4
 
 
 def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
