@@ -18,14 +18,16 @@ Environment variables:
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import weakref
 from typing import Callable, Optional
 
 import torch
 
-from . import registry
+from . import compiled, log, registry
 from . import tuning as tuning_tables
+from . import consensus
 from .admission import admit
 from .agreement import collective_device
 from .environment import Environment, default_device, detect
@@ -36,9 +38,10 @@ from .shadow import Shadow
 from .spec import EpilogueSpec
 from .strategies.base import Strategy
 from .validation import (EpilogueInputError, check_token_limit, inputs_look_valid, validate_index_values,
-                         validate_inputs, validate_tokens_agree)
+                         validate_inputs)
 
 _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
+_LOG = log.get_logger("bridge")
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -61,28 +64,38 @@ class FusionBridge:
                  device: Optional[torch.device] = None, environment: Optional[Environment] = None,
                  self_test: Optional[bool] = None, debug: Optional[bool] = None,
                  tuning: str = "auto", measured_us: Optional[dict] = None,
-                 shadow: Optional[str] = None) -> None:
+                 shadow: Optional[str] = None, build_timeout_s: Optional[float] = None) -> None:
         if not isinstance(spec, EpilogueSpec):
             raise TypeError(f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}")
-        requested = os.environ.get("FUSION_BRIDGE_STRATEGY") or strategy
+        env_strategy = os.environ.get("FUSION_BRIDGE_STRATEGY")
+        requested = env_strategy or strategy
         if requested != AUTO and requested not in registry.REGISTRY:
-            raise ValueError(f"FusionBridge: strategy must be 'auto' or one of {list(registry.REGISTRY)}, "
+            source = "FUSION_BRIDGE_STRATEGY" if env_strategy else "strategy"
+            raise ValueError(f"FusionBridge: {source} must be 'auto' or one of {list(registry.REGISTRY)}, "
                              f"got {requested!r}")
         if tuning not in ("auto", "off"):
             raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
         shadow = shadow if shadow is not None else os.environ.get("FUSION_BRIDGE_SHADOW") or None
         self._shadow = Shadow.parse(shadow, list(registry.REGISTRY)) if shadow else None
         self.spec, self.group, self.requested = spec, group, requested
-        self.device = default_device(device)
-        self.env = environment or detect(group, self.device)
         self.debug = _env_flag("FUSION_BRIDGE_DEBUG", False) if debug is None else debug
+        run_self_test = _env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test
+        self.device = default_device(device)
+        # Ranks check in through the store (no collective, bounded), then agree on every setting that
+        # must be equal, before any other collective of the build.
+        consensus.check_in(group, timeout_s=build_timeout_s)
+        consensus.agree_on_settings({
+            "spec": spec.to_dict(), "requested_strategy": requested, "debug": self.debug, "self_test": run_self_test,
+            "shadow": self._shadow.to_dict_settings() if self._shadow else None, "tuning": tuning,
+            "measured_us_given": measured_us is not None}, group)
+        self.env = environment or detect(group, self.device)
         self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
-        self._check_tokens = self.debug and self.env.world_size > 1    # T equal on all ranks: a collective
+        self._agree_each_call = self.debug and self.env.world_size > 1  # one small collective per call
         self.reroutes = 0
         self._closed = False
+        self._broken: Optional[str] = None
         admitted = admit(spec, self.env, group, self.device, requested=requested,
-                         also_prepare=(self._shadow.strategy,) if self._shadow else (),
-                         run_self_test=_env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test)
+                         also_prepare=(self._shadow.strategy,) if self._shadow else (), run_self_test=run_self_test)
         self.statuses, self._instances = admitted.statuses, admitted.instances
         _LIVE_BRIDGES.add(self)
         try:
@@ -99,9 +112,14 @@ class FusionBridge:
         except Exception:
             self.close()
             raise
+        self.name = compiled.register_bridge(self)
+        _LOG.info(self._summary())
 
     def _use_plan(self, plan: Plan) -> None:
-        """Bind the plan to the prepared instances: one (instance, variant, checks shapes?) per bucket."""
+        """Check that every rank will execute the same plan, then bind it to the prepared instances:
+        one (instance, variant, checks shapes?) per bucket."""
+        if self.env.world_size > 1:
+            consensus.agree_on_settings(consensus.plan_settings(plan), self.group, what="the plan")
         self.plan = plan
         shape_checked = {name: type(inst).accepts is not Strategy.accepts for name, inst in self._instances.items()}
         self._routes = [(self._instances[name], variant, shape_checked[name])
@@ -122,24 +140,99 @@ class FusionBridge:
         """
         if self._closed:
             raise RuntimeError("finalize_epilogue: this FusionBridge was closed")
+        if torch.compiler.is_compiling():  # one opaque node in the graph; the op runs this method eagerly
+            return compiled.outputs_from_op(self.spec, torch.ops.fusion_bridge.finalize_epilogue(
+                gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma,
+                self.name))
         inputs = EpilogueInputs(gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output,
                                 residual, gamma)
-        if not inputs_look_valid(self.spec, inputs, self.device):
-            validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
-        tokens = expanded_idx_to_permuted_idx.shape[0]
-        if self._check_values:
-            validate_index_values(inputs)
-        if self._check_tokens:
-            validate_tokens_agree(tokens, self.group, collective_device(self.group, self.device))
-        if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
-            return allocate_outputs(self.spec, 0, self.device)
-        strategy, variant = self._route(inputs, tokens)
+        if self._broken is not None:
+            raise EpilogueInputError(self._broken)
+        if self._agree_each_call:
+            return self._agreed_call(inputs)
+        try:
+            if not inputs_look_valid(self.spec, inputs, self.device):
+                validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
+            tokens = expanded_idx_to_permuted_idx.shape[0]
+            if self._check_values:
+                validate_index_values(inputs)
+            if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
+                return allocate_outputs(self.spec, 0, self.device)
+            strategy, variant = self._route(inputs, tokens)
+        except EpilogueInputError as exc:
+            self._take_part_then_raise(inputs, exc)
         out = strategy.run(inputs, variant)
         if self._shadow is not None and self._shadow.due():
-            self._shadow.record(self.spec, out, self._instances[self._shadow.strategy].run(inputs))
+            self._run_shadow(inputs, out, strategy.name)
         return out
 
     __call__ = finalize_epilogue
+
+    def _take_part_then_raise(self, inputs: EpilogueInputs, error: EpilogueInputError) -> None:
+        """This rank's inputs failed its checks, but its peers are already in (or on their way to) the
+        call's collectives. Run the same launches and collectives they run for this T, on NaN partial
+        rows, so the group stays in step and the peers get NaN outputs (loud, never plausible values);
+        then raise. If T is unknown or has no route, this rank cannot take part: the bridge refuses every
+        later call, so no call of this rank ever pairs with a peer's later call."""
+        tokens = _tokens_of(inputs.expanded_idx_to_permuted_idx)
+        if self.env.world_size == 1 or tokens == 0:
+            raise error
+        route = self.plan.route_for(tokens) if tokens is not None else None
+        if route is not None:
+            try:
+                self._instances[route[0]].run(self._poison_inputs(tokens), route[1])
+            except Exception as exc:  # noqa: BLE001 - reported below, with the original error
+                route, error = None, EpilogueInputError(f"{error} (and taking part with a NaN payload failed: "
+                                                       f"{type(exc).__name__}: {exc})")
+        if route is None:
+            self._broken = (f"finalize_epilogue: this FusionBridge is unusable: an earlier call failed on this rank "
+                            f"({error}) and could not take part in its peers' collectives, so the group is out of "
+                            "step; rebuild the bridge on every rank (the peers are blocked in that call)")
+            raise EpilogueInputError(self._broken) from error
+        raise error
+
+    def _poison_inputs(self, tokens: int) -> EpilogueInputs:
+        """Valid inputs for T tokens whose partial sums are NaN on every row."""
+        spec, dev = self.spec, self.device
+        nan_rows = torch.full((1, spec.hidden_size), float("nan"), dtype=spec.dtype, device=dev)
+        perm = torch.zeros(tokens, spec.top_k, dtype=torch.int32, device=dev)
+        shared = (torch.full((tokens, spec.hidden_size), float("nan"), dtype=spec.dtype, device=dev)
+                  if spec.has_shared_output else None)
+        return EpilogueInputs(nan_rows, perm, torch.ones(tokens, spec.top_k, device=dev), shared,
+                              torch.zeros(tokens, spec.hidden_size, dtype=spec.dtype, device=dev),
+                              torch.ones(spec.hidden_size, dtype=spec.dtype, device=dev))
+
+    def _agreed_call(self, inputs: EpilogueInputs) -> EpilogueOutputs:
+        """Debug mode over several ranks: local checks (index range included), then one small collective
+        on (ok, T) before the epilogue's collectives; if any rank failed or T differs, every rank raises
+        the same error naming the failing rank and its reason."""
+        tokens = _tokens_of(inputs.expanded_idx_to_permuted_idx)
+        error, route = None, None
+        try:
+            validate_inputs(self.spec, inputs, self.device)
+            validate_index_values(inputs)
+            if tokens:
+                route = self._route(inputs, tokens)
+        except EpilogueInputError as exc:
+            error = exc
+        consensus.agree_call(error is None, -1 if tokens is None else tokens, None if error is None else str(error),
+                             self.group, collective_device(self.group, self.device))
+        if not tokens:
+            return allocate_outputs(self.spec, 0, self.device)
+        strategy, variant = route
+        out = strategy.run(inputs, variant)
+        if self._shadow is not None and self._shadow.due():
+            self._run_shadow(inputs, out, strategy.name)
+        return out
+
+    def _run_shadow(self, inputs: EpilogueInputs, out: EpilogueOutputs, selected: str) -> None:
+        errors = self._shadow.record(self.spec, out, self._instances[self._shadow.strategy].run(inputs))
+        bound = next(s.error_bound for s in self.statuses if s.name == selected)
+        worst = max(errors["residual_out"], errors["norm_out"])
+        if not worst <= bound:  # NaN too
+            log.log_every((self.name, "shadow"), 60.0, logging.WARNING,
+                          "fusion_bridge: shadow %s diverges from %s at T=%d: rel err %.3g > bound %.3g",
+                          self._shadow.strategy, selected, inputs.tokens, worst, bound)
 
     def _route(self, inputs: EpilogueInputs, tokens: int) -> tuple[Strategy, str]:
         """The planned (strategy, variant) for T; T above max_tokens or a shape the bucket's strategy
@@ -158,6 +251,9 @@ class FusionBridge:
                                      f"(gemm2_out has {inputs.gemm2_out.numel()} elements, its kernel "
                                      "indexes with int32) and no other strategy was selected")
         self.reroutes += 1
+        log.log_every((self.name, "reroute"), 60.0, logging.INFO,
+                      "fusion_bridge: T=%d routed to %s (%s); %d reroutes so far", tokens, self._overflow[0].name,
+                      "above max_tokens" if refused is None else f"{name} refused the shapes", self.reroutes)
         return self._overflow
 
     # ---------------------------------------------------------------- tools (parity, tuning, benchmarks)
@@ -212,6 +308,14 @@ class FusionBridge:
         self._use_plan(select(self.statuses, self.spec, self.requested, measured))
         return table
 
+    def _summary(self) -> str:
+        plan, spec = self.plan, self.spec
+        rejected = {s.name: [r.code for r in s.reasons] for s in self.statuses if s.reasons}
+        return log.build_summary(spec.hidden_size, spec.top_k, self.env.world_size,
+                                 list(zip(plan.bounds, plan.choice)), rejected, overflow=plan.overflow,
+                                 dtype=spec.dtype_name, quant=spec.quant.kind.value,
+                                 requested=None if plan.requested == AUTO else plan.requested, source=plan.source)
+
     # ---------------------------------------------------------------- report & lifecycle
     def strategy_for(self, tokens: int) -> Optional[str]:
         return self.plan.strategy_for(tokens) if tokens > 0 else None
@@ -248,6 +352,13 @@ class FusionBridge:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _tokens_of(index_map: object) -> Optional[int]:
+    """T from the index map when it is a 2-D tensor (what every rank agrees on), else None."""
+    if isinstance(index_map, torch.Tensor) and index_map.dim() == 2:
+        return index_map.shape[0]
+    return None
 
 
 @atexit.register

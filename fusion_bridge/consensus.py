@@ -260,16 +260,13 @@ def agree_on_settings(settings: dict, group=None, *, what: str = "settings",
     return gathered
 
 
-def plan_settings(plan, subpath_by_bucket=()) -> dict:
+def plan_settings(plan) -> dict:
     """The part of a plan that decides which collectives a call runs, as plain values for
-    agree_on_settings(..., what="the plan"): the strategy per token bucket, the sub-path per bucket where
-    one was chosen, and the overflow route. `plan` needs `bounds`, `choice` and `overflow`; measured
-    times are left out (they may differ per rank without changing what runs)."""
-    out = {"strategy_by_bucket": {f"T<={b}": s for b, s in zip(plan.bounds, plan.choice)},
-           "overflow": plan.overflow}
-    if any(subpath_by_bucket):
-        out["subpath_by_bucket"] = {f"T<={b}": s for b, s in zip(plan.bounds, subpath_by_bucket)}
-    return out
+    agree_on_settings(..., what="the plan"): the (strategy, launch variant) per token bucket and the
+    overflow route. `plan` needs `bounds`, `choice`, `variants`, `overflow` and `overflow_variant`;
+    measured times are left out (they may differ per rank without changing what runs)."""
+    return {"route_by_bucket": {f"T<={b}": f"{s}:{v}" for b, s, v in zip(plan.bounds, plan.choice, plan.variants)},
+            "overflow": f"{plan.overflow}:{plan.overflow_variant}" if plan.overflow else None}
 
 
 # ---------------------------------------------------------------- per call (debug mode)

@@ -59,7 +59,8 @@ class Shadow:
             return False
         return True
 
-    def record(self, spec: EpilogueSpec, selected: EpilogueOutputs, shadow: EpilogueOutputs) -> None:
+    def record(self, spec: EpilogueSpec, selected: EpilogueOutputs, shadow: EpilogueOutputs) -> dict[str, float]:
+        """Accumulate this sample's statistics; returns {output: rel_err} of this sample."""
         self.sampled += 1
         errors = compare(spec, selected, shadow)
         for name, (rel, max_abs) in errors.items():
@@ -73,6 +74,11 @@ class Shadow:
             s["last_rel_err"] = rel
             s["nan"] += nan
             s["inf"] += inf
+        return {name: rel for name, (rel, _) in errors.items()}
+
+    def to_dict_settings(self) -> dict:
+        """What must be equal on every rank (sampling is by a call counter that every rank advances)."""
+        return {"strategy": self.strategy, "every": self.every}
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "every": self.every, "calls": self.calls, "sampled": self.sampled,

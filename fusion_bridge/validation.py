@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .io import EpilogueInputs
 from .spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
@@ -99,16 +98,6 @@ def validate_index_values(inputs: EpilogueInputs) -> None:
         bad = perm[(perm < -1) | (perm >= rows)]
         _fail("expanded_idx_to_permuted_idx values", f"in [-1, {rows}) (gemm2_out has {rows} rows)",
               f"{bad.numel()} out of range, e.g. {int(bad[0])}")
-
-
-def validate_tokens_agree(tokens: int, group, device: torch.device) -> None:
-    """T must be identical on every rank (tokens are replicated across TP). Collective."""
-    t = torch.tensor([tokens, -tokens], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    lo, hi = -int(t[1]), int(t[0])
-    if lo != hi:
-        _fail("the token count T", "identical on every rank of the group",
-              f"{tokens} on this rank, between {lo} and {hi} across ranks")
 
 
 def check_token_limit(tokens: int, limit: Optional[int], strategy: str) -> None:

@@ -14,7 +14,7 @@ from fusion_bridge.spec import EpilogueSpec, QuantSpec
 from fusion_bridge.consensus import (DEFAULT_BUILD_TIMEOUT_S, GroupInputError, RankAgreementError,
                                      agree_call, agree_on_settings, build_timeout_s, check_in,
                                      differing_fields, plan_settings)
-from fusion_bridge.launch import run_distributed
+from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.validation import EpilogueInputError
 
 GROUP_TIMEOUT = timedelta(seconds=20)  # collectives of the test groups fail after this, never hang
@@ -52,7 +52,8 @@ def _settings(spec=SPEC, **changes):
 
 
 def _plan(choice, overflow):
-    return plan_settings(SimpleNamespace(bounds=(1, 2, 4), choice=choice, overflow=overflow))
+    return plan_settings(SimpleNamespace(bounds=(1, 2, 4), choice=choice, variants=("default",) * 3,
+                                         overflow=overflow, overflow_variant="default"))
 
 
 # (differing fields, settings of rank 0, settings of the odd rank, a value text the message must show)
@@ -71,8 +72,8 @@ SETTINGS_CASES = [
      "'reference' on rank"),
     ({"shadow.every"}, _settings(), _settings(shadow={"strategy": None, "every": 7}), "7 on rank"),
     ({"tuning"}, _settings(), _settings(tuning="off"), "'off' on rank"),
-    ({"strategy_by_bucket.T<=4", "overflow"}, _plan(("separate",) * 3, "separate"),
-     _plan(("separate", "separate", "local_fused"), None), "'local_fused' on rank"),
+    ({"route_by_bucket.T<=4", "overflow"}, _plan(("separate",) * 3, "separate"),
+     _plan(("separate", "separate", "local_fused_nccl"), None), "'local_fused_nccl:default' on rank"),
 ]
 
 
@@ -224,11 +225,12 @@ def test_differing_fields_compares_leaves():
     assert differing_fields([base, dict(base, a={"x": "1.0", "nan": float("nan")})]) == {"a.x": [1.0, "1.0"]}
 
 
-def test_plan_settings_names_each_bucket_and_subpath():
-    plan = SimpleNamespace(bounds=(1, 2), choice=("separate", "local_fused"), overflow=None)
-    assert plan_settings(plan) == {"strategy_by_bucket": {"T<=1": "separate", "T<=2": "local_fused"},
-                                   "overflow": None}
-    assert plan_settings(plan, ("", "nccl_local_norm"))["subpath_by_bucket"] == {"T<=1": "", "T<=2": "nccl_local_norm"}
+def test_plan_settings_names_each_bucket_with_its_variant():
+    plan = SimpleNamespace(bounds=(1, 2), choice=("separate", "local_fused_flashinfer"),
+                           variants=("default", "twoshot"), overflow="separate", overflow_variant="default")
+    assert plan_settings(plan) == {"route_by_bucket": {"T<=1": "separate:default",
+                                                       "T<=2": "local_fused_flashinfer:twoshot"},
+                                   "overflow": "separate:default"}
 
 
 def test_a_single_process_needs_no_collective():
