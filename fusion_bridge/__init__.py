@@ -8,14 +8,45 @@
 
 What a model author uses comes from here; what a strategy author uses comes from
 `fusion_bridge.strategies`.
+
+The names below are imported on first use (PEP 562), so `import fusion_bridge` and
+`python -m fusion_bridge --help` do not import torch.
 """
 
-from .bridge import FusionBridge
-from .io import EpilogueOutputs
-from .planner import NoStrategyAvailable
-from .spec import EpilogueSpec, QuantSpec
-from .validation import EpilogueInputError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.2.0"
 __all__ = ["FusionBridge", "EpilogueSpec", "QuantSpec", "EpilogueOutputs", "EpilogueInputError",
            "NoStrategyAvailable", "__version__"]
+
+_LAZY = {
+    "FusionBridge": ".bridge",
+    "EpilogueOutputs": ".io",
+    "NoStrategyAvailable": ".planner",
+    "EpilogueSpec": ".spec",
+    "QuantSpec": ".spec",
+    "EpilogueInputError": ".validation",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
+    from .bridge import FusionBridge
+    from .io import EpilogueOutputs
+    from .planner import NoStrategyAvailable
+    from .spec import EpilogueSpec, QuantSpec
+    from .validation import EpilogueInputError
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fusion_bridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

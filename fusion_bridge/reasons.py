@@ -50,7 +50,7 @@ def require_sm_at_least(env: Environment, who: str, min_sm: int, code: str = "sm
                         why: str = "") -> MaybeReason:
     if env.device_type == "cuda" and (env.sm is None or env.sm < min_sm):
         return Reason(code, f"{who} requires SM >= {min_sm}{why}, but the GPU is SM {env.sm}",
-                      "use a Hopper or newer GPU, or another strategy")
+                      f"use a GPU with SM >= {min_sm}, or another strategy")
     return None
 
 

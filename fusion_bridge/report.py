@@ -1,4 +1,4 @@
-"""The report is a value: `to_dict()`/`to_json()` for tools, `str()` for people."""
+"""The report is a value: `to_dict()`/`to_json()` for tools (with "schema_version"), `str()` for people."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Optional
 from .environment import Environment
 from .planner import Plan, StrategyStatus
 from .spec import EpilogueSpec
+
+SCHEMA_VERSION = 1  # of Report.to_dict(); raise it when a field changes meaning or goes away
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Report:
             d = st.to_dict()
             d["selected"] = st.name in chosen
             strategies.append(d)
-        out = {"environment": self.environment.to_dict(), "spec": self.spec.to_dict(),
+        out = {"schema_version": SCHEMA_VERSION, "environment": self.environment.to_dict(), "spec": self.spec.to_dict(),
                "strategies": strategies, "plan": self.plan.to_dict() if self.plan else None,
                "workspace_bytes": sum(s.workspace_bytes for s in self.strategies),
                "reroutes": self.reroutes, "shadow": self.shadow, "tuning_table": self.table}
@@ -49,7 +51,12 @@ class Report:
 
     def __str__(self) -> str:
         env, spec = self.environment, self.spec
-        where = f"{env.device_type}" + (f" SM{env.sm} {env.gpu_name or ''}".rstrip() if env.device_type == "cuda" else "")
+        where = env.device_type
+        if env.device_type == "cuda":
+            where += f" SM{env.sm}"
+            name = (env.gpu_name or "").strip()
+            if name and not name.upper().startswith(f"SM{env.sm}"):  # no "SM90 SM90 GPU"
+                where += f" ({name})"
         lines = [
             f"fusion-bridge on {where}, world size {env.world_size}"
             f"{'' if env.single_node else ' (multi-node)'}; torch {env.torch_version}, "
@@ -66,8 +73,8 @@ class Report:
                 state = "available" + ("" if st.auto_selectable else " (never auto-selected here)")
             else:
                 state = "rejected"
-            extra = f", self-test {st.self_test}" + (f" (rel err {st.self_test_error:.2e})"
-                                                     if st.self_test_error is not None else "")
+            extra = f", self-test: {st.self_test}" + (f" (rel err {st.self_test_error:.2e})"
+                                                      if st.self_test_error is not None else "")
             ws = f", workspace {st.workspace_bytes / 2**20:.1f} MiB/rank" if st.workspace_bytes else ""
             lines.append(f"{st.name:22s} {state}{extra}{ws}")
             lines.append(f"{'':22s} steps: {' -> '.join(s.name for s in st.steps)}")
@@ -97,5 +104,13 @@ class Report:
                 lines.append(f"  {name:13s} max rel err {s['max_rel_err']:.2e}, max abs {s['max_abs']:.2e}, "
                              f"NaN {s['nan']}, Inf {s['inf']}")
         if self.tokens is not None:
-            lines.append(f"selected for T={self.tokens}: {self.selected}")
+            if self.tokens <= 0:
+                picked = "none (T=0: nothing to compute, no launch)"
+            elif self.plan is None:
+                picked = "none (no plan: the requested strategy cannot run, see its reasons above)"
+            elif self.selected is None:
+                picked = f"none (T > max_tokens={spec.max_tokens} and no strategy without a per-call limit: raises)"
+            else:
+                picked = self.selected
+            lines.append(f"selected for T={self.tokens}: {picked}")
         return "\n".join(lines)

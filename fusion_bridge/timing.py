@@ -1,7 +1,17 @@
 """Timing on the GPU (used by tuning and the benchmarks): CUDA graphs of many calls, events, medians; inputs rotated beyond L2 or replayed.
 
 Each measurement captures `calls` launches (cycling over `sets` input sets) in one CUDA graph, replays
-it `repeats` times and reports the median time per call in microseconds."""
+it `repeats` times and reports the median time per call in microseconds.
+
+Why not `triton.testing.do_bench_cudagraph` (read side by side, triton 3.6): it also unrolls calls into
+one graph and times replays with events, but it replays one closure `fn()` and sizes the graph from a
+local timing estimate (`n_repeat = rep / estimate_ms`). We keep ours for two things it cannot do:
+- inputs rotated inside the graph: call i uses input set i % sets, so one replay streams more than the
+  L2 holds, as a real layer does (its closure sees the same tensors every call, L2-hot);
+- the same number of captured calls on every rank, fixed by the caller: the candidates are
+  collectives, and a per-rank estimate can differ between ranks, which would capture different
+  numbers of all-reduces and hang the replay.
+"""
 
 from __future__ import annotations
 

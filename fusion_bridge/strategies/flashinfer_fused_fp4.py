@@ -20,13 +20,15 @@ class FlashInferFusedFp4Strategy(FlashInferFusedStrategy):
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
-        only_nvfp4 = None if spec.quant.kind is QuantKind.NVFP4 else Reason(
-            "quant_not_nvfp4", f"{cls.name} only applies to quant=nvfp4, the spec has quant={spec.quant.kind.value}",
-            "flashinfer_fused covers the other quant modes")
+        if spec.quant.kind is not QuantKind.NVFP4:
+            # it does not apply to this spec at all: the one reason that matters, not every other check too
+            return [Reason("quant_not_nvfp4",
+                           f"{cls.name} only applies to quant=nvfp4, the spec has quant={spec.quant.kind.value}",
+                           "flashinfer_fused covers the other quant modes")]
         swizzled_only = None if spec.quant.sf_layout is SFLayout.SWIZZLED_128x4 else Reason(
             "sf_layout_fixed", f"{cls.name}: FlashInfer fixes the scale layout to swizzled_128x4, the spec asks "
             f"for {spec.quant.sf_layout.value}", "use flashinfer_fused, which quantizes with our kernel")
-        return collect(super().not_supported_reasons(spec, env), only_nvfp4, swizzled_only,
+        return collect(super().not_supported_reasons(spec, env), swizzled_only,
                        fic.fp4_fusion_reasons(spec, env, cls.name))
 
     @classmethod
