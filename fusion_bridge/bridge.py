@@ -32,7 +32,7 @@ from .admission import admit
 from .agreement import collective_device
 from .environment import Environment, default_device, detect
 from .io import EpilogueInputs, EpilogueOutputs, allocate_outputs
-from .planner import AUTO, Plan, bucket_index, select
+from .planner import AUTO, Plan, bucket_index, select_for_modes
 from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
@@ -57,13 +57,15 @@ class FusionBridge:
     device: where the tensors live (default: the current CUDA device, else CPU). environment: override
     the detected Environment (tests). self_test / debug: see the module docstring. tuning: "auto" uses
     a cached or shipped measurement table on CUDA, "off" the static order; measured_us passes
-    measurements directly ({strategy: {variant: {bucket bound: us}}}). shadow: "name" or "name:N".
+    CUDA-graph measurements directly ({strategy: {variant: {bucket bound: us}}}) and eager_us eager
+    wall times per call (then eager calls may take other routes). shadow: "name" or "name:N".
+    build_timeout_s: how long the build waits for every rank to arrive (FUSION_BRIDGE_BUILD_TIMEOUT_S).
     """
 
     def __init__(self, spec: EpilogueSpec, group=None, strategy: str = AUTO, *,
                  device: Optional[torch.device] = None, environment: Optional[Environment] = None,
                  self_test: Optional[bool] = None, debug: Optional[bool] = None,
-                 tuning: str = "auto", measured_us: Optional[dict] = None,
+                 tuning: str = "auto", measured_us: Optional[dict] = None, eager_us: Optional[dict] = None,
                  shadow: Optional[str] = None, build_timeout_s: Optional[float] = None) -> None:
         if not isinstance(spec, EpilogueSpec):
             raise TypeError(f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}")
@@ -108,7 +110,8 @@ class FusionBridge:
                 self.table = tuning_tables.load_table(spec, self.env, group)  # collective: rank 0 decides
                 if self.table is not None:
                     measured_us = tuning_tables.as_measurements(self.table)
-            self._use_plan(select(self.statuses, spec, requested, measured_us))
+                    eager_us = tuning_tables.as_measurements(self.table, "eager_us")
+            self._use_plan(select_for_modes(self.statuses, spec, requested, measured_us, eager_us))
         except Exception:
             self.close()
             raise
@@ -124,6 +127,12 @@ class FusionBridge:
         shape_checked = {name: type(inst).accepts is not Strategy.accepts for name, inst in self._instances.items()}
         self._routes = [(self._instances[name], variant, shape_checked[name])
                         for name, variant in zip(plan.choice, plan.variants)]
+        self._mode_dependent = plan.mode_dependent  # then eager calls (not capturing) take their own routes
+        # (a CPU-only torch raises on the CUDA query, and nothing captures there)
+        self._capturing = torch.cuda.is_current_stream_capturing if self.device.type == "cuda" else bool
+        self._eager_routes = ([(self._instances[name], variant, shape_checked[name])
+                               for name, variant in zip(plan.eager_choice, plan.eager_variants)]
+                              if self._mode_dependent else self._routes)
         self._overflow = ((self._instances[plan.overflow], plan.overflow_variant) if plan.overflow else None)
         self._max_tokens = self.spec.max_tokens
 
@@ -238,7 +247,8 @@ class FusionBridge:
         """The planned (strategy, variant) for T; T above max_tokens or a shape the bucket's strategy
         refuses goes to the overflow route, or raises."""
         if tokens <= self._max_tokens:
-            strategy, variant, checks_shape = self._routes[bucket_index(tokens)]
+            routes = (self._eager_routes if self._mode_dependent and not self._capturing() else self._routes)
+            strategy, variant, checks_shape = routes[bucket_index(tokens)]
             if not checks_shape or strategy.accepts(inputs):
                 return strategy, variant
             refused = strategy
@@ -276,10 +286,10 @@ class FusionBridge:
                              f"got {variant!r}")
         return inst.run(inputs, variant)
 
-    def selected_run(self, tokens: int) -> Callable[[EpilogueInputs], EpilogueOutputs]:
-        """The planned strategy's own run for T tokens, without the bridge's validation and dispatch
-        (what host-overhead benchmarks compare finalize_epilogue with)."""
-        route = self.plan.route_for(tokens)
+    def selected_run(self, tokens: int, eager: bool = False) -> Callable[[EpilogueInputs], EpilogueOutputs]:
+        """The planned strategy's own run for T tokens (eager=True: the eager plan's), without the
+        bridge's validation and dispatch (what host-overhead benchmarks compare finalize_epilogue with)."""
+        route = self.route_for(tokens, eager)
         if route is None:
             raise ValueError(f"selected_run: no route for T={tokens} (max_tokens={self.spec.max_tokens})")
         inst, variant = self._instances[route[0]], route[1]
@@ -297,15 +307,16 @@ class FusionBridge:
         if self.device.type != "cuda":
             raise RuntimeError("tune: needs a CUDA device (it times CUDA graphs); this bridge is on "
                                f"{self.device.type}")
+        eager: dict = {}
         measured = tuning_tables.measure(self.spec, self.env, self.group, self.device, self.tuning_candidates(),
-                                         list(buckets or self.plan.bounds), progress=progress)
-        table = tuning_tables.make_table(self.spec, self.env, measured)
+                                         list(buckets or self.plan.bounds), progress=progress, eager_out=eager)
+        table = tuning_tables.make_table(self.spec, self.env, measured, eager)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):
             path = tuning_tables.cache_path(self.spec, self.env)
             tuning_tables.save_table(table, path)
             table["path"] = str(path)
         self.table = table
-        self._use_plan(select(self.statuses, self.spec, self.requested, measured))
+        self._use_plan(select_for_modes(self.statuses, self.spec, self.requested, measured, eager))
         return table
 
     def _summary(self) -> str:
@@ -320,9 +331,15 @@ class FusionBridge:
     def strategy_for(self, tokens: int) -> Optional[str]:
         return self.plan.strategy_for(tokens) if tokens > 0 else None
 
-    def route_for(self, tokens: int) -> Optional[tuple[str, str]]:
-        """(strategy, variant) a call with T tokens runs, or None (T == 0, or no route above max_tokens)."""
-        return self.plan.route_for(tokens) if tokens > 0 else None
+    def route_for(self, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
+        """(strategy, variant) a call with T tokens runs under CUDA graphs (eager=True: outside capture),
+        or None (T == 0, or no route above max_tokens)."""
+        if tokens <= 0:
+            return None
+        if eager and self.plan.mode_dependent and tokens <= self.spec.max_tokens:
+            i = bucket_index(tokens)
+            return self.plan.eager_choice[i], self.plan.eager_variants[i]
+        return self.plan.route_for(tokens)
 
     def explain(self, tokens: Optional[int] = None) -> Report:
         """The structured report: environment, every strategy (selected or rejected, with all reasons),

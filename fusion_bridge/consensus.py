@@ -265,8 +265,13 @@ def plan_settings(plan) -> dict:
     agree_on_settings(..., what="the plan"): the (strategy, launch variant) per token bucket and the
     overflow route. `plan` needs `bounds`, `choice`, `variants`, `overflow` and `overflow_variant`;
     measured times are left out (they may differ per rank without changing what runs)."""
-    return {"route_by_bucket": {f"T<={b}": f"{s}:{v}" for b, s, v in zip(plan.bounds, plan.choice, plan.variants)},
-            "overflow": f"{plan.overflow}:{plan.overflow_variant}" if plan.overflow else None}
+    out = {"route_by_bucket": {f"T<={b}": f"{s}:{v}" for b, s, v in zip(plan.bounds, plan.choice, plan.variants)},
+           "overflow": f"{plan.overflow}:{plan.overflow_variant}" if plan.overflow else None}
+    eager = tuple(getattr(plan, "eager_choice", ()))
+    if eager:
+        out["eager_route_by_bucket"] = {f"T<={b}": f"{s}:{v}" for b, s, v in
+                                        zip(plan.bounds, eager, plan.eager_variants)}
+    return out
 
 
 # ---------------------------------------------------------------- per call (debug mode)

@@ -6,6 +6,7 @@ Golden tests call it with hand-built statuses.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -115,6 +116,15 @@ class Plan:
     measured_us: tuple[Optional[float], ...] = ()
     source: str = "static order"            # or "measured", "requested"
     notes: tuple[str, ...] = field(default=())
+    #: the plan for eager calls (outside CUDA-graph capture), where host cost can change the winner;
+    #: empty = the same as the graph plan above
+    eager_choice: tuple[str, ...] = ()
+    eager_variants: tuple[str, ...] = ()
+    eager_measured_us: tuple[Optional[float], ...] = ()
+
+    @property
+    def mode_dependent(self) -> bool:
+        return bool(self.eager_choice) and (self.eager_choice, self.eager_variants) != (self.choice, self.variants)
 
     def route_for(self, tokens: int) -> Optional[tuple[str, str]]:
         """(strategy, variant) for T tokens (T >= 1), or None when T > max_tokens has no route."""
@@ -135,6 +145,9 @@ class Plan:
                          "measured_us": self.measured_us[i] if i < len(self.measured_us) else None}
                         for i, (b, s, v) in enumerate(zip(self.bounds, self.choice, self.variants))],
             "notes": list(self.notes),
+            "eager_buckets": [{"max_tokens": b, "strategy": s, "variant": v,
+                               "wall_us": self.eager_measured_us[i] if i < len(self.eager_measured_us) else None}
+                              for i, (b, s, v) in enumerate(zip(self.bounds, self.eager_choice, self.eager_variants))],
         }
 
 
@@ -212,3 +225,21 @@ def _known_measurements(measured: Measurements, by_name: Mapping[str, StrategySt
                 continue
             known.setdefault(name, {})[variant] = per
     return known, notes
+
+
+def select_for_modes(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = AUTO,
+                     measured_us: Optional[Measurements] = None, eager_us: Optional[Measurements] = None) -> Plan:
+    """The graph plan from CUDA-graph times (`measured_us`) and, when eager wall times per call were
+    measured on this host (`eager_us`), an eager plan from them: eager calls are host-bound at small T,
+    so one launch can beat two there even when two win under graphs. Both are pure functions."""
+    plan = select(statuses, spec, requested, measured_us)
+    if not eager_us:
+        return plan
+    eager = select(statuses, spec, requested, eager_us)
+    differ = [f"T<={b}: {s}:{v}" for b, s, v, gs, gv in zip(plan.bounds, eager.choice, eager.variants,
+                                                             plan.choice, plan.variants) if (s, v) != (gs, gv)]
+    notes = plan.notes + tuple(n for n in eager.notes if n not in plan.notes)
+    if differ:
+        notes += ("eager calls (measured wall time on this host) take another route: " + ", ".join(differ),)
+    return dataclasses.replace(plan, notes=notes, eager_choice=eager.choice, eager_variants=eager.variants,
+                               eager_measured_us=eager.measured_us)

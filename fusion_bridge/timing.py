@@ -67,3 +67,20 @@ def copy_bandwidth_gbs(nbytes: int = 2 * 2 ** 30) -> float:
     us = min(time_graph(lambda i: dst.copy_(src), sets=1, calls=10, repeats=10),
              time_graph(lambda i: torch.mul(src, 1, out=dst), sets=1, calls=10, repeats=10))
     return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def time_eager(fn: Callable[[int], object], sets: int, calls: int = 50, rounds: int = 7) -> float:
+    """Median wall microseconds per call of back-to-back eager calls fn(i) (host launch cost and GPU
+    time together: whichever bounds the stream), synchronized once per round."""
+    import time
+    for i in range(min(sets, 3)):
+        fn(i)
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i % sets)
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_call)

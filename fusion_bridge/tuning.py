@@ -8,8 +8,10 @@ disagree. Cached tables are keyed by GPU name, world size, library versions and 
 
 Table format (schema_version 2), JSON:
     {"schema_version": 2, "gpu": ..., "world_size": ..., "spec": {...}, "versions": {...},
-     "measured_us": {strategy: {variant: {bucket upper bound (str): microseconds}}}}
-A table in another format is ignored with a warning that says why (never a crash).
+     "measured_us": {strategy: {variant: {bucket upper bound (str): microseconds}}},   CUDA-graph time
+     "eager_us": {...same shape...}}                 optional: eager wall time per call, this host only
+A table in another format is ignored with a warning that says why (never a crash). Eager times depend
+on the host's CPU, so shipped tables carry graph times only; eager plans come from a local `tune`.
 
 Cache directory: $FUSION_BRIDGE_CACHE_DIR, else ~/.cache/fusion_bridge.
 """
@@ -30,7 +32,7 @@ from .agreement import my_rank
 from .environment import Environment
 from .spec import EpilogueSpec
 from .synthetic import make_inputs
-from .timing import sets_to_rotate, time_graph
+from .timing import sets_to_rotate, time_eager, time_graph
 
 SCHEMA_VERSION = 2
 TABLES_DIR = Path(__file__).with_name("tables")
@@ -67,13 +69,21 @@ def default_table_path(spec: EpilogueSpec, env: Environment) -> Path:
     return TABLES_DIR / f"{_slug(env)}_tp{env.world_size}_{table_key(spec, env, False)}.json"
 
 
-def make_table(spec: EpilogueSpec, env: Environment, measured: dict[str, dict[str, dict[int, float]]]) -> dict:
-    return {"schema_version": SCHEMA_VERSION, "gpu": env.gpu_name, "world_size": env.world_size,
-            "spec": spec_key(spec),
-            "versions": {"torch": env.torch_version, "triton": env.triton_version,
-                         "flashinfer": env.flashinfer_version},
-            "measured_us": {name: {v: {str(b): us for b, us in per.items()} for v, per in variants.items()}
-                            for name, variants in measured.items()}}
+def _jsonable(measured: dict[str, dict[str, dict[int, float]]]) -> dict:
+    return {name: {v: {str(b): us for b, us in per.items()} for v, per in variants.items()}
+            for name, variants in measured.items()}
+
+
+def make_table(spec: EpilogueSpec, env: Environment, measured: dict[str, dict[str, dict[int, float]]],
+               eager: Optional[dict[str, dict[str, dict[int, float]]]] = None) -> dict:
+    table = {"schema_version": SCHEMA_VERSION, "gpu": env.gpu_name, "world_size": env.world_size,
+             "spec": spec_key(spec),
+             "versions": {"torch": env.torch_version, "triton": env.triton_version,
+                          "flashinfer": env.flashinfer_version},
+             "measured_us": _jsonable(measured)}
+    if eager:
+        table["eager_us"] = _jsonable(eager)
+    return table
 
 
 def format_problem(table: object) -> Optional[str]:
@@ -84,10 +94,11 @@ def format_problem(table: object) -> Optional[str]:
     if version != SCHEMA_VERSION:
         return (f"schema_version {version!r}, this fusion_bridge reads {SCHEMA_VERSION} "
                 "(re-run `python -m fusion_bridge tune`)")
-    measured = table.get("measured_us")
-    if not isinstance(measured, dict) or not all(
-            isinstance(v, dict) and all(isinstance(p, dict) for p in v.values()) for v in measured.values()):
-        return "measured_us is not {strategy: {variant: {bucket: us}}}"
+    for key in ("measured_us", "eager_us"):
+        measured = table.get(key, {} if key == "eager_us" else None)
+        if not isinstance(measured, dict) or not all(
+                isinstance(v, dict) and all(isinstance(p, dict) for p in v.values()) for v in measured.values()):
+            return f"{key} is not {{strategy: {{variant: {{bucket: us}}}}}}"
     return None
 
 
@@ -114,6 +125,8 @@ def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
             if path.is_file():
                 table = read_table(path)
                 if table is not None:
+                    if path == default_table_path(spec, env):
+                        table.pop("eager_us", None)  # another host's CPU: its eager times do not apply
                     break
     if env.world_size > 1:
         box = [table]
@@ -130,19 +143,21 @@ def save_table(table: dict, path: Path) -> None:
     tmp.replace(path)
 
 
-def as_measurements(table: dict) -> dict[str, dict[str, dict[int, float]]]:
-    """{strategy: {variant: {bucket: us}}} with int buckets (JSON keys are strings)."""
+def as_measurements(table: dict, key: str = "measured_us") -> dict[str, dict[str, dict[int, float]]]:
+    """{strategy: {variant: {bucket: us}}} with int buckets (JSON keys are strings); key "eager_us"
+    gives the eager wall times ({} when the table has none)."""
     return {name: {v: {int(b): us for b, us in per.items()} for v, per in variants.items()}
-            for name, variants in table["measured_us"].items()}
+            for name, variants in table.get(key, {}).items()}
 
 
 Candidate = tuple[str, str, Callable]  # (strategy, variant, run(inputs))
 
 
 def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, candidates: list[Candidate],
-            buckets: list[int], rotate: bool = True, progress: bool = True,
-            seed: int = 0) -> dict[str, dict[str, dict[int, float]]]:
-    """Time each candidate at each bucket's largest T. Collective; max over ranks."""
+            buckets: list[int], rotate: bool = True, progress: bool = True, seed: int = 0,
+            eager_out: Optional[dict] = None) -> dict[str, dict[str, dict[int, float]]]:
+    """Time each candidate at each bucket's largest T under CUDA graphs. Collective; max over ranks.
+    With `eager_out` (a dict), also the eager wall time per call of back-to-back calls, into it."""
     rank = my_rank(group)
     bar = _progress(len(buckets) * len(candidates), progress and rank == 0)
     out: dict[str, dict[str, dict[int, float]]] = {}
@@ -153,17 +168,22 @@ def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, c
         count = sets_to_rotate(per_set, max_sets=512) if rotate else 1
         sets = [probe] + [make_inputs(spec, tokens, rank=rank, seed=seed + i, device=device, skip_fraction=0.0)
                           for i in range(1, count)]
-        times = []
+        times, walls = [], []
         for name, variant, run in candidates:
-            times.append(time_graph(lambda i, run=run, variant=variant: run(sets[i], variant), sets=count,
-                                    calls=max(count, 20)))
+            call = (lambda i, run=run, variant=variant: run(sets[i], variant))
+            times.append(time_graph(call, sets=count, calls=max(count, 20)))
+            if eager_out is not None:
+                walls.append(time_eager(call, sets=count))
             bar.set_postfix_str(f"T={tokens} {name}:{variant}", refresh=False)
             bar.update()
-        t = torch.tensor(times, dtype=torch.float64, device=device)
+        t = torch.tensor(times + walls, dtype=torch.float64, device=device)
         if env.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        for (name, variant, _), us in zip(candidates, t.tolist()):
-            out.setdefault(name, {}).setdefault(variant, {})[tokens] = us
+        values = t.tolist()
+        for i, (name, variant, _) in enumerate(candidates):
+            out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[i]
+            if eager_out is not None:
+                eager_out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[len(candidates) + i]
         del sets, probe
     bar.close()
     return out

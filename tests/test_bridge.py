@@ -85,3 +85,29 @@ def test_shadow_is_one_string_and_a_shadow_that_cannot_run_is_rejected_at_build(
         FusionBridge(SPEC, shadow="flashinfer_fused:1")
     with pytest.raises(ValueError, match="int period"):
         FusionBridge(SPEC, shadow="reference:often")
+
+
+def test_eager_calls_take_the_eager_plan_where_host_cost_changes_the_winner():
+    from fusion_bridge.registry import register, unregister
+    from tests.strategy_fixture import TwoVariants
+    register("two_variants", "tests.strategy_fixture:TwoVariants")
+    try:
+        graph = {"two_variants": {"a": {1: 5.0, 2: 5.0}, "b": {1: 9.0, 2: 9.0}}}
+        eager = {"two_variants": {"a": {1: 40.0, 2: 10.0}, "b": {1: 12.0, 2: 12.0}}}
+        with FusionBridge(SPEC, strategy="two_variants", measured_us=graph, eager_us=eager) as bridge:
+            assert bridge.route_for(1) == ("two_variants", "a") and bridge.route_for(1, eager=True) == ("two_variants", "b")
+            assert bridge.route_for(2, eager=True) == ("two_variants", "a")
+            TwoVariants.ran.clear()
+            call(bridge, make_inputs(SPEC, 1))  # CPU: never capturing, so the eager plan
+            call(bridge, make_inputs(SPEC, 2))
+            assert TwoVariants.ran == ["b", "a"]
+            doc = bridge.explain().to_dict()["plan"]
+            assert [b["variant"] for b in doc["eager_buckets"][:2]] == ["b", "a"]
+            assert "eager calls (measured wall time on this host) take another route: T<=1: two_variants:b" \
+                in str(bridge.explain())
+        with FusionBridge(SPEC, strategy="two_variants", measured_us=graph) as bridge:  # no eager times
+            TwoVariants.ran.clear()
+            call(bridge, make_inputs(SPEC, 1))
+            assert TwoVariants.ran == ["a"] and not bridge.plan.mode_dependent
+    finally:
+        unregister("two_variants")
