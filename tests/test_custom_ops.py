@@ -6,6 +6,7 @@ CPU). A new op must get a case: the last test fails when an op of the namespace 
 import pytest
 import torch
 
+import fusion_bridge.compiled  # noqa: F401  (registers finalize_epilogue)
 import fusion_bridge.kernels.ops  # noqa: F401  (registers the ops)
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
 
