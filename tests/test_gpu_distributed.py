@@ -227,3 +227,44 @@ def test_migration_example_on_two_gpus_with_nccl():
     assert doc["agree"]
     for r in doc["ranks"]:
         assert r["device"] == "cuda" and r["strategy"] == "local_fused" and r["shadow"]["sampled"] == 1
+
+
+def _one_bad_rank(rank, world_size):
+    """Rank 1's first call has a bad gamma dtype; like a serving loop it keeps calling. Every GPU strategy
+    must then give rank 0 NaN outputs for that call (never plausible values) and both ranks correct
+    outputs on the next calls (the group stays in step; no hang)."""
+    from fusion_bridge import EpilogueInputError, EpilogueSpec, FusionBridge
+    from fusion_bridge.numerics import compare, failures
+    from fusion_bridge.synthetic import make_inputs
+
+    dev = torch.device("cuda", rank)
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=256)
+    seen = {}
+    for name in ("local_fused_flashinfer", "local_fused_nccl", "flashinfer_fused", "separate"):
+        log = []
+        with FusionBridge(spec, strategy=name, debug=False) as bridge:
+            bound = {s.name: s.error_bound for s in bridge.statuses}[name]
+            for call in range(3):
+                inp = make_inputs(spec, 16, rank=rank, seed=call, device=dev)
+                gamma = inp.gamma.float() if (rank == 1 and call == 0) else inp.gamma
+                try:
+                    out = bridge.finalize_epilogue(inp.gemm2_out, inp.expanded_idx_to_permuted_idx,
+                                                   inp.expert_weights, inp.shared_output, inp.residual, gamma)
+                except EpilogueInputError as exc:
+                    out = exc
+                ref = bridge.run_strategy("reference", inp)  # collective: both ranks, every call
+                if isinstance(out, EpilogueInputError):
+                    log.append(("raised", "gamma.dtype" in str(out)))
+                    continue
+                log.append(("all_nan" if bool(out.norm_out.isnan().all() and out.residual_out.isnan().all())
+                            else ("ok" if not failures(spec, compare(spec, out, ref), ref, bound) else "wrong"),))
+        seen[name] = log
+    return seen
+
+
+def test_one_bad_rank_gives_its_peer_nan_and_the_group_stays_in_step():
+    needs_two_gpus()
+    rank0, rank1 = run_distributed(_one_bad_rank, WORLD, backend="nccl", timeout_s=240)
+    for name in rank0:
+        assert rank0[name] == [("all_nan",), ("ok",), ("ok",)], (name, rank0[name])
+        assert rank1[name] == [("raised", True), ("ok",), ("ok",)], (name, rank1[name])
