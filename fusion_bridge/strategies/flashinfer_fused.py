@@ -85,6 +85,8 @@ class FlashInferFusedStrategy(Strategy):
         residual_out, norm_out = ((out.residual_out, out.norm_out) if out is not None else
                                   (torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)))
         quant_out, scale_out = (out.quant, out.scale) if out is not None else (None, None)
+        if scale_out is not None:  # swizzled padding must read 0; not verified that FlashInfer writes it
+            scale_out.zero_()
         weights = inputs.expert_weights
         if weights.dtype != spec.dtype:  # FlashInfer reads them as the activation dtype, unchecked
             weights = weights.to(spec.dtype)

@@ -16,6 +16,7 @@ from .flashinfer_fused import FlashInferFusedStrategy
 
 class FlashInferFusedFp4Strategy(FlashInferFusedStrategy):
     name = "flashinfer_fused_fp4"
+    fused_fp4 = True  # FlashInfer gets the quant buffers and writes NVFP4 itself
     summary = "FlashInfer trtllm_moe_finalize_allreduce_fusion with its own fused NVFP4 quantization"
 
     @classmethod

@@ -117,6 +117,8 @@ class LocalFusedFlashInferStrategy(Strategy):
         if spec.quant.kind is QuantKind.FP8 or self._fused_fp4:
             quant_out, scale_out = quant_buffers(tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout,
                                                  partial.device)
+            if scale_out is not None:  # swizzled padding must read 0; not verified that FlashInfer writes it
+                scale_out.zero_()
         self._fi.trtllm_allreduce_fusion(
             allreduce_in=partial, world_size=self.env.world_size, world_rank=self._rank, token_num=tokens,
             hidden_dim=spec.hidden_size, workspace_ptrs=self._workspace.workspace_tensor, launch_with_pdl=False,
