@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import QUANT_NVFP4, launch_rows, quantize_row, row_block, row_num_warps
+from .launcher import KernelLauncher
+from .quant import QUANT_NVFP4, launch_rows, quantize_row, row_launch_shape
 from .rounding import round_to
 
 
@@ -49,6 +50,9 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
     quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK, HW_CVT)
 
 
+_LAUNCH = KernelLauncher(_add_rmsnorm_kernel, ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
+
+
 def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
                      residual: torch.Tensor, reduced: torch.Tensor, gamma: torch.Tensor, eps: float,
                      weight_bias: float, quant: int, quant_scale: float, swizzled: bool,
@@ -59,9 +63,8 @@ def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torc
     tokens, hidden = residual.shape
     if tokens == 0:
         return
-    block = row_block(hidden)
+    constexprs, warps = row_launch_shape(hidden, quant, swizzled, residual.is_cuda, num_warps)
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
-    _add_rmsnorm_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
-        residual, reduced, gamma, residual_out, norm_out, q, sf, tokens, hidden, float(eps), float(weight_bias),
-        float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block, HW_CVT=residual.is_cuda,
-        num_warps=num_warps or row_num_warps(block, quant))
+    _LAUNCH((launch_rows(quant, swizzled, tokens, sf),),
+            (residual, reduced, gamma, residual_out, norm_out, q, sf, tokens, hidden, float(eps), float(weight_bias),
+             float(quant_scale), sf_cols), constexprs, warps)

@@ -8,12 +8,14 @@ load (never read). 64-bit row offsets: P * H may exceed 2^31.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .launcher import KernelLauncher
 from .rounding import round_to
 
 
@@ -44,6 +46,17 @@ def block_h_for(hidden: int, tokens: int) -> int:
     return min(256 if tokens <= 32 else 1024, triton.next_power_of_2(hidden))
 
 
+_LAUNCH = KernelLauncher(_finalize_add_kernel, ("TOP_K", "HAS_SHARED", "BLOCK_H"))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_shape(hidden: int, top_k: int, has_shared: bool, few_tokens: bool, block_h: Optional[int],
+                  num_warps: Optional[int]) -> tuple[int, tuple, int]:
+    """(column blocks per row, constexprs, num_warps): fixed per spec and T class, computed once."""
+    block = block_h or block_h_for(hidden, 1 if few_tokens else 33)
+    return triton.cdiv(hidden, block), (top_k, has_shared, block), num_warps or (4 if block >= 256 else 2)
+
+
 def finalize_add_into(out: torch.Tensor, gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
                       shared: Optional[torch.Tensor], routed_scaling: float, block_h: Optional[int] = None,
                       num_warps: Optional[int] = None) -> torch.Tensor:
@@ -53,11 +66,9 @@ def finalize_add_into(out: torch.Tensor, gemm2_out: torch.Tensor, perm: torch.Te
     hidden = gemm2_out.shape[1]
     if tokens == 0:
         return out
-    block = block_h or block_h_for(hidden, tokens)
-    grid = (tokens, triton.cdiv(hidden, block))
-    _finalize_add_kernel[grid](gemm2_out, perm, weights, shared if shared is not None else out, out, hidden,
-                               float(routed_scaling), TOP_K=top_k, HAS_SHARED=shared is not None,
-                               BLOCK_H=block, num_warps=num_warps or (4 if block >= 256 else 2))
+    blocks, constexprs, warps = _launch_shape(hidden, top_k, shared is not None, tokens <= 32, block_h, num_warps)
+    _LAUNCH((tokens, blocks), (gemm2_out, perm, weights, out if shared is None else shared, out, hidden,
+                               float(routed_scaling)), constexprs, warps)
     return out
 
 

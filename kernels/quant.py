@@ -15,9 +15,14 @@ e2m1 rounding compares against exact thresholds, so results match the torch refe
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+
+from .launcher import KernelLauncher
 
 QUANT_NONE, QUANT_FP8, QUANT_NVFP4 = 0, 1, 2
 
@@ -115,14 +120,25 @@ def launch_rows(quant: int, swizzled: bool, tokens: int, sf: torch.Tensor) -> in
     return sf.shape[0] if quant == QUANT_NVFP4 and swizzled else tokens
 
 
+@functools.lru_cache(maxsize=256)
+def row_launch_shape(hidden: int, quant: int, swizzled: bool, hw_cvt: bool, num_warps: Optional[int] = None
+                     ) -> tuple[tuple, int]:
+    """(constexprs (QUANT, SWIZZLED, BLOCK, HW_CVT), num_warps) of a row kernel: fixed per spec, computed
+    once."""
+    block = row_block(hidden)
+    return (quant, swizzled, block, hw_cvt), num_warps or row_num_warps(block, quant)
+
+
+_LAUNCH = KernelLauncher(_quantize_kernel, ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
+
+
 def quantize_into(q: torch.Tensor, sf: torch.Tensor, x: torch.Tensor, quant: int, quant_scale: float,
                   swizzled: bool) -> None:
     """x [T, H] activation dtype -> q (uint8 view: [T, H] fp8 codes or [T, H/2] packed fp4), sf."""
     tokens, hidden = x.shape
     if tokens == 0 or quant == QUANT_NONE:
         return
-    block = row_block(hidden)
+    constexprs, warps = row_launch_shape(hidden, quant, swizzled, x.is_cuda)
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
-    _quantize_kernel[(launch_rows(quant, swizzled, tokens, sf),)](
-        x, q, sf, tokens, hidden, float(quant_scale), sf_cols, QUANT=quant, SWIZZLED=swizzled, BLOCK=block,
-        HW_CVT=x.is_cuda, num_warps=row_num_warps(block, quant))
+    _LAUNCH((launch_rows(quant, swizzled, tokens, sf),), (x, q, sf, tokens, hidden, float(quant_scale), sf_cols),
+            constexprs, warps)

@@ -1,0 +1,265 @@
+"""FlashInfer's two fused comm kernels called through their compiled module functions, with what is
+fixed per bridge bound once, instead of through the Python wrappers.
+
+Per call, `flashinfer.comm.trtllm_allreduce_fusion` goes through a `typing_extensions.deprecated`
+wrapper (a warning filtered per call), re-derives the one-shot choice and the Lamport size from the
+call, converts `scale_factor` to fp32, looks the module up, and passes 23 arguments by keyword twice
+before the compiled function sees them. `AllReduceFusionCall` / `MoeFinalizeCall` bind the
+workspace pointers, world size and rank, hidden size, pattern, scale tensor, SF layout, eps, weight
+bias and flags once, keep every check of the wrapper that depends on the call, and call the compiled
+function positionally:
+
+- trtllm_allreduce_fusion: `use_oneshot=None` -> FlashInfer's size heuristic; two-shot requires
+  token_num > world_size (the wrapper asserts it; raised here as ValueError); one-shot above
+  MAX_COMM_SIZE switches to two-shot with a warning (rate-limited here); and, as a memory-safety
+  guard the bridge's routing already implies, token_num <= the workspace's max_token_num.
+- trtllm_moe_finalize_allreduce_fusion: residual_in bytes * world_size > MAX_COMM_SIZE raises
+  ValueError, as the wrapper does (backend "trtllm" only).
+
+Internals used (flashinfer 0.7.2.post1; pinned by tests/test_flashinfer_internals.py):
+`flashinfer.comm.trtllm_ar.get_trtllm_comm_module()` (functools.cache'd namespace of Python
+functions), the closure variable `module` of its `trtllm_allreduce_fusion` /
+`trtllm_moe_finalize_allreduce_fusion` (the loaded TVM-FFI module), and the positional order in
+which those functions call `module.<name>(...)`. The direct call is used only when, at bind time
+(the strategy's prepare), all of this is found and both the positional order and the public
+wrapper's code (its AST without docstring and decorators) are the ones verified here; otherwise the
+bound call uses the public wrapper, and `.reason` says why.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import inspect
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..log import get_logger, log_every
+
+_log = get_logger("strategies.flashinfer_calls")
+
+# The order in which get_trtllm_comm_module()'s functions pass their arguments to the compiled module
+# (flashinfer 0.7.2.post1, flashinfer/comm/trtllm_ar.py).
+ALLREDUCE_FUSION_ARGS = (
+    "allreduce_in", "world_size", "world_rank", "token_num", "hidden_dim", "workspace_ptrs", "launch_with_pdl",
+    "use_oneshot", "trigger_completion_at_end", "fp32_acc", "pattern_code", "allreduce_out", "residual_in",
+    "residual_out", "norm_out", "quant_out", "scale_out", "rms_gamma", "rms_eps", "scale_factor", "layout_code",
+    "block_quant_group_size", "weight_bias")
+MOE_FINALIZE_ARGS = (
+    "allreduce_in", "residual_in", "norm_weight", "expanded_idx_to_permuted_idx", "norm_out", "residual_out",
+    "quant_out", "scale_out", "launch_with_pdl", "workspace", "world_rank", "world_size", "eps",
+    "shared_expert_output", "expert_scale_factor", "routed_scaling_factor", "weight_bias")
+# Fingerprints (see wrapper_fingerprint) of the public wrappers whose checks are replicated below.
+VERIFIED_WRAPPERS = {
+    "trtllm_allreduce_fusion": "cf9b26bc08b5c549",
+    "trtllm_moe_finalize_allreduce_fusion": "c464a0899bf15c4d",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _module_source():
+    from flashinfer.comm import trtllm_ar
+    source = inspect.getsource(trtllm_ar)
+    return trtllm_ar, source, ast.parse(source)
+
+
+def _top_level_def(name: str) -> Optional[ast.FunctionDef]:
+    for node in _module_source()[2].body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    return None
+
+
+def wrapper_fingerprint(name: str) -> Optional[str]:
+    """A hash of the public wrapper's code lines: from `def` to its end, without decorators, the
+    docstring, comments, blank lines and trailing spaces. Any change of a statement changes it (and
+    so does a reformatting: re-verify then); a change of documentation does not."""
+    node = _top_level_def(name)
+    if node is None:
+        return None
+    lines = _module_source()[1].splitlines()
+    skip: set[int] = set()
+    first = node.body[0] if node.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        skip = set(range(first.lineno, first.end_lineno + 1))
+    kept = [lines[i - 1].rstrip() for i in range(node.lineno, node.end_lineno + 1) if i not in skip]
+    kept = [line for line in kept if line.strip() and not line.strip().startswith("#")]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def compiled_call_order(name: str) -> Optional[tuple[str, ...]]:
+    """The positional argument names with which get_trtllm_comm_module()'s `name` calls
+    `module.name(...)`, read from the source; None when that call is not found."""
+    outer = _top_level_def("get_trtllm_comm_module")
+    if outer is None:
+        return None
+    for node in ast.walk(outer):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            for call in ast.walk(node):
+                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == name
+                        and isinstance(call.func.value, ast.Name) and call.func.value.id == "module"):
+                    if call.keywords or not all(isinstance(a, ast.Name) for a in call.args):
+                        return None
+                    return tuple(a.id for a in call.args)
+    return None
+
+
+def compiled_function(name: str, expected_order: tuple[str, ...]) -> tuple[Optional[Callable], Optional[str]]:
+    """(the compiled module's `name`, None) or (None, why not). Loads the module as the wrapper would."""
+    try:
+        fingerprint = wrapper_fingerprint(name)
+        if fingerprint != VERIFIED_WRAPPERS[name]:
+            return None, (f"flashinfer's {name} wrapper is not the verified one (fingerprint {fingerprint}, "
+                          f"verified {VERIFIED_WRAPPERS[name]} = 0.7.2.post1): its checks may differ")
+        order = compiled_call_order(name)
+        if order != expected_order:
+            return None, f"get_trtllm_comm_module().{name} passes {order}, expected {expected_order}"
+        trtllm_ar = _module_source()[0]
+        inner = getattr(trtllm_ar.get_trtllm_comm_module(), name)
+        cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or ()))
+        module = cells["module"].cell_contents
+        fn = getattr(module, name)
+        if not callable(fn):
+            return None, f"the compiled module's {name} is not callable"
+        return fn, None
+    except Exception as exc:  # any missing internal: the public wrapper
+        return None, f"{name}: {type(exc).__name__}: {exc}"
+
+
+def _report(who: str, reason: Optional[str]) -> None:
+    if reason is not None:
+        _log.info("%s: calling flashinfer's public wrapper (%s)", who, reason)
+
+
+class AllReduceFusionCall:
+    """trtllm_allreduce_fusion for one bridge: `call(allreduce_in, token_num, use_oneshot, residual_in,
+    residual_out, norm_out, quant_out, scale_out, rms_gamma)`. allreduce_out is None (the patterns we
+    use write norm_out); `scale_factor` must be an fp32 tensor made once (or None)."""
+
+    name = "trtllm_allreduce_fusion"
+
+    def __init__(self, fi_comm, workspace, *, world_size: int, rank: int, hidden: int, dtype: torch.dtype,
+                 pattern: int, scale_factor: Optional[torch.Tensor], layout: Optional[int], eps: float,
+                 weight_bias: float, launch_with_pdl: bool = False, trigger_completion_at_end: bool = True,
+                 fp32_acc: bool = True, direct: bool = True):
+        from flashinfer.comm import trtllm_ar
+        self._fi, self._trtllm_ar = fi_comm, trtllm_ar
+        self.workspace_ptrs = workspace.workspace_tensor
+        meta = getattr(workspace, "metadata", None) or {}
+        if meta and meta.get("tp_size", world_size) != world_size:
+            raise ValueError(f"{self.name}: workspace tp_size {meta['tp_size']} != world_size {world_size}")
+        self.max_tokens = (meta["max_token_num"] * meta["hidden_dim"] // hidden
+                           if "max_token_num" in meta and "hidden_dim" in meta else None)
+        if "use_fp32_lamport" in meta and meta["use_fp32_lamport"] != (dtype == torch.float32):
+            raise ValueError(f"{self.name}: workspace use_fp32_lamport={meta['use_fp32_lamport']} does not match "
+                             f"dtype {dtype}")
+        if scale_factor is not None and not isinstance(scale_factor, torch.Tensor):
+            raise TypeError(f"{self.name}: scale_factor must be a tensor made once (a float would be copied to "
+                            f"the device per call), got {type(scale_factor).__name__}")
+        if scale_factor is not None and scale_factor.dtype != torch.float32:
+            scale_factor = scale_factor.to(torch.float32)  # once, where the wrapper converts per call
+        self.world_size, self.rank, self.hidden, self.dtype = world_size, rank, hidden, dtype
+        self.pattern, self.scale_factor, self.layout = pattern, scale_factor, layout
+        self.eps, self.weight_bias = float(eps), float(weight_bias)
+        self.pdl, self.trigger, self.fp32_acc = launch_with_pdl, trigger_completion_at_end, fp32_acc
+        comm_bytes_per_token = hidden * (4 if dtype == torch.float32 else 2) * world_size
+        self.oneshot_max_tokens = trtllm_ar.MAX_COMM_SIZE // comm_bytes_per_token  # Lamport one-shot limit
+        fn, reason = compiled_function(self.name, ALLREDUCE_FUSION_ARGS) if direct else (None, "direct=False")
+        self.direct, self.reason = fn, reason
+        _report(self.name, reason)
+
+    def __call__(self, allreduce_in: torch.Tensor, token_num: int, use_oneshot: Optional[bool],
+                 residual_in: torch.Tensor, residual_out: torch.Tensor, norm_out: torch.Tensor,
+                 quant_out: Optional[torch.Tensor], scale_out: Optional[torch.Tensor], rms_gamma: torch.Tensor
+                 ) -> None:
+        fn = self.direct
+        if fn is None:
+            return self._public(allreduce_in, token_num, use_oneshot, residual_in, residual_out, norm_out,
+                                quant_out, scale_out, rms_gamma)
+        world_size = self.world_size
+        if self.max_tokens is not None and token_num > self.max_tokens:
+            raise ValueError(f"{self.name}: token_num {token_num} exceeds the workspace's {self.max_tokens} "
+                             "tokens (an illegal memory access in FlashInfer)")
+        if use_oneshot is None:
+            use_oneshot = self._trtllm_ar._should_use_oneshot(token_num, self.hidden, self.dtype, world_size)
+        if not use_oneshot and token_num <= world_size:
+            raise ValueError(f"{self.name}: two-shot needs token_num > world_size, got token_num={token_num} "
+                             f"and world_size={world_size} (FlashInfer asserts it)")
+        if use_oneshot and token_num > self.oneshot_max_tokens:
+            log_every(("flashinfer_calls.oneshot_too_large", self.hidden, world_size), 60.0, logging.WARNING,
+                      f"{self.name}: {token_num} tokens exceed the one-shot Lamport buffer "
+                      f"({self.oneshot_max_tokens}); two-shot is used, as FlashInfer does")
+            use_oneshot = False
+        fn(allreduce_in, world_size, self.rank, token_num, self.hidden, self.workspace_ptrs, self.pdl, use_oneshot,
+           self.trigger, self.fp32_acc, self.pattern, None, residual_in, residual_out, norm_out, quant_out,
+           scale_out, rms_gamma, self.eps, self.scale_factor, self.layout, None, self.weight_bias)
+
+    def _public(self, allreduce_in, token_num, use_oneshot, residual_in, residual_out, norm_out, quant_out,
+                scale_out, rms_gamma) -> None:
+        self._fi.trtllm_allreduce_fusion(
+            allreduce_in=allreduce_in, world_size=self.world_size, world_rank=self.rank, token_num=token_num,
+            hidden_dim=self.hidden, workspace_ptrs=self.workspace_ptrs, launch_with_pdl=self.pdl,
+            trigger_completion_at_end=self.trigger, fp32_acc=self.fp32_acc, pattern_code=self.pattern,
+            use_oneshot=use_oneshot, allreduce_out=None, residual_in=residual_in, residual_out=residual_out,
+            norm_out=norm_out, quant_out=quant_out, scale_out=scale_out, rms_gamma=rms_gamma, rms_eps=self.eps,
+            scale_factor=self.scale_factor, layout_code=self.layout, weight_bias=self.weight_bias)
+
+
+class MoeFinalizeCall:
+    """trtllm_moe_finalize_allreduce_fusion (backend "trtllm") for one bridge: `call(allreduce_in,
+    residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out, residual_out, quant_out,
+    scale_out, shared_expert_output, expert_scale_factor)`. expert_scale_factor must already be in
+    the activation dtype (FlashInfer reads it so, unchecked)."""
+
+    name = "trtllm_moe_finalize_allreduce_fusion"
+
+    def __init__(self, fi_comm, workspace, *, world_size: int, rank: int, eps: float,
+                 routed_scaling_factor: Optional[float], weight_bias: float, launch_with_pdl: bool = False,
+                 direct: bool = True):
+        from flashinfer.comm import trtllm_ar
+        self._fi = fi_comm
+        self.workspace_ptrs = workspace.workspace_tensor
+        self.world_size, self.rank, self.eps = world_size, rank, float(eps)
+        self.routed_scaling_factor = None if routed_scaling_factor is None else float(routed_scaling_factor)
+        self.weight_bias, self.pdl = float(weight_bias), launch_with_pdl
+        self.max_comm_size = trtllm_ar.MAX_COMM_SIZE
+        fn, reason = compiled_function(self.name, MOE_FINALIZE_ARGS) if direct else (None, "direct=False")
+        self.direct, self.reason = fn, reason
+        _report(self.name, reason)
+
+    def __call__(self, allreduce_in: torch.Tensor, residual_in: torch.Tensor, norm_weight: torch.Tensor,
+                 expanded_idx_to_permuted_idx: torch.Tensor, norm_out: Optional[torch.Tensor],
+                 residual_out: Optional[torch.Tensor], quant_out: Optional[torch.Tensor],
+                 scale_out: Optional[torch.Tensor], shared_expert_output: Optional[torch.Tensor],
+                 expert_scale_factor: Optional[torch.Tensor]) -> None:
+        fn = self.direct
+        if fn is None:
+            return self._public(allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out,
+                                residual_out, quant_out, scale_out, shared_expert_output, expert_scale_factor)
+        required = residual_in.numel() * residual_in.element_size() * self.world_size
+        if required > self.max_comm_size:
+            raise ValueError(f"required_lamport_comm_size {required} is greater than MAX_COMM_SIZE "
+                             f"{self.max_comm_size}. Cannot use oneshot in this case.")
+        fn(allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out, residual_out, quant_out,
+           scale_out, self.pdl, self.workspace_ptrs, self.rank, self.world_size, self.eps, shared_expert_output,
+           expert_scale_factor, self.routed_scaling_factor, self.weight_bias)
+
+    def _public(self, allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out, residual_out,
+                quant_out, scale_out, shared_expert_output, expert_scale_factor) -> None:
+        self._fi.trtllm_moe_finalize_allreduce_fusion(
+            allreduce_in=allreduce_in, residual_in=residual_in, norm_weight=norm_weight,
+            expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, norm_out=norm_out,
+            residual_out=residual_out, quant_out=quant_out, scale_out=scale_out,
+            workspace_ptrs=self.workspace_ptrs, launch_with_pdl=self.pdl, world_rank=self.rank,
+            world_size=self.world_size, eps=self.eps, shared_expert_output=shared_expert_output,
+            expert_scale_factor=expert_scale_factor, routed_scaling_factor=self.routed_scaling_factor,
+            weight_bias=self.weight_bias)
+
+
+def describe(call: Any) -> str:
+    """One line for reports: which path a bound call takes and why."""
+    return f"{call.name}: " + ("compiled function, pre-bound" if call.direct is not None else
+                               f"public wrapper ({call.reason})")
