@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..log import get_logger, log_every
+from .flashinfer_common import MAX_COMM_SIZE  # flashinfer's trtllm_ar.MAX_COMM_SIZE, pinned by a drift test
 
 _log = get_logger("strategies.flashinfer_calls")
 
@@ -145,8 +146,7 @@ class AllReduceFusionCall:
                  pattern: int, scale_factor: Optional[torch.Tensor], layout: Optional[int], eps: float,
                  weight_bias: float, launch_with_pdl: bool = False, trigger_completion_at_end: bool = True,
                  fp32_acc: bool = True, direct: bool = True):
-        from flashinfer.comm import trtllm_ar
-        self._fi, self._trtllm_ar = fi_comm, trtllm_ar
+        self._fi = fi_comm
         self.workspace_ptrs = workspace.workspace_tensor
         meta = getattr(workspace, "metadata", None) or {}
         if meta and meta.get("tp_size", world_size) != world_size:
@@ -166,9 +166,10 @@ class AllReduceFusionCall:
         self.eps, self.weight_bias = float(eps), float(weight_bias)
         self.pdl, self.trigger, self.fp32_acc = launch_with_pdl, trigger_completion_at_end, fp32_acc
         comm_bytes_per_token = hidden * (4 if dtype == torch.float32 else 2) * world_size
-        self.oneshot_max_tokens = trtllm_ar.MAX_COMM_SIZE // comm_bytes_per_token  # Lamport one-shot limit
+        self.oneshot_max_tokens = MAX_COMM_SIZE // comm_bytes_per_token  # Lamport one-shot limit
         fn, reason = compiled_function(self.name, ALLREDUCE_FUSION_ARGS) if direct else (None, "direct=False")
         self.direct, self.reason = fn, reason
+        self._should_use_oneshot = _module_source()[0]._should_use_oneshot if fn is not None else None
         _report(self.name, reason)
 
     def __call__(self, allreduce_in: torch.Tensor, token_num: int, use_oneshot: Optional[bool],
@@ -184,7 +185,7 @@ class AllReduceFusionCall:
             raise ValueError(f"{self.name}: token_num {token_num} exceeds the workspace's {self.max_tokens} "
                              "tokens (an illegal memory access in FlashInfer)")
         if use_oneshot is None:
-            use_oneshot = self._trtllm_ar._should_use_oneshot(token_num, self.hidden, self.dtype, world_size)
+            use_oneshot = self._should_use_oneshot(token_num, self.hidden, self.dtype, world_size)
         if not use_oneshot and token_num <= world_size:
             raise ValueError(f"{self.name}: two-shot needs token_num > world_size, got token_num={token_num} "
                              f"and world_size={world_size} (FlashInfer asserts it)")
@@ -219,13 +220,12 @@ class MoeFinalizeCall:
     def __init__(self, fi_comm, workspace, *, world_size: int, rank: int, eps: float,
                  routed_scaling_factor: Optional[float], weight_bias: float, launch_with_pdl: bool = False,
                  direct: bool = True):
-        from flashinfer.comm import trtllm_ar
         self._fi = fi_comm
         self.workspace_ptrs = workspace.workspace_tensor
         self.world_size, self.rank, self.eps = world_size, rank, float(eps)
         self.routed_scaling_factor = None if routed_scaling_factor is None else float(routed_scaling_factor)
         self.weight_bias, self.pdl = float(weight_bias), launch_with_pdl
-        self.max_comm_size = trtllm_ar.MAX_COMM_SIZE
+        self.max_comm_size = MAX_COMM_SIZE
         fn, reason = compiled_function(self.name, MOE_FINALIZE_ARGS) if direct else (None, "direct=False")
         self.direct, self.reason = fn, reason
         _report(self.name, reason)

@@ -18,7 +18,7 @@ import torch
 from ..io import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from ..reasons import collect, require_hidden_multiple
 from ..spec import QuantKind, Stage
-from . import flashinfer_common as fic
+from . import flashinfer_calls, flashinfer_common as fic
 from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
 
 INT32_LIMIT = 2 ** 31
@@ -69,6 +69,9 @@ class FlashInferFusedStrategy(Strategy):
         self._fi = fi_comm
         self._workspace = fic.acquire_workspace(self.group, self.spec, self.env.world_size)
         self._rank = torch.distributed.get_rank(self.group)
+        self._moe = flashinfer_calls.MoeFinalizeCall(  # pre-bound; the public wrapper if internals differ
+            fi_comm, self._workspace, world_size=self.env.world_size, rank=self._rank, eps=self.spec.eps,
+            routed_scaling_factor=self.spec.routed_scaling_factor, weight_bias=self.spec.weight_bias)
 
     @property
     def workspace_bytes(self) -> int:
@@ -90,14 +93,8 @@ class FlashInferFusedStrategy(Strategy):
         weights = inputs.expert_weights
         if weights.dtype != spec.dtype:  # FlashInfer reads them as the activation dtype, unchecked
             weights = weights.to(spec.dtype)
-        self._fi.trtllm_moe_finalize_allreduce_fusion(
-            allreduce_in=inputs.gemm2_out, residual_in=inputs.residual, norm_weight=inputs.gamma,
-            expanded_idx_to_permuted_idx=inputs.expanded_idx_to_permuted_idx, norm_out=norm_out,
-            residual_out=residual_out, quant_out=quant_out, scale_out=scale_out,
-            workspace_ptrs=self._workspace.workspace_tensor, launch_with_pdl=False, world_rank=self._rank,
-            world_size=self.env.world_size, eps=spec.eps, shared_expert_output=inputs.shared_output,
-            expert_scale_factor=weights, routed_scaling_factor=spec.routed_scaling_factor,
-            weight_bias=spec.weight_bias)
+        self._moe(inputs.gemm2_out, inputs.residual, inputs.gamma, inputs.expanded_idx_to_permuted_idx, norm_out,
+                  residual_out, quant_out, scale_out, inputs.shared_output, weights)
         q = spec.quant
         if q.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
