@@ -78,8 +78,6 @@ def test_every_strategy_matches_the_oracle_over_the_grid():
 
 
 def _graphs_routing_and_fp4(rank, world_size):
-    import flashinfer.comm as fi_comm
-
     from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
     from fusion_bridge.quant_ref import quantize_nvfp4
     from fusion_bridge.selftest import self_test
@@ -135,14 +133,19 @@ def _graphs_routing_and_fp4(rank, world_size):
             out["explicit_over_limit"] = str(exc)
 
     # 3. NVFP4 never reaches FlashInfer's fused FP4, and our FP4 output is right
+    # the strategy calls FlashInfer through a pre-bound MoeFinalizeCall (compiled entry point or public
+    # wrapper): record what every call hands it
+    from fusion_bridge.strategies.flashinfer_calls import MoeFinalizeCall
     seen_quant_out = []
-    real = fi_comm.trtllm_moe_finalize_allreduce_fusion
+    real = MoeFinalizeCall.__call__
 
-    def recording(*args, **kwargs):
-        seen_quant_out.append(kwargs.get("quant_out") is not None or kwargs.get("scale_out") is not None)
-        return real(*args, **kwargs)
+    def recording(self, allreduce_in, residual_in, norm_weight, perm, norm_out, residual_out, quant_out,
+                  scale_out, *rest):
+        seen_quant_out.append(quant_out is not None or scale_out is not None)
+        return real(self, allreduce_in, residual_in, norm_weight, perm, norm_out, residual_out, quant_out,
+                    scale_out, *rest)
 
-    fi_comm.trtllm_moe_finalize_allreduce_fusion = recording
+    MoeFinalizeCall.__call__ = recording
     fp4 = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(336.0), max_tokens=256)
     try:
         with FusionBridge(fp4, strategy="flashinfer_fused", debug=False) as bridge:
@@ -159,7 +162,7 @@ def _graphs_routing_and_fp4(rank, world_size):
                 "parity": failures(fp4, compare(fp4, got, ref), ref, status["flashinfer_fused"].error_bound),
             }
     finally:
-        fi_comm.trtllm_moe_finalize_allreduce_fusion = real
+        MoeFinalizeCall.__call__ = real
     out["fi_calls_with_fp4_outputs"] = sum(seen_quant_out)
     out["fi_calls"] = len(seen_quant_out)
 
