@@ -130,11 +130,12 @@ def install_fake_flashinfer() -> types.ModuleType:
 
 # ---------------------------------------------------------------- the cases
 
-def env_for(sm: int) -> Environment:
-    """A TP2 H200 (sm=90) or B200 (sm=100) as the capability checks see it."""
+def env_for(sm: int, strategy: str = "") -> Environment:
+    """A TP2 H200 (sm=90) or B200 (sm=100) as the capability checks see it (flashinfer_fused_fp4: with a
+    flashinfer release after 0.7.4, the only one that would admit it)."""
     return Environment(device_type="cuda", sm=sm, gpu_name={90: "NVIDIA H200", 100: "NVIDIA B200"}[sm],
                        world_size=WORLD, single_node=True, triton_version="3.4.0",
-                       flashinfer_version=FI_VERSION, triton_interpret=True)
+                       flashinfer_version="0.8.0" if strategy == FF4 else FI_VERSION, triton_interpret=True)
 
 
 BASE = dict(eps=1e-5, weight_bias=0.75, routed_scaling_factor=2.5, max_tokens=64)
@@ -148,7 +149,7 @@ S_NVFP4_SW = EpilogueSpec(hidden_size=256, top_k=4, dtype=torch.bfloat16,
 S_NVFP4_LIN = EpilogueSpec(hidden_size=256, top_k=4, dtype=torch.bfloat16,
                            quant=QuantSpec.nvfp4(NVFP4_GLOBAL_SCALE, SFLayout.LINEAR), **BASE)
 
-LFF, FF = "local_fused_flashinfer", "flashinfer_fused"
+LFF, FF, FF4 = "local_fused_flashinfer", "flashinfer_fused", "flashinfer_fused_fp4"
 
 
 class Case(NamedTuple):
@@ -185,16 +186,20 @@ CASES = [
     Case("ff_nvfp4_swizzled_sm90", FF, S_NVFP4_SW, 90, 5, "default"),
     Case("ff_nvfp4_swizzled_sm100", FF, S_NVFP4_SW, 100, 9, "default"),
     Case("ff_nvfp4_linear_sm100", FF, S_NVFP4_LIN, 100, 4, "default"),
+    # flashinfer_fused_fp4, as a flashinfer release after 0.7.4 on SM100 would admit it (class built directly)
+    Case("ff4_nvfp4_swizzled_sm100", FF4, S_NVFP4_SW, 100, 5, "default"),
 ]
 CASE_BY_NAME = {c.name: c for c in CASES}
 LFF_CASES = [c.name for c in CASES if c.strategy == LFF]
 FF_CASES = [c.name for c in CASES if c.strategy == FF]
+FF4_CASES = [c.name for c in CASES if c.strategy == FF4]
 
 
 def strategy_class(name: str):
     from fusion_bridge.strategies.flashinfer_fused import FlashInferFusedStrategy
+    from fusion_bridge.strategies.flashinfer_fused_fp4 import FlashInferFusedFp4Strategy
     from fusion_bridge.strategies.local_fused_flashinfer import LocalFusedFlashInferStrategy
-    return {LFF: LocalFusedFlashInferStrategy, FF: FlashInferFusedStrategy}[name]
+    return {LFF: LocalFusedFlashInferStrategy, FF: FlashInferFusedStrategy, FF4: FlashInferFusedFp4Strategy}[name]
 
 
 # ---------------------------------------------------------------- what the ranks run
@@ -218,7 +223,7 @@ def _ship(value, named: dict):
 def _run_case(case: Case, rank: int, group) -> dict:
     from fusion_bridge.synthetic import make_inputs
     from tests.helpers import clone_inputs, inputs_equal
-    spec, env = case.spec, env_for(case.sm)
+    spec, env = case.spec, env_for(case.sm, case.strategy)
     inputs = make_inputs(spec, case.tokens, rank=rank, seed=len(case.name), weight_dtype=case.weight_dtype)
     before = clone_inputs(inputs)
     _FakeLog.calls.clear()
@@ -353,7 +358,7 @@ def test_every_case_ran_and_called_flashinfer_once_with_keywords(ranks):
 def test_each_case_is_supported_in_its_environment(name):
     """The environments are realistic: the capability checks admit every case we fake."""
     case = CASE_BY_NAME[name]
-    assert strategy_class(case.strategy).not_supported_reasons(case.spec, env_for(case.sm)) == []
+    assert strategy_class(case.strategy).not_supported_reasons(case.spec, env_for(case.sm, case.strategy)) == []
 
 
 # ---- local_fused_flashinfer -> trtllm_allreduce_fusion
@@ -575,6 +580,20 @@ def test_ff_never_hands_quant_buffers_to_flashinfer(ranks, name):
             assert set(rec["outputs"]) == {"residual_out", "norm_out"}
         else:
             _assert_our_kernel_quantized_flashinfers_norm_out(rec, spec, name)
+
+
+@pytest.mark.parametrize("name", FF4_CASES)
+def test_ff4_hands_flashinfer_the_fp4_buffers_and_returns_what_it_wrote(ranks, name):
+    """The point of flashinfer_fused_fp4: FlashInfer quantizes. It gets quant_out [T, H/2] and a zeroed
+    swizzled scale buffer, and the outputs returned are those buffers."""
+    spec, tokens = CASE_BY_NAME[name].spec, CASE_BY_NAME[name].tokens
+    for rank in range(WORLD):
+        call, rec = the_call(ranks, name, rank), ranks[rank]["cases"][name]
+        q, sf = kw(call, "quant_out"), kw(call, "scale_out")
+        assert q is not None and sf is not None, name
+        assert tuple(q["data"].shape) == (tokens, spec.hidden_size // 2) and q["is"] == ["outputs.quant"]
+        assert sf["is"] == ["outputs.scale"] and tuple(sf["data"].shape) == (128, spec.hidden_size // 16)
+        assert not call["at_call"]["scale_out"]["data"].any(), "scale padding not zeroed before FlashInfer"
 
 
 @pytest.mark.parametrize("version", ["0.7.2.post1", "0.7.4", "0.7.4rc1", "0.7.4.post2", "0.7.3+cu130"])
