@@ -15,7 +15,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.pop("FUSION_BRIDGE_DEBUG", None)
 
-from fusion_bridge.launch import NO_MULTICAST_ENV  # noqa: E402  (after TRITON_INTERPRET is set)
+from fusion_bridge.environment import NO_MULTICAST_ENV  # noqa: E402  (after TRITON_INTERPRET is set)
 
 os.environ.update(NO_MULTICAST_ENV)
 

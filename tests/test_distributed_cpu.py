@@ -5,7 +5,7 @@ import torch
 
 from fusion_bridge import EpilogueSpec
 from tests.helpers import cpu_strategy_names
-from fusion_bridge.launch import run_distributed
+from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.cli.parity import run_parity
 
 SPEC = EpilogueSpec(hidden_size=256, top_k=4, routed_scaling_factor=2.5)

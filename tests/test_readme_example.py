@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusion_bridge.launch import run_distributed
+from fusion_bridge.cli.launch import run_distributed
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
