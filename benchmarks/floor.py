@@ -10,8 +10,12 @@ pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and 
 dependent launch, and `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations).
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
 
-Floors: `sig` is our kernel with everything but the flag round trip left out (one launch + one NVLink
-round trip); a path's floor is sig + max(its HBM bytes / HBM bandwidth, its NVLink bytes / link bandwidth).
+Floors: `sig` is our kernel with everything but the exchange left out (one launch, constant rows published
+to every rank, the wait on them: one NVLink round trip); a path's floor is sig + max(its HBM bytes / HBM
+bandwidth, its NVLink bytes / link bandwidth).
+
+`--paths a b ...` times only those paths (plus what the floors need) and `--merge` updates those rows in
+an existing CSV, keeping the others (one device call cannot afford every path every time).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from typing import Optional  # noqa: E402
 
 from fusion_bridge.launch import run_distributed  # noqa: E402
 from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
@@ -65,7 +71,8 @@ def _inputs(spec, tokens, count, dev, rank):
             for i in range(count)]
 
 
-def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[int, int]]) -> list[dict]:
+def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[int, int]],
+              only: Optional[list[str]] = None, sweep: bool = True) -> list[dict]:
     import flashinfer.comm as fi_comm
 
     from fusion_bridge.environment import detect
@@ -153,7 +160,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
             hbm_all = tokens * hidden * 2 * (top_k + 4)
             link_b = tokens * hidden * 2 * (world - 1)
             paths = [
-                ("symm_signal_only", symm_run(symm, ablate=3), 0, 0),
+                ("symm_exchange_only", symm_run(symm, ablate=3), 0, 0),
                 ("finalize_alone", fin, hbm_fin, 0),
                 ("nccl_allreduce", lambda i: dist.all_reduce(parts[i]), 0, link_b),
                 ("fi_allreduce", lambda i: fi_ar(i, norm=False), 0, link_b),
@@ -163,15 +170,18 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                 ("compose_fin_fi_ar_norm_pdl", fin_then(True), hbm_all, link_b),
                 ("symm_fused_oneshot", symm_run(symm), hbm_all, link_b),
                 ("symm_fused_oneshot_nvfp4", symm_run(symm4), hbm_all, link_b),
-                ("symm_ablate_no_wait", symm_run(symm, ablate=1), hbm_all, link_b),
                 ("symm_ablate_no_peers", symm_run(symm, ablate=2), hbm_all, 0),
             ]
-            if tokens <= 256 and hidden == 7168:
+            if sweep and tokens <= 16 and hidden == 7168:
                 rb = symm_oneshot.row_block(hidden)
-                for b1, b2, w in ((128, 256, 4), (256, 256, 4), (256, 512, 8), (256, 1024, 8), (256, rb, 8),
-                                  (512, rb, 8), (1024, rb, 8), (1024, rb, 16)):
-                    paths.append((f"symm_v{b1}_{b2 if b2 != rb else 'row'}_w{w}", symm_run(symm, (b1, b2, w)),
-                                  hbm_all, link_b))
+                b1d, b2d, _ = symm_oneshot.default_launch(tokens, hidden, symm._ws.num_sms)
+                for b1, b2, w in ((256, b2d, 8), (1024, b2d, 8), (rb, b2d, 8), (b1d, rb, 8), (b1d, b2d, 16),
+                                  (b1d, b2d, 4)):
+                    paths.append((f"symm_v{b1 if b1 != rb else 'row'}_{b2 if b2 != rb else 'row'}_w{w}",
+                                  symm_run(symm, (b1, b2, w)), hbm_all, link_b))
+            if only:
+                paths = [p for p in paths if p[0] in only or p[0] == "symm_exchange_only"
+                         or (p[0].startswith("symm_v") and "symm_v" in only)]
             for name, fn, hbm_b, link_bytes in paths:
                 t0 = time.time()
                 try:
@@ -181,7 +191,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                     print(f"rank {rank}: {name} H={hidden} T={tokens}: {type(exc).__name__}: {exc}"[:300],
                           file=sys.stderr)
                     us = float("nan")
-                if name == "symm_signal_only" and tokens == tokens_list[0]:
+                if name == "symm_exchange_only" and tokens == tokens_list[0]:
                     sig_us = us
                 floor = (sig_us or 0) + max(hbm_b / (hbm * 1e3), link_bytes / (link * 1e3))
                 if name == "finalize_alone":
@@ -202,9 +212,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default="benchmarks/results/floor_h200_tp2.csv")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    ap.add_argument("--paths", nargs="*", default=None, help="only these paths ('symm_v': the launch sweep)")
+    ap.add_argument("--merge", default=None, help="an existing CSV whose other rows are kept")
+    ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
-    rows = run_distributed(rank_main, 2, args.tokens, [(7168, 8), (4096, 8)], backend="nccl", timeout_s=540)[0]
-    write_csv(args.csv, rows)
+    rows = run_distributed(rank_main, 2, args.tokens, [(7168, 8), (4096, 8)], args.paths, not args.no_sweep,
+                           backend="nccl", timeout_s=540)[0]
+    if args.merge and os.path.exists(args.merge):
+        import csv
+        with open(args.merge) as f:
+            old = list(csv.DictReader(f))
+        fresh = {(r["path"], str(r["H"]), str(r["K"]), str(r["T"])) for r in rows}
+        kept = [r for r in old if (r["path"], r["H"], r["K"], r["T"]) not in fresh]
+        rows_out = rows + kept
+    else:
+        rows_out = rows
+    write_csv(args.csv, rows_out)
     by = {(r["path"], r["H"], r["T"]): r for r in rows}
     print(f"peer copy {rows[0]['us']} GB/s, HBM copy {rows[1]['us']} GB/s")
     for hidden in (7168, 4096):

@@ -1,48 +1,69 @@
 """One-launch MoE epilogue over symmetric memory: finalize + shared add + all-reduce + residual add +
 RMSNorm (+ FP8 / NVFP4), for small T on one node, with NVLink multicast never used.
 
-Per call, on every rank (all ranks launch the same grid, since T is the same on every rank):
-  1. publish: each program finalizes (row, column-chunk) items of its rank's partial
-         partial[t] = round(routed_scaling * sum_k w[t,k] * gemm2_out[perm[t,k]] + shared[t])
-     (fp32 accumulate, ONE rounding to the activation dtype) and stores it into slot
-     [epoch parity][its rank] of every rank's symmetric buffer (its own included), then, after a CTA
-     barrier, stores the call's epoch into flag [its rank][program] of every rank (release, system
-     scope).
-  2. wait: each program spins (acquire, system scope, bounded by %globaltimer) until the flags of all
-     programs of all ranks hold this epoch or a later one.
-  3. reduce + norm: each program sums the W rounded partials of its rows **in rank order** in fp32 from
-     its local buffer, adds the residual, and writes residual_out, norm_out = round(x * rsqrt(mean(x^2)
-     + eps) * (gamma + weight_bias)) and the quantized norm_out. Every rank reads the same rounded
-     values in the same order, so outputs are bitwise identical on all ranks. Error: the partial's
-     rounding plus each output's rounding (2 roundings to the activation dtype).
+The data carries its own arrival (Lamport-style): every data slot holds the sentinel -0.0 (bits 0x8000
+in bf16 and fp16) until its partial lands, and a published partial never holds -0.0 (it is mapped to
++0.0, which changes no sum: x + (-0.0) == x + (+0.0) for every x != 0, and the rank-ordered sum never
+starts from the residual, so a sign of zero can only differ when the whole sum is zero). A reader spins
+on the data itself: no flags, no fence before a flag, no second round trip.
 
-Memory-ordering argument (epoch e, slot e % 2, no host state, so CUDA graphs replay it):
-- The epoch lives in device memory (state[0]); every program reads it first; the last program to
-  finish (state[1], an acq_rel done-counter) stores e + 1. Launches on one stream are ordered, so the
-  next call reads e + 1.
-- A reader never reads a slot before it is written: it waits for flag >= e from every program of
-  every rank; each flag store is a system-scope release issued after a CTA barrier that follows that
-  program's data stores. A flag value > e comes from a later launch of that rank, which started only
-  after its launch e had completed.
-- A writer never overwrites a slot a peer may still read: rank r writes slot e % 2 again only in call
-  e + 2, which starts after r's call e + 1 completed; that call waited for flags >= e + 1 from every
-  rank p, which p stores only in its call e + 1, after its call e (the reads of slot e % 2) completed.
-  Flags compare with ">= e" (wrap-safe int32 difference), so a peer running one call ahead cannot hide
-  the current epoch by overwriting a flag.
+Per call, on every rank (all ranks launch the same grid, since T is the same on every rank), epoch e,
+slot s = e % 3:
+  A. publish: each program finalizes (row, column chunk) items of its rank's partial
+         partial[t] = round(routed_scaling * sum_k w[t,k] * gemm2_out[perm[t,k]] + shared[t])
+     (fp32 accumulate, ONE rounding to the activation dtype, -0.0 -> +0.0) and stores it into
+     slot [s][its rank] of every rank's symmetric buffer (its own included), plain stores.
+  B. clear: the local slot (s + 2) % 3, used by the previous call, goes back to the sentinel for the
+     rows that call used (its T is kept in device state), for all sources.
+  C. reduce + norm: each program takes (row, column chunk) items, reads the row's W partials from its
+     local buffer (volatile loads, all ranks' rows, the whole row: the sum of squares needs it) until
+     none is the sentinel (bounded), sums them **in rank order** in fp32, adds the residual, and
+     writes its chunk of residual_out, norm_out = round(x * rsqrt(mean(x^2) + eps) * (gamma +
+     weight_bias)) and the quantized norm_out. Every rank reads the same rounded values in the same
+     order with the same reduction tree, so outputs are bitwise identical on all ranks. Error: the
+     partial's rounding plus each output's rounding (2 roundings to the activation dtype).
+Phase A never waits, so no program waits for a program that waits for it (all publishes of all
+programs precede, in their own program order, every wait).
+
+Memory-ordering argument (no host state: CUDA graphs replay it):
+- Epoch: state[0] in device memory holds e mod 3 (the slot; it never wraps). Each program loads it
+  (and the previous slot's row count), then takes a ticket (atomic add on state[1], release, gpu scope:
+  the loads are ordered before it). The program holding the last ticket has, through the release
+  sequence of the counter and an acquire fence, seen every program's loads done; at its end it stores
+  (e + 1) mod 3, this slot's T, and resets the counter. Launches on one stream are ordered, so the
+  next call reads the next slot.
+- A reader never uses a slot before it is written: it uses a value only once it differs from the
+  sentinel, and each element is naturally aligned (2 bytes, single-copy atomic), so a torn or
+  reordered arrival over NVLink shows as "not yet" and is polled again. The polls are volatile
+  loads (L1 bypassed; the point of coherence of a rank's buffer is its own L2, where its own stores and
+  its peers' NVLink stores land).
+- A slot is never overwritten while a peer may still read it, and never read stale: rank r's slot
+  s = e % 3 is written by peers in call e, read by r in call e, cleared by r in call e + 1 (after r saw
+  every value of it in call e, so the clear is later in coherence order than the data), and written
+  again by a peer p only in call e + 3. p starts call e + 3 only after its call e + 2 completed, which
+  needed r's data of call e + 2, which r publishes only after its call e + 1 (the clear) completed:
+  the clear precedes the new data at r's L2. Peers are at most one call apart (a rank finishes call
+  e only with every peer's call-e data), so slot (e + 1) % 3 may be written by a peer running ahead
+  while r is still in call e, and r clears only (e + 2) % 3: three slots, not two.
+- The previous call's T is kept per slot in state[4 + slot]; the row counts differ per call, and the
+  clear covers exactly the rows that call dirtied.
 - T = 0 launches nothing on every rank (T is the same on all ranks), so epochs stay in step.
 - The grid is at most the SM count (one program per SM fits), so every program that is waited on is
   resident.
-- Spins end after `timeout_ns`: the program then writes NaN outputs, an error word into pinned host
-  memory (readable by the host without a sync) and into state[2], and an abort word into every rank's
-  buffer, so every later call on every rank fails at once instead of waiting (the bridge must be
+- Timeout: the poll's exit condition is one block reduction over (pending sentinel | timer expired |
+  abort word set), so every warp of a program leaves the loop on the same iteration and agrees on the
+  outcome (a per-thread %globaltimer test would let warps leave on different iterations). On a timeout
+  the program writes NaN outputs, an error word (bit 16 + the ranks whose data did not arrive) into
+  pinned host memory (read by the host without a sync) and into state[2], and an abort word into every
+  rank's header, so every later call on every rank fails at once instead of waiting (the bridge must be
   rebuilt).
 
-Buffer layout per rank (bytes): int32 flags [W][MAX_PROGS], int32 abort word, padding to 256, then the
-activation-dtype data slots [2][W][cap][H].
+Buffer layout per rank (bytes): a 256-byte header (int32 abort word at 0), then the data slots
+[3][W][cap][H] of the activation dtype, all the sentinel at creation.
 
-The same @triton.jit helpers serve the fused GPU kernel and two entry points that run under
-TRITON_INTERPRET=1 with emulated ranks (`emulate_publish`, `emulate_reduce_norm`): only the signalling
-is GPU-only.
+The same @triton.jit helpers serve the fused GPU kernel and the entry points that run under
+TRITON_INTERPRET=1 with emulated ranks (`emulate_publish`, `emulate_clear`, `emulate_reduce_norm`,
+where the timer is a poll count): only the inline PTX (timer, fence) and the peer pointers are GPU-only.
 """
 
 from __future__ import annotations
@@ -53,21 +74,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import QUANT_NVFP4, _e2m1_codes, _e4m3_rne_satfinite, quantize_row
+from .quant import QUANT_NVFP4, _e2m1_codes, _e4m3_rne_satfinite
 from .rounding import round_to
 
-MAX_PROGS = 512  # flags per source rank; the grid never exceeds it (nor the SM count)
+HEADER_BYTES = 256
+SLOTS = 3
+SENTINEL_BITS = -32768  # int16 view of -0.0 in bf16 and fp16 (0x8000)
+SENTINEL = tl.constexpr(SENTINEL_BITS)
 ERR_TIMEOUT = tl.constexpr(1 << 16)  # error word: bit 16 = this rank timed out; bits 0-15 = ranks missed
 ERR_ABORTED = tl.constexpr(1 << 17)  # a peer timed out earlier (bits 20-27: that rank; 0-15: whom it missed)
+STATE_WORDS = 8  # slot (epoch mod 3), ticket counter, error word, unused, rows of slot 0, 1, 2, unused
 
 
-def flags_bytes(world: int) -> int:
-    """Bytes before the data slots: flags, abort word, padding to 256."""
-    return -(-(world * MAX_PROGS + 1) * 4 // 256) * 256
+def header_bytes(world: int) -> int:
+    """Bytes before the data slots (the abort word, padded to 256)."""
+    return HEADER_BYTES
 
 
 def buffer_bytes(world: int, cap: int, hidden: int, elem_size: int) -> int:
-    return flags_bytes(world) + 2 * world * cap * hidden * elem_size
+    return HEADER_BYTES + SLOTS * world * cap * hidden * elem_size
+
+
+def row_block(hidden: int) -> int:
+    return max(64, triton.next_power_of_2(hidden))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -93,84 +122,151 @@ def _finalize_chunk(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidd
 
 
 @triton.jit
-def _row_sum(slots_ptr, rank_stride, residual_ptr, row, cols, hidden, WORLD: tl.constexpr):
-    """fp32: residual + (partial_0 + partial_1 + ... in rank order) at (row, cols)."""
-    mask = cols < hidden
-    offs = row * hidden + cols
-    s = tl.load(slots_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    for q in tl.static_range(1, WORLD):
-        s += tl.load(slots_ptr + q * rank_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    return tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32) + s
+def _round(x, dtype: tl.constexpr):
+    """round_to, NaN kept NaN: the GPU's canonical NaN (0x7FFFFFFF) would carry into the sign bit of the
+    integer rounding and come out as -0.0 (measured: a NaN norm_out read as -0.0)."""
+    return tl.where(x != x, x.to(dtype), round_to(x, dtype))
 
 
 @triton.jit
-def _nvfp4_chunk(y, row, chunk, hidden, q_ptr, sf_ptr, global_scale, sf_cols,
-                 SWIZZLED: tl.constexpr, BLOCK: tl.constexpr):
-    """NVFP4 of columns [chunk*BLOCK, (chunk+1)*BLOCK) of a row (y rounded, 0 past H); BLOCK % 64 == 0,
-    so the chunks together cover the swizzled padding columns too (written 0)."""
-    yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
+def _payload_bits(acc, dtype: tl.constexpr):
+    """fp32 -> the partial's int16 bits: one RNE rounding to `dtype`; -0.0 (the sentinel) -> +0.0."""
+    bits = _round(acc, dtype).to(tl.int16, bitcast=True)
+    return tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
+
+
+@triton.jit
+def _poll_status(v, abort_ptr, start, timeout, polls, EMU: tl.constexpr):
+    """One int32, the same in every thread of the program (a block reduction): bit 0 some value is still
+    the sentinel, bit 1 the time (EMU: the poll count) ran out, bit 2 the abort word is set."""
+    if EMU:
+        late = polls >= timeout
+    else:
+        late = (_globaltimer() - start) > timeout
+    ab = tl.load(abort_ptr, volatile=True)
+    flags = (v == SENTINEL).to(tl.int32) | (late.to(tl.int32) << 1) | ((ab != 0).to(tl.int32) << 2)
+    return tl.max(tl.max(flags, axis=0), axis=0)  # sources first: they sit in each thread's registers
+
+
+@triton.jit
+def _wait_row(src_ptr, src_stride, row, hidden, abort_ptr, start, timeout, only_q,
+              WORLD: tl.constexpr, WP: tl.constexpr, ROW_BLOCK: tl.constexpr, EMU: tl.constexpr,
+              WAIT: tl.constexpr):
+    """Poll row `row` of the W sources (int16 bits [WP, ROW_BLOCK], source q at src_ptr + q*src_stride)
+    until no value is the sentinel, the time runs out or the abort word is set. only_q >= 0: only that
+    source (benchmark ablation). Returns (bits, status)."""
+    q = tl.arange(0, WP)[:, None]
+    cols = tl.arange(0, ROW_BLOCK)[None, :]
+    mask = (q < WORLD) & (cols < hidden) & ((only_q < 0) | (q == only_q))
+    ptrs = src_ptr + q.to(tl.int64) * src_stride + row * hidden + cols
+    v = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    polls = 1
+    status = _poll_status(v, abort_ptr, start, timeout, polls, EMU)
+    if WAIT:
+        while status == 1:
+            v = tl.load(ptrs, mask=mask, other=0, volatile=True)
+            polls += 1
+            status = _poll_status(v, abort_ptr, start, timeout, polls, EMU)
+    return v, status
+
+
+@triton.jit
+def _missing_ranks(v, WORLD: tl.constexpr, WP: tl.constexpr):
+    """Bit q set when source q still holds a sentinel."""
+    pending = tl.max((v == SENTINEL).to(tl.int32), axis=1)  # [WP]
+    qs = tl.arange(0, WP)
+    return tl.sum(tl.where(qs < WORLD, pending << qs, 0), axis=0)
+
+
+@triton.jit
+def _row_outputs(v, row, lo, hi, bad, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
+                 hidden, eps, weight_bias, quant_scale, sf_cols, WORLD: tl.constexpr, WP: tl.constexpr,
+                 QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
+    """From the row's W partials (int16 bits [WP, ROW_BLOCK]): the whole row's x and norm (each program
+    of the row computes them identically), stored for columns [lo, hi) only (multiples of 64, so the
+    masks stay constant over whole 16-byte vectors). bad != 0 writes NaN."""
+    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    qi = tl.arange(0, WP)[:, None]
+    vf = v.to(dtype, bitcast=True).to(tl.float32)
+    s = tl.sum(tl.where(qi == 0, vf, 0.0), axis=0)  # exact: one nonzero term per column
+    for q in tl.static_range(1, WORLD):  # rank order
+        s += tl.sum(tl.where(qi == q, vf, 0.0), axis=0)
+    cols = tl.arange(0, ROW_BLOCK)
+    in_row = cols < hidden
+    offs = row * hidden + cols
+    x = tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32) + s
+    x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
+    mine = in_row & (cols >= lo) & (cols < hi)
+    tl.store(residual_out_ptr + offs, _round(x, dtype), mask=mine)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
+    y = _round(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
+    tl.store(norm_out_ptr + offs, y, mask=mine)
+    if QUANT == 1:
+        v8 = tl.math.div_rn(y.to(tl.float32), quant_scale)
+        if HW_CVT:
+            code = tl.minimum(tl.maximum(v8, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code, _ = _e4m3_rne_satfinite(v8)
+        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mine)
+    if QUANT == 2:
+        _nvfp4_row(tl.where(in_row, y, 0.0), row, lo, hi, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, SWIZZLED,
+                   ROW_BLOCK)
+
+
+@triton.jit
+def _nvfp4_row(y, row, lo, hi, hidden, q_ptr, sf_ptr, global_scale, sf_cols, SWIZZLED: tl.constexpr,
+               ROW_BLOCK: tl.constexpr):
+    """NVFP4 of a whole row (y rounded, 0 past H), stored for columns [lo, hi) only (lo, hi multiples of
+    64, so the chunks together cover the swizzled padding columns too, written 0)."""
+    yb = tl.reshape(y.to(tl.float32), [ROW_BLOCK // 16, 16])
     amax = tl.max(tl.abs(yb), axis=1)
     sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(global_scale * amax, 6.0))
     scaled = yb * global_scale
     codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
-    lo, hi = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
-    packed = chunk * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-    tl.store(q_ptr + row * (hidden // 2) + packed, (lo | (hi << 4)).to(tl.uint8), mask=packed < hidden // 2)
-    kb = chunk * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    lo4, hi4 = tl.split(tl.reshape(codes, [ROW_BLOCK // 2, 2]))
+    packed = tl.arange(0, ROW_BLOCK // 2)
+    keep = (packed * 2 >= lo) & (packed * 2 < hi)
+    tl.store(q_ptr + row * (hidden // 2) + packed, (lo4 | (hi4 << 4)).to(tl.uint8),
+             mask=(packed < hidden // 2) & keep)
+    kb = tl.arange(0, ROW_BLOCK // 16)
+    keep_sf = (kb * 16 >= lo) & (kb * 16 < hi)
     sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
     if SWIZZLED:
         off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4
                + (kb % 4))
-        tl.store(sf_ptr + off, sf_byte, mask=kb < sf_cols)
+        tl.store(sf_ptr + off, sf_byte, mask=(kb < sf_cols) & keep_sf)
     else:
-        tl.store(sf_ptr + row * (hidden // 16) + kb, sf_byte, mask=kb < hidden // 16)
+        tl.store(sf_ptr + row * (hidden // 16) + kb, sf_byte, mask=(kb < hidden // 16) & keep_sf)
+
+
+def sf_padding_items(tokens: int, sf_rows: int, sf_cols: int) -> int:
+    return triton.cdiv(max(sf_rows - tokens, 0), 32) * triton.cdiv(sf_cols, 128)
 
 
 @triton.jit
-def _reduce_norm_item(row, chunk, slots_ptr, rank_stride, residual_ptr, gamma_ptr, residual_out_ptr,
-                      norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps, weight_bias, quant_scale, sf_cols, bad,
-                      WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr,
-                      ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
-    """Item (row (int64), column chunk of BLOCK). It reads its whole row once (ROW_BLOCK >= H, for the
-    sum of squares) and, when the row has several chunks, its own chunk again (issued together with the
-    row, so no extra latency); it writes only its chunk. bad != 0 writes NaN."""
-    rcols = tl.arange(0, ROW_BLOCK)
-    xr = _row_sum(slots_ptr, rank_stride, residual_ptr, row, rcols, hidden, WORLD)
-    if BLOCK == ROW_BLOCK:
-        cols = rcols
-        x = xr
-    else:
-        cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        x = _row_sum(slots_ptr, rank_stride, residual_ptr, row, cols, hidden, WORLD)
-    x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
-    mask = cols < hidden
-    offs = row * hidden + cols
-    tl.store(residual_out_ptr + offs, round_to(x, residual_out_ptr.dtype.element_ty), mask=mask)
-    inv_rms = tl.rsqrt(tl.sum(xr * xr, axis=0) / hidden + eps)
-    g = tl.load(gamma_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_bias
-    y = round_to(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
-    tl.store(norm_out_ptr + offs, y, mask=mask)
-    if QUANT == 1:
-        quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK,
-                     HW_CVT)
-    if QUANT == 2:
-        _nvfp4_chunk(tl.where(mask, y, 0.0), row, chunk, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, SWIZZLED,
-                     BLOCK)
-
-
-@triton.jit
-def _sf_padding_item(item, sf_ptr, tokens, sf_cols):
-    """Swizzled scale padding rows T .. round_up(T, 128): item = (padding row, 128 scale columns) -> 0."""
+def _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols):
+    """Swizzled scale padding rows T .. round_up(T, 128) -> 0; item = (32 padding rows, 128 scale
+    columns): few items, so T=1 (127 padding rows) costs a store or two per program, not a loop."""
     kchunks = tl.cdiv(sf_cols, 128)
-    row = tokens + item // kchunks
-    kb = (item % kchunks) * 128 + tl.arange(0, 128)
+    row = tokens + (item // kchunks) * 32 + tl.arange(0, 32)[:, None]
+    kb = (item % kchunks) * 128 + tl.arange(0, 128)[None, :]
     off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4
            + (kb % 4))
-    tl.store(sf_ptr + off, tl.zeros([128], dtype=tl.uint8), mask=kb < sf_cols)
+    tl.store(sf_ptr + off, tl.zeros([32, 128], dtype=tl.uint8), mask=(kb < sf_cols) & (row < sf_rows))
+
+
+@triton.jit
+def _clear_item(item, slot_ptr, hidden, CLEAR_BLOCK: tl.constexpr):
+    """Item (source-row r of a [W * rows, H] slot block, column chunk) -> the sentinel."""
+    chunks = tl.cdiv(hidden, CLEAR_BLOCK)
+    r = (item // chunks).to(tl.int64)
+    cols = (item % chunks) * CLEAR_BLOCK + tl.arange(0, CLEAR_BLOCK)
+    tl.store(slot_ptr + r * hidden + cols, tl.full([CLEAR_BLOCK], SENTINEL, tl.int16), mask=cols < hidden)
 
 
 # ---------------------------------------------------------------------------------------------------
-# signalling (GPU only)
+# GPU only: inline PTX and peer pointers
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _peer_ptr(ptrs_ptr, q, dtype: tl.constexpr):
@@ -186,182 +282,224 @@ def _globaltimer():
 
 
 @triton.jit
-def _ld_acquire_sys(ptrs):
-    return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+def _fence_acq_rel_gpu_if(pred):
+    """fence.acq_rel.gpu in the lanes where pred != 0; returns 0 (make later stores depend on it)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $1, 0; @p fence.acq_rel.gpu; mov.u32 $0, 0; }", "=r,r", [pred],
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout_us"])  # one compile for every T
+@triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout_us"])  # one compile per BLOCK1
 def _fused_kernel(ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, residual_ptr, gamma_ptr,
                   residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, cap, data_off, rank,
-                  routed_scaling, eps, weight_bias, quant_scale, sf_rows, sf_cols, timeout_us,
-                  WORLD: tl.constexpr, MAXP: tl.constexpr, FLAGS_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                  routed_scaling, eps, weight_bias, quant_scale, sf_rows, sf_cols, timeout_us, block2,
+                  WORLD: tl.constexpr, WP: tl.constexpr, TOP_K: tl.constexpr,
                   HAS_SHARED: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
-                  BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr,
-                  ABLATE: tl.constexpr = 0):
-    # ABLATE (benchmarks only; results are wrong): 1 no wait, 2 no peers (own slot, no flags, no wait),
-    # 3 signal only (flags + wait, no finalize, no norm): where the time goes
+                  BLOCK1: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr,
+                  CLEAR_BLOCK: tl.constexpr, ABLATE: tl.constexpr = 0):
+    # ABLATE (benchmarks only; results are wrong): 2 no peers (own slot only, both ranks), 3 exchange
+    # only (publish constants, wait, no finalize loads, no outputs): where the time goes
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-    epoch = tl.load(state_ptr)
-    slot_rows = ((epoch & 1) * WORLD).to(tl.int64) * cap  # first row of this parity's [W][cap] block
+    slot = tl.load(state_ptr)  # this call's slot, 0..2 (the epoch mod 3: it never wraps)
+    prev = (slot + 2) % 3
+    prev_rows = tl.load(state_ptr + 4 + prev)
+    start = _globaltimer()
+    slot_stride = cap.to(tl.int64) * hidden  # one source's rows
+    local = _peer_ptr(ptrs_ptr, rank, tl.int16)
 
-    # 1. finalize + publish into every rank's slot [parity][rank]
+    # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
     chunks1 = tl.cdiv(hidden, BLOCK1)
-    for item in range(pid, tokens * chunks1 if ABLATE != 3 else 0, nprog):
+    dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
+    for item in range(pid, tokens * chunks1, nprog):
         row = (item // chunks1).to(tl.int64)
         cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
-        part = round_to(_finalize_chunk(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden,
-                                        routed_scaling, TOP_K, HAS_SHARED), dtype)
-        dst_row = (slot_rows + rank * cap + row) * hidden + data_off
+        if ABLATE == 3:
+            bits = tl.full([BLOCK1], 0x3F80, tl.int16)
+        else:
+            bits = _payload_bits(_finalize_chunk(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden,
+                                                 routed_scaling, TOP_K, HAS_SHARED), dtype)
         if ABLATE == 2:
-            tl.store(_peer_ptr(ptrs_ptr, rank, dtype) + dst_row + cols, part, mask=cols < hidden)
+            tl.store(local + dst + row * hidden + cols, bits, mask=cols < hidden)
         else:
             for q in tl.static_range(WORLD):
-                base = _peer_ptr(ptrs_ptr, q, dtype)
-                tl.store(base + dst_row + cols, part, mask=cols < hidden)
-    tl.debug_barrier()  # every thread's stores precede the release below (cumulativity)
-    if ABLATE != 2:
-        for q in tl.static_range(WORLD):
-            flags_q = tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(flags_q + rank * MAXP + pid, epoch, sem="release", scope="sys")
+                tl.store(_peer_ptr(ptrs_ptr, q, tl.int16) + dst + row * hidden + cols, bits, mask=cols < hidden)
 
-    # 2. wait for every program of every rank (bounded)
-    local_flags = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int32))
-    idx = tl.arange(0, FLAGS_BLOCK)
-    is_flag = idx < WORLD * nprog
-    src = idx // nprog
-    addr = tl.where(is_flag, local_flags + src * MAXP + idx % nprog, local_flags + WORLD * MAXP)
-    start = _globaltimer()
-    now = start
-    missing = 1 if ABLATE == 0 or ABLATE == 3 else 0
-    aborted = 0
-    f = tl.zeros([FLAGS_BLOCK], dtype=tl.int32)
+    # the ticket: one lane of a tensor atomic (a scalar one would broadcast its result through a barrier
+    # right here); relaxed, so it waits for none of the stores above; its predicate depends on both
+    # state loads, so it is issued only after they returned. Its result is used only at the end.
+    lane = tl.arange(0, BLOCK1)
+    ticket = tl.atomic_add(state_ptr + 1 + lane * 0, lane * 0 + 1, mask=(lane == 0) & (slot >= 0) & (prev_rows >= 0),
+                           sem="relaxed", scope="gpu")
+
+    # B. the previous call's slot back to the sentinel (its rows, every source): overlaps the wait
+    prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
+    chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
+    for q in tl.static_range(WORLD):
+        for item in range(pid, prev_rows * chunks_c, nprog):
+            _clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
+
+    # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
+    abort_ptr = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int32))
+    src = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
     timeout_ns = timeout_us.to(tl.int64) * 1000
-    while (missing > 0) & (aborted == 0) & (now - start < timeout_ns):
-        f = _ld_acquire_sys(addr)
-        missing = tl.sum((is_flag & ((f - epoch) < 0)).to(tl.int32), axis=0)
-        aborted = tl.max(tl.where(is_flag, 0, f), axis=0)  # the abort word
-        now = _globaltimer()
-    bad = ((missing > 0) | (aborted != 0)).to(tl.int32)
-    if bad != 0:
-        who = tl.reduce(tl.where(is_flag & ((f - epoch) < 0), 1 << src, 0), 0, _or)
-        err = tl.where(aborted != 0, aborted, ERR_TIMEOUT | who)
-        host_err = tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32))
-        tl.store(host_err, err)
-        tl.store(state_ptr + 2, err)
-        if aborted == 0:  # tell every rank (itself included) to stop waiting from now on
-            for q in tl.static_range(WORLD):
-                flags_q = tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(flags_q + WORLD * MAXP, ERR_ABORTED | (rank << 20) | who, sem="relaxed",
-                               scope="sys")
-
-    # 3. reduce in rank order + residual + RMSNorm (+ quant) from the local buffer
-    local_slots = _peer_ptr(ptrs_ptr, rank, dtype) + data_off + slot_rows * hidden
-    chunks2 = tl.cdiv(hidden, BLOCK2)
-    for item in range(pid, tokens * chunks2 if ABLATE != 3 else 0, nprog):
-        _reduce_norm_item((item // chunks2).to(tl.int64), item % chunks2, local_slots, cap * hidden, residual_ptr,
-                          gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
-                          weight_bias, quant_scale, sf_cols, bad, WORLD, QUANT, SWIZZLED, BLOCK2, ROW_BLOCK, HW_CVT)
+    chunks2 = tl.cdiv(hidden, block2)
+    for item in range(pid, tokens * chunks2, nprog):
+        row = (item // chunks2).to(tl.int64)
+        lo = tl.multiple_of((item % chunks2) * block2, 64)
+        v, status = _wait_row(src, slot_stride, row, hidden, abort_ptr, start, timeout_ns,
+                              rank if ABLATE == 2 else -1, WORLD, WP, ROW_BLOCK, False, True)
+        bad = ((status & 5) != 0).to(tl.int32)  # still pending after the timeout, or aborted
+        if bad != 0:  # `status` is uniform over the program, so is this branch
+            who = _missing_ranks(v, WORLD, WP)
+            ab = tl.load(abort_ptr, volatile=True)
+            own = ((ab >> 20) & 0xFF) == rank  # a sibling program of this rank timed out first
+            err = tl.where(ab == 0, ERR_TIMEOUT | who, tl.where(own, ERR_TIMEOUT | (ab & 0xFFFF), ab))
+            tl.store(tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32)), err)  # pinned host word
+            tl.store(state_ptr + 2, err)
+            if ab == 0:  # tell every rank (itself included) to stop waiting from now on
+                for q in tl.static_range(WORLD):
+                    tl.atomic_xchg(tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int32)),
+                                   ERR_ABORTED | (rank << 20) | who, sem="relaxed", scope="sys")
+        if ABLATE != 3:
+            _row_outputs(v, row, lo, lo + block2, bad, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr,
+                         q_ptr, sf_ptr, hidden, eps, weight_bias, quant_scale, sf_cols, WORLD, WP, QUANT, SWIZZLED,
+                         ROW_BLOCK, HW_CVT)
     if QUANT == 2:
         if SWIZZLED:
-            for item in range(pid, (sf_rows - tokens) * tl.cdiv(sf_cols, 128), nprog):
-                _sf_padding_item(item, sf_ptr, tokens, sf_cols)
+            for item in range(pid, tl.cdiv(sf_rows - tokens, 32) * tl.cdiv(sf_cols, 128), nprog):
+                _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
 
-    # 4. the last program to finish advances the epoch for the next launch
-    done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if done == nprog - 1:
-        tl.store(state_ptr, epoch + 1)
-        tl.store(state_ptr + 1, 0)
+    # D. the last ticket advances the epoch and records this slot's rows for the next call's clear
+    last = (lane == 0) & (ticket == nprog - 1)
+    last = last & (_fence_acq_rel_gpu_if(last.to(tl.int32)) == 0)  # the stores depend on the fence
+    tl.store(state_ptr + 4 + slot + lane * 0, lane * 0 + tokens, mask=last)
+    tl.store(state_ptr + 1 + lane * 0, lane * 0, mask=last)
+    tl.store(state_ptr + lane * 0, lane * 0 + (slot + 1) % 3, mask=last)
 
 
 # ---------------------------------------------------------------------------------------------------
-# emulation entry points (CPU CI, any W in one process)
+# emulation entry points (CPU CI, any W in one process); slots: [W, T, H] activation dtype, one slot
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _emu_publish_kernel(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, slots_ptr, tokens, hidden, rank,
-                        routed_scaling, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK1: tl.constexpr):
+                        routed_scaling, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK1: tl.constexpr,
+                        DTYPE: tl.constexpr):
     chunks1 = tl.cdiv(hidden, BLOCK1)
     item = tl.program_id(0)
     row = (item // chunks1).to(tl.int64)
     cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
-    part = round_to(_finalize_chunk(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden,
-                                    routed_scaling, TOP_K, HAS_SHARED), slots_ptr.dtype.element_ty)
-    tl.store(slots_ptr + (rank * tokens + row) * hidden + cols, part, mask=cols < hidden)
+    bits = _payload_bits(_finalize_chunk(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden,
+                                         routed_scaling, TOP_K, HAS_SHARED), DTYPE)
+    tl.store(slots_ptr + (rank * tokens + row) * hidden + cols, bits, mask=cols < hidden)
 
 
 @triton.jit
-def _emu_reduce_kernel(slots_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
-                       tokens, hidden, eps, weight_bias, quant_scale, sf_cols, WORLD: tl.constexpr,
-                       QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK2: tl.constexpr,
+def _emu_clear_kernel(slots_ptr, hidden, CLEAR_BLOCK: tl.constexpr):
+    _clear_item(tl.program_id(0), slots_ptr, hidden, CLEAR_BLOCK)
+
+
+@triton.jit
+def _emu_reduce_kernel(slots_ptr, abort_ptr, status_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr,
+                       q_ptr, sf_ptr, tokens, hidden, eps, weight_bias, quant_scale, sf_rows, sf_cols, max_polls,
+                       block2, WORLD: tl.constexpr, WP: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
                        ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
-    """One program per item: (row, chunk) items first, then swizzled padding items."""
-    chunks2 = tl.cdiv(hidden, BLOCK2)
+    """One program per item: (row, chunk) items first, then swizzled padding items. status_ptr[item]:
+    0, or ERR_TIMEOUT | missing ranks (the poll count ran out), or the abort word."""
+    chunks2 = tl.cdiv(hidden, block2)
     item = tl.program_id(0)
     if item < tokens * chunks2:
-        _reduce_norm_item((item // chunks2).to(tl.int64), item % chunks2, slots_ptr, tokens * hidden,
-                          residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden,
-                          eps, weight_bias, quant_scale, sf_cols, 0, WORLD, QUANT, SWIZZLED, BLOCK2, ROW_BLOCK,
-                          HW_CVT)
+        row = (item // chunks2).to(tl.int64)
+        v, status = _wait_row(slots_ptr, tokens * hidden, row, hidden, abort_ptr, 0, max_polls, -1, WORLD, WP,
+                              ROW_BLOCK, True, True)
+        bad = ((status & 5) != 0).to(tl.int32)
+        err = tl.where((status & 4) != 0, tl.load(abort_ptr), ERR_TIMEOUT | _missing_ranks(v, WORLD, WP))
+        tl.store(status_ptr + item, tl.where(bad != 0, err, 0))
+        lo = (item % chunks2) * block2
+        _row_outputs(v, row, lo, lo + block2, bad, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr,
+                     sf_ptr, hidden, eps, weight_bias, quant_scale, sf_cols, WORLD, WP, QUANT, SWIZZLED, ROW_BLOCK,
+                     HW_CVT)
     else:
         if QUANT == 2:
             if SWIZZLED:
-                _sf_padding_item(item - tokens * chunks2, sf_ptr, tokens, sf_cols)
+                _sf_padding_item(item - tokens * chunks2, sf_ptr, tokens, sf_rows, sf_cols)
 
 
-def row_block(hidden: int) -> int:
-    return max(64, triton.next_power_of_2(hidden))
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def fill_sentinel(t: torch.Tensor) -> None:
+    """Every element of a bf16/fp16 tensor -> the sentinel (-0.0)."""
+    t.view(torch.int16).fill_(SENTINEL_BITS)
 
 
 def emulate_publish(slots: torch.Tensor, rank: int, gemm2_out: torch.Tensor, perm: torch.Tensor,
                     weights: torch.Tensor, shared: Optional[torch.Tensor], routed_scaling: float,
                     block1: int = 64) -> None:
-    """Rank `rank`'s step 1 into slots [W, T, H] (activation dtype), the stand-in for slot [parity][src]
+    """Rank `rank`'s phase A into slots [W, T, H] (activation dtype), the stand-in for slot [s][src]
     of every rank's buffer (all ranks hold the same copy)."""
     tokens, top_k = perm.shape
     hidden = gemm2_out.shape[1]
     if tokens == 0:
         return
     _emu_publish_kernel[(tokens * triton.cdiv(hidden, block1),)](
-        gemm2_out, perm, weights, shared if shared is not None else slots, slots, tokens, hidden, rank,
-        float(routed_scaling), TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK1=block1)
+        gemm2_out, perm, weights, shared if shared is not None else gemm2_out, slots.view(torch.int16), tokens,
+        hidden, rank, float(routed_scaling), TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK1=block1,
+        DTYPE=_tl_dtype(slots.dtype))
+
+
+def emulate_clear(slots: torch.Tensor, clear_block: int = 64) -> None:
+    """Phase B over slots [W, T, H]: every row of every source back to the sentinel."""
+    world, tokens, hidden = slots.shape
+    if world * tokens == 0:
+        return
+    _emu_clear_kernel[(world * tokens * triton.cdiv(hidden, clear_block),)](
+        slots.view(torch.int16), hidden, CLEAR_BLOCK=clear_block)
 
 
 def emulate_reduce_norm(slots: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
                         residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
                         eps: float, weight_bias: float, quant: int, quant_scale: float, swizzled: bool,
-                        block2: int = 64) -> None:
-    """Step 3 from slots [W, T, H] on any rank. q: uint8 ([T, H] fp8 codes / [T, H/2] fp4); sf: uint8."""
+                        block2: int = 64, max_polls: int = 3, abort_word: int = 0) -> torch.Tensor:
+    """Phase C from slots [W, T, H] on any rank (polls at most max_polls times). q: uint8 ([T, H] fp8
+    codes / [T, H/2] fp4); sf: uint8. Returns the per-item status words (int32; 0 = fine)."""
     world, tokens, hidden = slots.shape
+    rb = row_block(hidden)
+    block2 = min(block2, rb)
+    status = torch.zeros(tokens * triton.cdiv(hidden, block2), dtype=torch.int32, device=slots.device)
     if tokens == 0:
-        return
-    block2 = min(block2, row_block(hidden))
+        return status
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant == QUANT_NVFP4 else (tokens, 0)
     items = tokens * triton.cdiv(hidden, block2)
-    if quant == QUANT_NVFP4 and swizzled:
-        items += (sf_rows - tokens) * triton.cdiv(sf_cols, 128)
-    _emu_reduce_kernel[(items,)](
-        slots, residual, gamma, residual_out, norm_out, q, sf, tokens, hidden, float(eps), float(weight_bias),
-        float(quant_scale), sf_cols, WORLD=world, QUANT=quant, SWIZZLED=swizzled, BLOCK2=block2,
-        ROW_BLOCK=row_block(hidden), HW_CVT=slots.is_cuda)
+    grid = items + (sf_padding_items(tokens, sf_rows, sf_cols) if quant == QUANT_NVFP4 and swizzled else 0)
+    abort = torch.tensor([abort_word], dtype=torch.int32, device=slots.device)
+    _emu_reduce_kernel[(grid,)](
+        slots.view(torch.int16), abort, status, residual, gamma, residual_out, norm_out, q, sf, tokens, hidden,
+        float(eps), float(weight_bias), float(quant_scale), sf_rows, sf_cols, max_polls, block2, WORLD=world,
+        WP=triton.next_power_of_2(world), QUANT=quant, SWIZZLED=swizzled, ROW_BLOCK=rb,
+        HW_CVT=slots.is_cuda)
+    return status
 
 
 # ---------------------------------------------------------------------------------------------------
 # the fused launch
 # ---------------------------------------------------------------------------------------------------
-def default_launch(tokens: int, hidden: int) -> tuple[int, int, int]:
-    """(BLOCK1, BLOCK2, num_warps). Measured on 2x H200 (H=7168, K=8, graph, rotated inputs; us at
-    T=1/16/64/256): (1024, whole row, 8 warps) 8.0/12.0/17.5/41.3 was best or within noise of the best at
-    every T; narrow chunks that spread a row over many SMs lost (256, 512, 8: 9.7/17.8/45.7/155), since
-    each chunk re-reads its whole row for the sum of squares."""
+def default_launch(tokens: int, hidden: int, num_sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK1, block2, num_warps). BLOCK1 (finalize + publish chunk, compiled in): 1024 while T * chunks
+    stays within two waves of programs (T=1 spreads the K gathers of a row over 7 SMs at H=7168), else
+    whole rows (more bytes in flight per program at large T); two values, so few compiles. block2
+    (which columns a program stores in phase C; a runtime value, a multiple of 64): whole rows at T <= 2,
+    else the row split over as many programs as one wave allows. Every program of a row reads the whole
+    row's partials (local) for its sum of squares. Measured on 2x H200, H=7168 (us, graph): T=1
+    (512, 512) 6.35, (1024, 512) 6.12, (512, row) 5.72; T=16 (512, 896) 8.70, (1024, 896) 7.82,
+    (512, row) 8.97."""
     rb = row_block(hidden)
-    return min(1024, rb), rb, 8 if rb >= 4096 else 4
+    block1 = 1024 if rb > 1024 and tokens * triton.cdiv(hidden, 1024) <= 2 * num_sms else rb
+    per_row = max(1, num_sms // max(tokens, 1))
+    block2 = rb if tokens <= 2 else min(rb, max(512, -(-triton.cdiv(hidden, per_row) // 64) * 64))
+    return block1, block2, 8 if rb >= 4096 else 4
 
 
 def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
@@ -370,23 +508,24 @@ def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.
                quant: int, quant_scale: float, swizzled: bool,
                launch: Optional[tuple[int, int, int]] = None, ablate: int = 0) -> None:
     """One launch. `ws`: ptrs (int64 [W + 1]: every rank's buffer address, then the pinned error word's),
-    state (int32 [4] device: epoch, done-counter, error), world, rank, cap, data_off (elements),
-    num_sms, timeout_ns. T == 0 launches nothing (on every rank). T must be <= ws.cap."""
+    state (int32 [8] device: epoch, ticket counter, error, -, rows of slot 0/1/2), world, rank, cap,
+    data_off (int16 elements before slot 0), num_sms, timeout_ns. T == 0 launches nothing (on every
+    rank). T must be <= ws.cap."""
     tokens, top_k = perm.shape
     hidden = residual.shape[1]
     if tokens == 0:
         return
-    block1, block2, warps = launch or default_launch(tokens, hidden)
+    block1, block2, warps = launch or default_launch(tokens, hidden, ws.num_sms)
     rb = row_block(hidden)
-    block2 = min(block2, rb)
+    block1, block2 = min(block1, rb), min(block2, rb)
+    assert block2 % 64 == 0 and block1 % 64 == 0
     items = max(tokens * triton.cdiv(hidden, block1), tokens * triton.cdiv(hidden, block2))
-    nprog = max(1, min(ws.num_sms, MAX_PROGS, items))
+    nprog = max(1, min(ws.num_sms, items))
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant == QUANT_NVFP4 else (tokens, 0)
-    flags_block = triton.next_power_of_2(ws.world * min(ws.num_sms, MAX_PROGS) + 1)  # same for every T
     _fused_kernel[(nprog,)](
         ws.ptrs, ws.state, gemm2_out, perm, weights, shared if shared is not None else residual, residual, gamma,
         residual_out, norm_out, q, sf, tokens, hidden, ws.cap, ws.data_off, ws.rank, float(routed_scaling),
-        float(eps), float(weight_bias), float(quant_scale), sf_rows, sf_cols, ws.timeout_ns // 1000,
-        WORLD=ws.world, MAXP=MAX_PROGS, FLAGS_BLOCK=flags_block, TOP_K=top_k,
-        HAS_SHARED=shared is not None, QUANT=quant, SWIZZLED=swizzled, BLOCK1=block1, BLOCK2=block2,
-        ROW_BLOCK=rb, HW_CVT=True, ABLATE=ablate, num_warps=warps)
+        float(eps), float(weight_bias), float(quant_scale), sf_rows, sf_cols, ws.timeout_ns // 1000, block2,
+        WORLD=ws.world, WP=triton.next_power_of_2(ws.world), TOP_K=top_k,
+        HAS_SHARED=shared is not None, QUANT=quant, SWIZZLED=swizzled, BLOCK1=block1,
+        ROW_BLOCK=rb, HW_CVT=True, CLEAR_BLOCK=min(1024, rb), ABLATE=ablate, num_warps=warps)

@@ -176,6 +176,7 @@ def _skipped_call(rank, dev, problems):
 
     import torch.distributed as dist
 
+    from fusion_bridge.kernels.symm_oneshot import SENTINEL_BITS
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
     spec = EpilogueSpec(hidden_size=4096, top_k=8, max_tokens=64)
@@ -183,11 +184,16 @@ def _skipped_call(rank, dev, problems):
     inp = make_inputs(spec, 16, rank=rank, device=dev)
     strat.run(inp)
     torch.cuda.synchronize()
-    words = strat._ws.buffer[:4100].view(torch.int32)  # flags [W][512], abort word
-    if int(words[-1]) != 0 or not bool(((words[:-1] == 0) | (words[:-1] == 1)).all()):
-        nz = torch.nonzero((words != 0) & (words != 1)).flatten()[:8].tolist()
-        problems.append(f"rank {rank}: flag page after one call holds other values at {nz}: "
-                        f"{[hex(int(words[i]) & 0xFFFFFFFF) for i in nz]}")
+    ws = strat._ws  # after one call: slot 0 holds both ranks' rows, slots 1 and 2 the sentinel, no abort
+    slots = ws.buffer[2 * ws.data_off:].view(torch.int16).view(3, WORLD, ws.cap, spec.hidden_size)
+    head = ws.buffer[:4].view(torch.int32)
+    state = ws.state.tolist()
+    if int(head[0]) != 0 or state[0] != 1 or state[4] != 16 or state[1] != 0:
+        problems.append(f"rank {rank}: after one call abort word {int(head[0]):#x}, state {state}")
+    if bool((slots[0, :, :16] == SENTINEL_BITS).any()) or not bool((slots[0, :, 16:] == SENTINEL_BITS).all()):
+        problems.append(f"rank {rank}: slot 0 after one call: rows < 16 not all arrived or rows >= 16 written")
+    if not bool((slots[1:] == SENTINEL_BITS).all()):
+        problems.append(f"rank {rank}: slots 1, 2 after one call do not all hold the sentinel")
     start = time.monotonic()
     out = strat.run(inp) if rank == 0 else None
     torch.cuda.synchronize()
@@ -196,8 +202,10 @@ def _skipped_call(rank, dev, problems):
     if rank == 1:
         out = strat.run(inp)  # a peer timed out: aborted without waiting
         torch.cuda.synchronize()
-    if not torch.isnan(out.norm_out).all():
-        problems.append(f"rank {rank}: the failed call's norm_out is not NaN")
+    for name, t in (("residual_out", out.residual_out), ("norm_out", out.norm_out)):
+        if not torch.isnan(t).all():
+            problems.append(f"rank {rank}: the failed call's {name} is not all NaN "
+                            f"({int(torch.isnan(t).sum())} of {t.numel()})")
     try:
         strat.run(inp)
         problems.append(f"rank {rank}: no error after the skipped call")
@@ -215,9 +223,21 @@ def _all(rank, world_size, stress_calls):
     os.environ.setdefault("FUSION_BRIDGE_DEBUG", "0")
     dev = torch.device("cuda", rank)
     problems = []
+    import time
+    t0 = time.monotonic()
+
+    def progress(what):
+        if rank == 0:
+            print(f"[symm gpu test] {what}: {len(problems)} problems so far, {time.monotonic() - t0:.0f} s",
+                  flush=True)
+            for p in problems[-5:]:
+                print("   ", p[:300], flush=True)
     _skipped_call(rank, dev, problems)
+    progress("skipped call")
     cases = _parity(rank, dev, problems)
+    progress(f"parity ({cases} cases)")
     last = _graphs_and_stress(rank, dev, problems, stress_calls)
+    progress(f"graphs + {stress_calls} stress calls")
     return problems, cases, last
 
 

@@ -7,12 +7,15 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fusion_bridge.spec import EpilogueSpec, SFLayout
 from fusion_bridge.environment import Environment
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
-from fusion_bridge.kernels.symm_oneshot import (ERR_ABORTED, ERR_TIMEOUT, emulate_publish,
-                                                emulate_reduce_norm, row_block)
+from fusion_bridge.kernels.symm_oneshot import (ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS, default_launch,
+                                                emulate_clear, emulate_publish, emulate_reduce_norm,
+                                                _round, fill_sentinel, row_block)
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
 from fusion_bridge.spec import QuantSpec, Stage
@@ -52,12 +55,15 @@ def oracle64(per_rank, spec):
     return torch.stack(partials), x, norm
 
 
-def run_emulated(spec, tokens, world, quant, layout, block1, block2, seed=0):
+def run_emulated(spec, tokens, world, quant, layout, block1, block2, seed=0, skip_rank=None, abort_word=0):
     per_rank = [make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
                 for r in range(world)]
     hidden = spec.hidden_size
-    slots = poisoned((world, tokens, hidden), spec.dtype)
+    slots = torch.empty((world, tokens, hidden), dtype=spec.dtype, device=DEVICE)
+    fill_sentinel(slots)  # "not arrived" until a rank publishes
     for r, inp in enumerate(per_rank):
+        if r == skip_rank:
+            continue
         emulate_publish(slots, r, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
                         inp.shared_output, spec.routed_scaling_factor, block1=block1)
     res = per_rank[0]
@@ -66,13 +72,19 @@ def run_emulated(spec, tokens, world, quant, layout, block1, block2, seed=0):
                  torch.uint8)
     sf = poisoned(sf_shape(tokens, hidden, layout) if quant == QUANT_NVFP4 else (0,), torch.uint8)
     scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}[quant]
-    emulate_reduce_norm(slots, res.residual, res.gamma, residual_out, norm_out, q, sf, spec.eps, spec.weight_bias,
-                        quant, scale, layout is SFLayout.SWIZZLED_128x4, block2=block2)
+    status = emulate_reduce_norm(slots, res.residual, res.gamma, residual_out, norm_out, q, sf, spec.eps,
+                                 spec.weight_bias, quant, scale, layout is SFLayout.SWIZZLED_128x4, block2=block2,
+                                 abort_word=abort_word)
+    if skip_rank is None and not abort_word:
+        assert not status.any(), status
+    run_emulated.status = status
     return per_rank, slots, residual_out, norm_out, q, sf, scale
 
 
-CASES = [  # tokens, hidden, top_k, world, block1, block2 (block2 >= H: whole rows; else chunks + row re-read)
+CASES = [  # tokens, hidden, top_k, world, block1, block2 (block2 >= H: whole rows; else each program of a row
+    # reads the whole row and stores its chunk)
     (1, 96, 8, 2, 64, 64), (3, 160, 1, 2, 64, 1024), (5, 96, 8, 3, 64, 64), (4, 256, 2, 2, 128, 64),
+    (2, 320, 8, 2, 64, 192),
     (0, 96, 8, 2, 64, 64),
 ]
 
@@ -89,8 +101,9 @@ def test_emulated_ranks_match_the_float64_oracle(tokens, hidden, top_k, world, b
         return
     partials, x, norm = oracle64(per_rank, spec)
     u = UNIT_ROUNDOFF[spec.dtype]
-    # the partial is rounded once to bf16 (fp32 accumulation adds ~1e-7): norm-wise at most u; unwritten
-    # slots stay NaN (poisoned), and a read of a skipped slot's NaN row would make them NaN too
+    # the partial is rounded once to bf16 (fp32 accumulation adds ~1e-7): norm-wise at most u; every
+    # slot was written (no sentinel left), and a read of a skipped slot's NaN row would make it NaN
+    assert not (slots.view(torch.int16) == SENTINEL_BITS).any()
     assert torch.isfinite(slots).all()
     assert rel_err(slots, partials) <= u
     # residual_out, norm_out: the partial's rounding + the output's, independent, in quadrature
@@ -112,10 +125,13 @@ def test_emulated_ranks_match_the_float64_oracle(tokens, hidden, top_k, world, b
 
 
 def test_model_width_single_token():
-    """H=7168 (DeepSeek-V3), T=1, K=8, with the norm split into 1024-column chunks."""
+    """H=7168 (DeepSeek-V3), T=1, K=8, split into the default launch's column chunks (each program of the
+    row reads the whole row for its sum of squares and stores its chunk)."""
     spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5)
+    block1, block2, _ = default_launch(16, 7168)
+    assert block2 < 7168  # the row is split
     per_rank, slots, residual_out, norm_out, q, sf, scale = run_emulated(
-        spec, 1, 2, QUANT_NVFP4, SFLayout.SWIZZLED_128x4, 1024, 1024)
+        spec, 1, 2, QUANT_NVFP4, SFLayout.SWIZZLED_128x4, block1, block2)
     partials, x, norm = oracle64(per_rank, spec)
     u = UNIT_ROUNDOFF[spec.dtype]
     assert rel_err(norm_out, norm) <= math.sqrt(2) * u
@@ -131,6 +147,60 @@ def test_chunked_and_whole_row_norms_are_bitwise_equal():
     a = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, seed=5)
     b = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, row_block(160), seed=5)
     assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+
+
+def test_default_launch_spreads_small_t_and_keeps_whole_rows_at_large_t():
+    assert default_launch(1, 7168) == (1024, 8192, 8)  # 7 publish programs, one program writes the row
+    assert default_launch(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
+    assert default_launch(64, 7168) == (8192, 3584, 8)  # 2 programs per row
+    assert default_launch(256, 7168) == (8192, 7168, 8)
+    for tokens in (1, 3, 16, 64, 129, 256):
+        for hidden in (7168, 4096, 2880, 96):
+            b1, b2, _ = default_launch(tokens, hidden)
+            assert b1 in (1024, row_block(hidden)) and b2 % 64 == 0 and b2 <= row_block(hidden)
+
+
+def test_negative_zero_payload_is_published_as_positive_zero():
+    """A partial of -0.0 (weight 0 times a negative value, no shared) would read as "not arrived"; it is
+    published as +0.0, which changes no sum."""
+    spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
+    inp = make_inputs(spec, 2, device=DEVICE, skip_fraction=0.0)
+    inp.gemm2_out[:2].copy_(-inp.gemm2_out[:2].abs() - 1.0)  # every referenced value negative
+    inp.expert_weights.zero_()
+    slots = torch.empty((1, 2, 64), dtype=spec.dtype, device=DEVICE)
+    fill_sentinel(slots)
+    emulate_publish(slots, 0, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, 1.0)
+    assert (slots.view(torch.int16) == 0).all()  # +0.0, never the sentinel
+
+
+def test_clear_restores_the_sentinel():
+    spec = EpilogueSpec(hidden_size=96, top_k=8)
+    _, slots, *_ = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, seed=3)
+    emulate_clear(slots)
+    assert (slots.view(torch.int16) == SENTINEL_BITS).all()
+
+
+@pytest.mark.parametrize("quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_NVFP4, SFLayout.SWIZZLED_128x4)])
+def test_a_rank_that_never_publishes_times_out_with_nan_and_names_it(quant, layout):
+    """Rank 1 of 3 skips the call: the bounded poll ends, every output is NaN, every item's status names
+    rank 1 (and only rank 1)."""
+    spec = EpilogueSpec(hidden_size=160, top_k=2)
+    _, _, residual_out, norm_out, *_ = run_emulated(spec, 3, 3, quant, layout, 64, 64, seed=9, skip_rank=1)
+    status = run_emulated.status
+    assert status.numel() == 3 * 3
+    assert (status == (int(ERR_TIMEOUT) | 0b10)).all(), status
+    assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
+    assert "timed out waiting for rank(s) [1]" in describe_error(int(status[0]), rank=0)
+
+
+def test_an_abort_word_stops_the_call_with_nan_even_when_the_data_is_there():
+    spec = EpilogueSpec(hidden_size=96, top_k=2)
+    word = int(ERR_ABORTED) | (0 << 20) | 0b10
+    _, _, residual_out, norm_out, *_ = run_emulated(spec, 2, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64,
+                                                    abort_word=word)
+    assert (run_emulated.status == word).all()
+    assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
+    assert "rank 1 stopped because rank 0 timed out" in describe_error(word, rank=1)
 
 
 # ---- capability checks (pure: Environment values, injected probe and process environment) ----
@@ -183,8 +253,8 @@ def test_strategy_declarations():
     assert cls.max_tokens_per_call(spec, GOOD_ENV) == sw.MAX_CAP_TOKENS  # larger T overflows elsewhere
     assert cls.max_tokens_per_call(EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64), GOOD_ENV) == 64
     assert "variant" in inspect.signature(cls.run).parameters
-    # the buffer: 2 parity slots x W sources x cap tokens x H, plus the flag page
-    assert sw.buffer_bytes(spec, 2) == 2 * 2 * 2048 * 7168 * 2 + 4096 + 256
+    # the buffer: 3 rotating slots x W sources x cap tokens x H, plus a 256-byte header (abort word)
+    assert sw.buffer_bytes(spec, 2) == 3 * 2 * 2048 * 7168 * 2 + 256
 
 
 def test_error_words_name_the_missing_rank():
@@ -202,3 +272,18 @@ def test_symmetric_memory_api_drift():
     assert list(inspect.signature(symm_mem.rendezvous).parameters)[:2] == ["tensor", "group"]
     for attr in sw.HANDLE_API:
         assert hasattr(symm_mem._SymmetricMemory, attr)
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr):
+    i = tl.arange(0, 4)
+    tl.store(y_ptr + i, _round(tl.load(x_ptr + i), tl.bfloat16))
+
+
+def test_rounding_keeps_the_gpus_canonical_nan():
+    """The GPU's arithmetic NaN is 0x7FFFFFFF; integer RNE rounding would carry it into the sign bit
+    (-0.0, measured as a non-NaN norm_out after a timeout). The kernel's rounding keeps it NaN."""
+    x = torch.tensor([0x7FFFFFFF, 0x7FC00000, 0x3F800000, -0x80000000], dtype=torch.int32, device=DEVICE)
+    y = torch.empty(4, dtype=torch.bfloat16, device=DEVICE)
+    _round_kernel[(1,)](x.view(torch.float32), y)
+    assert torch.isnan(y[:2]).all() and y[2].item() == 1.0 and y.view(torch.int16)[3].item() == SENTINEL_BITS

@@ -2,9 +2,10 @@
 finalize + shared add + all-reduce + residual add + RMSNorm (+ FP8 / NVFP4) for small T.
 
 Each rank finalizes its partial (fp32 accumulate, routed scaling, shared add), rounds it ONCE to the
-activation dtype and pushes it into every rank's buffer; after system-scope release/acquire flags
-every rank sums the W rounded partials in rank order in fp32, adds the residual and normalizes, so
-all outputs are bitwise identical on every rank. Error against the fp32 oracle: the partial's
+activation dtype and pushes it into every rank's buffer, where the data itself says it has arrived
+(slots hold a -0.0 sentinel until written; three slots rotate, each cleared one call behind); every
+rank sums the W rounded partials in rank order in fp32, adds the residual and normalizes, so all
+outputs are bitwise identical on every rank. Error against the fp32 oracle: the partial's
 rounding + the output's rounding + the oracle's (3 roundings in quadrature).
 
 Calls with more tokens than the workspace holds (`max_tokens_per_call`) take the planner's overflow

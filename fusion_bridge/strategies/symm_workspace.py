@@ -59,8 +59,8 @@ def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> O
 
 
 def capacity(spec: EpilogueSpec, world_size: int) -> int:
-    """Tokens one call may carry: the data slots are [2][W][cap][H], bounded in bytes."""
-    per_token = 2 * max(world_size, 1) * spec.hidden_size * torch.finfo(spec.dtype).bits // 8
+    """Tokens one call may carry: the data slots are [3][W][cap][H], bounded in bytes."""
+    per_token = 3 * max(world_size, 1) * spec.hidden_size * torch.finfo(spec.dtype).bits // 8
     return max(0, min(spec.max_tokens, MAX_CAP_TOKENS, MAX_BUFFER_BYTES // per_token))
 
 
@@ -112,7 +112,8 @@ def memory_reason(spec: EpilogueSpec, world_size: int, device: torch.device, who
 @dataclass
 class SymmWorkspace:
     """What one launch needs. ptrs: int64 [W + 1] device (every rank's buffer, then the pinned error
-    word); state: int32 [4] device (epoch, done-counter, error word); err: int32 [4] pinned host."""
+    word); state: int32 [8] device (slot = epoch mod 3, ticket counter, error word, -, rows of slots 0-2);
+    err: int32 [4] pinned host."""
 
     buffer: torch.Tensor
     handle: object
@@ -122,7 +123,7 @@ class SymmWorkspace:
     world: int
     rank: int
     cap: int
-    data_off: int  # elements of the activation dtype before slot 0
+    data_off: int  # int16 elements before slot 0 (the header)
     num_sms: int
     timeout_ns: int
     nbytes: int
@@ -140,12 +141,11 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     """Collective: every rank of `group` calls it. Raises RuntimeError if multicast could be used."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from ..kernels.symm_oneshot import flags_bytes
+    from ..kernels.symm_oneshot import SENTINEL_BITS, STATE_WORDS, header_bytes
     bad = multicast_reason("symm_fused_oneshot")
     if bad is not None:
         raise RuntimeError(f"[{bad.code}] {bad.message}. {bad.hint}")
     group = group if group is not None else dist.group.WORLD
-    elem = torch.finfo(spec.dtype).bits // 8
     cap = capacity(spec, world_size)
     nbytes = buffer_bytes(spec, world_size)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -153,9 +153,11 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
         raise RuntimeError("[multicast_present] symm_fused_oneshot: the symmetric-memory handle exposes a multicast "
                            "pointer although multicast is disabled; refusing to run")
-    buffer.zero_()  # flags start at 0 < the first epoch (1)
+    head = header_bytes(world_size)
+    buffer[:head].zero_()  # the abort word
+    buffer[head:].view(torch.int16).fill_(SENTINEL_BITS)  # every data slot "not arrived" (-0.0)
     torch.cuda.synchronize(device)
-    dist.barrier(group)  # no rank signals before every rank's flags are zeroed
+    dist.barrier(group)  # no rank publishes before every rank's slots hold the sentinel
     torch.cuda.synchronize(device)
     # buffer_ptrs are the bases of each rank's symmetric allocation; a tensor carved out of a pooled
     # allocation sits at an offset (measured: a re-used pool put a new buffer over an old one's flags).
@@ -170,10 +172,10 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
                            f"allocations differ across ranks or are misaligned: {offsets}")
     err = torch.zeros(4, dtype=torch.int32).pin_memory()
     ptrs = torch.tensor([b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device)
-    state = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=device)
-    return SymmWorkspace(buffer, handle, ptrs, state, err, world_size, rank, cap,
-                         flags_bytes(world_size) // elem, torch.cuda.get_device_properties(device).multi_processor_count,
-                         int(timeout_s * 1e9), nbytes)
+    state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
+    return SymmWorkspace(buffer, handle, ptrs, state, err, world_size, rank, cap, head // 2,
+                         torch.cuda.get_device_properties(device).multi_processor_count, int(timeout_s * 1e9),
+                         nbytes)
 
 
 def close(ws: Optional[SymmWorkspace], group) -> None:
