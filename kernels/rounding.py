@@ -15,5 +15,6 @@ def round_to(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
+        # NaN stays NaN (made quiet): the GPU's NaN 0x7FFFFFFF would carry into the sign bit and give -0.0
+        x = tl.where(x != x, float("nan"), bits.to(tl.float32, bitcast=True))
     return x.to(dtype)

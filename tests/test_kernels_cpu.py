@@ -196,3 +196,31 @@ def test_an_interpreter_that_cannot_import_is_reported_with_its_cause():
     version, reason_code, message, hint = [p.strip() for p in res.stdout.strip().splitlines()[-1].split("|")]
     assert version == "None" and reason_code == "triton_interpreter_unavailable"
     assert "numpy" in message and "TRITON_INTERPRET=1" in message and "pip install numpy" in hint
+
+
+def test_rounding_to_bf16_keeps_every_nan_a_nan():
+    """The GPU's NaN is 0x7FFFFFFF: the integer round-to-nearest-even would carry into the sign bit and
+    turn it into -0.0 (seen on H200: a NaN partial sum came out as norm_out -0.0). Every NaN pattern stays
+    NaN; finite values round to nearest even as torch does."""
+    bits = torch.tensor([0x7FFFFFFF, 0x7FC00000, -1, 0x7F800001, 0x3F808000, 0x3F818000, 0x3F80FFFF],
+                        dtype=torch.int32)
+    x = bits.view(torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(len(bits), dtype=torch.bfloat16, device=device)
+    _round_kernel[(1,)](x.to(device), out, len(bits), BLOCK=8)
+    out = out.cpu()
+    assert out[:4].isnan().all(), out[:4].float()
+    assert torch.equal(out[4:], x[4:].to(torch.bfloat16))
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fusion_bridge.kernels.rounding import round_to  # noqa: E402
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + cols, mask=cols < n, other=0.0)
+    tl.store(out_ptr + cols, round_to(x, tl.bfloat16), mask=cols < n)
