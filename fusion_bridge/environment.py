@@ -38,6 +38,8 @@ class Environment:
     flashinfer_version: Optional[str] = None  # None: not importable
     flashinfer_error: Optional[str] = None
     triton_interpret: bool = False        # TRITON_INTERPRET=1: Triton kernels run on CPU (tests only)
+    multicast_off: bool = True            # every NO_MULTICAST_ENV variable set as required (detect() reads it)
+    symm_mem_error: Optional[str] = None  # why PyTorch symmetric memory is unusable; None: usable
 
     def replace(self, **changes) -> "Environment":
         return dataclasses.replace(self, **changes)
@@ -71,6 +73,12 @@ def _flashinfer_probe() -> tuple[Optional[str], Optional[str]]:
         return importlib.metadata.version("flashinfer-python"), None
     except Exception as exc:  # ImportError, or a broken native dependency
         return None, f"{type(exc).__name__}: {exc}"[:300]
+
+
+@functools.lru_cache(maxsize=None)
+def _symm_mem_probe() -> Optional[str]:
+    from .strategies.symm_workspace import probe_symm_mem  # the API list lives beside its only user
+    return probe_symm_mem()
 
 
 def _group_is_single_node(group) -> bool:
@@ -111,4 +119,6 @@ def detect(group=None, device: Optional[torch.device] = None, *, probe_flashinfe
         triton_error=triton_error,
         flashinfer_version=fi_version, flashinfer_error=fi_error,
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        multicast_off=all(os.environ.get(k) == v for k, v in NO_MULTICAST_ENV.items()),
+        symm_mem_error=_symm_mem_probe(),
     )

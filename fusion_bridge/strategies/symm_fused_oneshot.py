@@ -20,11 +20,11 @@ from typing import Optional
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs
+from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..reasons import collect
 from ..spec import QuantKind
 from . import symm_workspace as sw
-from .base import Step, Strategy, kernel_quant_args, required_stages
+from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
 
 #: launch variants (BLOCK1 finalize chunk, BLOCK2 norm chunk, warps); None = the per-T default
 LaunchVariant = Optional[tuple[int, int, int]]
@@ -61,7 +61,8 @@ class SymmFusedOneshotStrategy(Strategy):
         from ..kernels import symm_oneshot
         self._kernel = symm_oneshot
         self._quant_args = kernel_quant_args(self.spec)
-        self._ws = sw.create(self.group, self.spec, self.env.world_size, self.device, self.timeout_s)
+        self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)  # q / sf the kernel never writes
+        self._ws = sw.acquire(self.group, self.spec, self.env.world_size, self.device, self.timeout_s)
 
     @property
     def workspace_bytes(self) -> int:
@@ -78,7 +79,10 @@ class SymmFusedOneshotStrategy(Strategy):
         if word:
             raise RuntimeError(describe_error(word, self._ws.rank))
 
-    def run(self, inputs: EpilogueInputs, variant: LaunchVariant = None) -> EpilogueOutputs:
+    def run(self, inputs: EpilogueInputs, variant: "str | LaunchVariant" = DEFAULT_VARIANT) -> EpilogueOutputs:
+        """variant: the declared "default" (the per-T launch shape), or a (finalize chunk, norm chunk,
+        warps) tuple (benchmark sweeps)."""
+        launch = None if isinstance(variant, str) else variant
         ws = self._ws
         self.check_error()
         tokens, hidden = inputs.residual.shape
@@ -88,33 +92,21 @@ class SymmFusedOneshotStrategy(Strategy):
         spec = self.spec
         residual_out, norm_out = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
         quant, scale, swizzled = self._quant_args
-        q, sf = _quant_outputs(inputs.residual, spec.quant.kind, swizzled)
+        q, sf = quant_buffers(tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inputs.residual.device)
+        q = q if q is not None else self._unused
+        sf = sf if sf is not None else self._unused
         self._kernel.fused_into(
             ws, residual_out, norm_out, q.view(torch.uint8) if q.dtype != torch.uint8 else q, sf,
             inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights, inputs.shared_output,
             inputs.residual, inputs.gamma, spec.routed_scaling_factor, spec.eps, spec.weight_bias, quant, scale,
-            swizzled, launch=variant)
+            swizzled, launch=launch)
         if spec.quant.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
         return EpilogueOutputs(residual_out, norm_out, q, sf if spec.quant.kind is QuantKind.NVFP4 else None)
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None
-        sw.close(ws, self.group)
-
-
-def _quant_outputs(like: torch.Tensor, kind: QuantKind, swizzled: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, sf): fp8 [T, H] float8_e4m3fn; nvfp4 [T, H/2] uint8 + uint8 scales
-    ([round_up(T,128), round_up(H/16,4)] swizzled or [T, H/16]); unused ones empty uint8."""
-    tokens, hidden = like.shape
-    new = like.new_empty
-    if kind is QuantKind.FP8:
-        return new(tokens, hidden, dtype=torch.float8_e4m3fn), new(0, dtype=torch.uint8)
-    if kind is QuantKind.NVFP4:
-        blocks = hidden // 16
-        shape = (-(-tokens // 128) * 128, -(-blocks // 4) * 4) if swizzled else (tokens, blocks)
-        return new(tokens, hidden // 2, dtype=torch.uint8), new(shape, dtype=torch.uint8)
-    return new(0, dtype=torch.uint8), new(0, dtype=torch.uint8)
+        sw.release(ws, self.group, self.spec, self.env.world_size, self.timeout_s)
 
 
 def describe_error(word: int, rank: int) -> str:

@@ -71,18 +71,21 @@ def buffer_bytes(spec: EpilogueSpec, world_size: int) -> int:
 
 
 def reasons(spec: EpilogueSpec, env: Environment, who: str,
-            probe: Callable[[], Optional[str]] = probe_symm_mem,
+            probe: Optional[Callable[[], Optional[str]]] = None,
             environ: Optional[Mapping[str, str]] = None) -> list[Reason]:
-    """Every static reason the symmetric-memory one-shot cannot run (pure but for the probe and the
-    process environment, both injectable for tests)."""
+    """Every static reason the symmetric-memory one-shot cannot run: a pure function of (spec, env),
+    whose `multicast_off` and `symm_mem_error` detect() reads from the process (tests may instead pass a
+    probe and an environ mapping). prepare() checks the real process environment again."""
+    multicast = (multicast_reason(who, environ) if environ is not None else
+                 None if env.multicast_off else multicast_reason(who, {}))
     out = collect(require_cuda(env, who), require_triton(env, who),
                   require_sm_at_least(env, who, 90, why=" (system-scope acquire/release over NVLink; validated "
                                                         "on H200)"),
-                  require_single_node(env, who), multicast_reason(who, environ))
+                  require_single_node(env, who), multicast)
     if env.triton_interpret:
         out.append(Reason("triton_interpreter", f"{who} signals peers with inline PTX, which the Triton "
                           "interpreter (TRITON_INTERPRET=1) cannot run", "unset TRITON_INTERPRET"))
-    missing = probe()
+    missing = probe() if probe is not None else env.symm_mem_error
     if missing is not None:
         out.append(Reason("symm_mem_unavailable", f"{who} requires PyTorch symmetric memory: {missing} "
                           f"(torch {env.torch_version})", "use a torch build with CUDA symmetric memory (>= 2.6)"))
@@ -185,3 +188,42 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
     torch.cuda.synchronize(ws.buffer.device)
     if dist.is_initialized():
         dist.barrier(group if group is not None else dist.group.WORLD)
+
+
+# One workspace per (group, world, H, dtype, capacity, timeout), shared by every bridge (every layer) that
+# uses this strategy: a model builds one bridge per layer, and 61 private buffers would cost gigabytes.
+# Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the workspace
+# and every call of every layer goes through it in the same order on every rank, on one stream.
+_SHARED: dict[tuple, list] = {}  # key -> [workspace, users]
+
+
+def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float) -> tuple:
+    name = (group if group is not None else dist.group.WORLD).group_name
+    return (name, world_size, spec.hidden_size, spec.dtype, capacity(spec, world_size), float(timeout_s))
+
+
+def acquire(group, spec: EpilogueSpec, world_size: int, device: torch.device,
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> SymmWorkspace:
+    """The shared workspace for this key; created (collectively) by its first user."""
+    key = _key(group, spec, world_size, timeout_s)
+    entry = _SHARED.get(key)
+    if entry is None:
+        entry = _SHARED[key] = [create(group, spec, world_size, device, timeout_s), 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def release(ws: Optional[SymmWorkspace], group, spec: EpilogueSpec, world_size: int,
+            timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Drop one user; the last one frees it (collectively: every rank releases in the same order)."""
+    if ws is None:
+        return
+    key = _key(group, spec, world_size, timeout_s)
+    entry = _SHARED.get(key)
+    if entry is None or entry[0] is not ws:
+        close(ws, group)
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _SHARED[key]
+        close(ws, group)
