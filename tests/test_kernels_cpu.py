@@ -39,15 +39,21 @@ def poisoned(shape, dtype):
     return t
 
 
-def assert_rounded_once(got, ref_fp32):
-    """Equal to the fp32 reference rounded once (interpreter); within one ulp on a GPU (FMA)."""
+def assert_rounded_once(got, ref_fp32, fp32_slack_abs=None):
+    """Equal to the fp32 reference rounded once (interpreter); on a GPU (FMA, another summation order)
+    within one ulp, plus `fp32_slack_abs` where fp32 sums cancel: then the result's ulp is smaller than
+    the fp32 error of its terms (measured on H200: fp16 finalize, H=160, K=8, T=9, one element)."""
     want = ref_fp32.to(got.dtype)
     if DEVICE == "cpu":
         diff = (got.float() != want.float()).nonzero()
         assert torch.equal(got, want), f"{len(diff)} elements differ, e.g. at {diff[:5].tolist()}"
     else:
-        ulp = oracle64.ulp(want.cpu().double(), got.dtype)
-        assert ((got.cpu().double() - want.cpu().double()).abs() <= ulp).all()
+        g, w = got.cpu().double(), want.cpu().double()
+        limit = oracle64.ulp(w, got.dtype) + (0.0 if fp32_slack_abs is None else fp32_slack_abs.cpu().double())
+        bad = ~((g - w).abs() <= limit)
+        idx = bad.nonzero()[:5].tolist()
+        assert not bad.any(), (f"{int(bad.sum())} elements beyond the bound, e.g. at {idx}: got "
+                               f"{[g[tuple(i)].item() for i in idx]}, fp32 ref {[w[tuple(i)].item() for i in idx]}")
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 3, 9])
@@ -68,12 +74,12 @@ def test_finalize_add_rounds_once_from_fp32(tokens, hidden, top_k, dtype, weight
         ref = ref + inp.shared_output.float()
     # skipped slots point at NaN rows: a read of one shows up as non-finite
     assert torch.isfinite(out).all()
-    assert_rounded_once(out, ref)
     cpu = [None if t is None else t.cpu() for t in inp]
     exact = oracle64.finalize64(cpu[0], cpu[1], cpu[2], scaling)
     magnitude = oracle64.finalize64(cpu[0].abs(), cpu[1], cpu[2].abs(), scaling)
     if shared:
         exact, magnitude = exact + cpu[3].double(), magnitude + cpu[3].double().abs()
+    assert_rounded_once(out, ref, 2 * FINALIZE_FP32_SLACK * magnitude)  # two fp32 sums: ours and the reference's
     oracle64.check_rounded_once(out.cpu(), exact, slack_abs=FINALIZE_FP32_SLACK * magnitude)
 
 
