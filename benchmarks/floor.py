@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from typing import Optional  # noqa: E402
 
-from fusion_bridge.launch import run_distributed  # noqa: E402
+from fusion_bridge.cli.launch import run_distributed  # noqa: E402
 from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
 

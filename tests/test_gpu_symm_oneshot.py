@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from fusion_bridge.launch import run_distributed
+from fusion_bridge.cli.launch import run_distributed
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
