@@ -308,8 +308,10 @@ class FusionBridge:
             raise RuntimeError("tune: needs a CUDA device (it times CUDA graphs); this bridge is on "
                                f"{self.device.type}")
         eager: dict = {}
+        limits = {s.name: s.max_tokens_per_call for s in self.statuses}
         measured = tuning_tables.measure(self.spec, self.env, self.group, self.device, self.tuning_candidates(),
-                                         list(buckets or self.plan.bounds), progress=progress, eager_out=eager)
+                                         list(buckets or self.plan.bounds), progress=progress, eager_out=eager,
+                                         limits=limits)
         table = tuning_tables.make_table(self.spec, self.env, measured, eager)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):
             path = tuning_tables.cache_path(self.spec, self.env)

@@ -155,13 +155,19 @@ Candidate = tuple[str, str, Callable]  # (strategy, variant, run(inputs))
 
 def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, candidates: list[Candidate],
             buckets: list[int], rotate: bool = True, progress: bool = True, seed: int = 0,
-            eager_out: Optional[dict] = None) -> dict[str, dict[str, dict[int, float]]]:
+            eager_out: Optional[dict] = None, limits: Optional[dict[str, Optional[int]]] = None
+            ) -> dict[str, dict[str, dict[int, float]]]:
     """Time each candidate at each bucket's largest T under CUDA graphs. Collective; max over ranks.
-    With `eager_out` (a dict), also the eager wall time per call of back-to-back calls, into it."""
+    With `eager_out` (a dict), also the eager wall time per call of back-to-back calls, into it.
+    `limits`: a strategy's largest T per call; buckets above it are not measured for it (every rank
+    holds the same limits, so every rank skips the same cases)."""
+    limits = limits or {}
     rank = my_rank(group)
     bar = _progress(len(buckets) * len(candidates), progress and rank == 0)
     out: dict[str, dict[str, dict[int, float]]] = {}
     for tokens in buckets:
+        fits = [c for c in candidates if limits.get(c[0]) is None or tokens <= limits[c[0]]]
+        bar.update(len(candidates) - len(fits))
         probe = make_inputs(spec, tokens, rank=rank, seed=seed, device=device, skip_fraction=0.0)
         per_set = sum(t.numel() * t.element_size() for t in (probe.gemm2_out, probe.residual, probe.shared_output)
                       if t is not None)
@@ -169,7 +175,7 @@ def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, c
         sets = [probe] + [make_inputs(spec, tokens, rank=rank, seed=seed + i, device=device, skip_fraction=0.0)
                           for i in range(1, count)]
         times, walls = [], []
-        for name, variant, run in candidates:
+        for name, variant, run in fits:
             call = (lambda i, run=run, variant=variant: run(sets[i], variant))
             times.append(time_graph(call, sets=count, calls=max(count, 20)))
             if eager_out is not None:
@@ -180,10 +186,10 @@ def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, c
         if env.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         values = t.tolist()
-        for i, (name, variant, _) in enumerate(candidates):
+        for i, (name, variant, _) in enumerate(fits):
             out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[i]
             if eager_out is not None:
-                eager_out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[len(candidates) + i]
+                eager_out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[len(fits) + i]
         del sets, probe
     bar.close()
     return out

@@ -73,8 +73,9 @@ def test_every_strategy_matches_the_oracle_over_the_grid():
     needs_two_gpus()
     results = run_distributed(_grid, WORLD, backend="nccl", timeout_s=540)
     for problems, ran in results:
-        assert ran == ["flashinfer_fused", "local_fused_flashinfer", "local_fused_nccl", "separate"]
         assert not problems, "\n".join(problems[:20])
+        assert ran == ["flashinfer_fused", "local_fused_flashinfer", "local_fused_nccl", "separate",
+                       "symm_fused_oneshot"]
 
 
 def _graphs_routing_and_fp4(rank, world_size):
@@ -229,7 +230,7 @@ def test_migration_example_on_two_gpus_with_nccl():
     doc = json.loads(proc.stdout)
     assert doc["agree"]
     for r in doc["ranks"]:
-        assert r["device"] == "cuda" and r["strategy"] == "local_fused" and r["shadow"]["sampled"] == 1
+        assert r["device"] == "cuda" and r["strategy"] == "local_fused_flashinfer" and r["shadow"]["sampled"] == 1
 
 
 def _one_bad_rank(rank, world_size):

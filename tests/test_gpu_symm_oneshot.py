@@ -184,6 +184,7 @@ def _skipped_call(rank, dev, problems):
     inp = make_inputs(spec, 16, rank=rank, device=dev)
     strat.run(inp)
     torch.cuda.synchronize()
+    dist.barrier()  # both ranks finished call 1 before anyone inspects a buffer the peer writes into
     ws = strat._ws  # after one call: slot 0 holds both ranks' rows, slots 1 and 2 the sentinel, no abort
     slots = ws.buffer[2 * ws.data_off:].view(torch.int16).view(3, WORLD, ws.cap, spec.hidden_size)
     head = ws.buffer[:4].view(torch.int32)
@@ -194,6 +195,7 @@ def _skipped_call(rank, dev, problems):
         problems.append(f"rank {rank}: slot 0 after one call: rows < 16 not all arrived or rows >= 16 written")
     if not bool((slots[1:] == SENTINEL_BITS).all()):
         problems.append(f"rank {rank}: slots 1, 2 after one call do not all hold the sentinel")
+    dist.barrier()  # rank 0's next call pushes into rank 1's slot 1: only after rank 1 has looked
     start = time.monotonic()
     out = strat.run(inp) if rank == 0 else None
     torch.cuda.synchronize()

@@ -64,8 +64,9 @@ def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int]
             inp.residual, inp.gamma))
         candidates = bridge.tuning_candidates() + [auto]
         args = (bridge.spec, bridge.env, bridge.group, bridge.device, candidates, tokens)
-        rotated = measure(*args, rotate=True, progress=progress, seed=1)
-        same = measure(*args, rotate=False, progress=progress, seed=2)
+        limits = {s.name: s.max_tokens_per_call for s in bridge.statuses}
+        rotated = measure(*args, rotate=True, progress=progress, seed=1, limits=limits)
+        same = measure(*args, rotate=False, progress=progress, seed=2, limits=limits)
         overhead = {t: host_overhead_us(bridge, t) for t in (1, 64)}
         plan = {t: ":".join(bridge.route_for(t)) for t in tokens}
         return {"rotated": rotated, "same": same, "overhead": overhead, "plan": plan,
