@@ -244,7 +244,7 @@ def _one_bad_rank(rank, world_size):
     dev = torch.device("cuda", rank)
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=256)
     seen = {}
-    for name in ("local_fused_flashinfer", "local_fused_nccl", "flashinfer_fused", "separate"):
+    for name in ("local_fused_flashinfer", "local_fused_nccl", "flashinfer_fused", "separate", "symm_fused_oneshot"):
         log = []
         with FusionBridge(spec, strategy=name, debug=False) as bridge:
             bound = {s.name: s.error_bound for s in bridge.statuses}[name]

@@ -10,6 +10,7 @@ handle must expose no multicast pointer, and our kernel uses no multimem instruc
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 from dataclasses import dataclass
@@ -181,12 +182,24 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
                          nbytes)
 
 
+_EXITING = [False]
+
+
+@atexit.register
+def _interpreter_exiting() -> None:
+    """Registered after the bridge's own exit hook, so it runs first (atexit is last-in, first-out): at
+    exit, ranks leave at different times and a barrier could wait forever; the memory goes with the
+    process anyway."""
+    _EXITING[0] = True
+
+
 def close(ws: Optional[SymmWorkspace], group) -> None:
-    """Collective release: wait until no rank's kernel can still write into a peer's buffer."""
+    """Collective release: wait until no rank's kernel can still write into a peer's buffer (not at
+    interpreter exit, where no rank waits for another)."""
     if ws is None:
         return
     torch.cuda.synchronize(ws.buffer.device)
-    if dist.is_initialized():
+    if dist.is_initialized() and not _EXITING[0]:
         dist.barrier(group if group is not None else dist.group.WORLD)
 
 
