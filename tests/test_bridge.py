@@ -111,3 +111,26 @@ def test_eager_calls_take_the_eager_plan_where_host_cost_changes_the_winner():
             assert TwoVariants.ran == ["a"] and not bridge.plan.mode_dependent
     finally:
         unregister("two_variants")
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
+def test_torch_compile_fullgraph_sees_one_opaque_op_with_the_eager_values(quant):
+    """finalize_epilogue is one custom op under torch.compile (fake implementation for tracing, no graph
+    break on the data-dependent index check); the compiled function returns the eager values."""
+    from fusion_bridge import QuantSpec
+    q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(300.0)}[quant]
+    spec = EpilogueSpec(hidden_size=64, top_k=2, quant=q)
+    with FusionBridge(spec) as bridge:
+        def epilogue(*args):
+            out = bridge.finalize_epilogue(*args)
+            return out.norm_out * 2, out.residual_out, out.quant, out.scale
+
+        inp = tuple(make_inputs(spec, 5))
+        eager = epilogue(*inp)
+        torch._dynamo.reset()
+        compiled = torch.compile(epilogue, fullgraph=True, backend="aot_eager")(*inp)
+    for e, c in zip(eager, compiled):
+        assert (e is None) == (c is None)
+        if e is not None:
+            assert e.shape == c.shape and e.dtype == c.dtype
+            assert torch.equal(e.view(torch.uint8), c.view(torch.uint8))
