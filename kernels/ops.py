@@ -89,6 +89,24 @@ def _(x, quant, quant_scale, swizzled):
     return q, sf
 
 
+def _add_rmsnorm_quant_eager(residual: torch.Tensor, reduced: torch.Tensor, gamma: torch.Tensor, eps: float,
+                             weight_bias: float, quant: int, quant_scale: float, swizzled: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """add_rmsnorm_quant for eager calls: allocates only what it returns (None for an output the quant
+    mode does not have; the kernel's unused pointers get an output it writes anyway)."""
+    residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
+    if quant == QUANT_NVFP4:
+        q, _, sf, _ = _quant_outputs(residual, quant, swizzled)
+        add_rmsnorm_into(residual_out, norm_out, q, sf, residual, reduced, gamma, eps, weight_bias, quant,
+                         quant_scale, swizzled)
+        return residual_out, norm_out, q, sf
+    q = residual.new_empty(residual.shape, dtype=torch.float8_e4m3fn) if quant == QUANT_FP8 else None
+    q_bytes = q.view(torch.uint8) if q is not None else norm_out
+    add_rmsnorm_into(residual_out, norm_out, q_bytes, q_bytes, residual, reduced, gamma, eps, weight_bias, quant,
+                     quant_scale, swizzled)
+    return residual_out, norm_out, q, None
+
+
 class _Fast:
     """Eager: the op bodies directly. Compiling: the registered ops (so dynamo sees custom ops)."""
 
@@ -100,9 +118,10 @@ class _Fast:
 
     @staticmethod
     def add_rmsnorm_quant(*args):
+        """(residual_out, norm_out, q, sf); eagerly, q / sf are None where the quant mode has none."""
         if torch.compiler.is_compiling():
             return torch.ops.fusion_bridge.add_rmsnorm_quant(*args)
-        return _add_rmsnorm_quant(*args)
+        return _add_rmsnorm_quant_eager(*args)
 
     @staticmethod
     def quantize(*args):

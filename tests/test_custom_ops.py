@@ -62,3 +62,22 @@ def test_every_registered_op_has_a_case():
     registered = {name for name in dir(torch.ops.fusion_bridge)
                   if isinstance(getattr(torch.ops.fusion_bridge, name), torch._ops.OpOverloadPacket)}
     assert registered and registered == {c[0] for c in CASES} | {"finalize_epilogue"}, registered
+
+
+@pytest.mark.parametrize("quant", [QUANT_NONE, QUANT_FP8, QUANT_NVFP4])
+def test_the_eager_path_computes_what_the_op_computes_and_allocates_only_its_outputs(quant):
+    from fusion_bridge.kernels import ops
+    g = torch.Generator().manual_seed(quant)
+    residual, reduced = (torch.randn(5, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    gamma = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    args = (residual, reduced, gamma, 1e-6, 0.25, quant, 0.05 if quant == QUANT_FP8 else 300.0, True)
+    eager = ops.fast.add_rmsnorm_quant(*args)
+    op = torch.ops.fusion_bridge.add_rmsnorm_quant(*args)
+    assert torch.equal(eager[0], op[0]) and torch.equal(eager[1], op[1])
+    if quant == QUANT_NONE:
+        assert eager[2] is None and eager[3] is None
+    else:
+        assert torch.equal(eager[2].view(torch.uint8), op[2].view(torch.uint8))
+        assert (eager[3] is None) == (quant == QUANT_FP8)
+        if quant == QUANT_NVFP4:
+            assert torch.equal(eager[3], op[3])
