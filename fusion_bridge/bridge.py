@@ -37,7 +37,7 @@ from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
 from .strategies.base import Strategy
-from .validation import (EpilogueInputError, check_token_limit, inputs_look_valid, validate_index_values,
+from .validation import (EpilogueInputError, check_token_limit, input_check, validate_index_values,
                          validate_inputs)
 
 _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
@@ -92,6 +92,7 @@ class FusionBridge:
             "measured_us_given": measured_us is not None}, group)
         self.env = environment or detect(group, self.device)
         self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
+        self._looks_valid = input_check(spec, self.device)
         self._agree_each_call = self.debug and self.env.world_size > 1  # one small collective per call
         self.reroutes = 0
         self._closed = False
@@ -160,7 +161,7 @@ class FusionBridge:
         if self._agree_each_call:
             return self._agreed_call(inputs)
         try:
-            if not inputs_look_valid(self.spec, inputs, self.device):
+            if not self._looks_valid(inputs):
                 validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
             tokens = expanded_idx_to_permuted_idx.shape[0]
             if self._check_values:

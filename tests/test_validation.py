@@ -9,7 +9,7 @@ import torch
 from fusion_bridge import EpilogueInputError, EpilogueSpec, FusionBridge, QuantSpec
 from fusion_bridge.synthetic import make_inputs
 from tests.helpers import clone_inputs, inputs_equal
-from fusion_bridge.validation import inputs_look_valid
+from fusion_bridge.validation import input_check
 
 SPEC = EpilogueSpec(hidden_size=64, top_k=2)
 
@@ -75,8 +75,9 @@ def test_bad_input_raises_clearly_and_changes_nothing(bridge, case):
                          ids=[c[0] for c in BAD_INPUTS if not c[0].startswith("index ")])
 def test_the_hot_path_check_rejects_every_bad_metadata_case(case):
     good = make_inputs(SPEC, 5, padding_rows=3)
-    assert inputs_look_valid(SPEC, good, torch.device("cpu"))
-    assert not inputs_look_valid(SPEC, good._replace(**case[1](good)), torch.device("cpu"))
+    check = input_check(SPEC, torch.device("cpu"))
+    assert check(good)
+    assert not check(good._replace(**case[1](good)))
 
 
 def test_shared_output_given_when_spec_has_none():
