@@ -187,10 +187,13 @@ class FusionBridge:
         tokens = _tokens_of(inputs.expanded_idx_to_permuted_idx)
         if self.env.world_size == 1 or tokens == 0:
             raise error
-        route = self.plan.route_for(tokens) if tokens is not None else None
+        route = self._planned_route(tokens) if tokens is not None else None
         if route is not None:
             try:
-                self._instances[route[0]].run(self._poison_inputs(tokens), route[1])
+                poison = self._poison_inputs(tokens)
+                route[0].run(poison, route[1])
+                if self._shadow is not None and self._shadow.due():  # the peers sample this call too
+                    self._instances[self._shadow.strategy].run(poison)
             except Exception as exc:  # noqa: BLE001 - reported below, with the original error
                 route, error = None, EpilogueInputError(f"{error} (and taking part with a NaN payload failed: "
                                                        f"{type(exc).__name__}: {exc})")
@@ -243,6 +246,14 @@ class FusionBridge:
             log.log_every((self.name, "shadow"), 60.0, logging.WARNING,
                           "fusion_bridge: shadow %s diverges from %s at T=%d: rel err %.3g > bound %.3g",
                           self._shadow.strategy, selected, inputs.tokens, worst, bound)
+
+    def _planned_route(self, tokens: int) -> Optional[tuple[Strategy, str]]:
+        """(strategy, variant) this call's mode (eager or captured) plans for T, before any shape check;
+        the overflow route above max_tokens; None when there is none."""
+        if tokens <= self._max_tokens:
+            routes = (self._eager_routes if self._mode_dependent and not self._capturing() else self._routes)
+            return routes[bucket_index(tokens)][:2]
+        return self._overflow
 
     def _route(self, inputs: EpilogueInputs, tokens: int) -> tuple[Strategy, str]:
         """The planned (strategy, variant) for T; T above max_tokens or a shape the bucket's strategy
@@ -383,5 +394,7 @@ def _tokens_of(index_map: object) -> Optional[int]:
 
 @atexit.register
 def _close_all_bridges() -> None:
+    from .strategies import symm_workspace  # at exit no rank waits for another: no collective in close()
+    symm_workspace._EXITING[0] = True
     for bridge in list(_LIVE_BRIDGES):
         bridge.close()

@@ -236,6 +236,11 @@ def select_for_modes(statuses: list[StrategyStatus], spec: EpilogueSpec, request
     if not eager_us:
         return plan
     eager = select(statuses, spec, requested, eager_us)
+    # a bucket without an eager time keeps the graph plan's measured route, not the static order
+    keep = [t is None for t in eager.measured_us]
+    eager = dataclasses.replace(
+        eager, choice=tuple(g if k else e for g, e, k in zip(plan.choice, eager.choice, keep)),
+        variants=tuple(g if k else e for g, e, k in zip(plan.variants, eager.variants, keep)))
     differ = [f"T<={b}: {s}:{v}" for b, s, v, gs, gv in zip(plan.bounds, eager.choice, eager.variants,
                                                              plan.choice, plan.variants) if (s, v) != (gs, gv)]
     notes = plan.notes + tuple(n for n in eager.notes if n not in plan.notes)

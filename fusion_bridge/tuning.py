@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -99,6 +100,13 @@ def format_problem(table: object) -> Optional[str]:
         if not isinstance(measured, dict) or not all(
                 isinstance(v, dict) and all(isinstance(p, dict) for p in v.values()) for v in measured.values()):
             return f"{key} is not {{strategy: {{variant: {{bucket: us}}}}}}"
+        for name, variants in measured.items():
+            for variant, per in variants.items():
+                for bucket, us in per.items():
+                    if not (isinstance(bucket, str) and bucket.isdigit() and int(bucket) >= 1):
+                        return f"{key}.{name}.{variant} has bucket {bucket!r}, not a token count >= 1"
+                    if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us):
+                        return f"{key}.{name}.{variant}.{bucket} is {us!r}, not a finite number of microseconds"
     return None
 
 

@@ -1,5 +1,7 @@
-"""Review findings: each test demonstrates one correctness bug (marked xfail(strict=True) with the
-bug described until the product code is fixed).
+"""Regression tests for bugs a review found (each failed before its fix): the failing rank's NaN
+payload takes the route its peers run eagerly; shadow sampling stays in step after a failed call; a
+malformed tuning table is ignored, not a crash; bridges closed at exit never run a barrier, whatever
+the import order; buckets without eager times keep the measured graph route.
 
 The rank-agreement tests build bridges in ONE process with an Environment that claims world_size=2
 (no process group is initialised, so every agreement is the identity) and strategies that record
@@ -91,11 +93,6 @@ def _runs_of(bridge, inputs):
 
 
 # ---------------------------------------------------------------- finding 1
-@pytest.mark.xfail(strict=True, reason=(
-    "bridge.py:190 _take_part_then_raise takes self.plan.route_for(T), the CUDA-graph route, even for an "
-    "eager call; with a mode-dependent plan (eager_us given / a local tune) the healthy peers run the eager "
-    "route (_route: _eager_routes when not capturing), so the failing rank joins another strategy's / "
-    "variant's collectives: hang or wrong pairing instead of NaN outputs"))
 def test_failing_rank_takes_part_in_the_route_its_peers_run_eagerly(recorders):
     graph = {Recorder.name: {"a": {1: 5.0}, "b": {1: 9.0}}}     # graph: variant a wins at T=1
     eager = {Recorder.name: {"a": {1: 40.0}, "b": {1: 12.0}}}   # eager: variant b wins at T=1
@@ -109,12 +106,6 @@ def test_failing_rank_takes_part_in_the_route_its_peers_run_eagerly(recorders):
 
 
 # ---------------------------------------------------------------- finding 2
-@pytest.mark.xfail(strict=True, reason=(
-    "bridge.py:172-176: when a rank's call fails its checks it takes part in the main route and raises, "
-    "but never calls self._shadow.due() nor runs the shadow strategy: on that call the peers run the shadow "
-    "(its own collective, e.g. reference's fp32 all-reduce) and it does not, and from then on its shadow "
-    "counter lags the peers', so the shadow runs on some ranks only at every sampled call: collectives "
-    "pair wrongly or hang (shadow.py promises 'on all ranks or on none')"))
 def test_shadow_sampling_stays_in_step_after_a_failed_call(recorders):
     shadow = f"{ShadowRecorder.name}:2"
     with _bridge(shadow=shadow) as healthy, _bridge(shadow=shadow) as failing:
@@ -133,11 +124,6 @@ CUDA_ENV = Environment(device_type="cuda", sm=90, gpu_name="NVIDIA H200", world_
                        flashinfer_version="0.7.2.post1")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tuning.py:89-102 format_problem checks only that measured_us / eager_us are dicts of dicts of dicts; a "
-    "table whose bucket key is not an integer, or whose time is not a number, passes read_table and then "
-    "crashes FusionBridge.__init__ (int() in as_measurements, or comparing None with float in "
-    "planner.select) instead of being ignored with a warning as the module docstring promises"))
 @pytest.mark.parametrize("measured", [
     {"separate": {"default": {"T<=1": 5.0}}},                                          # key not an int
     {"separate": {"default": {"1": None}}, "local_fused_nccl": {"default": {"1": 5.0}}},  # time not a number
@@ -158,13 +144,6 @@ def test_a_malformed_tuning_table_is_ignored_not_a_crash(tmp_path, measured):
 
 
 # ---------------------------------------------------------------- finding 4
-@pytest.mark.xfail(strict=True, reason=(
-    "symm_workspace.py:332-340 relies on its atexit hook being registered after bridge.py's "
-    "_close_all_bridges (atexit is LIFO) so that bridges closed at exit skip the collective barrier; when "
-    "the strategy module is imported before fusion_bridge.bridge (e.g. to set "
-    "SymmFusedOneshotStrategy.timeout_s before building, as its comment invites), the order flips and "
-    "every shared symmetric workspace runs dist.barrier at interpreter exit, where ranks leave at "
-    "different times (hang)"))
 def test_bridges_closed_at_exit_never_barrier_whatever_the_import_order():
     script = textwrap.dedent("""
         from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy  # e.g. to set timeout_s
@@ -184,10 +163,6 @@ def test_bridges_closed_at_exit_never_barrier_whatever_the_import_order():
 
 
 # ---------------------------------------------------------------- finding 5
-@pytest.mark.xfail(strict=True, reason=(
-    "planner.py:322-337 select_for_modes builds the eager plan from eager_us alone: a bucket without an "
-    "eager time falls back to the static order, not to the graph plan's measured winner, so partial eager "
-    "times (eager_us for T=1 only) silently move eager calls at every other bucket off the measured choice"))
 def test_buckets_without_eager_times_keep_the_measured_graph_route():
     from fusion_bridge.planner import select_for_modes, static_statuses
     statuses = static_statuses(SPEC, CUDA_ENV)
