@@ -62,7 +62,8 @@ class SymmFusedOneshotStrategy(Strategy):
         self._kernel = symm_oneshot
         self._quant_args = kernel_quant_args(self.spec)
         self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)  # q / sf the kernel never writes
-        self._ws = sw.acquire(self.group, self.spec, self.env.world_size, self.device, self.timeout_s)
+        self._ws_timeout_s = self.timeout_s  # the sharing key at acquire time, for the release
+        self._ws = sw.acquire(self.group, self.spec, self.env.world_size, self.device, self._ws_timeout_s)
 
     @property
     def workspace_bytes(self) -> int:
@@ -106,7 +107,7 @@ class SymmFusedOneshotStrategy(Strategy):
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None
-        sw.release(ws, self.group, self.spec, self.env.world_size, self.timeout_s)
+        sw.release(ws, self.group, self.spec, self.env.world_size, getattr(self, "_ws_timeout_s", self.timeout_s))
 
 
 def describe_error(word: int, rank: int) -> str:
