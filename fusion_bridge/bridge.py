@@ -93,6 +93,10 @@ class FusionBridge:
         self.env = environment or detect(group, self.device)
         self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
         self._looks_valid = input_check(spec, self.device)
+        self._max_tokens = spec.max_tokens
+        # eager calls take the eager plan's routes when it differs: is this call being captured? (a
+        # CPU-only torch raises on the CUDA query, and nothing captures there)
+        self._capturing = torch.cuda.is_current_stream_capturing if self.device.type == "cuda" else bool
         self._agree_each_call = self.debug and self.env.world_size > 1  # one small collective per call
         self.reroutes = 0
         self._closed = False
@@ -129,13 +133,10 @@ class FusionBridge:
         self._routes = [(self._instances[name], variant, shape_checked[name])
                         for name, variant in zip(plan.choice, plan.variants)]
         self._mode_dependent = plan.mode_dependent  # then eager calls (not capturing) take their own routes
-        # (a CPU-only torch raises on the CUDA query, and nothing captures there)
-        self._capturing = torch.cuda.is_current_stream_capturing if self.device.type == "cuda" else bool
         self._eager_routes = ([(self._instances[name], variant, shape_checked[name])
                                for name, variant in zip(plan.eager_choice, plan.eager_variants)]
                               if self._mode_dependent else self._routes)
         self._overflow = ((self._instances[plan.overflow], plan.overflow_variant) if plan.overflow else None)
-        self._max_tokens = self.spec.max_tokens
 
     # ---------------------------------------------------------------- call
     def finalize_epilogue(self, gemm2_out: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
@@ -171,12 +172,15 @@ class FusionBridge:
             strategy, variant = self._route(inputs, tokens)
         except EpilogueInputError as exc:
             self._take_part_then_raise(inputs, exc)
+        return self._run(inputs, strategy, variant)
+
+    __call__ = finalize_epilogue
+
+    def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
         out = strategy.run(inputs, variant)
         if self._shadow is not None and self._shadow.due():
             self._run_shadow(inputs, out, strategy.name)
         return out
-
-    __call__ = finalize_epilogue
 
     def _take_part_then_raise(self, inputs: EpilogueInputs, error: EpilogueInputError) -> None:
         """This rank's inputs failed its checks, but its peers are already in (or on their way to) the
@@ -232,11 +236,7 @@ class FusionBridge:
                              self.group, collective_device(self.group, self.device))
         if not tokens:
             return allocate_outputs(self.spec, 0, self.device)
-        strategy, variant = route
-        out = strategy.run(inputs, variant)
-        if self._shadow is not None and self._shadow.due():
-            self._run_shadow(inputs, out, strategy.name)
-        return out
+        return self._run(inputs, *route)
 
     def _run_shadow(self, inputs: EpilogueInputs, out: EpilogueOutputs, selected: str) -> None:
         errors = self._shadow.record(self.spec, out, self._instances[self._shadow.strategy].run(inputs))
@@ -247,20 +247,22 @@ class FusionBridge:
                           "fusion_bridge: shadow %s diverges from %s at T=%d: rel err %.3g > bound %.3g",
                           self._shadow.strategy, selected, inputs.tokens, worst, bound)
 
+    def _bucket_route(self, tokens: int) -> tuple[Strategy, str, bool]:
+        """(strategy, variant, checks shapes?) this call's mode (eager or captured) plans for 0 < T <=
+        max_tokens."""
+        routes = self._eager_routes if self._mode_dependent and not self._capturing() else self._routes
+        return routes[bucket_index(tokens)]
+
     def _planned_route(self, tokens: int) -> Optional[tuple[Strategy, str]]:
-        """(strategy, variant) this call's mode (eager or captured) plans for T, before any shape check;
-        the overflow route above max_tokens; None when there is none."""
-        if tokens <= self._max_tokens:
-            routes = (self._eager_routes if self._mode_dependent and not self._capturing() else self._routes)
-            return routes[bucket_index(tokens)][:2]
-        return self._overflow
+        """(strategy, variant) planned for T before any shape check; the overflow route above
+        max_tokens; None when there is none."""
+        return self._bucket_route(tokens)[:2] if tokens <= self._max_tokens else self._overflow
 
     def _route(self, inputs: EpilogueInputs, tokens: int) -> tuple[Strategy, str]:
         """The planned (strategy, variant) for T; T above max_tokens or a shape the bucket's strategy
         refuses goes to the overflow route, or raises."""
         if tokens <= self._max_tokens:
-            routes = (self._eager_routes if self._mode_dependent and not self._capturing() else self._routes)
-            strategy, variant, checks_shape = routes[bucket_index(tokens)]
+            strategy, variant, checks_shape = self._bucket_route(tokens)
             if not checks_shape or strategy.accepts(inputs):
                 return strategy, variant
             refused = strategy
@@ -348,12 +350,7 @@ class FusionBridge:
     def route_for(self, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
         """(strategy, variant) a call with T tokens runs under CUDA graphs (eager=True: outside capture),
         or None (T == 0, or no route above max_tokens)."""
-        if tokens <= 0:
-            return None
-        if eager and self.plan.mode_dependent and tokens <= self.spec.max_tokens:
-            i = bucket_index(tokens)
-            return self.plan.eager_choice[i], self.plan.eager_variants[i]
-        return self.plan.route_for(tokens)
+        return self.plan.route_for(tokens, eager) if tokens > 0 else None
 
     def explain(self, tokens: Optional[int] = None) -> Report:
         """The structured report: environment, every strategy (selected or rejected, with all reasons),

@@ -126,10 +126,13 @@ class Plan:
     def mode_dependent(self) -> bool:
         return bool(self.eager_choice) and (self.eager_choice, self.eager_variants) != (self.choice, self.variants)
 
-    def route_for(self, tokens: int) -> Optional[tuple[str, str]]:
-        """(strategy, variant) for T tokens (T >= 1), or None when T > max_tokens has no route."""
+    def route_for(self, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
+        """(strategy, variant) for T tokens (T >= 1) under CUDA graphs, or for an eager call (eager=True;
+        the same unless the plan is mode-dependent); None when T > max_tokens has no route."""
         i = bucket_index(tokens)
         if i < len(self.choice):
+            if eager and self.mode_dependent:
+                return self.eager_choice[i], self.eager_variants[i]
             return self.choice[i], self.variants[i]
         return (self.overflow, self.overflow_variant) if self.overflow else None
 
