@@ -177,14 +177,10 @@ def select(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = 
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
-        variants, times = [], []
-        for i, bound in enumerate(bounds):
-            timed = sorted((per[bound], v) for v, per in measured.get(requested, {}).items() if bound in per)
-            variants.append(timed[0][1] if timed else st.variant_for(i))
-            times.append(timed[0][0] if timed else None)
+        picks = [_fastest(i, bound, [st], measured) for i, bound in enumerate(bounds)]
         overflow = requested if st.max_tokens_per_call is None else None
-        return Plan(requested, bounds, tuple(requested for _ in bounds), tuple(variants), overflow,
-                    st.overflow_variant, tuple(times), "requested", tuple(notes))
+        return Plan(requested, bounds, tuple(requested for _ in bounds), tuple(v for _, _, v in picks), overflow,
+                    st.overflow_variant, tuple(t for t, _, _ in picks), "requested", tuple(notes))
 
     candidates = [s for s in statuses if s.available and s.auto_selectable]
     if not candidates:
@@ -194,12 +190,7 @@ def select(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = 
         fits = [s for s in candidates if s.max_tokens_per_call is None or s.max_tokens_per_call >= bound]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
-        timed = [(per[bound], order, s.name, v) for order, s in enumerate(fits)
-                 for v, per in measured.get(s.name, {}).items() if bound in per]
-        if timed:
-            best_time, _, best, variant = min(timed)
-        else:
-            best_time, best, variant = None, fits[0].name, fits[0].variant_for(i)
+        best_time, best, variant = _fastest(i, bound, fits, measured)
         choice.append(best)
         variants.append(variant)
         times.append(best_time)
@@ -210,6 +201,18 @@ def select(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = 
     source = "measured" if any(t is not None for t in times) else "static order"
     return Plan(AUTO, bounds, tuple(choice), tuple(variants), overflow.name if overflow else None,
                 overflow.overflow_variant if overflow else DEFAULT_VARIANT, tuple(times), source, tuple(notes))
+
+
+def _fastest(bucket: int, bound: int, fits: list[StrategyStatus], measured: Measurements
+             ) -> tuple[Optional[float], str, str]:
+    """(time, strategy, variant): the fastest measured (strategy, variant) at this bucket, ties to the
+    static order; unmeasured, the first strategy with its default variant."""
+    timed = [(per[bound], order, s.name, v) for order, s in enumerate(fits)
+             for v, per in measured.get(s.name, {}).items() if bound in per]
+    if timed:
+        best_time, _, best, variant = min(timed)
+        return best_time, best, variant
+    return None, fits[0].name, fits[0].variant_for(bucket)
 
 
 def _known_measurements(measured: Measurements, by_name: Mapping[str, StrategyStatus]
