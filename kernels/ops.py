@@ -21,14 +21,17 @@ from .finalize_add import finalize_add_into
 from .quant import QUANT_FP8, QUANT_NVFP4, quantize_into
 
 
+def _kind_layout(quant: int, swizzled: bool) -> tuple[QuantKind, SFLayout]:
+    """Our kernels' quant code and swizzle flag as the spec's enums."""
+    kind = {QUANT_FP8: QuantKind.FP8, QUANT_NVFP4: QuantKind.NVFP4}.get(quant, QuantKind.NONE)
+    return kind, SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
+
+
 def _quant_outputs(like: torch.Tensor, quant: int, swizzled: bool, fake: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q returned, q as uint8 for the kernel, sf returned, sf for the kernel). Unused ones are empty
     and distinct: a custom op's outputs may not alias each other."""
-    tokens, hidden = like.shape
-    kind = {QUANT_FP8: QuantKind.FP8, QUANT_NVFP4: QuantKind.NVFP4}.get(quant, QuantKind.NONE)
-    layout = SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
-    q, sf = quant_buffers(tokens, hidden, kind, layout, like.device)
+    q, sf = quant_buffers(*like.shape, *_kind_layout(quant, swizzled), like.device)
     q = q if q is not None else like.new_empty(0, dtype=torch.uint8)
     sf = sf if sf is not None else like.new_empty(0, dtype=torch.uint8)
     q_bytes = q.view(torch.uint8) if (quant == QUANT_FP8 and not fake) else q
@@ -95,16 +98,11 @@ def _add_rmsnorm_quant_eager(residual: torch.Tensor, reduced: torch.Tensor, gamm
     """add_rmsnorm_quant for eager calls: allocates only what it returns (None for an output the quant
     mode does not have; the kernel's unused pointers get an output it writes anyway)."""
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
-    if quant == QUANT_NVFP4:
-        q, _, sf, _ = _quant_outputs(residual, quant, swizzled)
-        add_rmsnorm_into(residual_out, norm_out, q, sf, residual, reduced, gamma, eps, weight_bias, quant,
-                         quant_scale, swizzled)
-        return residual_out, norm_out, q, sf
-    q = residual.new_empty(residual.shape, dtype=torch.float8_e4m3fn) if quant == QUANT_FP8 else None
+    q, sf = quant_buffers(*residual.shape, *_kind_layout(quant, swizzled), residual.device)
     q_bytes = q.view(torch.uint8) if q is not None else norm_out
-    add_rmsnorm_into(residual_out, norm_out, q_bytes, q_bytes, residual, reduced, gamma, eps, weight_bias, quant,
-                     quant_scale, swizzled)
-    return residual_out, norm_out, q, None
+    add_rmsnorm_into(residual_out, norm_out, q_bytes, sf if sf is not None else q_bytes, residual, reduced, gamma,
+                     eps, weight_bias, quant, quant_scale, swizzled)
+    return residual_out, norm_out, q, sf
 
 
 class _Fast:
