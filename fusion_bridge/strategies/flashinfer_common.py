@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,6 +19,7 @@ from ..environment import Environment
 from ..reasons import Reason, collect, require_cuda, require_flashinfer, require_single_node, \
     require_sm_at_least, require_world_size_in
 from ..spec import EpilogueSpec
+from .shared import SharedWorkspaces, group_name
 
 MIN_FLASHINFER = "0.7.2"
 LAMPORT_WORLD_SIZES = (2, 4, 8, 16)
@@ -110,43 +110,26 @@ def memory_reason(spec: EpilogueSpec, world_size: int, device: torch.device, who
     return None
 
 
-@dataclass
-class _Entry:
-    workspace: object
-    users: int
-
-
-_WORKSPACES: dict[tuple, _Entry] = {}
+_WORKSPACES: SharedWorkspaces = SharedWorkspaces()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int) -> tuple:
-    name = group.group_name if group is not None else dist.group.WORLD.group_name
-    return (name, world_size, spec.max_tokens, spec.hidden_size, spec.dtype)
+    return (group_name(group), world_size, spec.max_tokens, spec.hidden_size, spec.dtype)
 
 
 def acquire_workspace(group, spec: EpilogueSpec, world_size: int):
     """The shared workspace for this (group, max_tokens, H, dtype); collective on first use."""
-    key = _key(group, spec, world_size)
-    entry = _WORKSPACES.get(key)
-    if entry is None:
+    def create():
         from flashinfer.comm import TRTLLMAllReduceFusionWorkspace
-        ws = TRTLLMAllReduceFusionWorkspace(
+        return TRTLLMAllReduceFusionWorkspace(
             tp_size=world_size, tp_rank=dist.get_rank(group), max_token_num=spec.max_tokens,
             hidden_dim=spec.hidden_size, dtype=spec.dtype, group=group)
-        entry = _WORKSPACES[key] = _Entry(ws, 0)
-    entry.users += 1
-    return entry.workspace
+    return _WORKSPACES.acquire(_key(group, spec, world_size), create)
 
 
-def release_workspace(group, spec: EpilogueSpec, world_size: int) -> None:
-    key = _key(group, spec, world_size)
-    entry = _WORKSPACES.get(key)
-    if entry is None:
-        return
-    entry.users -= 1
-    if entry.users <= 0:
-        del _WORKSPACES[key]
-        entry.workspace.destroy()
+def release_workspace(group, spec: EpilogueSpec, world_size: int, workspace) -> None:
+    """Drop one user of `workspace`; the last one destroys it (collectively)."""
+    _WORKSPACES.release(_key(group, spec, world_size), workspace, lambda ws: ws.destroy())
 
 
 def workspace_bytes(workspace) -> int:

@@ -132,6 +132,6 @@ class LocalFusedFlashInferStrategy(Strategy):
         return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out)
 
     def close(self) -> None:
-        if getattr(self, "_workspace", None) is not None:
-            self._workspace = None
-            fic.release_workspace(self.group, self.spec, self.env.world_size)
+        workspace, self._workspace = getattr(self, "_workspace", None), None
+        if workspace is not None:
+            fic.release_workspace(self.group, self.spec, self.env.world_size, workspace)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..environment import Environment
 from ..reasons import Reason, collect, require_cuda, require_single_node, require_sm_at_least, require_triton
 from ..spec import EpilogueSpec
+from .shared import SharedWorkspaces, group_name
 
 MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a drift test)
@@ -207,36 +208,23 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
 # uses this strategy: a model builds one bridge per layer, and 61 private buffers would cost gigabytes.
 # Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the workspace
 # and every call of every layer goes through it in the same order on every rank, on one stream.
-_SHARED: dict[tuple, list] = {}  # key -> [workspace, users]
+_SHARED: SharedWorkspaces = SharedWorkspaces()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float) -> tuple:
-    name = (group if group is not None else dist.group.WORLD).group_name
-    return (name, world_size, spec.hidden_size, spec.dtype, capacity(spec, world_size), float(timeout_s))
+    return (group_name(group), world_size, spec.hidden_size, spec.dtype, capacity(spec, world_size),
+            float(timeout_s))
 
 
 def acquire(group, spec: EpilogueSpec, world_size: int, device: torch.device,
             timeout_s: float = DEFAULT_TIMEOUT_S) -> SymmWorkspace:
     """The shared workspace for this key; created (collectively) by its first user."""
-    key = _key(group, spec, world_size, timeout_s)
-    entry = _SHARED.get(key)
-    if entry is None:
-        entry = _SHARED[key] = [create(group, spec, world_size, device, timeout_s), 0]
-    entry[1] += 1
-    return entry[0]
+    return _SHARED.acquire(_key(group, spec, world_size, timeout_s),
+                           lambda: create(group, spec, world_size, device, timeout_s))
 
 
 def release(ws: Optional[SymmWorkspace], group, spec: EpilogueSpec, world_size: int,
             timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Drop one user; the last one frees it (collectively: every rank releases in the same order)."""
-    if ws is None:
-        return
-    key = _key(group, spec, world_size, timeout_s)
-    entry = _SHARED.get(key)
-    if entry is None or entry[0] is not ws:
-        close(ws, group)
-        return
-    entry[1] -= 1
-    if entry[1] <= 0:
-        del _SHARED[key]
-        close(ws, group)
+    if ws is not None:
+        _SHARED.release(_key(group, spec, world_size, timeout_s), ws, lambda w: close(w, group))
