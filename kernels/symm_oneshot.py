@@ -61,7 +61,7 @@ Memory-ordering argument (no host state: CUDA graphs replay it):
 Buffer layout per rank (bytes): a 256-byte header (int32 abort word at 0), then the data slots
 [3][W][cap][H] of the activation dtype, all the sentinel at creation.
 
-The same @triton.jit helpers serve the fused GPU kernel and the entry points that run under
+The same @triton.jit helpers (most in `symm_common`) serve the fused GPU kernel and the entry points that run under
 TRITON_INTERPRET=1 with emulated ranks (`emulate_publish`, `emulate_clear`, `emulate_reduce_norm`,
 where the timer is a poll count): only the inline PTX (timer, fence) and the peer pointers are GPU-only.
 """
@@ -74,15 +74,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import QUANT_NVFP4, _e2m1_codes, _e4m3_rne_satfinite
-from .rounding import round_to
+from .quant import QUANT_NVFP4
+from .symm_common import (ERR_ABORTED, ERR_TIMEOUT, HEADER_BYTES, SENTINEL, SENTINEL_BITS, SLOTS,  # noqa: F401
+                          _clear_item, _fence_acq_rel_gpu_if, _finalize_chunk, _globaltimer, _missing_ranks,
+                          _norm_quant_row, _payload_bits, _peer_ptr, _report_timeout, _round, _sf_padding_item,
+                          _tl_dtype, _wait_row, fill_sentinel, row_block, sf_padding_items)
 
-HEADER_BYTES = 256
-SLOTS = 3
-SENTINEL_BITS = -32768  # int16 view of -0.0 in bf16 and fp16 (0x8000)
-SENTINEL = tl.constexpr(SENTINEL_BITS)
-ERR_TIMEOUT = tl.constexpr(1 << 16)  # error word: bit 16 = this rank timed out; bits 0-15 = ranks missed
-ERR_ABORTED = tl.constexpr(1 << 17)  # a peer timed out earlier (bits 20-27: that rank; 0-15: whom it missed)
 STATE_WORDS = 8  # slot (epoch mod 3), ticket counter, error word, unused, rows of slot 0, 1, 2, unused
 
 
@@ -95,89 +92,9 @@ def buffer_bytes(world: int, cap: int, hidden: int, elem_size: int) -> int:
     return HEADER_BYTES + SLOTS * world * cap * hidden * elem_size
 
 
-def row_block(hidden: int) -> int:
-    return max(64, triton.next_power_of_2(hidden))
-
-
 # ---------------------------------------------------------------------------------------------------
 # arithmetic shared by the fused kernel and the emulation entry points
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
-def _finalize_chunk(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden, routed_scaling,
-                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """fp32 [BLOCK]: routed_scaling * sum_k w * gemm2_out[perm] (+ shared) for row `row` (int64), `cols`.
-    Slots with perm == -1 are never read (a skipped slot's weight may be garbage)."""
-    in_row = cols < hidden
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        src = tl.load(perm_ptr + row * TOP_K + k).to(tl.int64)
-        weight = tl.load(weight_ptr + row * TOP_K + k).to(tl.float32)
-        valid = (cols * 0 + src) >= 0  # vector form: the interpreter rejects a scalar-bool mask
-        x = tl.load(gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-        acc += tl.where(valid, x * weight, 0.0)
-    acc = acc * routed_scaling
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """round_to, NaN kept NaN: the GPU's canonical NaN (0x7FFFFFFF) would carry into the sign bit of the
-    integer rounding and come out as -0.0 (measured: a NaN norm_out read as -0.0)."""
-    return tl.where(x != x, x.to(dtype), round_to(x, dtype))
-
-
-@triton.jit
-def _payload_bits(acc, dtype: tl.constexpr):
-    """fp32 -> the partial's int16 bits: one RNE rounding to `dtype`; -0.0 (the sentinel) -> +0.0."""
-    bits = _round(acc, dtype).to(tl.int16, bitcast=True)
-    return tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
-
-
-@triton.jit
-def _poll_status(v, abort_ptr, start, timeout, polls, EMU: tl.constexpr):
-    """One int32, the same in every thread of the program (a block reduction): bit 0 some value is still
-    the sentinel, bit 1 the time (EMU: the poll count) ran out, bit 2 the abort word is set."""
-    if EMU:
-        late = polls >= timeout
-    else:
-        late = (_globaltimer() - start) > timeout
-    ab = tl.load(abort_ptr, volatile=True)
-    flags = (v == SENTINEL).to(tl.int32) | (late.to(tl.int32) << 1) | ((ab != 0).to(tl.int32) << 2)
-    return tl.max(tl.max(flags, axis=0), axis=0)  # sources first: they sit in each thread's registers
-
-
-@triton.jit
-def _wait_row(src_ptr, src_stride, row, hidden, abort_ptr, start, timeout, only_q,
-              WORLD: tl.constexpr, WP: tl.constexpr, ROW_BLOCK: tl.constexpr, EMU: tl.constexpr,
-              WAIT: tl.constexpr):
-    """Poll row `row` of the W sources (int16 bits [WP, ROW_BLOCK], source q at src_ptr + q*src_stride)
-    until no value is the sentinel, the time runs out or the abort word is set. only_q >= 0: only that
-    source (benchmark ablation). Returns (bits, status)."""
-    q = tl.arange(0, WP)[:, None]
-    cols = tl.arange(0, ROW_BLOCK)[None, :]
-    mask = (q < WORLD) & (cols < hidden) & ((only_q < 0) | (q == only_q))
-    ptrs = src_ptr + q.to(tl.int64) * src_stride + row * hidden + cols
-    v = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    polls = 1
-    status = _poll_status(v, abort_ptr, start, timeout, polls, EMU)
-    if WAIT:
-        while status == 1:
-            v = tl.load(ptrs, mask=mask, other=0, volatile=True)
-            polls += 1
-            status = _poll_status(v, abort_ptr, start, timeout, polls, EMU)
-    return v, status
-
-
-@triton.jit
-def _missing_ranks(v, WORLD: tl.constexpr, WP: tl.constexpr):
-    """Bit q set when source q still holds a sentinel."""
-    pending = tl.max((v == SENTINEL).to(tl.int32), axis=1)  # [WP]
-    qs = tl.arange(0, WP)
-    return tl.sum(tl.where(qs < WORLD, pending << qs, 0), axis=0)
-
-
 @triton.jit
 def _row_outputs(v, row, lo, hi, bad, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
                  hidden, eps, weight_bias, quant_scale, sf_cols, WORLD: tl.constexpr, WP: tl.constexpr,
@@ -196,97 +113,9 @@ def _row_outputs(v, row, lo, hi, bad, residual_ptr, gamma_ptr, residual_out_ptr,
     offs = row * hidden + cols
     x = tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32) + s
     x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
-    mine = in_row & (cols >= lo) & (cols < hi)
-    tl.store(residual_out_ptr + offs, _round(x, dtype), mask=mine)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
-    y = _round(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
-    tl.store(norm_out_ptr + offs, y, mask=mine)
-    if QUANT == 1:
-        v8 = tl.math.div_rn(y.to(tl.float32), quant_scale)
-        if HW_CVT:
-            code = tl.minimum(tl.maximum(v8, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            code, _ = _e4m3_rne_satfinite(v8)
-        tl.store(q_ptr + offs, code.to(tl.uint8), mask=mine)
-    if QUANT == 2:
-        _nvfp4_row(tl.where(in_row, y, 0.0), row, lo, hi, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, SWIZZLED,
-                   ROW_BLOCK)
-
-
-@triton.jit
-def _nvfp4_row(y, row, lo, hi, hidden, q_ptr, sf_ptr, global_scale, sf_cols, SWIZZLED: tl.constexpr,
-               ROW_BLOCK: tl.constexpr):
-    """NVFP4 of a whole row (y rounded, 0 past H), stored for columns [lo, hi) only (lo, hi multiples of
-    64, so the chunks together cover the swizzled padding columns too, written 0)."""
-    yb = tl.reshape(y.to(tl.float32), [ROW_BLOCK // 16, 16])
-    amax = tl.max(tl.abs(yb), axis=1)
-    sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(global_scale * amax, 6.0))
-    scaled = yb * global_scale
-    codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
-    lo4, hi4 = tl.split(tl.reshape(codes, [ROW_BLOCK // 2, 2]))
-    packed = tl.arange(0, ROW_BLOCK // 2)
-    keep = (packed * 2 >= lo) & (packed * 2 < hi)
-    tl.store(q_ptr + row * (hidden // 2) + packed, (lo4 | (hi4 << 4)).to(tl.uint8),
-             mask=(packed < hidden // 2) & keep)
-    kb = tl.arange(0, ROW_BLOCK // 16)
-    keep_sf = (kb * 16 >= lo) & (kb * 16 < hi)
-    sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
-    if SWIZZLED:
-        off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4
-               + (kb % 4))
-        tl.store(sf_ptr + off, sf_byte, mask=(kb < sf_cols) & keep_sf)
-    else:
-        tl.store(sf_ptr + row * (hidden // 16) + kb, sf_byte, mask=(kb < hidden // 16) & keep_sf)
-
-
-def sf_padding_items(tokens: int, sf_rows: int, sf_cols: int) -> int:
-    return triton.cdiv(max(sf_rows - tokens, 0), 32) * triton.cdiv(sf_cols, 128)
-
-
-@triton.jit
-def _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols):
-    """Swizzled scale padding rows T .. round_up(T, 128) -> 0; item = (32 padding rows, 128 scale
-    columns): few items, so T=1 (127 padding rows) costs a store or two per program, not a loop."""
-    kchunks = tl.cdiv(sf_cols, 128)
-    row = tokens + (item // kchunks) * 32 + tl.arange(0, 32)[:, None]
-    kb = (item % kchunks) * 128 + tl.arange(0, 128)[None, :]
-    off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4
-           + (kb % 4))
-    tl.store(sf_ptr + off, tl.zeros([32, 128], dtype=tl.uint8), mask=(kb < sf_cols) & (row < sf_rows))
-
-
-@triton.jit
-def _clear_item(item, slot_ptr, hidden, CLEAR_BLOCK: tl.constexpr):
-    """Item (source-row r of a [W * rows, H] slot block, column chunk) -> the sentinel."""
-    chunks = tl.cdiv(hidden, CLEAR_BLOCK)
-    r = (item // chunks).to(tl.int64)
-    cols = (item % chunks) * CLEAR_BLOCK + tl.arange(0, CLEAR_BLOCK)
-    tl.store(slot_ptr + r * hidden + cols, tl.full([CLEAR_BLOCK], SENTINEL, tl.int16), mask=cols < hidden)
-
-
-# ---------------------------------------------------------------------------------------------------
-# GPU only: inline PTX and peer pointers
-# ---------------------------------------------------------------------------------------------------
-@triton.jit
-def _peer_ptr(ptrs_ptr, q, dtype: tl.constexpr):
-    """Rank q's buffer as a `dtype` pointer. Buffers are 256-byte aligned: saying so lets the slot
-    loads and stores vectorize (the compiler knows nothing about an integer cast to a pointer)."""
-    return tl.multiple_of(tl.load(ptrs_ptr + q).to(tl.pointer_type(dtype)), 16)
-
-
-@triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _fence_acq_rel_gpu_if(pred):
-    """fence.acq_rel.gpu in the lanes where pred != 0; returns 0 (make later stores depend on it)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $1, 0; @p fence.acq_rel.gpu; mov.u32 $0, 0; }", "=r,r", [pred],
-        dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(residual_out_ptr + offs, _round(x, dtype), mask=in_row & (cols >= lo) & (cols < hi))
+    _norm_quant_row(x, row, lo, hi, gamma_ptr, norm_out_ptr, q_ptr, sf_ptr, hidden, eps, weight_bias, quant_scale,
+                    sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT)
 
 
 @triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout_us"])  # one compile per BLOCK1
@@ -349,19 +178,10 @@ def _fused_kernel(ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_p
         row = (item // chunks2).to(tl.int64)
         lo = tl.multiple_of((item % chunks2) * block2, 64)
         v, status = _wait_row(src, slot_stride, row, hidden, abort_ptr, start, timeout_ns,
-                              rank if ABLATE == 2 else -1, WORLD, WP, ROW_BLOCK, False, True)
+                              rank if ABLATE == 2 else -1, -1, WORLD, WP, ROW_BLOCK, False, True)
         bad = ((status & 5) != 0).to(tl.int32)  # still pending after the timeout, or aborted
         if bad != 0:  # `status` is uniform over the program, so is this branch
-            who = _missing_ranks(v, WORLD, WP)
-            ab = tl.load(abort_ptr, volatile=True)
-            own = ((ab >> 20) & 0xFF) == rank  # a sibling program of this rank timed out first
-            err = tl.where(ab == 0, ERR_TIMEOUT | who, tl.where(own, ERR_TIMEOUT | (ab & 0xFFFF), ab))
-            tl.store(tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32)), err)  # pinned host word
-            tl.store(state_ptr + 2, err)
-            if ab == 0:  # tell every rank (itself included) to stop waiting from now on
-                for q in tl.static_range(WORLD):
-                    tl.atomic_xchg(tl.load(ptrs_ptr + q).to(tl.pointer_type(tl.int32)),
-                                   ERR_ABORTED | (rank << 20) | who, sem="relaxed", scope="sys")
+            _report_timeout(_missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD)
         if ABLATE != 3:
             _row_outputs(v, row, lo, lo + block2, bad, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr,
                          q_ptr, sf_ptr, hidden, eps, weight_bias, quant_scale, sf_cols, WORLD, WP, QUANT, SWIZZLED,
@@ -411,7 +231,7 @@ def _emu_reduce_kernel(slots_ptr, abort_ptr, status_ptr, residual_ptr, gamma_ptr
     item = tl.program_id(0)
     if item < tokens * chunks2:
         row = (item // chunks2).to(tl.int64)
-        v, status = _wait_row(slots_ptr, tokens * hidden, row, hidden, abort_ptr, 0, max_polls, -1, WORLD, WP,
+        v, status = _wait_row(slots_ptr, tokens * hidden, row, hidden, abort_ptr, 0, max_polls, -1, -1, WORLD, WP,
                               ROW_BLOCK, True, True)
         bad = ((status & 5) != 0).to(tl.int32)
         err = tl.where((status & 4) != 0, tl.load(abort_ptr), ERR_TIMEOUT | _missing_ranks(v, WORLD, WP))
@@ -425,14 +245,6 @@ def _emu_reduce_kernel(slots_ptr, abort_ptr, status_ptr, residual_ptr, gamma_ptr
             if SWIZZLED:
                 _sf_padding_item(item - tokens * chunks2, sf_ptr, tokens, sf_rows, sf_cols)
 
-
-def _tl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
-def fill_sentinel(t: torch.Tensor) -> None:
-    """Every element of a bf16/fp16 tensor -> the sentinel (-0.0)."""
-    t.view(torch.int16).fill_(SENTINEL_BITS)
 
 
 def emulate_publish(slots: torch.Tensor, rank: int, gemm2_out: torch.Tensor, perm: torch.Tensor,
