@@ -7,7 +7,9 @@ Measured: peer copy bandwidth over NVLink (each rank writes into its peer's symm
 once), HBM copy bandwidth, our finalize kernel alone, NCCL all-reduce alone, FlashInfer one-shot/two-shot
 all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize kernel (weights
 pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and without programmatic
-dependent launch, and `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations).
+dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations) and
+`symm_fused_twoshot` (none, nvfp4; a (programs, warps) sweep), with the two-shot composition (our
+finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
 
 Floors: `sig` is our kernel with everything but the exchange left out (one launch, constant rows published
@@ -80,6 +82,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
     from fusion_bridge.spec import EpilogueSpec, QuantSpec
     from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
+    from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
     from fusion_bridge.kernels import symm_oneshot
 
     dev = torch.device("cuda", rank)
@@ -99,6 +102,10 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
         symm4 = SymmFusedOneshotStrategy(spec4, env, group, dev)
         symm.prepare()
         symm4.prepare()
+        two = SymmFusedTwoshotStrategy(spec, env, group, dev)
+        two4 = SymmFusedTwoshotStrategy(spec4, env, group, dev)
+        two.prepare()
+        two4.prepare()
         ws_ptrs = fic.acquire_workspace(group, spec, world).workspace_tensor
         sig_us = None
         for tokens in tokens_list:
@@ -115,12 +122,13 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                 finalize_add_into(parts[i], s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
                                   s.shared_output, spec.routed_scaling_factor)
 
-            def fi_ar(i, norm=True, pdl=False):
+            def fi_ar(i, norm=True, pdl=False, one=None):
                 s = sets[i]
                 fi_comm.trtllm_allreduce_fusion(
                     allreduce_in=parts[i], world_size=world, world_rank=rank, token_num=tokens, hidden_dim=hidden,
                     workspace_ptrs=ws_ptrs, launch_with_pdl=pdl, trigger_completion_at_end=True, fp32_acc=True,
-                    pattern_code=pattern.kARResidualRMSNorm if norm else pattern.kAllReduce, use_oneshot=oneshot,
+                    pattern_code=pattern.kARResidualRMSNorm if norm else pattern.kAllReduce,
+                    use_oneshot=oneshot if one is None else one,
                     allreduce_out=None if norm else outs[2], residual_in=s.residual if norm else None,
                     residual_out=outs[0] if norm else None, norm_out=outs[1] if norm else None, quant_out=None,
                     scale_out=None, rms_gamma=s.gamma if norm else None, rms_eps=spec.eps if norm else None,
@@ -149,10 +157,10 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                         strat.run(s, variant=launch)
                 return fn
 
-            def fin_then(pdl):
+            def fin_then(pdl, one=None):
                 def fn(i):
                     fin(i)
-                    fi_ar(i, True, pdl)
+                    fi_ar(i, True, pdl, one)
                 return fn
 
             hbm_fin = tokens * hidden * 2 * (top_k + 2)
@@ -171,7 +179,18 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                 ("symm_fused_oneshot", symm_run(symm), hbm_all, link_b),
                 ("symm_fused_oneshot_nvfp4", symm_run(symm4), hbm_all, link_b),
                 ("symm_ablate_no_peers", symm_run(symm, ablate=2), hbm_all, 0),
+                ("compose_fin_fi_ar_norm_twoshot", fin_then(False, False), hbm_all, link_b),
+                ("symm_fused_twoshot", symm_run(two), hbm_all, link_b),
+                ("symm_fused_twoshot_nvfp4", symm_run(two4), hbm_all, link_b),
             ]
+            if tokens > symm._ws.cap:  # the one-shot's workspace holds fewer tokens
+                paths = [p for p in paths if not p[0].startswith(("symm_fused_oneshot", "symm_ablate", "symm_exch"))]
+            if tokens <= world:  # FlashInfer's two-shot needs T > world size
+                paths = [p for p in paths if p[0] != "compose_fin_fi_ar_norm_twoshot"]
+            if sweep and tokens >= 129 and hidden == 7168:
+                sms = two._ws.num_sms
+                for programs, warps in ((sms, 4), (sms, 16), (sms // 2, 8), (sms // 2, 16)):
+                    paths.append((f"symm2_v{programs}p_w{warps}", symm_run(two, (programs, warps)), hbm_all, link_b))
             if sweep and tokens <= 16 and hidden == 7168:
                 rb = symm_oneshot.row_block(hidden)
                 b1d, b2d, _ = symm_oneshot.default_launch(tokens, hidden, symm._ws.num_sms)
@@ -181,7 +200,8 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                                   symm_run(symm, (b1, b2, w)), hbm_all, link_b))
             if only:
                 paths = [p for p in paths if p[0] in only or p[0] == "symm_exchange_only"
-                         or (p[0].startswith("symm_v") and "symm_v" in only)]
+                         or (p[0].startswith("symm_v") and "symm_v" in only)
+                         or (p[0].startswith("symm2_v") and "symm2_v" in only)]
             for name, fn, hbm_b, link_bytes in paths:
                 t0 = time.time()
                 try:
@@ -191,7 +211,7 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                     print(f"rank {rank}: {name} H={hidden} T={tokens}: {type(exc).__name__}: {exc}"[:300],
                           file=sys.stderr)
                     us = float("nan")
-                if name == "symm_exchange_only" and tokens == tokens_list[0]:
+                if name == "symm_exchange_only" and sig_us is None:
                     sig_us = us
                 floor = (sig_us or 0) + max(hbm_b / (hbm * 1e3), link_bytes / (link * 1e3))
                 if name == "finalize_alone":
@@ -202,8 +222,9 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                     print(f"{name:32s} H={hidden} T={tokens:5d} {us:8.2f} us  ({time.time() - t0:.1f} s)",
                           file=sys.stderr, flush=True)
             symm.check_error()
-        symm.close()
-        symm4.close()
+            two.check_error()
+        for strat in (symm, symm4, two, two4):
+            strat.close()
         fic.release_workspace(group, spec, world)
     return rows
 
@@ -215,8 +236,9 @@ def main() -> None:
     ap.add_argument("--paths", nargs="*", default=None, help="only these paths ('symm_v': the launch sweep)")
     ap.add_argument("--merge", default=None, help="an existing CSV whose other rows are kept")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096], help="hidden sizes (K=8 each)")
     args = ap.parse_args()
-    rows = run_distributed(rank_main, 2, args.tokens, [(7168, 8), (4096, 8)], args.paths, not args.no_sweep,
+    rows = run_distributed(rank_main, 2, args.tokens, [(h, 8) for h in args.hidden], args.paths, not args.no_sweep,
                            backend="nccl", timeout_s=540)[0]
     if args.merge and os.path.exists(args.merge):
         import csv
@@ -230,9 +252,9 @@ def main() -> None:
     write_csv(args.csv, rows_out)
     by = {(r["path"], r["H"], r["T"]): r for r in rows}
     print(f"peer copy {rows[0]['us']} GB/s, HBM copy {rows[1]['us']} GB/s")
-    for hidden in (7168, 4096):
+    for hidden in args.hidden:
         print(f"\nH={hidden} K=8, us (x floor)" + "".join(f"{'T=' + str(t):>16s}" for t in args.tokens))
-        for name in sorted({r["path"] for r in rows if r["H"] == hidden}, key=lambda p: (p.startswith("symm_v"), p)):
+        for name in sorted({r["path"] for r in rows if r["H"] == hidden}, key=lambda p: (p.startswith(("symm_v", "symm2_v")), p)):
             cells = [by.get((name, hidden, t)) for t in args.tokens]
             print(f"{name:32s}" + "".join(f"{c['us']:9.2f} ({c['x_floor']:4.1f})" if c else f"{'-':>16s}"
                                           for c in cells))

@@ -16,12 +16,14 @@ if TYPE_CHECKING:  # strategies/__init__ re-exports this module: no import at lo
 # Order is the static preference when nothing was measured: fastest first, as measured on 2x H200
 # (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 / 113;
 # our finalize + NCCL + our norm 14.0 / 25.1 / 134; FlashInfer's fused MoE-finalize 11.9 / 22.1 / 287.
-# symm_fused_oneshot (ours, one launch) is measured only at TP2, where tuned tables select it by speed;
-# without a table it comes after the NCCL path, which is validated at every world size.
+# symm_fused_oneshot and symm_fused_twoshot (ours, one launch each: small T / large T) are measured only
+# at TP2, where tuned tables select them by speed; without a table they come after the NCCL path, which
+# is validated at every world size.
 _REGISTRY: dict[str, str] = {
     "local_fused_flashinfer": "fusion_bridge.strategies.local_fused_flashinfer:LocalFusedFlashInferStrategy",
     "local_fused_nccl": "fusion_bridge.strategies.local_fused_nccl:LocalFusedNcclStrategy",
     "symm_fused_oneshot": "fusion_bridge.strategies.symm_fused_oneshot:SymmFusedOneshotStrategy",
+    "symm_fused_twoshot": "fusion_bridge.strategies.symm_fused_twoshot:SymmFusedTwoshotStrategy",
     "flashinfer_fused": "fusion_bridge.strategies.flashinfer_fused:FlashInferFusedStrategy",
     "flashinfer_fused_fp4": "fusion_bridge.strategies.flashinfer_fused_fp4:FlashInferFusedFp4Strategy",
     "separate": "fusion_bridge.strategies.separate:SeparateStrategy",

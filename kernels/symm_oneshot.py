@@ -83,10 +83,6 @@ from .symm_common import (ERR_ABORTED, ERR_TIMEOUT, HEADER_BYTES, SENTINEL, SENT
 STATE_WORDS = 8  # slot (epoch mod 3), ticket counter, error word, unused, rows of slot 0, 1, 2, unused
 
 
-def header_bytes(world: int) -> int:
-    """Bytes before the data slots (the abort word, padded to 256)."""
-    return HEADER_BYTES
-
 
 def buffer_bytes(world: int, cap: int, hidden: int, elem_size: int) -> int:
     return HEADER_BYTES + SLOTS * world * cap * hidden * elem_size

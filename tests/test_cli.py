@@ -27,7 +27,7 @@ def test_no_arguments_explains_the_deepseek_v3_shape():
     assert "described machine" not in out, out.splitlines()[-1]
     # each strategy's row states its self-test once, with why it did not run
     rows = [line for line in out.splitlines() if "self-test:" in line]
-    assert len(rows) == 7 and all(line.count("self-test") == 1 for line in rows), rows
+    assert len(rows) == 8 and all(line.count("self-test") == 1 for line in rows), rows
     assert all(line.endswith(("not run (static checks only)", "not needed")) for line in rows), rows
 
 
@@ -76,8 +76,8 @@ def test_info_json_has_every_strategy_with_reasons_steps_and_self_test():
     assert [s["name"] for s in doc["strategies"]] == [s["name"] for s in explained["strategies"]]
     assert doc["environment"]["device_type"] in ("cpu", "cuda")
     names = [s["name"] for s in doc["strategies"]]
-    assert names == ["local_fused_flashinfer", "local_fused_nccl", "symm_fused_oneshot", "flashinfer_fused",
-                     "flashinfer_fused_fp4", "separate", "reference"]
+    assert names == ["local_fused_flashinfer", "local_fused_nccl", "symm_fused_oneshot", "symm_fused_twoshot",
+                     "flashinfer_fused", "flashinfer_fused_fp4", "separate", "reference"]
     for s in doc["strategies"]:
         assert set(s) >= {"name", "available", "reasons", "steps", "self_test"}
         assert s["available"] == (not s["reasons"])

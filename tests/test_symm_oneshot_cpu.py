@@ -250,7 +250,7 @@ def test_strategy_declarations():
     (step,) = cls.steps(spec, GOOD_ENV)
     assert step.stages == (Stage.FINALIZE, Stage.SHARED_ADD, Stage.ALL_REDUCE, Stage.RESIDUAL_NORM, Stage.QUANT)
     assert cls.error_bound(spec, GOOD_ENV) == pytest.approx(math.sqrt(3) * 2.0 ** -8)
-    assert cls.max_tokens_per_call(spec, GOOD_ENV) == sw.MAX_CAP_TOKENS  # larger T overflows elsewhere
+    assert cls.max_tokens_per_call(spec, GOOD_ENV) == sw.MAX_CAP_TOKENS["oneshot"]  # larger T overflows elsewhere
     assert cls.max_tokens_per_call(EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64), GOOD_ENV) == 64
     assert "variant" in inspect.signature(cls.run).parameters
     # the buffer: 3 rotating slots x W sources x cap tokens x H, plus a 256-byte header (abort word)

@@ -35,12 +35,13 @@ class SymmFusedOneshotStrategy(Strategy):
     summary = ("one Triton launch over symmetric memory: finalize+shared, push to peers, rank-ordered fp32 "
                "reduce, residual+RMSNorm (+fp8/nvfp4)")
     self_tested = True
+    workspace_kind = "oneshot"  # the kernel's buffer layout (symm_workspace)
     #: seconds a rank waits for its peers before the call fails (override before prepare(); tests use less)
     timeout_s: float = float(os.environ.get("FUSION_BRIDGE_SYMM_TIMEOUT_S", sw.DEFAULT_TIMEOUT_S))
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
-        return sw.reasons(spec, env, cls.name)
+        return sw.reasons(spec, env, cls.name, kind=cls.workspace_kind)
 
     @classmethod
     def steps(cls, spec, env):
@@ -52,18 +53,17 @@ class SymmFusedOneshotStrategy(Strategy):
 
     @classmethod
     def max_tokens_per_call(cls, spec, env):
-        return sw.capacity(spec, env.world_size)
+        return sw.capacity(spec, env.world_size, cls.workspace_kind)
 
     def local_resource_reasons(self):
-        return collect(sw.memory_reason(self.spec, self.env.world_size, self.device, self.name))
+        return collect(sw.memory_reason(self.spec, self.env.world_size, self.device, self.name, self.workspace_kind))
 
     def prepare(self) -> None:
-        from ..kernels import symm_oneshot
-        self._kernel = symm_oneshot
         self._quant_args = kernel_quant_args(self.spec)
         self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)  # q / sf the kernel never writes
         self._ws_timeout_s = self.timeout_s  # the sharing key at acquire time, for the release
-        self._ws = sw.acquire(self.group, self.spec, self.env.world_size, self.device, self._ws_timeout_s)
+        self._ws = sw.acquire(self.group, self.spec, self.env.world_size, self.device, self._ws_timeout_s,
+                              self.workspace_kind)
 
     @property
     def workspace_bytes(self) -> int:
@@ -78,11 +78,20 @@ class SymmFusedOneshotStrategy(Strategy):
         """Raise if an earlier launch timed out or was aborted (reads pinned memory; no sync)."""
         word = self._ws.error_word()
         if word:
-            raise RuntimeError(describe_error(word, self._ws.rank))
+            raise RuntimeError(describe_error(word, self._ws.rank, self.name))
+
+    def _launch(self, ws, residual_out, norm_out, q, sf, inputs: EpilogueInputs, launch) -> None:
+        from ..kernels import symm_oneshot
+        spec = self.spec
+        quant, scale, swizzled = self._quant_args
+        symm_oneshot.fused_into(
+            ws, residual_out, norm_out, q, sf, inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
+            inputs.expert_weights, inputs.shared_output, inputs.residual, inputs.gamma, spec.routed_scaling_factor,
+            spec.eps, spec.weight_bias, quant, scale, swizzled, launch=launch)
 
     def run(self, inputs: EpilogueInputs, variant: "str | LaunchVariant" = DEFAULT_VARIANT) -> EpilogueOutputs:
-        """variant: the declared "default" (the per-T launch shape), or a (finalize chunk, norm chunk,
-        warps) tuple (benchmark sweeps)."""
+        """variant: the declared "default" (the per-T launch shape), or a launch tuple (benchmark sweeps;
+        one-shot: (finalize chunk, norm chunk, warps))."""
         launch = None if isinstance(variant, str) else variant
         ws = self._ws
         self.check_error()
@@ -92,34 +101,31 @@ class SymmFusedOneshotStrategy(Strategy):
                              "routes such calls elsewhere)")
         spec = self.spec
         residual_out, norm_out = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
-        quant, scale, swizzled = self._quant_args
         q, sf = quant_buffers(tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inputs.residual.device)
         q = q if q is not None else self._unused
         sf = sf if sf is not None else self._unused
-        self._kernel.fused_into(
-            ws, residual_out, norm_out, q.view(torch.uint8) if q.dtype != torch.uint8 else q, sf,
-            inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights, inputs.shared_output,
-            inputs.residual, inputs.gamma, spec.routed_scaling_factor, spec.eps, spec.weight_bias, quant, scale,
-            swizzled, launch=launch)
+        self._launch(ws, residual_out, norm_out, q.view(torch.uint8) if q.dtype != torch.uint8 else q, sf, inputs,
+                     launch)
         if spec.quant.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
         return EpilogueOutputs(residual_out, norm_out, q, sf if spec.quant.kind is QuantKind.NVFP4 else None)
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None
-        sw.release(ws, self.group, self.spec, self.env.world_size, getattr(self, "_ws_timeout_s", self.timeout_s))
+        sw.release(ws, self.group, self.spec, self.env.world_size, getattr(self, "_ws_timeout_s", self.timeout_s),
+                   self.workspace_kind)
 
 
-def describe_error(word: int, rank: int) -> str:
+def describe_error(word: int, rank: int, who: str = "symm_fused_oneshot") -> str:
     """Turn the kernel's error word into a message naming the rank(s) that did not arrive."""
-    from ..kernels.symm_oneshot import ERR_ABORTED, ERR_TIMEOUT
+    from ..kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT
     missed = [r for r in range(16) if word & (1 << r)]
     if word & int(ERR_ABORTED):
-        return (f"symm_fused_oneshot: rank {rank} stopped because rank {(word >> 20) & 0xFF} timed out waiting for "
+        return (f"{who}: rank {rank} stopped because rank {(word >> 20) & 0xFF} timed out waiting for "
                 f"rank(s) {missed} in an earlier call; its outputs since then are NaN. The peers are out of step: "
                 "rebuild the bridge (close it and create a new one on every rank)")
     if word & int(ERR_TIMEOUT):
-        return (f"symm_fused_oneshot: rank {rank} timed out waiting for rank(s) {missed}, which did not make the "
+        return (f"{who}: rank {rank} timed out waiting for rank(s) {missed}, which did not make the "
                 "matching call (all ranks must call with the same T, in the same order); that call's outputs are "
                 "NaN. Rebuild the bridge (close it and create a new one on every rank)")
-    return f"symm_fused_oneshot: rank {rank}: unknown kernel error word {word:#x}; rebuild the bridge"
+    return f"{who}: rank {rank}: unknown kernel error word {word:#x}; rebuild the bridge"

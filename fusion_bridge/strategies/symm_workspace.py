@@ -1,5 +1,5 @@
-"""The symmetric-memory workspace of `symm_fused_oneshot`: capability checks, sizing, collective
-creation and release.
+"""The symmetric-memory workspaces of `symm_fused_oneshot` and `symm_fused_twoshot`: capability checks,
+sizing, collective creation and release. `kind` ("oneshot" / "twoshot") picks the kernel's layout.
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
 buffer into every peer's address space over NVLink. We use only `empty`, `rendezvous` and the
@@ -29,7 +29,9 @@ SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a 
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
 WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
 MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in registers
-MAX_CAP_TOKENS = 2048  # one-shot is the small-T path; larger T takes the overflow route
+# tokens per call: one-shot is the small-T path; two-shot the bandwidth path; larger T takes the overflow route
+MAX_CAP_TOKENS = {"oneshot": 2048, "twoshot": 4096}
+KINDS = tuple(MAX_CAP_TOKENS)
 MAX_BUFFER_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = 60.0  # a peer that has not arrived by then is treated as gone (bridge must be rebuilt)
 
@@ -60,21 +62,35 @@ def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> O
     return None
 
 
-def capacity(spec: EpilogueSpec, world_size: int) -> int:
-    """Tokens one call may carry: the data slots are [3][W][cap][H], bounded in bytes."""
-    per_token = 3 * max(world_size, 1) * spec.hidden_size * torch.finfo(spec.dtype).bits // 8
-    return max(0, min(spec.max_tokens, MAX_CAP_TOKENS, MAX_BUFFER_BYTES // per_token))
+def _kernel(kind: str):
+    if kind == "oneshot":
+        from ..kernels import symm_oneshot
+        return symm_oneshot
+    if kind == "twoshot":
+        from ..kernels import symm_twoshot
+        return symm_twoshot
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-def buffer_bytes(spec: EpilogueSpec, world_size: int) -> int:
-    from ..kernels.symm_oneshot import buffer_bytes as kernel_bytes
-    return kernel_bytes(world_size, capacity(spec, world_size), spec.hidden_size,
-                        torch.finfo(spec.dtype).bits // 8)
+def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
+    """Tokens one call may carry, bounded in bytes: one-shot slots are [3][W][cap][H]; two-shot slots
+    [3][W * cap/W (reduce-scatter) + cap (all-gather)][H]."""
+    elem = torch.finfo(spec.dtype).bits // 8
+    rows_per_token = 3 * max(world_size, 1) if kind == "oneshot" else 3 * 2
+    cap = min(spec.max_tokens, MAX_CAP_TOKENS[kind], MAX_BUFFER_BYTES // (rows_per_token * spec.hidden_size * elem))
+    while cap > 0 and _kernel(kind).buffer_bytes(max(world_size, 1), cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES:
+        cap -= 1  # two-shot rounds its reduce-scatter rows up to whole blocks of W
+    return max(0, cap)
+
+
+def buffer_bytes(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
+    return _kernel(kind).buffer_bytes(world_size, capacity(spec, world_size, kind), spec.hidden_size,
+                                      torch.finfo(spec.dtype).bits // 8)
 
 
 def reasons(spec: EpilogueSpec, env: Environment, who: str,
             probe: Optional[Callable[[], Optional[str]]] = None,
-            environ: Optional[Mapping[str, str]] = None) -> list[Reason]:
+            environ: Optional[Mapping[str, str]] = None, kind: str = "oneshot") -> list[Reason]:
     """Every static reason the symmetric-memory one-shot cannot run: a pure function of (spec, env),
     whose `multicast_off` and `symm_mem_error` detect() reads from the process (tests may instead pass a
     probe and an environ mapping). prepare() checks the real process environment again."""
@@ -97,18 +113,19 @@ def reasons(spec: EpilogueSpec, env: Environment, who: str,
     if spec.hidden_size > MAX_HIDDEN:
         out.append(Reason("hidden_too_large", f"{who} supports hidden_size <= {MAX_HIDDEN} (a row is held in "
                           f"registers), but hidden_size is {spec.hidden_size}", "another strategy handles it"))
-    elif capacity(spec, env.world_size) == 0:
+    elif capacity(spec, env.world_size, kind) == 0:
         out.append(Reason("workspace_too_small", f"{who}: not one token of H={spec.hidden_size} fits the "
                           f"{MAX_BUFFER_BYTES >> 20} MiB workspace at world size {env.world_size}", ""))
     return out
 
 
-def memory_reason(spec: EpilogueSpec, world_size: int, device: torch.device, who: str) -> Optional[Reason]:
+def memory_reason(spec: EpilogueSpec, world_size: int, device: torch.device, who: str,
+                  kind: str = "oneshot") -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
-    need = buffer_bytes(spec, world_size)
+    need = buffer_bytes(spec, world_size, kind)
     free, _ = torch.cuda.mem_get_info(device)
     if need + (256 << 20) > free:
-        return Reason("workspace_no_memory", f"{who}: the symmetric buffer for {capacity(spec, world_size)} tokens "
+        return Reason("workspace_no_memory", f"{who}: the symmetric buffer for {capacity(spec, world_size, kind)} tokens "
                       f"needs {need / 2**20:.0f} MiB (+256 MiB headroom), {free / 2**20:.0f} MiB are free",
                       "lower EpilogueSpec.max_tokens or free GPU memory")
     return None
@@ -129,7 +146,7 @@ class SymmWorkspace:
     rank: int
     cap: int
     data_off: int  # int16 elements before slot 0 (the header)
-    num_sms: int
+    num_sms: int  # the smallest SM count of the group: every rank launches the same grid
     timeout_ns: int
     nbytes: int
 
@@ -142,23 +159,25 @@ class SymmWorkspace:
 
 
 def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
-           timeout_s: float = DEFAULT_TIMEOUT_S) -> SymmWorkspace:
+           timeout_s: float = DEFAULT_TIMEOUT_S, kind: str = "oneshot") -> SymmWorkspace:
     """Collective: every rank of `group` calls it. Raises RuntimeError if multicast could be used."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from ..kernels.symm_oneshot import SENTINEL_BITS, STATE_WORDS, header_bytes
-    bad = multicast_reason("symm_fused_oneshot")
+    from ..kernels.symm_common import HEADER_BYTES, SENTINEL_BITS
+    kernel = _kernel(kind)
+    who = f"symm_fused_{kind}"
+    bad = multicast_reason(who)
     if bad is not None:
         raise RuntimeError(f"[{bad.code}] {bad.message}. {bad.hint}")
     group = group if group is not None else dist.group.WORLD
-    cap = capacity(spec, world_size)
-    nbytes = buffer_bytes(spec, world_size)
+    cap = capacity(spec, world_size, kind)
+    nbytes = buffer_bytes(spec, world_size, kind)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group.group_name)
     if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
-        raise RuntimeError("[multicast_present] symm_fused_oneshot: the symmetric-memory handle exposes a multicast "
+        raise RuntimeError(f"[multicast_present] {who}: the symmetric-memory handle exposes a multicast "
                            "pointer although multicast is disabled; refusing to run")
-    head = header_bytes(world_size)
+    head = HEADER_BYTES
     buffer[:head].zero_()  # the abort word
     buffer[head:].view(torch.int16).fill_(SENTINEL_BITS)  # every data slot "not arrived" (-0.0)
     torch.cuda.synchronize(device)
@@ -170,17 +189,18 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     rank = dist.get_rank(group)
     bases = [int(p) for p in handle.buffer_ptrs]
     offset = buffer.data_ptr() - bases[rank]
-    offsets: list = [None] * world_size
-    dist.all_gather_object(offsets, offset, group=group)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    seen: list = [None] * world_size
+    dist.all_gather_object(seen, (offset, num_sms), group=group)
+    offsets = [o for o, _ in seen]
     if len(set(offsets)) != 1 or not 0 <= offset or offset % 256:
-        raise RuntimeError(f"[symm_offset_mismatch] symm_fused_oneshot: the buffer's offsets in the symmetric "
+        raise RuntimeError(f"[symm_offset_mismatch] {who}: the buffer's offsets in the symmetric "
                            f"allocations differ across ranks or are misaligned: {offsets}")
     err = torch.zeros(4, dtype=torch.int32).pin_memory()
     ptrs = torch.tensor([b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device)
-    state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
+    state = torch.zeros(kernel.STATE_WORDS, dtype=torch.int32, device=device)
     return SymmWorkspace(buffer, handle, ptrs, state, err, world_size, rank, cap, head // 2,
-                         torch.cuda.get_device_properties(device).multi_processor_count, int(timeout_s * 1e9),
-                         nbytes)
+                         min(n for _, n in seen), int(timeout_s * 1e9), nbytes)
 
 
 _EXITING = [False]
@@ -211,20 +231,20 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
 _SHARED: SharedWorkspaces = SharedWorkspaces()
 
 
-def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float) -> tuple:
-    return (group_name(group), world_size, spec.hidden_size, spec.dtype, capacity(spec, world_size),
+def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str) -> tuple:
+    return (kind, group_name(group), world_size, spec.hidden_size, spec.dtype, capacity(spec, world_size, kind),
             float(timeout_s))
 
 
 def acquire(group, spec: EpilogueSpec, world_size: int, device: torch.device,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> SymmWorkspace:
+            timeout_s: float = DEFAULT_TIMEOUT_S, kind: str = "oneshot") -> SymmWorkspace:
     """The shared workspace for this key; created (collectively) by its first user."""
-    return _SHARED.acquire(_key(group, spec, world_size, timeout_s),
-                           lambda: create(group, spec, world_size, device, timeout_s))
+    return _SHARED.acquire(_key(group, spec, world_size, timeout_s, kind),
+                           lambda: create(group, spec, world_size, device, timeout_s, kind))
 
 
 def release(ws: Optional[SymmWorkspace], group, spec: EpilogueSpec, world_size: int,
-            timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+            timeout_s: float = DEFAULT_TIMEOUT_S, kind: str = "oneshot") -> None:
     """Drop one user; the last one frees it (collectively: every rank releases in the same order)."""
     if ws is not None:
-        _SHARED.release(_key(group, spec, world_size, timeout_s), ws, lambda w: close(w, group))
+        _SHARED.release(_key(group, spec, world_size, timeout_s, kind), ws, lambda w: close(w, group))

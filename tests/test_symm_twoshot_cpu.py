@@ -1,0 +1,199 @@
+"""The two-shot symmetric-memory kernel (`kernels/symm_twoshot.py`) on CPU: its very kernel body under
+TRITON_INTERPRET=1, with the W ranks' buffers as slices of one tensor and one phase per launch (push on
+every rank, then reduce on every rank, then gather), so every wait finds what the earlier launches
+wrote. The signalling, the timer and the epoch ticket are GPU-only and tested on the device."""
+
+import math
+
+import pytest
+import torch
+
+from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
+from fusion_bridge.kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS, SLOTS
+from fusion_bridge.kernels.symm_twoshot import (CLEAR, GATHER, PUSH, REDUCE, STATE_WORDS, emulate, fill_buffers,
+                                                slot_elems)
+from fusion_bridge.numerics import rel_err
+from fusion_bridge.quant_ref import sf_shape
+from fusion_bridge.spec import EpilogueSpec, SFLayout
+from fusion_bridge.strategies.base import UNIT_ROUNDOFF
+from fusion_bridge.synthetic import make_inputs
+
+from tests.oracle64 import epilogue64_from, quantize  # float64, imports nothing of the package
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SCALE = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}
+
+
+def poisoned(shape, dtype):
+    t = torch.empty(shape, dtype=dtype, device=DEVICE)
+    t.view(torch.uint8).fill_(0xFF)  # NaN for float dtypes
+    return t
+
+
+class Emulated:
+    """W ranks' buffers, states and outputs; `call` runs one epilogue call phase by phase."""
+
+    def __init__(self, spec, world, cap, quant=QUANT_NONE, layout=SFLayout.LINEAR, programs=3):
+        self.spec, self.world, self.cap, self.quant, self.layout, self.programs = spec, world, cap, quant, layout, programs
+        self.bufs = torch.empty((world, SLOTS * slot_elems(world, cap, spec.hidden_size)), dtype=spec.dtype,
+                                device=DEVICE)
+        fill_buffers(self.bufs)
+        self.states = torch.zeros((world, STATE_WORDS), dtype=torch.int32, device=DEVICE)
+        self.aborts = torch.zeros(world, dtype=torch.int32, device=DEVICE)
+
+    def call(self, tokens, seed=0, skip_rank=None, phases=(PUSH, REDUCE, GATHER), max_polls=3):
+        spec, hidden = self.spec, self.spec.hidden_size
+        self.inputs = [make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
+                       for r in range(self.world)]
+        self.outs = []
+        for _ in range(self.world):
+            q = poisoned({QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[self.quant],
+                         torch.uint8)
+            sf = poisoned(sf_shape(tokens, hidden, self.layout) if self.quant == QUANT_NVFP4 else (0,), torch.uint8)
+            self.outs.append((poisoned((tokens, hidden), spec.dtype), poisoned((tokens, hidden), spec.dtype), q, sf))
+        for phase in phases:
+            for r, inp in enumerate(self.inputs):
+                if r == skip_rank:
+                    continue
+                ro, no, q, sf = self.outs[r]
+                emulate(self.bufs, self.states, self.aborts, r, phase, self.cap, ro, no, q, sf, inp.gemm2_out,
+                        inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output, inp.residual,
+                        inp.gamma, spec.routed_scaling_factor, spec.eps, spec.weight_bias, self.quant,
+                        SCALE[self.quant], self.layout is SFLayout.SWIZZLED_128x4, programs=self.programs,
+                        max_polls=max_polls)
+        return self.outs
+
+    def next_slot(self, tokens):
+        """What the GPU's last ticket does at the end of a call: this slot's rows recorded, slot advanced."""
+        for st in self.states:
+            slot = int(st[0])
+            st[4 + slot] = tokens
+            st[0] = (slot + 1) % 3
+
+
+def rounded_partials(inputs, spec):
+    """Each rank's partial, computed in float64 and rounded once (the kernel accumulates in fp32: its
+    rounding agrees except where the fp32 sum sits within 1e-7 of a tie)."""
+    parts = []
+    for inp in inputs:
+        perm, w = inp.expanded_idx_to_permuted_idx.long(), inp.expert_weights.double()
+        g = inp.gemm2_out.double()
+        acc = torch.zeros(perm.shape[0], g.shape[1], dtype=torch.float64, device=g.device)
+        for k in range(perm.shape[1]):
+            valid = perm[:, k] >= 0
+            acc[valid] += w[valid, k, None] * g[perm[valid, k]]
+        acc = acc * spec.routed_scaling_factor
+        if inp.shared_output is not None:
+            acc += inp.shared_output.double()
+        parts.append(acc.to(spec.dtype))
+    return parts
+
+
+CASES = [  # tokens, hidden, top_k, world, programs
+    (1, 96, 8, 2, 1), (2, 160, 1, 2, 3), (13, 96, 8, 2, 3), (7, 320, 4, 3, 2), (9, 64, 2, 4, 2), (3, 96, 8, 4, 1),
+    (5, 2880, 8, 2, 2),
+]
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,world,programs", CASES)
+@pytest.mark.parametrize("quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_FP8, SFLayout.LINEAR),
+                                          (QUANT_NVFP4, SFLayout.SWIZZLED_128x4), (QUANT_NVFP4, SFLayout.LINEAR)])
+def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(tokens, hidden, top_k, world, programs,
+                                                                             quant, layout):
+    spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
+                        has_shared_output=(top_k != 2))
+    emu = Emulated(spec, world, cap=tokens + 2, quant=quant, layout=layout, programs=programs)
+    outs = emu.call(tokens, seed=tokens * 31 + hidden + world)
+    assert not emu.states[:, 2].any(), emu.states  # no wait failed
+    # bitwise identical on every rank (rows reduced by their owner, the rest gathered from it)
+    for r in range(1, world):
+        for mine, theirs in zip(outs[r], outs[0]):
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"rank {r} differs"
+    residual_out, norm_out, q, sf = outs[0]
+    x64, norm64 = epilogue64_from(spec, emu.inputs)
+    u = UNIT_ROUNDOFF[spec.dtype]
+    # the partial's rounding, residual_out's (the norm reads it) and norm_out's, in quadrature
+    assert rel_err(residual_out, x64) <= math.sqrt(2) * u
+    assert rel_err(norm_out, norm64) <= math.sqrt(3) * u
+    # residual_out is one RNE rounding of the residual plus the rank-ordered fp32 sum of the rounded partials
+    parts = rounded_partials(emu.inputs, spec)
+    summed = parts[0].float()
+    for p in parts[1:]:
+        summed = summed + p.float()
+    expect = (emu.inputs[0].residual.float() + summed).to(spec.dtype)
+    assert (residual_out != expect).float().mean() <= 1e-3  # a near-tie partial may round the other way
+    # the norm reads the rounded residual_out
+    ro = residual_out.double()
+    norm_of_ro = ro / torch.sqrt(ro.pow(2).mean(-1, keepdim=True) + spec.eps) * (emu.inputs[0].gamma.double() + 0.5)
+    assert rel_err(norm_out, norm_of_ro) <= u
+    # quantization reads the kernel's own rounded norm_out: bit-exact, padding included
+    if quant == QUANT_FP8:
+        assert torch.equal(q, quantize(norm_out, "fp8", SCALE[quant])[0].view(torch.uint8))
+    if quant == QUANT_NVFP4:
+        ref_q, ref_sf = quantize(norm_out, "nvfp4", SCALE[quant], layout is SFLayout.SWIZZLED_128x4)
+        assert torch.equal(q, ref_q.view(torch.uint8)) and torch.equal(sf, ref_sf.view(torch.uint8))
+
+
+def test_successive_calls_rotate_slots_and_clear_exactly_what_was_written():
+    """Call 1 (T=7) in slot 0, call 2 (T=4) in slot 1 clears slot 0 as it goes; then a clear-only pass
+    over slot 1 leaves every buffer all sentinel again, so nothing written was left behind."""
+    spec = EpilogueSpec(hidden_size=96, top_k=4)
+    emu = Emulated(spec, world=3, cap=8, programs=2)
+    first = emu.call(7, seed=1)
+    assert (emu.bufs.view(torch.int16) != SENTINEL_BITS).any()  # something was written
+    emu.next_slot(7)
+    second = emu.call(4, seed=2, phases=(CLEAR, PUSH, REDUCE, GATHER))
+    x64, norm64 = epilogue64_from(spec, emu.inputs)
+    assert rel_err(second[1][1], norm64) <= math.sqrt(3) * UNIT_ROUNDOFF[spec.dtype]
+    assert torch.equal(second[0][0], second[2][0]) and first[0][0].shape[0] == 7
+    slot_len = slot_elems(3, 8, 96)
+    assert (emu.bufs[:, :slot_len].view(torch.int16) == SENTINEL_BITS).all()  # slot 0 cleared
+    emu.next_slot(4)  # the next call (slot 2) clears slot 1
+    emu.call(0, phases=(CLEAR,))
+    assert (emu.bufs.view(torch.int16) == SENTINEL_BITS).all()
+
+
+@pytest.mark.parametrize("world,skip", [(2, 1), (3, 0), (4, 2)])
+def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip):
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    emu = Emulated(spec, world, cap=8, quant=QUANT_NVFP4, layout=SFLayout.SWIZZLED_128x4)
+    outs = emu.call(6, skip_rank=skip)
+    for r in range(world):
+        if r == skip:
+            continue
+        residual_out, norm_out, *_ = outs[r]
+        assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
+        assert int(emu.states[r, 2]) == int(ERR_TIMEOUT) | (1 << skip), (r, hex(int(emu.states[r, 2])))
+
+
+def test_an_abort_word_stops_the_call_with_nan():
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    emu = Emulated(spec, 2, cap=4)
+    word = int(ERR_ABORTED) | (1 << 20) | 0b1
+    emu.aborts.fill_(word)
+    outs = emu.call(3)
+    for residual_out, norm_out, *_ in outs:
+        assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
+    # rank 0 reports rank 1's abort; rank 1 finds its own (a sibling program's) timeout in it
+    assert int(emu.states[0, 2]) == word and int(emu.states[1, 2]) == int(ERR_TIMEOUT) | 0b1
+
+
+def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
+    """A partial or a residual_out of -0.0 would read as "not arrived": both are published as +0.0."""
+    spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
+    emu = Emulated(spec, 2, cap=2)
+    spec_inputs = [make_inputs(spec, 2, rank=r, device=DEVICE, skip_fraction=0.0) for r in range(2)]
+    outs = []
+    for phase in (PUSH, REDUCE, GATHER):
+        for r, inp in enumerate(spec_inputs):
+            inp.expert_weights.zero_()
+            inp.residual.fill_(-0.0)
+            if phase == PUSH:
+                outs.append((poisoned((2, 64), spec.dtype), poisoned((2, 64), spec.dtype)))
+            ro, no = outs[r]
+            emulate(emu.bufs, emu.states, emu.aborts, r, phase, 2, ro, no, ro, ro, inp.gemm2_out,
+                    inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, inp.residual, inp.gamma, 1.0,
+                    1e-6, 0.0, QUANT_NONE, 1.0, False)
+    assert not emu.states[:, 2].any()
+    for ro, _ in outs:
+        assert (ro.view(torch.int16) == 0).all()  # +0.0 everywhere, identical on both ranks
