@@ -12,16 +12,17 @@ program walks its blocks b = pid, pid + nprog, ... and for each:
   reduce: finalizes its own row t = b * W + r the same way (kept in registers), waits until the W - 1
          peers' partials of that row are no longer the sentinel, sums the W rounded partials in rank
          order in fp32, adds the residual, rounds once (-0.0 -> +0.0): that is residual_out, and it is
-         stored locally and pushed into every peer's all-gather region, row t. norm_out (+ quant) is
-         computed from the ROUNDED residual_out, so the owner and its peers compute it from the same
-         values.
-  gather: (one block behind, so the owner's push has time to land) for each row of the previous block
-         that r does not own, waits for the owner's row, stores it as residual_out and computes norm_out
-         (+ quant) from it with the same code as the owner.
+         pushed into every rank's all-gather region, row t (its own included).
+  gather: (one block behind, so the owner's push has time to land) for each row of the previous block,
+         waits for the owner's row, stores it as residual_out and computes norm_out (+ quant) from it.
+         Every rank runs this one piece of code on every row: norm_out is computed from the ROUNDED
+         residual_out, from the same values, with the same reduction order (which follows the compiler's
+         layout of the row: an owner norming its row where it reduced it measured different bits).
 Every output row is therefore bitwise identical on all ranks. Error against the fp32 oracle: the
 partial's rounding, residual_out's rounding (the norm reads it) and norm_out's: 3 roundings.
 
-Link bytes per rank: (W - 1) / W of the rows out in the reduce-scatter and as many in the all-gather,
+Link bytes per rank: (W - 1) / W of the rows out in the reduce-scatter and as many in the all-gather
+(a rank's own rows go to its own buffer),
 2 (W - 1) / W * T * H * elem in all (at W = 2 the same as a one-shot's, at W = 8 four times less).
 The gathered rows are the rounded residual_out (one array); gathering the outputs instead would move
 residual_out + norm_out (+ quant): twice the bytes.
@@ -165,8 +166,8 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
                     if q != rank:
                         if b * WORLD + rank < prev_rows:
                             _clear_row(old + q * rs_stride + b * row_elems, hidden, ROW_BLOCK)
-                        if b * WORLD + q < prev_rows:
-                            _clear_row(old + WORLD * rs_stride + (b * WORLD + q) * row_elems, hidden, ROW_BLOCK)
+                    if b * WORLD + q < prev_rows:  # every row of the block, its own included
+                        _clear_row(old + WORLD * rs_stride + (b * WORLD + q) * row_elems, hidden, ROW_BLOCK)
         if b < nblocks:
             if PHASES & 1:  # push the partials of block b's rows owned by peers
                 for q in tl.static_range(WORLD):
@@ -197,15 +198,9 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
                     x = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0).to(tl.float32) + s
                     x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
                     xbits = _payload_bits(x, dtype)
-                    for q in tl.static_range(WORLD):
-                        if q != rank:
-                            dst = _rank_buf(ptrs_ptr, bufs_ptr, buf_elems, q, EMU) + data_off + slot * slot_len
-                            tl.store(dst + WORLD * rs_stride + t * row_elems + cols, xbits, mask=in_row)
-                    xr = xbits.to(dtype, bitcast=True)
-                    tl.store(residual_out_ptr + t * row_elems + cols, xr, mask=in_row)
-                    _norm_quant_row(tl.where(in_row, xr.to(tl.float32), 0.0), t, 0, ROW_BLOCK, gamma_ptr, norm_out_ptr,
-                                    q_ptr, sf_ptr, hidden, eps, weight_bias, quant_scale, sf_cols, QUANT, SWIZZLED,
-                                    ROW_BLOCK, HW_CVT)
+                    for q in tl.static_range(WORLD):  # its own buffer too: every rank norms every row alike
+                        dst = _rank_buf(ptrs_ptr, bufs_ptr, buf_elems, q, EMU) + data_off + slot * slot_len
+                        tl.store(dst + WORLD * rs_stride + t * row_elems + cols, xbits, mask=in_row)
             if PHASES & 4:
                 if last >= 0:
                     _gather_block(last, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns, ptrs_ptr,
@@ -236,13 +231,15 @@ def _gather_block(b, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns
                   residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps, weight_bias, quant_scale, sf_cols,
                   WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
                   HW_CVT: tl.constexpr, EMU: tl.constexpr):
-    """Block b's rows owned by peers: wait for the owner's reduced row, store it, norm it."""
+    """Block b's rows, this rank's own included: wait for the owner's reduced row, store it as residual_out,
+    norm it. Every rank runs this same code on every row, so norm_out's reduction order (which follows the
+    compiler's layout of the row) is the same everywhere: bitwise-identical outputs."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     for q in tl.static_range(WORLD):
         t = tl.full([], 0, tl.int64) + b * WORLD + q
-        if (q != rank) & (t < tokens):
+        if t < tokens:
             v, status = _wait_row(ag_here, 0, t, hidden, abort_ptr, start, timeout_ns, -1, -1, 1, 1, ROW_BLOCK,
                                   EMU, True)
             bad = ((status & 5) != 0).to(tl.int32)

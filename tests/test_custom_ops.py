@@ -68,8 +68,8 @@ def test_every_registered_op_has_a_case():
 def test_the_eager_path_computes_what_the_op_computes_and_allocates_only_its_outputs(quant):
     from fusion_bridge.kernels import ops
     g = torch.Generator().manual_seed(quant)
-    residual, reduced = (torch.randn(5, 64, generator=g).to(torch.bfloat16) for _ in range(2))
-    gamma = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    residual, reduced = (torch.randn(5, 64, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    gamma = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16).to(DEVICE)
     args = (residual, reduced, gamma, 1e-6, 0.25, quant, 0.05 if quant == QUANT_FP8 else 300.0, True)
     eager = ops.fast.add_rmsnorm_quant(*args)
     op = torch.ops.fusion_bridge.add_rmsnorm_quant(*args)
