@@ -75,7 +75,7 @@ def test_every_strategy_matches_the_oracle_over_the_grid():
     for problems, ran in results:
         assert not problems, "\n".join(problems[:20])
         assert ran == ["flashinfer_fused", "local_fused_flashinfer", "local_fused_nccl", "separate",
-                       "symm_fused_oneshot"]
+                       "symm_fused_oneshot", "symm_fused_twoshot"]
 
 
 def _graphs_routing_and_fp4(rank, world_size):
@@ -244,7 +244,8 @@ def _one_bad_rank(rank, world_size):
     dev = torch.device("cuda", rank)
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=256)
     seen = {}
-    for name in ("local_fused_flashinfer", "local_fused_nccl", "flashinfer_fused", "separate", "symm_fused_oneshot"):
+    for name in ("local_fused_flashinfer", "local_fused_nccl", "flashinfer_fused", "separate", "symm_fused_oneshot",
+                 "symm_fused_twoshot"):
         log = []
         with FusionBridge(spec, strategy=name, debug=False) as bridge:
             bound = {s.name: s.error_bound for s in bridge.statuses}[name]
