@@ -32,11 +32,11 @@ class Admission:
 def admit(spec: EpilogueSpec, env: Environment, group, device: torch.device, *, requested: str,
           also_prepare: tuple[str, ...] = (), run_self_test: bool = True) -> Admission:
     """Collective. Prepares everything auto may pick (or only the requested strategy), the oracle, and
-    `also_prepare` (e.g. the shadow strategy)."""
+    `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name."""
     classes = registry.strategy_classes()
     reasons: dict[str, list[Reason]] = {c.name: list(c.not_supported_reasons(spec, env)) for c in classes}
-    wanted = [c for c in classes if requested in (AUTO, c.name) or not c.auto_selectable
-              or c.name in also_prepare]
+    wanted = [c for c in classes if (requested == AUTO and not c.opt_in) or requested == c.name
+              or not c.auto_selectable or c.name in also_prepare]
     instances: dict[str, Strategy] = {}
     for cls in wanted:
         if not reasons[cls.name]:
@@ -66,18 +66,20 @@ def admit(spec: EpilogueSpec, env: Environment, group, device: torch.device, *, 
     statuses = []
     for cls in classes:
         inst = instances.get(cls.name)
-        state, err = tests.get(cls.name, (_not_run_why(cls, run_self_test, device), None))
+        state, err = tests.get(cls.name, (_not_run_why(cls, run_self_test, device, prepared=inst is not None), None))
         statuses.append(StrategyStatus.of(cls, spec, env, reasons[cls.name], state, err,
                                           inst.workspace_bytes if inst else 0))
     return Admission(statuses, instances)
 
 
-def _not_run_why(cls, run_self_test: bool, device: torch.device) -> str:
+def _not_run_why(cls, run_self_test: bool, device: torch.device, prepared: bool = True) -> str:
     if not cls.self_tested:
         return "not needed"
     if not run_self_test:
         return "off"
-    return "not run (CUDA only)" if device.type != "cuda" else "not run"
+    if device.type != "cuda":
+        return "not run (CUDA only)"
+    return "not run (opt-in, not requested)" if cls.opt_in and not prepared else "not run"
 
 
 def _agree(classes, reasons: dict[str, list[Reason]], instances: dict[str, Strategy], stage: str,

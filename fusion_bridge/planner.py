@@ -35,6 +35,7 @@ class StrategyStatus:
     #: the unmeasured choice of variant per token bucket (aligned with bucket_bounds) and above max_tokens
     default_variants: tuple[str, ...] = ()
     overflow_variant: str = DEFAULT_VARIANT
+    opt_in: bool = False  # auto neither prepares nor picks it; a request by name does
 
     @property
     def available(self) -> bool:
@@ -46,7 +47,7 @@ class StrategyStatus:
         """The status of strategy class `cls` given the reasons gathered for it."""
         return StrategyStatus(
             name=cls.name, summary=cls.summary, reasons=tuple(reasons), steps=tuple(cls.steps(spec, env)),
-            auto_selectable=cls.is_auto_selectable(spec, env),
+            auto_selectable=cls.is_auto_selectable(spec, env), opt_in=cls.opt_in,
             max_tokens_per_call=cls.max_tokens_per_call(spec, env), error_bound=cls.error_bound(spec, env),
             self_test=self_test, self_test_error=self_test_error, workspace_bytes=workspace_bytes,
             variants=tuple(cls.variants(spec, env)),
@@ -61,6 +62,7 @@ class StrategyStatus:
             "name": self.name, "summary": self.summary, "available": self.available,
             "reasons": [r.to_dict() for r in self.reasons], "steps": [s.name for s in self.steps],
             "step_stages": [s.to_dict() for s in self.steps], "auto_selectable": self.auto_selectable,
+            "opt_in": self.opt_in,
             "max_tokens_per_call": self.max_tokens_per_call, "error_bound": self.error_bound,
             "self_test": self.self_test, "self_test_error": self.self_test_error,
             "workspace_bytes": self.workspace_bytes, "variants": list(self.variants),
@@ -75,7 +77,8 @@ class NoStrategyAvailable(RuntimeError):
         lines = [f"fusion_bridge: strategy {requested!r} cannot run:"]
         for st in statuses:
             if st.available and not st.auto_selectable and requested == AUTO:
-                lines.append(f"  {st.name}: available but never auto-selected")
+                lines.append(f"  {st.name}: available but " + ("opt-in (request it by name)" if st.opt_in
+                                                               else "never auto-selected"))
             for r in st.reasons:
                 lines.append(f"  {st.name}: [{r.code}] {r.message}" + (f" -- {r.hint}" if r.hint else ""))
         super().__init__("\n".join(lines))

@@ -70,7 +70,8 @@ class Report:
             if st.name in chosen:
                 state = "SELECTED"
             elif st.available:
-                state = "available" + ("" if st.auto_selectable else " (never auto-selected here)")
+                state = "available" + ("" if st.auto_selectable else " (opt-in: request it by name)" if st.opt_in
+                                       else " (never auto-selected here)")
             else:
                 state = "rejected"
             extra = f", self-test: {st.self_test}" + (f" (rel err {st.self_test_error:.2e})"

@@ -159,6 +159,12 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
 
     last = -1
     for b in range(EMU_PID if EMU else pid, EMU_BLOCKS if EMU else blocks_to_walk, EMU_NPROG if EMU else nprog):
+        if PHASES & 4:  # past this call's blocks only clears remain: finish the last gather first
+            if (b >= nblocks) & (last >= 0):
+                _gather_block(last, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns, ptrs_ptr,
+                              state_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps,
+                              weight_bias, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU)
+                last = -1
         if PHASES & 8:  # clear what the previous call wrote into this rank's previous slot, block b
             if b < prev_blocks:
                 old = local + prev * slot_len
@@ -295,7 +301,11 @@ def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.
     tokens = perm.shape[0]
     if tokens == 0:
         return
-    grid = max(1, min(programs or ws.num_sms, ws.num_sms, -(-tokens // ws.world)))
+    if tokens > ws.cap:  # rows past the capacity would land in the next slot or past the buffer
+        raise ValueError(f"symm_twoshot: T={tokens} exceeds the workspace's {ws.cap} tokens")
+    # enough programs for the previous call's clear too (its T is in device state, unknown here): a small call
+    # after a large one would otherwise leave one program clearing thousands of rows alone
+    grid = max(1, min(programs or ws.num_sms, ws.num_sms, -(-ws.cap // ws.world)))
     _launch(grid, ws.ptrs, ws.state, 0, ws.state, None, ws.state, ws.world, ws.rank, ws.cap, ws.data_off,
             ws.timeout_ns // 1000, residual_out, norm_out, q, sf, gemm2_out, perm, weights, shared, residual, gamma,
             routed_scaling, eps, weight_bias, quant, quant_scale, swizzled, ALL_PHASES,
@@ -314,6 +324,8 @@ def emulate(bufs: torch.Tensor, states: torch.Tensor, aborts: torch.Tensor, rank
     (it polls at most max_polls times)."""
     world = bufs.shape[0]
     tokens = perm.shape[0]
+    if tokens > cap:
+        raise ValueError(f"symm_twoshot: T={tokens} exceeds the emulated capacity {cap}")
     slot = int(states[rank, 0])
     prev_rows = int(states[rank, 4 + (slot + 2) % 3])
     blocks = max(-(-tokens // world), -(-prev_rows // world))

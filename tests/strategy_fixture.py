@@ -22,3 +22,16 @@ class TwoVariants(SeparateStrategy):
     def run(self, inputs, variant="a"):
         TwoVariants.ran.append(variant)
         return super().run(inputs, variant)
+
+
+class OptInSeparate(SeparateStrategy):
+    """The separate path as an opt-in strategy that counts its prepares."""
+
+    name = "opt_in_separate"
+    summary = "the separate path, opt-in"
+    opt_in = True
+    prepared = 0
+
+    def prepare(self) -> None:
+        OptInSeparate.prepared += 1
+        super().prepare()

@@ -134,3 +134,26 @@ def test_torch_compile_fullgraph_sees_one_opaque_op_with_the_eager_values(quant)
         if e is not None:
             assert e.shape == c.shape and e.dtype == c.dtype
             assert torch.equal(e.view(torch.uint8), c.view(torch.uint8))
+
+
+def test_an_opt_in_strategy_is_neither_prepared_nor_picked_by_auto_but_runs_when_requested():
+    """Auto must not spend memory or build time on an opt-in strategy (e.g. symm_fused_twoshot before it is
+    measured), even with a table that says it is fastest; a request by name prepares and runs it."""
+    from fusion_bridge.registry import register, unregister
+    from tests.strategy_fixture import OptInSeparate
+    register("opt_in_separate", "tests.strategy_fixture:OptInSeparate")
+    try:
+        OptInSeparate.prepared = 0
+        fastest = {"opt_in_separate": {"default": {1: 1.0}}, "separate": {"default": {1: 50.0}}}
+        with FusionBridge(SPEC, measured_us=fastest) as bridge:
+            assert OptInSeparate.prepared == 0
+            assert bridge.route_for(1)[0] != "opt_in_separate"
+            status = {s.name: s for s in bridge.statuses}["opt_in_separate"]
+            assert status.available and not status.auto_selectable and status.opt_in
+            assert "opt_in_separate        available (opt-in: request it by name)" in str(bridge.explain())
+        with FusionBridge(SPEC, strategy="opt_in_separate") as bridge:
+            assert OptInSeparate.prepared == 1 and bridge.route_for(1)[0] == "opt_in_separate"
+            out = call(bridge, make_inputs(SPEC, 1))
+            assert torch.isfinite(out.norm_out).all()
+    finally:
+        unregister("opt_in_separate")

@@ -74,8 +74,9 @@ def test_every_strategy_matches_the_oracle_over_the_grid():
     results = run_distributed(_grid, WORLD, backend="nccl", timeout_s=540)
     for problems, ran in results:
         assert not problems, "\n".join(problems[:20])
+        # symm_fused_twoshot is opt-in: auto does not prepare it (tests/test_gpu_symm_twoshot.py runs it)
         assert ran == ["flashinfer_fused", "local_fused_flashinfer", "local_fused_nccl", "separate",
-                       "symm_fused_oneshot", "symm_fused_twoshot"]
+                       "symm_fused_oneshot"]
 
 
 def _graphs_routing_and_fp4(rank, world_size):

@@ -181,22 +181,53 @@ def test_an_abort_word_stops_the_call_with_nan():
     assert int(emu.states[0, 2]) == word and int(emu.states[1, 2]) == int(ERR_TIMEOUT) | 0b1
 
 
-def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
-    """A partial or a residual_out of -0.0 would read as "not arrived": both are published as +0.0."""
-    spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
-    emu = Emulated(spec, 2, cap=2)
-    spec_inputs = [make_inputs(spec, 2, rank=r, device=DEVICE, skip_fraction=0.0) for r in range(2)]
-    outs = []
+def _exact_inputs(spec, world, tokens, partial_values, residual_value):
+    """Inputs whose rank-r partial is exactly partial_values[r] in every element (K=1, weight 1, routed
+    scaling 1, no shared output) and whose residual is residual_value."""
+    out = []
+    for r in range(world):
+        inp = make_inputs(spec, tokens, rank=r, device=DEVICE, skip_fraction=0.0, weight_dtype=torch.float32)
+        inp.expanded_idx_to_permuted_idx.copy_(torch.arange(tokens, dtype=torch.int32).view(tokens, 1))
+        inp.expert_weights.fill_(1.0)
+        inp.gemm2_out.fill_(partial_values[r])
+        inp.residual.fill_(residual_value)
+        out.append(inp)
+    return out
+
+
+def _run_phases(emu, spec, inputs, tokens):
+    outs = [(poisoned((tokens, spec.hidden_size), spec.dtype), poisoned((tokens, spec.hidden_size), spec.dtype))
+            for _ in inputs]
     for phase in (PUSH, REDUCE, GATHER):
-        for r, inp in enumerate(spec_inputs):
-            inp.expert_weights.zero_()
-            inp.residual.fill_(-0.0)
-            if phase == PUSH:
-                outs.append((poisoned((2, 64), spec.dtype), poisoned((2, 64), spec.dtype)))
+        for r, inp in enumerate(inputs):
             ro, no = outs[r]
-            emulate(emu.bufs, emu.states, emu.aborts, r, phase, 2, ro, no, ro, ro, inp.gemm2_out,
-                    inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, inp.residual, inp.gamma, 1.0,
-                    1e-6, 0.0, QUANT_NONE, 1.0, False)
+            emulate(emu.bufs, emu.states, emu.aborts, r, phase, emu.cap, ro, no, ro, ro, inp.gemm2_out,
+                    inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, inp.residual, inp.gamma,
+                    spec.routed_scaling_factor, spec.eps, 0.0, QUANT_NONE, 1.0, False)
+    return outs
+
+
+def test_partials_are_summed_in_rank_order():
+    """Partials 1, 2^-24, 2^-24 and residual 2^-8: in rank order the fp32 sum stays 1 and 1 + 2^-8 is a bf16
+    tie that rounds to 1.0; any other order reaches 1 + 2^-23 first and rounds to 1 + 2^-7. Every owner
+    (T = 3: one row each) must give 1.0."""
+    spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
+    emu = Emulated(spec, 3, cap=3)
+    outs = _run_phases(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0 ** -24, 2.0 ** -24], 2.0 ** -8), 3)
     assert not emu.states[:, 2].any()
+    for ro, _ in outs:
+        assert (ro == 1.0).all(), ro[:, 0]
+
+
+def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
+    """A partial that rounds to -0.0 (a tiny negative value) would read as "not arrived": it is published
+    as +0.0, so the call completes, and residual_out (residual -0.0 plus +0.0) is +0.0 on every rank."""
+    spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
+    emu = Emulated(spec, 2, cap=2)
+    inputs = _exact_inputs(spec, 2, 2, [-1e-20, -1e-20], -0.0)
+    for inp in inputs:
+        inp.expert_weights.fill_(1e-21)  # the partial -1e-41 rounds to bf16 -0.0
+    outs = _run_phases(emu, spec, inputs, 2)
+    assert not emu.states[:, 2].any(), emu.states  # nobody waited for a "missing" -0.0
     for ro, _ in outs:
         assert (ro.view(torch.int16) == 0).all()  # +0.0 everywhere, identical on both ranks

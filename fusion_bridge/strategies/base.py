@@ -69,6 +69,9 @@ class Strategy:
     summary: ClassVar[str]
     #: auto may pick it (the fp32 oracle may not)
     auto_selectable: ClassVar[bool] = True
+    #: opt-in: auto neither prepares (no workspace, no self-test) nor picks it; a request by name does. For
+    #: a strategy not yet measured where it would run: it cannot cost every auto bridge memory and build time
+    opt_in: ClassVar[bool] = False
     #: run the collective self-test against the oracle when the bridge is prepared (GPU strategies)
     self_tested: ClassVar[bool] = False
 
@@ -97,8 +100,8 @@ class Strategy:
 
     @classmethod
     def is_auto_selectable(cls, spec: EpilogueSpec, env: Environment) -> bool:
-        """Whether auto may pick it when available (the oracle and interpreter-only paths may not)."""
-        return cls.auto_selectable
+        """Whether auto may pick it when available (the oracle, interpreter-only and opt-in paths may not)."""
+        return cls.auto_selectable and not cls.opt_in
 
     @classmethod
     def max_tokens_per_call(cls, spec: EpilogueSpec, env: Environment) -> Optional[int]:

@@ -15,6 +15,8 @@ It shares `symm_fused_oneshot`'s protocol (data carries its arrival, three rotat
 call behind, device-side epoch, bounded waits with an error word, no host state under CUDA graphs) and
 its safety rules; see kernels/symm_twoshot.py for the ordering and deadlock arguments. Calls with more
 tokens than the workspace holds take the planner's overflow route.
+
+Opt-in: auto neither prepares nor picks it until it has been measured on two GPUs (request it by name).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
     summary = ("one Triton launch over symmetric memory for large T: finalize+shared, reduce-scatter by token, "
                "residual, all-gather of the rounded rows, RMSNorm (+fp8/nvfp4)")
     workspace_kind = "twoshot"
+    # Opt-in until it is measured on two GPUs: auto neither prepares it (no 352 MB workspace at H=7168, no
+    # self-test at every build) nor picks it; request it by name to use or measure it.
+    opt_in = True
 
     @classmethod
     def steps(cls, spec, env):

@@ -1,0 +1,79 @@
+"""The two-shot kernel's local work alone, on ONE GPU: `symm_twoshot` launched with a world of 1 (no
+peers: every row is its own, the reduce-scatter is empty and the all-gather writes into its own buffer),
+beside our finalize kernel alone and the HBM copy bandwidth. What the kernel costs before any NVLink
+traffic: the part of the large-T time that overlapping with the link cannot hide.
+
+    python benchmarks/twoshot_local.py [--tokens 1024 4096] [--hidden 7168 4096] [--csv PATH]
+
+CUDA graphs, inputs rotated past L2, median us per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    from test_gpu_symm_one_device import _workspaces
+
+    from fusion_bridge.kernels import symm_twoshot
+    from fusion_bridge.kernels.finalize_add import finalize_add_into
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+    rows = [dict(path="hbm_copy_gbs", H=0, T=0, us=round(copy_bandwidth_gbs(1 << 30), 1))]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for hidden in args.hidden:
+        cap = max(args.tokens)
+        spec = EpilogueSpec(hidden_size=hidden, top_k=8, routed_scaling_factor=2.5, max_tokens=cap)
+        (ws,), _ = _workspaces(symm_twoshot, 1, cap, hidden)
+        ws.num_sms = sms
+        for tokens in args.tokens:
+            n = sets_to_rotate(tokens * hidden * 2 * 14, max_sets=16)
+            sets = [make_inputs(spec, tokens, seed=i, device="cuda", skip_fraction=0.0) for i in range(n)]
+            outs = [torch.empty(tokens, hidden, dtype=spec.dtype, device="cuda") for _ in range(2)]
+            none = torch.empty(0, dtype=torch.uint8, device="cuda")
+
+            def fin(i):
+                s = sets[i]
+                finalize_add_into(outs[0], s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
+                                  s.shared_output, spec.routed_scaling_factor)
+
+            def local(warps):
+                def fn(i):
+                    s = sets[i]
+                    symm_twoshot.fused_into(ws, outs[0], outs[1], none, none, s.gemm2_out,
+                                            s.expanded_idx_to_permuted_idx, s.expert_weights, s.shared_output,
+                                            s.residual, s.gamma, spec.routed_scaling_factor, spec.eps,
+                                            spec.weight_bias, 0, 1.0, False, warps=warps)
+                return fn
+            variants = [("finalize_alone", fin)] + [(f"twoshot_local_w{w}", local(w)) for w in (8, 16, 4)]
+            for name, fn in variants:
+                us = time_graph(fn, sets=n)
+                rows.append(dict(path=name, H=hidden, T=tokens, us=round(us, 2)))
+                print(f"{name:32s} H={hidden} T={tokens:5d} {us:9.2f} us", flush=True)
+        assert int(ws.err[0]) == 0, hex(int(ws.err[0]))
+    if args.csv:
+        import csv
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    print(f"HBM copy {rows[0]['us']} GB/s")
+
+
+if __name__ == "__main__":
+    main()
