@@ -5,7 +5,10 @@ traffic: the part of the large-T time that overlapping with the link cannot hide
 
     python benchmarks/twoshot_local.py [--tokens 1024 4096] [--hidden 7168 4096] [--csv PATH]
 
-CUDA graphs, inputs rotated past L2, median us per call.
+CUDA graphs, inputs rotated past L2, median us per call. The `twoshot_ablate_*` rows run a subset of the
+kernel's phases (reduce: finalize + residual + the row into its own all-gather region; gather: poll,
+residual_out, norm; clear: the previous call's rows back to the sentinel): where the time goes; their
+outputs are wrong.
 """
 
 from __future__ import annotations
@@ -52,15 +55,20 @@ def main() -> None:
                 finalize_add_into(outs[0], s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
                                   s.shared_output, spec.routed_scaling_factor)
 
-            def local(warps):
+            def local(warps, phases=symm_twoshot.ALL_PHASES):
                 def fn(i):
                     s = sets[i]
                     symm_twoshot.fused_into(ws, outs[0], outs[1], none, none, s.gemm2_out,
                                             s.expanded_idx_to_permuted_idx, s.expert_weights, s.shared_output,
                                             s.residual, s.gamma, spec.routed_scaling_factor, spec.eps,
-                                            spec.weight_bias, 0, 1.0, False, warps=warps)
+                                            spec.weight_bias, 0, 1.0, False, warps=warps, phases=phases)
                 return fn
             variants = [("finalize_alone", fin)] + [(f"twoshot_local_w{w}", local(w)) for w in (8, 16, 4)]
+            # ablations (wrong results, timing only): which phase costs what
+            k = symm_twoshot
+            for label, phases in (("reduce_only", k.REDUCE), ("reduce_gather", k.REDUCE | k.GATHER),
+                                  ("reduce_clear", k.REDUCE | k.CLEAR)):
+                variants.append((f"twoshot_ablate_{label}_w16", local(16, phases)))
             for name, fn in variants:
                 us = time_graph(fn, sets=n)
                 rows.append(dict(path=name, H=hidden, T=tokens, us=round(us, 2)))

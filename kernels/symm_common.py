@@ -109,17 +109,24 @@ def _missing_ranks(v, WORLD: tl.constexpr, WP: tl.constexpr):
 
 
 @triton.jit
-def _norm_quant_row(x, row, lo, hi, gamma_ptr, norm_out_ptr, q_ptr, sf_ptr, hidden, eps, weight_bias, quant_scale,
+def _gamma_row(gamma_ptr, hidden, weight_bias, ROW_BLOCK: tl.constexpr):
+    """fp32 [ROW_BLOCK]: gamma + weight_bias (0 past H); a persistent program loads it once."""
+    cols = tl.arange(0, ROW_BLOCK)
+    return tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
+
+
+@triton.jit
+def _norm_quant_row(x, g, row, lo, hi, norm_out_ptr, q_ptr, sf_ptr, hidden, eps, quant_scale,
                     sf_cols, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
                     HW_CVT: tl.constexpr):
-    """x: fp32 [ROW_BLOCK], the whole row (0 past H). Stores norm_out = round(x * rsqrt(mean(x^2) + eps) *
-    (gamma + weight_bias)) and its FP8 / NVFP4 codes for columns [lo, hi) (multiples of 64)."""
+    """x: fp32 [ROW_BLOCK], the whole row (0 past H); g: gamma + weight_bias (`_gamma_row`). Stores
+    norm_out = round(x * rsqrt(mean(x^2) + eps) * g) and its FP8 / NVFP4 codes for columns [lo, hi)
+    (multiples of 64)."""
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     offs = row * hidden + cols
     mine = in_row & (cols >= lo) & (cols < hi)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
     y = _round(x * inv_rms * g, norm_out_ptr.dtype.element_ty)
     tl.store(norm_out_ptr + offs, y, mask=mine)
     if QUANT == 1:

@@ -77,7 +77,7 @@ import triton.language as tl
 from .quant import QUANT_NVFP4
 from .symm_common import (ERR_ABORTED, ERR_TIMEOUT, HEADER_BYTES, SENTINEL, SENTINEL_BITS, SLOTS,  # noqa: F401
                           _clear_item, _fence_acq_rel_gpu_if, _finalize_chunk, _globaltimer, _missing_ranks,
-                          _norm_quant_row, _payload_bits, _peer_ptr, _report_timeout, _round, _sf_padding_item,
+                          _gamma_row, _norm_quant_row, _payload_bits, _peer_ptr, _report_timeout, _round, _sf_padding_item,
                           _tl_dtype, _wait_row, fill_sentinel, row_block, sf_padding_items)
 
 STATE_WORDS = 8  # slot (epoch mod 3), ticket counter, error word, unused, rows of slot 0, 1, 2, unused
@@ -110,8 +110,8 @@ def _row_outputs(v, row, lo, hi, bad, residual_ptr, gamma_ptr, residual_out_ptr,
     x = tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32) + s
     x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
     tl.store(residual_out_ptr + offs, _round(x, dtype), mask=in_row & (cols >= lo) & (cols < hi))
-    _norm_quant_row(x, row, lo, hi, gamma_ptr, norm_out_ptr, q_ptr, sf_ptr, hidden, eps, weight_bias, quant_scale,
-                    sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT)
+    _norm_quant_row(x, _gamma_row(gamma_ptr, hidden, weight_bias, ROW_BLOCK), row, lo, hi, norm_out_ptr, q_ptr,
+                    sf_ptr, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT)
 
 
 @triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout_us"])  # one compile per BLOCK1

@@ -60,7 +60,7 @@ import triton.language as tl
 
 from .quant import QUANT_NVFP4
 from .symm_common import (HEADER_BYTES, SENTINEL, SENTINEL_BITS, SLOTS, _fence_acq_rel_gpu_if, _finalize_chunk,
-                          _globaltimer, _missing_ranks, _norm_quant_row, _payload_bits, _peer_ptr, _report_timeout,
+                          _gamma_row, _globaltimer, _missing_ranks, _norm_quant_row, _payload_bits, _peer_ptr, _report_timeout,
                           _sf_padding_item, _timeout_word, _wait_row, row_block, sf_padding_items)
 
 STATE_WORDS = 8  # slot (epoch mod 3), ticket counter, error word, unused, rows of slot 0, 1, 2, unused
@@ -156,14 +156,15 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
     nblocks = tl.cdiv(tokens, WORLD)
     prev_blocks = tl.cdiv(prev_rows, WORLD)
     qi = tl.arange(0, WP)[:, None]
+    g = _gamma_row(gamma_ptr, hidden, weight_bias, ROW_BLOCK)  # once per program, not once per row
 
     last = -1
     for b in range(EMU_PID if EMU else pid, EMU_BLOCKS if EMU else blocks_to_walk, EMU_NPROG if EMU else nprog):
         if PHASES & 4:  # past this call's blocks only clears remain: finish the last gather first
             if (b >= nblocks) & (last >= 0):
                 _gather_block(last, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns, ptrs_ptr,
-                              state_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps,
-                              weight_bias, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU)
+                              state_ptr, g, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps,
+                              quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU)
                 last = -1
         if PHASES & 8:  # clear what the previous call wrote into this rank's previous slot, block b
             if b < prev_blocks:
@@ -188,6 +189,7 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
                 if t < tokens:
                     own = _partial_bits(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, t, hidden, routed_scaling,
                                         dtype, TOP_K, HAS_SHARED, ROW_BLOCK).to(dtype, bitcast=True).to(tl.float32)
+                    res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)  # before the wait
                     v, status = _wait_row(rs_here, rs_stride, b, hidden, abort_ptr, start, timeout_ns, -1, rank,
                                           WORLD, WP, ROW_BLOCK, EMU, True)
                     bad = ((status & 5) != 0).to(tl.int32)
@@ -201,7 +203,7 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
                     s = tl.where(rank == 0, own, tl.sum(tl.where(qi == 0, vf, 0.0), axis=0))
                     for q in tl.static_range(1, WORLD):  # rank order, the own partial in its place
                         s += tl.where(rank == q, own, tl.sum(tl.where(qi == q, vf, 0.0), axis=0))
-                    x = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0).to(tl.float32) + s
+                    x = res.to(tl.float32) + s
                     x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
                     xbits = _payload_bits(x, dtype)
                     for q in tl.static_range(WORLD):  # its own buffer too: every rank norms every row alike
@@ -210,13 +212,13 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
             if PHASES & 4:
                 if last >= 0:
                     _gather_block(last, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns, ptrs_ptr,
-                                  state_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps,
-                                  weight_bias, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU)
+                                  state_ptr, g, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps,
+                                  quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU)
             last = b
     if PHASES & 4:
         if last >= 0:
             _gather_block(last, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns, ptrs_ptr, state_ptr,
-                          gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps, weight_bias, quant_scale,
+                          g, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps, quant_scale,
                           sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU)
         if QUANT == 2:
             if SWIZZLED:
@@ -233,8 +235,8 @@ def _twoshot_kernel(ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_slot, emu_
 
 
 @triton.jit
-def _gather_block(b, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns, ptrs_ptr, state_ptr, gamma_ptr,
-                  residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps, weight_bias, quant_scale, sf_cols,
+def _gather_block(b, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns, ptrs_ptr, state_ptr, g,
+                  residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, eps, quant_scale, sf_cols,
                   WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
                   HW_CVT: tl.constexpr, EMU: tl.constexpr):
     """Block b's rows, this rank's own included: wait for the owner's reduced row, store it as residual_out,
@@ -259,13 +261,15 @@ def _gather_block(b, ag_here, rank, tokens, hidden, abort_ptr, start, timeout_ns
             x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
             xr = x.to(dtype)  # exact (or NaN)
             tl.store(residual_out_ptr + t * hidden + cols, xr, mask=in_row)
-            _norm_quant_row(tl.where(in_row, xr.to(tl.float32), 0.0), t, 0, ROW_BLOCK, gamma_ptr, norm_out_ptr, q_ptr,
-                            sf_ptr, hidden, eps, weight_bias, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK,
-                            HW_CVT)
+            _norm_quant_row(tl.where(in_row, xr.to(tl.float32), 0.0), g, t, 0, ROW_BLOCK, norm_out_ptr, q_ptr,
+                            sf_ptr, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT)
 
 
 def default_warps(hidden: int) -> int:
-    return 8 if row_block(hidden) >= 4096 else 4
+    """Measured on one H200, world 1 (benchmarks/twoshot_local.py): at H=4096 16 warps beat 8 by 19-23%; at
+    H=7168 they tie, and 8 leave more registers per thread for the W partials of a wider world."""
+    rb = row_block(hidden)
+    return 16 if rb == 4096 else 8 if rb > 4096 else 4
 
 
 def _launch(grid, ptrs, bufs, buf_elems, emu_abort, emu, state, world, rank, cap, data_off, timeout, residual_out,
@@ -294,10 +298,11 @@ def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.
                gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor, shared: Optional[torch.Tensor],
                residual: torch.Tensor, gamma: torch.Tensor, routed_scaling: float, eps: float, weight_bias: float,
                quant: int, quant_scale: float, swizzled: bool, warps: Optional[int] = None,
-               programs: Optional[int] = None) -> None:
+               programs: Optional[int] = None, phases: int = ALL_PHASES) -> None:
     """One launch on the GPU. `ws` as for symm_oneshot (ptrs, state, world, rank, cap, data_off, num_sms
     (the same on every rank), timeout_ns). T == 0 launches nothing (on every rank); T must be <= ws.cap.
-    programs / warps: launch variants (the grid is capped at the SM count: every program must be resident)."""
+    programs / warps: launch variants (the grid is capped at the SM count: every program must be resident).
+    phases: a subset of ALL_PHASES for benchmark ablations only (the results are then wrong)."""
     tokens = perm.shape[0]
     if tokens == 0:
         return
@@ -308,7 +313,7 @@ def fused_into(ws, residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.
     grid = max(1, min(programs or ws.num_sms, ws.num_sms, -(-ws.cap // ws.world)))
     _launch(grid, ws.ptrs, ws.state, 0, ws.state, None, ws.state, ws.world, ws.rank, ws.cap, ws.data_off,
             ws.timeout_ns // 1000, residual_out, norm_out, q, sf, gemm2_out, perm, weights, shared, residual, gamma,
-            routed_scaling, eps, weight_bias, quant, quant_scale, swizzled, ALL_PHASES,
+            routed_scaling, eps, weight_bias, quant, quant_scale, swizzled, phases,
             warps or default_warps(residual.shape[1]))
 
 
