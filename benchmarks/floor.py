@@ -34,17 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from typing import Optional  # noqa: E402
 
+from fusion_bridge.cli.bench import write_csv  # noqa: E402
 from fusion_bridge.cli.launch import run_distributed  # noqa: E402
 from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
-
-
-def write_csv(path: str, rows: list[dict]) -> None:
-    import csv
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def _rmax(value: float, dev) -> float:

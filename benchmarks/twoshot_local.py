@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+from fusion_bridge.cli.bench import write_csv  # noqa: E402
 from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
 
@@ -75,11 +76,7 @@ def main() -> None:
                 print(f"{name:32s} H={hidden} T={tokens:5d} {us:9.2f} us", flush=True)
         assert int(ws.err[0]) == 0, hex(int(ws.err[0]))
     if args.csv:
-        import csv
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
     print(f"HBM copy {rows[0]['us']} GB/s")
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .quant import _e2m1_codes, _e4m3_rne_satfinite
+from .quant import row_block  # noqa: F401  (re-exported: the power-of-two block that holds one row)
 from .rounding import round_to
 
 HEADER_BYTES = 256
@@ -25,9 +26,6 @@ ERR_TIMEOUT = tl.constexpr(1 << 16)  # error word: bit 16 = this rank timed out;
 ERR_ABORTED = tl.constexpr(1 << 17)  # a peer timed out earlier (bits 20-27: that rank; 0-15: whom it missed)
 
 
-def row_block(hidden: int) -> int:
-    """The power-of-two block that holds one row."""
-    return max(64, triton.next_power_of_2(hidden))
 
 
 @triton.jit

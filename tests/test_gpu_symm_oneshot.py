@@ -173,8 +173,6 @@ def _graphs_and_stress(rank, dev, problems, stress_calls):
 def _skipped_call(rank, dev, problems):
     """Rank 1 skips one call: rank 0's call times out (NaN outputs, then a clear error); rank 1's next
     call is aborted at once (a peer timed out), then raises too. Nothing hangs."""
-    import time
-
     import torch.distributed as dist
 
     from fusion_bridge.kernels.symm_oneshot import SENTINEL_BITS
@@ -197,6 +195,16 @@ def _skipped_call(rank, dev, problems):
     if not bool((slots[1:] == SENTINEL_BITS).all()):
         problems.append(f"rank {rank}: slots 1, 2 after one call do not all hold the sentinel")
     dist.barrier()  # rank 0's next call pushes into rank 1's slot 1: only after rank 1 has looked
+    skip_one_call_and_check(rank, strat, inp, problems)
+
+
+def skip_one_call_and_check(rank, strat, inp, problems):
+    """Rank 1 skips a call that rank 0 makes (timeout 1 s): rank 0's call must come back after about the
+    timeout with NaN outputs, rank 1's next call at once (aborted) with NaN outputs, and the call after
+    that must raise on both ranks, naming the strategy, the missing or timed-out rank and the rebuild."""
+    import time
+
+    import torch.distributed as dist
     start = time.monotonic()
     out = strat.run(inp) if rank == 0 else None
     torch.cuda.synchronize()
@@ -215,26 +223,31 @@ def _skipped_call(rank, dev, problems):
         torch.cuda.synchronize()
     except RuntimeError as exc:
         want = "timed out waiting for rank(s) [1]" if rank == 0 else "stopped because rank 0 timed out"
-        if want not in str(exc) or "rebuild the bridge" not in str(exc).lower():
+        if want not in str(exc) or strat.name not in str(exc) or "rebuild the bridge" not in str(exc).lower():
             problems.append(f"rank {rank}: unclear error: {exc}")
     if rank == 0 and not 0.9 < waited < 10:
         problems.append(f"rank 0 waited {waited:.1f} s for a 1 s timeout")
     strat.close()
 
 
-def _all(rank, world_size, stress_calls):
-    os.environ.setdefault("FUSION_BRIDGE_DEBUG", "0")
-    dev = torch.device("cuda", rank)
-    problems = []
+def progress_printer(rank, problems, label):
+    """progress(what): rank 0 prints the step, the problems so far and the last few of them."""
     import time
     t0 = time.monotonic()
 
     def progress(what):
         if rank == 0:
-            print(f"[symm gpu test] {what}: {len(problems)} problems so far, {time.monotonic() - t0:.0f} s",
-                  flush=True)
+            print(f"[{label}] {what}: {len(problems)} problems so far, {time.monotonic() - t0:.0f} s", flush=True)
             for p in problems[-5:]:
                 print("   ", p[:300], flush=True)
+    return progress
+
+
+def _all(rank, world_size, stress_calls):
+    os.environ.setdefault("FUSION_BRIDGE_DEBUG", "0")
+    dev = torch.device("cuda", rank)
+    problems = []
+    progress = progress_printer(rank, problems, "symm gpu test")
     _skipped_call(rank, dev, problems)
     progress("skipped call")
     cases = _parity(rank, dev, problems)

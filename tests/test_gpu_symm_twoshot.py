@@ -12,13 +12,13 @@ mixed with eager calls, a stress loop of 10,000 calls at random T up to 4096, an
 import math
 import os
 import random
-import time
 
 import pytest
 import torch
 
 from fusion_bridge.cli.launch import run_distributed
-from tests.test_gpu_symm_oneshot import U_BF16, _check, _poison, _strategy, needs_two_gpus
+from tests.test_gpu_symm_oneshot import (U_BF16, _check, _poison, _strategy, needs_two_gpus, progress_printer,
+                                         skip_one_call_and_check)
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
@@ -132,43 +132,14 @@ def _skipped_call(rank, dev, problems):
     if state[0] != 1 or state[4] != 600 or state[1] != 0 or state[2] != 0:
         problems.append(f"rank {rank}: after one call state {state}")
     dist.barrier()
-    start = time.monotonic()
-    out = strat.run(inp) if rank == 0 else None
-    torch.cuda.synchronize()
-    waited = time.monotonic() - start
-    dist.barrier()
-    if rank == 1:
-        out = strat.run(inp)  # a peer timed out: aborted without waiting
-        torch.cuda.synchronize()
-    for name, t in (("residual_out", out.residual_out), ("norm_out", out.norm_out)):
-        if not torch.isnan(t).all():
-            problems.append(f"rank {rank}: the failed call's {name} is not all NaN "
-                            f"({int(torch.isnan(t).sum())} of {t.numel()})")
-    try:
-        strat.run(inp)
-        problems.append(f"rank {rank}: no error after the skipped call")
-        torch.cuda.synchronize()
-    except RuntimeError as exc:
-        want = "timed out waiting for rank(s) [1]" if rank == 0 else "stopped because rank 0 timed out"
-        if want not in str(exc) or NAME not in str(exc) or "rebuild the bridge" not in str(exc).lower():
-            problems.append(f"rank {rank}: unclear error: {exc}")
-    if rank == 0 and not 0.9 < waited < 10:
-        problems.append(f"rank 0 waited {waited:.1f} s for a 1 s timeout")
-    strat.close()
+    skip_one_call_and_check(rank, strat, inp, problems)
 
 
 def _all(rank, world_size, stress_calls):
     os.environ.setdefault("FUSION_BRIDGE_DEBUG", "0")
     dev = torch.device("cuda", rank)
     problems = []
-    t0 = time.monotonic()
-
-    def progress(what):
-        if rank == 0:
-            print(f"[twoshot gpu test] {what}: {len(problems)} problems so far, {time.monotonic() - t0:.0f} s",
-                  flush=True)
-            for p in problems[-5:]:
-                print("   ", p[:300], flush=True)
+    progress = progress_printer(rank, problems, "twoshot gpu test")
     _skipped_call(rank, dev, problems)
     progress("skipped call")
     cases = _parity(rank, dev, problems)

@@ -18,7 +18,7 @@ from fusion_bridge.spec import EpilogueSpec, SFLayout
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF
 from fusion_bridge.synthetic import make_inputs
 
-from tests.oracle64 import epilogue64_from, quantize  # float64, imports nothing of the package
+from tests.oracle64 import epilogue64_from, finalize64, quantize  # float64, imports nothing of ours
 
 DEVICE = "cpu"
 # The emulation is for the interpreter (one launch per program, loop bounds as constexprs); on a GPU
@@ -79,15 +79,10 @@ def rounded_partials(inputs, spec):
     rounding agrees except where the fp32 sum sits within 1e-7 of a tie)."""
     parts = []
     for inp in inputs:
-        perm, w = inp.expanded_idx_to_permuted_idx.long(), inp.expert_weights.double()
-        g = inp.gemm2_out.double()
-        acc = torch.zeros(perm.shape[0], g.shape[1], dtype=torch.float64, device=g.device)
-        for k in range(perm.shape[1]):
-            valid = perm[:, k] >= 0
-            acc[valid] += w[valid, k, None] * g[perm[valid, k]]
-        acc = acc * spec.routed_scaling_factor
+        acc = finalize64(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
+                         spec.routed_scaling_factor)
         if inp.shared_output is not None:
-            acc += inp.shared_output.double()
+            acc = acc + inp.shared_output.double()
         parts.append(acc.to(spec.dtype))
     return parts
 

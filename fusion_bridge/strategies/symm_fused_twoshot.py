@@ -49,11 +49,10 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
         return 3  # the partial, residual_out (the norm reads it, on every rank) and each output
 
     def _launch(self, ws, residual_out, norm_out, q, sf, inputs: EpilogueInputs, launch: TwoshotLaunch) -> None:
-        from ..kernels import symm_twoshot
         spec = self.spec
         quant, scale, swizzled = self._quant_args
         programs, warps = launch if launch is not None else (None, None)
-        symm_twoshot.fused_into(
+        self._kernel.fused_into(
             ws, residual_out, norm_out, q, sf, inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
             inputs.expert_weights, inputs.shared_output, inputs.residual, inputs.gamma, spec.routed_scaling_factor,
             spec.eps, spec.weight_bias, quant, scale, swizzled, warps=warps, programs=programs)

@@ -62,7 +62,8 @@ def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> O
     return None
 
 
-def _kernel(kind: str):
+def kernel_module(kind: str):
+    """The kernel module of a workspace kind (its buffer layout and launch)."""
     if kind == "oneshot":
         from ..kernels import symm_oneshot
         return symm_oneshot
@@ -78,13 +79,13 @@ def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
     elem = torch.finfo(spec.dtype).bits // 8
     rows_per_token = 3 * max(world_size, 1) if kind == "oneshot" else 3 * 2
     cap = min(spec.max_tokens, MAX_CAP_TOKENS[kind], MAX_BUFFER_BYTES // (rows_per_token * spec.hidden_size * elem))
-    while cap > 0 and _kernel(kind).buffer_bytes(max(world_size, 1), cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES:
+    while cap > 0 and kernel_module(kind).buffer_bytes(max(world_size, 1), cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES:
         cap -= 1  # two-shot rounds its reduce-scatter rows up to whole blocks of W
     return max(0, cap)
 
 
 def buffer_bytes(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    return _kernel(kind).buffer_bytes(world_size, capacity(spec, world_size, kind), spec.hidden_size,
+    return kernel_module(kind).buffer_bytes(world_size, capacity(spec, world_size, kind), spec.hidden_size,
                                       torch.finfo(spec.dtype).bits // 8)
 
 
@@ -164,7 +165,7 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     import torch.distributed._symmetric_memory as symm_mem
 
     from ..kernels.symm_common import HEADER_BYTES, SENTINEL_BITS
-    kernel = _kernel(kind)
+    kernel = kernel_module(kind)
     who = f"symm_fused_{kind}"
     bad = multicast_reason(who)
     if bad is not None:
