@@ -1,10 +1,14 @@
 """Benchmark our two kernels on one GPU against the copy bandwidth and the torch separate path.
 
-    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_local_kernels.py [--hidden 7168 --top-k 8] [--csv PATH]
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_local_kernels.py [--hidden 7168 --top-k 8] [--csv
+    PATH]
 
-For T in 1, 2, 4, ..., 8192: kernel time inside a CUDA graph with inputs rotated beyond L2 ("rotated")
-and with the same inputs replayed ("same": L2-resident at small T, which flatters them), the achieved bandwidth
-(bytes read + written, each once) and its fraction of the device-to-device copy bandwidth measured in
+For T in 1, 2, 4, ..., 8192: kernel time inside a CUDA graph with inputs rotated beyond L2
+("rotated")
+and with the same inputs replayed ("same": L2-resident at small T, which flatters them), the
+achieved bandwidth
+(bytes read + written, each once) and its fraction of the device-to-device copy bandwidth measured
+in
 the same run.
 """
 
@@ -27,27 +31,37 @@ def finalize_sets(tokens, hidden, top_k, count, dev):
     sets = []
     for _ in range(count):
         rows = tokens * top_k
-        sets.append(dict(
-            gemm2=torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16),
-            perm=torch.randperm(rows, device=dev).to(torch.int32).reshape(tokens, top_k),
-            w=torch.rand(tokens, top_k, device=dev),
-            shared=torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16),
-            out=torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16)))
+        sets.append(
+            dict(
+                gemm2=torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16),
+                perm=torch.randperm(rows, device=dev).to(torch.int32).reshape(tokens, top_k),
+                w=torch.rand(tokens, top_k, device=dev),
+                shared=torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16),
+                out=torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16),
+            )
+        )
     return sets
 
 
 def norm_sets(tokens, hidden, quant, count, dev):
     sets = []
     for _ in range(count):
-        s = dict(res=torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16),
-                 red=torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16),
-                 res_out=torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16),
-                 norm_out=torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16))
+        s = dict(
+            res=torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16),
+            red=torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16),
+            res_out=torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16),
+            norm_out=torch.empty(tokens, hidden, device=dev, dtype=torch.bfloat16),
+        )
         if quant == QUANT_FP8:
-            s["q"], s["sf"] = torch.empty(tokens, hidden, device=dev, dtype=torch.uint8), torch.empty(0, device=dev)
+            s["q"], s["sf"] = (
+                torch.empty(tokens, hidden, device=dev, dtype=torch.uint8),
+                torch.empty(0, device=dev),
+            )
         elif quant == QUANT_NVFP4:
             s["q"] = torch.empty(tokens, hidden // 2, device=dev, dtype=torch.uint8)
-            s["sf"] = torch.empty(-(-tokens // 128) * 128, -(-hidden // 64) * 4, device=dev, dtype=torch.uint8)
+            s["sf"] = torch.empty(
+                -(-tokens // 128) * 128, -(-hidden // 64) * 4, device=dev, dtype=torch.uint8
+            )
         else:
             s["q"] = s["sf"] = torch.empty(0, device=dev, dtype=torch.uint8)
         sets.append(s)
@@ -55,7 +69,9 @@ def norm_sets(tokens, hidden, quant, count, dev):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8192)
@@ -65,7 +81,10 @@ def main() -> int:
     hidden, top_k = args.hidden, args.top_k
     gamma = torch.ones(hidden, device=dev, dtype=torch.bfloat16)
     copy_gbs = copy_bandwidth_gbs()
-    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {copy_gbs:.0f} GB/s (read+write)", file=sys.stderr)
+    print(
+        f"# {torch.cuda.get_device_name()}  copy bandwidth {copy_gbs:.0f} GB/s (read+write)",
+        file=sys.stderr,
+    )
     rows = []
     tokens = 1
     while tokens <= args.max_tokens:
@@ -79,30 +98,64 @@ def main() -> int:
 
         def torch_fin(i, fs=fs):
             s = fs[i]
-            s["out"].copy_(finalize_fp32(s["gemm2"], s["perm"], s["w"], 1.0).to(torch.bfloat16) + s["shared"])
+            s["out"].copy_(
+                finalize_fp32(s["gemm2"], s["perm"], s["w"], 1.0).to(torch.bfloat16) + s["shared"]
+            )
 
-        measures = [("finalize_add", fin, fin_bytes, count),
-                    ("torch_finalize_shared", torch_fin, fin_bytes, min(count, 64))]
-        for quant, name in ((QUANT_NONE, "add_rmsnorm"), (QUANT_FP8, "add_rmsnorm_fp8"),
-                            (QUANT_NVFP4, "add_rmsnorm_nvfp4")):
-            qbytes = {QUANT_NONE: 0, QUANT_FP8: tokens * hidden, QUANT_NVFP4: tokens * hidden // 2 + tokens * hidden // 16}
+        measures = [
+            ("finalize_add", fin, fin_bytes, count),
+            ("torch_finalize_shared", torch_fin, fin_bytes, min(count, 64)),
+        ]
+        for quant, name in (
+            (QUANT_NONE, "add_rmsnorm"),
+            (QUANT_FP8, "add_rmsnorm_fp8"),
+            (QUANT_NVFP4, "add_rmsnorm_nvfp4"),
+        ):
+            qbytes = {
+                QUANT_NONE: 0,
+                QUANT_FP8: tokens * hidden,
+                QUANT_NVFP4: tokens * hidden // 2 + tokens * hidden // 16,
+            }
             nbytes = 4 * tokens * hidden * 2 + hidden * 2 + qbytes[quant]
             ncount = sets_to_rotate(nbytes, max_sets=2048)
             ns = norm_sets(tokens, hidden, quant, ncount, dev)
 
             def norm(i, ns=ns, quant=quant):
                 s = ns[i]
-                add_rmsnorm_into(s["res_out"], s["norm_out"], s["q"], s["sf"], s["res"], s["red"], gamma, 1e-6,
-                                 0.0, quant, 0.05 if quant == QUANT_FP8 else 336.0, True)
+                add_rmsnorm_into(
+                    s["res_out"],
+                    s["norm_out"],
+                    s["q"],
+                    s["sf"],
+                    s["res"],
+                    s["red"],
+                    gamma,
+                    1e-6,
+                    0.0,
+                    quant,
+                    0.05 if quant == QUANT_FP8 else 336.0,
+                    True,
+                )
+
             measures.append((name, norm, nbytes, ncount))
         for name, fn, nbytes, count_ in measures:
             rotated = time_graph(fn, sets=count_)
             same = time_graph(fn, sets=1, calls=100)
             gbs = nbytes / (rotated * 1e-6) / 1e9
-            rows.append({"kernel": name, "tokens": tokens, "hidden": hidden, "top_k": top_k,
-                         "us_rotated": round(rotated, 2), "us_same_inputs": round(same, 2),
-                         "gbs_rotated": round(gbs, 1), "fraction_of_copy": round(gbs / copy_gbs, 3),
-                         "copy_gbs": round(copy_gbs, 1), "gpu": torch.cuda.get_device_name()})
+            rows.append(
+                {
+                    "kernel": name,
+                    "tokens": tokens,
+                    "hidden": hidden,
+                    "top_k": top_k,
+                    "us_rotated": round(rotated, 2),
+                    "us_same_inputs": round(same, 2),
+                    "gbs_rotated": round(gbs, 1),
+                    "fraction_of_copy": round(gbs / copy_gbs, 3),
+                    "copy_gbs": round(copy_gbs, 1),
+                    "gpu": torch.cuda.get_device_name(),
+                }
+            )
         del fs
         torch.cuda.empty_cache()
         tokens *= 2
@@ -113,25 +166,52 @@ def main() -> int:
             for warps in (1, 2, 4, 8):
                 if block // (32 * warps) < 1:
                     continue
-                us = time_graph(lambda i, b=block, w=warps: finalize_add_into(
-                    fs["out"], fs["gemm2"], fs["perm"], fs["w"], fs["shared"], 1.0, b, w), sets=1, calls=100)
+                us = time_graph(
+                    lambda i, b=block, w=warps: finalize_add_into(
+                        fs["out"], fs["gemm2"], fs["perm"], fs["w"], fs["shared"], 1.0, b, w
+                    ),
+                    sets=1,
+                    calls=100,
+                )
                 sweep.append((tokens, f"finalize_block{block}", warps, us))
     for tokens in (1024, 4096):  # add_rmsnorm(+quant) warps per row program
         for quant in (QUANT_NONE, QUANT_FP8, QUANT_NVFP4):
             ns = norm_sets(tokens, hidden, quant, 2, dev)
             for warps in (4, 8, 16, 32):
-                us = time_graph(lambda i, ns=ns, q=quant, w=warps: add_rmsnorm_into(
-                    ns[i]["res_out"], ns[i]["norm_out"], ns[i]["q"], ns[i]["sf"], ns[i]["res"], ns[i]["red"], gamma,
-                    1e-6, 0.0, q, 0.05 if q == QUANT_FP8 else 336.0, True, w), sets=2)
+                us = time_graph(
+                    lambda i, ns=ns, q=quant, w=warps: add_rmsnorm_into(
+                        ns[i]["res_out"],
+                        ns[i]["norm_out"],
+                        ns[i]["q"],
+                        ns[i]["sf"],
+                        ns[i]["res"],
+                        ns[i]["red"],
+                        gamma,
+                        1e-6,
+                        0.0,
+                        q,
+                        0.05 if q == QUANT_FP8 else 336.0,
+                        True,
+                        w,
+                    ),
+                    sets=2,
+                )
                 sweep.append((tokens, f"norm_q{quant}", warps, us))
-    write_csv(args.csv.replace(".csv", "_launch_sweep.csv"),
-              [{"tokens": t, "variant": b, "num_warps": w, "us": round(u, 2)} for t, b, w, u in sweep])
-    print("launch sweep (T/variant/warps: us): " + ", ".join(f"{t}/{b}/{w}: {u:.2f}" for t, b, w, u in sweep))
+    write_csv(
+        args.csv.replace(".csv", "_launch_sweep.csv"),
+        [{"tokens": t, "variant": b, "num_warps": w, "us": round(u, 2)} for t, b, w, u in sweep],
+    )
+    print(
+        "launch sweep (T/variant/warps: us): "
+        + ", ".join(f"{t}/{b}/{w}: {u:.2f}" for t, b, w, u in sweep)
+    )
     write_csv(args.csv, rows)
     print(f"{'kernel':24s} {'T':>5s} {'us rot':>8s} {'us same':>8s} {'GB/s':>7s} {'of copy':>7s}")
     for r in rows:
-        print(f"{r['kernel']:24s} {r['tokens']:5d} {r['us_rotated']:8.2f} {r['us_same_inputs']:8.2f} "
-              f"{r['gbs_rotated']:7.0f} {r['fraction_of_copy']:7.2f}")
+        print(
+            f"{r['kernel']:24s} {r['tokens']:5d} {r['us_rotated']:8.2f} {r['us_same_inputs']:8.2f} "
+            f"{r['gbs_rotated']:7.0f} {r['fraction_of_copy']:7.2f}"
+        )
     return 0
 
 

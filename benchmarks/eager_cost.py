@@ -1,25 +1,32 @@
-"""Host cost of an eager call (issue 15): wall time per call over back-to-back calls, next to the raw
-launches it is made of, FlashInfer's fused MoE-finalize kernel called directly (the ratio anchor) and
+"""Host cost of an eager call (issue 15): wall time per call over back-to-back calls, next to the
+raw
+launches it is made of, FlashInfer's fused MoE-finalize kernel called directly (the ratio anchor)
+and
 the selected strategy's graph-timed GPU time.
 
-    python -m benchmarks.eager_cost                     # TP1 and TP2, H=7168 K=8, T=1 and 64, none and nvfp4
+    python -m benchmarks.eager_cost                     # TP1 and TP2, H=7168 K=8, T=1 and 64, none
+    and nvfp4
     python -m benchmarks.eager_cost --world-sizes 2 --tokens 1 --quant none --rounds 5
 
 Per (world size, quant, T), every rank times each item in interleaved rounds of `--calls` calls
-(default 300): `wall` stops after a synchronize (what a caller waits for), `host` before it (the time to
+(default 300): `wall` stops after a synchronize (what a caller waits for), `host` before it (the
+time to
 issue the calls). The median over rounds is taken per rank and the maximum over ranks reported.
 Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP1):
 
 - finalize_epilogue: the bridge's call (validation, dispatch, the selected strategy);
 - strategy_run: the selected strategy's own run for T (the eager plan's, if the bridge has one);
-- finalize_kernel_normal / finalize_kernel_cached: our finalize kernel alone, Triton's `kernel[grid]`
-  launch vs the launch cache (kernels/launcher.py), same precomputed launch shape, preallocated output;
+- finalize_kernel_normal / finalize_kernel_cached: our finalize kernel alone, Triton's
+`kernel[grid]`
+  launch vs the launch cache (kernels/launcher.py), same precomputed launch shape, preallocated
+  output;
 - finalize_add_into: the launch function the strategies use (shape lookup + cached launch);
 - fi_allreduce_public / fi_allreduce_prebound: FlashInfer's AR+residual+RMSNorm, its Python wrapper
   vs the pre-bound compiled call (fusion_bridge/strategies/flashinfer_calls.py);
 - fi_moe_finalize_public (the anchor) / fi_moe_finalize_prebound: FlashInfer's fused MoE-finalize
   kernel called directly, weights pre-cast to the activation dtype;
-- graph_selected / graph_fi_moe_finalize: CUDA-graph GPU time per call (fusion_bridge.timing.time_graph)
+- graph_selected / graph_fi_moe_finalize: CUDA-graph GPU time per call
+(fusion_bridge.timing.time_graph)
   of the graph plan's strategy and of the anchor.
 
 Writes benchmarks/results/eager_cost_h200.csv (long format) and prints a table with the ratios the
@@ -35,22 +42,40 @@ import sys
 import time
 from typing import Callable, Optional
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "eager_cost_h200.csv")
+DEFAULT_OUT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "eager_cost_h200.csv"
+)
 H, K = 7168, 8
-ITEMS = ("finalize_epilogue", "strategy_run", "finalize_kernel_normal", "finalize_kernel_cached",
-         "finalize_add_into", "fi_allreduce_public", "fi_allreduce_prebound", "fi_moe_finalize_public",
-         "fi_moe_finalize_prebound")
+ITEMS = (
+    "finalize_epilogue",
+    "strategy_run",
+    "finalize_kernel_normal",
+    "finalize_kernel_cached",
+    "finalize_add_into",
+    "fi_allreduce_public",
+    "fi_allreduce_prebound",
+    "fi_moe_finalize_public",
+    "fi_moe_finalize_prebound",
+)
 
 
 def _spec(quant: str):
     from fusion_bridge import EpilogueSpec, QuantSpec
-    return EpilogueSpec(hidden_size=H, top_k=K, quant=QuantSpec.nvfp4(336.0) if quant == "nvfp4" else QuantSpec.none())
+
+    return EpilogueSpec(
+        hidden_size=H,
+        top_k=K,
+        quant=QuantSpec.nvfp4(336.0) if quant == "nvfp4" else QuantSpec.none(),
+    )
 
 
-def _timed_rounds(fns: dict[str, Callable[[], object]], calls: int, rounds: int, barrier: Callable[[], None]
-                  ) -> dict[str, tuple[float, float]]:
-    """{name: (median wall us per call, median host us per call)}, rounds interleaved across items."""
+def _timed_rounds(
+    fns: dict[str, Callable[[], object]], calls: int, rounds: int, barrier: Callable[[], None]
+) -> dict[str, tuple[float, float]]:
+    """{name: (median wall us per call, median host us per call)}, rounds interleaved across
+    items."""
     import torch
+
     for fn in fns.values():  # warm: compiles, caches, workspaces
         for _ in range(20):
             fn()
@@ -77,77 +102,151 @@ def _finalize_launchers(inp, spec):
     import torch
 
     from fusion_bridge.kernels import finalize_add as fa
+
     tokens = inp.expanded_idx_to_permuted_idx.shape[0]
     out = torch.empty(tokens, H, dtype=inp.gemm2_out.dtype, device=inp.gemm2_out.device)
     shared = inp.shared_output
     blocks, constexprs, warps = fa._launch_shape(H, K, shared is not None, tokens <= 32, None, None)
-    args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, out if shared is None else shared,
-            out, H, float(spec.routed_scaling_factor))
+    args = (
+        inp.gemm2_out,
+        inp.expanded_idx_to_permuted_idx,
+        inp.expert_weights,
+        out if shared is None else shared,
+        out,
+        H,
+        float(spec.routed_scaling_factor),
+    )
     named = dict(zip(fa._LAUNCH.constexpr_names, constexprs))
     grid = (tokens, blocks)
     kernel, launch = fa._finalize_add_kernel, fa._LAUNCH
     return {
         "finalize_kernel_normal": lambda: kernel[grid](*args, **named, num_warps=warps),
         "finalize_kernel_cached": lambda: launch(grid, args, constexprs, warps),
-        "finalize_add_into": lambda: fa.finalize_add_into(out, inp.gemm2_out, inp.expanded_idx_to_permuted_idx,
-                                                          inp.expert_weights, shared, spec.routed_scaling_factor),
+        "finalize_add_into": lambda: fa.finalize_add_into(
+            out,
+            inp.gemm2_out,
+            inp.expanded_idx_to_permuted_idx,
+            inp.expert_weights,
+            shared,
+            spec.routed_scaling_factor,
+        ),
     }
 
 
 def _flashinfer_items(inp, spec, group, world_size, rank) -> tuple[dict, dict, list[str]]:
-    """FlashInfer's AR+norm and fused MoE-finalize, public wrapper vs pre-bound; (items, anchor fn, notes)."""
+    """FlashInfer's AR+norm and fused MoE-finalize, public wrapper vs pre-bound; (items, anchor fn,
+    notes)."""
     import flashinfer.comm as fi_comm
     import torch
 
     from fusion_bridge.strategies import flashinfer_calls, flashinfer_common as fic
+
     workspace = fic.acquire_workspace(group, spec, world_size)
     tokens = inp.expanded_idx_to_permuted_idx.shape[0]
     partial = torch.randn(tokens, H, dtype=spec.dtype, device=inp.residual.device)
     residual_out, norm_out = torch.empty_like(inp.residual), torch.empty_like(inp.residual)
     moe_residual_out, moe_norm_out = torch.empty_like(inp.residual), torch.empty_like(inp.residual)
-    weights = inp.expert_weights.to(spec.dtype)  # pre-cast: FlashInfer reads them in the activation dtype
+    weights = inp.expert_weights.to(
+        spec.dtype
+    )  # pre-cast: FlashInfer reads them in the activation dtype
     pattern = fi_comm.AllReduceFusionPattern.kARResidualRMSNorm
     ar = flashinfer_calls.AllReduceFusionCall(
-        fi_comm, workspace, world_size=world_size, rank=rank, hidden=H, dtype=spec.dtype, pattern=pattern,
-        scale_factor=None, layout=None, eps=spec.eps, weight_bias=spec.weight_bias)
+        fi_comm,
+        workspace,
+        world_size=world_size,
+        rank=rank,
+        hidden=H,
+        dtype=spec.dtype,
+        pattern=pattern,
+        scale_factor=None,
+        layout=None,
+        eps=spec.eps,
+        weight_bias=spec.weight_bias,
+    )
     moe = flashinfer_calls.MoeFinalizeCall(
-        fi_comm, workspace, world_size=world_size, rank=rank, eps=spec.eps,
-        routed_scaling_factor=spec.routed_scaling_factor, weight_bias=spec.weight_bias)
+        fi_comm,
+        workspace,
+        world_size=world_size,
+        rank=rank,
+        eps=spec.eps,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        weight_bias=spec.weight_bias,
+    )
 
     def ar_public():
         fi_comm.trtllm_allreduce_fusion(
-            allreduce_in=partial, world_size=world_size, world_rank=rank, token_num=tokens, hidden_dim=H,
-            workspace_ptrs=workspace.workspace_tensor, launch_with_pdl=False, trigger_completion_at_end=True,
-            fp32_acc=True, pattern_code=pattern, use_oneshot=True, allreduce_out=None, residual_in=inp.residual,
-            residual_out=residual_out, norm_out=norm_out, quant_out=None, scale_out=None, rms_gamma=inp.gamma,
-            rms_eps=spec.eps, scale_factor=None, layout_code=None, weight_bias=spec.weight_bias)
+            allreduce_in=partial,
+            world_size=world_size,
+            world_rank=rank,
+            token_num=tokens,
+            hidden_dim=H,
+            workspace_ptrs=workspace.workspace_tensor,
+            launch_with_pdl=False,
+            trigger_completion_at_end=True,
+            fp32_acc=True,
+            pattern_code=pattern,
+            use_oneshot=True,
+            allreduce_out=None,
+            residual_in=inp.residual,
+            residual_out=residual_out,
+            norm_out=norm_out,
+            quant_out=None,
+            scale_out=None,
+            rms_gamma=inp.gamma,
+            rms_eps=spec.eps,
+            scale_factor=None,
+            layout_code=None,
+            weight_bias=spec.weight_bias,
+        )
 
     def moe_public():
         fi_comm.trtllm_moe_finalize_allreduce_fusion(
-            allreduce_in=inp.gemm2_out, residual_in=inp.residual, norm_weight=inp.gamma,
-            expanded_idx_to_permuted_idx=inp.expanded_idx_to_permuted_idx, norm_out=moe_norm_out,
-            residual_out=moe_residual_out, quant_out=None, scale_out=None,
-            workspace_ptrs=workspace.workspace_tensor, launch_with_pdl=False, world_rank=rank,
-            world_size=world_size, eps=spec.eps, shared_expert_output=inp.shared_output,
-            expert_scale_factor=weights, routed_scaling_factor=spec.routed_scaling_factor,
-            weight_bias=spec.weight_bias)
+            allreduce_in=inp.gemm2_out,
+            residual_in=inp.residual,
+            norm_weight=inp.gamma,
+            expanded_idx_to_permuted_idx=inp.expanded_idx_to_permuted_idx,
+            norm_out=moe_norm_out,
+            residual_out=moe_residual_out,
+            quant_out=None,
+            scale_out=None,
+            workspace_ptrs=workspace.workspace_tensor,
+            launch_with_pdl=False,
+            world_rank=rank,
+            world_size=world_size,
+            eps=spec.eps,
+            shared_expert_output=inp.shared_output,
+            expert_scale_factor=weights,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            weight_bias=spec.weight_bias,
+        )
 
     items = {
         "fi_allreduce_public": ar_public,
-        "fi_allreduce_prebound": lambda: ar(partial, tokens, True, inp.residual, residual_out, norm_out, None, None,
-                                            inp.gamma),
+        "fi_allreduce_prebound": lambda: ar(
+            partial, tokens, True, inp.residual, residual_out, norm_out, None, None, inp.gamma
+        ),
         "fi_moe_finalize_public": moe_public,
-        "fi_moe_finalize_prebound": lambda: moe(inp.gemm2_out, inp.residual, inp.gamma,
-                                                inp.expanded_idx_to_permuted_idx, moe_norm_out, moe_residual_out,
-                                                None, None, inp.shared_output, weights),
+        "fi_moe_finalize_prebound": lambda: moe(
+            inp.gemm2_out,
+            inp.residual,
+            inp.gamma,
+            inp.expanded_idx_to_permuted_idx,
+            moe_norm_out,
+            moe_residual_out,
+            None,
+            None,
+            inp.shared_output,
+            weights,
+        ),
     }
     notes = [flashinfer_calls.describe(ar), flashinfer_calls.describe(moe)]
     release = lambda: fic.release_workspace(group, spec, world_size)  # noqa: E731
     return items, {"release": release, "anchor": moe_public}, notes
 
 
-def rank_main(rank: int, world_size: int, quants: list[str], token_counts: list[int], calls: int,
-              rounds: int) -> list[dict]:
+def rank_main(
+    rank: int, world_size: int, quants: list[str], token_counts: list[int], calls: int, rounds: int
+) -> list[dict]:
     import inspect
 
     import torch
@@ -157,13 +256,18 @@ def rank_main(rank: int, world_size: int, quants: list[str], token_counts: list[
     from fusion_bridge.kernels import finalize_add as fa
     from fusion_bridge.synthetic import make_inputs
     from fusion_bridge.timing import time_graph
+
     group = dist.group.WORLD
     barrier = (lambda: dist.barrier(group)) if world_size > 1 else (lambda: None)
     rows = []
     for quant in quants:
         spec = _spec(quant)
         with FusionBridge(spec, group if world_size > 1 else None, debug=False) as bridge:
-            eager_kw = {"eager": True} if "eager" in inspect.signature(bridge.selected_run).parameters else {}
+            eager_kw = (
+                {"eager": True}
+                if "eager" in inspect.signature(bridge.selected_run).parameters
+                else {}
+            )
             for tokens in token_counts:
                 inp = make_inputs(spec, tokens, rank=rank, device=bridge.device)
                 args = tuple(inp)
@@ -178,25 +282,53 @@ def rank_main(rank: int, world_size: int, quants: list[str], token_counts: list[
                 fi = None
                 if world_size in (2, 4, 8, 16):
                     try:
-                        items, fi, fi_notes = _flashinfer_items(inp, spec, bridge.group, world_size, rank)
+                        items, fi, fi_notes = _flashinfer_items(
+                            inp, spec, bridge.group, world_size, rank
+                        )
                         fns.update(items)
                         notes += fi_notes
                     except Exception as exc:  # reported, never silently missing
                         notes.append(f"flashinfer items skipped: {type(exc).__name__}: {exc}")
                 timed = _timed_rounds(fns, calls, rounds, barrier)
-                notes[0] = f"launch cache: {fa._LAUNCH.disabled_reason or 'on'}"  # after the warm-up
+                notes[0] = (
+                    f"launch cache: {fa._LAUNCH.disabled_reason or 'on'}"  # after the warm-up
+                )
                 graph = {"graph_selected": time_graph(lambda i: graph_raw(inp), sets=1, calls=20)}
                 if fi is not None:
-                    graph["graph_fi_moe_finalize"] = time_graph(lambda i: fi["anchor"](), sets=1, calls=20)
+                    graph["graph_fi_moe_finalize"] = time_graph(
+                        lambda i: fi["anchor"](), sets=1, calls=20
+                    )
                     fi["release"]()
-                route = {"route_graph": ":".join(bridge.route_for(tokens) or ()),
-                         "route_eager": ":".join(bridge.route_for(tokens, **eager_kw) or ())}
+                route = {
+                    "route_graph": ":".join(bridge.route_for(tokens) or ()),
+                    "route_eager": ":".join(bridge.route_for(tokens, **eager_kw) or ()),
+                }
                 for name, (wall, host) in timed.items():
-                    rows.append({"world_size": world_size, "quant": quant, "tokens": tokens, "item": name,
-                                 "us_wall": wall, "us_host": host, **route, "notes": "; ".join(notes)})
+                    rows.append(
+                        {
+                            "world_size": world_size,
+                            "quant": quant,
+                            "tokens": tokens,
+                            "item": name,
+                            "us_wall": wall,
+                            "us_host": host,
+                            **route,
+                            "notes": "; ".join(notes),
+                        }
+                    )
                 for name, us in graph.items():
-                    rows.append({"world_size": world_size, "quant": quant, "tokens": tokens, "item": name,
-                                 "us_wall": us, "us_host": float("nan"), **route, "notes": "; ".join(notes)})
+                    rows.append(
+                        {
+                            "world_size": world_size,
+                            "quant": quant,
+                            "tokens": tokens,
+                            "item": name,
+                            "us_wall": us,
+                            "us_host": float("nan"),
+                            **route,
+                            "notes": "; ".join(notes),
+                        }
+                    )
                 torch.cuda.synchronize()
     return rows
 
@@ -223,7 +355,11 @@ def ratios(rows: list[dict]) -> list[dict]:
     out = []
     for (ws, quant, tokens), v in sorted(by.items()):
         line = {"world_size": ws, "quant": quant, "tokens": tokens}
-        fe, anchor, graph = v.get("finalize_epilogue"), v.get("fi_moe_finalize_public"), v.get("graph_selected")
+        fe, anchor, graph = (
+            v.get("finalize_epilogue"),
+            v.get("fi_moe_finalize_public"),
+            v.get("graph_selected"),
+        )
         if fe is not None and anchor:
             line["eager_vs_flashinfer_direct"] = round(fe / anchor, 3)
         if fe is not None and graph:
@@ -236,15 +372,32 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def write_csv(path: str, rows: list[dict], gpu: str) -> None:
     import csv
+
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fields = ["world_size", "quant", "tokens", "item", "us_wall", "us_host", "route_graph", "route_eager", "gpu",
-              "notes"]
+    fields = [
+        "world_size",
+        "quant",
+        "tokens",
+        "item",
+        "us_wall",
+        "us_host",
+        "route_graph",
+        "route_eager",
+        "gpu",
+        "notes",
+    ]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for r in sorted(rows, key=lambda r: (r["world_size"], r["quant"], r["tokens"], r["item"])):
-            writer.writerow({**r, "gpu": gpu, "us_wall": round(r["us_wall"], 2),
-                             "us_host": round(r["us_host"], 2) if r["us_host"] == r["us_host"] else ""})
+            writer.writerow(
+                {
+                    **r,
+                    "gpu": gpu,
+                    "us_wall": round(r["us_wall"], 2),
+                    "us_host": round(r["us_host"], 2) if r["us_host"] == r["us_host"] else "",
+                }
+            )
 
 
 def print_table(rows: list[dict]) -> None:
@@ -255,13 +408,18 @@ def print_table(rows: list[dict]) -> None:
     width = [max(len(h), 26) for h in head]
     print("  ".join(h.ljust(w) for h, w in zip(head, width)))
     for item in items:
-        cells = [item] + [f"{value[(w, q, t, item)]:.2f}" if (w, q, t, item) in value else "n/a" for w, q, t in configs]
+        cells = [item] + [
+            f"{value[(w, q, t, item)]:.2f}" if (w, q, t, item) in value else "n/a"
+            for w, q, t in configs
+        ]
         print("  ".join(c.ljust(w) for c, w in zip(cells, width)))
     print()
     for line in ratios(rows):
         print(line)
-    routes = {(r["world_size"], r["quant"], r["tokens"]): (r["route_graph"], r["route_eager"], r["notes"])
-              for r in rows}
+    routes = {
+        (r["world_size"], r["quant"], r["tokens"]): (r["route_graph"], r["route_eager"], r["notes"])
+        for r in rows
+    }
     for cfg, (graph, eager, notes) in sorted(routes.items()):
         print(f"TP{cfg[0]} {cfg[1]} T={cfg[2]}: graph route {graph}, eager route {eager}; {notes}")
 
@@ -278,6 +436,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     from fusion_bridge.cli.launch import run_distributed
+
     try:  # by its importable name, so the spawned ranks find it however this file was started
         from benchmarks.eager_cost import rank_main as fn
     except ImportError:
@@ -287,8 +446,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     rows = []
     for world_size in args.world_sizes:
-        per_rank = run_distributed(fn, world_size, args.quant, args.tokens, args.calls, args.rounds,
-                                   backend="nccl", timeout_s=1800.0)
+        per_rank = run_distributed(
+            fn,
+            world_size,
+            args.quant,
+            args.tokens,
+            args.calls,
+            args.rounds,
+            backend="nccl",
+            timeout_s=1800.0,
+        )
         rows += max_over_ranks(per_rank)
     gpu = torch.cuda.get_device_name(0)
     write_csv(args.out, rows, gpu)
@@ -298,5 +465,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )  # the repository root
     sys.exit(main())

@@ -1,10 +1,14 @@
-"""The floor benchmark: every piece of the TP MoE epilogue and every composition, in one run, against the
+"""The floor benchmark: every piece of the TP MoE epilogue and every composition, in one run,
+against the
 hardware floor (2 GPUs, one rank per GPU, NCCL + symmetric memory, multicast off).
 
-    python benchmarks/floor.py [--csv benchmarks/results/floor_h200_tp2.csv] [--tokens 1 16 64 256 1024]
+    python benchmarks/floor.py [--csv benchmarks/results/floor_h200_tp2.csv] [--tokens 1 16 64 256
+    1024]
 
-Measured: peer copy bandwidth over NVLink (each rank writes into its peer's symmetric buffer, both at
-once), HBM copy bandwidth, our finalize kernel alone, NCCL all-reduce alone, FlashInfer one-shot/two-shot
+Measured: peer copy bandwidth over NVLink (each rank writes into its peer's symmetric buffer, both
+at
+once), HBM copy bandwidth, our finalize kernel alone, NCCL all-reduce alone, FlashInfer
+one-shot/two-shot
 all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize kernel (weights
 pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and without programmatic
 dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations) and
@@ -12,11 +16,14 @@ dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage a
 finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
 
-Floors: `sig` is our kernel with everything but the exchange left out (one launch, constant rows published
-to every rank, the wait on them: one NVLink round trip); a path's floor is sig + max(its HBM bytes / HBM
+Floors: `sig` is our kernel with everything but the exchange left out (one launch, constant rows
+published
+to every rank, the wait on them: one NVLink round trip); a path's floor is sig + max(its HBM bytes /
+HBM
 bandwidth, its NVLink bytes / link bandwidth).
 
-`--paths a b ...` times only those paths (plus what the floors need) and `--merge` updates those rows in
+`--paths a b ...` times only those paths (plus what the floors need) and `--merge` updates those
+rows in
 an existing CSV, keeping the others (one device call cannot afford every path every time).
 """
 
@@ -47,6 +54,7 @@ def _rmax(value: float, dev) -> float:
 
 def _peer_gbs(rank: int, dev, nbytes: int = 256 << 20) -> float:
     import torch.distributed._symmetric_memory as symm_mem
+
     buf = symm_mem.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
     handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
     assert int(handle.multicast_ptr or 0) == 0
@@ -61,12 +69,21 @@ def _peer_gbs(rank: int, dev, nbytes: int = 256 << 20) -> float:
 
 def _inputs(spec, tokens, count, dev, rank):
     from fusion_bridge.synthetic import make_inputs
-    return [make_inputs(spec, tokens, rank=rank, seed=1000 * i + tokens, device=dev, skip_fraction=0.0)
-            for i in range(count)]
+
+    return [
+        make_inputs(spec, tokens, rank=rank, seed=1000 * i + tokens, device=dev, skip_fraction=0.0)
+        for i in range(count)
+    ]
 
 
-def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[int, int]],
-              only: Optional[list[str]] = None, sweep: bool = True) -> list[dict]:
+def rank_main(
+    rank: int,
+    world: int,
+    tokens_list: list[int],
+    shapes: list[tuple[int, int]],
+    only: Optional[list[str]] = None,
+    sweep: bool = True,
+) -> list[dict]:
     import flashinfer.comm as fi_comm
 
     from fusion_bridge.environment import detect
@@ -87,9 +104,16 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
     rows.append(dict(path="hbm_copy_gbs", H=0, K=0, T=0, us=round(hbm, 1), floor_us=0, x_floor=0))
     pattern = fi_comm.AllReduceFusionPattern
     for hidden, top_k in shapes:
-        spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, max_tokens=max(tokens_list))
-        spec4 = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5,
-                             max_tokens=max(tokens_list), quant=QuantSpec.nvfp4(448.0))
+        spec = EpilogueSpec(
+            hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, max_tokens=max(tokens_list)
+        )
+        spec4 = EpilogueSpec(
+            hidden_size=hidden,
+            top_k=top_k,
+            routed_scaling_factor=2.5,
+            max_tokens=max(tokens_list),
+            quant=QuantSpec.nvfp4(448.0),
+        )
         symm = SymmFusedOneshotStrategy(spec, env, group, dev)
         symm4 = SymmFusedOneshotStrategy(spec4, env, group, dev)
         symm.prepare()
@@ -111,48 +135,100 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
 
             def fin(i):
                 s = sets[i]
-                finalize_add_into(parts[i], s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
-                                  s.shared_output, spec.routed_scaling_factor)
+                finalize_add_into(
+                    parts[i],
+                    s.gemm2_out,
+                    s.expanded_idx_to_permuted_idx,
+                    s.expert_weights,
+                    s.shared_output,
+                    spec.routed_scaling_factor,
+                )
 
             def fi_ar(i, norm=True, pdl=False, one=None):
                 s = sets[i]
                 fi_comm.trtllm_allreduce_fusion(
-                    allreduce_in=parts[i], world_size=world, world_rank=rank, token_num=tokens, hidden_dim=hidden,
-                    workspace_ptrs=ws_ptrs, launch_with_pdl=pdl, trigger_completion_at_end=True, fp32_acc=True,
+                    allreduce_in=parts[i],
+                    world_size=world,
+                    world_rank=rank,
+                    token_num=tokens,
+                    hidden_dim=hidden,
+                    workspace_ptrs=ws_ptrs,
+                    launch_with_pdl=pdl,
+                    trigger_completion_at_end=True,
+                    fp32_acc=True,
                     pattern_code=pattern.kARResidualRMSNorm if norm else pattern.kAllReduce,
                     use_oneshot=oneshot if one is None else one,
-                    allreduce_out=None if norm else outs[2], residual_in=s.residual if norm else None,
-                    residual_out=outs[0] if norm else None, norm_out=outs[1] if norm else None, quant_out=None,
-                    scale_out=None, rms_gamma=s.gamma if norm else None, rms_eps=spec.eps if norm else None,
-                    scale_factor=None, layout_code=None, weight_bias=spec.weight_bias if norm else None)
+                    allreduce_out=None if norm else outs[2],
+                    residual_in=s.residual if norm else None,
+                    residual_out=outs[0] if norm else None,
+                    norm_out=outs[1] if norm else None,
+                    quant_out=None,
+                    scale_out=None,
+                    rms_gamma=s.gamma if norm else None,
+                    rms_eps=spec.eps if norm else None,
+                    scale_factor=None,
+                    layout_code=None,
+                    weight_bias=spec.weight_bias if norm else None,
+                )
 
             def fi_fused(i):
                 s = sets[i]
                 fi_comm.trtllm_moe_finalize_allreduce_fusion(
-                    allreduce_in=s.gemm2_out, residual_in=s.residual, norm_weight=s.gamma,
-                    expanded_idx_to_permuted_idx=s.expanded_idx_to_permuted_idx, norm_out=outs[1],
-                    residual_out=outs[0], quant_out=None, scale_out=None, workspace_ptrs=ws_ptrs,
-                    launch_with_pdl=False, world_rank=rank, world_size=world, eps=spec.eps,
-                    shared_expert_output=s.shared_output, expert_scale_factor=w_bf16[i],
-                    routed_scaling_factor=spec.routed_scaling_factor, weight_bias=spec.weight_bias)
+                    allreduce_in=s.gemm2_out,
+                    residual_in=s.residual,
+                    norm_weight=s.gamma,
+                    expanded_idx_to_permuted_idx=s.expanded_idx_to_permuted_idx,
+                    norm_out=outs[1],
+                    residual_out=outs[0],
+                    quant_out=None,
+                    scale_out=None,
+                    workspace_ptrs=ws_ptrs,
+                    launch_with_pdl=False,
+                    world_rank=rank,
+                    world_size=world,
+                    eps=spec.eps,
+                    shared_expert_output=s.shared_output,
+                    expert_scale_factor=w_bf16[i],
+                    routed_scaling_factor=spec.routed_scaling_factor,
+                    weight_bias=spec.weight_bias,
+                )
 
             def symm_run(strat, launch=None, ablate=0):
                 def fn(i):
                     s = sets[i]
                     if ablate:
                         r_out, n_out = outs[0], outs[1]
-                        symm_oneshot.fused_into(strat._ws, r_out, n_out, outs[2], outs[2], s.gemm2_out,
-                                                s.expanded_idx_to_permuted_idx, s.expert_weights, s.shared_output,
-                                                s.residual, s.gamma, spec.routed_scaling_factor, spec.eps,
-                                                spec.weight_bias, 0, 1.0, False, launch=launch, ablate=ablate)
+                        symm_oneshot.fused_into(
+                            strat._ws,
+                            r_out,
+                            n_out,
+                            outs[2],
+                            outs[2],
+                            s.gemm2_out,
+                            s.expanded_idx_to_permuted_idx,
+                            s.expert_weights,
+                            s.shared_output,
+                            s.residual,
+                            s.gamma,
+                            spec.routed_scaling_factor,
+                            spec.eps,
+                            spec.weight_bias,
+                            0,
+                            1.0,
+                            False,
+                            launch=launch,
+                            ablate=ablate,
+                        )
                     else:
                         strat.run(s, variant=launch)
+
                 return fn
 
             def fin_then(pdl, one=None):
                 def fn(i):
                     fin(i)
                     fi_ar(i, True, pdl, one)
+
                 return fn
 
             hbm_fin = tokens * hidden * 2 * (top_k + 2)
@@ -176,43 +252,88 @@ def rank_main(rank: int, world: int, tokens_list: list[int], shapes: list[tuple[
                 ("symm_fused_twoshot_nvfp4", symm_run(two4), hbm_all, link_b),
             ]
             if tokens > symm._ws.cap:  # the one-shot's workspace holds fewer tokens
-                paths = [p for p in paths if not p[0].startswith(("symm_fused_oneshot", "symm_ablate", "symm_exch"))]
+                paths = [
+                    p
+                    for p in paths
+                    if not p[0].startswith(("symm_fused_oneshot", "symm_ablate", "symm_exch"))
+                ]
             if tokens <= world:  # FlashInfer's two-shot needs T > world size
                 paths = [p for p in paths if p[0] != "compose_fin_fi_ar_norm_twoshot"]
             if sweep and tokens >= 129 and hidden == 7168:
                 sms = two._ws.num_sms
                 for programs, warps in ((sms, 4), (sms, 16), (sms // 2, 8), (sms // 2, 16)):
-                    paths.append((f"symm2_v{programs}p_w{warps}", symm_run(two, (programs, warps)), hbm_all, link_b))
+                    paths.append(
+                        (
+                            f"symm2_v{programs}p_w{warps}",
+                            symm_run(two, (programs, warps)),
+                            hbm_all,
+                            link_b,
+                        )
+                    )
             if sweep and tokens <= 16 and hidden == 7168:
                 rb = symm_oneshot.row_block(hidden)
                 b1d, b2d, _ = symm_oneshot.default_launch(tokens, hidden, symm._ws.num_sms)
-                for b1, b2, w in ((256, b2d, 8), (1024, b2d, 8), (rb, b2d, 8), (b1d, rb, 8), (b1d, b2d, 16),
-                                  (b1d, b2d, 4)):
-                    paths.append((f"symm_v{b1 if b1 != rb else 'row'}_{b2 if b2 != rb else 'row'}_w{w}",
-                                  symm_run(symm, (b1, b2, w)), hbm_all, link_b))
+                for b1, b2, w in (
+                    (256, b2d, 8),
+                    (1024, b2d, 8),
+                    (rb, b2d, 8),
+                    (b1d, rb, 8),
+                    (b1d, b2d, 16),
+                    (b1d, b2d, 4),
+                ):
+                    paths.append(
+                        (
+                            f"symm_v{b1 if b1 != rb else 'row'}_{b2 if b2 != rb else 'row'}_w{w}",
+                            symm_run(symm, (b1, b2, w)),
+                            hbm_all,
+                            link_b,
+                        )
+                    )
             if only:
-                paths = [p for p in paths if p[0] in only or p[0] == "symm_exchange_only"
-                         or (p[0].startswith("symm_v") and "symm_v" in only)
-                         or (p[0].startswith("symm2_v") and "symm2_v" in only)]
+                paths = [
+                    p
+                    for p in paths
+                    if p[0] in only
+                    or p[0] == "symm_exchange_only"
+                    or (p[0].startswith("symm_v") and "symm_v" in only)
+                    or (p[0].startswith("symm2_v") and "symm2_v" in only)
+                ]
             for name, fn, hbm_b, link_bytes in paths:
                 t0 = time.time()
                 try:
                     dist.barrier()
                     us = _rmax(time_graph(fn, sets=n), dev)
                 except Exception as exc:  # a path that cannot run here is reported, not fatal
-                    print(f"rank {rank}: {name} H={hidden} T={tokens}: {type(exc).__name__}: {exc}"[:300],
-                          file=sys.stderr)
+                    print(
+                        f"rank {rank}: {name} H={hidden} T={tokens}: {type(exc).__name__}: {exc}"[
+                            :300
+                        ],
+                        file=sys.stderr,
+                    )
                     us = float("nan")
                 if name == "symm_exchange_only" and sig_us is None:
                     sig_us = us
                 floor = (sig_us or 0) + max(hbm_b / (hbm * 1e3), link_bytes / (link * 1e3))
                 if name == "finalize_alone":
                     floor = hbm_b / (hbm * 1e3)  # one launch, no communication: bandwidth only
-                rows.append(dict(path=name, H=hidden, K=top_k, T=tokens, us=round(us, 2), floor_us=round(floor, 2),
-                                 x_floor=round(us / floor, 2) if floor else 0.0))
+                rows.append(
+                    dict(
+                        path=name,
+                        H=hidden,
+                        K=top_k,
+                        T=tokens,
+                        us=round(us, 2),
+                        floor_us=round(floor, 2),
+                        x_floor=round(us / floor, 2) if floor else 0.0,
+                    )
+                )
                 if rank == 0:
-                    print(f"{name:32s} H={hidden} T={tokens:5d} {us:8.2f} us  ({time.time() - t0:.1f} s)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{name:32s} H={hidden} T={tokens:5d} {us:8.2f} us  "
+                        f"({time.time() - t0:.1f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             symm.check_error()
             two.check_error()
         for strat in (symm, symm4, two, two4):
@@ -225,15 +346,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default="benchmarks/results/floor_h200_tp2.csv")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
-    ap.add_argument("--paths", nargs="*", default=None, help="only these paths ('symm_v': the launch sweep)")
+    ap.add_argument(
+        "--paths", nargs="*", default=None, help="only these paths ('symm_v': the launch sweep)"
+    )
     ap.add_argument("--merge", default=None, help="an existing CSV whose other rows are kept")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096], help="hidden sizes (K=8 each)")
+    ap.add_argument(
+        "--hidden", type=int, nargs="+", default=[7168, 4096], help="hidden sizes (K=8 each)"
+    )
     args = ap.parse_args()
-    rows = run_distributed(rank_main, 2, args.tokens, [(h, 8) for h in args.hidden], args.paths, not args.no_sweep,
-                           backend="nccl", timeout_s=540)[0]
+    rows = run_distributed(
+        rank_main,
+        2,
+        args.tokens,
+        [(h, 8) for h in args.hidden],
+        args.paths,
+        not args.no_sweep,
+        backend="nccl",
+        timeout_s=540,
+    )[0]
     if args.merge and os.path.exists(args.merge):
         import csv
+
         with open(args.merge) as f:
             old = list(csv.DictReader(f))
         fresh = {(r["path"], str(r["H"]), str(r["K"]), str(r["T"])) for r in rows}
@@ -245,11 +379,21 @@ def main() -> None:
     by = {(r["path"], r["H"], r["T"]): r for r in rows}
     print(f"peer copy {rows[0]['us']} GB/s, HBM copy {rows[1]['us']} GB/s")
     for hidden in args.hidden:
-        print(f"\nH={hidden} K=8, us (x floor)" + "".join(f"{'T=' + str(t):>16s}" for t in args.tokens))
-        for name in sorted({r["path"] for r in rows if r["H"] == hidden}, key=lambda p: (p.startswith(("symm_v", "symm2_v")), p)):
+        print(
+            f"\nH={hidden} K=8, us (x floor)"
+            + "".join(f"{'T=' + str(t):>16s}" for t in args.tokens)
+        )
+        for name in sorted(
+            {r["path"] for r in rows if r["H"] == hidden},
+            key=lambda p: (p.startswith(("symm_v", "symm2_v")), p),
+        ):
             cells = [by.get((name, hidden, t)) for t in args.tokens]
-            print(f"{name:32s}" + "".join(f"{c['us']:9.2f} ({c['x_floor']:4.1f})" if c else f"{'-':>16s}"
-                                          for c in cells))
+            print(
+                f"{name:32s}"
+                + "".join(
+                    f"{c['us']:9.2f} ({c['x_floor']:4.1f})" if c else f"{'-':>16s}" for c in cells
+                )
+            )
 
 
 if __name__ == "__main__":

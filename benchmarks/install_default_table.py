@@ -1,5 +1,7 @@
-"""Ship a tuned table as a default: copy a cache file written by `tune`/`bench` into fusion_bridge/tables/
-under the name a bridge looks up (GPU name, world size and spec; library versions not part of the key).
+"""Ship a tuned table as a default: copy a cache file written by `tune`/`bench` into
+fusion_bridge/tables/
+under the name a bridge looks up (GPU name, world size and spec; library versions not part of the
+key).
 
     python benchmarks/install_default_table.py ~/.cache/fusion_bridge/nvidia_h200_tp2_<hash>.json
 
@@ -20,13 +22,23 @@ def main(paths: list[str]) -> int:
         table = json.load(open(path))
         s = table["spec"]
         q = s["quant"]
-        quant = QuantSpec(q["kind"], scale=q["scale"], global_scale=q["global_scale"], sf_layout=q["sf_layout"])
-        spec = EpilogueSpec(hidden_size=s["hidden_size"], top_k=s["top_k"], dtype=DTYPE_BY_NAME[s["dtype"]],
-                            has_shared_output=s["has_shared_output"], quant=quant)
-        dest = default_table_path(spec, Environment(device_type="cuda", gpu_name=table["gpu"],
-                                                    world_size=table["world_size"]))
+        quant = QuantSpec(
+            q["kind"], scale=q["scale"], global_scale=q["global_scale"], sf_layout=q["sf_layout"]
+        )
+        spec = EpilogueSpec(
+            hidden_size=s["hidden_size"],
+            top_k=s["top_k"],
+            dtype=DTYPE_BY_NAME[s["dtype"]],
+            has_shared_output=s["has_shared_output"],
+            quant=quant,
+        )
+        dest = default_table_path(
+            spec,
+            Environment(device_type="cuda", gpu_name=table["gpu"], world_size=table["world_size"]),
+        )
         dest.parent.mkdir(exist_ok=True)
-        # eager wall times belong to the host that measured them: a shipped table keeps graph times only
+        # eager wall times belong to the host that measured them: a shipped table keeps graph times
+        # only
         shipped = {k: v for k, v in table.items() if k not in ("eager_us", "path")}
         dest.write_text(json.dumps(shipped, indent=1, sort_keys=True))
         print(f"{path} -> {dest}")

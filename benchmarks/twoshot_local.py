@@ -1,13 +1,16 @@
 """The two-shot kernel's local work alone, on ONE GPU: `symm_twoshot` launched with a world of 1 (no
-peers: every row is its own, the reduce-scatter is empty and the all-gather writes into its own buffer),
+peers: every row is its own, the reduce-scatter is empty and the all-gather writes into its own
+buffer),
 beside our finalize kernel alone and the HBM copy bandwidth. What the kernel costs before any NVLink
 traffic: the part of the large-T time that overlapping with the link cannot hide.
 
     python benchmarks/twoshot_local.py [--tokens 1024 4096] [--hidden 7168 4096] [--csv PATH]
 
-CUDA graphs, inputs rotated past L2, median us per call. The `twoshot_ablate_*` rows run a subset of the
+CUDA graphs, inputs rotated past L2, median us per call. The `twoshot_ablate_*` rows run a subset of
+the
 kernel's phases (reduce: finalize + residual + the row into its own all-gather region; gather: poll,
-residual_out, norm; clear: the previous call's rows back to the sentinel): where the time goes; their
+residual_out, norm; clear: the previous call's rows back to the sentinel): where the time goes;
+their
 outputs are wrong.
 """
 
@@ -38,6 +41,7 @@ def main() -> None:
     from fusion_bridge.kernels.finalize_add import finalize_add_into
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
+
     rows = [dict(path="hbm_copy_gbs", H=0, T=0, us=round(copy_bandwidth_gbs(1 << 30), 1))]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for hidden in args.hidden:
@@ -47,28 +51,61 @@ def main() -> None:
         ws.num_sms = sms
         for tokens in args.tokens:
             n = sets_to_rotate(tokens * hidden * 2 * 14, max_sets=16)
-            sets = [make_inputs(spec, tokens, seed=i, device="cuda", skip_fraction=0.0) for i in range(n)]
+            sets = [
+                make_inputs(spec, tokens, seed=i, device="cuda", skip_fraction=0.0)
+                for i in range(n)
+            ]
             outs = [torch.empty(tokens, hidden, dtype=spec.dtype, device="cuda") for _ in range(2)]
             none = torch.empty(0, dtype=torch.uint8, device="cuda")
 
             def fin(i):
                 s = sets[i]
-                finalize_add_into(outs[0], s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
-                                  s.shared_output, spec.routed_scaling_factor)
+                finalize_add_into(
+                    outs[0],
+                    s.gemm2_out,
+                    s.expanded_idx_to_permuted_idx,
+                    s.expert_weights,
+                    s.shared_output,
+                    spec.routed_scaling_factor,
+                )
 
             def local(warps, phases=symm_twoshot.ALL_PHASES):
                 def fn(i):
                     s = sets[i]
-                    symm_twoshot.fused_into(ws, outs[0], outs[1], none, none, s.gemm2_out,
-                                            s.expanded_idx_to_permuted_idx, s.expert_weights, s.shared_output,
-                                            s.residual, s.gamma, spec.routed_scaling_factor, spec.eps,
-                                            spec.weight_bias, 0, 1.0, False, warps=warps, phases=phases)
+                    symm_twoshot.fused_into(
+                        ws,
+                        outs[0],
+                        outs[1],
+                        none,
+                        none,
+                        s.gemm2_out,
+                        s.expanded_idx_to_permuted_idx,
+                        s.expert_weights,
+                        s.shared_output,
+                        s.residual,
+                        s.gamma,
+                        spec.routed_scaling_factor,
+                        spec.eps,
+                        spec.weight_bias,
+                        0,
+                        1.0,
+                        False,
+                        warps=warps,
+                        phases=phases,
+                    )
+
                 return fn
-            variants = [("finalize_alone", fin)] + [(f"twoshot_local_w{w}", local(w)) for w in (8, 16, 4)]
+
+            variants = [("finalize_alone", fin)] + [
+                (f"twoshot_local_w{w}", local(w)) for w in (8, 16, 4)
+            ]
             # ablations (wrong results, timing only): which phase costs what
             k = symm_twoshot
-            for label, phases in (("reduce_only", k.REDUCE), ("reduce_gather", k.REDUCE | k.GATHER),
-                                  ("reduce_clear", k.REDUCE | k.CLEAR)):
+            for label, phases in (
+                ("reduce_only", k.REDUCE),
+                ("reduce_gather", k.REDUCE | k.GATHER),
+                ("reduce_clear", k.REDUCE | k.CLEAR),
+            ):
                 variants.append((f"twoshot_ablate_{label}_w16", local(16, phases)))
             for name, fn in variants:
                 us = time_graph(fn, sets=n)

@@ -19,8 +19,15 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.2.0"
-__all__ = ["FusionBridge", "EpilogueSpec", "QuantSpec", "EpilogueOutputs", "EpilogueInputError",
-           "NoStrategyAvailable", "__version__"]
+__all__ = [
+    "FusionBridge",
+    "EpilogueSpec",
+    "QuantSpec",
+    "EpilogueOutputs",
+    "EpilogueInputError",
+    "NoStrategyAvailable",
+    "__version__",
+]
 
 _LAZY = {
     "FusionBridge": ".bridge",

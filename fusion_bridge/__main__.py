@@ -1,4 +1,5 @@
-"""python -m fusion_bridge [info|explain|parity|tune|bench|matrix] ... (see fusion_bridge/cli/main.py)."""
+"""python -m fusion_bridge [info|explain|parity|tune|bench|matrix] ... (see
+fusion_bridge/cli/main.py)."""
 
 import sys
 

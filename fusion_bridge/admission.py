@@ -2,7 +2,8 @@
 
 capability (static, per rank) -> resources (can this rank allocate?) -> agree -> prepare (collective
 workspaces) -> agree -> self-test against the oracle -> agree. Every agreement is one all-reduce MIN
-of a 0/1 flag per strategy (MIN of packed bitmasks would not be AND). A strategy that fails anywhere,
+of a 0/1 flag per strategy (MIN of packed bitmasks would not be AND). A strategy that fails
+anywhere,
 on any rank, is off on every rank, with the reasons kept for the report.
 """
 
@@ -25,18 +26,35 @@ from .strategies.base import Strategy
 
 @dataclass
 class Admission:
-    statuses: list[StrategyStatus]          # every registered strategy, in registry order
-    instances: dict[str, Strategy]          # the prepared ones, usable on every rank
+    statuses: list[StrategyStatus]  # every registered strategy, in registry order
+    instances: dict[str, Strategy]  # the prepared ones, usable on every rank
 
 
-def admit(spec: EpilogueSpec, env: Environment, group, device: torch.device, *, requested: str,
-          also_prepare: tuple[str, ...] = (), run_self_test: bool = True) -> Admission:
-    """Collective. Prepares everything auto may pick (or only the requested strategy), the oracle, and
+def admit(
+    spec: EpilogueSpec,
+    env: Environment,
+    group,
+    device: torch.device,
+    *,
+    requested: str,
+    also_prepare: tuple[str, ...] = (),
+    run_self_test: bool = True,
+) -> Admission:
+    """Collective. Prepares everything auto may pick (or only the requested strategy), the oracle,
+    and
     `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name."""
     classes = registry.strategy_classes()
-    reasons: dict[str, list[Reason]] = {c.name: list(c.not_supported_reasons(spec, env)) for c in classes}
-    wanted = [c for c in classes if (requested == AUTO and not c.opt_in) or requested == c.name
-              or not c.auto_selectable or c.name in also_prepare]
+    reasons: dict[str, list[Reason]] = {
+        c.name: list(c.not_supported_reasons(spec, env)) for c in classes
+    }
+    wanted = [
+        c
+        for c in classes
+        if (requested == AUTO and not c.opt_in)
+        or requested == c.name
+        or not c.auto_selectable
+        or c.name in also_prepare
+    ]
     instances: dict[str, Strategy] = {}
     for cls in wanted:
         if not reasons[cls.name]:
@@ -50,8 +68,13 @@ def admit(spec: EpilogueSpec, env: Environment, group, device: torch.device, *, 
         try:
             inst.prepare()
         except Exception as exc:
-            reasons[name].append(Reason("prepare_failed", f"prepare() raised {type(exc).__name__}: {exc}",
-                                        "see the exception; the strategy stays off"))
+            reasons[name].append(
+                Reason(
+                    "prepare_failed",
+                    f"prepare() raised {type(exc).__name__}: {exc}",
+                    "see the exception; the strategy stays off",
+                )
+            )
     _agree(classes, reasons, instances, "prepare", env, group, flag_device)
     tests: dict[str, tuple[str, Optional[float]]] = {}
     rank = my_rank(group)
@@ -66,9 +89,14 @@ def admit(spec: EpilogueSpec, env: Environment, group, device: torch.device, *, 
     statuses = []
     for cls in classes:
         inst = instances.get(cls.name)
-        state, err = tests.get(cls.name, (_not_run_why(cls, run_self_test, device, prepared=inst is not None), None))
-        statuses.append(StrategyStatus.of(cls, spec, env, reasons[cls.name], state, err,
-                                          inst.workspace_bytes if inst else 0))
+        state, err = tests.get(
+            cls.name, (_not_run_why(cls, run_self_test, device, prepared=inst is not None), None)
+        )
+        statuses.append(
+            StrategyStatus.of(
+                cls, spec, env, reasons[cls.name], state, err, inst.workspace_bytes if inst else 0
+            )
+        )
     return Admission(statuses, instances)
 
 
@@ -82,8 +110,15 @@ def _not_run_why(cls, run_self_test: bool, device: torch.device, prepared: bool 
     return "not run (opt-in, not requested)" if cls.opt_in and not prepared else "not run"
 
 
-def _agree(classes, reasons: dict[str, list[Reason]], instances: dict[str, Strategy], stage: str,
-           env: Environment, group, flag_device: torch.device) -> None:
+def _agree(
+    classes,
+    reasons: dict[str, list[Reason]],
+    instances: dict[str, Strategy],
+    stage: str,
+    env: Environment,
+    group,
+    flag_device: torch.device,
+) -> None:
     """AND each strategy's local 'still usable' flag across ranks; drop and close the rest."""
     local = [int(not reasons[c.name]) for c in classes]
     flags = agree_flags(local, group, flag_device) if env.world_size > 1 else local

@@ -13,7 +13,8 @@ from .reasons import Reason
 
 
 def agree_flags(flags: list[int], group, device: torch.device) -> list[int]:
-    """Elementwise AND of 0/1 flags across the ranks of `group`. Collective; identity without a group."""
+    """Elementwise AND of 0/1 flags across the ranks of `group`. Collective; identity without a
+    group."""
     if not flags or not group_active(group):
         return list(flags)
     if dist.get_world_size(group) == 1:
@@ -30,10 +31,12 @@ def collective_device(group, device: torch.device) -> torch.device:
 
 
 def other_rank_reason(stage: str) -> Reason:
-    return Reason("unavailable_on_another_rank",
-                  f"another rank of the group cannot run this strategy ({stage}); every rank must pick "
-                  "the same plan, so it is off on all ranks",
-                  "run `python -m fusion_bridge info` on each rank to see which one and why")
+    return Reason(
+        "unavailable_on_another_rank",
+        f"another rank of the group cannot run this strategy ({stage}); every rank must pick "
+        "the same plan, so it is off on all ranks",
+        "run `python -m fusion_bridge info` on each rank to see which one and why",
+    )
 
 
 def group_active(group) -> bool:

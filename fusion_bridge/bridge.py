@@ -11,7 +11,8 @@ Environment variables:
   FUSION_BRIDGE_DEBUG=1           value checks at every call (index range, T equal on all ranks);
                                   they sync, so keep it off on the hot path and under CUDA graphs
   FUSION_BRIDGE_SELF_TEST=0       skip the self-test at build time
-  FUSION_BRIDGE_SHADOW=name[:N]   shadow mode: run `name` beside the selected strategy every N-th call
+  FUSION_BRIDGE_SHADOW=name[:N]   shadow mode: run `name` beside the selected strategy every N-th
+  call
                                   and record divergence in explain() (see shadow.py for the cost)
 """
 
@@ -37,8 +38,13 @@ from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
 from .strategies.base import Strategy
-from .validation import (EpilogueInputError, check_token_limit, input_check, validate_index_values,
-                         validate_inputs)
+from .validation import (
+    EpilogueInputError,
+    check_token_limit,
+    input_check,
+    validate_index_values,
+    validate_inputs,
+)
 
 _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
@@ -46,7 +52,9 @@ _LOG = log.get_logger("bridge")
 
 def _env_flag(name: str, default: bool) -> bool:
     value = os.environ.get(name)
-    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+    return (
+        default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+    )
 
 
 class FusionBridge:
@@ -54,65 +62,109 @@ class FusionBridge:
 
     spec: the layer's static EpilogueSpec. group: the TP process group (None: the default group if
     torch.distributed is initialised, else a single process). strategy: "auto" or a registered name.
-    device: where the tensors live (default: the current CUDA device, else CPU). environment: override
-    the detected Environment (tests). self_test / debug: see the module docstring. tuning: "auto" uses
+    device: where the tensors live (default: the current CUDA device, else CPU). environment:
+    override
+    the detected Environment (tests). self_test / debug: see the module docstring. tuning: "auto"
+    uses
     a cached or shipped measurement table on CUDA, "off" the static order; measured_us passes
     CUDA-graph measurements directly ({strategy: {variant: {bucket bound: us}}}) and eager_us eager
     wall times per call (then eager calls may take other routes). shadow: "name" or "name:N".
-    build_timeout_s: how long the build waits for every rank to arrive (FUSION_BRIDGE_BUILD_TIMEOUT_S).
+    build_timeout_s: how long the build waits for every rank to arrive
+    (FUSION_BRIDGE_BUILD_TIMEOUT_S).
     """
 
-    def __init__(self, spec: EpilogueSpec, group=None, strategy: str = AUTO, *,
-                 device: Optional[torch.device] = None, environment: Optional[Environment] = None,
-                 self_test: Optional[bool] = None, debug: Optional[bool] = None,
-                 tuning: str = "auto", measured_us: Optional[dict] = None, eager_us: Optional[dict] = None,
-                 shadow: Optional[str] = None, build_timeout_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        spec: EpilogueSpec,
+        group=None,
+        strategy: str = AUTO,
+        *,
+        device: Optional[torch.device] = None,
+        environment: Optional[Environment] = None,
+        self_test: Optional[bool] = None,
+        debug: Optional[bool] = None,
+        tuning: str = "auto",
+        measured_us: Optional[dict] = None,
+        eager_us: Optional[dict] = None,
+        shadow: Optional[str] = None,
+        build_timeout_s: Optional[float] = None,
+    ) -> None:
         if not isinstance(spec, EpilogueSpec):
-            raise TypeError(f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}")
+            raise TypeError(
+                f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}"
+            )
         env_strategy = os.environ.get("FUSION_BRIDGE_STRATEGY")
         requested = env_strategy or strategy
         if requested != AUTO and requested not in registry.REGISTRY:
             source = "FUSION_BRIDGE_STRATEGY" if env_strategy else "strategy"
-            raise ValueError(f"FusionBridge: {source} must be 'auto' or one of {list(registry.REGISTRY)}, "
-                             f"got {requested!r}")
+            raise ValueError(
+                f"FusionBridge: {source} must be 'auto' or one of {list(registry.REGISTRY)}, "
+                f"got {requested!r}"
+            )
         if tuning not in ("auto", "off"):
             raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
         shadow = shadow if shadow is not None else os.environ.get("FUSION_BRIDGE_SHADOW") or None
         self._shadow = Shadow.parse(shadow, list(registry.REGISTRY)) if shadow else None
         self.spec, self.group, self.requested = spec, group, requested
         self.debug = _env_flag("FUSION_BRIDGE_DEBUG", False) if debug is None else debug
-        run_self_test = _env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test
+        run_self_test = (
+            _env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test
+        )
         self.device = default_device(device)
-        # Ranks check in through the store (no collective, bounded), then agree on every setting that
+        # Ranks check in through the store (no collective, bounded), then agree on every setting
+        # that
         # must be equal, before any other collective of the build.
         consensus.check_in(group, timeout_s=build_timeout_s)
-        consensus.agree_on_settings({
-            "spec": spec.to_dict(), "requested_strategy": requested, "debug": self.debug, "self_test": run_self_test,
-            "shadow": self._shadow.to_dict_settings() if self._shadow else None, "tuning": tuning,
-            "measured_us_given": measured_us is not None}, group)
+        consensus.agree_on_settings(
+            {
+                "spec": spec.to_dict(),
+                "requested_strategy": requested,
+                "debug": self.debug,
+                "self_test": run_self_test,
+                "shadow": self._shadow.to_dict_settings() if self._shadow else None,
+                "tuning": tuning,
+                "measured_us_given": measured_us is not None,
+            },
+            group,
+        )
         self.env = environment or detect(group, self.device)
         self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
         self._looks_valid = input_check(spec, self.device)
         self._max_tokens = spec.max_tokens
         # eager calls take the eager plan's routes when it differs: is this call being captured? (a
         # CPU-only torch raises on the CUDA query, and nothing captures there)
-        self._capturing = torch.cuda.is_current_stream_capturing if self.device.type == "cuda" else bool
-        self._agree_each_call = self.debug and self.env.world_size > 1  # one small collective per call
+        self._capturing = (
+            torch.cuda.is_current_stream_capturing if self.device.type == "cuda" else bool
+        )
+        self._agree_each_call = (
+            self.debug and self.env.world_size > 1
+        )  # one small collective per call
         self.reroutes = 0
         self._closed = False
         self._broken: Optional[str] = None
-        admitted = admit(spec, self.env, group, self.device, requested=requested,
-                         also_prepare=(self._shadow.strategy,) if self._shadow else (), run_self_test=run_self_test)
+        admitted = admit(
+            spec,
+            self.env,
+            group,
+            self.device,
+            requested=requested,
+            also_prepare=(self._shadow.strategy,) if self._shadow else (),
+            run_self_test=run_self_test,
+        )
         self.statuses, self._instances = admitted.statuses, admitted.instances
         _LIVE_BRIDGES.add(self)
         try:
             if self._shadow and self._shadow.strategy not in self._instances:
                 status = next(s for s in self.statuses if s.name == self._shadow.strategy)
-                raise ValueError(f"FusionBridge: shadow strategy {self._shadow.strategy!r} cannot run here: "
-                                 + "; ".join(f"[{r.code}] {r.message}" for r in status.reasons))
+                raise ValueError(
+                    f"FusionBridge: shadow strategy {self._shadow.strategy!r} cannot run here: "
+                    + "; ".join(f"[{r.code}] {r.message}" for r in status.reasons)
+                )
             self.table: Optional[dict] = None
             if measured_us is None and tuning == "auto" and self.device.type == "cuda":
-                self.table = tuning_tables.load_table(spec, self.env, group)  # collective: rank 0 decides
+                self.table = tuning_tables.load_table(
+                    spec, self.env, group
+                )  # collective: rank 0 decides
                 if self.table is not None:
                     measured_us = tuning_tables.as_measurements(self.table)
                     eager_us = tuning_tables.as_measurements(self.table, "eager_us")
@@ -129,34 +181,68 @@ class FusionBridge:
         if self.env.world_size > 1:
             consensus.agree_on_settings(consensus.plan_settings(plan), self.group, what="the plan")
         self.plan = plan
-        shape_checked = {name: type(inst).accepts is not Strategy.accepts for name, inst in self._instances.items()}
-        self._routes = [(self._instances[name], variant, shape_checked[name])
-                        for name, variant in zip(plan.choice, plan.variants)]
-        self._mode_dependent = plan.mode_dependent  # then eager calls (not capturing) take their own routes
-        self._eager_routes = ([(self._instances[name], variant, shape_checked[name])
-                               for name, variant in zip(plan.eager_choice, plan.eager_variants)]
-                              if self._mode_dependent else self._routes)
-        self._overflow = ((self._instances[plan.overflow], plan.overflow_variant) if plan.overflow else None)
+        shape_checked = {
+            name: type(inst).accepts is not Strategy.accepts
+            for name, inst in self._instances.items()
+        }
+        self._routes = [
+            (self._instances[name], variant, shape_checked[name])
+            for name, variant in zip(plan.choice, plan.variants)
+        ]
+        self._mode_dependent = (
+            plan.mode_dependent
+        )  # then eager calls (not capturing) take their own routes
+        self._eager_routes = (
+            [
+                (self._instances[name], variant, shape_checked[name])
+                for name, variant in zip(plan.eager_choice, plan.eager_variants)
+            ]
+            if self._mode_dependent
+            else self._routes
+        )
+        self._overflow = (
+            (self._instances[plan.overflow], plan.overflow_variant) if plan.overflow else None
+        )
 
     # ---------------------------------------------------------------- call
-    def finalize_epilogue(self, gemm2_out: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
-                          expert_weights: torch.Tensor, shared_output: Optional[torch.Tensor],
-                          residual: torch.Tensor, gamma: torch.Tensor) -> EpilogueOutputs:
+    def finalize_epilogue(
+        self,
+        gemm2_out: torch.Tensor,
+        expanded_idx_to_permuted_idx: torch.Tensor,
+        expert_weights: torch.Tensor,
+        shared_output: Optional[torch.Tensor],
+        residual: torch.Tensor,
+        gamma: torch.Tensor,
+    ) -> EpilogueOutputs:
         """Finalize + shared add + all-reduce + residual add + RMSNorm (+ quant), on every rank.
 
         gemm2_out [P, H] act dtype; expanded_idx_to_permuted_idx [T, K] int32 (-1 = skip);
         expert_weights [T, K] fp32/bf16/fp16; shared_output [T, H] or None (as the spec says);
-        residual [T, H]; gamma [H]. Returns EpilogueOutputs (residual_out, norm_out [T, H] act dtype;
-        quant/scale when the spec quantizes). The inputs are never modified. Collective when world > 1.
+        residual [T, H]; gamma [H]. Returns EpilogueOutputs (residual_out, norm_out [T, H] act
+        dtype;
+        quant/scale when the spec quantizes). The inputs are never modified. Collective when world >
+        1.
         """
         if self._closed:
             raise RuntimeError("finalize_epilogue: this FusionBridge was closed")
-        if torch.compiler.is_compiling():  # one opaque node in the graph; the op runs this method eagerly
-            return compiled.outputs_from_op(self.spec, torch.ops.fusion_bridge.finalize_epilogue(
-                gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma,
-                self.name))
-        inputs = EpilogueInputs(gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output,
-                                residual, gamma)
+        if (
+            torch.compiler.is_compiling()
+        ):  # one opaque node in the graph; the op runs this method eagerly
+            return compiled.outputs_from_op(
+                self.spec,
+                torch.ops.fusion_bridge.finalize_epilogue(
+                    gemm2_out,
+                    expanded_idx_to_permuted_idx,
+                    expert_weights,
+                    shared_output,
+                    residual,
+                    gamma,
+                    self.name,
+                ),
+            )
+        inputs = EpilogueInputs(
+            gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma
+        )
         if self._broken is not None:
             raise EpilogueInputError(self._broken)
         if self._agree_each_call:
@@ -183,10 +269,14 @@ class FusionBridge:
         return out
 
     def _take_part_then_raise(self, inputs: EpilogueInputs, error: EpilogueInputError) -> None:
-        """This rank's inputs failed its checks, but its peers are already in (or on their way to) the
-        call's collectives. Run the same launches and collectives they run for this T, on NaN partial
-        rows, so the group stays in step and the peers get NaN outputs (loud, never plausible values);
-        then raise. If T is unknown or has no route, this rank cannot take part: the bridge refuses every
+        """This rank's inputs failed its checks, but its peers are already in (or on their way to)
+        the
+        call's collectives. Run the same launches and collectives they run for this T, on NaN
+        partial
+        rows, so the group stays in step and the peers get NaN outputs (loud, never plausible
+        values);
+        then raise. If T is unknown or has no route, this rank cannot take part: the bridge refuses
+        every
         later call, so no call of this rank ever pairs with a peer's later call."""
         tokens = _tokens_of(inputs.expanded_idx_to_permuted_idx)
         if self.env.world_size == 1 or tokens == 0:
@@ -196,15 +286,26 @@ class FusionBridge:
             try:
                 poison = self._poison_inputs(tokens)
                 route[0].run(poison, route[1])
-                if self._shadow is not None and self._shadow.due():  # the peers sample this call too
+                if (
+                    self._shadow is not None and self._shadow.due()
+                ):  # the peers sample this call too
                     self._instances[self._shadow.strategy].run(poison)
             except Exception as exc:  # noqa: BLE001 - reported below, with the original error
-                route, error = None, EpilogueInputError(f"{error} (and taking part with a NaN payload failed: "
-                                                       f"{type(exc).__name__}: {exc})")
+                route, error = (
+                    None,
+                    EpilogueInputError(
+                        f"{error} (and taking part with a NaN payload failed: "
+                        f"{type(exc).__name__}: {exc})"
+                    ),
+                )
         if route is None:
-            self._broken = (f"finalize_epilogue: this FusionBridge is unusable: an earlier call failed on this rank "
-                            f"({error}) and could not take part in its peers' collectives, so the group is out of "
-                            "step; rebuild the bridge on every rank (the peers are blocked in that call)")
+            self._broken = (
+                "finalize_epilogue: this FusionBridge is unusable: an earlier call failed on this "
+                "rank "
+                f"({error}) and could not take part in its peers' collectives, so the group is out "
+                "of "
+                "step; rebuild the bridge on every rank (the peers are blocked in that call)"
+            )
             raise EpilogueInputError(self._broken) from error
         raise error
 
@@ -213,15 +314,25 @@ class FusionBridge:
         spec, dev = self.spec, self.device
         nan_rows = torch.full((1, spec.hidden_size), float("nan"), dtype=spec.dtype, device=dev)
         perm = torch.zeros(tokens, spec.top_k, dtype=torch.int32, device=dev)
-        shared = (torch.full((tokens, spec.hidden_size), float("nan"), dtype=spec.dtype, device=dev)
-                  if spec.has_shared_output else None)
-        return EpilogueInputs(nan_rows, perm, torch.ones(tokens, spec.top_k, device=dev), shared,
-                              torch.zeros(tokens, spec.hidden_size, dtype=spec.dtype, device=dev),
-                              torch.ones(spec.hidden_size, dtype=spec.dtype, device=dev))
+        shared = (
+            torch.full((tokens, spec.hidden_size), float("nan"), dtype=spec.dtype, device=dev)
+            if spec.has_shared_output
+            else None
+        )
+        return EpilogueInputs(
+            nan_rows,
+            perm,
+            torch.ones(tokens, spec.top_k, device=dev),
+            shared,
+            torch.zeros(tokens, spec.hidden_size, dtype=spec.dtype, device=dev),
+            torch.ones(spec.hidden_size, dtype=spec.dtype, device=dev),
+        )
 
     def _agreed_call(self, inputs: EpilogueInputs) -> EpilogueOutputs:
-        """Debug mode over several ranks: local checks (index range included), then one small collective
-        on (ok, T) before the epilogue's collectives; if any rank failed or T differs, every rank raises
+        """Debug mode over several ranks: local checks (index range included), then one small
+        collective
+        on (ok, T) before the epilogue's collectives; if any rank failed or T differs, every rank
+        raises
         the same error naming the failing rank and its reason."""
         tokens = _tokens_of(inputs.expanded_idx_to_permuted_idx)
         error, route = None, None
@@ -232,25 +343,43 @@ class FusionBridge:
                 route = self._route(inputs, tokens)
         except EpilogueInputError as exc:
             error = exc
-        consensus.agree_call(error is None, -1 if tokens is None else tokens, None if error is None else str(error),
-                             self.group, collective_device(self.group, self.device))
+        consensus.agree_call(
+            error is None,
+            -1 if tokens is None else tokens,
+            None if error is None else str(error),
+            self.group,
+            collective_device(self.group, self.device),
+        )
         if not tokens:
             return allocate_outputs(self.spec, 0, self.device)
         return self._run(inputs, *route)
 
     def _run_shadow(self, inputs: EpilogueInputs, out: EpilogueOutputs, selected: str) -> None:
-        errors = self._shadow.record(self.spec, out, self._instances[self._shadow.strategy].run(inputs))
+        errors = self._shadow.record(
+            self.spec, out, self._instances[self._shadow.strategy].run(inputs)
+        )
         bound = next(s.error_bound for s in self.statuses if s.name == selected)
         worst = max(errors["residual_out"], errors["norm_out"])
         if not worst <= bound:  # NaN too
-            log.log_every((self.name, "shadow"), 60.0, logging.WARNING,
-                          "fusion_bridge: shadow %s diverges from %s at T=%d: rel err %.3g > bound %.3g",
-                          self._shadow.strategy, selected, inputs.tokens, worst, bound)
+            log.log_every(
+                (self.name, "shadow"),
+                60.0,
+                logging.WARNING,
+                "fusion_bridge: shadow %s diverges from %s at T=%d: rel err %.3g > bound %.3g",
+                self._shadow.strategy,
+                selected,
+                inputs.tokens,
+                worst,
+                bound,
+            )
 
     def _bucket_route(self, tokens: int) -> tuple[Strategy, str, bool]:
-        """(strategy, variant, checks shapes?) this call's mode (eager or captured) plans for 0 < T <=
+        """(strategy, variant, checks shapes?) this call's mode (eager or captured) plans for 0 < T
+        <=
         max_tokens."""
-        routes = self._eager_routes if self._mode_dependent and not self._capturing() else self._routes
+        routes = (
+            self._eager_routes if self._mode_dependent and not self._capturing() else self._routes
+        )
         return routes[bucket_index(tokens)]
 
     def _planned_route(self, tokens: int) -> Optional[tuple[Strategy, str]]:
@@ -259,7 +388,8 @@ class FusionBridge:
         return self._bucket_route(tokens)[:2] if tokens <= self._max_tokens else self._overflow
 
     def _route(self, inputs: EpilogueInputs, tokens: int) -> tuple[Strategy, str]:
-        """The planned (strategy, variant) for T; T above max_tokens or a shape the bucket's strategy
+        """The planned (strategy, variant) for T; T above max_tokens or a shape the bucket's
+        strategy
         refuses goes to the overflow route, or raises."""
         if tokens <= self._max_tokens:
             strategy, variant, checks_shape = self._bucket_route(tokens)
@@ -271,22 +401,38 @@ class FusionBridge:
         name = refused.name if refused is not None else self.plan.choice[-1]
         if self._overflow is None or self._overflow[0] is refused:
             check_token_limit(tokens, self._max_tokens, name)
-            raise EpilogueInputError(f"finalize_epilogue: strategy {name!r} cannot take these inputs "
-                                     f"(gemm2_out has {inputs.gemm2_out.numel()} elements, its kernel "
-                                     "indexes with int32) and no other strategy was selected")
+            raise EpilogueInputError(
+                f"finalize_epilogue: strategy {name!r} cannot take these inputs "
+                f"(gemm2_out has {inputs.gemm2_out.numel()} elements, its kernel "
+                "indexes with int32) and no other strategy was selected"
+            )
         self.reroutes += 1
-        log.log_every((self.name, "reroute"), 60.0, logging.INFO,
-                      "fusion_bridge: T=%d routed to %s (%s); %d reroutes so far", tokens, self._overflow[0].name,
-                      "above max_tokens" if refused is None else f"{name} refused the shapes", self.reroutes)
+        log.log_every(
+            (self.name, "reroute"),
+            60.0,
+            logging.INFO,
+            "fusion_bridge: T=%d routed to %s (%s); %d reroutes so far",
+            tokens,
+            self._overflow[0].name,
+            "above max_tokens" if refused is None else f"{name} refused the shapes",
+            self.reroutes,
+        )
         return self._overflow
 
-    # ---------------------------------------------------------------- tools (parity, tuning, benchmarks)
-    def run_strategy(self, name: str, inputs: EpilogueInputs, variant: Optional[str] = None) -> EpilogueOutputs:
-        """Run one prepared strategy by name (its planned variant for this T unless given), whatever the
-        plan says. Validates the inputs. Collective when world > 1: every rank calls it with the same name."""
+    # ---------------------------------------------------------------- tools (parity, tuning,
+    # benchmarks)
+    def run_strategy(
+        self, name: str, inputs: EpilogueInputs, variant: Optional[str] = None
+    ) -> EpilogueOutputs:
+        """Run one prepared strategy by name (its planned variant for this T unless given), whatever
+        the
+        plan says. Validates the inputs. Collective when world > 1: every rank calls it with the
+        same name."""
         if name not in self._instances:
-            raise ValueError(f"run_strategy: strategy must be one of the prepared {list(self._instances)}, "
-                             f"got {name!r}")
+            raise ValueError(
+                f"run_strategy: strategy must be one of the prepared {list(self._instances)}, "
+                f"got {name!r}"
+            )
         validate_inputs(self.spec, inputs, self.device)
         if inputs.tokens == 0:
             return allocate_outputs(self.spec, 0, self.device)
@@ -296,36 +442,61 @@ class FusionBridge:
         if variant is None:
             variant = status.variant_for(bucket_index(inputs.tokens))
         elif variant not in status.variants:
-            raise ValueError(f"run_strategy: variant of {name!r} must be one of {list(status.variants)}, "
-                             f"got {variant!r}")
+            raise ValueError(
+                f"run_strategy: variant of {name!r} must be one of {list(status.variants)}, "
+                f"got {variant!r}"
+            )
         return inst.run(inputs, variant)
 
-    def selected_run(self, tokens: int, eager: bool = False) -> Callable[[EpilogueInputs], EpilogueOutputs]:
+    def selected_run(
+        self, tokens: int, eager: bool = False
+    ) -> Callable[[EpilogueInputs], EpilogueOutputs]:
         """The planned strategy's own run for T tokens (eager=True: the eager plan's), without the
-        bridge's validation and dispatch (what host-overhead benchmarks compare finalize_epilogue with)."""
+        bridge's validation and dispatch (what host-overhead benchmarks compare finalize_epilogue
+        with)."""
         route = self.route_for(tokens, eager)
         if route is None:
-            raise ValueError(f"selected_run: no route for T={tokens} (max_tokens={self.spec.max_tokens})")
+            raise ValueError(
+                f"selected_run: no route for T={tokens} (max_tokens={self.spec.max_tokens})"
+            )
         inst, variant = self._instances[route[0]], route[1]
         return lambda inputs: inst.run(inputs, variant)
 
     def tuning_candidates(self) -> list[tuple[str, str, Callable]]:
-        """(strategy, variant, run(inputs, variant)) for every available auto-selectable strategy and
+        """(strategy, variant, run(inputs, variant)) for every available auto-selectable strategy
+        and
         each of its launch variants: what `tune` measures."""
-        return [(st.name, variant, self._instances[st.name].run) for st in self.statuses
-                if st.available and st.auto_selectable and st.name in self._instances for variant in st.variants]
+        return [
+            (st.name, variant, self._instances[st.name].run)
+            for st in self.statuses
+            if st.available and st.auto_selectable and st.name in self._instances
+            for variant in st.variants
+        ]
 
-    def tune(self, buckets: Optional[list[int]] = None, progress: bool = True, save: bool = True) -> dict:
-        """Measure every (strategy, variant) per token bucket (CUDA graphs, inputs rotated beyond L2, max
+    def tune(
+        self, buckets: Optional[list[int]] = None, progress: bool = True, save: bool = True
+    ) -> dict:
+        """Measure every (strategy, variant) per token bucket (CUDA graphs, inputs rotated beyond
+        L2, max
         over ranks), re-plan from the measurements and cache the table (rank 0). Collective."""
         if self.device.type != "cuda":
-            raise RuntimeError("tune: needs a CUDA device (it times CUDA graphs); this bridge is on "
-                               f"{self.device.type}")
+            raise RuntimeError(
+                "tune: needs a CUDA device (it times CUDA graphs); this bridge is on "
+                f"{self.device.type}"
+            )
         eager: dict = {}
         limits = {s.name: s.max_tokens_per_call for s in self.statuses}
-        measured = tuning_tables.measure(self.spec, self.env, self.group, self.device, self.tuning_candidates(),
-                                         list(buckets or self.plan.bounds), progress=progress, eager_out=eager,
-                                         limits=limits)
+        measured = tuning_tables.measure(
+            self.spec,
+            self.env,
+            self.group,
+            self.device,
+            self.tuning_candidates(),
+            list(buckets or self.plan.bounds),
+            progress=progress,
+            eager_out=eager,
+            limits=limits,
+        )
         table = tuning_tables.make_table(self.spec, self.env, measured, eager)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):
             path = tuning_tables.cache_path(self.spec, self.env)
@@ -338,26 +509,44 @@ class FusionBridge:
     def _summary(self) -> str:
         plan, spec = self.plan, self.spec
         rejected = {s.name: [r.code for r in s.reasons] for s in self.statuses if s.reasons}
-        return log.build_summary(spec.hidden_size, spec.top_k, self.env.world_size,
-                                 list(zip(plan.bounds, plan.choice)), rejected, overflow=plan.overflow,
-                                 dtype=spec.dtype_name, quant=spec.quant.kind.value,
-                                 requested=None if plan.requested == AUTO else plan.requested, source=plan.source)
+        return log.build_summary(
+            spec.hidden_size,
+            spec.top_k,
+            self.env.world_size,
+            list(zip(plan.bounds, plan.choice)),
+            rejected,
+            overflow=plan.overflow,
+            dtype=spec.dtype_name,
+            quant=spec.quant.kind.value,
+            requested=None if plan.requested == AUTO else plan.requested,
+            source=plan.source,
+        )
 
     # ---------------------------------------------------------------- report & lifecycle
     def strategy_for(self, tokens: int) -> Optional[str]:
         return self.plan.strategy_for(tokens) if tokens > 0 else None
 
     def route_for(self, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
-        """(strategy, variant) a call with T tokens runs under CUDA graphs (eager=True: outside capture),
+        """(strategy, variant) a call with T tokens runs under CUDA graphs (eager=True: outside
+        capture),
         or None (T == 0, or no route above max_tokens)."""
         return self.plan.route_for(tokens, eager) if tokens > 0 else None
 
     def explain(self, tokens: Optional[int] = None) -> Report:
-        """The structured report: environment, every strategy (selected or rejected, with all reasons),
-        the plan per token bucket, workspace bytes and reroutes. `.to_dict()`, `.to_json()`, `str()`."""
-        return Report(self.env, self.spec, self.statuses, self.plan, tokens=tokens, reroutes=self.reroutes,
-                      shadow=self._shadow.to_dict() if self._shadow else None,
-                      table=(self.table or {}).get("path"))
+        """The structured report: environment, every strategy (selected or rejected, with all
+        reasons),
+        the plan per token bucket, workspace bytes and reroutes. `.to_dict()`, `.to_json()`,
+        `str()`."""
+        return Report(
+            self.env,
+            self.spec,
+            self.statuses,
+            self.plan,
+            tokens=tokens,
+            reroutes=self.reroutes,
+            shadow=self._shadow.to_dict() if self._shadow else None,
+            table=(self.table or {}).get("path"),
+        )
 
     @property
     def prepared(self) -> list[str]:
@@ -391,7 +580,10 @@ def _tokens_of(index_map: object) -> Optional[int]:
 
 @atexit.register
 def _close_all_bridges() -> None:
-    from .strategies import symm_workspace  # at exit no rank waits for another: no collective in close()
+    from .strategies import (
+        symm_workspace,
+    )  # at exit no rank waits for another: no collective in close()
+
     symm_workspace._EXITING[0] = True
     for bridge in list(_LIVE_BRIDGES):
         bridge.close()

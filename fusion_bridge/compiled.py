@@ -1,8 +1,11 @@
 """`finalize_epilogue` as one opaque custom op for torch.compile.
 
-Under torch.compile the whole epilogue appears as one node, `fusion_bridge::finalize_epilogue`, whose
-implementation finds its bridge by name (as serving engines do for their fused communication ops) and
-runs the eager path; its fake implementation allocates the outputs from the bridge's spec, so tracing
+Under torch.compile the whole epilogue appears as one node, `fusion_bridge::finalize_epilogue`,
+whose
+implementation finds its bridge by name (as serving engines do for their fused communication ops)
+and
+runs the eager path; its fake implementation allocates the outputs from the bridge's spec, so
+tracing
 needs no data and no collective. Eager calls never go through the dispatcher (it costs tens of us).
 
 The op always returns four tensors (quant and scale are empty when the spec has none), so its output
@@ -34,25 +37,39 @@ def register_bridge(bridge) -> str:
 def _bridge(name: str):
     bridge = _BRIDGES.get(name)
     if bridge is None:
-        raise RuntimeError(f"fusion_bridge::finalize_epilogue: no live FusionBridge named {name!r} (closed or "
-                           "garbage-collected while a compiled graph still calls it)")
+        raise RuntimeError(
+            f"fusion_bridge::finalize_epilogue: no live FusionBridge named {name!r} (closed or "
+            "garbage-collected while a compiled graph still calls it)"
+        )
     return bridge
 
 
 @torch.library.custom_op("fusion_bridge::finalize_epilogue", mutates_args=())
-def finalize_epilogue_op(gemm2_out: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
-                         expert_weights: torch.Tensor, shared_output: Optional[torch.Tensor],
-                         residual: torch.Tensor, gamma: torch.Tensor, bridge: str
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = _bridge(bridge).finalize_epilogue(gemm2_out, expanded_idx_to_permuted_idx, expert_weights,
-                                            shared_output, residual, gamma)
+def finalize_epilogue_op(
+    gemm2_out: torch.Tensor,
+    expanded_idx_to_permuted_idx: torch.Tensor,
+    expert_weights: torch.Tensor,
+    shared_output: Optional[torch.Tensor],
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    bridge: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = _bridge(bridge).finalize_epilogue(
+        gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma
+    )
     empty = residual.new_empty(0, dtype=torch.uint8)
-    return (out.residual_out, out.norm_out, out.quant if out.quant is not None else empty,
-            out.scale if out.scale is not None else empty.clone())
+    return (
+        out.residual_out,
+        out.norm_out,
+        out.quant if out.quant is not None else empty,
+        out.scale if out.scale is not None else empty.clone(),
+    )
 
 
 @finalize_epilogue_op.register_fake
-def _(gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma, bridge):
+def _(
+    gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma, bridge
+):
     spec = _bridge(bridge).spec
     tokens, hidden = residual.shape
     q = spec.quant
@@ -60,18 +77,29 @@ def _(gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, re
         quant, scale = residual.new_empty(tokens, hidden, dtype=torch.float8_e4m3fn), None
     elif q.kind is QuantKind.NVFP4:
         quant = residual.new_empty(tokens, hidden // 2, dtype=torch.uint8)
-        rows, cols = ((-(-tokens // 128) * 128, -(-(hidden // 16) // 4) * 4) if q.sf_layout is SFLayout.SWIZZLED_128x4
-                      else (tokens, hidden // 16))
+        rows, cols = (
+            (-(-tokens // 128) * 128, -(-(hidden // 16) // 4) * 4)
+            if q.sf_layout is SFLayout.SWIZZLED_128x4
+            else (tokens, hidden // 16)
+        )
         scale = residual.new_empty(rows, cols, dtype=torch.uint8)
     else:
         quant = scale = None
     empty = residual.new_empty(0, dtype=torch.uint8)
-    return (torch.empty_like(residual), torch.empty_like(residual),
-            quant if quant is not None else empty, scale if scale is not None else empty.clone())
+    return (
+        torch.empty_like(residual),
+        torch.empty_like(residual),
+        quant if quant is not None else empty,
+        scale if scale is not None else empty.clone(),
+    )
 
 
 def outputs_from_op(spec, result) -> EpilogueOutputs:
     residual_out, norm_out, quant, scale = result
     kind = spec.quant.kind
-    return EpilogueOutputs(residual_out, norm_out, None if kind is QuantKind.NONE else quant,
-                           scale if kind is QuantKind.NVFP4 else None)
+    return EpilogueOutputs(
+        residual_out,
+        norm_out,
+        None if kind is QuantKind.NONE else quant,
+        scale if kind is QuantKind.NVFP4 else None,
+    )

@@ -1,6 +1,7 @@
 """Consensus across the ranks of a TP group: check in, agree on settings, agree on each debug call.
 
-Building a bridge and calling it are collective. When ranks disagree (one rank never builds, one rank
+Building a bridge and calling it are collective. When ranks disagree (one rank never builds, one
+rank
 has another spec or environment override, one rank's call fails validation) the collectives either
 hang or pair calls that do not belong together and return wrong values. These pieces turn each such
 case into the same clear error on every rank:
@@ -29,33 +30,43 @@ from .validation import EpilogueInputError
 
 BUILD_TIMEOUT_ENV = "FUSION_BRIDGE_BUILD_TIMEOUT_S"
 # Ten minutes: bridges are built while the model loads, and ranks reach their first build far apart
-# (shards read from network storage at different speeds, cold page caches, kernels JIT-compiled on one
+# (shards read from network storage at different speeds, cold page caches, kernels JIT-compiled on
+# one
 # rank and found in the cache on another). A healthy start must never trip it; a rank that is truly
 # gone is still reported well before gloo's default 30-minute collective timeout.
 DEFAULT_BUILD_TIMEOUT_S = 600.0
-MAX_FIELDS_SHOWN = 20     # a mismatch lists at most this many fields, then says how many more
-MAX_REASON_CHARS = 500    # a failing rank's reason, as shared with its peers
+MAX_FIELDS_SHOWN = 20  # a mismatch lists at most this many fields, then says how many more
+MAX_REASON_CHARS = 500  # a failing rank's reason, as shared with its peers
 
 
 class RankAgreementError(RuntimeError):
-    """The ranks of a process group are not doing the same thing, so the collective work cannot go on.
+    """The ranks of a process group are not doing the same thing, so the collective work cannot go
+    on.
 
-    Raised on every rank that can still tell (a rank that never arrived cannot), with one message that
-    names the group size and the ranks involved: for a check-in, the ranks that did not arrive in time
+    Raised on every rank that can still tell (a rank that never arrived cannot), with one message
+    that
+    names the group size and the ranks involved: for a check-in, the ranks that did not arrive in
+    time
     (`missing_ranks`); for settings, each differing field with every rank's value (`fields`:
     field -> list of per-rank values). Nothing collective ran after the disagreement was found; the
     fix is on the caller's side (same spec, same environment, same build order on every rank).
     """
 
-    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = (),
-                 fields: Optional[dict[str, list]] = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing_ranks: tuple[int, ...] = (),
+        fields: Optional[dict[str, list]] = None,
+    ) -> None:
         super().__init__(message)
         self.missing_ranks = missing_ranks
         self.fields = fields or {}
 
 
 class GroupInputError(EpilogueInputError):
-    """Debug mode: some rank's call failed its checks, or T differs across ranks; raised on every rank
+    """Debug mode: some rank's call failed its checks, or T differs across ranks; raised on every
+    rank
     with the same message. `failed` maps each failing rank to its reason; `tokens` is T per rank
     (-1 where that rank could not tell)."""
 
@@ -65,6 +76,9 @@ class GroupInputError(EpilogueInputError):
 
 
 # ---------------------------------------------------------------- group helpers
+_CPU = torch.device("cpu")
+
+
 def _world_size(group) -> int:
     """Ranks in `group`; 1 when torch.distributed is not initialised (a single process)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -102,7 +116,8 @@ def _ranks_text(ranks, group) -> str:
 # ---------------------------------------------------------------- check-in
 def build_timeout_s(timeout_s: Optional[float] = None) -> float:
     """The check-in timeout: `timeout_s` if given, else $FUSION_BRIDGE_BUILD_TIMEOUT_S, else
-    DEFAULT_BUILD_TIMEOUT_S (ten minutes, see there why). Must be a positive finite number of seconds."""
+    DEFAULT_BUILD_TIMEOUT_S (ten minutes, see there why). Must be a positive finite number of
+    seconds."""
     source = "timeout_s"
     if timeout_s is None:
         raw = os.environ.get(BUILD_TIMEOUT_ENV)
@@ -112,29 +127,40 @@ def build_timeout_s(timeout_s: Optional[float] = None) -> float:
         try:
             timeout_s = float(raw)
         except ValueError:
-            raise ValueError(f"{BUILD_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-            or not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(
+                f"{BUILD_TIMEOUT_ENV} must be a number of seconds, got {raw!r}"
+            ) from None
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
         raise ValueError(f"{source} must be a positive finite number of seconds, got {timeout_s!r}")
     return float(timeout_s)
 
 
-_builds: dict[str, int] = {}   # group name -> number of check-ins that succeeded on this rank
+_builds: dict[str, int] = {}  # group name -> number of check-ins that succeeded on this rank
 _builds_lock = threading.Lock()
 
 
-def check_in(group=None, *, timeout_s: Optional[float] = None, label: str = "FusionBridge build") -> int:
+def check_in(
+    group=None, *, timeout_s: Optional[float] = None, label: str = "FusionBridge build"
+) -> int:
     """Wait until every rank of `group` has checked in for this build; no collective runs.
 
     Call it on every rank before the first collective of a build. Each rank sets its key in the
     group's store, then waits (up to `timeout_s`, default: build_timeout_s()) for every other rank's
-    key. Keys are namespaced by the group's name and a per-group build counter, so each build (one per
+    key. Keys are namespaced by the group's name and a per-group build counter, so each build (one
+    per
     layer, in the same order on every rank) checks in separately. The counter advances only when a
     check-in succeeds, and a rank that gives up withdraws its key, so a late rank cannot mistake a
     stale check-in for a live peer: it waits, then fails too.
 
-    Returns the build index (0, 1, ...) on success. A single process, or a group of one, returns 0 at
-    once. Raises RankAgreementError naming `label`, the group size, this rank and the ranks that did not
+    Returns the build index (0, 1, ...) on success. A single process, or a group of one, returns 0
+    at
+    once. Raises RankAgreementError naming `label`, the group size, this rank and the ranks that did
+    not
     arrive, within the timeout.
     """
     timeout_s = build_timeout_s(timeout_s)
@@ -154,10 +180,13 @@ def check_in(group=None, *, timeout_s: Optional[float] = None, label: str = "Fus
             missing = [r for r in range(world) if not store.check([keys[r]])]
         except RuntimeError as store_exc:
             raise RankAgreementError(
-                f"{label}: rank {_ranks_text([rank], group)} of the {world}-rank group lost the group's "
+                f"{label}: rank {_ranks_text([rank], group)} of the {world}-rank group lost the "
+                "group's "
                 f"store while waiting for the other ranks to check in ({type(store_exc).__name__}: "
-                f"{str(store_exc).splitlines()[0]}); the process that hosts it (rank 0 of the default "
-                "group, or the launcher under torchrun) has probably exited or crashed.") from exc
+                f"{str(store_exc).splitlines()[0]}); the process that hosts it (rank 0 of the "
+                "default "
+                "group, or the launcher under torchrun) has probably exited or crashed."
+            ) from exc
         if missing:
             try:
                 store.delete_key(keys[rank])
@@ -165,10 +194,15 @@ def check_in(group=None, *, timeout_s: Optional[float] = None, label: str = "Fus
                 pass
             raise RankAgreementError(
                 f"{label}: rank {_ranks_text([rank], group)} of the {world}-rank group waited "
-                f"{timeout_s:g} s for rank(s) {_ranks_text(missing, group)} to check in, in vain (build "
-                f"{build} of group {name!r}). Every rank must build its bridges, in the same order; is "
-                f"a rank stuck, crashed or on another code path? If ranks legitimately start this far "
-                f"apart, raise {BUILD_TIMEOUT_ENV}.", missing_ranks=tuple(missing)) from exc
+                f"{timeout_s:g} s for rank(s) {_ranks_text(missing, group)} to check in, in vain "
+                "(build "
+                f"{build} of group {name!r}). Every rank must build its bridges, in the same "
+                "order; is "
+                "a rank stuck, crashed or on another code path? If ranks legitimately start this "
+                "far "
+                f"apart, raise {BUILD_TIMEOUT_ENV}.",
+                missing_ranks=tuple(missing),
+            ) from exc
     with _builds_lock:
         _builds[name] = build + 1
     return build
@@ -196,7 +230,9 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+        return a == b or (
+            isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+        )
     return type(a) is type(b) and a == b
 
 
@@ -214,7 +250,7 @@ def differing_fields(per_rank: list[dict]) -> dict[str, list]:
 
 
 def _describe_values(values: list, group) -> str:
-    """"'bf16' on ranks 0, 2; 'fp16' on rank 1": every rank's value, grouped."""
+    """ "'bf16' on ranks 0, 2; 'fp16' on rank 1": every rank's value, grouped."""
     groups: list[tuple[Any, list[int]]] = []
     for rank, v in enumerate(values):
         for seen, ranks in groups:
@@ -223,14 +259,19 @@ def _describe_values(values: list, group) -> str:
                 break
         else:
             groups.append((v, [rank]))
-    return "; ".join(f"{v!r} on rank{'s' if len(r) > 1 else ''} {_ranks_text(r, group)}" for v, r in groups)
+    return "; ".join(
+        f"{v!r} on rank{'s' if len(r) > 1 else ''} {_ranks_text(r, group)}" for v, r in groups
+    )
 
 
-SAME_BUILD_HINT = "Every rank must build the bridge with the same arguments and environment variables."
+SAME_BUILD_HINT = (
+    "Every rank must build the bridge with the same arguments and environment variables."
+)
 
 
-def agree_on_settings(settings: dict, group=None, *, what: str = "settings",
-                      hint: str = SAME_BUILD_HINT) -> list[dict]:
+def agree_on_settings(
+    settings: dict, group=None, *, what: str = "settings", hint: str = SAME_BUILD_HINT
+) -> list[dict]:
     """Check that `settings` is the same on every rank of `group`; return every rank's settings.
 
     settings: plain JSON-able values, nested dicts and lists allowed (compared leaf by leaf, so an
@@ -249,14 +290,19 @@ def agree_on_settings(settings: dict, group=None, *, what: str = "settings",
     dist.all_gather_object(gathered, settings, group=group)
     diff = differing_fields(gathered)
     if diff:
-        lines = [f"  {name}: {_describe_values(values, group)}"
-                 for name, values in list(diff.items())[:MAX_FIELDS_SHOWN]]
+        lines = [
+            f"  {name}: {_describe_values(values, group)}"
+            for name, values in list(diff.items())[:MAX_FIELDS_SHOWN]
+        ]
         if len(diff) > MAX_FIELDS_SHOWN:
             lines.append(f"  ... and {len(diff) - MAX_FIELDS_SHOWN} more")
         raise RankAgreementError(
             f"the {world} ranks of the group disagree on {what} ({len(diff)} field"
-            f"{'s' if len(diff) > 1 else ''} that must be equal on every rank):\n" + "\n".join(lines)
-            + f"\n{hint}", fields=diff)
+            f"{'s' if len(diff) > 1 else ''} that must be equal on every rank):\n"
+            + "\n".join(lines)
+            + f"\n{hint}",
+            fields=diff,
+        )
     return gathered
 
 
@@ -265,25 +311,38 @@ def plan_settings(plan) -> dict:
     agree_on_settings(..., what="the plan"): the (strategy, launch variant) per token bucket and the
     overflow route. `plan` needs `bounds`, `choice`, `variants`, `overflow` and `overflow_variant`;
     measured times are left out (they may differ per rank without changing what runs)."""
-    out = {"route_by_bucket": {f"T<={b}": f"{s}:{v}" for b, s, v in zip(plan.bounds, plan.choice, plan.variants)},
-           "overflow": f"{plan.overflow}:{plan.overflow_variant}" if plan.overflow else None}
+    out = {
+        "route_by_bucket": {
+            f"T<={b}": f"{s}:{v}" for b, s, v in zip(plan.bounds, plan.choice, plan.variants)
+        },
+        "overflow": f"{plan.overflow}:{plan.overflow_variant}" if plan.overflow else None,
+    }
     eager = tuple(getattr(plan, "eager_choice", ()))
     if eager:
-        out["eager_route_by_bucket"] = {f"T<={b}": f"{s}:{v}" for b, s, v in
-                                        zip(plan.bounds, eager, plan.eager_variants)}
+        out["eager_route_by_bucket"] = {
+            f"T<={b}": f"{s}:{v}" for b, s, v in zip(plan.bounds, eager, plan.eager_variants)
+        }
     return out
 
 
 # ---------------------------------------------------------------- per call (debug mode)
-def agree_call(ok: bool, tokens: int, error: Optional[str], group=None,
-               device: torch.device = torch.device("cpu")) -> int:
-    """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has the
+def agree_call(
+    ok: bool,
+    tokens: int,
+    error: Optional[str],
+    group=None,
+    device: torch.device = _CPU,
+) -> int:
+    """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
+    the
     same T. Returns T when so.
 
     ok: this rank's local checks passed. tokens: this rank's T (-1 when it could not be read).
-    error: this rank's reason when not ok. device: the bridge's device (the flags travel on the GPU for
+    error: this rank's reason when not ok. device: the bridge's device (the flags travel on the GPU
+    for
     NCCL, on the CPU for gloo). Collective: one all_gather of 2 int64 per rank; only when some rank
-    failed, one all_gather_object of the reasons. Every rank must call it once per call, whatever its
+    failed, one all_gather_object of the reasons. Every rank must call it once per call, whatever
+    its
     own checks said.
 
     Raises GroupInputError (an EpilogueInputError) on every rank with the same message when any rank
@@ -294,8 +353,11 @@ def agree_call(ok: bool, tokens: int, error: Optional[str], group=None,
         if not ok:
             raise _call_error({0: error or "no reason given"}, [tokens], group)
         return tokens
-    flags = torch.tensor([int(bool(ok)), int(tokens)], dtype=torch.int64,
-                         device=collective_device(group, torch.device(device)))
+    flags = torch.tensor(
+        [int(bool(ok)), int(tokens)],
+        dtype=torch.int64,
+        device=collective_device(group, torch.device(device)),
+    )
     gathered = [torch.empty_like(flags) for _ in range(world)]
     dist.all_gather(gathered, flags, group=group)
     table = torch.stack(gathered).tolist()  # one device-to-host copy
@@ -315,13 +377,24 @@ def _call_error(failed: dict[int, str], token_counts: list[int], group) -> Group
     """The one message every rank raises for a failed debug-mode agreement."""
     world, parts = len(token_counts), []
     if failed:
-        parts.append(f"rank{'s' if len(failed) > 1 else ''} {_ranks_text(failed, group)} of the "
-                     f"{world}-rank group failed the call's checks: " +
-                     "; ".join(f"rank {r}: {reason}" for r, reason in failed.items()))
+        parts.append(
+            f"rank{'s' if len(failed) > 1 else ''} {_ranks_text(failed, group)} of the "
+            f"{world}-rank group failed the call's checks: "
+            + "; ".join(f"rank {r}: {reason}" for r, reason in failed.items())
+        )
     known = {t for t in token_counts if t >= 0}
     if len(known) > 1 or not failed:
-        parts.append("the token count T must be identical on every rank of the group, got " +
-                     ", ".join(f"{t if t >= 0 else 'unknown'} on rank {r}" for r, t in enumerate(token_counts)))
-    return GroupInputError("finalize_epilogue (debug mode, agreed on every rank before any collective): "
-                           + "; and ".join(parts) + ". None of the epilogue's collectives ran for this call; "
-                           "every rank raises this error.", failed, token_counts)
+        parts.append(
+            "the token count T must be identical on every rank of the group, got "
+            + ", ".join(
+                f"{t if t >= 0 else 'unknown'} on rank {r}" for r, t in enumerate(token_counts)
+            )
+        )
+    return GroupInputError(
+        "finalize_epilogue (debug mode, agreed on every rank before any collective): "
+        + "; and ".join(parts)
+        + ". None of the epilogue's collectives ran for this call; "
+        "every rank raises this error.",
+        failed,
+        token_counts,
+    )

@@ -20,25 +20,35 @@ import torch
 import torch.distributed as dist
 
 
-# NVLink multicast (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS) can take the GPUs of a shared
-# host out of service; nothing in this library uses it, and these variables keep every library off it.
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NVLink multicast (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS) can take the GPUs of a
+# shared
+# host out of service; nothing in this library uses it, and these variables keep every library off
+# it.
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @dataclass(frozen=True)
 class Environment:
-    device_type: str = "cpu"              # "cpu" or "cuda"
-    sm: Optional[int] = None              # e.g. 90 for H100/H200, 100 for B200; None on CPU
+    device_type: str = "cpu"  # "cpu" or "cuda"
+    sm: Optional[int] = None  # e.g. 90 for H100/H200, 100 for B200; None on CPU
     gpu_name: Optional[str] = None
     world_size: int = 1
     single_node: bool = True
     torch_version: str = torch.__version__
     triton_version: Optional[str] = None  # None: not importable
-    triton_error: Optional[str] = None    # why triton did not import (e.g. the interpreter needs numpy)
+    triton_error: Optional[str] = (
+        None  # why triton did not import (e.g. the interpreter needs numpy)
+    )
     flashinfer_version: Optional[str] = None  # None: not importable
     flashinfer_error: Optional[str] = None
-    triton_interpret: bool = False        # TRITON_INTERPRET=1: Triton kernels run on CPU (tests only)
-    multicast_off: bool = True            # every NO_MULTICAST_ENV variable set as required (detect() reads it)
+    triton_interpret: bool = False  # TRITON_INTERPRET=1: Triton kernels run on CPU (tests only)
+    multicast_off: bool = (
+        True  # every NO_MULTICAST_ENV variable set as required (detect() reads it)
+    )
     symm_mem_error: Optional[str] = None  # why PyTorch symmetric memory is unusable; None: usable
 
     def replace(self, **changes) -> "Environment":
@@ -56,10 +66,12 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _triton_probe() -> tuple[Optional[str], Optional[str]]:
-    """(version, None) when triton imports, else (None, the error). Under TRITON_INTERPRET=1 importing
+    """(version, None) when triton imports, else (None, the error). Under TRITON_INTERPRET=1
+    importing
     triton loads its interpreter, which needs numpy: that error is the real cause, so keep it."""
     try:
         import triton
+
         return triton.__version__, None
     except Exception as exc:  # ImportError (triton or numpy missing), or a broken install
         return None, f"{type(exc).__name__}: {exc}"[:300]
@@ -67,7 +79,8 @@ def _triton_probe() -> tuple[Optional[str], Optional[str]]:
 
 @functools.lru_cache(maxsize=None)
 def _flashinfer_probe() -> tuple[Optional[str], Optional[str]]:
-    """(version, None) when flashinfer.comm imports, else (None, the error). Importing costs ~3 s."""
+    """(version, None) when flashinfer.comm imports, else (None, the error). Importing costs ~3
+    s."""
     try:
         importlib.import_module("flashinfer.comm")
         return importlib.metadata.version("flashinfer-python"), None
@@ -78,6 +91,7 @@ def _flashinfer_probe() -> tuple[Optional[str], Optional[str]]:
 @functools.lru_cache(maxsize=None)
 def _symm_mem_probe() -> Optional[str]:
     from .strategies.symm_workspace import probe_symm_mem  # the API list lives beside its only user
+
     return probe_symm_mem()
 
 
@@ -89,18 +103,24 @@ def _group_is_single_node(group) -> bool:
 
 
 def default_device(device: Optional[torch.device | str] = None) -> torch.device:
-    """The device a bridge works on: `device` if given (a bare "cuda" becomes the current cuda:N, so it
+    """The device a bridge works on: `device` if given (a bare "cuda" becomes the current cuda:N, so
+    it
     compares equal to the tensors' devices), else the current CUDA device, else the CPU."""
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
             else torch.device("cpu")
+        )
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
-def detect(group=None, device: Optional[torch.device] = None, *, probe_flashinfer: bool = True) -> Environment:
+def detect(
+    group=None, device: Optional[torch.device] = None, *, probe_flashinfer: bool = True
+) -> Environment:
     """Read the environment of this process. With a process group this is collective."""
     device = default_device(device)
     world_size, single_node = 1, True
@@ -114,10 +134,16 @@ def detect(group=None, device: Optional[torch.device] = None, *, probe_flashinfe
         major, minor = torch.cuda.get_device_capability(device)
         sm, gpu_name = major * 10 + minor, torch.cuda.get_device_name(device)
     return Environment(
-        device_type=device.type, sm=sm, gpu_name=gpu_name, world_size=world_size,
-        single_node=single_node, torch_version=torch.__version__, triton_version=triton_version,
+        device_type=device.type,
+        sm=sm,
+        gpu_name=gpu_name,
+        world_size=world_size,
+        single_node=single_node,
+        torch_version=torch.__version__,
+        triton_version=triton_version,
         triton_error=triton_error,
-        flashinfer_version=fi_version, flashinfer_error=fi_error,
+        flashinfer_version=fi_version,
+        flashinfer_error=fi_error,
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
         multicast_off=all(os.environ.get(k) == v for k, v in NO_MULTICAST_ENV.items()),
         symm_mem_error=_symm_mem_probe(),

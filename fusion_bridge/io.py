@@ -12,7 +12,8 @@ from .spec import EpilogueSpec, QuantKind, SFLayout
 
 
 class EpilogueInputs(NamedTuple):
-    """gemm2_out [P, H] act dtype: unfinalized routed-expert output, permuted rows (P may include padding).
+    """gemm2_out [P, H] act dtype: unfinalized routed-expert output, permuted rows (P may include
+    padding).
     expanded_idx_to_permuted_idx [T, K] int32: row of gemm2_out for (token, k), -1 = skip.
     expert_weights [T, K] fp32/bf16/fp16. shared_output [T, H] act dtype or None.
     residual [T, H] act dtype. gamma [H] act dtype (RMSNorm weight)."""
@@ -32,8 +33,10 @@ class EpilogueInputs(NamedTuple):
 @dataclass
 class EpilogueOutputs:
     """residual_out, norm_out: [T, H] act dtype.
-    quant: fp8 -> [T, H] float8_e4m3fn; nvfp4 -> [T, H/2] uint8 (2 e2m1 codes per byte, low nibble first).
-    scale: nvfp4 only: uint8 e4m3 block scales, [round_up(T,128), round_up(H/16,4)] swizzled or [T, H/16]."""
+    quant: fp8 -> [T, H] float8_e4m3fn; nvfp4 -> [T, H/2] uint8 (2 e2m1 codes per byte, low nibble
+    first).
+    scale: nvfp4 only: uint8 e4m3 block scales, [round_up(T,128), round_up(H/16,4)] swizzled or [T,
+    H/16]."""
 
     residual_out: torch.Tensor
     norm_out: torch.Tensor
@@ -49,15 +52,19 @@ class EpilogueOutputs:
         return out
 
 
-def quant_buffers(tokens: int, hidden: int, kind: QuantKind, layout: SFLayout, device: torch.device
-                  ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(quant, scale) outputs, uninitialised: fp8 -> ([T, H] float8_e4m3fn, None); nvfp4 -> ([T, H/2]
+def quant_buffers(
+    tokens: int, hidden: int, kind: QuantKind, layout: SFLayout, device: torch.device
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(quant, scale) outputs, uninitialised: fp8 -> ([T, H] float8_e4m3fn, None); nvfp4 -> ([T,
+    H/2]
     uint8, uint8 scales of `sf_shape(T, H, layout)`); none -> (None, None)."""
     if kind is QuantKind.FP8:
         return torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device), None
     if kind is QuantKind.NVFP4:
-        return (torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device),
-                torch.empty(sf_shape(tokens, hidden, layout), dtype=torch.uint8, device=device))
+        return (
+            torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device),
+            torch.empty(sf_shape(tokens, hidden, layout), dtype=torch.uint8, device=device),
+        )
     return None, None
 
 
@@ -65,5 +72,7 @@ def allocate_outputs(spec: EpilogueSpec, tokens: int, device: torch.device) -> E
     """Every output of one call for `spec` and T, uninitialised. The one owner of output shapes: the
     strategies, the T == 0 path and the custom ops' fake implementations all allocate through it."""
     residual_out = torch.empty(tokens, spec.hidden_size, dtype=spec.dtype, device=device)
-    quant, scale = quant_buffers(tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, device)
+    quant, scale = quant_buffers(
+        tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, device
+    )
     return EpilogueOutputs(residual_out, torch.empty_like(residual_out), quant, scale)

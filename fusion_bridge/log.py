@@ -1,7 +1,9 @@
 """Logging for fusion-bridge, the way libraries in this field do it (vLLM, PyTorch).
 
-- Everything goes to the ``fusion_bridge`` logger (children: ``fusion_bridge.<module>``). The library
-  adds only a ``NullHandler`` to it, so the application's logging configuration decides what is shown:
+- Everything goes to the ``fusion_bridge`` logger (children: ``fusion_bridge.<module>``). The
+library
+  adds only a ``NullHandler`` to it, so the application's logging configuration decides what is
+  shown:
   ``logging.getLogger("fusion_bridge").setLevel(logging.INFO)`` or a root handler at INFO shows the
   one summary line per bridge. Without any configuration, Python's default threshold is WARNING.
 - ``FUSION_BRIDGE_LOG_LEVEL=DEBUG|INFO|WARNING|ERROR|CRITICAL`` (or a number) sets the level of the
@@ -9,7 +11,8 @@
   logger nor on ``fusion_bridge``), it also adds one stderr handler to ``fusion_bridge`` (and stops
   propagation, so a later root configuration does not print each line twice). If the application has
   configured logging, no handler is added and records flow to the application's handlers.
-- ``log_every(key, seconds, level, msg)`` rate-limits messages that can fire per call (reroutes, shadow
+- ``log_every(key, seconds, level, msg)`` rate-limits messages that can fire per call (reroutes,
+shadow
   divergence): at most one per key per interval, with a count of what was suppressed.
 - ``build_summary(...)`` renders the one INFO line a bridge logs when it is built.
 """
@@ -53,11 +56,17 @@ def parse_level(value: str) -> Optional[int]:
 
 
 def _application_configured_logging() -> bool:
-    own = [h for h in logger.handlers if not isinstance(h, logging.NullHandler) and h is not _stderr_handler]
+    own = [
+        h
+        for h in logger.handlers
+        if not isinstance(h, logging.NullHandler) and h is not _stderr_handler
+    ]
     return bool(logging.getLogger().handlers or own)
 
 
-def configure(environ: Optional[Mapping[str, str]] = None, stream=None) -> Optional[logging.Handler]:
+def configure(
+    environ: Optional[Mapping[str, str]] = None, stream=None
+) -> Optional[logging.Handler]:
     """Apply FUSION_BRIDGE_LOG_LEVEL (runs once at import; call again after changing the variable).
 
     Returns the stderr handler it installed, or None. Idempotent: a second call replaces, never
@@ -74,8 +83,12 @@ def configure(environ: Optional[Mapping[str, str]] = None, stream=None) -> Optio
         return None
     level = parse_level(value)
     if level is None:
-        warnings.warn(f"{ENV_VAR}={value!r} is not a log level (expected one of {', '.join(LEVELS)} or an "
-                      "integer); ignoring it", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"{ENV_VAR}={value!r} is not a log level (expected one of {', '.join(LEVELS)} or an "
+            "integer); ignoring it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     logger.setLevel(level)
     if _application_configured_logging():
@@ -91,11 +104,19 @@ def configure(environ: Optional[Mapping[str, str]] = None, stream=None) -> Optio
 # ---------------------------------------------------------------- rate limiting
 _clock = time.monotonic
 _lock = threading.Lock()
-_last: dict[object, list] = {}  # key -> [time of the last emitted message, messages suppressed since]
+_last: dict[
+    object, list
+] = {}  # key -> [time of the last emitted message, messages suppressed since]
 
 
-def log_every(key: object, seconds: float, level: int, msg: str, *args: object,
-              log: Optional[logging.Logger] = None) -> bool:
+def log_every(
+    key: object,
+    seconds: float,
+    level: int,
+    msg: str,
+    *args: object,
+    log: Optional[logging.Logger] = None,
+) -> bool:
     """Log `msg % args` at `level`, at most once per `seconds` for `key`; True when it was emitted.
 
     Messages suppressed in between are counted and the next emitted one says how many there were.
@@ -112,8 +133,11 @@ def log_every(key: object, seconds: float, level: int, msg: str, *args: object,
         suppressed = state[1] if state is not None else 0
         _last[key] = [now, 0]
     if suppressed:
-        msg = f"{msg} ({suppressed} similar message{'s' if suppressed != 1 else ''} suppressed in the last " \
-              f"{seconds:g} s)"
+        msg = (
+            f"{msg} ({suppressed} similar message{'s' if suppressed != 1 else ''} suppressed in "
+            "the last "
+            f"{seconds:g} s)"
+        )
     log.log(level, msg, *args)
     return True
 
@@ -138,18 +162,32 @@ def _merge_buckets(buckets: Sequence[tuple[int, str]]) -> list[tuple[int, int, s
     return ranges
 
 
-def build_summary(hidden_size: int, top_k: int, world_size: int, buckets: Sequence[tuple[int, str]],
-                  rejected: Mapping[str, Sequence[str]], *, overflow: Optional[str] = None,
-                  label: str = "layer epilogue", dtype: Optional[str] = None, quant: Optional[str] = None,
-                  requested: Optional[str] = None, source: Optional[str] = None) -> str:
+def build_summary(
+    hidden_size: int,
+    top_k: int,
+    world_size: int,
+    buckets: Sequence[tuple[int, str]],
+    rejected: Mapping[str, Sequence[str]],
+    *,
+    overflow: Optional[str] = None,
+    label: str = "layer epilogue",
+    dtype: Optional[str] = None,
+    quant: Optional[str] = None,
+    requested: Optional[str] = None,
+    source: Optional[str] = None,
+) -> str:
     """The one INFO line a bridge logs when it is built, e.g.
 
-        fusion_bridge: layer epilogue H=7168 K=8 TP2 -> local_fused for T<=8192, separate for T>8192;
+        fusion_bridge: layer epilogue H=7168 K=8 TP2 -> local_fused for T<=8192, separate for
+        T>8192;
         rejected: flashinfer_fused(cuda_required, flashinfer_missing)
 
-    buckets: the plan, [(largest T of the bucket, strategy)] in increasing T (neighbours that pick the
-    same strategy are merged). rejected: strategy -> reason codes, for the strategies that cannot run
-    (build it as {s.name: [r.code for r in s.reasons] for s in statuses if s.reasons}). overflow: the
+    buckets: the plan, [(largest T of the bucket, strategy)] in increasing T (neighbours that pick
+    the
+    same strategy are merged). rejected: strategy -> reason codes, for the strategies that cannot
+    run
+    (build it as {s.name: [r.code for r in s.reasons] for s in statuses if s.reasons}). overflow:
+    the
     strategy for T above the last bucket (None: such a call raises). label names the layer; dtype
     ("bf16") and quant ("fp8", "nvfp4"; "none" is omitted) are added after K when given; requested
     marks an explicit strategy request; source says where the plan came from ("measured", ...).
@@ -161,7 +199,9 @@ def build_summary(hidden_size: int, top_k: int, world_size: int, buckets: Sequen
         shape += f" {quant}"
     ranges = _merge_buckets(buckets)
     last = buckets[-1][0] if buckets else 0
-    open_ended = bool(overflow and ranges and ranges[-1][2] == overflow)  # the last bucket's pick goes on
+    open_ended = bool(
+        overflow and ranges and ranges[-1][2] == overflow
+    )  # the last bucket's pick goes on
     parts = []
     for i, (low, high, name) in enumerate(ranges):
         if open_ended and i == len(ranges) - 1:
@@ -176,7 +216,9 @@ def build_summary(hidden_size: int, top_k: int, world_size: int, buckets: Sequen
     if source:
         plan += f" [{source}]"
     if rejected:
-        rej = ", ".join(f"{name}({', '.join(dict.fromkeys(codes)) or '?'})" for name, codes in rejected.items())
+        rej = ", ".join(
+            f"{name}({', '.join(dict.fromkeys(codes)) or '?'})" for name, codes in rejected.items()
+        )
     else:
         rej = "none"
     return f"fusion_bridge: {label} {shape} TP{world_size} -> {plan}; rejected: {rej}"

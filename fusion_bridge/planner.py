@@ -28,11 +28,12 @@ class StrategyStatus:
     auto_selectable: bool
     max_tokens_per_call: Optional[int]
     error_bound: float
-    self_test: str = "not run"            # "passed" | "failed" | "not run"
+    self_test: str = "not run"  # "passed" | "failed" | "not run"
     self_test_error: Optional[float] = None
     workspace_bytes: int = 0
     variants: tuple[str, ...] = (DEFAULT_VARIANT,)
-    #: the unmeasured choice of variant per token bucket (aligned with bucket_bounds) and above max_tokens
+    # : the unmeasured choice of variant per token bucket (aligned with bucket_bounds) and above
+    # max_tokens
     default_variants: tuple[str, ...] = ()
     overflow_variant: str = DEFAULT_VARIANT
     opt_in: bool = False  # auto neither prepares nor picks it; a request by name does
@@ -42,52 +43,90 @@ class StrategyStatus:
         return not self.reasons
 
     @staticmethod
-    def of(cls, spec: EpilogueSpec, env, reasons: list[Reason], self_test: str = "not run",
-           self_test_error: Optional[float] = None, workspace_bytes: int = 0) -> "StrategyStatus":
+    def of(
+        cls,
+        spec: EpilogueSpec,
+        env,
+        reasons: list[Reason],
+        self_test: str = "not run",
+        self_test_error: Optional[float] = None,
+        workspace_bytes: int = 0,
+    ) -> "StrategyStatus":
         """The status of strategy class `cls` given the reasons gathered for it."""
         return StrategyStatus(
-            name=cls.name, summary=cls.summary, reasons=tuple(reasons), steps=tuple(cls.steps(spec, env)),
-            auto_selectable=cls.is_auto_selectable(spec, env), opt_in=cls.opt_in,
-            max_tokens_per_call=cls.max_tokens_per_call(spec, env), error_bound=cls.error_bound(spec, env),
-            self_test=self_test, self_test_error=self_test_error, workspace_bytes=workspace_bytes,
+            name=cls.name,
+            summary=cls.summary,
+            reasons=tuple(reasons),
+            steps=tuple(cls.steps(spec, env)),
+            auto_selectable=cls.is_auto_selectable(spec, env),
+            opt_in=cls.opt_in,
+            max_tokens_per_call=cls.max_tokens_per_call(spec, env),
+            error_bound=cls.error_bound(spec, env),
+            self_test=self_test,
+            self_test_error=self_test_error,
+            workspace_bytes=workspace_bytes,
             variants=tuple(cls.variants(spec, env)),
-            default_variants=tuple(cls.default_variant(spec, env, b) for b in bucket_bounds(spec.max_tokens)),
-            overflow_variant=cls.default_variant(spec, env, None))
+            default_variants=tuple(
+                cls.default_variant(spec, env, b) for b in bucket_bounds(spec.max_tokens)
+            ),
+            overflow_variant=cls.default_variant(spec, env, None),
+        )
 
     def variant_for(self, bucket: int) -> str:
-        return self.default_variants[bucket] if bucket < len(self.default_variants) else self.variants[0]
+        return (
+            self.default_variants[bucket]
+            if bucket < len(self.default_variants)
+            else self.variants[0]
+        )
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "summary": self.summary, "available": self.available,
-            "reasons": [r.to_dict() for r in self.reasons], "steps": [s.name for s in self.steps],
-            "step_stages": [s.to_dict() for s in self.steps], "auto_selectable": self.auto_selectable,
+            "name": self.name,
+            "summary": self.summary,
+            "available": self.available,
+            "reasons": [r.to_dict() for r in self.reasons],
+            "steps": [s.name for s in self.steps],
+            "step_stages": [s.to_dict() for s in self.steps],
+            "auto_selectable": self.auto_selectable,
             "opt_in": self.opt_in,
-            "max_tokens_per_call": self.max_tokens_per_call, "error_bound": self.error_bound,
-            "self_test": self.self_test, "self_test_error": self.self_test_error,
-            "workspace_bytes": self.workspace_bytes, "variants": list(self.variants),
+            "max_tokens_per_call": self.max_tokens_per_call,
+            "error_bound": self.error_bound,
+            "self_test": self.self_test,
+            "self_test_error": self.self_test_error,
+            "workspace_bytes": self.workspace_bytes,
+            "variants": list(self.variants),
         }
 
 
 class NoStrategyAvailable(RuntimeError):
-    """Raised when the requested strategy (or, under auto, every strategy) cannot run; lists all reasons."""
+    """Raised when the requested strategy (or, under auto, every strategy) cannot run; lists all
+    reasons."""
 
     def __init__(self, requested: str, statuses: list[StrategyStatus]) -> None:
         self.requested, self.statuses = requested, statuses
         lines = [f"fusion_bridge: strategy {requested!r} cannot run:"]
         for st in statuses:
             if st.available and not st.auto_selectable and requested == AUTO:
-                lines.append(f"  {st.name}: available but " + ("opt-in (request it by name)" if st.opt_in
-                                                               else "never auto-selected"))
+                lines.append(
+                    f"  {st.name}: available but "
+                    + ("opt-in (request it by name)" if st.opt_in else "never auto-selected")
+                )
             for r in st.reasons:
-                lines.append(f"  {st.name}: [{r.code}] {r.message}" + (f" -- {r.hint}" if r.hint else ""))
+                lines.append(
+                    f"  {st.name}: [{r.code}] {r.message}" + (f" -- {r.hint}" if r.hint else "")
+                )
         super().__init__("\n".join(lines))
 
 
 def static_statuses(spec: EpilogueSpec, env) -> list[StrategyStatus]:
-    """Every registered strategy's status from its static checks alone (no prepare, no self-test)."""
+    """Every registered strategy's status from its static checks alone (no prepare, no
+    self-test)."""
     from .registry import strategy_classes
-    return [StrategyStatus.of(c, spec, env, c.not_supported_reasons(spec, env)) for c in strategy_classes()]
+
+    return [
+        StrategyStatus.of(c, spec, env, c.not_supported_reasons(spec, env))
+        for c in strategy_classes()
+    ]
 
 
 def bucket_index(tokens: int) -> int:
@@ -107,17 +146,18 @@ def bucket_bounds(max_tokens: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Plan:
-    """The whole decision: a (strategy, variant) route per token bucket, and the route above max_tokens.
+    """The whole decision: a (strategy, variant) route per token bucket, and the route above
+    max_tokens.
     Identical on every rank (built from rank-agreed statuses and rank-0's measurements)."""
 
     requested: str
     bounds: tuple[int, ...]
-    choice: tuple[str, ...]                 # strategy per bucket
-    variants: tuple[str, ...]               # launch variant per bucket
-    overflow: Optional[str]                 # strategy for T > max_tokens, None -> error
+    choice: tuple[str, ...]  # strategy per bucket
+    variants: tuple[str, ...]  # launch variant per bucket
+    overflow: Optional[str]  # strategy for T > max_tokens, None -> error
     overflow_variant: str = DEFAULT_VARIANT
     measured_us: tuple[Optional[float], ...] = ()
-    source: str = "static order"            # or "measured", "requested"
+    source: str = "static order"  # or "measured", "requested"
     notes: tuple[str, ...] = field(default=())
     #: the plan for eager calls (outside CUDA-graph capture), where host cost can change the winner;
     #: empty = the same as the graph plan above
@@ -127,10 +167,14 @@ class Plan:
 
     @property
     def mode_dependent(self) -> bool:
-        return bool(self.eager_choice) and (self.eager_choice, self.eager_variants) != (self.choice, self.variants)
+        return bool(self.eager_choice) and (self.eager_choice, self.eager_variants) != (
+            self.choice,
+            self.variants,
+        )
 
     def route_for(self, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
-        """(strategy, variant) for T tokens (T >= 1) under CUDA graphs, or for an eager call (eager=True;
+        """(strategy, variant) for T tokens (T >= 1) under CUDA graphs, or for an eager call
+        (eager=True;
         the same unless the plan is mode-dependent); None when T > max_tokens has no route."""
         i = bucket_index(tokens)
         if i < len(self.choice):
@@ -145,30 +189,57 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {
-            "requested": self.requested, "source": self.source, "overflow": self.overflow,
+            "requested": self.requested,
+            "source": self.source,
+            "overflow": self.overflow,
             "overflow_variant": self.overflow_variant,
-            "buckets": [{"max_tokens": b, "strategy": s, "variant": v,
-                         "measured_us": self.measured_us[i] if i < len(self.measured_us) else None}
-                        for i, (b, s, v) in enumerate(zip(self.bounds, self.choice, self.variants))],
+            "buckets": [
+                {
+                    "max_tokens": b,
+                    "strategy": s,
+                    "variant": v,
+                    "measured_us": self.measured_us[i] if i < len(self.measured_us) else None,
+                }
+                for i, (b, s, v) in enumerate(zip(self.bounds, self.choice, self.variants))
+            ],
             "notes": list(self.notes),
-            "eager_buckets": [{"max_tokens": b, "strategy": s, "variant": v,
-                               "wall_us": self.eager_measured_us[i] if i < len(self.eager_measured_us) else None}
-                              for i, (b, s, v) in enumerate(zip(self.bounds, self.eager_choice, self.eager_variants))],
+            "eager_buckets": [
+                {
+                    "max_tokens": b,
+                    "strategy": s,
+                    "variant": v,
+                    "wall_us": self.eager_measured_us[i]
+                    if i < len(self.eager_measured_us)
+                    else None,
+                }
+                for i, (b, s, v) in enumerate(
+                    zip(self.bounds, self.eager_choice, self.eager_variants)
+                )
+            ],
         }
 
 
-Measurements = Mapping[str, Mapping[str, Mapping[int, float]]]  # strategy -> variant -> bucket bound -> us
+Measurements = Mapping[
+    str, Mapping[str, Mapping[int, float]]
+]  # strategy -> variant -> bucket bound -> us
 
 
-def select(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = AUTO,
-           measured_us: Optional[Measurements] = None) -> Plan:
+def select(
+    statuses: list[StrategyStatus],
+    spec: EpilogueSpec,
+    requested: str = AUTO,
+    measured_us: Optional[Measurements] = None,
+) -> Plan:
     """Pick a (strategy, variant) per token bucket.
 
-    requested: "auto" or a strategy name. An explicit name that cannot run raises NoStrategyAvailable
-    with its reasons; it never falls back. Under auto, among available auto-selectable strategies that
+    requested: "auto" or a strategy name. An explicit name that cannot run raises
+    NoStrategyAvailable
+    with its reasons; it never falls back. Under auto, among available auto-selectable strategies
+    that
     can take the bucket's largest T, the fastest measured (strategy, variant) wins; a bucket nobody
     measured takes the first fitting strategy in the static order (the order of `statuses`) with its
-    default variant. Measurements naming a strategy or variant that is not registered are ignored, with
+    default variant. Measurements naming a strategy or variant that is not registered are ignored,
+    with
     a note. T above spec.max_tokens goes to the first candidate without a per-call limit, or raises.
     """
     by_name = {s.name: s for s in statuses}
@@ -176,21 +247,34 @@ def select(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = 
     measured, notes = _known_measurements(measured_us or {}, by_name)
     if requested != AUTO:
         if requested not in by_name:
-            raise ValueError(f"strategy must be 'auto' or one of {list(by_name)}, got {requested!r}")
+            raise ValueError(
+                f"strategy must be 'auto' or one of {list(by_name)}, got {requested!r}"
+            )
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
         picks = [_fastest(i, bound, [st], measured) for i, bound in enumerate(bounds)]
         overflow = requested if st.max_tokens_per_call is None else None
-        return Plan(requested, bounds, tuple(requested for _ in bounds), tuple(v for _, _, v in picks), overflow,
-                    st.overflow_variant, tuple(t for t, _, _ in picks), "requested", tuple(notes))
+        return Plan(
+            requested,
+            bounds,
+            tuple(requested for _ in bounds),
+            tuple(v for _, _, v in picks),
+            overflow,
+            st.overflow_variant,
+            tuple(t for t, _, _ in picks),
+            "requested",
+            tuple(notes),
+        )
 
     candidates = [s for s in statuses if s.available and s.auto_selectable]
     if not candidates:
         raise NoStrategyAvailable(AUTO, statuses)
     choice, variants, times = [], [], []
     for i, bound in enumerate(bounds):
-        fits = [s for s in candidates if s.max_tokens_per_call is None or s.max_tokens_per_call >= bound]
+        fits = [
+            s for s in candidates if s.max_tokens_per_call is None or s.max_tokens_per_call >= bound
+        ]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
         best_time, best, variant = _fastest(i, bound, fits, measured)
@@ -200,46 +284,75 @@ def select(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = 
     unlimited = [s for s in candidates if s.max_tokens_per_call is None]
     overflow = unlimited[0] if unlimited else None
     if overflow is None:
-        notes.append(f"T > max_tokens={spec.max_tokens} raises: every candidate has a per-call token limit")
+        notes.append(
+            f"T > max_tokens={spec.max_tokens} raises: every candidate has a per-call token limit"
+        )
     source = "measured" if any(t is not None for t in times) else "static order"
-    return Plan(AUTO, bounds, tuple(choice), tuple(variants), overflow.name if overflow else None,
-                overflow.overflow_variant if overflow else DEFAULT_VARIANT, tuple(times), source, tuple(notes))
+    return Plan(
+        AUTO,
+        bounds,
+        tuple(choice),
+        tuple(variants),
+        overflow.name if overflow else None,
+        overflow.overflow_variant if overflow else DEFAULT_VARIANT,
+        tuple(times),
+        source,
+        tuple(notes),
+    )
 
 
-def _fastest(bucket: int, bound: int, fits: list[StrategyStatus], measured: Measurements
-             ) -> tuple[Optional[float], str, str]:
-    """(time, strategy, variant): the fastest measured (strategy, variant) at this bucket, ties to the
+def _fastest(
+    bucket: int, bound: int, fits: list[StrategyStatus], measured: Measurements
+) -> tuple[Optional[float], str, str]:
+    """(time, strategy, variant): the fastest measured (strategy, variant) at this bucket, ties to
+    the
     static order; unmeasured, the first strategy with its default variant."""
-    timed = [(per[bound], order, s.name, v) for order, s in enumerate(fits)
-             for v, per in measured.get(s.name, {}).items() if bound in per]
+    timed = [
+        (per[bound], order, s.name, v)
+        for order, s in enumerate(fits)
+        for v, per in measured.get(s.name, {}).items()
+        if bound in per
+    ]
     if timed:
         best_time, _, best, variant = min(timed)
         return best_time, best, variant
     return None, fits[0].name, fits[0].variant_for(bucket)
 
 
-def _known_measurements(measured: Measurements, by_name: Mapping[str, StrategyStatus]
-                        ) -> tuple[dict[str, dict[str, Mapping[int, float]]], list[str]]:
-    """The measurements of registered strategies and their declared variants; a note for the rest."""
+def _known_measurements(
+    measured: Measurements, by_name: Mapping[str, StrategyStatus]
+) -> tuple[dict[str, dict[str, Mapping[int, float]]], list[str]]:
+    """The measurements of registered strategies and their declared variants; a note for the
+    rest."""
     known: dict[str, dict[str, Mapping[int, float]]] = {}
     notes = []
     for name, per_variant in measured.items():
         if name not in by_name:
-            notes.append(f"measurements for unknown strategy {name!r} ignored (not registered here)")
+            notes.append(
+                f"measurements for unknown strategy {name!r} ignored (not registered here)"
+            )
             continue
         for variant, per in per_variant.items():
             if variant not in by_name[name].variants:
-                notes.append(f"measurements for unknown variant {name}:{variant} ignored "
-                             f"(declared: {', '.join(by_name[name].variants)})")
+                notes.append(
+                    f"measurements for unknown variant {name}:{variant} ignored "
+                    f"(declared: {', '.join(by_name[name].variants)})"
+                )
                 continue
             known.setdefault(name, {})[variant] = per
     return known, notes
 
 
-def select_for_modes(statuses: list[StrategyStatus], spec: EpilogueSpec, requested: str = AUTO,
-                     measured_us: Optional[Measurements] = None, eager_us: Optional[Measurements] = None) -> Plan:
+def select_for_modes(
+    statuses: list[StrategyStatus],
+    spec: EpilogueSpec,
+    requested: str = AUTO,
+    measured_us: Optional[Measurements] = None,
+    eager_us: Optional[Measurements] = None,
+) -> Plan:
     """The graph plan from CUDA-graph times (`measured_us`) and, when eager wall times per call were
-    measured on this host (`eager_us`), an eager plan from them: eager calls are host-bound at small T,
+    measured on this host (`eager_us`), an eager plan from them: eager calls are host-bound at small
+    T,
     so one launch can beat two there even when two win under graphs. Both are pure functions."""
     plan = select(statuses, spec, requested, measured_us)
     if not eager_us:
@@ -248,12 +361,27 @@ def select_for_modes(statuses: list[StrategyStatus], spec: EpilogueSpec, request
     # a bucket without an eager time keeps the graph plan's measured route, not the static order
     keep = [t is None for t in eager.measured_us]
     eager = dataclasses.replace(
-        eager, choice=tuple(g if k else e for g, e, k in zip(plan.choice, eager.choice, keep)),
-        variants=tuple(g if k else e for g, e, k in zip(plan.variants, eager.variants, keep)))
-    differ = [f"T<={b}: {s}:{v}" for b, s, v, gs, gv in zip(plan.bounds, eager.choice, eager.variants,
-                                                             plan.choice, plan.variants) if (s, v) != (gs, gv)]
+        eager,
+        choice=tuple(g if k else e for g, e, k in zip(plan.choice, eager.choice, keep)),
+        variants=tuple(g if k else e for g, e, k in zip(plan.variants, eager.variants, keep)),
+    )
+    differ = [
+        f"T<={b}: {s}:{v}"
+        for b, s, v, gs, gv in zip(
+            plan.bounds, eager.choice, eager.variants, plan.choice, plan.variants
+        )
+        if (s, v) != (gs, gv)
+    ]
     notes = plan.notes + tuple(n for n in eager.notes if n not in plan.notes)
     if differ:
-        notes += ("eager calls (measured wall time on this host) take another route: " + ", ".join(differ),)
-    return dataclasses.replace(plan, notes=notes, eager_choice=eager.choice, eager_variants=eager.variants,
-                               eager_measured_us=eager.measured_us)
+        notes += (
+            "eager calls (measured wall time on this host) take another route: "
+            + ", ".join(differ),
+        )
+    return dataclasses.replace(
+        plan,
+        notes=notes,
+        eager_choice=eager.choice,
+        eager_variants=eager.variants,
+        eager_measured_us=eager.measured_us,
+    )

@@ -1,10 +1,12 @@
-"""Pure-torch FP8 and NVFP4 quantization, written for clarity: the oracle our kernels are checked against.
+"""Pure-torch FP8 and NVFP4 quantization, written for clarity: the oracle our kernels are checked
+against.
 
 Conventions (docs/math.md section 3, matching FlashInfer 0.7.2.post1 through 0.7.4):
 - fp8:   q = e4m3_satfinite(x / scale), x already rounded to the activation dtype.
 - nvfp4: per 16-element block b: sf_b = e4m3(global_scale * amax_b / 6);
          q = e2m1_rne_satfinite(x * global_scale / float(sf_b)), q = 0 where sf_b == 0; the quotient
-         is exact (not rounded to fp32 before the e2m1 rounding), which lets the kernel compare against
+         is exact (not rounded to fp32 before the e2m1 rounding), which lets the kernel compare
+         against
          exact thresholds instead of dividing; rounding the quotient to fp32 first would differ only
          where that rounding crosses an e2m1 rounding boundary.
          Two e2m1 codes per byte, element 2i in the low nibble. Scales in the 128x4 swizzled layout
@@ -21,7 +23,8 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> float8_e4m3fn, round-to-nearest-even, saturating to +-448 (a plain cast gives NaN)."""
+    """fp32 -> float8_e4m3fn, round-to-nearest-even, saturating to +-448 (a plain cast gives
+    NaN)."""
     return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -31,8 +34,10 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> e2m1 codes (uint8, sign in bit 3): nearest representable value, ties to the even code,
-    saturating at 6. Found by distance to every value, independent of the kernel's threshold method."""
+    """fp32 -> e2m1 codes (uint8, sign in bit 3): nearest representable value, ties to the even
+    code,
+    saturating at 6. Found by distance to every value, independent of the kernel's threshold
+    method."""
     values = E2M1_VALUES.to(x.device)
     mag = x.abs().clamp(max=6.0)
     dist = (mag.unsqueeze(-1) - values).abs()
@@ -40,7 +45,9 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     ties = dist == best
     codes = torch.arange(8, device=x.device).expand_as(dist)
     # among the nearest codes prefer the even one (mantissa bit 0); there are at most two
-    even_first = torch.where(ties & (codes % 2 == 0), codes, torch.full_like(codes, 99)).min(-1).values
+    even_first = (
+        torch.where(ties & (codes % 2 == 0), codes, torch.full_like(codes, 99)).min(-1).values
+    )
     any_first = torch.where(ties, codes, torch.full_like(codes, 99)).min(-1).values
     code = torch.where(even_first < 99, even_first, any_first)
     sign = (x < 0).to(torch.int64) << 3  # a negative value keeps its sign even when it rounds to 0
@@ -56,7 +63,9 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 def swizzled_sf_offset(m: torch.Tensor, k: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """Flat offset of (row m, block k) in FlashInfer's SWIZZLED_128x4 scale layout."""
     k4 = (num_blocks + 3) // 4
-    return ((m // 128) * (k4 * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4))
+    return (
+        (m // 128) * (k4 * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4)
+    )
 
 
 def sf_shape(tokens: int, hidden: int, layout: SFLayout) -> tuple[int, int]:
@@ -66,7 +75,9 @@ def sf_shape(tokens: int, hidden: int, layout: SFLayout) -> tuple[int, int]:
     return (-(-tokens // 128) * 128, -(-blocks // 4) * 4)
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: float, layout: SFLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: float, layout: SFLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, H] activation-dtype -> (packed uint8 [T, H/2], uint8 e4m3 scales in `layout`)."""
     tokens, hidden = x.shape
     blocks = x.float().reshape(tokens, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
@@ -74,10 +85,14 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float, layout: SFLayout) -> tu
     amax = blocks.abs().amax(dim=-1)
     sf = e4m3_satfinite(gs * amax / 6.0)
     sf_f = sf.float().unsqueeze(-1)
-    # the quotient is taken exactly (float64 holds it far beyond the e2m1 thresholds' resolution) and
+    # the quotient is taken exactly (float64 holds it far beyond the e2m1 thresholds' resolution)
+    # and
     # rounded once, to e2m1; the product x * global_scale is an fp32 product, as in the kernel
-    scaled = torch.where(sf_f == 0, torch.zeros_like(blocks, dtype=torch.float64),
-                         (blocks * gs).double() / torch.where(sf_f == 0, 1.0, sf_f).double())
+    scaled = torch.where(
+        sf_f == 0,
+        torch.zeros_like(blocks, dtype=torch.float64),
+        (blocks * gs).double() / torch.where(sf_f == 0, 1.0, sf_f).double(),
+    )
     codes = e2m1_codes(scaled).reshape(tokens, hidden)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     sf_bytes = sf.view(torch.uint8)
@@ -91,8 +106,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float, layout: SFLayout) -> tu
     return packed, out.reshape(rows, cols)
 
 
-def dequantize_nvfp4(packed: torch.Tensor, sf: torch.Tensor, global_scale: float, hidden: int,
-                     layout: SFLayout) -> torch.Tensor:
+def dequantize_nvfp4(
+    packed: torch.Tensor, sf: torch.Tensor, global_scale: float, hidden: int, layout: SFLayout
+) -> torch.Tensor:
     """Inverse of quantize_nvfp4 up to rounding, in fp32: for error measurements."""
     tokens = packed.shape[0]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(tokens, hidden)
@@ -104,4 +120,6 @@ def dequantize_nvfp4(packed: torch.Tensor, sf: torch.Tensor, global_scale: float
         k = torch.arange(nb, device=packed.device).unsqueeze(0).expand_as(m)
         sf_rows = sf.reshape(-1)[swizzled_sf_offset(m, k, nb)]
     scale = sf_rows.view(torch.float8_e4m3fn).float() / global_scale
-    return (e2m1_decode(codes).reshape(tokens, nb, NVFP4_BLOCK) * scale.unsqueeze(-1)).reshape(tokens, hidden)
+    return (e2m1_decode(codes).reshape(tokens, nb, NVFP4_BLOCK) * scale.unsqueeze(-1)).reshape(
+        tokens, hidden
+    )

@@ -41,16 +41,23 @@ def collect(*checks: MaybeReason | Iterable[MaybeReason]) -> list[Reason]:
 
 def require_cuda(env: Environment, who: str) -> MaybeReason:
     if env.device_type != "cuda":
-        return Reason("needs_cuda", f"{who} requires a CUDA device, but the device is {env.device_type!r}",
-                      "run on a GPU, or pick strategy 'separate'")
+        return Reason(
+            "needs_cuda",
+            f"{who} requires a CUDA device, but the device is {env.device_type!r}",
+            "run on a GPU, or pick strategy 'separate'",
+        )
     return None
 
 
-def require_sm_at_least(env: Environment, who: str, min_sm: int, code: str = "sm_too_low",
-                        why: str = "") -> MaybeReason:
+def require_sm_at_least(
+    env: Environment, who: str, min_sm: int, code: str = "sm_too_low", why: str = ""
+) -> MaybeReason:
     if env.device_type == "cuda" and (env.sm is None or env.sm < min_sm):
-        return Reason(code, f"{who} requires SM >= {min_sm}{why}, but the GPU is SM {env.sm}",
-                      f"use a GPU with SM >= {min_sm}, or another strategy")
+        return Reason(
+            code,
+            f"{who} requires SM >= {min_sm}{why}, but the GPU is SM {env.sm}",
+            f"use a GPU with SM >= {min_sm}, or another strategy",
+        )
     return None
 
 
@@ -60,48 +67,68 @@ def require_triton(env: Environment, who: str) -> MaybeReason:
         if env.triton_interpret and cause and "No module named 'triton'" not in cause:
             # triton is installed, but under TRITON_INTERPRET=1 its import loads the interpreter,
             # which failed: say so, not "triton missing"
-            return Reason("triton_interpreter_unavailable",
-                          f"{who} runs its Triton kernels under TRITON_INTERPRET=1 here, but importing "
-                          f"triton's interpreter failed ({cause})",
-                          "pip install numpy (the interpreter needs it; fusion-bridge's 'test' extra "
-                          "brings it)" if "numpy" in cause else "fix the triton install")
-        return Reason("triton_missing", f"{who} requires triton, which is not importable"
-                      + (f" ({cause})" if cause else ""), "pip install triton")
+            return Reason(
+                "triton_interpreter_unavailable",
+                f"{who} runs its Triton kernels under TRITON_INTERPRET=1 here, but importing "
+                f"triton's interpreter failed ({cause})",
+                "pip install numpy (the interpreter needs it; fusion-bridge's 'test' extra "
+                "brings it)"
+                if "numpy" in cause
+                else "fix the triton install",
+            )
+        return Reason(
+            "triton_missing",
+            f"{who} requires triton, which is not importable" + (f" ({cause})" if cause else ""),
+            "pip install triton",
+        )
     return None
 
 
 def require_flashinfer(env: Environment, who: str, min_version: str) -> MaybeReason:
     if env.flashinfer_version is None:
-        return Reason("flashinfer_missing",
-                      f"{who} requires flashinfer-python >= {min_version}, which is not importable"
-                      + (f" ({env.flashinfer_error})" if env.flashinfer_error else ""),
-                      "pip install 'fusion-bridge[flashinfer]'")
+        return Reason(
+            "flashinfer_missing",
+            f"{who} requires flashinfer-python >= {min_version}, which is not importable"
+            + (f" ({env.flashinfer_error})" if env.flashinfer_error else ""),
+            "pip install 'fusion-bridge[flashinfer]'",
+        )
     if version_tuple(env.flashinfer_version) < version_tuple(min_version):
-        return Reason("flashinfer_too_old",
-                      f"{who} requires flashinfer-python >= {min_version}, found {env.flashinfer_version}",
-                      "upgrade flashinfer-python")
+        return Reason(
+            "flashinfer_too_old",
+            f"{who} requires flashinfer-python >= {min_version}, found {env.flashinfer_version}",
+            "upgrade flashinfer-python",
+        )
     return None
 
 
 def require_world_size_in(env: Environment, who: str, sizes: tuple[int, ...]) -> MaybeReason:
     if env.world_size not in sizes:
-        return Reason("world_size_unsupported",
-                      f"{who} supports world sizes {list(sizes)}, but the group has {env.world_size} ranks",
-                      "use an NCCL all-reduce strategy ('local_fused_nccl' or 'separate')")
+        return Reason(
+            "world_size_unsupported",
+            f"{who} supports world sizes {list(sizes)}, but the group has {env.world_size} ranks",
+            "use an NCCL all-reduce strategy ('local_fused_nccl' or 'separate')",
+        )
     return None
 
 
 def require_single_node(env: Environment, who: str) -> MaybeReason:
     if not env.single_node:
-        return Reason("multi_node_group",
-                      f"{who} needs all ranks on one node (IPC peer memory), but the group spans nodes",
-                      "use an NCCL-based strategy across nodes")
+        return Reason(
+            "multi_node_group",
+            f"{who} needs all ranks on one node (IPC peer memory), but the group spans nodes",
+            "use an NCCL-based strategy across nodes",
+        )
     return None
 
 
-def require_hidden_multiple(spec: EpilogueSpec, who: str, multiple: int, code: str, why: str) -> MaybeReason:
+def require_hidden_multiple(
+    spec: EpilogueSpec, who: str, multiple: int, code: str, why: str
+) -> MaybeReason:
     if spec.hidden_size % multiple:
-        return Reason(code, f"{who} requires hidden_size % {multiple} == 0{why}, but hidden_size is "
-                            f"{spec.hidden_size} (remainder {spec.hidden_size % multiple})",
-                      "another strategy handles this hidden size")
+        return Reason(
+            code,
+            f"{who} requires hidden_size % {multiple} == 0{why}, but hidden_size is "
+            f"{spec.hidden_size} (remainder {spec.hidden_size % multiple})",
+            "another strategy handles this hidden size",
+        )
     return None

@@ -14,18 +14,22 @@ if TYPE_CHECKING:  # strategies/__init__ re-exports this module: no import at lo
     from .strategies.base import Strategy
 
 # Order is the static preference when nothing was measured: fastest first, as measured on 2x H200
-# (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 / 113;
-# our finalize + NCCL + our norm 14.0 / 25.1 / 134; FlashInfer's fused MoE-finalize 11.9 / 22.1 / 287.
-# symm_fused_oneshot and symm_fused_twoshot (ours, one launch each: small T / large T) are measured only
-# at TP2, where tuned tables select them by speed; without a table they come after the NCCL path, which
+# (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 /
+# 113;
+# our finalize + NCCL + our norm 14.0 / 25.1 / 134; FlashInfer's fused MoE-finalize 11.9 / 22.1 /
+# 287.
+# symm_fused_oneshot and symm_fused_twoshot (ours, one launch each: small T / large T) are measured
+# only
+# at TP2, where tuned tables select them by speed; without a table they come after the NCCL path,
+# which
 # is validated at every world size.
 _REGISTRY: dict[str, str] = {
-    "local_fused_flashinfer": "fusion_bridge.strategies.local_fused_flashinfer:LocalFusedFlashInferStrategy",
+    "local_fused_flashinfer": "fusion_bridge.strategies.local_fused_flashinfer:LocalFusedFlashInferStrategy",  # noqa: E501
     "local_fused_nccl": "fusion_bridge.strategies.local_fused_nccl:LocalFusedNcclStrategy",
     "symm_fused_oneshot": "fusion_bridge.strategies.symm_fused_oneshot:SymmFusedOneshotStrategy",
     "symm_fused_twoshot": "fusion_bridge.strategies.symm_fused_twoshot:SymmFusedTwoshotStrategy",
     "flashinfer_fused": "fusion_bridge.strategies.flashinfer_fused:FlashInferFusedStrategy",
-    "flashinfer_fused_fp4": "fusion_bridge.strategies.flashinfer_fused_fp4:FlashInferFusedFp4Strategy",
+    "flashinfer_fused_fp4": "fusion_bridge.strategies.flashinfer_fused_fp4:FlashInferFusedFp4Strategy",  # noqa: E501
     "separate": "fusion_bridge.strategies.separate:SeparateStrategy",
     "reference": "fusion_bridge.strategies.reference:ReferenceStrategy",
 }
@@ -38,8 +42,10 @@ def register(name: str, target: str, *, replace: bool = False) -> None:
     if ":" not in target:
         raise ValueError(f"register: target must be 'module:Class', got {target!r}")
     if name in _REGISTRY and not replace:
-        raise ValueError(f"register: strategy {name!r} is already registered as {_REGISTRY[name]!r}; "
-                         "pass replace=True to override it")
+        raise ValueError(
+            f"register: strategy {name!r} is already registered as {_REGISTRY[name]!r}; "
+            "pass replace=True to override it"
+        )
     _REGISTRY[name] = target
 
 

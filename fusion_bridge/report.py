@@ -1,4 +1,5 @@
-"""The report is a value: `to_dict()`/`to_json()` for tools (with "schema_version"), `str()` for people."""
+"""The report is a value: `to_dict()`/`to_json()` for tools (with "schema_version"), `str()` for
+people."""
 
 from __future__ import annotations
 
@@ -37,10 +38,17 @@ class Report:
             d = st.to_dict()
             d["selected"] = st.name in chosen
             strategies.append(d)
-        out = {"schema_version": SCHEMA_VERSION, "environment": self.environment.to_dict(), "spec": self.spec.to_dict(),
-               "strategies": strategies, "plan": self.plan.to_dict() if self.plan else None,
-               "workspace_bytes": sum(s.workspace_bytes for s in self.strategies),
-               "reroutes": self.reroutes, "shadow": self.shadow, "tuning_table": self.table}
+        out = {
+            "schema_version": SCHEMA_VERSION,
+            "environment": self.environment.to_dict(),
+            "spec": self.spec.to_dict(),
+            "strategies": strategies,
+            "plan": self.plan.to_dict() if self.plan else None,
+            "workspace_bytes": sum(s.workspace_bytes for s in self.strategies),
+            "reroutes": self.reroutes,
+            "shadow": self.shadow,
+            "tuning_table": self.table,
+        }
         if self.tokens is not None:
             out["tokens"] = self.tokens
             out["selected"] = self.selected
@@ -60,8 +68,10 @@ class Report:
         lines = [
             f"fusion-bridge on {where}, world size {env.world_size}"
             f"{'' if env.single_node else ' (multi-node)'}; torch {env.torch_version}, "
-            f"triton {env.triton_version or 'missing'}, flashinfer {env.flashinfer_version or 'missing'}",
-            f"spec: H={spec.hidden_size} K={spec.top_k} {spec.dtype_name} quant={spec.quant.kind.value} "
+            f"triton {env.triton_version or 'missing'}, flashinfer "
+            f"{env.flashinfer_version or 'missing'}",
+            f"spec: H={spec.hidden_size} K={spec.top_k} {spec.dtype_name} "
+            f"quant={spec.quant.kind.value} "
             f"shared={'yes' if spec.has_shared_output else 'no'} max_tokens={spec.max_tokens}",
             "",
         ]
@@ -70,47 +80,75 @@ class Report:
             if st.name in chosen:
                 state = "SELECTED"
             elif st.available:
-                state = "available" + ("" if st.auto_selectable else " (opt-in: request it by name)" if st.opt_in
-                                       else " (never auto-selected here)")
+                state = "available" + (
+                    ""
+                    if st.auto_selectable
+                    else " (opt-in: request it by name)"
+                    if st.opt_in
+                    else " (never auto-selected here)"
+                )
             else:
                 state = "rejected"
-            extra = f", self-test: {st.self_test}" + (f" (rel err {st.self_test_error:.2e})"
-                                                      if st.self_test_error is not None else "")
-            ws = f", workspace {st.workspace_bytes / 2**20:.1f} MiB/rank" if st.workspace_bytes else ""
+            extra = f", self-test: {st.self_test}" + (
+                f" (rel err {st.self_test_error:.2e})" if st.self_test_error is not None else ""
+            )
+            ws = (
+                f", workspace {st.workspace_bytes / 2**20:.1f} MiB/rank"
+                if st.workspace_bytes
+                else ""
+            )
             lines.append(f"{st.name:22s} {state}{extra}{ws}")
             lines.append(f"{'':22s} steps: {' -> '.join(s.name for s in st.steps)}")
             for r in st.reasons:
-                lines.append(f"{'':22s} [{r.code}] {r.message}" + (f"\n{'':24s}hint: {r.hint}" if r.hint else ""))
+                lines.append(
+                    f"{'':22s} [{r.code}] {r.message}"
+                    + (f"\n{'':24s}hint: {r.hint}" if r.hint else "")
+                )
         if self.plan:
             lines += ["", f"plan ({self.plan.source}, requested {self.plan.requested}):"]
             low = 1
             buckets = self.plan.to_dict()["buckets"]
             for i, b in enumerate(buckets):  # merge neighbours with the same strategy and no timing
                 nxt = buckets[i + 1] if i + 1 < len(buckets) else None
-                if nxt and b["measured_us"] is None and nxt["measured_us"] is None and nxt["strategy"] == b["strategy"]:
+                if (
+                    nxt
+                    and b["measured_us"] is None
+                    and nxt["measured_us"] is None
+                    and nxt["strategy"] == b["strategy"]
+                ):
                     continue
                 t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
                 lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
                 low = b["max_tokens"] + 1
-            lines.append(f"  T > {spec.max_tokens:6d}:           {self.plan.overflow or 'error (raises)'}"
-                         + (f", rerouted {self.reroutes} calls so far" if self.reroutes else ""))
+            lines.append(
+                f"  T > {spec.max_tokens:6d}:           {self.plan.overflow or 'error (raises)'}"
+                + (f", rerouted {self.reroutes} calls so far" if self.reroutes else "")
+            )
             lines += [f"  note: {n}" for n in self.plan.notes]
             if self.table:
                 lines.append(f"  measurements from {self.table}")
         if self.shadow:
             sh = self.shadow
-            lines += ["", f"shadow {sh['strategy']} every {sh['every']} calls: {sh['sampled']} sampled of "
-                          f"{sh['calls']} ({sh['skipped_in_capture']} skipped in CUDA-graph capture)"]
+            lines += [
+                "",
+                f"shadow {sh['strategy']} every {sh['every']} calls: {sh['sampled']} sampled of "
+                f"{sh['calls']} ({sh['skipped_in_capture']} skipped in CUDA-graph capture)",
+            ]
             for name, s in sh["outputs"].items():
-                lines.append(f"  {name:13s} max rel err {s['max_rel_err']:.2e}, max abs {s['max_abs']:.2e}, "
-                             f"NaN {s['nan']}, Inf {s['inf']}")
+                lines.append(
+                    f"  {name:13s} max rel err {s['max_rel_err']:.2e}, max abs {s['max_abs']:.2e}, "
+                    f"NaN {s['nan']}, Inf {s['inf']}"
+                )
         if self.tokens is not None:
             if self.tokens <= 0:
                 picked = "none (T=0: nothing to compute, no launch)"
             elif self.plan is None:
                 picked = "none (no plan: the requested strategy cannot run, see its reasons above)"
             elif self.selected is None:
-                picked = f"none (T > max_tokens={spec.max_tokens} and no strategy without a per-call limit: raises)"
+                picked = (
+                    f"none (T > max_tokens={spec.max_tokens} and no strategy without a "
+                    "per-call limit: raises)"
+                )
             else:
                 picked = self.selected
             lines.append(f"selected for T={self.tokens}: {picked}")

@@ -1,6 +1,8 @@
-"""The self-test: run a prepared GPU strategy once, collectively, on a small random input with several
+"""The self-test: run a prepared GPU strategy once, collectively, on a small random input with
+several
 tokens against the fp32 oracle, under a time limit. It catches what the static checks don't know yet
-(e.g. FlashInfer writing all-zero FP4 on SM90) and admits a newer upstream kernel that proves itself.
+(e.g. FlashInfer writing all-zero FP4 on SM90) and admits a newer upstream kernel that proves
+itself.
 
 Disable with FUSION_BRIDGE_SELF_TEST=0 (or FusionBridge(..., self_test=False)).
 """
@@ -20,7 +22,9 @@ from .strategies.reference import ReferenceStrategy
 from .numerics import compare, failures
 from .synthetic import make_inputs
 
-SELF_TEST_TOKENS = 7  # several tokens, odd: T=1 hides the H=2880 FlashInfer bug (docs/upstream.md section 1)
+SELF_TEST_TOKENS = (
+    7  # several tokens, odd: T=1 hides the H=2880 FlashInfer bug (docs/upstream.md section 1)
+)
 SELF_TEST_SEED = 20261130
 SELF_TEST_TIME_LIMIT_S = 10.0
 
@@ -32,8 +36,9 @@ class SelfTestResult:
     reason: Optional[Reason]
 
 
-def self_test(strategy: Strategy, spec: EpilogueSpec, rank: int,
-              time_limit_s: float = SELF_TEST_TIME_LIMIT_S) -> SelfTestResult:
+def self_test(
+    strategy: Strategy, spec: EpilogueSpec, rank: int, time_limit_s: float = SELF_TEST_TIME_LIMIT_S
+) -> SelfTestResult:
     """Collective: every rank that prepared `strategy` calls this in the same order."""
     tokens = min(SELF_TEST_TOKENS, spec.max_tokens)
     limit = strategy.max_tokens_per_call(spec, strategy.env)
@@ -47,20 +52,39 @@ def self_test(strategy: Strategy, spec: EpilogueSpec, rank: int,
         got = strategy.run(inputs)
         _wait(strategy.device, start, time_limit_s)
     except TimeoutError as exc:
-        return SelfTestResult(False, None, Reason("self_test_timeout", f"self-test: {exc}",
-                                                  "report this upstream; the strategy stays off"))
+        return SelfTestResult(
+            False,
+            None,
+            Reason(
+                "self_test_timeout",
+                f"self-test: {exc}",
+                "report this upstream; the strategy stays off",
+            ),
+        )
     except Exception as exc:  # a failing kernel rejects the strategy instead of the whole bridge
-        return SelfTestResult(False, None, Reason(
-            "self_test_error", f"self-test raised {type(exc).__name__}: {str(exc)[:300]}",
-            "set FUSION_BRIDGE_SELF_TEST=0 only to debug; the strategy stays off"))
+        return SelfTestResult(
+            False,
+            None,
+            Reason(
+                "self_test_error",
+                f"self-test raised {type(exc).__name__}: {str(exc)[:300]}",
+                "set FUSION_BRIDGE_SELF_TEST=0 only to debug; the strategy stays off",
+            ),
+        )
     errors = compare(spec, got, ref)
     bad = failures(spec, errors, ref, strategy.error_bound(spec, strategy.env))
     worst = max(e for e, _ in errors.values())
     if bad:
-        return SelfTestResult(False, worst, Reason(
-            "self_test_mismatch",
-            f"self-test on T={tokens}, H={spec.hidden_size}, K={spec.top_k} against the fp32 oracle: "
-            + "; ".join(bad), "the kernel computes another function here; the strategy stays off"))
+        return SelfTestResult(
+            False,
+            worst,
+            Reason(
+                "self_test_mismatch",
+                f"self-test on T={tokens}, H={spec.hidden_size}, K={spec.top_k} against the fp32 "
+                "oracle: " + "; ".join(bad),
+                "the kernel computes another function here; the strategy stays off",
+            ),
+        )
     return SelfTestResult(True, worst, None)
 
 

@@ -1,11 +1,15 @@
 """Shadow mode: run a second strategy (e.g. the fp32 `reference`) beside the selected one on sampled
 calls and record how far they diverge, without changing any output. An eager-mode rollout tool.
 
-Sampling is by a call counter that advances on every call, so it is identical on every rank (calls are
-collective): a shadow strategy with its own collective runs on all ranks or on none. During CUDA-graph
-capture the shadow is skipped (and counted); graph replays never reach Python, so they are not sampled.
+Sampling is by a call counter that advances on every call, so it is identical on every rank (calls
+are
+collective): a shadow strategy with its own collective runs on all ranks or on none. During
+CUDA-graph
+capture the shadow is skipped (and counted); graph replays never reach Python, so they are not
+sampled.
 
-Cost, on a sampled call only: one extra run of the shadow strategy (its kernels and, for `reference`,
+Cost, on a sampled call only: one extra run of the shadow strategy (its kernels and, for
+`reference`,
 an fp32 all-reduce), plus the comparison, which reads scalars to the host (a sync). Off by default.
 Enable: FusionBridge(..., shadow="reference:100") or FUSION_BRIDGE_SHADOW=reference:100.
 """
@@ -40,13 +44,17 @@ class Shadow:
         """'reference' or 'reference:100' (every 100th call; the default) -> Shadow."""
         name, _, every = str(value).partition(":")
         if name not in known:
-            raise ValueError(f"FusionBridge: shadow must be '<strategy>[:<every>]' with a strategy among "
-                             f"{known}, got {value!r}")
+            raise ValueError(
+                f"FusionBridge: shadow must be '<strategy>[:<every>]' with a strategy among "
+                f"{known}, got {value!r}"
+            )
         try:
             period = int(every) if every else 100
         except ValueError:
-            raise ValueError(f"FusionBridge: shadow must be '<strategy>[:<every>]' with an int period, got "
-                             f"{value!r}") from None
+            raise ValueError(
+                f"FusionBridge: shadow must be '<strategy>[:<every>]' with an int period, got "
+                f"{value!r}"
+            ) from None
         return Shadow(name, period)
 
     def due(self) -> bool:
@@ -59,7 +67,9 @@ class Shadow:
             return False
         return True
 
-    def record(self, spec: EpilogueSpec, selected: EpilogueOutputs, shadow: EpilogueOutputs) -> dict[str, float]:
+    def record(
+        self, spec: EpilogueSpec, selected: EpilogueOutputs, shadow: EpilogueOutputs
+    ) -> dict[str, float]:
         """Accumulate this sample's statistics; returns {output: rel_err} of this sample."""
         self.sampled += 1
         errors = compare(spec, selected, shadow)
@@ -67,8 +77,9 @@ class Shadow:
             tensor = selected.named()[name] if name != "quant" else None
             nan = int(torch.isnan(tensor).sum()) if tensor is not None else 0
             inf = int(torch.isinf(tensor).sum()) if tensor is not None else 0
-            s = self.outputs.setdefault(name, {"max_abs": 0.0, "max_rel_err": 0.0, "last_rel_err": 0.0,
-                                               "nan": 0, "inf": 0})
+            s = self.outputs.setdefault(
+                name, {"max_abs": 0.0, "max_rel_err": 0.0, "last_rel_err": 0.0, "nan": 0, "inf": 0}
+            )
             s["max_abs"] = _worst(s["max_abs"], max_abs)
             s["max_rel_err"] = _worst(s["max_rel_err"], rel)
             s["last_rel_err"] = rel
@@ -77,12 +88,19 @@ class Shadow:
         return {name: rel for name, (rel, _) in errors.items()}
 
     def to_dict_settings(self) -> dict:
-        """What must be equal on every rank (sampling is by a call counter that every rank advances)."""
+        """What must be equal on every rank (sampling is by a call counter that every rank
+        advances)."""
         return {"strategy": self.strategy, "every": self.every}
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "every": self.every, "calls": self.calls, "sampled": self.sampled,
-                "skipped_in_capture": self.skipped_in_capture, "outputs": self.outputs}
+        return {
+            "strategy": self.strategy,
+            "every": self.every,
+            "calls": self.calls,
+            "sampled": self.sampled,
+            "skipped_in_capture": self.skipped_in_capture,
+            "outputs": self.outputs,
+        }
 
 
 def _worst(a: float, b: float) -> float:

@@ -23,7 +23,8 @@ class QuantKind(str, enum.Enum):
 
 
 class SFLayout(str, enum.Enum):
-    """NVFP4 scale-factor layouts; SWIZZLED_128x4 matches FlashInfer's QuantizationSFLayout.SWIZZLED_128x4."""
+    """NVFP4 scale-factor layouts; SWIZZLED_128x4 matches FlashInfer's
+    QuantizationSFLayout.SWIZZLED_128x4."""
 
     SWIZZLED_128x4 = "swizzled_128x4"
     LINEAR = "linear"
@@ -44,7 +45,8 @@ class QuantSpec:
     """Optional quantization of norm_out.
 
     fp8:   q = e4m3_satfinite(bf16(norm_out) / scale)   -- `scale` is a divisor.
-    nvfp4: 16-element blocks, e4m3 block scales, `global_scale` is a multiplier (usually 448*6/amax).
+    nvfp4: 16-element blocks, e4m3 block scales, `global_scale` is a multiplier (usually
+    448*6/amax).
     """
 
     kind: QuantKind = QuantKind.NONE
@@ -61,20 +63,29 @@ class QuantSpec:
         return QuantSpec(QuantKind.FP8, scale=scale)
 
     @staticmethod
-    def nvfp4(global_scale: float, sf_layout: SFLayout | str = SFLayout.SWIZZLED_128x4) -> "QuantSpec":
+    def nvfp4(
+        global_scale: float, sf_layout: SFLayout | str = SFLayout.SWIZZLED_128x4
+    ) -> "QuantSpec":
         return QuantSpec(QuantKind.NVFP4, global_scale=global_scale, sf_layout=sf_layout)
 
     def __post_init__(self) -> None:
         """Check every field, then normalise: kind and sf_layout to their enums, scales to float."""
         kind = _enum_field("quant.kind", QuantKind, self.kind)
         object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "sf_layout", _enum_field("quant.sf_layout", SFLayout, self.sf_layout))
+        object.__setattr__(
+            self, "sf_layout", _enum_field("quant.sf_layout", SFLayout, self.sf_layout)
+        )
         for name, needed_by in (("scale", QuantKind.FP8), ("global_scale", QuantKind.NVFP4)):
             value = getattr(self, name)
             if kind is needed_by:
-                value = _real_field(f"quant.{name}", value, f"a positive finite float for {kind.value}",
-                                    positive=True)
-            else:  # a scale the kind does not use is a mistake, and would differ silently across ranks
+                value = _real_field(
+                    f"quant.{name}",
+                    value,
+                    f"a positive finite float for {kind.value}",
+                    positive=True,
+                )
+            # a scale the kind does not use is a mistake, and would differ silently across ranks
+            else:
                 _require(value is None, f"quant.{name}", f"None for kind {kind.value!r}", value)
             object.__setattr__(self, name, value)
 
@@ -84,7 +95,8 @@ class EpilogueSpec:
     """Static per-layer description of the MoE epilogue.
 
     hidden_size: H. top_k: K (columns of the index map). dtype: activation dtype, bf16 or fp16.
-    eps, weight_bias: RMSNorm uses (gamma + weight_bias). routed_scaling_factor multiplies the top-k sum.
+    eps, weight_bias: RMSNorm uses (gamma + weight_bias). routed_scaling_factor multiplies the top-k
+    sum.
     has_shared_output: whether shared_output is passed. max_tokens: the largest T a call may carry;
     workspaces are sized for it.
     """
@@ -100,25 +112,44 @@ class EpilogueSpec:
     max_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        """Check every field's type and value (ints are ints, not bools; floats are finite real numbers,
-        not strings or bools), then normalise ints to int and floats to float, so `to_dict()` is the same
+        """Check every field's type and value (ints are ints, not bools; floats are finite real
+        numbers,
+        not strings or bools), then normalise ints to int and floats to float, so `to_dict()` is the
+        same
         JSON on every rank whether a caller wrote 2 or 2.0."""
         set_ = functools.partial(object.__setattr__, self)
         set_("hidden_size", _int_field("hidden_size", self.hidden_size))
         set_("top_k", _int_field("top_k", self.top_k))
-        _require(isinstance(self.dtype, torch.dtype) and self.dtype in ACTIVATION_DTYPES,
-                 "dtype", "torch.bfloat16 or torch.float16", self.dtype)
+        _require(
+            isinstance(self.dtype, torch.dtype) and self.dtype in ACTIVATION_DTYPES,
+            "dtype",
+            "torch.bfloat16 or torch.float16",
+            self.dtype,
+        )
         set_("eps", _real_field("eps", self.eps, "a positive float (finite)", positive=True))
         set_("weight_bias", _real_field("weight_bias", self.weight_bias, "a finite float"))
-        set_("routed_scaling_factor", _real_field("routed_scaling_factor", self.routed_scaling_factor,
-                                                  "a finite float"))
-        _require(isinstance(self.has_shared_output, bool), "has_shared_output", "a bool (True or False)",
-                 self.has_shared_output, show_type=True)
+        set_(
+            "routed_scaling_factor",
+            _real_field("routed_scaling_factor", self.routed_scaling_factor, "a finite float"),
+        )
+        _require(
+            isinstance(self.has_shared_output, bool),
+            "has_shared_output",
+            "a bool (True or False)",
+            self.has_shared_output,
+            show_type=True,
+        )
         set_("max_tokens", _int_field("max_tokens", self.max_tokens))
-        _require(isinstance(self.quant, QuantSpec), "quant", "a QuantSpec", type(self.quant).__name__)
+        _require(
+            isinstance(self.quant, QuantSpec), "quant", "a QuantSpec", type(self.quant).__name__
+        )
         if self.quant.kind is QuantKind.NVFP4:
-            _require(self.hidden_size % NVFP4_BLOCK == 0, "hidden_size",
-                     f"a multiple of {NVFP4_BLOCK} for nvfp4", self.hidden_size)
+            _require(
+                self.hidden_size % NVFP4_BLOCK == 0,
+                "hidden_size",
+                f"a multiple of {NVFP4_BLOCK} for nvfp4",
+                self.hidden_size,
+            )
 
     @property
     def dtype_name(self) -> str:
@@ -126,12 +157,20 @@ class EpilogueSpec:
 
     def to_dict(self) -> dict:
         return {
-            "hidden_size": self.hidden_size, "top_k": self.top_k, "dtype": self.dtype_name,
-            "eps": self.eps, "weight_bias": self.weight_bias,
+            "hidden_size": self.hidden_size,
+            "top_k": self.top_k,
+            "dtype": self.dtype_name,
+            "eps": self.eps,
+            "weight_bias": self.weight_bias,
             "routed_scaling_factor": self.routed_scaling_factor,
-            "has_shared_output": self.has_shared_output, "max_tokens": self.max_tokens,
-            "quant": {"kind": self.quant.kind.value, "scale": self.quant.scale,
-                      "global_scale": self.quant.global_scale, "sf_layout": self.quant.sf_layout.value},
+            "has_shared_output": self.has_shared_output,
+            "max_tokens": self.max_tokens,
+            "quant": {
+                "kind": self.quant.kind.value,
+                "scale": self.quant.scale,
+                "global_scale": self.quant.global_scale,
+                "sf_layout": self.quant.sf_layout.value,
+            },
         }
 
 
@@ -141,7 +180,11 @@ DTYPE_BY_NAME = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def _require(ok: bool, name: str, expected: str, actual: object, show_type: bool = False) -> None:
     if not ok:
         kind = type(actual).__name__
-        seen = f"{actual!r} ({'an' if kind[0] in 'aeiou' else 'a'} {kind})" if show_type else repr(actual)
+        seen = (
+            f"{actual!r} ({'an' if kind[0] in 'aeiou' else 'a'} {kind})"
+            if show_type
+            else repr(actual)
+        )
         raise ValueError(f"EpilogueSpec: {name} must be {expected}, got {seen}")
 
 
@@ -155,8 +198,13 @@ def _int_field(name: str, value: object) -> int:
 def _real_field(name: str, value: object, expected: str, positive: bool = False) -> float:
     """A finite real number (int or float, not bool, not str), as float; > 0 when `positive`."""
     is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    _require(is_real and math.isfinite(value) and (value > 0 or not positive), name, expected, value,
-             show_type=not is_real)
+    _require(
+        is_real and math.isfinite(value) and (value > 0 or not positive),
+        name,
+        expected,
+        value,
+        show_type=not is_real,
+    )
     return float(value)
 
 
@@ -165,5 +213,7 @@ def _enum_field(name: str, enum_cls: type, value: object):
     try:
         return enum_cls(value)
     except (ValueError, TypeError):
-        raise ValueError(f"EpilogueSpec: {name} must be one of "
-                         f"{', '.join(repr(m.value) for m in enum_cls)}, got {value!r}") from None
+        raise ValueError(
+            f"EpilogueSpec: {name} must be one of "
+            f"{', '.join(repr(m.value) for m in enum_cls)}, got {value!r}"
+        ) from None

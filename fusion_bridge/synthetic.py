@@ -8,9 +8,17 @@ from .io import EpilogueInputs
 from .spec import EpilogueSpec
 
 
-def make_inputs(spec: EpilogueSpec, tokens: int, *, rank: int = 0, seed: int = 0,
-                device: torch.device | str = "cpu", weight_dtype: torch.dtype = torch.float32,
-                skip_fraction: float = 0.1, padding_rows: int = 3) -> EpilogueInputs:
+def make_inputs(
+    spec: EpilogueSpec,
+    tokens: int,
+    *,
+    rank: int = 0,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    weight_dtype: torch.dtype = torch.float32,
+    skip_fraction: float = 0.1,
+    padding_rows: int = 3,
+) -> EpilogueInputs:
     """Fresh random inputs for one rank.
 
     The routing (index map, weights), residual and gamma are the same on every rank, as in tensor
@@ -24,7 +32,11 @@ def make_inputs(spec: EpilogueSpec, tokens: int, *, rank: int = 0, seed: int = 0
     hidden, k = spec.hidden_size, spec.top_k
     slots = tokens * k
     rows = slots + padding_rows
-    perm = torch.randperm(max(slots, 1), generator=common, device=dev)[:slots].reshape(tokens, k).to(torch.int32)
+    perm = (
+        torch.randperm(max(slots, 1), generator=common, device=dev)[:slots]
+        .reshape(tokens, k)
+        .to(torch.int32)
+    )
     if skip_fraction > 0 and slots:
         perm[torch.rand(tokens, k, generator=common, device=dev) < skip_fraction] = -1
     weights = torch.rand(tokens, k, generator=common, device=dev).to(weight_dtype)
@@ -34,6 +46,9 @@ def make_inputs(spec: EpilogueSpec, tokens: int, *, rank: int = 0, seed: int = 0
     referenced = torch.zeros(rows, dtype=torch.bool, device=dev)
     referenced[perm[perm >= 0].long()] = True
     gemm2_out[~referenced] = float("nan")
-    shared = (torch.randn(tokens, hidden, generator=per_rank, device=dev).to(spec.dtype)
-              if spec.has_shared_output else None)
+    shared = (
+        torch.randn(tokens, hidden, generator=per_rank, device=dev).to(spec.dtype)
+        if spec.has_shared_output
+        else None
+    )
     return EpilogueInputs(gemm2_out.to(spec.dtype), perm, weights, shared, residual, gamma)

@@ -1,12 +1,17 @@
-"""Timing on the GPU (used by tuning and the benchmarks): CUDA graphs of many calls, events, medians; inputs rotated beyond L2 or replayed.
+"""Timing on the GPU (used by tuning and the benchmarks): CUDA graphs of many calls, events,
+medians; inputs rotated beyond L2 or replayed.
 
-Each measurement captures `calls` launches (cycling over `sets` input sets) in one CUDA graph, replays
+Each measurement captures `calls` launches (cycling over `sets` input sets) in one CUDA graph,
+replays
 it `repeats` times and reports the median time per call in microseconds.
 
-Why not `triton.testing.do_bench_cudagraph` (read side by side, triton 3.6): it also unrolls calls into
-one graph and times replays with events, but it replays one closure `fn()` and sizes the graph from a
+Why not `triton.testing.do_bench_cudagraph` (read side by side, triton 3.6): it also unrolls calls
+into
+one graph and times replays with events, but it replays one closure `fn()` and sizes the graph from
+a
 local timing estimate (`n_repeat = rep / estimate_ms`). We keep ours for two things it cannot do:
-- inputs rotated inside the graph: call i uses input set i % sets, so one replay streams more than the
+- inputs rotated inside the graph: call i uses input set i % sets, so one replay streams more than
+the
   L2 holds, as a real layer does (its closure sees the same tensors every call, L2-hot);
 - the same number of captured calls on every rank, fixed by the caller: the candidates are
   collectives, and a per-rank estimate can differ between ranks, which would capture different
@@ -16,11 +21,11 @@ local timing estimate (`n_repeat = rep / estimate_ms`). We keep ours for two thi
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-L2_BYTES = 60 * 2 ** 20  # H200
+L2_BYTES = 60 * 2**20  # H200
 
 
 def sets_to_rotate(bytes_per_set: int, min_total: int = 4 * L2_BYTES, max_sets: int = 256) -> int:
@@ -28,9 +33,11 @@ def sets_to_rotate(bytes_per_set: int, min_total: int = 4 * L2_BYTES, max_sets: 
     return max(2, min(max_sets, -(-min_total // max(bytes_per_set, 1))))
 
 
-def time_graph(fn: Callable[[int], object], sets: int, calls: int = 0, repeats: int = 15,
-               warmup: int = 2) -> float:
-    """Median microseconds per call of fn(i), i cycling over range(sets), captured in a CUDA graph."""
+def time_graph(
+    fn: Callable[[int], object], sets: int, calls: int = 0, repeats: int = 15, warmup: int = 2
+) -> float:
+    """Median microseconds per call of fn(i), i cycling over range(sets), captured in a CUDA
+    graph."""
     calls = calls or max(sets, 20)
     for i in range(min(sets, 3)):
         fn(i)
@@ -59,13 +66,17 @@ def time_graph(fn: Callable[[int], object], sets: int, calls: int = 0, repeats: 
     return statistics.median(times)
 
 
-def copy_bandwidth_gbs(nbytes: int = 2 * 2 ** 30) -> float:
-    """Device-to-device copy bandwidth, counting bytes read plus written (GB/s): the better of the copy
-    engine (copy_) and an SM elementwise kernel (mul by 1), which is what our kernels compete with."""
+def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus written (GB/s): the better of the
+    copy
+    engine (copy_) and an SM elementwise kernel (mul by 1), which is what our kernels compete
+    with."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    us = min(time_graph(lambda i: dst.copy_(src), sets=1, calls=10, repeats=10),
-             time_graph(lambda i: torch.mul(src, 1, out=dst), sets=1, calls=10, repeats=10))
+    us = min(
+        time_graph(lambda i: dst.copy_(src), sets=1, calls=10, repeats=10),
+        time_graph(lambda i: torch.mul(src, 1, out=dst), sets=1, calls=10, repeats=10),
+    )
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
@@ -73,6 +84,7 @@ def time_eager(fn: Callable[[int], object], sets: int, calls: int = 50, rounds: 
     """Median wall microseconds per call of back-to-back eager calls fn(i) (host launch cost and GPU
     time together: whichever bounds the stream), synchronized once per round."""
     import time
+
     for i in range(min(sets, 3)):
         fn(i)
     torch.cuda.synchronize()

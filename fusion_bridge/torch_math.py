@@ -11,14 +11,20 @@ from .io import EpilogueOutputs
 from .spec import EpilogueSpec, QuantKind
 
 
-def finalize_fp32(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
-                  routed_scaling_factor: float) -> torch.Tensor:
-    """routed[t] = scaling * sum_k w[t,k] * gemm2_out[perm[t,k]], skipping perm == -1. Returns fp32 [T, H]."""
+def finalize_fp32(
+    gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor, routed_scaling_factor: float
+) -> torch.Tensor:
+    """routed[t] = scaling * sum_k w[t,k] * gemm2_out[perm[t,k]], skipping perm == -1. Returns fp32
+    [T, H]."""
     tokens, hidden = perm.shape[0], gemm2_out.shape[1]
     valid = perm >= 0
     if gemm2_out.shape[0] == 0:  # then every index is -1 (validated); shape-only test, no host sync
         return torch.zeros(tokens, hidden, dtype=torch.float32, device=gemm2_out.device)
-    rows = gemm2_out.index_select(0, perm.clamp(min=0).reshape(-1).long()).reshape(tokens, perm.shape[1], hidden).float()
+    rows = (
+        gemm2_out.index_select(0, perm.clamp(min=0).reshape(-1).long())
+        .reshape(tokens, perm.shape[1], hidden)
+        .float()
+    )
     # where, not a zero weight: a skipped slot may point at a padding row holding NaN
     weighted = torch.where(valid.unsqueeze(-1), rows * weights.float().unsqueeze(-1), 0.0)
     return weighted.sum(dim=1) * routed_scaling_factor
@@ -35,7 +41,9 @@ def overflow_scale(x: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
     return torch.where(mean_sq == float("inf"), power, torch.ones_like(power))
 
 
-def rmsnorm_fp32(x: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: float) -> torch.Tensor:
+def rmsnorm_fp32(
+    x: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: float
+) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias) in fp32.
 
     Overflow-safe: a row whose sum of squares overflows fp32 is first scaled by a power of two s
@@ -49,7 +57,9 @@ def rmsnorm_fp32(x: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: 
     return xs * inv_rms * (gamma.float() + weight_bias)
 
 
-def quantize(norm_out: torch.Tensor, spec: EpilogueSpec) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def quantize(
+    norm_out: torch.Tensor, spec: EpilogueSpec
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Quantize the already-rounded norm_out as the spec says. Returns (quant, scale)."""
     q = spec.quant
     if q.kind is QuantKind.FP8:
@@ -59,8 +69,11 @@ def quantize(norm_out: torch.Tensor, spec: EpilogueSpec) -> tuple[Optional[torch
     return None, None
 
 
-def residual_norm_outputs(summed_fp32: torch.Tensor, gamma: torch.Tensor, spec: EpilogueSpec) -> EpilogueOutputs:
-    """From residual + reduced (fp32) to the rounded outputs, quantized from the rounded norm_out."""
+def residual_norm_outputs(
+    summed_fp32: torch.Tensor, gamma: torch.Tensor, spec: EpilogueSpec
+) -> EpilogueOutputs:
+    """From residual + reduced (fp32) to the rounded outputs, quantized from the rounded
+    norm_out."""
     residual_out = summed_fp32.to(spec.dtype)
     norm_out = rmsnorm_fp32(summed_fp32, gamma, spec.eps, spec.weight_bias).to(spec.dtype)
     quant, scale = quantize(norm_out, spec)

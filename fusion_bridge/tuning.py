@@ -1,16 +1,22 @@
-"""Measured selection: time every (strategy, launch variant) per token bucket, keep the table on disk,
+"""Measured selection: time every (strategy, launch variant) per token bucket, keep the table on
+disk,
 ship default tables for known GPUs.
 
-Timing uses CUDA graphs with inputs rotated beyond L2 and takes the max over ranks, so every rank holds
+Timing uses CUDA graphs with inputs rotated beyond L2 and takes the max over ranks, so every rank
+holds
 the same numbers. Which table a bridge uses is decided on rank 0 and broadcast, so ranks never
-disagree. Cached tables are keyed by GPU name, world size, library versions and spec; shipped defaults
+disagree. Cached tables are keyed by GPU name, world size, library versions and spec; shipped
+defaults
 (fusion_bridge/tables/) by GPU name, world size and spec alone.
 
 Table format (schema_version 2), JSON:
     {"schema_version": 2, "gpu": ..., "world_size": ..., "spec": {...}, "versions": {...},
-     "measured_us": {strategy: {variant: {bucket upper bound (str): microseconds}}},   CUDA-graph time
-     "eager_us": {...same shape...}}                 optional: eager wall time per call, this host only
-A table in another format is ignored with a warning that says why (never a crash). Eager times depend
+     "measured_us": {strategy: {variant: {bucket upper bound (str): microseconds}}},   CUDA-graph
+     time
+     "eager_us": {...same shape...}}                 optional: eager wall time per call, this host
+     only
+A table in another format is ignored with a warning that says why (never a crash). Eager times
+depend
 on the host's CPU, so shipped tables carry graph times only; eager plans come from a local `tune`.
 
 Cache directory: $FUSION_BRIDGE_CACHE_DIR, else ~/.cache/fusion_bridge.
@@ -40,12 +46,15 @@ TABLES_DIR = Path(__file__).with_name("tables")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FUSION_BRIDGE_CACHE_DIR") or Path.home() / ".cache" / "fusion_bridge")
+    return Path(
+        os.environ.get("FUSION_BRIDGE_CACHE_DIR") or Path.home() / ".cache" / "fusion_bridge"
+    )
 
 
 def spec_key(spec: EpilogueSpec) -> dict:
     d = spec.to_dict()
-    # these do not change the timing; max_tokens only adds buckets (unmeasured ones use the static order)
+    # these do not change the timing; max_tokens only adds buckets (unmeasured ones use the static
+    # order)
     for field in ("eps", "weight_bias", "routed_scaling_factor", "max_tokens"):
         d.pop(field)
     return d
@@ -54,7 +63,9 @@ def spec_key(spec: EpilogueSpec) -> dict:
 def table_key(spec: EpilogueSpec, env: Environment, with_versions: bool) -> str:
     fields = {"gpu": env.gpu_name, "world_size": env.world_size, "spec": spec_key(spec)}
     if with_versions:
-        fields.update(torch=env.torch_version, triton=env.triton_version, flashinfer=env.flashinfer_version)
+        fields.update(
+            torch=env.torch_version, triton=env.triton_version, flashinfer=env.flashinfer_version
+        )
     return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -71,17 +82,30 @@ def default_table_path(spec: EpilogueSpec, env: Environment) -> Path:
 
 
 def _jsonable(measured: dict[str, dict[str, dict[int, float]]]) -> dict:
-    return {name: {v: {str(b): us for b, us in per.items()} for v, per in variants.items()}
-            for name, variants in measured.items()}
+    return {
+        name: {v: {str(b): us for b, us in per.items()} for v, per in variants.items()}
+        for name, variants in measured.items()
+    }
 
 
-def make_table(spec: EpilogueSpec, env: Environment, measured: dict[str, dict[str, dict[int, float]]],
-               eager: Optional[dict[str, dict[str, dict[int, float]]]] = None) -> dict:
-    table = {"schema_version": SCHEMA_VERSION, "gpu": env.gpu_name, "world_size": env.world_size,
-             "spec": spec_key(spec),
-             "versions": {"torch": env.torch_version, "triton": env.triton_version,
-                          "flashinfer": env.flashinfer_version},
-             "measured_us": _jsonable(measured)}
+def make_table(
+    spec: EpilogueSpec,
+    env: Environment,
+    measured: dict[str, dict[str, dict[int, float]]],
+    eager: Optional[dict[str, dict[str, dict[int, float]]]] = None,
+) -> dict:
+    table = {
+        "schema_version": SCHEMA_VERSION,
+        "gpu": env.gpu_name,
+        "world_size": env.world_size,
+        "spec": spec_key(spec),
+        "versions": {
+            "torch": env.torch_version,
+            "triton": env.triton_version,
+            "flashinfer": env.flashinfer_version,
+        },
+        "measured_us": _jsonable(measured),
+    }
     if eager:
         table["eager_us"] = _jsonable(eager)
     return table
@@ -93,20 +117,33 @@ def format_problem(table: object) -> Optional[str]:
         return f"not a JSON object but {type(table).__name__}"
     version = table.get("schema_version")
     if version != SCHEMA_VERSION:
-        return (f"schema_version {version!r}, this fusion_bridge reads {SCHEMA_VERSION} "
-                "(re-run `python -m fusion_bridge tune`)")
+        return (
+            f"schema_version {version!r}, this fusion_bridge reads {SCHEMA_VERSION} "
+            "(re-run `python -m fusion_bridge tune`)"
+        )
     for key in ("measured_us", "eager_us"):
         measured = table.get(key, {} if key == "eager_us" else None)
         if not isinstance(measured, dict) or not all(
-                isinstance(v, dict) and all(isinstance(p, dict) for p in v.values()) for v in measured.values()):
+            isinstance(v, dict) and all(isinstance(p, dict) for p in v.values())
+            for v in measured.values()
+        ):
             return f"{key} is not {{strategy: {{variant: {{bucket: us}}}}}}"
         for name, variants in measured.items():
             for variant, per in variants.items():
                 for bucket, us in per.items():
                     if not (isinstance(bucket, str) and bucket.isdigit() and int(bucket) >= 1):
-                        return f"{key}.{name}.{variant} has bucket {bucket!r}, not a token count >= 1"
-                    if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us):
-                        return f"{key}.{name}.{variant}.{bucket} is {us!r}, not a finite number of microseconds"
+                        return (
+                            f"{key}.{name}.{variant} has bucket {bucket!r}, not a token count >= 1"
+                        )
+                    if (
+                        isinstance(us, bool)
+                        or not isinstance(us, (int, float))
+                        or not math.isfinite(us)
+                    ):
+                        return (
+                            f"{key}.{name}.{variant}.{bucket} is {us!r}, not a finite number "
+                            "of microseconds"
+                        )
     return None
 
 
@@ -126,7 +163,8 @@ def read_table(path: Path) -> Optional[dict]:
 
 
 def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
-    """The table every rank uses: rank 0's cache, else rank 0's shipped default, else None. Collective."""
+    """The table every rank uses: rank 0's cache, else rank 0's shipped default, else None.
+    Collective."""
     table = None
     if my_rank(group) == 0:
         for path in (cache_path(spec, env), default_table_path(spec, env)):
@@ -134,12 +172,15 @@ def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
                 table = read_table(path)
                 if table is not None:
                     if path == default_table_path(spec, env):
-                        table.pop("eager_us", None)  # another host's CPU: its eager times do not apply
+                        table.pop(
+                            "eager_us", None
+                        )  # another host's CPU: its eager times do not apply
                     break
     if env.world_size > 1:
         box = [table]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                   group=group)
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+        )
         table = box[0]
     return table
 
@@ -147,24 +188,39 @@ def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
 def save_table(table: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({k: v for k, v in table.items() if k != "path"}, indent=1, sort_keys=True))
+    tmp.write_text(
+        json.dumps({k: v for k, v in table.items() if k != "path"}, indent=1, sort_keys=True)
+    )
     tmp.replace(path)
 
 
-def as_measurements(table: dict, key: str = "measured_us") -> dict[str, dict[str, dict[int, float]]]:
+def as_measurements(
+    table: dict, key: str = "measured_us"
+) -> dict[str, dict[str, dict[int, float]]]:
     """{strategy: {variant: {bucket: us}}} with int buckets (JSON keys are strings); key "eager_us"
     gives the eager wall times ({} when the table has none)."""
-    return {name: {v: {int(b): us for b, us in per.items()} for v, per in variants.items()}
-            for name, variants in table.get(key, {}).items()}
+    return {
+        name: {v: {int(b): us for b, us in per.items()} for v, per in variants.items()}
+        for name, variants in table.get(key, {}).items()
+    }
 
 
 Candidate = tuple[str, str, Callable]  # (strategy, variant, run(inputs))
 
 
-def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, candidates: list[Candidate],
-            buckets: list[int], rotate: bool = True, progress: bool = True, seed: int = 0,
-            eager_out: Optional[dict] = None, limits: Optional[dict[str, Optional[int]]] = None
-            ) -> dict[str, dict[str, dict[int, float]]]:
+def measure(
+    spec: EpilogueSpec,
+    env: Environment,
+    group,
+    device: torch.device,
+    candidates: list[Candidate],
+    buckets: list[int],
+    rotate: bool = True,
+    progress: bool = True,
+    seed: int = 0,
+    eager_out: Optional[dict] = None,
+    limits: Optional[dict[str, Optional[int]]] = None,
+) -> dict[str, dict[str, dict[int, float]]]:
     """Time each candidate at each bucket's largest T under CUDA graphs. Collective; max over ranks.
     With `eager_out` (a dict), also the eager wall time per call of back-to-back calls, into it.
     `limits`: a strategy's largest T per call; buckets above it are not measured for it (every rank
@@ -177,14 +233,19 @@ def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, c
         fits = [c for c in candidates if limits.get(c[0]) is None or tokens <= limits[c[0]]]
         bar.update(len(candidates) - len(fits))
         probe = make_inputs(spec, tokens, rank=rank, seed=seed, device=device, skip_fraction=0.0)
-        per_set = sum(t.numel() * t.element_size() for t in (probe.gemm2_out, probe.residual, probe.shared_output)
-                      if t is not None)
+        per_set = sum(
+            t.numel() * t.element_size()
+            for t in (probe.gemm2_out, probe.residual, probe.shared_output)
+            if t is not None
+        )
         count = sets_to_rotate(per_set, max_sets=512) if rotate else 1
-        sets = [probe] + [make_inputs(spec, tokens, rank=rank, seed=seed + i, device=device, skip_fraction=0.0)
-                          for i in range(1, count)]
+        sets = [probe] + [
+            make_inputs(spec, tokens, rank=rank, seed=seed + i, device=device, skip_fraction=0.0)
+            for i in range(1, count)
+        ]
         times, walls = [], []
         for name, variant, run in fits:
-            call = (lambda i, run=run, variant=variant: run(sets[i], variant))
+            call = lambda i, run=run, variant=variant: run(sets[i], variant)  # noqa: F821 (bound before, deleted after)
             times.append(time_graph(call, sets=count, calls=max(count, 20)))
             if eager_out is not None:
                 walls.append(time_eager(call, sets=count))
@@ -197,7 +258,9 @@ def measure(spec: EpilogueSpec, env: Environment, group, device: torch.device, c
         for i, (name, variant, _) in enumerate(fits):
             out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[i]
             if eager_out is not None:
-                eager_out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[len(fits) + i]
+                eager_out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[
+                    len(fits) + i
+                ]
         del sets, probe
     bar.close()
     return out
@@ -210,9 +273,11 @@ def _progress(total: int, enabled: bool):
     except ImportError:
         enabled = False
     if not enabled:
+
         class _Silent:
             def set_postfix_str(self, *a, **k): ...
             def update(self, *a): ...
             def close(self): ...
+
         return _Silent()
     return tqdm(total=total, desc="tune", unit="case", dynamic_ncols=True)

@@ -1,7 +1,8 @@
 """Checks at the call. Cheap metadata checks always run; value checks (index range, T across ranks)
 need a device-to-host read or a collective, so they run on CPU tensors or in debug mode only.
 
-Debug mode: FusionBridge(..., debug=True) or FUSION_BRIDGE_DEBUG=1. It syncs, so never capture a CUDA
+Debug mode: FusionBridge(..., debug=True) or FUSION_BRIDGE_DEBUG=1. It syncs, so never capture a
+CUDA
 graph with it on.
 """
 
@@ -42,20 +43,34 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
     if not isinstance(perm, torch.Tensor):
         _fail("expanded_idx_to_permuted_idx", "a torch.Tensor", type(perm).__name__)
     if perm.dim() != 2:
-        _fail("expanded_idx_to_permuted_idx", "2-D [T, top_k]", f"{perm.dim()}-D shape {list(perm.shape)}")
+        _fail(
+            "expanded_idx_to_permuted_idx",
+            "2-D [T, top_k]",
+            f"{perm.dim()}-D shape {list(perm.shape)}",
+        )
     tokens, hidden = perm.shape[0], spec.hidden_size
     if perm.shape[1] != spec.top_k:
-        _fail("expanded_idx_to_permuted_idx.shape[1] (top_k)", f"{spec.top_k} (spec.top_k)", perm.shape[1])
-    _check_tensor("expanded_idx_to_permuted_idx", perm, (tokens, spec.top_k), (torch.int32,), device)
+        _fail(
+            "expanded_idx_to_permuted_idx.shape[1] (top_k)",
+            f"{spec.top_k} (spec.top_k)",
+            perm.shape[1],
+        )
+    _check_tensor(
+        "expanded_idx_to_permuted_idx", perm, (tokens, spec.top_k), (torch.int32,), device
+    )
     g = inputs.gemm2_out
     if not isinstance(g, torch.Tensor) or g.dim() != 2:
         _fail("gemm2_out", "a 2-D tensor [P, hidden_size]", getattr(g, "shape", type(g).__name__))
     _check_tensor("gemm2_out", g, (g.shape[0], hidden), (spec.dtype,), device)
-    _check_tensor("expert_weights", inputs.expert_weights, (tokens, spec.top_k), EXPERT_WEIGHT_DTYPES, device)
+    _check_tensor(
+        "expert_weights", inputs.expert_weights, (tokens, spec.top_k), EXPERT_WEIGHT_DTYPES, device
+    )
     if spec.has_shared_output:
         if inputs.shared_output is None:
             _fail("shared_output", "a tensor (spec.has_shared_output=True)", None)
-        _check_tensor("shared_output", inputs.shared_output, (tokens, hidden), (spec.dtype,), device)
+        _check_tensor(
+            "shared_output", inputs.shared_output, (tokens, hidden), (spec.dtype,), device
+        )
     elif inputs.shared_output is not None:
         _fail("shared_output", "None (spec.has_shared_output=False)", "a tensor")
     _check_tensor("residual", inputs.residual, (tokens, hidden), (spec.dtype,), device)
@@ -63,8 +78,10 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
 
 
 def input_check(spec: EpilogueSpec, device: torch.device) -> Callable[[EpilogueInputs], bool]:
-    """The same metadata checks as validate_inputs, as one function with the spec's values bound, for
-    the hot path (2.1 us on the CI CPU against 2.9 us reading them from the spec per call). It returns
+    """The same metadata checks as validate_inputs, as one function with the spec's values bound,
+    for
+    the hot path (2.1 us on the CI CPU against 2.9 us reading them from the spec per call). It
+    returns
     False on any mismatch: then call validate_inputs, which says what is wrong."""
     dtype, top_k, hidden, shared = spec.dtype, spec.top_k, spec.hidden_size, spec.has_shared_output
     int32, weight_dtypes, gamma_shape = torch.int32, EXPERT_WEIGHT_DTYPES, (hidden,)
@@ -75,11 +92,25 @@ def input_check(spec: EpilogueSpec, device: torch.device) -> Callable[[EpilogueI
         try:
             p_shape = p.shape
             r_shape = (p_shape[0], hidden)
-            if not (p.dtype is int32 and len(p_shape) == 2 and p_shape[1] == top_k and g.dtype is dtype
-                    and r.dtype is dtype and gamma.dtype is dtype and w.dtype in weight_dtypes
-                    and w.shape == p_shape and r.shape == r_shape and gamma.shape == gamma_shape
-                    and g.dim() == 2 and g.shape[1] == hidden and p.is_contiguous() and g.is_contiguous()
-                    and w.is_contiguous() and r.is_contiguous() and gamma.is_contiguous()):
+            if not (
+                p.dtype is int32
+                and len(p_shape) == 2
+                and p_shape[1] == top_k
+                and g.dtype is dtype
+                and r.dtype is dtype
+                and gamma.dtype is dtype
+                and w.dtype in weight_dtypes
+                and w.shape == p_shape
+                and r.shape == r_shape
+                and gamma.shape == gamma_shape
+                and g.dim() == 2
+                and g.shape[1] == hidden
+                and p.is_contiguous()
+                and g.is_contiguous()
+                and w.is_contiguous()
+                and r.is_contiguous()
+                and gamma.is_contiguous()
+            ):
                 return False
             if shared:
                 if s is None or not (s.dtype is dtype and s.shape == r_shape and s.is_contiguous()):
@@ -87,13 +118,29 @@ def input_check(spec: EpilogueSpec, device: torch.device) -> Callable[[EpilogueI
             elif s is not None:
                 return False
             if cuda_index is not None:
-                return (g.get_device() == cuda_index and p.get_device() == cuda_index
-                        and w.get_device() == cuda_index and r.get_device() == cuda_index
-                        and gamma.get_device() == cuda_index and (s is None or s.get_device() == cuda_index))
-            return (g.device == device and p.device == device and w.device == device and r.device == device
-                    and gamma.device == device and (s is None or s.device == device))
-        except (AttributeError, TypeError, IndexError):  # not a tensor somewhere, or a 0-D index map
+                return (
+                    g.get_device() == cuda_index
+                    and p.get_device() == cuda_index
+                    and w.get_device() == cuda_index
+                    and r.get_device() == cuda_index
+                    and gamma.get_device() == cuda_index
+                    and (s is None or s.get_device() == cuda_index)
+                )
+            return (
+                g.device == device
+                and p.device == device
+                and w.device == device
+                and r.device == device
+                and gamma.device == device
+                and (s is None or s.device == device)
+            )
+        except (
+            AttributeError,
+            TypeError,
+            IndexError,
+        ):  # not a tensor somewhere, or a 0-D index map
             return False
+
     return check
 
 
@@ -105,11 +152,18 @@ def validate_index_values(inputs: EpilogueInputs) -> None:
     lo, hi = int(perm.min()), int(perm.max())
     if lo < -1 or hi >= rows:
         bad = perm[(perm < -1) | (perm >= rows)]
-        _fail("expanded_idx_to_permuted_idx values", f"in [-1, {rows}) (gemm2_out has {rows} rows)",
-              f"{bad.numel()} out of range, e.g. {int(bad[0])}")
+        _fail(
+            "expanded_idx_to_permuted_idx values",
+            f"in [-1, {rows}) (gemm2_out has {rows} rows)",
+            f"{bad.numel()} out of range, e.g. {int(bad[0])}",
+        )
 
 
 def check_token_limit(tokens: int, limit: Optional[int], strategy: str) -> None:
     if limit is not None and tokens > limit:
-        _fail("the token count T", f"<= {limit} for strategy {strategy!r} (its workspace size; "
-              "raise EpilogueSpec.max_tokens or use strategy='auto', which reroutes)", tokens)
+        _fail(
+            "the token count T",
+            f"<= {limit} for strategy {strategy!r} (its workspace size; "
+            "raise EpilogueSpec.max_tokens or use strategy='auto', which reroutes)",
+            tokens,
+        )

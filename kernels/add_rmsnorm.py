@@ -1,9 +1,11 @@
-"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization, see quant.py), one program per token row.
+"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization, see quant.py), one program per token
+row.
 
-    x            = residual + reduced                       (fp32)
-    residual_out = round(x)
-    norm_out     = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias))   (overflow-safe, see below)
-    quant        = quantize(norm_out)                       (reads the rounded norm_out)
+x            = residual + reduced                       (fp32)
+residual_out = round(x)
+norm_out     = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias))   (overflow-safe, see
+below)
+quant        = quantize(norm_out)                       (reads the rounded norm_out)
 """
 
 from __future__ import annotations
@@ -20,12 +22,29 @@ from .rounding import round_to
 
 
 @triton.jit
-def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
-                        tokens, hidden, eps, weight_bias, quant_scale, sf_cols,
-                        QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
+def _add_rmsnorm_kernel(
+    residual_ptr,
+    reduced_ptr,
+    gamma_ptr,
+    residual_out_ptr,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    tokens,
+    hidden,
+    eps,
+    weight_bias,
+    quant_scale,
+    sf_cols,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    # programs past T only write the swizzled scale padding; vector form of `row < tokens` because the
+    # programs past T only write the swizzled scale padding; vector form of `row < tokens` because
+    # the
     # interpreter rejects a scalar-bool mask
     mask = (cols < hidden) & ((cols * 0 + row) < tokens)
     offs = row * hidden + cols
@@ -33,12 +52,15 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
     x += tl.load(reduced_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(residual_out_ptr + offs, round_to(x, residual_out_ptr.dtype.element_ty), mask=mask)
     sum_sq = tl.sum(x * x, axis=0)
-    # Overflow-safe: a finite row with |x| >~ 1.8e19 (bf16 holds up to 3.4e38) overflows the fp32 sum
+    # Overflow-safe: a finite row with |x| >~ 1.8e19 (bf16 holds up to 3.4e38) overflows the fp32
+    # sum
     # of squares, and rsqrt(inf) = 0 would zero the row. Such a row is scaled by the power of two s
     # bringing its largest magnitude into [2^31, 2^32) (exact), with eps*s^2 in place of eps. Every
     # other row has s = 1 and computes the unscaled formula bit for bit.
     overflow = sum_sq == float("inf")
-    amax_exp = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
+    amax_exp = (
+        tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23
+    ) & 0xFF  # biased exponent
     power = ((tl.minimum(tl.maximum(285 - amax_exp, 1), 254)) << 23).to(tl.float32, bitcast=True)
     s = tl.where(overflow, power, 1.0)
     x_s = x * s
@@ -47,16 +69,41 @@ def _add_rmsnorm_kernel(residual_ptr, reduced_ptr, gamma_ptr, residual_out_ptr, 
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
     y = round_to(x_s * inv_rms * g, norm_out_ptr.dtype.element_ty)
     tl.store(norm_out_ptr + offs, y, mask=mask)
-    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK, HW_CVT)
+    quantize_row(
+        y,
+        row,
+        cols,
+        tokens,
+        hidden,
+        q_ptr,
+        sf_ptr,
+        quant_scale,
+        sf_cols,
+        QUANT,
+        SWIZZLED,
+        BLOCK,
+        HW_CVT,
+    )
 
 
 _LAUNCH = KernelLauncher(_add_rmsnorm_kernel, ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
 
 
-def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torch.Tensor, sf: torch.Tensor,
-                     residual: torch.Tensor, reduced: torch.Tensor, gamma: torch.Tensor, eps: float,
-                     weight_bias: float, quant: int, quant_scale: float, swizzled: bool,
-                     num_warps: Optional[int] = None) -> None:
+def add_rmsnorm_into(
+    residual_out: torch.Tensor,
+    norm_out: torch.Tensor,
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    residual: torch.Tensor,
+    reduced: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    weight_bias: float,
+    quant: int,
+    quant_scale: float,
+    swizzled: bool,
+    num_warps: Optional[int] = None,
+) -> None:
     """Launch into preallocated outputs. q: uint8 view ([T, H] fp8 codes or [T, H/2] packed fp4);
     sf: uint8 scales (nvfp4 only). Unused q/sf may be any tensor. T == 0 launches nothing.
     num_warps overrides the launch shape (benchmark sweeps)."""
@@ -65,6 +112,23 @@ def add_rmsnorm_into(residual_out: torch.Tensor, norm_out: torch.Tensor, q: torc
         return
     constexprs, warps = row_launch_shape(hidden, quant, swizzled, residual.is_cuda, num_warps)
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
-    _LAUNCH((launch_rows(quant, swizzled, tokens, sf),),
-            (residual, reduced, gamma, residual_out, norm_out, q, sf, tokens, hidden, float(eps), float(weight_bias),
-             float(quant_scale), sf_cols), constexprs, warps)
+    _LAUNCH(
+        (launch_rows(quant, swizzled, tokens, sf),),
+        (
+            residual,
+            reduced,
+            gamma,
+            residual_out,
+            norm_out,
+            q,
+            sf,
+            tokens,
+            hidden,
+            float(eps),
+            float(weight_bias),
+            float(quant_scale),
+            sf_cols,
+        ),
+        constexprs,
+        warps,
+    )

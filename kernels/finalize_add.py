@@ -20,8 +20,18 @@ from .rounding import round_to
 
 
 @triton.jit
-def _finalize_add_kernel(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, out_ptr, hidden, routed_scaling,
-                         TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+def _finalize_add_kernel(
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    out_ptr,
+    hidden,
+    routed_scaling,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = cols < hidden
@@ -41,7 +51,8 @@ def _finalize_add_kernel(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, out_ptr, h
 
 def block_h_for(hidden: int, tokens: int) -> int:
     """Few tokens: latency-bound, small blocks spread one row over more SMs (T=1, H=7168 on H200:
-    1.62 us at 256 vs 2.45 us at 1024, same inputs in a CUDA graph). Many tokens: 1024-wide blocks for
+    1.62 us at 256 vs 2.45 us at 1024, same inputs in a CUDA graph). Many tokens: 1024-wide blocks
+    for
     16-byte accesses at the bandwidth limit."""
     return min(256 if tokens <= 32 else 1024, triton.next_power_of_2(hidden))
 
@@ -50,31 +61,70 @@ _LAUNCH = KernelLauncher(_finalize_add_kernel, ("TOP_K", "HAS_SHARED", "BLOCK_H"
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_shape(hidden: int, top_k: int, has_shared: bool, few_tokens: bool, block_h: Optional[int],
-                  num_warps: Optional[int]) -> tuple[int, tuple, int]:
+def _launch_shape(
+    hidden: int,
+    top_k: int,
+    has_shared: bool,
+    few_tokens: bool,
+    block_h: Optional[int],
+    num_warps: Optional[int],
+) -> tuple[int, tuple, int]:
     """(column blocks per row, constexprs, num_warps): fixed per spec and T class, computed once."""
     block = block_h or block_h_for(hidden, 1 if few_tokens else 33)
-    return triton.cdiv(hidden, block), (top_k, has_shared, block), num_warps or (4 if block >= 256 else 2)
+    return (
+        triton.cdiv(hidden, block),
+        (top_k, has_shared, block),
+        num_warps or (4 if block >= 256 else 2),
+    )
 
 
-def finalize_add_into(out: torch.Tensor, gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
-                      shared: Optional[torch.Tensor], routed_scaling: float, block_h: Optional[int] = None,
-                      num_warps: Optional[int] = None) -> torch.Tensor:
+def finalize_add_into(
+    out: torch.Tensor,
+    gemm2_out: torch.Tensor,
+    perm: torch.Tensor,
+    weights: torch.Tensor,
+    shared: Optional[torch.Tensor],
+    routed_scaling: float,
+    block_h: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> torch.Tensor:
     """Launch into a preallocated `out` [T, H] (activation dtype). T == 0 launches nothing.
     block_h / num_warps override the launch shape (benchmark sweeps)."""
     tokens, top_k = perm.shape
     hidden = gemm2_out.shape[1]
     if tokens == 0:
         return out
-    blocks, constexprs, warps = _launch_shape(hidden, top_k, shared is not None, tokens <= 32, block_h, num_warps)
-    _LAUNCH((tokens, blocks), (gemm2_out, perm, weights, out if shared is None else shared, out, hidden,
-                               float(routed_scaling)), constexprs, warps)
+    blocks, constexprs, warps = _launch_shape(
+        hidden, top_k, shared is not None, tokens <= 32, block_h, num_warps
+    )
+    _LAUNCH(
+        (tokens, blocks),
+        (
+            gemm2_out,
+            perm,
+            weights,
+            out if shared is None else shared,
+            out,
+            hidden,
+            float(routed_scaling),
+        ),
+        constexprs,
+        warps,
+    )
     return out
 
 
-def finalize_add(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
-                 shared: Optional[torch.Tensor], routed_scaling: float) -> torch.Tensor:
-    """gemm2_out [P, H] bf16/fp16, perm [T, K] int32, weights [T, K] fp32/bf16/fp16, shared [T, H] or
+def finalize_add(
+    gemm2_out: torch.Tensor,
+    perm: torch.Tensor,
+    weights: torch.Tensor,
+    shared: Optional[torch.Tensor],
+    routed_scaling: float,
+) -> torch.Tensor:
+    """gemm2_out [P, H] bf16/fp16, perm [T, K] int32, weights [T, K] fp32/bf16/fp16, shared [T, H]
+    or
     None -> [T, H] in gemm2_out's dtype."""
-    out = torch.empty(perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device)
+    out = torch.empty(
+        perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device
+    )
     return finalize_add_into(out, gemm2_out, perm, weights, shared, routed_scaling)

@@ -3,8 +3,10 @@ kernel's low-level launcher directly, keyed by what Triton's own cache key depen
 
 Why: `kernel[grid](...)` (Triton 3.6) re-derives per call what is fixed for us: it binds the
 arguments by name, specializes each one in C, formats the options dict into a string for the cache
-key, looks the kernel up, builds a launch-metadata dict for the (empty) launch hooks and goes through
-`CudaLauncher.__call__`. `KernelLauncher` keeps, per specialization key, the compiled kernel's launch
+key, looks the kernel up, builds a launch-metadata dict for the (empty) launch hooks and goes
+through
+`CudaLauncher.__call__`. `KernelLauncher` keeps, per specialization key, the compiled kernel's
+launch
 function and everything that is constant for it, and launches with the grid, the current stream and
 the arguments.
 
@@ -37,7 +39,8 @@ because the launcher's positional layout below cannot be feature-detected):
   (asynchronous compile) is not cached;
 - `CudaLauncher.launch` (the compiled C `launch(gx, gy, gz, stream, function, cooperative, pdl,
   global_scratch, profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`)
-  with `.launch_cooperative_grid`, `.launch_pdl`, `.global_scratch_size` and `.profile_scratch_size`:
+  with `.launch_cooperative_grid`, `.launch_pdl`, `.global_scratch_size` and
+  `.profile_scratch_size`:
   called directly when both scratch sizes are 0, else through `CudaLauncher.__call__`;
 - `triton.runtime.driver.active.get_current_device` / `.get_current_stream` (the same functions
   Triton's launch uses) and `triton.knobs.runtime.launch_enter_hook` / `launch_exit_hook`
@@ -65,8 +68,13 @@ _log = get_logger("kernels.launcher")
 class Runtime:
     """What a fast launch reads from Triton per call. Tests pass a fake one."""
 
-    def __init__(self, get_current_device: Callable[[], int], get_current_stream: Callable[[int], int],
-                 runtime_knobs: Any, compilation_knobs: Any):
+    def __init__(
+        self,
+        get_current_device: Callable[[], int],
+        get_current_stream: Callable[[int], int],
+        runtime_knobs: Any,
+        compilation_knobs: Any,
+    ):
         self.get_current_device = get_current_device
         self.get_current_stream = get_current_stream
         self.runtime_knobs = runtime_knobs  # .launch_enter_hook, .launch_exit_hook, .debug
@@ -76,6 +84,7 @@ class Runtime:
 def triton_version() -> Optional[tuple[int, int]]:
     try:
         import triton
+
         m = re.match(r"(\d+)\.(\d+)", triton.__version__)
         return (int(m.group(1)), int(m.group(2))) if m else None
     except Exception:
@@ -89,15 +98,20 @@ def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
     version = triton_version()
     if version not in TESTED_TRITON:
         tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON)
-        return None, (f"Triton {version} is not a version whose launcher layout was verified ({tested}); "
-                      "the normal launch is used")
+        return None, (
+            f"Triton {version} is not a version whose launcher layout was verified ({tested}); "
+            "the normal launch is used"
+        )
     try:
         from triton import knobs
         from triton.runtime import driver
+
         if knobs.runtime.interpret:
             return None, "TRITON_INTERPRET=1: no compiled launcher"
         active = driver.active
-        rt = Runtime(active.get_current_device, active.get_current_stream, knobs.runtime, knobs.compilation)
+        rt = Runtime(
+            active.get_current_device, active.get_current_stream, knobs.runtime, knobs.compilation
+        )
         for chain in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
             if not hasattr(chain, "calls"):
                 return None, "triton.knobs.runtime launch hooks are not HookChains"
@@ -108,8 +122,10 @@ def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
 
 
 def _make_key_fn(kinds: Sequence[str]) -> Callable:
-    """A key function for arguments of these kinds ('t' tensor, 's' scalar), generated once (as Triton
-    generates its binder): one call, no loop. Raises (AttributeError, TypeError) on an argument of an
+    """A key function for arguments of these kinds ('t' tensor, 's' scalar), generated once (as
+    Triton
+    generates its binder): one call, no loop. Raises (AttributeError, TypeError) on an argument of
+    an
     unexpected kind, which the caller treats as 'no fast path'."""
     names = [f"a{i}" for i in range(len(kinds))]
     parts = []
@@ -117,10 +133,15 @@ def _make_key_fn(kinds: Sequence[str]) -> Callable:
         if kind == "t":
             parts.append(f"{name}.dtype, {name}.data_ptr() & 15")
         else:
-            parts.append(f"type({name}), (None if type({name}) is float else ({name} == 1, {name} % 16 == 0, "
-                         f"-2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807))")
-    src = (f"def key(device, debug, instrumentation, num_warps, constexprs, {', '.join(names)}):\n"
-           f"    return (device, debug, instrumentation, num_warps, constexprs, {', '.join(parts)})\n")
+            parts.append(
+                f"type({name}), (None if type({name}) is float else ({name} == 1, {name} % 16 == "
+                "0, "
+                f"-2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807))"
+            )
+    src = (
+        f"def key(device, debug, instrumentation, num_warps, constexprs, {', '.join(names)}):\n"
+        f"    return (device, debug, instrumentation, num_warps, constexprs, {', '.join(parts)})\n"
+    )
     namespace: dict = {}
     exec(src, namespace)  # noqa: S102 (generated from a fixed template, no user input)
     return namespace["key"]
@@ -144,8 +165,13 @@ class KernelLauncher:
     the specialization key was seen before. `args` are the runtime arguments in parameter order;
     the constexpr parameters must be the kernel's trailing parameters."""
 
-    def __init__(self, kernel, constexpr_names: Sequence[str], runtime: Optional[Runtime] = None,
-                 max_entries: int = MAX_ENTRIES):
+    def __init__(
+        self,
+        kernel,
+        constexpr_names: Sequence[str],
+        runtime: Optional[Runtime] = None,
+        max_entries: int = MAX_ENTRIES,
+    ):
         self.kernel = kernel
         self.constexpr_names = tuple(constexpr_names)
         self.max_entries = max_entries
@@ -172,8 +198,11 @@ class KernelLauncher:
             return f"{self.name}: the kernel has no arg_names"
         n = len(self.constexpr_names)
         if n and tuple(names[-n:]) != self.constexpr_names:
-            return (f"{self.name}: constexprs {self.constexpr_names} are not the kernel's trailing parameters "
-                    f"{tuple(names[-n:])}")
+            return (
+                f"{self.name}: constexprs {self.constexpr_names} are not the kernel's trailing "
+                "parameters "
+                f"{tuple(names[-n:])}"
+            )
         self._n_args = len(names) - n
         return None
 
@@ -181,7 +210,9 @@ class KernelLauncher:
         self.disabled_reason = reason
         self._entries.clear()
         self._key_fn = None
-        _log.info("launch cache off for %s: %s (normal Triton launches are used)", self.name, reason)
+        _log.info(
+            "launch cache off for %s: %s (normal Triton launches are used)", self.name, reason
+        )
 
     def __call__(self, grid: tuple, args: tuple, constexprs: tuple, num_warps: int) -> None:
         key_fn = self._key_fn
@@ -194,9 +225,17 @@ class KernelLauncher:
                 key = None  # hooks expect Triton's own launch
             else:
                 device = self._get_device()
-                key = key_fn(device, knobs.debug, self._compilation_knobs.instrumentation_mode, num_warps,
-                             constexprs, *args)
-        except Exception:  # an argument of another kind, a hook that is not a HookChain: normal launch
+                key = key_fn(
+                    device,
+                    knobs.debug,
+                    self._compilation_knobs.instrumentation_mode,
+                    num_warps,
+                    constexprs,
+                    *args,
+                )
+        except (
+            Exception
+        ):  # an argument of another kind, a hook that is not a HookChain: normal launch
             key = None
         entry = self._entries.get(key)
         if entry is None:
@@ -205,8 +244,15 @@ class KernelLauncher:
         fn, prefix = entry
         n = len(grid)
         try:
-            fn(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, self._get_stream(device),
-               *prefix, *args, *constexprs)
+            fn(
+                grid[0],
+                grid[1] if n > 1 else 1,
+                grid[2] if n > 2 else 1,
+                self._get_stream(device),
+                *prefix,
+                *args,
+                *constexprs,
+            )
         except Exception as exc:
             self._fast_failed(exc, grid, args, constexprs, num_warps)
 
@@ -216,8 +262,10 @@ class KernelLauncher:
         return self.kernel[grid](*args, **kwargs, num_warps=num_warps)
 
     def _fast_failed(self, exc, grid, args, constexprs, num_warps) -> None:
-        """The cached launcher raised. The C launcher checks its arguments before launching, so nothing
-        ran: launch normally. If that works, the fast path is wrong for this Triton: switch it off. If
+        """The cached launcher raised. The C launcher checks its arguments before launching, so
+        nothing
+        ran: launch normally. If that works, the fast path is wrong for this Triton: switch it off.
+        If
         it raises too, the error is the caller's: let Triton's own error through."""
         self._launch_normally(grid, args, constexprs, num_warps)
         self._disable(f"the cached launcher raised {type(exc).__name__}: {exc}")
@@ -238,9 +286,14 @@ class KernelLauncher:
                 self._disable(reason)
                 return
         if len(args) != self._n_args or len(constexprs) != len(self.constexpr_names):
-            return  # a call that does not fit the signature: Triton raised or will; nothing to cache
-        if getattr(self.kernel, "used_global_vals", None) or getattr(self.kernel, "pre_run_hooks", None):
-            self._disable("the kernel uses global values or pre-run hooks, which Triton checks per launch")
+            # a call that does not fit the signature: Triton raised or will; nothing to cache
+            return
+        if getattr(self.kernel, "used_global_vals", None) or getattr(
+            self.kernel, "pre_run_hooks", None
+        ):
+            self._disable(
+                "the kernel uses global values or pre-run hooks, which Triton checks per launch"
+            )
             return
         if compiled is None or hasattr(compiled, "result"):
             if compiled is None:
@@ -255,13 +308,20 @@ class KernelLauncher:
             self._get_device, self._get_stream = rt.get_current_device, rt.get_current_stream
             self._kinds, self._key_fn = kinds, _make_key_fn(kinds)
         elif kinds != self._kinds:
-            return  # another argument layout than the cached one: not cached (the key fn would refuse it)
+            # another argument layout than the cached one: not cached (the key fn would refuse it)
+            return
         if key is None:
             knobs = rt.runtime_knobs
             if not (_idle(knobs.launch_enter_hook) and _idle(knobs.launch_exit_hook)):
                 return
-            key = self._key_fn(rt.get_current_device(), knobs.debug, rt.compilation_knobs.instrumentation_mode,
-                               num_warps, constexprs, *args)
+            key = self._key_fn(
+                rt.get_current_device(),
+                knobs.debug,
+                rt.compilation_knobs.instrumentation_mode,
+                num_warps,
+                constexprs,
+                *args,
+            )
         self._entries.pop(key, None)
         while len(self._entries) >= self.max_entries:
             del self._entries[next(iter(self._entries))]
@@ -278,8 +338,22 @@ def _entry(compiled) -> tuple[Callable, tuple]:
     if not callable(run):
         raise TypeError("CompiledKernel.run is not callable")
     launch = getattr(run, "launch", None)
-    if (callable(launch) and getattr(run, "global_scratch_size", None) == 0
-            and getattr(run, "profile_scratch_size", None) == 0
-            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
-        return launch, (function, run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None, None)
+    if (
+        callable(launch)
+        and getattr(run, "global_scratch_size", None) == 0
+        and getattr(run, "profile_scratch_size", None) == 0
+        and hasattr(run, "launch_cooperative_grid")
+        and hasattr(run, "launch_pdl")
+    ):
+        return launch, (
+            function,
+            run.launch_cooperative_grid,
+            run.launch_pdl,
+            None,
+            None,
+            packed,
+            None,
+            None,
+            None,
+        )
     return run, (function, packed, None, None, None)

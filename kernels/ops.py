@@ -1,8 +1,12 @@
-"""Torch custom ops over our kernels, with fake implementations, so they trace under torch.compile and
-capture in CUDA graphs. They allocate their outputs (the caching allocator serves them inside graphs).
+"""Torch custom ops over our kernels, with fake implementations, so they trace under torch.compile
+and
+capture in CUDA graphs. They allocate their outputs (the caching allocator serves them inside
+graphs).
 
-Strategies call `finalize_add`, `add_rmsnorm_quant` and `quantize` from this module's `fast` namespace:
-under torch.compile they go through the registered ops; in eager mode they call the same Python bodies
+Strategies call `finalize_add`, `add_rmsnorm_quant` and `quantize` from this module's `fast`
+namespace:
+under torch.compile they go through the registered ops; in eager mode they call the same Python
+bodies
 directly, skipping the custom-op dispatcher (tens of microseconds of host time per call).
 
 quant codes: 0 none, 1 fp8 (quant_scale is the divisor), 2 nvfp4 (quant_scale is the global scale).
@@ -27,9 +31,11 @@ def _kind_layout(quant: int, swizzled: bool) -> tuple[QuantKind, SFLayout]:
     return kind, SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
 
 
-def _quant_outputs(like: torch.Tensor, quant: int, swizzled: bool, fake: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q returned, q as uint8 for the kernel, sf returned, sf for the kernel). Unused ones are empty
+def _quant_outputs(
+    like: torch.Tensor, quant: int, swizzled: bool, fake: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q returned, q as uint8 for the kernel, sf returned, sf for the kernel). Unused ones are
+    empty
     and distinct: a custom op's outputs may not alias each other."""
     q, sf = quant_buffers(*like.shape, *_kind_layout(quant, swizzled), like.device)
     q = q if q is not None else like.new_empty(0, dtype=torch.uint8)
@@ -38,14 +44,24 @@ def _quant_outputs(like: torch.Tensor, quant: int, swizzled: bool, fake: bool = 
     return q, q_bytes, sf, sf
 
 
-def _finalize_add(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
-                 shared: Optional[torch.Tensor], routed_scaling: float) -> torch.Tensor:
-    """[P, H] x [T, K] int32 x [T, K] (+ [T, H]) -> [T, H]: routed_scaling * sum_k w * row + shared."""
-    out = torch.empty(perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device)
+def _finalize_add(
+    gemm2_out: torch.Tensor,
+    perm: torch.Tensor,
+    weights: torch.Tensor,
+    shared: Optional[torch.Tensor],
+    routed_scaling: float,
+) -> torch.Tensor:
+    """[P, H] x [T, K] int32 x [T, K] (+ [T, H]) -> [T, H]: routed_scaling * sum_k w * row +
+    shared."""
+    out = torch.empty(
+        perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device
+    )
     return finalize_add_into(out, gemm2_out, perm, weights, shared, routed_scaling)
 
 
-finalize_add = torch.library.custom_op("fusion_bridge::finalize_add", mutates_args=())(_finalize_add)
+finalize_add = torch.library.custom_op("fusion_bridge::finalize_add", mutates_args=())(
+    _finalize_add
+)
 
 
 @finalize_add.register_fake
@@ -53,20 +69,41 @@ def _(gemm2_out, perm, weights, shared, routed_scaling):
     return gemm2_out.new_empty(perm.shape[0], gemm2_out.shape[1])
 
 
-def _add_rmsnorm_quant(residual: torch.Tensor, reduced: torch.Tensor, gamma: torch.Tensor, eps: float,
-                      weight_bias: float, quant: int, quant_scale: float, swizzled: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _add_rmsnorm_quant(
+    residual: torch.Tensor,
+    reduced: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    weight_bias: float,
+    quant: int,
+    quant_scale: float,
+    swizzled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """residual, reduced [T, H], gamma [H] -> (residual_out, norm_out, q, sf).
-    q: fp8 [T, H] float8_e4m3fn, nvfp4 [T, H/2] uint8, else empty; sf: nvfp4 uint8 scales, else empty."""
+    q: fp8 [T, H] float8_e4m3fn, nvfp4 [T, H/2] uint8, else empty; sf: nvfp4 uint8 scales, else
+    empty."""
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
     q, q_bytes, sf, sf_bytes = _quant_outputs(residual, quant, swizzled)
-    add_rmsnorm_into(residual_out, norm_out, q_bytes, sf_bytes, residual, reduced, gamma, eps, weight_bias,
-                     quant, quant_scale, swizzled)
+    add_rmsnorm_into(
+        residual_out,
+        norm_out,
+        q_bytes,
+        sf_bytes,
+        residual,
+        reduced,
+        gamma,
+        eps,
+        weight_bias,
+        quant,
+        quant_scale,
+        swizzled,
+    )
     return residual_out, norm_out, q, sf
 
 
 add_rmsnorm_quant = torch.library.custom_op("fusion_bridge::add_rmsnorm_quant", mutates_args=())(
-    _add_rmsnorm_quant)
+    _add_rmsnorm_quant
+)
 
 
 @add_rmsnorm_quant.register_fake
@@ -75,8 +112,9 @@ def _(residual, reduced, gamma, eps, weight_bias, quant, quant_scale, swizzled):
     return torch.empty_like(residual), torch.empty_like(residual), q, sf
 
 
-def _quantize(x: torch.Tensor, quant: int, quant_scale: float, swizzled: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(
+    x: torch.Tensor, quant: int, quant_scale: float, swizzled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] activation dtype -> (q, sf) as in add_rmsnorm_quant."""
     q, q_bytes, sf, sf_bytes = _quant_outputs(x, quant, swizzled)
     quantize_into(q_bytes, sf_bytes, x, quant, quant_scale, swizzled)
@@ -92,16 +130,36 @@ def _(x, quant, quant_scale, swizzled):
     return q, sf
 
 
-def _add_rmsnorm_quant_eager(residual: torch.Tensor, reduced: torch.Tensor, gamma: torch.Tensor, eps: float,
-                             weight_bias: float, quant: int, quant_scale: float, swizzled: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """add_rmsnorm_quant for eager calls: allocates only what it returns (None for an output the quant
+def _add_rmsnorm_quant_eager(
+    residual: torch.Tensor,
+    reduced: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    weight_bias: float,
+    quant: int,
+    quant_scale: float,
+    swizzled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """add_rmsnorm_quant for eager calls: allocates only what it returns (None for an output the
+    quant
     mode does not have; the kernel's unused pointers get an output it writes anyway)."""
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
     q, sf = quant_buffers(*residual.shape, *_kind_layout(quant, swizzled), residual.device)
     q_bytes = q.view(torch.uint8) if q is not None else norm_out
-    add_rmsnorm_into(residual_out, norm_out, q_bytes, sf if sf is not None else q_bytes, residual, reduced, gamma,
-                     eps, weight_bias, quant, quant_scale, swizzled)
+    add_rmsnorm_into(
+        residual_out,
+        norm_out,
+        q_bytes,
+        sf if sf is not None else q_bytes,
+        residual,
+        reduced,
+        gamma,
+        eps,
+        weight_bias,
+        quant,
+        quant_scale,
+        swizzled,
+    )
     return residual_out, norm_out, q, sf
 
 
@@ -116,7 +174,8 @@ class _Fast:
 
     @staticmethod
     def add_rmsnorm_quant(*args):
-        """(residual_out, norm_out, q, sf); eagerly, q / sf are None where the quant mode has none."""
+        """(residual_out, norm_out, q, sf); eagerly, q / sf are None where the quant mode has
+        none."""
         if torch.compiler.is_compiling():
             return torch.ops.fusion_bridge.add_rmsnorm_quant(*args)
         return _add_rmsnorm_quant_eager(*args)

@@ -33,8 +33,12 @@ def _e4m3_rne_satfinite(v):
     a = tl.minimum(tl.abs(v), 448.0)
     exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)  # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9
-    quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent-3): 3 mantissa bits
-    magic = quantum * 8388608.0  # 2^23 * quantum: adding it rounds a to the quantum grid, ties to even
+    quantum = ((exponent - 3 + 127) << 23).to(
+        tl.float32, bitcast=True
+    )  # 2^(exponent-3): 3 mantissa bits
+    magic = (
+        quantum * 8388608.0
+    )  # 2^23 * quantum: adding it rounds a to the quantum grid, ties to even
     r = (a + magic) - magic
     rbits = r.to(tl.int32, bitcast=True)
     normal_code = ((((rbits >> 23) & 0xFF) - 127 + 7) << 3) | ((rbits >> 20) & 7)
@@ -46,27 +50,55 @@ def _e4m3_rne_satfinite(v):
 
 @triton.jit
 def _e2m1_codes(a, sf):
-    """e2m1 magnitude code of the exact quotient a / sf (a >= 0), round to nearest, ties to the even code,
+    """e2m1 magnitude code of the exact quotient a / sf (a >= 0), round to nearest, ties to the even
+    code,
     saturating at 6; 0 where sf == 0. Compares a against threshold * sf instead of dividing: each
-    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4, so every
+    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4, so
+    every
     product is exact in fp32 and the comparisons decide exactly as the real quotient would."""
     s = tl.where(sf == 0.0, float("inf"), sf)
-    return ((a > 0.25 * s).to(tl.int32) + (a >= 0.75 * s).to(tl.int32) + (a > 1.25 * s).to(tl.int32)
-            + (a >= 1.75 * s).to(tl.int32) + (a > 2.5 * s).to(tl.int32) + (a >= 3.5 * s).to(tl.int32)
-            + (a > 5.0 * s).to(tl.int32))
+    return (
+        (a > 0.25 * s).to(tl.int32)
+        + (a >= 0.75 * s).to(tl.int32)
+        + (a > 1.25 * s).to(tl.int32)
+        + (a >= 1.75 * s).to(tl.int32)
+        + (a > 2.5 * s).to(tl.int32)
+        + (a >= 3.5 * s).to(tl.int32)
+        + (a > 5.0 * s).to(tl.int32)
+    )
 
 
 @triton.jit
-def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols,
-                 QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
+def quantize_row(
+    y,
+    row,
+    cols,
+    tokens,
+    hidden,
+    q_ptr,
+    sf_ptr,
+    quant_scale,
+    sf_cols,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
     """Quantize row `row` (values y [BLOCK], already rounded to the activation dtype) and store it.
     Rows at or past `tokens` store only swizzled scale padding (zeros). HW_CVT: use the GPU's
-    round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it takes the software one)."""
-    row_ok_cols = (cols * 0 + row) < tokens  # vector form: the interpreter rejects scalar-bool masks
+    round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it takes the software
+    one)."""
+    row_ok_cols = (
+        cols * 0 + row
+    ) < tokens  # vector form: the interpreter rejects scalar-bool masks
     if QUANT == 1:
         v = tl.math.div_rn(y.to(tl.float32), quant_scale)
         if HW_CVT:
-            code = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            code = (
+                tl.minimum(tl.maximum(v, -448.0), 448.0)
+                .to(tl.float8e4nv)
+                .to(tl.uint8, bitcast=True)
+            )
         else:
             code, _ = _e4m3_rne_satfinite(v)
         tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=(cols < hidden) & row_ok_cols)
@@ -78,27 +110,64 @@ def quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_co
         codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
         lo, hi = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
         packed_cols = tl.arange(0, BLOCK // 2)
-        tl.store(q_ptr + row * (hidden // 2) + packed_cols, (lo | (hi << 4)).to(tl.uint8),
-                 mask=(packed_cols < hidden // 2) & ((packed_cols * 0 + row) < tokens))
+        tl.store(
+            q_ptr + row * (hidden // 2) + packed_cols,
+            (lo | (hi << 4)).to(tl.uint8),
+            mask=(packed_cols < hidden // 2) & ((packed_cols * 0 + row) < tokens),
+        )
         kb = tl.arange(0, BLOCK // 16)
         sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
         if SWIZZLED:
-            sf_off = ((row // 128) * (sf_cols * 128) + (kb // 4) * 512 + (row % 32) * 16
-                      + ((row % 128) // 32) * 4 + (kb % 4))
+            sf_off = (
+                (row // 128) * (sf_cols * 128)
+                + (kb // 4) * 512
+                + (row % 32) * 16
+                + ((row % 128) // 32) * 4
+                + (kb % 4)
+            )
             tl.store(sf_ptr + sf_off, sf_byte, mask=kb < sf_cols)
         else:
-            tl.store(sf_ptr + row * (hidden // 16) + kb, sf_byte,
-                     mask=(kb < hidden // 16) & ((kb * 0 + row) < tokens))
+            tl.store(
+                sf_ptr + row * (hidden // 16) + kb,
+                sf_byte,
+                mask=(kb < hidden // 16) & ((kb * 0 + row) < tokens),
+            )
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, sf_ptr, tokens, hidden, quant_scale, sf_cols,
-                     QUANT: tl.constexpr, SWIZZLED: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    sf_ptr,
+    tokens,
+    hidden,
+    quant_scale,
+    sf_cols,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    y = tl.load(x_ptr + row * hidden + cols, mask=(cols < hidden) & ((cols * 0 + row) < tokens), other=0.0)
-    quantize_row(y, row, cols, tokens, hidden, q_ptr, sf_ptr, quant_scale, sf_cols, QUANT, SWIZZLED, BLOCK,
-                 HW_CVT)
+    y = tl.load(
+        x_ptr + row * hidden + cols, mask=(cols < hidden) & ((cols * 0 + row) < tokens), other=0.0
+    )
+    quantize_row(
+        y,
+        row,
+        cols,
+        tokens,
+        hidden,
+        q_ptr,
+        sf_ptr,
+        quant_scale,
+        sf_cols,
+        QUANT,
+        SWIZZLED,
+        BLOCK,
+        HW_CVT,
+    )
 
 
 def row_block(hidden: int) -> int:
@@ -108,7 +177,8 @@ def row_block(hidden: int) -> int:
 
 def row_num_warps(block: int, quant: int = QUANT_NONE) -> int:
     """Warps per row program. From the H200 sweeps at H=7168 (benchmarks/results/*launch_sweep.csv):
-    fp8 is issue-bound and wants the most threads (32 warps: 79 us vs 88 us at 8 warps, T=4096); nvfp4
+    fp8 is issue-bound and wants the most threads (32 warps: 79 us vs 88 us at 8 warps, T=4096);
+    nvfp4
     is best at 8 (97 us vs 103-111 us at 16-32)."""
     if quant == QUANT_FP8:
         return max(4, min(32, block // 256))
@@ -121,9 +191,11 @@ def launch_rows(quant: int, swizzled: bool, tokens: int, sf: torch.Tensor) -> in
 
 
 @functools.lru_cache(maxsize=256)
-def row_launch_shape(hidden: int, quant: int, swizzled: bool, hw_cvt: bool, num_warps: Optional[int] = None
-                     ) -> tuple[tuple, int]:
-    """(constexprs (QUANT, SWIZZLED, BLOCK, HW_CVT), num_warps) of a row kernel: fixed per spec, computed
+def row_launch_shape(
+    hidden: int, quant: int, swizzled: bool, hw_cvt: bool, num_warps: Optional[int] = None
+) -> tuple[tuple, int]:
+    """(constexprs (QUANT, SWIZZLED, BLOCK, HW_CVT), num_warps) of a row kernel: fixed per spec,
+    computed
     once."""
     block = row_block(hidden)
     return (quant, swizzled, block, hw_cvt), num_warps or row_num_warps(block, quant)
@@ -132,13 +204,23 @@ def row_launch_shape(hidden: int, quant: int, swizzled: bool, hw_cvt: bool, num_
 _LAUNCH = KernelLauncher(_quantize_kernel, ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
 
 
-def quantize_into(q: torch.Tensor, sf: torch.Tensor, x: torch.Tensor, quant: int, quant_scale: float,
-                  swizzled: bool) -> None:
+def quantize_into(
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    x: torch.Tensor,
+    quant: int,
+    quant_scale: float,
+    swizzled: bool,
+) -> None:
     """x [T, H] activation dtype -> q (uint8 view: [T, H] fp8 codes or [T, H/2] packed fp4), sf."""
     tokens, hidden = x.shape
     if tokens == 0 or quant == QUANT_NONE:
         return
     constexprs, warps = row_launch_shape(hidden, quant, swizzled, x.is_cuda)
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
-    _LAUNCH((launch_rows(quant, swizzled, tokens, sf),), (x, q, sf, tokens, hidden, float(quant_scale), sf_cols),
-            constexprs, warps)
+    _LAUNCH(
+        (launch_rows(quant, swizzled, tokens, sf),),
+        (x, q, sf, tokens, hidden, float(quant_scale), sf_cols),
+        constexprs,
+        warps,
+    )

@@ -1,8 +1,11 @@
-"""Rounding to the output dtype that is round-to-nearest-even on the GPU and in the interpreter alike.
+"""Rounding to the output dtype that is round-to-nearest-even on the GPU and in the interpreter
+alike.
 
-The Triton interpreter (measured with triton 3.9) casts fp32 -> bf16 by truncation, the GPU by RNE. We
+The Triton interpreter (measured with triton 3.9) casts fp32 -> bf16 by truncation, the GPU by RNE.
+We
 round fp32 to the bf16 grid ourselves (integer ops, free in a memory-bound kernel); the cast of the
-already-rounded value is then exact everywhere, so CPU CI checks the same one-rounding math as the GPU.
+already-rounded value is then exact everywhere, so CPU CI checks the same one-rounding math as the
+GPU.
 """
 
 import triton
@@ -15,6 +18,7 @@ def round_to(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
-        # NaN stays NaN (made quiet): the GPU's NaN 0x7FFFFFFF would carry into the sign bit and give -0.0
+        # NaN stays NaN (made quiet): the GPU's NaN 0x7FFFFFFF would carry into the sign bit and
+        # give -0.0
         x = tl.where(x != x, float("nan"), bits.to(tl.float32, bitcast=True))
     return x.to(dtype)

@@ -1,8 +1,11 @@
-"""Test setup. On a machine without a GPU the Triton kernels run under the interpreter (set before any
+"""Test setup. On a machine without a GPU the Triton kernels run under the interpreter (set before
+any
 kernel module is imported). Tests marked `gpu` skip without CUDA.
 
-The suite tests the default (non-debug) path: FUSION_BRIDGE_DEBUG is removed from the environment, so
-a shell that exports it cannot hide a check that only debug mode makes. Tests of debug mode ask for it
+The suite tests the default (non-debug) path: FUSION_BRIDGE_DEBUG is removed from the environment,
+so
+a shell that exports it cannot hide a check that only debug mode makes. Tests of debug mode ask for
+it
 explicitly (FusionBridge(..., debug=True) or monkeypatch.setenv)."""
 
 import os

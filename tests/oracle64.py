@@ -1,8 +1,10 @@
 """An independent float64 oracle of the epilogue, for tests only.
 
 Written apart from `fusion_bridge.torch_math` and `fusion_bridge.quant_ref` (it imports nothing from
-the package): plain loops over (token, slot), float64 arithmetic, and quantizers built from the number
-formats' definitions (a grid step per binade, `round` half-to-even) rather than from torch's fp8 cast
+the package): plain loops over (token, slot), float64 arithmetic, and quantizers built from the
+number
+formats' definitions (a grid step per binade, `round` half-to-even) rather than from torch's fp8
+cast
 or a distance search. The swizzled scale layout is built by a reshape/permute of the padded
 [rows, cols] scale matrix, not from the offset formula; the formula is restated separately
 (`swizzle_offset`) and the two are checked against each other in tests.
@@ -32,8 +34,9 @@ E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # code i (sign in bit 3)
 
 
 # ------------------------------------------------------------------ the epilogue
-def finalize64(gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor,
-               routed_scaling: float) -> torch.Tensor:
+def finalize64(
+    gemm2_out: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor, routed_scaling: float
+) -> torch.Tensor:
     """[T, H] float64; a skipped slot's row is never read (it may hold NaN)."""
     tokens, top_k = perm.shape
     out = torch.zeros(tokens, gemm2_out.shape[1], dtype=F64)
@@ -54,10 +57,18 @@ def rmsnorm64(x: torch.Tensor, gamma: torch.Tensor, eps: float, weight_bias: flo
     return x / torch.sqrt(ms + eps).unsqueeze(1) * (gamma.to(F64) + weight_bias)
 
 
-def epilogue64(rank_inputs: Sequence, residual: torch.Tensor, gamma: torch.Tensor, *, eps: float,
-               weight_bias: float, routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def epilogue64(
+    rank_inputs: Sequence,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    eps: float,
+    weight_bias: float,
+    routed_scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """rank_inputs: one (gemm2_out, perm, weights, shared or None) per rank (perm and weights are
-    the same on every rank in TP, but each rank's own are used). Returns (residual_out, norm_out) float64."""
+    the same on every rank in TP, but each rank's own are used). Returns (residual_out, norm_out)
+    float64."""
     reduced = None
     for gemm2_out, perm, weights, shared in rank_inputs:
         partial = finalize64(gemm2_out, perm, weights, routed_scaling)
@@ -69,53 +80,83 @@ def epilogue64(rank_inputs: Sequence, residual: torch.Tensor, gamma: torch.Tenso
 
 
 def epilogue64_from(spec, per_rank_inputs: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same from EpilogueInputs values (one per rank) and an EpilogueSpec (only its numbers read)."""
+    """The same from EpilogueInputs values (one per rank) and an EpilogueSpec (only its numbers
+    read)."""
     first = per_rank_inputs[0]
-    return epilogue64([(i.gemm2_out, i.expanded_idx_to_permuted_idx, i.expert_weights, i.shared_output)
-                       for i in per_rank_inputs], first.residual, first.gamma, eps=spec.eps,
-                      weight_bias=spec.weight_bias, routed_scaling=spec.routed_scaling_factor)
+    return epilogue64(
+        [
+            (i.gemm2_out, i.expanded_idx_to_permuted_idx, i.expert_weights, i.shared_output)
+            for i in per_rank_inputs
+        ],
+        first.residual,
+        first.gamma,
+        eps=spec.eps,
+        weight_bias=spec.weight_bias,
+        routed_scaling=spec.routed_scaling_factor,
+    )
 
 
-def fp32_slack64(spec, per_rank_inputs: Sequence, rel: float = 2.0 ** -20) -> tuple[torch.Tensor, torch.Tensor]:
+def fp32_slack64(
+    spec, per_rank_inputs: Sequence, rel: float = 2.0**-20
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute error that fp32 arithmetic may add before the one rounding of residual_out and
-    norm_out: a sum of n <= 16 fp32 terms errs by at most n * 2^-24 <= 2^-20 (`rel`) times the sum of
+    norm_out: a sum of n <= 16 fp32 terms errs by at most n * 2^-24 <= 2^-20 (`rel`) times the sum
+    of
     the terms' magnitudes (cancellation makes that much larger than the result); norm_out carries it
     through 1/rms * |gamma + weight_bias|, plus `rel` of its own value."""
     first = per_rank_inputs[0]
     magnitude = first.residual.to(F64).abs()
     for i in per_rank_inputs:
-        magnitude = magnitude + finalize64(i.gemm2_out.abs(), i.expanded_idx_to_permuted_idx,
-                                           i.expert_weights.abs(), abs(spec.routed_scaling_factor))
+        magnitude = magnitude + finalize64(
+            i.gemm2_out.abs(),
+            i.expanded_idx_to_permuted_idx,
+            i.expert_weights.abs(),
+            abs(spec.routed_scaling_factor),
+        )
         if i.shared_output is not None:
             magnitude = magnitude + i.shared_output.to(F64).abs()
     residual_exact, norm_exact = epilogue64_from(spec, per_rank_inputs)
-    rms = torch.sqrt((residual_exact ** 2).mean(dim=1, keepdim=True) + spec.eps)
+    rms = torch.sqrt((residual_exact**2).mean(dim=1, keepdim=True) + spec.eps)
     scale = (first.gamma.to(F64) + spec.weight_bias).abs()
     return rel * magnitude, rel * magnitude / rms * scale + rel * norm_exact.abs()
 
 
-# ------------------------------------------------------------------ rounding to the activation dtype
+# ------------------------------------------------------------------ rounding to the activation
+# dtype
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of `dtype` (bf16: 8 significant bits, fp16: 11) at |x|, float64."""
     bits, min_exp = {torch.bfloat16: (8, -126), torch.float16: (11, -14)}[dtype]
     _, e = torch.frexp(x.to(F64).abs())  # |x| = m * 2^e, m in [0.5, 1)
-    return torch.ldexp(torch.ones_like(x, dtype=F64), (torch.clamp(e - 1, min=min_exp) - (bits - 1)))
+    return torch.ldexp(
+        torch.ones_like(x, dtype=F64), (torch.clamp(e - 1, min=min_exp) - (bits - 1))
+    )
 
 
-def check_rounded_once(got: torch.Tensor, exact: torch.Tensor, slack_rel: float = 0.0,
-                       slack_abs: Optional[torch.Tensor] = None) -> None:
+def check_rounded_once(
+    got: torch.Tensor,
+    exact: torch.Tensor,
+    slack_rel: float = 0.0,
+    slack_abs: Optional[torch.Tensor] = None,
+) -> None:
     """Every element of `got` (activation dtype) within half an ulp of the exact value, plus
     `slack_rel` * |exact| and `slack_abs` (what fp32 arithmetic before the one rounding may add).
     Says where not."""
     g, e = got.to(F64), exact.to(F64)
     err = (g - e).abs()
-    limit = 0.5 * ulp(e, got.dtype) + slack_rel * e.abs() + (0.0 if slack_abs is None else slack_abs.to(F64))
+    limit = (
+        0.5 * ulp(e, got.dtype)
+        + slack_rel * e.abs()
+        + (0.0 if slack_abs is None else slack_abs.to(F64))
+    )
     bad = ~(err <= limit)
     if bad.any():
         idx = bad.nonzero()[:5].tolist()
-        raise AssertionError(f"{int(bad.sum())} of {bad.numel()} elements more than half an ulp (+{slack_rel:g} "
-                             f"rel) from the float64 oracle, e.g. at {idx}: got {[g[tuple(i)].item() for i in idx]}, "
-                             f"exact {[e[tuple(i)].item() for i in idx]}")
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.numel()} elements more than half an ulp (+{slack_rel:g} "
+            f"rel) from the float64 oracle, e.g. at {idx}: got "
+            f"{[g[tuple(i)].item() for i in idx]}, "
+            f"exact {[e[tuple(i)].item() for i in idx]}"
+        )
 
 
 def normwise_rel_err(got: torch.Tensor, exact: torch.Tensor) -> float:
@@ -136,18 +177,21 @@ def e4m3_value(x: torch.Tensor) -> torch.Tensor:
     e4m3fn: 3 mantissa bits; normal binades 2^-6 .. 2^8; below 2^-6 a fixed step of 2^-9."""
     x = x.to(F64)
     a = x.abs().clamp(max=E4M3_MAX)
-    _, e = torch.frexp(a)                         # a in [2^(e-1), 2^e)
+    _, e = torch.frexp(a)  # a in [2^(e-1), 2^e)
     binade = torch.clamp(e - 1, min=-6)
     step = torch.ldexp(torch.ones_like(a), binade - 3)
-    r = _round_on_grid(a, step).clamp(max=E4M3_MAX)  # 448 = 1.75 * 2^8; rounding up from it saturates
+    r = _round_on_grid(a, step).clamp(
+        max=E4M3_MAX
+    )  # 448 = 1.75 * 2^8; rounding up from it saturates
     return torch.copysign(r, x)
 
 
 def e4m3_code(v: torch.Tensor) -> torch.Tensor:
-    """An e4m3fn value (float64, already on the grid) -> its byte, sign bit 0x80 (set for -0.0 too)."""
+    """An e4m3fn value (float64, already on the grid) -> its byte, sign bit 0x80 (set for -0.0
+    too)."""
     a = v.abs()
     _, e = torch.frexp(a)
-    normal = a >= 2.0 ** -6
+    normal = a >= 2.0**-6
     exp_field = torch.where(normal, e - 1 + 7, torch.zeros_like(e))
     mant = torch.where(normal, (a / torch.ldexp(torch.ones_like(a), e - 1) - 1.0) * 8, a * 512.0)
     code = (exp_field.to(torch.int64) << 3) | mant.round().to(torch.int64)
@@ -174,7 +218,8 @@ def fp32(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ quantizers
 def fp8_codes(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x [T, H] in the activation dtype -> [T, H] uint8 e4m3fn bytes of x / scale (fp32 quotient)."""
+    """x [T, H] in the activation dtype -> [T, H] uint8 e4m3fn bytes of x / scale (fp32
+    quotient)."""
     quotient = fp32(x.to(F64) / fp32(torch.tensor(scale, dtype=F64)))
     return e4m3_code(e4m3_value(quotient))
 
@@ -183,11 +228,14 @@ def swizzle_offset(m: int, k: int, blocks: int) -> int:
     """Flat offset of (row m, block k) in the 128x4 swizzled layout (FlashInfer SWIZZLED_128x4),
     with K4 = round_up(blocks, 4) / 4."""
     k4 = -(-blocks // 4)
-    return (m // 128) * (k4 * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4)
+    return (
+        (m // 128) * (k4 * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4)
+    )
 
 
 def swizzle(sf_rows: torch.Tensor) -> torch.Tensor:
-    """[T, blocks] scale bytes -> the [round_up(T,128), round_up(blocks,4)] swizzled tensor, padding 0.
+    """[T, blocks] scale bytes -> the [round_up(T,128), round_up(blocks,4)] swizzled tensor, padding
+    0.
     The layout, as tiles: rows split (tile of 128) x (4 groups of 32) x 32, columns (tile of 4) x 4;
     in memory the order is (row tile, column tile, row % 32, row group, column % 4)."""
     tokens, blocks = sf_rows.shape
@@ -198,16 +246,20 @@ def swizzle(sf_rows: torch.Tensor) -> torch.Tensor:
     return tiled.reshape(rows, cols)
 
 
-def nvfp4(x: torch.Tensor, global_scale: float, swizzled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4(
+    x: torch.Tensor, global_scale: float, swizzled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] in the activation dtype -> (packed uint8 [T, H/2], scale bytes linear [T, H/16] or
     swizzled)."""
     tokens, hidden = x.shape
     gs = fp32(torch.tensor(global_scale, dtype=F64))
     blocks = x.to(F64).reshape(tokens, hidden // 16, 16)
     amax = blocks.abs().amax(dim=-1)
-    sf = e4m3_value(fp32(fp32(gs * amax) / 6.0))             # >= 0
-    scaled = fp32(blocks * gs)                               # an fp32 product, as the conventions say
-    quotient = torch.where(sf.unsqueeze(-1) == 0, 0.0, scaled.abs() / torch.where(sf == 0, 1.0, sf).unsqueeze(-1))
+    sf = e4m3_value(fp32(fp32(gs * amax) / 6.0))  # >= 0
+    scaled = fp32(blocks * gs)  # an fp32 product, as the conventions say
+    quotient = torch.where(
+        sf.unsqueeze(-1) == 0, 0.0, scaled.abs() / torch.where(sf == 0, 1.0, sf).unsqueeze(-1)
+    )
     codes = e2m1_code(quotient, scaled < 0).reshape(tokens, hidden).to(torch.int64)
     packed = torch.zeros(tokens, hidden // 2, dtype=torch.int64)
     for i in range(hidden // 2):
@@ -216,15 +268,19 @@ def nvfp4(x: torch.Tensor, global_scale: float, swizzled: bool) -> tuple[torch.T
     return packed.to(torch.uint8), (swizzle(sf_bytes) if swizzled else sf_bytes)
 
 
-def quantize(x: torch.Tensor, kind: str, scale: float, swizzled: bool = True
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """kind 'fp8' (scale: the divisor) or 'nvfp4' (scale: the global scale) -> (q bytes, sf bytes or None)."""
+def quantize(
+    x: torch.Tensor, kind: str, scale: float, swizzled: bool = True
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """kind 'fp8' (scale: the divisor) or 'nvfp4' (scale: the global scale) -> (q bytes, sf bytes or
+    None)."""
     if kind == "fp8":
         return fp8_codes(x, scale), None
     return nvfp4(x, scale, swizzled)
 
 
-def dequantize_nvfp4(packed: torch.Tensor, sf_bytes_linear: torch.Tensor, global_scale: float) -> torch.Tensor:
+def dequantize_nvfp4(
+    packed: torch.Tensor, sf_bytes_linear: torch.Tensor, global_scale: float
+) -> torch.Tensor:
     """Linear-layout scales -> float64 values (for error measurements)."""
     tokens = packed.shape[0]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(tokens, -1).to(torch.int64)
@@ -238,13 +294,18 @@ def e4m3_decode(b: torch.Tensor) -> torch.Tensor:
     """uint8 e4m3fn bytes -> float64 values, from the format's definition."""
     b = b.to(torch.int64)
     exp_field, mant = (b >> 3) & 0xF, b & 7
-    mag = torch.where(exp_field == 0, mant.to(F64) * 2.0 ** -9,
-                      (1.0 + mant.to(F64) / 8) * torch.ldexp(torch.ones_like(mant, dtype=F64), exp_field - 7))
+    mag = torch.where(
+        exp_field == 0,
+        mant.to(F64) * 2.0**-9,
+        (1.0 + mant.to(F64) / 8) * torch.ldexp(torch.ones_like(mant, dtype=F64), exp_field - 7),
+    )
     return torch.where((b & 0x80) != 0, -mag, mag)
 
 
 def unswizzle(sf: torch.Tensor, tokens: int, blocks: int) -> torch.Tensor:
     """Swizzled scale bytes -> [T, blocks], by the offset formula."""
     flat = sf.reshape(-1)
-    return torch.tensor([[int(flat[swizzle_offset(m, k, blocks)]) for k in range(blocks)] for m in range(tokens)],
-                        dtype=torch.uint8).reshape(tokens, blocks)
+    return torch.tensor(
+        [[int(flat[swizzle_offset(m, k, blocks)]) for k in range(blocks)] for m in range(tokens)],
+        dtype=torch.uint8,
+    ).reshape(tokens, blocks)

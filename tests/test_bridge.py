@@ -1,4 +1,5 @@
-"""FusionBridge's public behaviour on CPU: lifecycle, the override variable, the report, reroutes."""
+"""FusionBridge's public behaviour on CPU: lifecycle, the override variable, the report,
+reroutes."""
 
 import json
 
@@ -12,8 +13,14 @@ SPEC = EpilogueSpec(hidden_size=64, top_k=2, max_tokens=8)
 
 
 def call(bridge, inp):
-    return bridge.finalize_epilogue(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                                    inp.shared_output, inp.residual, inp.gamma)
+    return bridge.finalize_epilogue(
+        inp.gemm2_out,
+        inp.expanded_idx_to_permuted_idx,
+        inp.expert_weights,
+        inp.shared_output,
+        inp.residual,
+        inp.gamma,
+    )
 
 
 def test_close_is_idempotent_and_a_closed_bridge_refuses_calls():
@@ -49,7 +56,13 @@ def test_report_json_and_text_name_every_strategy_and_the_plan():
     assert doc["selected"] == "separate" and doc["tokens"] == 5
     assert [b["max_tokens"] for b in doc["plan"]["buckets"]] == [1, 2, 4, 8]
     text = str(report)
-    for name in ("local_fused_flashinfer", "local_fused_nccl", "flashinfer_fused", "separate", "reference"):
+    for name in (
+        "local_fused_flashinfer",
+        "local_fused_nccl",
+        "flashinfer_fused",
+        "separate",
+        "reference",
+    ):
         assert name in text
     assert "SELECTED" in text and "[needs_cuda]" in text
 
@@ -64,14 +77,23 @@ def test_outputs_are_fresh_tensors_in_the_activation_dtype():
 
 
 def test_measured_routes_reach_the_call_and_the_report():
-    # separate measured slower than the oracle-free alternative does not matter on CPU: only separate is
-    # auto-selectable there, so the measured time of a variant it does not declare is ignored with a note
-    measured = {"separate": {"default": {1: 50.0, 2: 40.0}, "fast": {1: 1.0}}, "local_fused": {"x": {1: 1.0}}}
+    # separate measured slower than the oracle-free alternative does not matter on CPU: only
+    # separate is
+    # auto-selectable there, so the measured time of a variant it does not declare is ignored with a
+    # note
+    measured = {
+        "separate": {"default": {1: 50.0, 2: 40.0}, "fast": {1: 1.0}},
+        "local_fused": {"x": {1: 1.0}},
+    }
     with FusionBridge(SPEC, measured_us=measured) as bridge:
         assert bridge.plan.source == "measured" and bridge.route_for(1) == ("separate", "default")
         assert bridge.plan.measured_us[:2] == (50.0, 40.0)
         text = str(bridge.explain())
-    assert "50.0 us" in text and "unknown variant separate:fast" in text and "unknown strategy 'local_fused'" in text
+    assert (
+        "50.0 us" in text
+        and "unknown variant separate:fast" in text
+        and "unknown strategy 'local_fused'" in text
+    )
 
 
 def test_shadow_is_one_string_and_a_shadow_that_cannot_run_is_rejected_at_build():
@@ -79,9 +101,16 @@ def test_shadow_is_one_string_and_a_shadow_that_cannot_run_is_rejected_at_build(
         for tokens in (1, 2, 3):
             call(bridge, make_inputs(SPEC, tokens, seed=tokens))
         doc = bridge.explain().to_dict()["shadow"]
-    assert doc["strategy"] == "reference" and doc["every"] == 2 and doc["calls"] == 3 and doc["sampled"] == 2
+    assert (
+        doc["strategy"] == "reference"
+        and doc["every"] == 2
+        and doc["calls"] == 3
+        and doc["sampled"] == 2
+    )
     assert doc["outputs"]["norm_out"]["max_rel_err"] < 1e-2
-    with pytest.raises(ValueError, match="shadow strategy 'flashinfer_fused' cannot run here.*needs_cuda"):
+    with pytest.raises(
+        ValueError, match="shadow strategy 'flashinfer_fused' cannot run here.*needs_cuda"
+    ):
         FusionBridge(SPEC, shadow="flashinfer_fused:1")
     with pytest.raises(ValueError, match="int period"):
         FusionBridge(SPEC, shadow="reference:often")
@@ -90,12 +119,17 @@ def test_shadow_is_one_string_and_a_shadow_that_cannot_run_is_rejected_at_build(
 def test_eager_calls_take_the_eager_plan_where_host_cost_changes_the_winner():
     from fusion_bridge.registry import register, unregister
     from tests.strategy_fixture import TwoVariants
+
     register("two_variants", "tests.strategy_fixture:TwoVariants")
     try:
         graph = {"two_variants": {"a": {1: 5.0, 2: 5.0}, "b": {1: 9.0, 2: 9.0}}}
         eager = {"two_variants": {"a": {1: 40.0, 2: 10.0}, "b": {1: 12.0, 2: 12.0}}}
-        with FusionBridge(SPEC, strategy="two_variants", measured_us=graph, eager_us=eager) as bridge:
-            assert bridge.route_for(1) == ("two_variants", "a") and bridge.route_for(1, eager=True) == ("two_variants", "b")
+        with FusionBridge(
+            SPEC, strategy="two_variants", measured_us=graph, eager_us=eager
+        ) as bridge:
+            assert bridge.route_for(1) == ("two_variants", "a") and bridge.route_for(
+                1, eager=True
+            ) == ("two_variants", "b")
             assert bridge.route_for(2, eager=True) == ("two_variants", "a")
             TwoVariants.ran.clear()
             call(bridge, make_inputs(SPEC, 1))  # CPU: never capturing, so the eager plan
@@ -103,9 +137,13 @@ def test_eager_calls_take_the_eager_plan_where_host_cost_changes_the_winner():
             assert TwoVariants.ran == ["b", "a"]
             doc = bridge.explain().to_dict()["plan"]
             assert [b["variant"] for b in doc["eager_buckets"][:2]] == ["b", "a"]
-            assert "eager calls (measured wall time on this host) take another route: T<=1: two_variants:b" \
-                in str(bridge.explain())
-        with FusionBridge(SPEC, strategy="two_variants", measured_us=graph) as bridge:  # no eager times
+            assert (
+                "eager calls (measured wall time on this host) take another route: T<=1: "
+                "two_variants:b" in str(bridge.explain())
+            )
+        with FusionBridge(
+            SPEC, strategy="two_variants", measured_us=graph
+        ) as bridge:  # no eager times
             TwoVariants.ran.clear()
             call(bridge, make_inputs(SPEC, 1))
             assert TwoVariants.ran == ["a"] and not bridge.plan.mode_dependent
@@ -115,12 +153,17 @@ def test_eager_calls_take_the_eager_plan_where_host_cost_changes_the_winner():
 
 @pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
 def test_torch_compile_fullgraph_sees_one_opaque_op_with_the_eager_values(quant):
-    """finalize_epilogue is one custom op under torch.compile (fake implementation for tracing, no graph
+    """finalize_epilogue is one custom op under torch.compile (fake implementation for tracing, no
+    graph
     break on the data-dependent index check); the compiled function returns the eager values."""
     from fusion_bridge import QuantSpec
-    q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(300.0)}[quant]
+
+    q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(300.0)}[
+        quant
+    ]
     spec = EpilogueSpec(hidden_size=64, top_k=2, quant=q)
     with FusionBridge(spec) as bridge:
+
         def epilogue(*args):
             out = bridge.finalize_epilogue(*args)
             return out.norm_out * 2, out.residual_out, out.quant, out.scale
@@ -137,10 +180,12 @@ def test_torch_compile_fullgraph_sees_one_opaque_op_with_the_eager_values(quant)
 
 
 def test_an_opt_in_strategy_is_neither_prepared_nor_picked_by_auto_but_runs_when_requested():
-    """Auto must not spend memory or build time on an opt-in strategy (e.g. symm_fused_twoshot before it is
+    """Auto must not spend memory or build time on an opt-in strategy (e.g. symm_fused_twoshot
+    before it is
     measured), even with a table that says it is fastest; a request by name prepares and runs it."""
     from fusion_bridge.registry import register, unregister
     from tests.strategy_fixture import OptInSeparate
+
     register("opt_in_separate", "tests.strategy_fixture:OptInSeparate")
     try:
         OptInSeparate.prepared = 0
@@ -150,7 +195,9 @@ def test_an_opt_in_strategy_is_neither_prepared_nor_picked_by_auto_but_runs_when
             assert bridge.route_for(1)[0] != "opt_in_separate"
             status = {s.name: s for s in bridge.statuses}["opt_in_separate"]
             assert status.available and not status.auto_selectable and status.opt_in
-            assert "opt_in_separate        available (opt-in: request it by name)" in str(bridge.explain())
+            assert "opt_in_separate        available (opt-in: request it by name)" in str(
+                bridge.explain()
+            )
         with FusionBridge(SPEC, strategy="opt_in_separate") as bridge:
             assert OptInSeparate.prepared == 1 and bridge.route_for(1)[0] == "opt_in_separate"
             out = call(bridge, make_inputs(SPEC, 1))

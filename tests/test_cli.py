@@ -13,8 +13,13 @@ def cli(*args, check=True, env_vars=None):
     env.pop("FUSION_BRIDGE_STRATEGY", None)
     for name, value in (env_vars or {}).items():  # None: unset
         env.pop(name, None) if value is None else env.__setitem__(name, value)
-    proc = subprocess.run([sys.executable, "-m", "fusion_bridge", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusion_bridge", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -33,11 +38,15 @@ def test_no_arguments_explains_the_deepseek_v3_shape():
 
 def test_explain_text_of_a_described_gpu():
     out = cli("explain", "--sm", "90", "--world-size", "2").stdout
-    assert out.splitlines()[0].startswith("fusion-bridge on cuda SM90, world size 2;")  # no "SM90 SM90 GPU"
+    assert out.splitlines()[0].startswith(
+        "fusion-bridge on cuda SM90, world size 2;"
+    )  # no "SM90 SM90 GPU"
     # flashinfer_fused_fp4 does not apply to quant=none: that one reason, not the FP4 gate's too
     fp4 = out.split("flashinfer_fused_fp4", 1)[1].split("\nseparate", 1)[0]
     assert "[quant_not_nvfp4]" in fp4 and fp4.count("[") == 1, fp4
-    assert out.rstrip().endswith("(a described machine: static checks only, no self-test, no workspace)")
+    assert out.rstrip().endswith(
+        "(a described machine: static checks only, no self-test, no workspace)"
+    )
 
 
 def test_report_names_the_gpu_once_and_carries_a_schema_version():
@@ -45,18 +54,26 @@ def test_report_names_the_gpu_once_and_carries_a_schema_version():
     from fusion_bridge.environment import Environment
     from fusion_bridge.planner import select, static_statuses
     from fusion_bridge.report import Report
+
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
-    for name, where in (("NVIDIA H200", "cuda SM90 (NVIDIA H200),"), ("SM90 GPU", "cuda SM90,"), (None, "cuda SM90,")):
+    for name, where in (
+        ("NVIDIA H200", "cuda SM90 (NVIDIA H200),"),
+        ("SM90 GPU", "cuda SM90,"),
+        (None, "cuda SM90,"),
+    ):
         env = Environment(device_type="cuda", sm=90, gpu_name=name, world_size=2)
         statuses = static_statuses(spec, env)
         report = Report(env, spec, statuses, select(statuses, spec), tokens=4)
-        assert str(report).startswith(f"fusion-bridge on {where} world size 2"), str(report).splitlines()[0]
+        assert str(report).startswith(f"fusion-bridge on {where} world size 2"), str(
+            report
+        ).splitlines()[0]
     assert json.loads(report.to_json())["schema_version"] == 1
 
 
 def test_sm_hint_names_the_sm_that_is_needed():
     from fusion_bridge.environment import Environment
     from fusion_bridge.reasons import require_sm_at_least
+
     reason = require_sm_at_least(Environment(device_type="cuda", sm=75), "x", 80)
     assert "SM >= 80" in reason.hint and "Hopper" not in reason.hint
 
@@ -71,13 +88,25 @@ def test_info_json_has_every_strategy_with_reasons_steps_and_self_test():
     doc = json.loads(cli("info", "--json").stdout)
     # info and explain print one shape: the report's to_dict() plus command and env_strategy
     explained = json.loads(cli("explain", "--json").stdout)
-    assert list(doc) == list(explained) and doc["schema_version"] == explained["schema_version"] == 1
-    assert (doc["command"], explained["command"]) == ("info", "explain") and doc["env_strategy"] is None
+    assert (
+        list(doc) == list(explained) and doc["schema_version"] == explained["schema_version"] == 1
+    )
+    assert (doc["command"], explained["command"]) == ("info", "explain") and doc[
+        "env_strategy"
+    ] is None
     assert [s["name"] for s in doc["strategies"]] == [s["name"] for s in explained["strategies"]]
     assert doc["environment"]["device_type"] in ("cpu", "cuda")
     names = [s["name"] for s in doc["strategies"]]
-    assert names == ["local_fused_flashinfer", "local_fused_nccl", "symm_fused_oneshot", "symm_fused_twoshot",
-                     "flashinfer_fused", "flashinfer_fused_fp4", "separate", "reference"]
+    assert names == [
+        "local_fused_flashinfer",
+        "local_fused_nccl",
+        "symm_fused_oneshot",
+        "symm_fused_twoshot",
+        "flashinfer_fused",
+        "flashinfer_fused_fp4",
+        "separate",
+        "reference",
+    ]
     for s in doc["strategies"]:
         assert set(s) >= {"name", "available", "reasons", "steps", "self_test"}
         assert s["available"] == (not s["reasons"])
@@ -90,29 +119,63 @@ def test_info_json_has_every_strategy_with_reasons_steps_and_self_test():
 
 @pytest.mark.parametrize("sm", ["90", "100"])
 def test_explain_nvfp4_never_uses_flashinfer_fused_fp4(sm):
-    doc = json.loads(cli("explain", "--hidden", "7168", "--top-k", "8", "--tokens", "16", "--world-size", "2",
-                         "--quant", "nvfp4", "--sm", sm, "--json").stdout)
+    doc = json.loads(
+        cli(
+            "explain",
+            "--hidden",
+            "7168",
+            "--top-k",
+            "8",
+            "--tokens",
+            "16",
+            "--world-size",
+            "2",
+            "--quant",
+            "nvfp4",
+            "--sm",
+            sm,
+            "--json",
+        ).stdout
+    )
     strategies = {s["name"]: s for s in doc["strategies"]}
     assert doc["selected"] == "local_fused_flashinfer" and doc["environment"]["sm"] == int(sm)
     for s in doc["strategies"]:
         if s["available"]:
             assert "flashinfer.moe_finalize_ar_residual_rmsnorm_fp4" not in s["steps"]
-    assert strategies["flashinfer_fused"]["steps"] == ["flashinfer.moe_finalize_ar_residual_rmsnorm",
-                                                       "local.quant_nvfp4"]
+    assert strategies["flashinfer_fused"]["steps"] == [
+        "flashinfer.moe_finalize_ar_residual_rmsnorm",
+        "local.quant_nvfp4",
+    ]
     codes = [r["code"] for r in strategies["flashinfer_fused_fp4"]["reasons"]]
     assert "flashinfer_fused_fp4_broken" in codes and (("fp4_needs_sm100" in codes) == (sm == "90"))
 
 
 def test_explain_routes_gpt_oss_hidden_size_away_from_the_fused_kernel():
-    doc = json.loads(cli("explain", "--hidden", "2880", "--top-k", "4", "--world-size", "2", "--sm", "90",
-                         "--gpu", "NVIDIA H200", "--json").stdout)
+    doc = json.loads(
+        cli(
+            "explain",
+            "--hidden",
+            "2880",
+            "--top-k",
+            "4",
+            "--world-size",
+            "2",
+            "--sm",
+            "90",
+            "--gpu",
+            "NVIDIA H200",
+            "--json",
+        ).stdout
+    )
     fi = {s["name"]: s for s in doc["strategies"]}["flashinfer_fused"]
     assert not fi["available"] and fi["reasons"][0]["code"] == "hidden_not_multiple_of_256"
     assert doc["environment"]["gpu_name"] == "NVIDIA H200"
 
 
 def test_parity_world_size_two_json():
-    proc = cli("parity", "--world-size", "2", "--hidden", "512", "--top-k", "4", "--tokens", "5", "--json")
+    proc = cli(
+        "parity", "--world-size", "2", "--hidden", "512", "--top-k", "4", "--tokens", "5", "--json"
+    )
     doc = json.loads(proc.stdout)  # stdout is only the JSON document
     assert doc["schema_version"] == 1 and doc["command"] == "parity"
     rows = doc["results"]
@@ -120,10 +183,15 @@ def test_parity_world_size_two_json():
     for r in rows:
         assert set(r) >= {"strategy", "output", "rel_err", "max_abs_err"} and r["passed"]
     # what it did not run, and why, by reason code
-    assert "reference" not in doc["skipped"] and not set(doc["skipped"]) & {r["strategy"] for r in rows}
+    assert "reference" not in doc["skipped"] and not set(doc["skipped"]) & {
+        r["strategy"] for r in rows
+    }
     if doc["skipped"]:
-        assert all(codes and all(isinstance(c, str) for c in codes) for codes in doc["skipped"].values())
+        assert all(
+            codes and all(isinstance(c, str) for c in codes) for codes in doc["skipped"].values()
+        )
     import torch
+
     if not torch.cuda.is_available():
         assert doc["skipped"]["flashinfer_fused"] == ["needs_cuda"]
         assert doc["skipped"]["flashinfer_fused_fp4"] == ["quant_not_nvfp4"]
@@ -139,6 +207,7 @@ def test_bad_arguments_exit_2_with_a_message():
 def _parity_rank_limit() -> tuple[int, str]:
     import torch
     from fusion_bridge.cli.main import gloo_rank_limit
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return (gpus, "one rank per GPU") if gpus else (gloo_rank_limit(), "gloo on CPU")
 
@@ -158,33 +227,45 @@ BAD_ARGUMENTS = [
     (("explain", "--top-k", "two"), "argument --top-k: expected an integer, got 'two'"),
     (("info", "--max-tokens", "0"), "argument --max-tokens: must be >= 1, got 0"),
     (("explain", "--gpu", "Tesla V100"), "--gpu 'Tesla V100' is not a GPU whose SM is known here"),
-    (("explain", "--gpu", "NVIDIA H200", "--sm", "100"), "--sm 100 contradicts --gpu 'NVIDIA H200' (SM 90)"),
-    (("tune", "--tokens", "4"), "unrecognized arguments: --tokens 4"),   # accepted-and-ignored no more
+    (
+        ("explain", "--gpu", "NVIDIA H200", "--sm", "100"),
+        "--sm 100 contradicts --gpu 'NVIDIA H200' (SM 90)",
+    ),
+    (
+        ("tune", "--tokens", "4"),
+        "unrecognized arguments: --tokens 4",
+    ),  # accepted-and-ignored no more
     (("bench", "--tokens", "4"), "unrecognized arguments: --tokens 4"),
-    (("--tokens", "-3"), "argument --tokens: must be >= 0, got -3"),       # no command: explain
+    (("--tokens", "-3"), "argument --tokens: must be >= 0, got -3"),  # no command: explain
 ]
 
 
 def test_bad_arguments_are_one_line_parser_errors():
     limit, backend = _parity_rank_limit()
-    cases = BAD_ARGUMENTS + [(("parity", "--world-size", str(limit + 1)),
-                              f"must be at most {limit} here ({backend}")]
+    cases = BAD_ARGUMENTS + [
+        (("parity", "--world-size", str(limit + 1)), f"must be at most {limit} here ({backend}")
+    ]
     for args, message in cases:
         proc = cli(*args, check=False)
         assert proc.returncode == 2 and not proc.stdout, (args, proc.stdout, proc.stderr)
-        assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, (
+            args,
+            proc.stderr,
+        )
 
 
 def test_help_shows_descriptions_and_defaults_without_importing_torch():
-    code = ("import sys, contextlib, io\n"
-            "from fusion_bridge.cli.main import main\n"
-            "for argv in (['--help'], ['explain', '--help'], ['parity', '--help'], ['--version']):\n"
-            "    out = io.StringIO()\n"
-            "    with contextlib.redirect_stdout(out):\n"
-            "        try: main(argv)\n"
-            "        except SystemExit: pass\n"
-            "    print(repr(out.getvalue()))\n"
-            "print('torch' in sys.modules)\n")
+    code = (
+        "import sys, contextlib, io\n"
+        "from fusion_bridge.cli.main import main\n"
+        "for argv in (['--help'], ['explain', '--help'], ['parity', '--help'], ['--version']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        try: main(argv)\n"
+        "        except SystemExit: pass\n"
+        "    print(repr(out.getvalue()))\n"
+        "print('torch' in sys.modules)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     *outputs, torch_imported = proc.stdout.strip().splitlines()
@@ -192,19 +273,30 @@ def test_help_shows_descriptions_and_defaults_without_importing_torch():
     assert torch_imported == "False"
     for command in ("info", "explain", "parity", "tune", "bench", "matrix"):
         assert command in top
-    assert "shipped tuning table" in explain and "(default: 7168)" in explain and "(default: 16)" in explain
-    assert "min(8, CPU cores)" in " ".join(parity.split()) and "visible GPU count" in " ".join(parity.split())
+    assert (
+        "shipped tuning table" in explain
+        and "(default: 7168)" in explain
+        and "(default: 16)" in explain
+    )
+    assert "min(8, CPU cores)" in " ".join(parity.split()) and "visible GPU count" in " ".join(
+        parity.split()
+    )
     import fusion_bridge
+
     assert version.strip() == f"fusion-bridge {fusion_bridge.__version__}"
 
 
 def test_console_script_resolves_to_main(tmp_path):
-    # from another directory, so the installed metadata is read (not a stale egg-info in the checkout)
-    code = ("import importlib.metadata as m, fusion_bridge.cli.main as cli\n"
-            "(ep,) = m.entry_points(group='console_scripts', name='fusion-bridge')\n"
-            "print(ep.value, ep.load() is cli.main)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+    # from another directory, so the installed metadata is read (not a stale egg-info in the
+    # checkout)
+    code = (
+        "import importlib.metadata as m, fusion_bridge.cli.main as cli\n"
+        "(ep,) = m.entry_points(group='console_scripts', name='fusion-bridge')\n"
+        "print(ep.value, ep.load() is cli.main)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["fusion_bridge.cli.main:main", "True"]
 
@@ -217,15 +309,22 @@ def test_unknown_env_strategy_is_an_error_naming_the_variable():
 
 def test_info_diagnoses_an_env_strategy_that_cannot_run():
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("local_fused_nccl can run on a GPU: nothing to diagnose")
     # without TRITON_INTERPRET (the test session sets it), local_fused_nccl cannot run on CPU
-    proc = cli("info", "--json", env_vars={"FUSION_BRIDGE_STRATEGY": "local_fused_nccl", "TRITON_INTERPRET": None})
+    proc = cli(
+        "info",
+        "--json",
+        env_vars={"FUSION_BRIDGE_STRATEGY": "local_fused_nccl", "TRITON_INTERPRET": None},
+    )
     doc = json.loads(proc.stdout)
     assert doc["selected"] == "separate"  # built with auto
     req = doc["env_strategy"]
     assert req["variable"] == "FUSION_BRIDGE_STRATEGY" and req["value"] == "local_fused_nccl"
-    assert req["available"] is False and [r["code"] for r in req["reasons"]] == ["needs_cuda_or_interpreter"]
+    assert req["available"] is False and [r["code"] for r in req["reasons"]] == [
+        "needs_cuda_or_interpreter"
+    ]
 
 
 def test_explain_previews_the_shipped_h200_table():
@@ -233,15 +332,24 @@ def test_explain_previews_the_shipped_h200_table():
     from fusion_bridge.environment import Environment
     from fusion_bridge.tuning import as_measurements, default_table_path, read_table
     from fusion_bridge.planner import select, static_statuses
-    env = Environment(device_type="cuda", sm=90, gpu_name="NVIDIA H200", world_size=2,
-                      triton_version="3.6.0", flashinfer_version="0.7.2.post1")
+
+    env = Environment(
+        device_type="cuda",
+        sm=90,
+        gpu_name="NVIDIA H200",
+        world_size=2,
+        triton_version="3.6.0",
+        flashinfer_version="0.7.2.post1",
+    )
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
     path = default_table_path(spec, env)
     assert path.is_file()
     doc = json.loads(cli("explain", "--gpu", "NVIDIA H200", "--world-size", "2", "--json").stdout)
     assert doc["environment"]["sm"] == 90 and doc["tuning_table"] == str(path)
     assert doc["plan"]["source"] == "measured"
-    expected = select(static_statuses(spec, env), spec, measured_us=as_measurements(read_table(path)))
+    expected = select(
+        static_statuses(spec, env), spec, measured_us=as_measurements(read_table(path))
+    )
     assert [b["measured_us"] for b in doc["plan"]["buckets"]] == list(expected.measured_us)
     out = cli("explain", "--gpu", "H200", "--world-size", "4").stdout
     assert "no tuning table ships for NVIDIA H200 TP4 with this spec: static order" in out
@@ -250,13 +358,17 @@ def test_explain_previews_the_shipped_h200_table():
 def test_parser_choices_match_the_library():
     from fusion_bridge.cli import main
     from fusion_bridge.spec import DTYPE_BY_NAME, QuantKind
-    assert sorted(main.DTYPES) == sorted(DTYPE_BY_NAME) and sorted(main.QUANTS) == sorted(q.value for q in QuantKind)
+
+    assert sorted(main.DTYPES) == sorted(DTYPE_BY_NAME) and sorted(main.QUANTS) == sorted(
+        q.value for q in QuantKind
+    )
 
 
 def test_pytest_config_hides_dependency_deprecations_but_not_ours():
     import pathlib
     import tomllib
     import warnings
+
     config = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
     filters = config["tool"]["pytest"]["ini_options"]["filterwarnings"]
     with warnings.catch_warnings(record=True) as seen:
@@ -265,24 +377,40 @@ def test_pytest_config_hides_dependency_deprecations_but_not_ours():
             action, message, category, module = (entry.split(":") + ["", "", ""])[:4]
             assert category == "DeprecationWarning", entry
             warnings.filterwarnings(action, message, DeprecationWarning, module)
-        for module in ("flashinfer.fused_moe.x", "cutlass.utils", "torch.distributed.x", "fusion_bridge.bridge",
-                       "tests.test_cli"):
+        for module in (
+            "flashinfer.fused_moe.x",
+            "cutlass.utils",
+            "torch.distributed.x",
+            "fusion_bridge.bridge",
+            "tests.test_cli",
+        ):
             warnings.warn_explicit(f"from {module}", DeprecationWarning, "f.py", 1, module=module)
     assert [str(w.message) for w in seen] == ["from fusion_bridge.bridge", "from tests.test_cli"]
 
 
 def test_the_cli_package_uses_only_the_public_api():
-    """No `obj._private` attribute access and no `_private` import from fusion_bridge in fusion_bridge/cli."""
+    """No `obj._private` attribute access and no `_private` import from fusion_bridge in
+    fusion_bridge/cli."""
     import ast
     import pathlib
 
     import fusion_bridge.cli
+
     offenders = []
     for path in pathlib.Path(fusion_bridge.cli.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 offenders.append(f"{path.name}:{node.lineno} .{node.attr}")
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("fusion_bridge", ".")):
-                offenders += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
-                              if a.name.startswith("_")]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                ("fusion_bridge", ".")
+            ):
+                offenders += [
+                    f"{path.name}:{node.lineno} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
     assert not offenders, offenders

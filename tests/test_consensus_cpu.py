@@ -1,6 +1,7 @@
 """fusion_bridge.consensus over real gloo process groups on CPU: check-in with a timeout, settings
 agreement, debug-mode per-call agreement. Every rank function returns what it caught, so the parent
-asserts per rank; every collective runs on a subgroup with a short timeout, and every group run has a
+asserts per rank; every collective runs on a subgroup with a short timeout, and every group run has
+a
 hard timeout, so a regression fails fast instead of hanging CI."""
 
 import time
@@ -11,21 +12,31 @@ import pytest
 import torch
 
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
-from fusion_bridge.consensus import (DEFAULT_BUILD_TIMEOUT_S, GroupInputError, RankAgreementError,
-                                     agree_call, agree_on_settings, build_timeout_s, check_in,
-                                     differing_fields, plan_settings)
+from fusion_bridge.consensus import (
+    DEFAULT_BUILD_TIMEOUT_S,
+    GroupInputError,
+    agree_call,
+    agree_on_settings,
+    build_timeout_s,
+    check_in,
+    differing_fields,
+    plan_settings,
+)
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.validation import EpilogueInputError
 
 GROUP_TIMEOUT = timedelta(seconds=20)  # collectives of the test groups fail after this, never hang
-RUN_TIMEOUT_S = 120                    # the whole multi-process run, killed after this
+RUN_TIMEOUT_S = 120  # the whole multi-process run, killed after this
 
 SPEC = EpilogueSpec(hidden_size=256, top_k=4)
 
 
 def _short_group(world_size):
-    """A gloo subgroup of every rank with a short collective timeout (the default group's is 30 min)."""
-    return torch.distributed.new_group(list(range(world_size)), timeout=GROUP_TIMEOUT, backend="gloo")
+    """A gloo subgroup of every rank with a short collective timeout (the default group's is 30
+    min)."""
+    return torch.distributed.new_group(
+        list(range(world_size)), timeout=GROUP_TIMEOUT, backend="gloo"
+    )
 
 
 def _finish(group):
@@ -38,59 +49,114 @@ def _caught(fn, *args, **kwargs):
     try:
         return ("ok", fn(*args, **kwargs))
     except Exception as exc:  # returned to the parent, which asserts on it
-        return (type(exc).__name__, str(exc), getattr(exc, "missing_ranks", None) or getattr(exc, "fields", None)
-                or getattr(exc, "failed", None), isinstance(exc, EpilogueInputError))
+        return (
+            type(exc).__name__,
+            str(exc),
+            getattr(exc, "missing_ranks", None)
+            or getattr(exc, "fields", None)
+            or getattr(exc, "failed", None),
+            isinstance(exc, EpilogueInputError),
+        )
 
 
 # ---------------------------------------------------------------- settings
 def _settings(spec=SPEC, **changes):
     """What the bridge agrees on at build, as plain values."""
-    s = {"spec": spec.to_dict(), "requested_strategy": "auto", "debug": False, "self_test": True,
-         "shadow": {"strategy": None, "every": 100}, "tuning": "auto"}
+    s = {
+        "spec": spec.to_dict(),
+        "requested_strategy": "auto",
+        "debug": False,
+        "self_test": True,
+        "shadow": {"strategy": None, "every": 100},
+        "tuning": "auto",
+    }
     s.update(changes)
     return s
 
 
 def _plan(choice, overflow):
-    return plan_settings(SimpleNamespace(bounds=(1, 2, 4), choice=choice, variants=("default",) * 3,
-                                         overflow=overflow, overflow_variant="default"))
+    return plan_settings(
+        SimpleNamespace(
+            bounds=(1, 2, 4),
+            choice=choice,
+            variants=("default",) * 3,
+            overflow=overflow,
+            overflow_variant="default",
+        )
+    )
 
 
-# (differing fields, settings of rank 0, settings of the odd rank, a value text the message must show)
+# (differing fields, settings of rank 0, settings of the odd rank, a value text the message must
+# show)
 SETTINGS_CASES = [
-    ({"spec.dtype"}, _settings(), _settings(EpilogueSpec(256, 4, dtype=torch.float16)), "'fp16' on rank"),
-    ({"spec.routed_scaling_factor"}, _settings(), _settings(EpilogueSpec(256, 4, routed_scaling_factor=2.5)),
-     "2.5 on rank"),
+    (
+        {"spec.dtype"},
+        _settings(),
+        _settings(EpilogueSpec(256, 4, dtype=torch.float16)),
+        "'fp16' on rank",
+    ),
+    (
+        {"spec.routed_scaling_factor"},
+        _settings(),
+        _settings(EpilogueSpec(256, 4, routed_scaling_factor=2.5)),
+        "2.5 on rank",
+    ),
     ({"spec.hidden_size"}, _settings(), _settings(EpilogueSpec(512, 4)), "512 on rank"),
     ({"spec.eps"}, _settings(), _settings(EpilogueSpec(256, 4, eps=1e-5)), "1e-05 on rank"),
-    ({"spec.quant.kind", "spec.quant.scale"}, _settings(), _settings(EpilogueSpec(256, 4, quant=QuantSpec.fp8(0.5))),
-     "'fp8' on rank"),
-    ({"requested_strategy"}, _settings(), _settings(requested_strategy="separate"), "'separate' on rank"),
+    (
+        {"spec.quant.kind", "spec.quant.scale"},
+        _settings(),
+        _settings(EpilogueSpec(256, 4, quant=QuantSpec.fp8(0.5))),
+        "'fp8' on rank",
+    ),
+    (
+        {"requested_strategy"},
+        _settings(),
+        _settings(requested_strategy="separate"),
+        "'separate' on rank",
+    ),
     ({"debug"}, _settings(), _settings(debug=True), "True on rank"),
     ({"self_test"}, _settings(), _settings(self_test=False), "False on rank"),
-    ({"shadow.strategy"}, _settings(), _settings(shadow={"strategy": "reference", "every": 100}),
-     "'reference' on rank"),
+    (
+        {"shadow.strategy"},
+        _settings(),
+        _settings(shadow={"strategy": "reference", "every": 100}),
+        "'reference' on rank",
+    ),
     ({"shadow.every"}, _settings(), _settings(shadow={"strategy": None, "every": 7}), "7 on rank"),
     ({"tuning"}, _settings(), _settings(tuning="off"), "'off' on rank"),
-    ({"route_by_bucket.T<=4", "overflow"}, _plan(("separate",) * 3, "separate"),
-     _plan(("separate", "separate", "local_fused_nccl"), None), "'local_fused_nccl:default' on rank"),
+    (
+        {"route_by_bucket.T<=4", "overflow"},
+        _plan(("separate",) * 3, "separate"),
+        _plan(("separate", "separate", "local_fused_nccl"), None),
+        "'local_fused_nccl:default' on rank",
+    ),
 ]
 
 
 def _agree_on_settings_cases(rank, world_size, odd_rank):
     group = _short_group(world_size)
-    out = [_caught(agree_on_settings, _settings(), group)]  # all equal: returns every rank's settings
+    out = [
+        _caught(agree_on_settings, _settings(), group)
+    ]  # all equal: returns every rank's settings
     for _, same, odd, _ in SETTINGS_CASES:
-        out.append(_caught(agree_on_settings, odd if rank == odd_rank else same, group,
-                           what="the plan" if "overflow" in same else "settings"))
+        out.append(
+            _caught(
+                agree_on_settings,
+                odd if rank == odd_rank else same,
+                group,
+                what="the plan" if "overflow" in same else "settings",
+            )
+        )
     _finish(group)
     return out
 
 
 @pytest.mark.parametrize("world_size,odd_rank", [(2, 1), (4, 2)])
 def test_each_differing_setting_is_named_with_every_ranks_value_on_every_rank(world_size, odd_rank):
-    results = run_distributed(_agree_on_settings_cases, world_size, odd_rank, backend="gloo",
-                              timeout_s=RUN_TIMEOUT_S)
+    results = run_distributed(
+        _agree_on_settings_cases, world_size, odd_rank, backend="gloo", timeout_s=RUN_TIMEOUT_S
+    )
     others = ", ".join(str(r) for r in range(world_size) if r != odd_rank)
     for rank, out in enumerate(results):
         assert out[0] == ("ok", [_settings()] * world_size), (rank, out[0])
@@ -101,9 +167,11 @@ def test_each_differing_setting_is_named_with_every_ranks_value_on_every_rank(wo
             assert f"the {world_size} ranks of the group disagree on" in message
             for field in fields:
                 assert f"  {field}: " in message, (rank, field, message)
-            assert f"{value_text} {odd_rank}" in message, (rank, message)   # the odd rank's value
+            assert f"{value_text} {odd_rank}" in message, (rank, message)  # the odd rank's value
             assert f"on rank{'s' if world_size > 2 else ''} {others}" in message, (rank, message)
-        assert [m[1] for m in out[1:]] == [m[1] for m in results[0][1:]], "same message on every rank"
+        assert [m[1] for m in out[1:]] == [m[1] for m in results[0][1:]], (
+            "same message on every rank"
+        )
 
 
 # ---------------------------------------------------------------- check-in
@@ -120,11 +188,15 @@ def _check_in_with_a_late_rank(rank, world_size):
         store.wait(["test/rank1_gave_up"], timedelta(seconds=60))
     else:
         store.wait(["test/rank0_gave_up"], timedelta(seconds=60))
-        out["first"] = _caught(check_in, group, timeout_s=2, label="layer 0")  # rank 0's key was withdrawn
+        out["first"] = _caught(
+            check_in, group, timeout_s=2, label="layer 0"
+        )  # rank 0's key was withdrawn
         store.set("test/rank1_gave_up", "1")
     out["retry"] = _caught(check_in, group, timeout_s=30, label="layer 0")
     out["next"] = _caught(check_in, group, timeout_s=30, label="layer 1")
-    out["world"] = _caught(check_in, None, timeout_s=30, label="default group")  # the default group's store
+    out["world"] = _caught(
+        check_in, None, timeout_s=30, label="default group"
+    )  # the default group's store
     _finish(group)
     return out
 
@@ -158,8 +230,10 @@ def test_missing_ranks_are_named_at_world_size_4_with_global_ranks_for_a_subgrou
     assert results[0] == results[1] == results[3] == [("ok", 0)] and results[2][0] == ("ok", 0)
     kind, message, missing, _ = results[2][1]
     assert kind == "RankAgreementError" and missing == (0, 2), results[2]
-    assert ("layer 3: rank 1 (global ranks 2) of the 3-rank group waited 2 s for rank(s) 0, 2 "
-            "(global ranks 1, 3) to check in") in message
+    assert (
+        "layer 3: rank 1 (global ranks 2) of the 3-rank group waited 2 s for rank(s) 0, 2 "
+        "(global ranks 1, 3) to check in"
+    ) in message
 
 
 def test_build_timeout_comes_from_the_argument_then_the_environment(monkeypatch):
@@ -168,10 +242,14 @@ def test_build_timeout_comes_from_the_argument_then_the_environment(monkeypatch)
     monkeypatch.setenv("FUSION_BRIDGE_BUILD_TIMEOUT_S", "45")
     assert build_timeout_s() == 45.0 and build_timeout_s(7) == 7.0
     monkeypatch.setenv("FUSION_BRIDGE_BUILD_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds, got 'soon'"):
+    with pytest.raises(
+        ValueError, match="FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds, got 'soon'"
+    ):
         build_timeout_s()
     for bad in (0, -1, float("inf"), float("nan"), True, "5"):
-        with pytest.raises(ValueError, match="timeout_s must be a positive finite number of seconds"):
+        with pytest.raises(
+            ValueError, match="timeout_s must be a positive finite number of seconds"
+        ):
             build_timeout_s(bad)
 
 
@@ -184,11 +262,17 @@ def _agree_call_cases(rank, world_size, failing):
     bad = rank in failing
     out = [
         _caught(agree_call, not bad, 5, REASON if bad else None, group, torch.device("cpu")),
-        _caught(agree_call, True, 3 + (rank == world_size - 1), None, group),         # unequal T
-        _caught(agree_call, True, 0 if rank == 0 else 6, None, group),                # T=0 on one rank
-        _caught(agree_call, not bad, -1 if bad else 5, "index map is not a tensor" if bad else None, group),
-        _caught(agree_call, True, 5, None, group),                                    # still in step
-        _caught(agree_call, True, 0, None, group),                                    # T=0 everywhere
+        _caught(agree_call, True, 3 + (rank == world_size - 1), None, group),  # unequal T
+        _caught(agree_call, True, 0 if rank == 0 else 6, None, group),  # T=0 on one rank
+        _caught(
+            agree_call,
+            not bad,
+            -1 if bad else 5,
+            "index map is not a tensor" if bad else None,
+            group,
+        ),
+        _caught(agree_call, True, 5, None, group),  # still in step
+        _caught(agree_call, True, 0, None, group),  # T=0 everywhere
     ]
     _finish(group)
     return out
@@ -196,20 +280,39 @@ def _agree_call_cases(rank, world_size, failing):
 
 @pytest.mark.parametrize("world_size,failing", [(2, (1,)), (4, (1, 3))])
 def test_debug_agreement_raises_the_same_clear_error_on_every_rank(world_size, failing):
-    results = run_distributed(_agree_call_cases, world_size, failing, backend="gloo", timeout_s=RUN_TIMEOUT_S)
-    who = f"rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))} of the {world_size}-rank group"
+    results = run_distributed(
+        _agree_call_cases, world_size, failing, backend="gloo", timeout_s=RUN_TIMEOUT_S
+    )
+    who = (
+        f"rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))} of the "
+        f"{world_size}-rank group"
+    )
     for rank, (one_bad, uneven, zero, unknown, good, idle) in enumerate(results):
         kind, message, failed, is_input_error = one_bad
-        assert kind == "GroupInputError" and is_input_error and set(failed) == set(failing), (rank, one_bad)
-        assert f"{who} failed the call's checks" in message and f"rank {failing[-1]}: {REASON}" in message
+        assert kind == "GroupInputError" and is_input_error and set(failed) == set(failing), (
+            rank,
+            one_bad,
+        )
+        assert (
+            f"{who} failed the call's checks" in message
+            and f"rank {failing[-1]}: {REASON}" in message
+        )
         assert "token count" not in message, message
         kind, message, failed, is_input_error = uneven
         assert kind == "GroupInputError" and is_input_error and failed == {}, (rank, uneven)
         assert "T must be identical on every rank of the group, got 3 on rank 0" in message
         assert f"4 on rank {world_size - 1}" in message
-        assert zero[0] == "GroupInputError" and "got 0 on rank 0, 6 on rank 1" in zero[1], (rank, zero)
-        assert unknown[0] == "GroupInputError" and "index map is not a tensor" in unknown[1], (rank, unknown)
-        assert "token count" not in unknown[1], unknown  # an unreadable T is not reported as a mismatch
+        assert zero[0] == "GroupInputError" and "got 0 on rank 0, 6 on rank 1" in zero[1], (
+            rank,
+            zero,
+        )
+        assert unknown[0] == "GroupInputError" and "index map is not a tensor" in unknown[1], (
+            rank,
+            unknown,
+        )
+        assert "token count" not in unknown[1], (
+            unknown
+        )  # an unreadable T is not reported as a mismatch
         assert (good, idle) == (("ok", 5), ("ok", 0)), rank
     for case in range(4):
         assert len({r[case][1] for r in results}) == 1, "the same message on every rank"
@@ -218,19 +321,31 @@ def test_debug_agreement_raises_the_same_clear_error_on_every_rank(world_size, f
 # ---------------------------------------------------------------- pure pieces, one process
 def test_differing_fields_compares_leaves():
     base = {"a": {"x": 1.0, "nan": float("nan")}, "flag": True, "list": ["p", "q"]}
-    assert differing_fields([base, dict(base, a={"x": 1, "nan": float("nan")})]) == {}  # 1 == 1.0, nan == nan
-    assert differing_fields([base, dict(base, flag=1)]) == {"flag": [True, 1]}        # True is not 1
+    assert (
+        differing_fields([base, dict(base, a={"x": 1, "nan": float("nan")})]) == {}
+    )  # 1 == 1.0, nan == nan
+    assert differing_fields([base, dict(base, flag=1)]) == {"flag": [True, 1]}  # True is not 1
     assert differing_fields([base, dict(base, list=["p", "r"])]) == {"list[1]": ["q", "r"]}
-    assert differing_fields([base, {k: v for k, v in base.items() if k != "flag"}]) == {"flag": [True, "<absent>"]}
-    assert differing_fields([base, dict(base, a={"x": "1.0", "nan": float("nan")})]) == {"a.x": [1.0, "1.0"]}
+    assert differing_fields([base, {k: v for k, v in base.items() if k != "flag"}]) == {
+        "flag": [True, "<absent>"]
+    }
+    assert differing_fields([base, dict(base, a={"x": "1.0", "nan": float("nan")})]) == {
+        "a.x": [1.0, "1.0"]
+    }
 
 
 def test_plan_settings_names_each_bucket_with_its_variant():
-    plan = SimpleNamespace(bounds=(1, 2), choice=("separate", "local_fused_flashinfer"),
-                           variants=("default", "twoshot"), overflow="separate", overflow_variant="default")
-    assert plan_settings(plan) == {"route_by_bucket": {"T<=1": "separate:default",
-                                                       "T<=2": "local_fused_flashinfer:twoshot"},
-                                   "overflow": "separate:default"}
+    plan = SimpleNamespace(
+        bounds=(1, 2),
+        choice=("separate", "local_fused_flashinfer"),
+        variants=("default", "twoshot"),
+        overflow="separate",
+        overflow_variant="default",
+    )
+    assert plan_settings(plan) == {
+        "route_by_bucket": {"T<=1": "separate:default", "T<=2": "local_fused_flashinfer:twoshot"},
+        "overflow": "separate:default",
+    }
 
 
 def test_a_single_process_needs_no_collective():
@@ -238,5 +353,7 @@ def test_a_single_process_needs_no_collective():
     assert check_in(None, timeout_s=1) == 0
     assert agree_on_settings(_settings(), None) == [_settings()]
     assert agree_call(True, 7, None, None) == 7
-    with pytest.raises(GroupInputError, match="rank 0 of the 1-rank group failed the call's checks: rank 0: boom"):
+    with pytest.raises(
+        GroupInputError, match="rank 0 of the 1-rank group failed the call's checks: rank 0: boom"
+    ):
         agree_call(False, 7, "boom", None)

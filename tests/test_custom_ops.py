@@ -1,4 +1,5 @@
-"""torch.library.opcheck on every custom op we register (kernels/ops.py, and the whole-epilogue op of
+"""torch.library.opcheck on every custom op we register (kernels/ops.py, and the whole-epilogue op
+of
 fusion_bridge/compiled.py): schema, fake (meta) implementation against the real one, autograd
 registration, and AOT dispatch. Real outputs come from the Triton kernels (under the interpreter on
 CPU). A new op must get a case: the last test fails when an op of the namespace has none."""
@@ -19,23 +20,50 @@ def _t(*shape, dtype=torch.bfloat16, seed=0):
 
 def _finalize_args(shared):
     perm = torch.tensor([[0, 3], [-1, 1], [2, -1]], dtype=torch.int32, device=DEVICE)
-    return (_t(5, 64), perm, torch.rand(3, 2, generator=torch.Generator().manual_seed(1)).to(DEVICE),
-            _t(3, 64, seed=2) if shared else None, 2.5)
+    return (
+        _t(5, 64),
+        perm,
+        torch.rand(3, 2, generator=torch.Generator().manual_seed(1)).to(DEVICE),
+        _t(3, 64, seed=2) if shared else None,
+        2.5,
+    )
 
 
 def _norm_args(quant, swizzled, tokens=3):
     scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448.0}[quant]
-    return (_t(tokens, 64), _t(tokens, 64, seed=1), _t(64, seed=2), 1e-2, 0.5, quant, scale, swizzled)
+    return (
+        _t(tokens, 64),
+        _t(tokens, 64, seed=1),
+        _t(64, seed=2),
+        1e-2,
+        0.5,
+        quant,
+        scale,
+        swizzled,
+    )
 
 
 CASES = [
     ("finalize_add", "shared", _finalize_args(True)),
     ("finalize_add", "no_shared", _finalize_args(False)),
-    *[("add_rmsnorm_quant", f"q{q}_{'swz' if s else 'lin'}", _norm_args(q, s))
-      for q, s in [(QUANT_NONE, False), (QUANT_FP8, False), (QUANT_NVFP4, True), (QUANT_NVFP4, False)]],
+    *[
+        ("add_rmsnorm_quant", f"q{q}_{'swz' if s else 'lin'}", _norm_args(q, s))
+        for q, s in [
+            (QUANT_NONE, False),
+            (QUANT_FP8, False),
+            (QUANT_NVFP4, True),
+            (QUANT_NVFP4, False),
+        ]
+    ],
     ("add_rmsnorm_quant", "nvfp4_zero_tokens", _norm_args(QUANT_NVFP4, True, tokens=0)),
-    *[("quantize", f"q{q}_{'swz' if s else 'lin'}", (_t(3, 64), q, 0.02 if q == QUANT_FP8 else 448.0, s))
-      for q, s in [(QUANT_FP8, False), (QUANT_NVFP4, True), (QUANT_NVFP4, False)]],
+    *[
+        (
+            "quantize",
+            f"q{q}_{'swz' if s else 'lin'}",
+            (_t(3, 64), q, 0.02 if q == QUANT_FP8 else 448.0, s),
+        )
+        for q, s in [(QUANT_FP8, False), (QUANT_NVFP4, True), (QUANT_NVFP4, False)]
+    ],
 ]
 
 
@@ -44,8 +72,16 @@ def test_opcheck_whole_epilogue(quant):
     from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
     from fusion_bridge import compiled
     from fusion_bridge.synthetic import make_inputs
-    spec = EpilogueSpec(hidden_size=64, top_k=2, quant={"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.02),
-                                                         "nvfp4": QuantSpec.nvfp4(448.0)}[quant])
+
+    spec = EpilogueSpec(
+        hidden_size=64,
+        top_k=2,
+        quant={
+            "none": QuantSpec.none(),
+            "fp8": QuantSpec.fp8(0.02),
+            "nvfp4": QuantSpec.nvfp4(448.0),
+        }[quant],
+    )
     with FusionBridge(spec) as bridge:
         name = next(k for k, v in compiled._BRIDGES.items() if v is bridge)
         inp = make_inputs(spec, 3, device=DEVICE)
@@ -59,18 +95,33 @@ def test_opcheck(op_name, label, args):
 
 
 def test_every_registered_op_has_a_case():
-    registered = {name for name in dir(torch.ops.fusion_bridge)
-                  if isinstance(getattr(torch.ops.fusion_bridge, name), torch._ops.OpOverloadPacket)}
+    registered = {
+        name
+        for name in dir(torch.ops.fusion_bridge)
+        if isinstance(getattr(torch.ops.fusion_bridge, name), torch._ops.OpOverloadPacket)
+    }
     assert registered and registered == {c[0] for c in CASES} | {"finalize_epilogue"}, registered
 
 
 @pytest.mark.parametrize("quant", [QUANT_NONE, QUANT_FP8, QUANT_NVFP4])
 def test_the_eager_path_computes_what_the_op_computes_and_allocates_only_its_outputs(quant):
     from fusion_bridge.kernels import ops
+
     g = torch.Generator().manual_seed(quant)
-    residual, reduced = (torch.randn(5, 64, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    residual, reduced = (
+        torch.randn(5, 64, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2)
+    )
     gamma = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16).to(DEVICE)
-    args = (residual, reduced, gamma, 1e-6, 0.25, quant, 0.05 if quant == QUANT_FP8 else 300.0, True)
+    args = (
+        residual,
+        reduced,
+        gamma,
+        1e-6,
+        0.25,
+        quant,
+        0.05 if quant == QUANT_FP8 else 300.0,
+        True,
+    )
     eager = ops.fast.add_rmsnorm_quant(*args)
     op = torch.ops.fusion_bridge.add_rmsnorm_quant(*args)
     assert torch.equal(eager[0], op[0]) and torch.equal(eager[1], op[1])

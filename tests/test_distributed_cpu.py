@@ -1,4 +1,5 @@
-"""Real gloo process groups on CPU: parity with per-rank inputs, rank agreement, collective safety."""
+"""Real gloo process groups on CPU: parity with per-rank inputs, rank agreement, collective
+safety."""
 
 import pytest
 import torch
@@ -13,15 +14,19 @@ SPEC = EpilogueSpec(hidden_size=256, top_k=4, routed_scaling_factor=2.5)
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parity_over_real_gloo_groups(world_size):
-    rows = run_parity(SPEC, tokens=9, world_size=world_size, seed=world_size, backend="gloo", timeout_s=240)
+    rows = run_parity(
+        SPEC, tokens=9, world_size=world_size, seed=world_size, backend="gloo", timeout_s=240
+    )
     by = {(r["strategy"], r["output"]): r for r in rows}
-    # separate always; local_fused_nccl too, since the tests run the Triton kernels under the interpreter
+    # separate always; local_fused_nccl too, since the tests run the Triton kernels under the
+    # interpreter
     assert {s for s, _ in by} == {"separate", "local_fused_nccl"}
     assert all(r["passed"] and r["rel_err"] > 0 for r in rows), rows
 
 
 def _inputs_differ_per_rank(rank, world_size):
     from fusion_bridge.synthetic import make_inputs
+
     inp = make_inputs(SPEC, 4, rank=rank)
     return inp.gemm2_out.nan_to_num(0).sum().item(), inp.residual.sum().item()
 
@@ -34,11 +39,14 @@ def test_parity_inputs_differ_per_rank_but_residual_is_shared():
 def _disagreement(rank, world_size, explicit):
     from fusion_bridge import FusionBridge, NoStrategyAvailable
     from fusion_bridge.environment import detect
+
     env = detect(torch.distributed.group.WORLD, probe_flashinfer=False)
     if rank == 1:  # this rank cannot run the Triton kernels
         env = env.replace(triton_interpret=False)
     try:
-        with FusionBridge(SPEC, strategy="local_fused_nccl" if explicit else "auto", environment=env) as bridge:
+        with FusionBridge(
+            SPEC, strategy="local_fused_nccl" if explicit else "auto", environment=env
+        ) as bridge:
             status = {s.name: s for s in bridge.statuses}["local_fused_nccl"]
             return "built", bridge.strategy_for(8), [r.code for r in status.reasons]
     except NoStrategyAvailable as exc:
@@ -60,16 +68,29 @@ def test_an_explicit_request_missing_on_one_rank_raises_on_every_rank_without_ha
 def _token_counts(rank, world_size):
     from fusion_bridge import EpilogueInputError, FusionBridge
     from fusion_bridge.synthetic import make_inputs
+
     out = {}
     with FusionBridge(SPEC, debug=True) as bridge:
         empty = make_inputs(SPEC, 0, rank=rank)  # every rank idle: no collective may run
-        res = bridge(empty.gemm2_out, empty.expanded_idx_to_permuted_idx, empty.expert_weights,
-                     empty.shared_output, empty.residual, empty.gamma)
+        res = bridge(
+            empty.gemm2_out,
+            empty.expanded_idx_to_permuted_idx,
+            empty.expert_weights,
+            empty.shared_output,
+            empty.residual,
+            empty.gamma,
+        )
         out["empty"] = tuple(res.norm_out.shape)
         uneven = make_inputs(SPEC, 3 + rank, rank=rank)
         try:
-            bridge(uneven.gemm2_out, uneven.expanded_idx_to_permuted_idx, uneven.expert_weights,
-                   uneven.shared_output, uneven.residual, uneven.gamma)
+            bridge(
+                uneven.gemm2_out,
+                uneven.expanded_idx_to_permuted_idx,
+                uneven.expert_weights,
+                uneven.shared_output,
+                uneven.residual,
+                uneven.gamma,
+            )
             out["uneven"] = "no error"
         except EpilogueInputError as exc:
             out["uneven"] = str(exc)
@@ -79,7 +100,10 @@ def _token_counts(rank, world_size):
 def test_zero_tokens_skip_the_collective_and_unequal_token_counts_raise_on_all_ranks():
     for out in run_distributed(_token_counts, 2, backend="gloo", timeout_s=120):
         assert out["empty"] == (0, 256)
-        assert "identical on every rank" in out["uneven"] and "got 3 on rank 0, 4 on rank 1" in out["uneven"]
+        assert (
+            "identical on every rank" in out["uneven"]
+            and "got 3 on rank 0, 4 on rank 1" in out["uneven"]
+        )
 
 
 def _fails_on_rank_one(rank, world_size):
@@ -93,14 +117,33 @@ def test_a_failing_rank_is_reported_not_hung():
         run_distributed(_fails_on_rank_one, 2, backend="gloo", timeout_s=60)
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-               "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "gather",
+    "scatter",
+)
 
 
 def _count_collectives():
-    """Wrap torch.distributed's collectives (the real ones, on this rank's real gloo group) to count calls."""
+    """Wrap torch.distributed's collectives (the real ones, on this rank's real gloo group) to count
+    calls."""
     import torch.distributed as dist
+
     counts = {"n": 0}
     for name in COLLECTIVES:
         fn = getattr(dist, name, None)
@@ -110,6 +153,7 @@ def _count_collectives():
         def counted(*args, _fn=fn, **kwargs):
             counts["n"] += 1
             return _fn(*args, **kwargs)
+
         setattr(dist, name, counted)
     return counts
 
@@ -117,6 +161,7 @@ def _count_collectives():
 def _collectives_per_call(rank, world_size):
     from fusion_bridge import FusionBridge
     from fusion_bridge.synthetic import make_inputs
+
     spec = EpilogueSpec(hidden_size=96, top_k=2)
     out = {}
     with FusionBridge(spec) as bridge:  # the default path (no debug)
@@ -140,16 +185,26 @@ def _oracle_parity(rank, world_size, names):
     from fusion_bridge.synthetic import make_inputs
     from tests import oracle64
     from tests.helpers import scaled_inputs
-    spec = EpilogueSpec(hidden_size=160, top_k=4, eps=1e-2, weight_bias=0.5, routed_scaling_factor=2.5)
-    per_rank = [scaled_inputs(make_inputs(spec, 7, rank=r, seed=3), 0.02) for r in range(world_size)]
-    residual_exact, norm_exact = oracle64.epilogue64_from(spec, per_rank)  # sums every rank's partial
+
+    spec = EpilogueSpec(
+        hidden_size=160, top_k=4, eps=1e-2, weight_bias=0.5, routed_scaling_factor=2.5
+    )
+    per_rank = [
+        scaled_inputs(make_inputs(spec, 7, rank=r, seed=3), 0.02) for r in range(world_size)
+    ]
+    residual_exact, norm_exact = oracle64.epilogue64_from(
+        spec, per_rank
+    )  # sums every rank's partial
     errors = {}
     with FusionBridge(spec, torch.distributed.group.WORLD) as bridge:
         bounds = {s.name: s.error_bound for s in bridge.statuses}
         for name in names:
             got = bridge.run_strategy(name, per_rank[rank])
-            errors[name] = (oracle64.normwise_rel_err(got.residual_out, residual_exact),
-                            oracle64.normwise_rel_err(got.norm_out, norm_exact), bounds[name])
+            errors[name] = (
+                oracle64.normwise_rel_err(got.residual_out, residual_exact),
+                oracle64.normwise_rel_err(got.norm_out, norm_exact),
+                bounds[name],
+            )
     return errors
 
 
@@ -161,5 +216,5 @@ def test_every_cpu_strategy_matches_the_float64_oracle_over_gloo():
         assert set(errors) == set(names)
         for name, (res_err, norm_err, bound) in errors.items():
             # reference's outputs are still rounded to bf16 once: half an ulp is 2^-9 elementwise
-            limit = max(bound, 2.0 ** -9) if name == "reference" else bound
+            limit = max(bound, 2.0**-9) if name == "reference" else bound
             assert res_err <= limit and norm_err <= limit, (name, res_err, norm_err, limit)

@@ -1,6 +1,8 @@
-"""GPU tests of our kernels and the local_fused_nccl strategy on one GPU (run on the device machine).
+"""GPU tests of our kernels and the local_fused_nccl strategy on one GPU (run on the device
+machine).
 
-test_kernels_cpu.py also runs on the GPU when one is present (same parity grid, poisoned outputs)."""
+test_kernels_cpu.py also runs on the GPU when one is present (same parity grid, poisoned
+outputs)."""
 
 import pytest
 import torch
@@ -16,16 +18,30 @@ DEV = torch.device("cuda", 0)
 
 
 def call(bridge, inp):
-    return bridge.finalize_epilogue(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                                    inp.shared_output, inp.residual, inp.gamma)
+    return bridge.finalize_epilogue(
+        inp.gemm2_out,
+        inp.expanded_idx_to_permuted_idx,
+        inp.expert_weights,
+        inp.shared_output,
+        inp.residual,
+        inp.gamma,
+    )
 
 
-@pytest.mark.parametrize("quant", [QuantSpec.none(), QuantSpec.fp8(0.05), QuantSpec.nvfp4(336.0),
-                                   QuantSpec.nvfp4(336.0, "linear")])
+@pytest.mark.parametrize(
+    "quant",
+    [
+        QuantSpec.none(),
+        QuantSpec.fp8(0.05),
+        QuantSpec.nvfp4(336.0),
+        QuantSpec.nvfp4(336.0, "linear"),
+    ],
+)
 @pytest.mark.parametrize("hidden,top_k", [(7168, 8), (4096, 8), (2880, 4), (7168, 1)])
 def test_local_fused_parity_grid(hidden, top_k, quant):
-    spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, quant=quant, routed_scaling_factor=2.5,
-                        weight_bias=1.0)
+    spec = EpilogueSpec(
+        hidden_size=hidden, top_k=top_k, quant=quant, routed_scaling_factor=2.5, weight_bias=1.0
+    )
     with FusionBridge(spec, strategy="local_fused_nccl", debug=False) as bridge:
         status = {s.name: s for s in bridge.statuses}["local_fused_nccl"]
         assert status.self_test == "passed"
@@ -41,8 +57,14 @@ def test_auto_on_one_gpu_selects_local_fused_nccl_after_its_self_test():
     with FusionBridge(EpilogueSpec(hidden_size=7168, top_k=8)) as bridge:
         status = {s.name: s for s in bridge.statuses}
         assert bridge.strategy_for(16) == "local_fused_nccl"
-        assert status["local_fused_nccl"].self_test == "passed" and status["local_fused_nccl"].self_test_error < 5e-3
-        assert status["flashinfer_fused"].reasons[0].code in ("world_size_unsupported", "flashinfer_missing")
+        assert (
+            status["local_fused_nccl"].self_test == "passed"
+            and status["local_fused_nccl"].self_test_error < 5e-3
+        )
+        assert status["flashinfer_fused"].reasons[0].code in (
+            "world_size_unsupported",
+            "flashinfer_missing",
+        )
 
 
 def test_cuda_graph_capture_and_replay_with_new_inputs():
@@ -56,10 +78,24 @@ def test_cuda_graph_capture_and_replay_with_new_inputs():
             out = call(bridge, static)
         for seed in (2, 3):
             fresh = make_inputs(spec, 16, seed=seed, device=DEV)
-            for dst, src in zip((static.gemm2_out, static.expanded_idx_to_permuted_idx, static.expert_weights,
-                                 static.shared_output, static.residual, static.gamma),
-                                (fresh.gemm2_out, fresh.expanded_idx_to_permuted_idx, fresh.expert_weights,
-                                 fresh.shared_output, fresh.residual, fresh.gamma)):
+            for dst, src in zip(
+                (
+                    static.gemm2_out,
+                    static.expanded_idx_to_permuted_idx,
+                    static.expert_weights,
+                    static.shared_output,
+                    static.residual,
+                    static.gamma,
+                ),
+                (
+                    fresh.gemm2_out,
+                    fresh.expanded_idx_to_permuted_idx,
+                    fresh.expert_weights,
+                    fresh.shared_output,
+                    fresh.residual,
+                    fresh.gamma,
+                ),
+            ):
                 dst.copy_(src)
             out.norm_out.fill_(float("nan"))  # poison: the replay must rewrite it
             graph.replay()
@@ -70,16 +106,25 @@ def test_cuda_graph_capture_and_replay_with_new_inputs():
 
 def test_torch_compile_of_a_function_calling_the_ops():
     import fusion_bridge.kernels.ops  # noqa: F401
+
     spec = EpilogueSpec(hidden_size=2048, top_k=4)
     inp = make_inputs(spec, 33, device=DEV)
 
     def epilogue(g, p, w, s, r, gamma):
         partial = torch.ops.fusion_bridge.finalize_add(g, p, w, s, 1.0)
-        res, norm, _, _ = torch.ops.fusion_bridge.add_rmsnorm_quant(r, partial, gamma, 1e-6, 0.0, 0, 1.0, True)
+        res, norm, _, _ = torch.ops.fusion_bridge.add_rmsnorm_quant(
+            r, partial, gamma, 1e-6, 0.0, 0, 1.0, True
+        )
         return res, norm * 2
 
-    args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
-            inp.residual, inp.gamma)
+    args = (
+        inp.gemm2_out,
+        inp.expanded_idx_to_permuted_idx,
+        inp.expert_weights,
+        inp.shared_output,
+        inp.residual,
+        inp.gamma,
+    )
     eager = epilogue(*args)
     compiled = torch.compile(epilogue, fullgraph=True)(*args)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
@@ -87,15 +132,18 @@ def test_torch_compile_of_a_function_calling_the_ops():
 
 def test_finalize_add_with_more_than_2_to_the_31_elements():
     import fusion_bridge.kernels.ops  # noqa: F401
+
     hidden, tokens, top_k = 7168, 8, 4
-    rows = (2 ** 31) // hidden + 4096  # P * H > 2^31: 32-bit offsets would wrap
+    rows = (2**31) // hidden + 4096  # P * H > 2^31: 32-bit offsets would wrap
     gemm2_out = torch.empty(rows, hidden, dtype=torch.bfloat16, device=DEV)
-    perm = torch.randint(rows - 4096, rows, (tokens, top_k), dtype=torch.int32, device=DEV)  # the far rows
-    gemm2_out[rows - 4096:].normal_()
+    perm = torch.randint(
+        rows - 4096, rows, (tokens, top_k), dtype=torch.int32, device=DEV
+    )  # the far rows
+    gemm2_out[rows - 4096 :].normal_()
     weights = torch.rand(tokens, top_k, device=DEV)
     out = torch.ops.fusion_bridge.finalize_add(gemm2_out, perm, weights, None, 1.0)
     ref = finalize_fp32(gemm2_out, perm, weights, 1.0)
-    assert rel_err(out, ref) < 2 * 2 ** -8
+    assert rel_err(out, ref) < 2 * 2**-8
     del gemm2_out
     torch.cuda.empty_cache()
 

@@ -1,10 +1,15 @@
-"""Our symmetric-memory kernels (`symm_oneshot`, `symm_twoshot`) with W ranks emulated on ONE GPU: each
-rank's buffer is its own allocation, each rank's launch runs on its own CUDA stream with at most SMs / W
-programs, so every program of every rank is resident at once and the ranks really wait for each other.
+"""Our symmetric-memory kernels (`symm_oneshot`, `symm_twoshot`) with W ranks emulated on ONE GPU:
+each
+rank's buffer is its own allocation, each rank's launch runs on its own CUDA stream with at most SMs
+/ W
+programs, so every program of every rank is resident at once and the ranks really wait for each
+other.
 
 This checks, on any single GPU, what the interpreter cannot: the compiled kernels, their waits and
-device-side epochs under real concurrency, slot rotation and clearing over many calls at changing T, and
-bitwise identity across ranks. It is not the NVLink test (peers here share one L2) and times nothing:
+device-side epochs under real concurrency, slot rotation and clearing over many calls at changing T,
+and
+bitwise identity across ranks. It is not the NVLink test (peers here share one L2) and times
+nothing:
 tests/test_gpu_symm_oneshot.py and tests/test_gpu_symm_twoshot.py run the real thing on 2 GPUs.
 """
 
@@ -16,7 +21,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-U_BF16 = 2.0 ** -8
+U_BF16 = 2.0**-8
 
 
 def needs_gpu():
@@ -26,6 +31,7 @@ def needs_gpu():
 
 def _workspaces(kernel, world, cap, hidden, timeout_s=10.0):
     from fusion_bridge.kernels.symm_common import HEADER_BYTES, SENTINEL_BITS
+
     dev = torch.device("cuda", 0)
     nbytes = kernel.buffer_bytes(world, cap, hidden, 2)
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(world)]
@@ -36,18 +42,33 @@ def _workspaces(kernel, world, cap, hidden, timeout_s=10.0):
     out = []
     for rank in range(world):
         err = torch.zeros(4, dtype=torch.int32).pin_memory()
-        ptrs = torch.tensor([b.data_ptr() for b in bufs] + [err.data_ptr()], dtype=torch.int64, device=dev)
-        out.append(SimpleNamespace(ptrs=ptrs, state=torch.zeros(8, dtype=torch.int32, device=dev), err=err, world=world,
-                                   rank=rank, cap=cap, data_off=HEADER_BYTES // 2, num_sms=sms // world,
-                                   timeout_ns=int(timeout_s * 1e9), buffer=bufs[rank]))
+        ptrs = torch.tensor(
+            [b.data_ptr() for b in bufs] + [err.data_ptr()], dtype=torch.int64, device=dev
+        )
+        out.append(
+            SimpleNamespace(
+                ptrs=ptrs,
+                state=torch.zeros(8, dtype=torch.int32, device=dev),
+                err=err,
+                world=world,
+                rank=rank,
+                cap=cap,
+                data_off=HEADER_BYTES // 2,
+                num_sms=sms // world,
+                timeout_ns=int(timeout_s * 1e9),
+                buffer=bufs[rank],
+            )
+        )
     torch.cuda.synchronize()
     return out, bufs
 
 
 def _call(kernel, wss, streams, spec, inputs):
-    """One epilogue call on every emulated rank, each on its own stream; returns each rank's outputs."""
+    """One epilogue call on every emulated rank, each on its own stream; returns each rank's
+    outputs."""
     from fusion_bridge.io import quant_buffers
     from fusion_bridge.strategies.base import kernel_quant_args
+
     quant, scale, swizzled = kernel_quant_args(spec)
     outs = []
     main = torch.cuda.current_stream()
@@ -55,7 +76,9 @@ def _call(kernel, wss, streams, spec, inputs):
         tokens, hidden = inp.residual.shape
         ro = torch.full_like(inp.residual, float("nan"))
         no = torch.full_like(inp.residual, float("nan"))
-        q, sf = quant_buffers(tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inp.residual.device)
+        q, sf = quant_buffers(
+            tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inp.residual.device
+        )
         empty = torch.empty(0, dtype=torch.uint8, device=inp.residual.device)
         q = empty if q is None else q.view(torch.uint8)
         sf = empty if sf is None else sf
@@ -63,9 +86,25 @@ def _call(kernel, wss, streams, spec, inputs):
             t.fill_(0xFF)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            kernel.fused_into(ws, ro, no, q, sf, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                              inp.shared_output, inp.residual, inp.gamma, spec.routed_scaling_factor, spec.eps,
-                              spec.weight_bias, quant, scale, swizzled)
+            kernel.fused_into(
+                ws,
+                ro,
+                no,
+                q,
+                sf,
+                inp.gemm2_out,
+                inp.expanded_idx_to_permuted_idx,
+                inp.expert_weights,
+                inp.shared_output,
+                inp.residual,
+                inp.gamma,
+                spec.routed_scaling_factor,
+                spec.eps,
+                spec.weight_bias,
+                quant,
+                scale,
+                swizzled,
+            )
         outs.append((ro, no, q, sf))
     for stream in streams:
         main.wait_stream(stream)
@@ -84,12 +123,17 @@ def _oracle(spec, inputs):
             part = part + inp.shared_output.double()
         parts.append(part)
     x = inputs[0].residual.double() + sum(parts)
-    norm = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + spec.eps) * (inputs[0].gamma.double() + spec.weight_bias)
+    norm = (
+        x
+        / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + spec.eps)
+        * (inputs[0].gamma.double() + spec.weight_bias)
+    )
     return x, norm
 
 
 def _problems(spec, outs, inputs, bound, tag):
     from fusion_bridge.numerics import rel_err
+
     found = []
     x, norm = _oracle(spec, inputs)
     for name, got, ref in (("residual_out", outs[0][0], x), ("norm_out", outs[0][1], norm)):
@@ -103,40 +147,66 @@ def _problems(spec, outs, inputs, bound, tag):
     return found
 
 
-@pytest.mark.parametrize("kind,world", [("twoshot", 2), ("twoshot", 3), ("twoshot", 4), ("oneshot", 2)])
+@pytest.mark.parametrize(
+    "kind,world", [("twoshot", 2), ("twoshot", 3), ("twoshot", 4), ("oneshot", 2)]
+)
 def test_emulated_ranks_on_one_gpu(kind, world):
     needs_gpu()
     from fusion_bridge.kernels import symm_oneshot, symm_twoshot
     from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
     from fusion_bridge.synthetic import make_inputs
+
     kernel = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
     bound = math.sqrt(3 if kind == "twoshot" else 2) * U_BF16
     problems = []
     streams = [torch.cuda.Stream() for _ in range(world)]
-    quants = [QuantSpec.none(), QuantSpec.fp8(0.05), QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4)]
+    quants = [
+        QuantSpec.none(),
+        QuantSpec.fp8(0.05),
+        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+    ]
     cap = 1024 if kind == "twoshot" else 256
     for hidden, top_k in ((7168, 8), (2880, 1)):
         for quant in quants:
-            spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
-                                quant=quant, max_tokens=cap)
+            spec = EpilogueSpec(
+                hidden_size=hidden,
+                top_k=top_k,
+                routed_scaling_factor=2.5,
+                weight_bias=0.5,
+                quant=quant,
+                max_tokens=cap,
+            )
             wss, _ = _workspaces(kernel, world, cap, hidden)
             for tokens in (1, 3, 129, cap - 1, cap):
-                inputs = [make_inputs(spec, tokens, rank=r, seed=tokens + hidden, device="cuda", skip_fraction=0.2)
-                          for r in range(world)]
+                inputs = [
+                    make_inputs(
+                        spec, tokens, rank=r, seed=tokens + hidden, device="cuda", skip_fraction=0.2
+                    )
+                    for r in range(world)
+                ]
                 outs = _call(kernel, wss, streams, spec, inputs)
-                problems += _problems(spec, outs, inputs, bound, f"{kind} W={world} H={hidden} "
-                                                                 f"{quant.kind.value} T={tokens}")
+                problems += _problems(
+                    spec,
+                    outs,
+                    inputs,
+                    bound,
+                    f"{kind} W={world} H={hidden} {quant.kind.value} T={tokens}",
+                )
     # many calls at changing T through one set of buffers: slots rotate and are cleared behind
     spec = EpilogueSpec(hidden_size=4096, top_k=8, max_tokens=cap)
     wss, _ = _workspaces(kernel, world, cap, 4096)
     rng = random.Random(7)
-    pool = {t: [make_inputs(spec, t, rank=r, seed=t, device="cuda") for r in range(world)]
-            for t in (1, 2, 5, 64, 130, cap // 2, cap)}
+    pool = {
+        t: [make_inputs(spec, t, rank=r, seed=t, device="cuda") for r in range(world)]
+        for t in (1, 2, 5, 64, 130, cap // 2, cap)
+    }
     for call in range(600):
         tokens = rng.choice(list(pool))
         outs = _call(kernel, wss, streams, spec, pool[tokens])
         if call % 50 == 0:
-            problems += _problems(spec, outs, pool[tokens], bound, f"{kind} W={world} stress call {call} T={tokens}")
+            problems += _problems(
+                spec, outs, pool[tokens], bound, f"{kind} W={world} stress call {call} T={tokens}"
+            )
     torch.cuda.synchronize()
     errors = [int(ws.err[0]) for ws in wss]
     assert errors == [0] * world, f"kernel error words {errors}"

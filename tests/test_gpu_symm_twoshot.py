@@ -1,11 +1,17 @@
-"""GPU tests of `symm_fused_twoshot` (the bandwidth path) over 2 ranks (NCCL + symmetric memory, multicast
-off), on the 2x H200 device machine. One spawned process group runs every case and returns its problems.
+"""GPU tests of `symm_fused_twoshot` (the bandwidth path) over 2 ranks (NCCL + symmetric memory,
+multicast
+off), on the 2x H200 device machine. One spawned process group runs every case and returns its
+problems.
 
-Covered: parity against the float64 oracle (T in 1,3,129,1000,1024,4096; H in 7168,4096,2880; K in 1,8;
+Covered: parity against the float64 oracle (T in 1,3,129,1000,1024,4096; H in 7168,4096,2880; K in
+1,8;
 inputs different per rank with -1 slots and NaN in unreferenced rows; none/fp8/nvfp4 in both scale
-layouts), quant bit-exact on the kernel's own norm_out, bitwise identity of every output across ranks,
-T=8192 through the bridge (above the workspace: the overflow route), CUDA graphs replayed on new inputs
-mixed with eager calls, a stress loop of 10,000 calls at random T up to 4096, and a rank that skips a call
+layouts), quant bit-exact on the kernel's own norm_out, bitwise identity of every output across
+ranks,
+T=8192 through the bridge (above the workspace: the overflow route), CUDA graphs replayed on new
+inputs
+mixed with eager calls, a stress loop of 10,000 calls at random T up to 4096, and a rank that skips
+a call
 (NaN and a clear error on both ranks, no hang).
 """
 
@@ -17,13 +23,21 @@ import pytest
 import torch
 
 from fusion_bridge.cli.launch import run_distributed
-from tests.test_gpu_symm_oneshot import (U_BF16, _check, _poison, _strategy, needs_two_gpus, progress_printer,
-                                         skip_one_call_and_check)
+from tests.test_gpu_symm_oneshot import (
+    U_BF16,
+    _check,
+    _poison,
+    _strategy,
+    needs_two_gpus,
+    progress_printer,
+    skip_one_call_and_check,
+)
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
 NAME = "symm_fused_twoshot"
-# the partial's rounding, residual_out's (norm_out is computed from it) and norm_out's, independent, in
+# the partial's rounding, residual_out's (norm_out is computed from it) and norm_out's, independent,
+# in
 # quadrature, against the exact (float64) oracle
 BOUND = math.sqrt(3) * U_BF16
 
@@ -31,22 +45,48 @@ BOUND = math.sqrt(3) * U_BF16
 def _parity(rank, dev, problems):
     from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
     from fusion_bridge.synthetic import make_inputs
-    quants = [QuantSpec.none(), QuantSpec.fp8(0.05), QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
-              QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR)]
+
+    quants = [
+        QuantSpec.none(),
+        QuantSpec.fp8(0.05),
+        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
+    ]
     cases = 0
     for hidden in (7168, 4096, 2880):
         for top_k in (1, 8):
             for qi, quant in enumerate(quants):
-                spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
-                                    quant=quant, max_tokens=4096, has_shared_output=(top_k == 8 or qi % 2 == 0))
+                spec = EpilogueSpec(
+                    hidden_size=hidden,
+                    top_k=top_k,
+                    routed_scaling_factor=2.5,
+                    weight_bias=0.5,
+                    quant=quant,
+                    max_tokens=4096,
+                    has_shared_output=(top_k == 8 or qi % 2 == 0),
+                )
                 strat = _strategy(spec, dev, name=NAME)
                 for tokens in (1, 3, 129, 1000, 1024, 4096):
                     wdt = torch.float32 if tokens % 2 else torch.bfloat16
-                    inp = make_inputs(spec, tokens, rank=rank, seed=tokens + hidden + top_k, device=dev,
-                                      weight_dtype=wdt, skip_fraction=0.2)
+                    inp = make_inputs(
+                        spec,
+                        tokens,
+                        rank=rank,
+                        seed=tokens + hidden + top_k,
+                        device=dev,
+                        weight_dtype=wdt,
+                        skip_fraction=0.2,
+                    )
                     out = strat.run(inp)
-                    _check(spec, out, inp, f"H={hidden} K={top_k} {quant.kind.value}/{quant.sf_layout.value} "
-                                           f"T={tokens}", problems, BOUND)
+                    _check(
+                        spec,
+                        out,
+                        inp,
+                        f"H={hidden} K={top_k} {quant.kind.value}/{quant.sf_layout.value} "
+                        f"T={tokens}",
+                        problems,
+                        BOUND,
+                    )
                     cases += 1
                 strat.check_error()
                 strat.close()
@@ -54,19 +94,29 @@ def _parity(rank, dev, problems):
 
 
 def _overflow_through_the_bridge(rank, dev, problems):
-    """max_tokens 8192 > the workspace's 4096: T=8192 takes the overflow route, T=4096 the two-shot."""
+    """max_tokens 8192 > the workspace's 4096: T=8192 takes the overflow route, T=4096 the
+    two-shot."""
     from fusion_bridge import EpilogueSpec, FusionBridge
     from fusion_bridge.synthetic import make_inputs
+
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=8192)
     with FusionBridge(spec, strategy=NAME, debug=False) as bridge:
         routes = {t: bridge.route_for(t) for t in (4096, 8192)}
         if routes[4096][0] != NAME or routes[8192][0] == NAME:
-            problems.append(f"routes {routes}: expected {NAME} at 4096 and the overflow route at 8192")
+            problems.append(
+                f"routes {routes}: expected {NAME} at 4096 and the overflow route at 8192"
+            )
         bound = max(s.error_bound for s in bridge.statuses if s.name in (NAME, routes[8192][0]))
         for tokens in (4096, 8192):
             inp = make_inputs(spec, tokens, rank=rank, seed=tokens, device=dev)
-            out = bridge.finalize_epilogue(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                                           inp.shared_output, inp.residual, inp.gamma)
+            out = bridge.finalize_epilogue(
+                inp.gemm2_out,
+                inp.expanded_idx_to_permuted_idx,
+                inp.expert_weights,
+                inp.shared_output,
+                inp.residual,
+                inp.gamma,
+            )
             _check(spec, out, inp, f"bridge T={tokens} via {routes[tokens]}", problems, bound)
     return routes
 
@@ -74,8 +124,14 @@ def _overflow_through_the_bridge(rank, dev, problems):
 def _graphs_and_stress(rank, dev, problems, stress_calls):
     from fusion_bridge.spec import EpilogueSpec, QuantSpec
     from fusion_bridge.synthetic import make_inputs
-    spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5, quant=QuantSpec.nvfp4(448.0),
-                        max_tokens=4096)
+
+    spec = EpilogueSpec(
+        hidden_size=7168,
+        top_k=8,
+        routed_scaling_factor=2.5,
+        quant=QuantSpec.nvfp4(448.0),
+        max_tokens=4096,
+    )
     strat = _strategy(spec, dev, name=NAME)
     graphs = {}
     for tokens in (129, 1024, 4096):
@@ -96,9 +152,21 @@ def _graphs_and_stress(rank, dev, problems, stress_calls):
             graph.replay()
             _check(spec, got, fresh, f"graph T={tokens} replay {i}", problems, BOUND)
             eager = make_inputs(spec, tokens - 5, rank=rank, seed=200 + i, device=dev)
-            _check(spec, strat.run(eager), eager, f"eager T={tokens - 5} between replays", problems, BOUND)
-    rng = random.Random(4321)  # random T (the same on both ranks), graph replays and eager calls mixed
-    pool = {t: make_inputs(spec, t, rank=rank, seed=t, device=dev) for t in (1, 2, 7, 130, 500, 1000, 2048, 4095)}
+            _check(
+                spec,
+                strat.run(eager),
+                eager,
+                f"eager T={tokens - 5} between replays",
+                problems,
+                BOUND,
+            )
+    rng = random.Random(
+        4321
+    )  # random T (the same on both ranks), graph replays and eager calls mixed
+    pool = {
+        t: make_inputs(spec, t, rank=rank, seed=t, device=dev)
+        for t in (1, 2, 7, 130, 500, 1000, 2048, 4095)
+    }
     for call in range(stress_calls):
         if rng.random() < 0.5:
             graphs[rng.choice(list(graphs))][0].replay()
@@ -117,12 +185,14 @@ def _graphs_and_stress(rank, dev, problems, stress_calls):
 
 
 def _skipped_call(rank, dev, problems):
-    """Rank 1 skips one call: rank 0's call times out (NaN outputs, then a clear error); rank 1's next call
+    """Rank 1 skips one call: rank 0's call times out (NaN outputs, then a clear error); rank 1's
+    next call
     is aborted at once, then raises too. Nothing hangs."""
     import torch.distributed as dist
 
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
+
     spec = EpilogueSpec(hidden_size=4096, top_k=8, max_tokens=1024)
     strat = _strategy(spec, dev, timeout_s=1.0, name=NAME)
     inp = make_inputs(spec, 600, rank=rank, device=dev)

@@ -1,6 +1,8 @@
 """The launch cache (kernels/launcher.py) on CPU: its key against Triton's own specialization, the
-keying and fallback logic with a fake compiled kernel and launcher (the interpreter has none), and the
-three kernels' outputs through the cached path under the interpreter, launched by a fake launcher that
+keying and fallback logic with a fake compiled kernel and launcher (the interpreter has none), and
+the
+three kernels' outputs through the cached path under the interpreter, launched by a fake launcher
+that
 maps the positional arguments back onto the kernel's parameter names."""
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ class Chain:
 def fake_runtime(device=0, stream=STREAM):
     state = SimpleNamespace(device=device, stream=stream)
     knobs = SimpleNamespace(launch_enter_hook=Chain(), launch_exit_hook=Chain(), debug=False)
-    rt = Runtime(lambda: state.device, lambda dev: state.stream + dev, knobs, SimpleNamespace(instrumentation_mode=""))
+    rt = Runtime(
+        lambda: state.device,
+        lambda dev: state.stream + dev,
+        knobs,
+        SimpleNamespace(instrumentation_mode=""),
+    )
     rt.state = state
     return rt
 
@@ -57,7 +64,8 @@ class FakeCompiled:
 
 
 class FakeKernel:
-    """A JITFunction stand-in: kernel[grid](...) records the normal launch and returns a compiled kernel."""
+    """A JITFunction stand-in: kernel[grid](...) records the normal launch and returns a compiled
+    kernel."""
 
     arg_names = ["x_ptr", "y_ptr", "n", "scale", "BLOCK", "FLAG"]
 
@@ -75,36 +83,75 @@ class FakeKernel:
             compiled = self.make_compiled(len(self.normal))
             self.compiled.append(compiled)
             return compiled
+
         return launch
 
 
 def make(kernel=None, **kw):
     kernel = kernel or FakeKernel()
-    return kernel, KernelLauncher(kernel, ("BLOCK", "FLAG"), runtime=kw.pop("runtime", None) or fake_runtime(), **kw)
+    return kernel, KernelLauncher(
+        kernel, ("BLOCK", "FLAG"), runtime=kw.pop("runtime", None) or fake_runtime(), **kw
+    )
 
 
 def tensors(dtype=torch.bfloat16):
     return torch.zeros(64, dtype=dtype), torch.zeros(64, dtype=dtype)
 
 
-# ---- the key against Triton's own specialization ---------------------------------------------------------
+# ---- the key against Triton's own specialization
+# ---------------------------------------------------------
+
 
 def triton_spec(arg):
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
+
     return native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
 def test_key_is_never_coarser_than_tritons_specialization():
     """Two arguments with one key must have one Triton specialization (else the cached kernel could
     be the wrong one); the converse need not hold (a finer key only costs an extra entry)."""
-    ints = [0, 1, 2, 3, 5, 15, 16, 17, 32, 1000, 1024, 7168, -1, -16, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31,
-            2 ** 31 + 16, -2 ** 31, -2 ** 31 - 1, 2 ** 63 - 16, 2 ** 63]
+    ints = [
+        0,
+        1,
+        2,
+        3,
+        5,
+        15,
+        16,
+        17,
+        32,
+        1000,
+        1024,
+        7168,
+        -1,
+        -16,
+        2**31 - 16,
+        2**31 - 1,
+        2**31,
+        2**31 + 16,
+        -(2**31),
+        -(2**31) - 1,
+        2**63 - 16,
+        2**63,
+    ]
     base = torch.zeros(64, dtype=torch.bfloat16)
-    tens = [base, base[1:], base[8:], base[2:], torch.zeros(64, dtype=torch.float16), torch.zeros(64)[1:],
-            torch.zeros(64, dtype=torch.uint8)[4:], torch.zeros(64, dtype=torch.uint8)[16:]]
+    tens = [
+        base,
+        base[1:],
+        base[8:],
+        base[2:],
+        torch.zeros(64, dtype=torch.float16),
+        torch.zeros(64)[1:],
+        torch.zeros(64, dtype=torch.uint8)[4:],
+        torch.zeros(64, dtype=torch.uint8)[16:],
+    ]
     scalar_key, tensor_key = _make_key_fn(("s",)), _make_key_fn(("t",))
-    for kind, values, key in (("int", ints + [0.5, 1.0, 16.0], scalar_key), ("tensor", tens, tensor_key)):
+    for kind, values, key in (
+        ("int", ints + [0.5, 1.0, 16.0], scalar_key),
+        ("tensor", tens, tensor_key),
+    ):
         for a, b in itertools.combinations(values, 2):
             if key(0, False, "", 4, (), a) == key(0, False, "", 4, (), b):
                 assert triton_spec(a) == triton_spec(b), f"{kind}: {a!r} and {b!r} share a key"
@@ -118,7 +165,9 @@ def test_token_counts_that_share_a_key_and_those_that_do_not():
     assert k[16] == k[32] == k[64]
 
 
-# ---- keying and fallback with a fake launcher --------------------------------------------------------------
+# ---- keying and fallback with a fake launcher
+# --------------------------------------------------------------
+
 
 def test_same_key_calls_the_cached_launcher_with_grid_stream_and_args():
     kernel, launch = make()
@@ -126,11 +175,19 @@ def test_same_key_calls_the_cached_launcher_with_grid_stream_and_args():
     launch((3, 7), (x, y, 3, 0.5), (256, True), 4)
     assert len(kernel.normal) == 1 and launch.entries == 1
     grid, args, kwargs = kernel.normal[0]
-    assert grid == (3, 7) and args == (x, y, 3, 0.5) and kwargs == {"BLOCK": 256, "FLAG": True, "num_warps": 4}
-    launch((5, 7), (x, y, 5, 0.25), (256, True), 4)  # T=3 -> 5: same specialization; the grid changes
+    assert (
+        grid == (3, 7)
+        and args == (x, y, 3, 0.5)
+        and kwargs == {"BLOCK": 256, "FLAG": True, "num_warps": 4}
+    )
+    launch(
+        (5, 7), (x, y, 5, 0.25), (256, True), 4
+    )  # T=3 -> 5: same specialization; the grid changes
     assert len(kernel.normal) == 1
     run = kernel.compiled[0].run
-    assert run.calls == [(5, 7, 1, STREAM, "function1", (4, 1, 0), None, None, None, x, y, 5, 0.25, 256, True)]
+    assert run.calls == [
+        (5, 7, 1, STREAM, "function1", (4, 1, 0), None, None, None, x, y, 5, 0.25, 256, True)
+    ]
 
 
 def test_cached_launch_uses_the_current_stream_and_device():
@@ -155,11 +212,43 @@ def test_the_launcher_of_cudalauncher_is_called_directly_when_it_needs_no_scratc
     launch((3,), (x, y, 3, 0.5), (256, True), 4)
     run = kernel.compiled[0].run
     assert run.calls == [] and run.launch_calls == [
-        (3, 1, 1, STREAM, "function1", False, False, None, None, (4, 1, 0), None, None, None, x, y, 3, 0.5, 256, True)]
+        (
+            3,
+            1,
+            1,
+            STREAM,
+            "function1",
+            False,
+            False,
+            None,
+            None,
+            (4, 1, 0),
+            None,
+            None,
+            None,
+            x,
+            y,
+            3,
+            0.5,
+            256,
+            True,
+        )
+    ]
 
 
-@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_is_one", "int_div16", "int64", "float_for_int",
-                                    "constexpr", "num_warps"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "misaligned",
+        "dtype",
+        "int_is_one",
+        "int_div16",
+        "int64",
+        "float_for_int",
+        "constexpr",
+        "num_warps",
+    ],
+)
 def test_a_key_change_launches_normally_then_caches_the_new_key(change):
     kernel, launch = make()
     x, y = tensors()
@@ -176,7 +265,7 @@ def test_a_key_change_launches_normally_then_caches_the_new_key(change):
     elif change == "int_div16":
         call[0] = (x, y, 16, 0.5)
     elif change == "int64":
-        call[0] = (x, y, 2 ** 31 + 3, 0.5)
+        call[0] = (x, y, 2**31 + 3, 0.5)
     elif change == "float_for_int":
         call[0] = (x, y, 3.0, 0.5)
     elif change == "constexpr":
@@ -243,17 +332,23 @@ def test_no_compiled_kernel_returned_means_normal_launches_forever():
 
 
 def test_a_cached_launcher_that_raises_is_replaced_by_the_normal_launch():
-    kernel, launch = make(FakeKernel(lambda i: FakeCompiled(i, FakeCudaLauncher(fail=TypeError("layout")))))
+    kernel, launch = make(
+        FakeKernel(lambda i: FakeCompiled(i, FakeCudaLauncher(fail=TypeError("layout"))))
+    )
     x, y = tensors()
     launch((3,), (x, y, 3, 0.5), (256, True), 4)
-    launch((3,), (x, y, 3, 0.5), (256, True), 4)  # fast path raises -> launched normally, switched off
+    launch(
+        (3,), (x, y, 3, 0.5), (256, True), 4
+    )  # fast path raises -> launched normally, switched off
     assert len(kernel.normal) == 2 and "layout" in launch.disabled_reason
     launch((3,), (x, y, 3, 0.5), (256, True), 4)
     assert len(kernel.normal) == 3
 
 
 def test_an_error_of_the_callers_own_propagates_and_keeps_the_cache():
-    kernel, launch = make(FakeKernel(lambda i: FakeCompiled(i, FakeCudaLauncher(fail=ValueError("cpu tensor")))))
+    kernel, launch = make(
+        FakeKernel(lambda i: FakeCompiled(i, FakeCudaLauncher(fail=ValueError("cpu tensor"))))
+    )
     x, y = tensors()
     launch((3,), (x, y, 3, 0.5), (256, True), 4)
     kernel.fail = ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
@@ -288,7 +383,9 @@ def test_constexprs_must_be_the_trailing_parameters():
     assert launch.kernel.normal[0][2] == {"FLAG": True, "BLOCK": 256, "num_warps": 4}
 
 
-# ---- the real Triton runtime on this machine ---------------------------------------------------------------
+# ---- the real Triton runtime on this machine
+# ---------------------------------------------------------------
+
 
 def test_real_runtime_is_off_under_the_interpreter_and_says_why():
     runtime, reason = launcher.triton_runtime()
@@ -304,15 +401,19 @@ def test_an_untested_triton_version_or_the_env_switch_turns_it_off(monkeypatch):
 
 def test_the_three_kernels_use_the_normal_launch_under_the_interpreter():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    finalize_add.finalize_add_into(torch.empty_like(x), x, torch.zeros(3, 2, dtype=torch.int32),
-                                   torch.ones(3, 2), None, 1.0)
+    finalize_add.finalize_add_into(
+        torch.empty_like(x), x, torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2), None, 1.0
+    )
     assert "TRITON_INTERPRET" in finalize_add._LAUNCH.disabled_reason
 
 
-# ---- outputs through the cached path, under the interpreter ------------------------------------------------
+# ---- outputs through the cached path, under the interpreter
+# ------------------------------------------------
+
 
 class InterpreterBackedKernel:
-    """Wraps a real (interpreted) kernel: the normal launch runs it and returns a fake compiled kernel
+    """Wraps a real (interpreted) kernel: the normal launch runs it and returns a fake compiled
+    kernel
     whose launcher maps the positional arguments back onto the kernel's parameter names and runs it
     again. A wrong argument layout in the cached path gives wrong outputs or an error here."""
 
@@ -326,6 +427,7 @@ class InterpreterBackedKernel:
             compiled = FakeCompiled("x")
             compiled.run = self._launcher
             return compiled
+
         return launch
 
     def _launcher(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_, *args):
@@ -337,10 +439,14 @@ class InterpreterBackedKernel:
 @pytest.fixture
 def cached(monkeypatch):
     """Replace a module's _LAUNCH by a fake-runtime cache over the same interpreted kernel."""
+
     def install(module, kernel_name, constexprs):
         wrapped = InterpreterBackedKernel(getattr(module, kernel_name))
-        monkeypatch.setattr(module, "_LAUNCH", KernelLauncher(wrapped, constexprs, runtime=fake_runtime()))
+        monkeypatch.setattr(
+            module, "_LAUNCH", KernelLauncher(wrapped, constexprs, runtime=fake_runtime())
+        )
         return wrapped
+
     return install
 
 
@@ -355,23 +461,49 @@ def test_finalize_add_outputs_identical_through_the_cache(cached):
         expected = torch.empty(tokens, H, dtype=torch.bfloat16)
         block = finalize_add.block_h_for(H, tokens)
         finalize_add._finalize_add_kernel[(tokens, -(-H // block))](
-            g, perm, w, s if shared else expected, expected, H, 0.75, TOP_K=K, HAS_SHARED=shared, BLOCK_H=block)
+            g,
+            perm,
+            w,
+            s if shared else expected,
+            expected,
+            H,
+            0.75,
+            TOP_K=K,
+            HAS_SHARED=shared,
+            BLOCK_H=block,
+        )
         out = torch.full_like(expected, float("nan"))
         finalize_add.finalize_add_into(out, g, perm, w, s if shared else None, 0.75)
         assert torch.equal(out, expected)
-    assert wrapped.cached_launches == 1  # (5, shared) reused (3, shared)'s key; (3, no shared) is new
+    assert (
+        wrapped.cached_launches == 1
+    )  # (5, shared) reused (3, shared)'s key; (3, no shared) is new
 
 
-@pytest.mark.parametrize("quant_mode,swizzled", [(quant.QUANT_NONE, False), (quant.QUANT_FP8, False),
-                                                 (quant.QUANT_NVFP4, True), (quant.QUANT_NVFP4, False)])
+@pytest.mark.parametrize(
+    "quant_mode,swizzled",
+    [
+        (quant.QUANT_NONE, False),
+        (quant.QUANT_FP8, False),
+        (quant.QUANT_NVFP4, True),
+        (quant.QUANT_NVFP4, False),
+    ],
+)
 def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, quant_mode, swizzled):
     from fusion_bridge.io import quant_buffers
     from fusion_bridge.spec import QuantKind, SFLayout
+
     torch.manual_seed(1)
     H = 64
-    kind = {quant.QUANT_NONE: QuantKind.NONE, quant.QUANT_FP8: QuantKind.FP8, quant.QUANT_NVFP4: QuantKind.NVFP4}
+    kind = {
+        quant.QUANT_NONE: QuantKind.NONE,
+        quant.QUANT_FP8: QuantKind.FP8,
+        quant.QUANT_NVFP4: QuantKind.NVFP4,
+    }
     layout = SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
-    norm_kernel = cached(add_rmsnorm, "_add_rmsnorm_kernel", ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
+    norm_kernel = cached(
+        add_rmsnorm, "_add_rmsnorm_kernel", ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT")
+    )
     quant_kernel = cached(quant, "_quantize_kernel", ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
     scale = 2.0 if quant_mode == quant.QUANT_FP8 else 300.0
 
@@ -390,18 +522,46 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
             q, sf = buffers(tokens)
             q2, sf2 = buffers(tokens)
             if through_cache:
-                add_rmsnorm.add_rmsnorm_into(r_out, n_out, q, sf, residual, reduced, gamma, 1e-6, 0.0, quant_mode,
-                                             scale, swizzled)
+                add_rmsnorm.add_rmsnorm_into(
+                    r_out,
+                    n_out,
+                    q,
+                    sf,
+                    residual,
+                    reduced,
+                    gamma,
+                    1e-6,
+                    0.0,
+                    quant_mode,
+                    scale,
+                    swizzled,
+                )
                 quant.quantize_into(q2, sf2, n_out, quant_mode, scale, swizzled)
             else:
                 (cx, warps) = quant.row_launch_shape(H, quant_mode, swizzled, False)
                 rows = quant.launch_rows(quant_mode, swizzled, tokens, sf)
                 sf_cols = sf.shape[1] if quant_mode == quant.QUANT_NVFP4 else 0
                 named = dict(zip(("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"), cx))
-                add_rmsnorm._add_rmsnorm_kernel[(rows,)](residual, reduced, gamma, r_out, n_out, q, sf, tokens, H,
-                                                         1e-6, 0.0, scale, sf_cols, **named)
+                add_rmsnorm._add_rmsnorm_kernel[(rows,)](
+                    residual,
+                    reduced,
+                    gamma,
+                    r_out,
+                    n_out,
+                    q,
+                    sf,
+                    tokens,
+                    H,
+                    1e-6,
+                    0.0,
+                    scale,
+                    sf_cols,
+                    **named,
+                )
                 if quant_mode != quant.QUANT_NONE:
-                    quant._quantize_kernel[(rows,)](n_out, q2, sf2, tokens, H, scale, sf_cols, **named)
+                    quant._quantize_kernel[(rows,)](
+                        n_out, q2, sf2, tokens, H, scale, sf_cols, **named
+                    )
             outs.append((r_out, n_out, q, sf, q2, sf2))
         for a, b in zip(*outs):
             assert torch.equal(a, b)
@@ -409,18 +569,37 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
     assert quant_kernel.cached_launches == (1 if quant_mode != quant.QUANT_NONE else 0)
 
 
-# ---- the host-cost benchmark (runs on the GPU machine): importable, nothing runs at import ----------------
+# ---- the host-cost benchmark (runs on the GPU machine): importable, nothing runs at import
+# ----------------
+
 
 def test_eager_cost_benchmark_imports_and_aggregates():
     import benchmarks.eager_cost as bench
-    row = {"world_size": 2, "quant": "none", "tokens": 1, "route_graph": "", "route_eager": "", "notes": ""}
-    rank0 = [dict(row, item="finalize_epilogue", us_wall=12.0, us_host=11.0),
-             dict(row, item="strategy_run", us_wall=10.0, us_host=9.0),
-             dict(row, item="fi_moe_finalize_public", us_wall=8.0, us_host=7.0),
-             dict(row, item="graph_selected", us_wall=6.0, us_host=float("nan"))]
-    rank1 = [dict(r, us_wall=r["us_wall"] + (1.0 if r["item"] == "finalize_epilogue" else -1.0)) for r in rank0]
+
+    row = {
+        "world_size": 2,
+        "quant": "none",
+        "tokens": 1,
+        "route_graph": "",
+        "route_eager": "",
+        "notes": "",
+    }
+    rank0 = [
+        dict(row, item="finalize_epilogue", us_wall=12.0, us_host=11.0),
+        dict(row, item="strategy_run", us_wall=10.0, us_host=9.0),
+        dict(row, item="fi_moe_finalize_public", us_wall=8.0, us_host=7.0),
+        dict(row, item="graph_selected", us_wall=6.0, us_host=float("nan")),
+    ]
+    rank1 = [
+        dict(r, us_wall=r["us_wall"] + (1.0 if r["item"] == "finalize_epilogue" else -1.0))
+        for r in rank0
+    ]
     merged = {r["item"]: r["us_wall"] for r in bench.max_over_ranks([rank0, rank1])}
-    assert merged == {"finalize_epilogue": 13.0, "strategy_run": 10.0, "fi_moe_finalize_public": 8.0,
-                      "graph_selected": 6.0}
+    assert merged == {
+        "finalize_epilogue": 13.0,
+        "strategy_run": 10.0,
+        "fi_moe_finalize_public": 8.0,
+        "graph_selected": 6.0,
+    }
     (line,) = bench.ratios(bench.max_over_ranks([rank0, rank1]))
     assert line["eager_vs_flashinfer_direct"] == 1.625 and line["bridge_overhead_us"] == 3.0

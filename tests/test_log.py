@@ -1,4 +1,5 @@
-"""fusion_bridge.log: the library logger's handlers and level (FUSION_BRIDGE_LOG_LEVEL, the application's
+"""fusion_bridge.log: the library logger's handlers and level (FUSION_BRIDGE_LOG_LEVEL, the
+application's
 own logging config), the rate-limited helper and the one summary line per bridge."""
 
 import io
@@ -26,7 +27,8 @@ def clean_logger(monkeypatch):
 
 
 def no_root_handlers(monkeypatch):
-    """An application that configured nothing (pytest adds its capture handlers to the root logger for
+    """An application that configured nothing (pytest adds its capture handlers to the root logger
+    for
     each test phase, so this must run inside the test body)."""
     monkeypatch.setattr(logging.getLogger(), "handlers", [])
 
@@ -37,13 +39,18 @@ def stream_handlers(lg):
 
 def test_library_logger_has_only_a_null_handler_by_default(clean_logger):
     assert [type(h) for h in clean_logger.handlers] == [logging.NullHandler]
-    assert clean_logger.name == "fusion_bridge" and fblog.get_logger("bridge").name == "fusion_bridge.bridge"
+    assert (
+        clean_logger.name == "fusion_bridge"
+        and fblog.get_logger("bridge").name == "fusion_bridge.bridge"
+    )
     # level left to the standard config: inherits the root logger's (WARNING unless configured)
     assert clean_logger.level == logging.NOTSET
     assert clean_logger.getEffectiveLevel() == logging.getLogger().getEffectiveLevel()
 
 
-def test_env_level_adds_one_stderr_handler_when_the_application_configured_nothing(clean_logger, monkeypatch):
+def test_env_level_adds_one_stderr_handler_when_the_application_configured_nothing(
+    clean_logger, monkeypatch
+):
     no_root_handlers(monkeypatch)
     out = io.StringIO()
     handler = fblog.configure({"FUSION_BRIDGE_LOG_LEVEL": "info"}, stream=out)
@@ -60,7 +67,9 @@ def test_env_level_adds_one_stderr_handler_when_the_application_configured_nothi
     assert stream_handlers(clean_logger) == [] and clean_logger.propagate is True
 
 
-def test_env_level_adds_no_handler_when_the_application_configured_logging(clean_logger, monkeypatch):
+def test_env_level_adds_no_handler_when_the_application_configured_logging(
+    clean_logger, monkeypatch
+):
     app = io.StringIO()
     root_handler = logging.StreamHandler(app)
     monkeypatch.setattr(logging.getLogger(), "handlers", [root_handler])
@@ -78,21 +87,38 @@ def test_invalid_level_is_ignored_with_a_warning_naming_the_variable(clean_logge
     assert stream_handlers(clean_logger) == [] and clean_logger.level == logging.NOTSET
 
 
-@pytest.mark.parametrize("value,level", [("DEBUG", 10), ("info", 20), (" Warning ", 30), ("error", 40),
-                                         ("CRITICAL", 50), ("15", 15), ("verbose", None), ("", None)])
+@pytest.mark.parametrize(
+    "value,level",
+    [
+        ("DEBUG", 10),
+        ("info", 20),
+        (" Warning ", 30),
+        ("error", 40),
+        ("CRITICAL", 50),
+        ("15", 15),
+        ("verbose", None),
+        ("", None),
+    ],
+)
 def test_parse_level(value, level):
     assert fblog.parse_level(value) == level
 
 
 def test_import_with_the_env_var_prints_to_stderr_and_without_it_prints_nothing():
-    code = ("import logging; from fusion_bridge.log import logger; "
-            "logger.info('hello info'); logger.warning('hello warning')")
+    code = (
+        "import logging; from fusion_bridge.log import logger; "
+        "logger.info('hello info'); logger.warning('hello warning')"
+    )
     env = dict(os.environ, FUSION_BRIDGE_LOG_LEVEL="INFO")
-    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    on = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert on.returncode == 0, on.stderr
     assert "INFO fusion_bridge: hello info" in on.stderr and "hello warning" in on.stderr
     env.pop("FUSION_BRIDGE_LOG_LEVEL")
-    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    off = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert off.returncode == 0, off.stderr
     assert "hello" not in off.stderr  # a library with a NullHandler stays silent until configured
 
@@ -105,7 +131,9 @@ class Clock:
         return self.now
 
 
-def test_log_every_rate_limits_per_key_and_counts_what_it_suppressed(clean_logger, monkeypatch, caplog):
+def test_log_every_rate_limits_per_key_and_counts_what_it_suppressed(
+    clean_logger, monkeypatch, caplog
+):
     clock = Clock()
     monkeypatch.setattr(fblog, "_clock", clock)
     fblog.reset_rate_limits()
@@ -121,8 +149,12 @@ def test_log_every_rate_limits_per_key_and_counts_what_it_suppressed(clean_logge
         clock.now += 61
         assert fblog.log_every("reroute", 60, logging.WARNING, "rerouted T=%d", 9004)
     messages = [r.getMessage() for r in caplog.records if r.name == "fusion_bridge"]
-    assert messages == ["rerouted T=9000", "shadow diverged",
-                        "rerouted T=9003 (2 similar messages suppressed in the last 60 s)", "rerouted T=9004"]
+    assert messages == [
+        "rerouted T=9000",
+        "shadow diverged",
+        "rerouted T=9003 (2 similar messages suppressed in the last 60 s)",
+        "rerouted T=9004",
+    ]
 
 
 def test_log_every_skips_a_hidden_level_without_counting_it(clean_logger, monkeypatch, caplog):
@@ -137,24 +169,64 @@ def test_log_every_skips_a_hidden_level_without_counting_it(clean_logger, monkey
 
 def test_summary_line_of_a_measured_plan():
     line = fblog.build_summary(
-        7168, 8, 2, [(1, "local_fused"), (2, "local_fused"), (4, "flashinfer_fused"), (8, "flashinfer_fused"),
-                     (16, "local_fused"), (8192, "local_fused")],
-        {"flashinfer_fused_fp4": ["quant_not_nvfp4", "flashinfer_fused_fp4_broken", "fp4_needs_sm100"],
-         "reference": ["never_auto", "never_auto"]},
-        overflow="separate", dtype="bf16", source="measured")
-    assert line == ("fusion_bridge: layer epilogue H=7168 K=8 bf16 TP2 -> local_fused for T<=2, flashinfer_fused "
-                    "for 3<=T<=8, local_fused for 9<=T<=8192, separate for T>8192 [measured]; rejected: "
-                    "flashinfer_fused_fp4(quant_not_nvfp4, flashinfer_fused_fp4_broken, fp4_needs_sm100), "
-                    "reference(never_auto)")
+        7168,
+        8,
+        2,
+        [
+            (1, "local_fused"),
+            (2, "local_fused"),
+            (4, "flashinfer_fused"),
+            (8, "flashinfer_fused"),
+            (16, "local_fused"),
+            (8192, "local_fused"),
+        ],
+        {
+            "flashinfer_fused_fp4": [
+                "quant_not_nvfp4",
+                "flashinfer_fused_fp4_broken",
+                "fp4_needs_sm100",
+            ],
+            "reference": ["never_auto", "never_auto"],
+        },
+        overflow="separate",
+        dtype="bf16",
+        source="measured",
+    )
+    assert line == (
+        "fusion_bridge: layer epilogue H=7168 K=8 bf16 TP2 -> local_fused for T<=2, "
+        "flashinfer_fused "
+        "for 3<=T<=8, local_fused for 9<=T<=8192, separate for T>8192 [measured]; rejected: "
+        "flashinfer_fused_fp4(quant_not_nvfp4, flashinfer_fused_fp4_broken, fp4_needs_sm100), "
+        "reference(never_auto)"
+    )
 
 
 def test_summary_line_of_an_explicit_request_without_limit_and_of_one_that_raises():
-    line = fblog.build_summary(256, 4, 1, [(1, "separate"), (2, "separate"), (4, "separate")], {},
-                               overflow="separate", label="model.layers.3.mlp", quant="nvfp4",
-                               requested="separate")
-    assert line == ("fusion_bridge: model.layers.3.mlp H=256 K=4 nvfp4 TP1 -> separate for every T "
-                    "(requested separate); rejected: none")
-    line = fblog.build_summary(7168, 8, 8, [(64, "flashinfer_fused"), (128, "flashinfer_fused")],
-                               {"separate": ["x"]}, quant="none")
-    assert line == ("fusion_bridge: layer epilogue H=7168 K=8 TP8 -> flashinfer_fused for T<=128, T>128 raises; "
-                    "rejected: separate(x)")
+    line = fblog.build_summary(
+        256,
+        4,
+        1,
+        [(1, "separate"), (2, "separate"), (4, "separate")],
+        {},
+        overflow="separate",
+        label="model.layers.3.mlp",
+        quant="nvfp4",
+        requested="separate",
+    )
+    assert line == (
+        "fusion_bridge: model.layers.3.mlp H=256 K=4 nvfp4 TP1 -> separate for every T "
+        "(requested separate); rejected: none"
+    )
+    line = fblog.build_summary(
+        7168,
+        8,
+        8,
+        [(64, "flashinfer_fused"), (128, "flashinfer_fused")],
+        {"separate": ["x"]},
+        quant="none",
+    )
+    assert line == (
+        "fusion_bridge: layer epilogue H=7168 K=8 TP8 -> flashinfer_fused for T<=128, T>128 "
+        "raises; "
+        "rejected: separate(x)"
+    )

@@ -15,8 +15,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_example_before_and_after_agree_on_two_gloo_ranks_with_shadow_stats():
-    proc = subprocess.run([sys.executable, "-m", "migration.examples.deepseek_moe", "--world-size", "2",
-                           "--shadow", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "migration.examples.deepseek_moe",
+            "--world-size",
+            "2",
+            "--shadow",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["agree"] and len(doc["ranks"]) == 2
@@ -37,15 +50,19 @@ def test_router_keeps_to_the_top_groups_and_normalizes_weights():
     assert torch.allclose(weights.sum(-1), torch.ones(32))
     gemm2_out, perm, w, shared = block.experts(x)
     assert perm.shape == (32, cfg.top_k) and perm.dtype == torch.int32
-    assert sorted(perm.reshape(-1).tolist()) == list(range(32 * cfg.top_k))  # each slot has its own row
+    assert sorted(perm.reshape(-1).tolist()) == list(
+        range(32 * cfg.top_k)
+    )  # each slot has its own row
 
 
 def test_single_rank_example_agrees():
     r = run_rank(0, 1, 9, shadow=False)
-    assert r["norm_rel_diff"] < 2 ** -6 and r["residual_rel_diff"] < 2 ** -6
+    assert r["norm_rel_diff"] < 2**-6 and r["residual_rel_diff"] < 2**-6
 
 
 def test_readme_matrix_is_the_generated_one():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert embedded(readme) == markdown(), "README matrix is stale: run `python -m fusion_bridge matrix`"
+    assert embedded(readme) == markdown(), (
+        "README matrix is stale: run `python -m fusion_bridge matrix`"
+    )

@@ -2,7 +2,8 @@
 overflows once |x| >~ 1.8e19; rsqrt(inf) = 0 then turns a finite row into a norm_out of zeros. Every
 path we own (torch math for `reference` and `separate`, our add+RMSNorm kernel for `local_fused`)
 scales such a row by a power of two first. Checked against the float64 oracle (which squares in
-float64: no overflow below ~1e154), and normal rows checked bit for bit against the previous formula.
+float64: no overflow below ~1e154), and normal rows checked bit for bit against the previous
+formula.
 """
 
 import pytest
@@ -19,21 +20,25 @@ from tests.helpers import cpu_strategy_names
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 error before the one rounding, relative (see test_kernels_cpu): 2^-20
-SLACK = 2.0 ** -20
-FP32_MIN_NORMAL = 2.0 ** -126
+SLACK = 2.0**-20
+FP32_MIN_NORMAL = 2.0**-126
 
 
 def previous_formula(x, gamma, eps, weight_bias):
     """RMSNorm as it was before the overflow fix."""
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * (gamma.float() + weight_bias)
+    return (
+        x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * (gamma.float() + weight_bias)
+    )
 
 
 def huge_rows(hidden, seed=0):
     """bf16 rows whose sum of squares overflows fp32 (and one that just does not)."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(6, hidden, generator=g)
-    scales = torch.tensor([1e18, 2e19, 1e25, 1e30, 1e36, 1e37]).unsqueeze(1)  # 1e18: no overflow (control)
+    scales = torch.tensor([1e18, 2e19, 1e25, 1e30, 1e36, 1e37]).unsqueeze(
+        1
+    )  # 1e18: no overflow (control)
     return (base * scales).to(torch.bfloat16)
 
 
@@ -41,14 +46,16 @@ def test_the_huge_rows_really_overflow_the_old_formula():
     x = huge_rows(256).float()
     gamma = torch.ones(256)
     old = previous_formula(x, gamma, 1e-6, 0.0)
-    assert old[0].abs().sum() > 0                    # 1e18: fine before
-    assert (old[1:] == 0).all()                      # the others: a row of zeros, the bug being fixed
+    assert old[0].abs().sum() > 0  # 1e18: fine before
+    assert (old[1:] == 0).all()  # the others: a row of zeros, the bug being fixed
 
 
 @pytest.mark.parametrize("weight_bias", [0.0, 0.5])
 def test_torch_math_handles_huge_rows(weight_bias):
     x = huge_rows(256).float()
-    gamma = (1 + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
+    gamma = (1 + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(1))).to(
+        torch.bfloat16
+    )
     got = rmsnorm_fp32(x, gamma, 1e-6, weight_bias).to(torch.bfloat16)
     exact = oracle64.rmsnorm64(x, gamma, 1e-6, weight_bias)
     oracle64.check_rounded_once(got, exact, SLACK)
@@ -56,14 +63,19 @@ def test_torch_math_handles_huge_rows(weight_bias):
     spike = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
     spike[0, 7], spike[1, 100] = 3e38, -1e20
     spike = spike.to(torch.bfloat16).float()
-    oracle64.check_rounded_once(rmsnorm_fp32(spike, gamma, 1e-6, weight_bias).to(torch.bfloat16),
-                                oracle64.rmsnorm64(spike, gamma, 1e-6, weight_bias), SLACK)
+    oracle64.check_rounded_once(
+        rmsnorm_fp32(spike, gamma, 1e-6, weight_bias).to(torch.bfloat16),
+        oracle64.rmsnorm64(spike, gamma, 1e-6, weight_bias),
+        SLACK,
+    )
 
 
 def test_normal_rows_are_bit_identical_to_the_previous_formula():
     g = torch.Generator().manual_seed(3)
     # magnitudes from tiny to just below the overflow threshold (sum of squares < 3.4e38 at H=512)
-    scales = torch.tensor([1e-30, 1e-10, 1e-3, 1.0, 1e3, 1e10, 5e17]).repeat_interleave(4).unsqueeze(1)
+    scales = (
+        torch.tensor([1e-30, 1e-10, 1e-3, 1.0, 1e3, 1e10, 5e17]).repeat_interleave(4).unsqueeze(1)
+    )
     x = (torch.randn(scales.shape[0], 512, generator=g) * scales).to(torch.bfloat16).float()
     gamma = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16)
     for eps, wb in [(1e-6, 0.0), (1e-2, 1.0), (1e-5, -0.5)]:
@@ -76,15 +88,29 @@ def _kernel_norm(x_bf16, gamma, eps, weight_bias):
     zeros = torch.zeros_like(residual)
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
     none = torch.empty(0, dtype=torch.uint8, device=DEVICE)
-    add_rmsnorm_into(residual_out, norm_out, none, none, residual, zeros, gamma.to(DEVICE), eps, weight_bias,
-                     0, 1.0, False)
+    add_rmsnorm_into(
+        residual_out,
+        norm_out,
+        none,
+        none,
+        residual,
+        zeros,
+        gamma.to(DEVICE),
+        eps,
+        weight_bias,
+        0,
+        1.0,
+        False,
+    )
     return norm_out.cpu()
 
 
 @pytest.mark.parametrize("weight_bias", [0.0, 0.5])
 def test_kernel_handles_huge_rows(weight_bias):
     x = huge_rows(160)
-    gamma = (1 + 0.1 * torch.randn(160, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
+    gamma = (1 + 0.1 * torch.randn(160, generator=torch.Generator().manual_seed(1))).to(
+        torch.bfloat16
+    )
     got = _kernel_norm(x, gamma, 1e-6, weight_bias)
     oracle64.check_rounded_once(got, oracle64.rmsnorm64(x.float(), gamma, 1e-6, weight_bias), SLACK)
     assert torch.equal(got, rmsnorm_fp32(x.float(), gamma, 1e-6, weight_bias).to(torch.bfloat16))
@@ -97,9 +123,10 @@ def test_kernel_handles_a_single_huge_element():
     gamma = torch.ones(96, dtype=torch.bfloat16)
     got = _kernel_norm(x, gamma, 1e-6, 0.0)
     exact = oracle64.rmsnorm64(x.float(), gamma, 1e-6, 0.0)
-    assert abs(got[0, 7].item() - 96 ** 0.5) < 0.05 and abs(got[1, 50].item() + 96 ** 0.5) < 0.05
+    assert abs(got[0, 7].item() - 96**0.5) < 0.05 and abs(got[1, 50].item() + 96**0.5) < 0.05
     # the other elements of row 0 land near fp32's smallest normals (~1e-38); below 2^-126 the
-    # interpreter's subnormal arithmetic is not IEEE-exact (measured: up to ~40 bf16 ulps off there),
+    # interpreter's subnormal arithmetic is not IEEE-exact (measured: up to ~40 bf16 ulps off
+    # there),
     # so compare the normal-range elements only
     normal = exact.abs() >= FP32_MIN_NORMAL
     oracle64.check_rounded_once(got[normal], exact[normal], SLACK)
@@ -115,7 +142,9 @@ def test_normal_rows_are_bit_identical_in_the_kernel():
     if DEVICE == "cpu":
         assert torch.equal(got, want)
     else:  # FMA contraction on the GPU: at most one ulp
-        assert ((got.double() - want.double()).abs() <= oracle64.ulp(want.double(), torch.bfloat16)).all()
+        assert (
+            (got.double() - want.double()).abs() <= oracle64.ulp(want.double(), torch.bfloat16)
+        ).all()
 
 
 @pytest.mark.parametrize("strategy", cpu_strategy_names())
@@ -127,10 +156,18 @@ def test_every_cpu_strategy_normalizes_a_huge_row(strategy):
     inp = inp._replace(residual=residual)
     # our kernels run on the GPU where there is one (TRITON_INTERPRET is set only without CUDA)
     device = "cuda" if strategy == "local_fused_nccl" and torch.cuda.is_available() else "cpu"
-    with FusionBridge(spec, strategy="reference" if strategy == "reference" else "auto", device=device) as bridge:
-        out = bridge.run_strategy(strategy, EpilogueInputs(*(None if t is None else t.to(device) for t in inp)))
-        out = type(out)(*(None if t is None else t.cpu() for t in (out.residual_out, out.norm_out, out.quant,
-                                                                   out.scale)))
+    with FusionBridge(
+        spec, strategy="reference" if strategy == "reference" else "auto", device=device
+    ) as bridge:
+        out = bridge.run_strategy(
+            strategy, EpilogueInputs(*(None if t is None else t.to(device) for t in inp))
+        )
+        out = type(out)(
+            *(
+                None if t is None else t.cpu()
+                for t in (out.residual_out, out.norm_out, out.quant, out.scale)
+            )
+        )
     residual_exact, norm_exact = oracle64.epilogue64_from(spec, [inp])
     assert out.norm_out[1].abs().sum() > 0
     # residual_out and norm_out: within the strategy's roundings of the exact value; with a 1e25 row

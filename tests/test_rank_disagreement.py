@@ -1,5 +1,7 @@
-"""Issue 11 through the real FusionBridge over real gloo process groups on CPU: when the ranks of a TP
-group disagree, every rank fails loudly and the group stays usable; never a silent wrong result, never
+"""Issue 11 through the real FusionBridge over real gloo process groups on CPU: when the ranks of a
+TP
+group disagree, every rank fails loudly and the group stays usable; never a silent wrong result,
+never
 an endless hang.
 
 One test per numbered case of the issue:
@@ -7,17 +9,22 @@ One test per numbered case of the issue:
      peers' call returns NaN outputs, the next calls on every rank are correct (world sizes 2 and 4)
   2. a bad input whose T is unusable: the erring rank's later calls raise at once, naming the first
      error and "rebuild", without entering a collective
-  3. both of those under debug=True: every rank raises the same GroupInputError naming the failing rank
-  4. each setting differing per rank, through the constructor: named, with each rank's value, on every rank
+  3. both of those under debug=True: every rank raises the same GroupInputError naming the failing
+  rank
+  4. each setting differing per rank, through the constructor: named, with each rank's value, on
+  every rank
   5. FUSION_BRIDGE_STRATEGY set on one rank only
   6. a build on one rank only: a RankAgreementError within the build timeout naming the missing rank
   7. unequal T and T=0 on one rank under debug (world size 4)
   8. a shadow strategy that cannot run on CPU, rejected at build with its reasons
   9. bad EpilogueSpec values (one process)
 
-How these tests stay fast and never hang CI: every rank function catches what it expects and *returns*
-it (the parent asserts per rank); every bridge is built on a gloo subgroup whose collectives time out
-after GROUP_TIMEOUT (gloo's default is 30 min), with a short `build_timeout_s`; every multi-process run
+How these tests stay fast and never hang CI: every rank function catches what it expects and
+*returns*
+it (the parent asserts per rank); every bridge is built on a gloo subgroup whose collectives time
+out
+after GROUP_TIMEOUT (gloo's default is 30 min), with a short `build_timeout_s`; every multi-process
+run
 is killed after RUN_TIMEOUT_S. Correct results are judged against tests/oracle64.py (an independent
 float64 oracle that sums every rank's partials itself), with inputs that differ per call, so a call
 paired with a peer's *other* call (the desynchronisation the issue describes) cannot pass.
@@ -39,23 +46,35 @@ import torch
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.spec import EpilogueSpec
 
-GROUP_TIMEOUT = timedelta(seconds=20)  # a collective of the test groups fails after this, never hangs
-RUN_TIMEOUT_S = 150                    # a whole multi-process run is killed after this
-BUILD_TIMEOUT_S = 30.0                 # check-in timeout of every build (the default is 10 min)
-TOL = 1e-2                             # normwise relative error vs the float64 oracle (bf16 outputs)
+GROUP_TIMEOUT = timedelta(
+    seconds=20
+)  # a collective of the test groups fails after this, never hangs
+RUN_TIMEOUT_S = 150  # a whole multi-process run is killed after this
+BUILD_TIMEOUT_S = 30.0  # check-in timeout of every build (the default is 10 min)
+TOL = 1e-2  # normwise relative error vs the float64 oracle (bf16 outputs)
 # a call paired with another call's peer data errs by ~0.9 (issue 11); a correct one by ~1e-3
 
-SPEC = EpilogueSpec(hidden_size=128, top_k=3, eps=1e-2, weight_bias=0.5, routed_scaling_factor=2.5,
-                    max_tokens=16)
-# no shared output: the erring rank's NaN payload then reaches its peers through gemm2_out rows alone
-SPEC_NO_SHARED = EpilogueSpec(hidden_size=64, top_k=2, dtype=torch.float16, routed_scaling_factor=0.5,
-                              has_shared_output=False, max_tokens=8)
+SPEC = EpilogueSpec(
+    hidden_size=128, top_k=3, eps=1e-2, weight_bias=0.5, routed_scaling_factor=2.5, max_tokens=16
+)
+# no shared output: the erring rank's NaN payload then reaches its peers through gemm2_out rows
+# alone
+SPEC_NO_SHARED = EpilogueSpec(
+    hidden_size=64,
+    top_k=2,
+    dtype=torch.float16,
+    routed_scaling_factor=0.5,
+    has_shared_output=False,
+    max_tokens=8,
+)
 
 
 # ---------------------------------------------------------------- helpers that run inside a rank
 def _group(world_size):
     """Every rank, gloo, collectives time out after GROUP_TIMEOUT."""
-    return torch.distributed.new_group(list(range(world_size)), timeout=GROUP_TIMEOUT, backend="gloo")
+    return torch.distributed.new_group(
+        list(range(world_size)), timeout=GROUP_TIMEOUT, backend="gloo"
+    )
 
 
 def _finish(group):
@@ -65,8 +84,14 @@ def _finish(group):
 
 def _build(group, spec=SPEC, **kwargs):
     from fusion_bridge import FusionBridge
-    args = dict(strategy="separate", self_test=False, tuning="off", build_timeout_s=BUILD_TIMEOUT_S,
-                device=torch.device("cpu"))
+
+    args = dict(
+        strategy="separate",
+        self_test=False,
+        tuning="off",
+        build_timeout_s=BUILD_TIMEOUT_S,
+        device=torch.device("cpu"),
+    )
     args.update(kwargs)
     return FusionBridge(spec, group, **args)
 
@@ -76,7 +101,11 @@ def _caught_build(group, spec=SPEC, **kwargs):
     try:
         bridge = _build(group, spec, **kwargs)
     except Exception as exc:  # returned to the parent, which asserts on it
-        return (type(exc).__name__, str(exc), getattr(exc, "fields", None) or getattr(exc, "missing_ranks", None))
+        return (
+            type(exc).__name__,
+            str(exc),
+            getattr(exc, "fields", None) or getattr(exc, "missing_ranks", None),
+        )
     bridge.close()
     return ("built", None, None)
 
@@ -85,6 +114,7 @@ def _good(world_size, rank, tokens, seed, spec=SPEC):
     """This rank's inputs for one call, and the float64 oracle over every rank's partials."""
     from fusion_bridge.synthetic import make_inputs
     from tests import oracle64
+
     per_rank = [make_inputs(spec, tokens, rank=r, seed=seed) for r in range(world_size)]
     return per_rank[rank], oracle64.epilogue64_from(spec, per_rank)
 
@@ -92,25 +122,28 @@ def _good(world_size, rank, tokens, seed, spec=SPEC):
 def _bad(inputs, how):
     """This rank's inputs for one call, broken in one way (the originals are left alone)."""
     perm = inputs.expanded_idx_to_permuted_idx
-    if how == "gamma_dtype":      # T readable: the rank can take part
+    if how == "gamma_dtype":  # T readable: the rank can take part
         return inputs._replace(gamma=inputs.gamma.to(torch.float32))
-    if how == "index_range":      # only the CPU value check sees it
+    if how == "index_range":  # only the CPU value check sees it
         bad = perm.clone()
         bad[0, 0] = inputs.gemm2_out.shape[0] + 5
         return inputs._replace(expanded_idx_to_permuted_idx=bad)
-    if how == "index_top_k":      # 2-D, so T is still readable
+    if how == "index_top_k":  # 2-D, so T is still readable
         return inputs._replace(expanded_idx_to_permuted_idx=perm[:, :-1].contiguous())
     if how == "residual_shape":
         return inputs._replace(residual=inputs.residual[:-1].contiguous())
-    if how == "index_1d":         # T unusable: the rank cannot take part
+    if how == "index_1d":  # T unusable: the rank cannot take part
         return inputs._replace(expanded_idx_to_permuted_idx=perm.reshape(-1))
-    if how == "index_list":       # T unusable: not even a tensor
+    if how == "index_list":  # T unusable: not even a tensor
         return inputs._replace(expanded_idx_to_permuted_idx=perm.tolist())
     raise AssertionError(how)
 
 
 def _snapshot(inputs):
-    return [x.clone() if isinstance(x, torch.Tensor) else (None if x is None else repr(x)) for x in inputs]
+    return [
+        x.clone() if isinstance(x, torch.Tensor) else (None if x is None else repr(x))
+        for x in inputs
+    ]
 
 
 def _same_tensor(a, b):
@@ -122,27 +155,38 @@ def _same_tensor(a, b):
 
 
 def _unchanged(before, inputs):
-    return all(_same_tensor(b, x) if isinstance(x, torch.Tensor) else b == (None if x is None else repr(x))
-               for b, x in zip(before, inputs))
+    return all(
+        _same_tensor(b, x) if isinstance(x, torch.Tensor) else b == (None if x is None else repr(x))
+        for b, x in zip(before, inputs)
+    )
 
 
 def _call(bridge, inputs, exact=None):
     """One call, summarised: outcome, NaN-ness or error vs the oracle, time, inputs unchanged."""
     from fusion_bridge.validation import EpilogueInputError
     from tests import oracle64
+
     before = _snapshot(inputs)
     start = time.monotonic()
     try:
         out = bridge(*inputs)
-        r = {"kind": "ok", "shape": tuple(out.norm_out.shape),
-             "res_all_nan": bool(torch.isnan(out.residual_out).all()),
-             "norm_all_nan": bool(torch.isnan(out.norm_out).all())}
+        r = {
+            "kind": "ok",
+            "shape": tuple(out.norm_out.shape),
+            "res_all_nan": bool(torch.isnan(out.residual_out).all()),
+            "norm_all_nan": bool(torch.isnan(out.norm_out).all()),
+        }
         if exact is not None:
             r["res_err"] = oracle64.normwise_rel_err(out.residual_out, exact[0])
             r["norm_err"] = oracle64.normwise_rel_err(out.norm_out, exact[1])
     except Exception as exc:  # returned to the parent, which asserts on it
-        r = {"kind": type(exc).__name__, "msg": str(exc), "input_error": isinstance(exc, EpilogueInputError),
-             "failed": getattr(exc, "failed", None), "tokens": getattr(exc, "tokens", None)}
+        r = {
+            "kind": type(exc).__name__,
+            "msg": str(exc),
+            "input_error": isinstance(exc, EpilogueInputError),
+            "failed": getattr(exc, "failed", None),
+            "tokens": getattr(exc, "tokens", None),
+        }
     r["seconds"] = time.monotonic() - start
     r["unchanged"] = _unchanged(before, inputs)
     return r
@@ -151,10 +195,28 @@ def _call(bridge, inputs, exact=None):
 def _count_collectives():
     """Wrap torch.distributed's collectives on this rank to count the calls into them."""
     import torch.distributed as dist
+
     counts = {"n": 0}
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-                 "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-                 "all_to_all_single", "barrier", "send", "recv", "isend", "irecv", "gather", "scatter"):
+    for name in (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "gather",
+        "scatter",
+    ):
         fn = getattr(dist, name, None)
         if fn is None:
             continue
@@ -162,6 +224,7 @@ def _count_collectives():
         def counted(*args, _fn=fn, **kwargs):
             counts["n"] += 1
             return _fn(*args, **kwargs)
+
         setattr(dist, name, counted)
     return counts
 
@@ -179,23 +242,29 @@ def _assert_nan(r, where):
     assert r["unchanged"], (where, "inputs modified")
 
 
-# ================================================================ case 1: bad input on one rank, no debug
-BAD_MESSAGES = {"gamma_dtype": ("gamma.dtype must be torch.", ", got torch.float32"),
-                "index_range": "expanded_idx_to_permuted_idx values must be in [-1,",
-                "residual_shape": "residual.shape must be [",
-                "index_top_k": "expanded_idx_to_permuted_idx.shape[1] (top_k) must be",
-                "index_1d": "expanded_idx_to_permuted_idx must be 2-D [T, top_k], got 1-D",
-                "index_list": "expanded_idx_to_permuted_idx must be a torch.Tensor, got list"}
+# ================================================================ case 1: bad input on one rank, no
+# debug
+BAD_MESSAGES = {
+    "gamma_dtype": ("gamma.dtype must be torch.", ", got torch.float32"),
+    "index_range": "expanded_idx_to_permuted_idx values must be in [-1,",
+    "residual_shape": "residual.shape must be [",
+    "index_top_k": "expanded_idx_to_permuted_idx.shape[1] (top_k) must be",
+    "index_1d": "expanded_idx_to_permuted_idx must be 2-D [T, top_k], got 1-D",
+    "index_list": "expanded_idx_to_permuted_idx must be a torch.Tensor, got list",
+}
 
 
 def _names(message, how):
     """The message names the argument that `how` broke, and what was wrong with it."""
     expected = BAD_MESSAGES[how]
-    return all(text in message for text in (expected if isinstance(expected, tuple) else (expected,)))
+    return all(
+        text in message for text in (expected if isinstance(expected, tuple) else (expected,))
+    )
 
 
 def _one_bad_rank(rank, world_size, faults, specs):
-    """faults: one {rank: how} per erring call; then two good calls; on one bridge per spec. Every call
+    """faults: one {rank: how} per erring call; then two good calls; on one bridge per spec. Every
+    call
     has its own inputs (and T varies), so a call paired with a peer's other call cannot pass."""
     group = _group(world_size)
     out = []
@@ -213,12 +282,20 @@ def _one_bad_rank(rank, world_size, faults, specs):
     return out
 
 
-@pytest.mark.parametrize("world_size,faults,specs", [
-    (2, ({1: "gamma_dtype"}, {1: "index_range"}, {1: "index_top_k"}), (SPEC, SPEC_NO_SHARED)),
-    (4, ({2: "gamma_dtype"}, {1: "index_range", 3: "residual_shape"}), (SPEC,)),
-], ids=["world2", "world4"])
-def test_1_bad_input_on_one_rank_raises_there_gives_peers_nan_and_the_group_stays_in_step(world_size, faults, specs):
-    results = run_distributed(_one_bad_rank, world_size, faults, specs, backend="gloo", timeout_s=RUN_TIMEOUT_S)
+@pytest.mark.parametrize(
+    "world_size,faults,specs",
+    [
+        (2, ({1: "gamma_dtype"}, {1: "index_range"}, {1: "index_top_k"}), (SPEC, SPEC_NO_SHARED)),
+        (4, ({2: "gamma_dtype"}, {1: "index_range", 3: "residual_shape"}), (SPEC,)),
+    ],
+    ids=["world2", "world4"],
+)
+def test_1_bad_input_on_one_rank_raises_there_gives_peers_nan_and_the_group_stays_in_step(
+    world_size, faults, specs
+):
+    results = run_distributed(
+        _one_bad_rank, world_size, faults, specs, backend="gloo", timeout_s=RUN_TIMEOUT_S
+    )
     for rank, per_spec in enumerate(results):
         for spec, calls in zip(specs, per_spec):
             for i, fault in enumerate(faults):
@@ -226,19 +303,29 @@ def test_1_bad_input_on_one_rank_raises_there_gives_peers_nan_and_the_group_stay
                 if rank in fault:
                     assert r["kind"] == "EpilogueInputError" and r["input_error"], (where, r)
                     assert _names(r["msg"], fault[rank]), (where, r["msg"])
-                    assert "rebuild" not in r["msg"], (where, "the bridge must stay usable", r["msg"])
+                    assert "rebuild" not in r["msg"], (
+                        where,
+                        "the bridge must stay usable",
+                        r["msg"],
+                    )
                     assert r["unchanged"], (where, "inputs modified")
                 else:
                     _assert_nan(r, where)
             for i in range(len(faults), len(calls)):
-                _assert_correct(calls[i], (rank, spec.dtype_name, f"good call {i} after the erring ones"))
+                _assert_correct(
+                    calls[i], (rank, spec.dtype_name, f"good call {i} after the erring ones")
+                )
 
 
-# ================================================================ case 2: T unusable on one rank, no debug
+# ================================================================ case 2: T unusable on one rank,
+# no debug
 def _unusable_t(rank, world_size):
-    """Rank 1 passes an index map that gives no T (1-D, then a list, each on its own bridge). It cannot
-    take part in its peers' collectives, so its bridge refuses every later call; rank 0 does NOT call at
-    those points. Were it to call, its collective would wait for a partner that never comes: gloo gives
+    """Rank 1 passes an index map that gives no T (1-D, then a list, each on its own bridge). It
+    cannot
+    take part in its peers' collectives, so its bridge refuses every later call; rank 0 does NOT
+    call at
+    those points. Were it to call, its collective would wait for a partner that never comes: gloo
+    gives
     up after GROUP_TIMEOUT here (30 min by default), NCCL/FlashInfer on GPU not at all. That hang is
     the documented cost of running without debug mode; this test checks the erring rank's side."""
     group = _group(world_size)
@@ -247,7 +334,9 @@ def _unusable_t(rank, world_size):
         with _build(group) as bridge:
             if rank == 1:
                 inputs, _ = _good(world_size, rank, 4, seed=30)
-                counts = _count_collectives() if how == "index_1d" else {"n": 0}  # wraps once per process
+                counts = (
+                    _count_collectives() if how == "index_1d" else {"n": 0}
+                )  # wraps once per process
                 first = _call(bridge, _bad(inputs, how))
                 later = []
                 for seed in (31, 32):
@@ -271,9 +360,16 @@ def test_2_unusable_t_on_one_rank_marks_its_bridge_broken_until_rebuilt():
         assert first["unchanged"], (how, "inputs modified")
         for r in later:  # good inputs, refused at once, naming the first error
             assert r["kind"] == "EpilogueInputError", (how, r)
-            assert _names(r["msg"], how) and "rebuild the bridge on every rank" in r["msg"], (how, r["msg"])
+            assert _names(r["msg"], how) and "rebuild the bridge on every rank" in r["msg"], (
+                how,
+                r["msg"],
+            )
             assert "out of step" in r["msg"], (how, r["msg"])
-            assert r["seconds"] < 2.0, (how, "must raise at once, not wait in a collective", r["seconds"])
+            assert r["seconds"] < 2.0, (
+                how,
+                "must raise at once, not wait in a collective",
+                r["seconds"],
+            )
             assert r["unchanged"], (how, "inputs modified")
     assert erring["index_1d"]["collectives"] == 0, "a broken bridge must not enter any collective"
     for rank, out in enumerate(results):
@@ -299,14 +395,21 @@ def test_3_under_debug_every_rank_raises_the_same_error_naming_the_failing_rank(
     faults = ({1: "gamma_dtype"}, {1: "index_range"}, {1: "index_1d"}, {0: "index_list"})
     results = run_distributed(_debug_bad_rank, 2, faults, backend="gloo", timeout_s=RUN_TIMEOUT_S)
     for i, fault in enumerate(faults):
-        (bad_rank, how), = fault.items()
+        ((bad_rank, how),) = fault.items()
         for rank, calls in enumerate(results):
             r, where = calls[i], (rank, f"call {i}", how)
             assert r["kind"] == "GroupInputError" and r["input_error"], (where, r)
-            assert f"rank {bad_rank} of the 2-rank group failed the call's checks" in r["msg"], (where, r["msg"])
+            assert f"rank {bad_rank} of the 2-rank group failed the call's checks" in r["msg"], (
+                where,
+                r["msg"],
+            )
             assert f"rank {bad_rank}: " in r["msg"] and _names(r["msg"], how), (where, r["msg"])
             assert set(r["failed"]) == {bad_rank}, (where, r["failed"])
-            assert "rebuild" not in r["msg"], (where, "debug mode keeps the bridge usable", r["msg"])
+            assert "rebuild" not in r["msg"], (
+                where,
+                "debug mode keeps the bridge usable",
+                r["msg"],
+            )
             assert r["unchanged"], (where, "inputs modified")
         assert results[0][i]["msg"] == results[1][i]["msg"], ("the same message on every rank", i)
     for rank, calls in enumerate(results):
@@ -314,15 +417,26 @@ def test_3_under_debug_every_rank_raises_the_same_error_naming_the_failing_rank(
             _assert_correct(calls[i], (rank, f"good call {i} after the failed ones"))
 
 
-# ================================================================ cases 4, 5, 8: settings at build (one spawn)
-SPEC_FP16 = EpilogueSpec(hidden_size=128, top_k=3, dtype=torch.float16, eps=1e-2, weight_bias=0.5,
-                         routed_scaling_factor=2.5, max_tokens=16)
-SPEC_RSF = EpilogueSpec(hidden_size=128, top_k=3, eps=1e-2, weight_bias=0.5, routed_scaling_factor=1.0,
-                        max_tokens=16)
-SPEC_H256 = EpilogueSpec(hidden_size=256, top_k=3, eps=1e-2, weight_bias=0.5, routed_scaling_factor=2.5,
-                         max_tokens=16)
+# ================================================================ cases 4, 5, 8: settings at build
+# (one spawn)
+SPEC_FP16 = EpilogueSpec(
+    hidden_size=128,
+    top_k=3,
+    dtype=torch.float16,
+    eps=1e-2,
+    weight_bias=0.5,
+    routed_scaling_factor=2.5,
+    max_tokens=16,
+)
+SPEC_RSF = EpilogueSpec(
+    hidden_size=128, top_k=3, eps=1e-2, weight_bias=0.5, routed_scaling_factor=1.0, max_tokens=16
+)
+SPEC_H256 = EpilogueSpec(
+    hidden_size=256, top_k=3, eps=1e-2, weight_bias=0.5, routed_scaling_factor=2.5, max_tokens=16
+)
 
-# name -> (constructor arguments on rank 1 (rank 0: the defaults of _build), {field: (rank 0's value,
+# name -> (constructor arguments on rank 1 (rank 0: the defaults of _build), {field: (rank 0's
+# value,
 # rank 1's value)} as the message must show them)
 SETTINGS = {
     "spec.dtype": ({"spec": SPEC_FP16}, {"spec.dtype": ("bf16", "fp16")}),
@@ -332,7 +446,10 @@ SETTINGS = {
     "debug": ({"debug": True}, {"debug": (False, True)}),
     "self_test": ({"self_test": True}, {"self_test": (False, True)}),
     "shadow": ({"shadow": "reference:5"}, {"shadow.strategy": ("<absent>", "reference")}),
-    "shadow.every": ({"shadow": "reference:7", "rank0": {"shadow": "reference:5"}}, {"shadow.every": (5, 7)}),
+    "shadow.every": (
+        {"shadow": "reference:7", "rank0": {"shadow": "reference:5"}},
+        {"shadow.every": (5, 7)},
+    ),
     "tuning": ({"tuning": "auto"}, {"tuning": ("off", "auto")}),
 }
 UNRUNNABLE_SHADOWS = ("flashinfer_fused:1", "local_fused_flashinfer:1")
@@ -390,11 +507,15 @@ def test_4_a_setting_that_differs_per_rank_is_named_with_each_ranks_value(settin
 
 
 def test_5_fusion_bridge_strategy_set_on_one_rank_only_is_named(settings_results):
-    _assert_disagreement(settings_results, "env_override", {"requested_strategy": ("auto", "separate")})
+    _assert_disagreement(
+        settings_results, "env_override", {"requested_strategy": ("auto", "separate")}
+    )
 
 
 @pytest.mark.parametrize("shadow", UNRUNNABLE_SHADOWS)
-def test_8_a_shadow_strategy_that_cannot_run_is_rejected_at_build_with_its_reasons(settings_results, shadow):
+def test_8_a_shadow_strategy_that_cannot_run_is_rejected_at_build_with_its_reasons(
+    settings_results, shadow
+):
     name = shadow.split(":")[0]
     messages = set()
     for rank, out in enumerate(settings_results):
@@ -409,14 +530,22 @@ def test_8_a_shadow_strategy_that_cannot_run_is_rejected_at_build_with_its_reaso
 # ================================================================ case 6: a build on one rank only
 def _build_alone(rank, world_size):
     from fusion_bridge import FusionBridge
+
     group = _group(world_size)
     store = torch.distributed.distributed_c10d._get_default_store()
     out = {}
     if rank == 0:
         start = time.monotonic()
         try:
-            FusionBridge(SPEC, group, strategy="separate", self_test=False, tuning="off", build_timeout_s=3,
-                         device=torch.device("cpu"))
+            FusionBridge(
+                SPEC,
+                group,
+                strategy="separate",
+                self_test=False,
+                tuning="off",
+                build_timeout_s=3,
+                device=torch.device("cpu"),
+            )
             out["alone"] = ("built", None, None)
         except Exception as exc:
             out["alone"] = (type(exc).__name__, str(exc), getattr(exc, "missing_ranks", None))
@@ -443,7 +572,8 @@ def test_6_a_build_on_one_rank_only_fails_within_the_timeout_naming_the_missing_
         _assert_correct(out["after"], (rank, "both ranks build afterwards"))
 
 
-# ================================================================ case 7: unequal T, T=0 on one rank, debug
+# ================================================================ case 7: unequal T, T=0 on one
+# rank, debug
 def _debug_token_counts(rank, world_size):
     group = _group(world_size)
     out = {}
@@ -462,39 +592,70 @@ def _debug_token_counts(rank, world_size):
 
 def test_7_unequal_t_and_t0_on_one_rank_under_debug_raise_the_same_error_everywhere():
     world_size = 4
-    results = run_distributed(_debug_token_counts, world_size, backend="gloo", timeout_s=RUN_TIMEOUT_S)
-    expected = {"unequal": "got 3 on rank 0, 3 on rank 1, 3 on rank 2, 4 on rank 3",
-                "zero_on_one": "got 0 on rank 0, 5 on rank 1, 5 on rank 2, 5 on rank 3"}
+    results = run_distributed(
+        _debug_token_counts, world_size, backend="gloo", timeout_s=RUN_TIMEOUT_S
+    )
+    expected = {
+        "unequal": "got 3 on rank 0, 3 on rank 1, 3 on rank 2, 4 on rank 3",
+        "zero_on_one": "got 0 on rank 0, 5 on rank 1, 5 on rank 2, 5 on rank 3",
+    }
     for case, text in expected.items():
         for rank, out in enumerate(results):
             r = out[case]
             assert r["kind"] == "GroupInputError" and r["input_error"], (rank, case, r)
-            assert "the token count T must be identical on every rank" in r["msg"] and text in r["msg"], \
-                (rank, case, r["msg"])
+            assert (
+                "the token count T must be identical on every rank" in r["msg"] and text in r["msg"]
+            ), (rank, case, r["msg"])
             assert r["failed"] == {}, (rank, case, r["failed"])
             assert r["unchanged"], (rank, case, "inputs modified")
-        assert len({out[case]["msg"] for out in results}) == 1, ("the same message on every rank", case)
+        assert len({out[case]["msg"] for out in results}) == 1, (
+            "the same message on every rank",
+            case,
+        )
     for rank, out in enumerate(results):
         _assert_correct(out["good"], (rank, "a good call after the failed ones"))
-        assert out["zero_everywhere"]["kind"] == "ok" and out["zero_everywhere"]["shape"] == (0, 128), out
+        assert out["zero_everywhere"]["kind"] == "ok" and out["zero_everywhere"]["shape"] == (
+            0,
+            128,
+        ), out
 
 
-# ================================================================ case 9: bad spec values (one process)
-@pytest.mark.parametrize("field,value,expected", [
-    ("routed_scaling_factor", "2", "routed_scaling_factor must be a finite float, got '2' (a str)"),
-    ("routed_scaling_factor", float("nan"), "routed_scaling_factor must be a finite float, got nan"),
-    ("routed_scaling_factor", float("inf"), "routed_scaling_factor must be a finite float, got inf"),
-    ("routed_scaling_factor", True, "routed_scaling_factor must be a finite float, got True (a bool)"),
-    ("eps", float("inf"), "eps must be a positive float (finite), got inf"),
-    ("eps", 0.0, "eps must be a positive float (finite), got 0.0"),
-    ("eps", -1e-6, "eps must be a positive float (finite), got -1e-06"),
-    ("weight_bias", float("inf"), "weight_bias must be a finite float, got inf"),
-    ("weight_bias", float("-inf"), "weight_bias must be a finite float, got -inf"),
-    ("hidden_size", True, "hidden_size must be a positive int, got True (a bool)"),
-    ("hidden_size", 128.0, "hidden_size must be a positive int, got 128.0 (a float)"),
-    ("top_k", False, "top_k must be a positive int, got False (a bool)"),
-    ("max_tokens", True, "max_tokens must be a positive int, got True (a bool)"),
-])
+# ================================================================ case 9: bad spec values (one
+# process)
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        (
+            "routed_scaling_factor",
+            "2",
+            "routed_scaling_factor must be a finite float, got '2' (a str)",
+        ),
+        (
+            "routed_scaling_factor",
+            float("nan"),
+            "routed_scaling_factor must be a finite float, got nan",
+        ),
+        (
+            "routed_scaling_factor",
+            float("inf"),
+            "routed_scaling_factor must be a finite float, got inf",
+        ),
+        (
+            "routed_scaling_factor",
+            True,
+            "routed_scaling_factor must be a finite float, got True (a bool)",
+        ),
+        ("eps", float("inf"), "eps must be a positive float (finite), got inf"),
+        ("eps", 0.0, "eps must be a positive float (finite), got 0.0"),
+        ("eps", -1e-6, "eps must be a positive float (finite), got -1e-06"),
+        ("weight_bias", float("inf"), "weight_bias must be a finite float, got inf"),
+        ("weight_bias", float("-inf"), "weight_bias must be a finite float, got -inf"),
+        ("hidden_size", True, "hidden_size must be a positive int, got True (a bool)"),
+        ("hidden_size", 128.0, "hidden_size must be a positive int, got 128.0 (a float)"),
+        ("top_k", False, "top_k must be a positive int, got False (a bool)"),
+        ("max_tokens", True, "max_tokens must be a positive int, got True (a bool)"),
+    ],
+)
 def test_9_bad_spec_values_are_rejected_naming_the_field(field, value, expected):
     args = dict(hidden_size=128, top_k=3)
     args[field] = value
@@ -504,4 +665,5 @@ def test_9_bad_spec_values_are_rejected_naming_the_field(field, value, expected)
     assert str(info.value) == f"EpilogueSpec: {expected}", str(info.value)
     assert args.keys() == before.keys() and all(
         a is b or a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
-        for a, b in zip(args.values(), before.values())), "the caller's arguments are unchanged"
+        for a, b in zip(args.values(), before.values())
+    ), "the caller's arguments are unchanged"

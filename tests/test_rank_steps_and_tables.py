@@ -46,11 +46,17 @@ class Recorder(SeparateStrategy):
 
     def run(self, inputs, variant="a"):
         RUNS.append((self.name, variant))
-        partial = finalize_fp32(inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights,
-                                self.spec.routed_scaling_factor).to(self.spec.dtype)
+        partial = finalize_fp32(
+            inputs.gemm2_out,
+            inputs.expanded_idx_to_permuted_idx,
+            inputs.expert_weights,
+            self.spec.routed_scaling_factor,
+        ).to(self.spec.dtype)
         if inputs.shared_output is not None:
             partial = partial + inputs.shared_output
-        return residual_norm_outputs(inputs.residual.float() + partial.float(), inputs.gamma, self.spec)
+        return residual_norm_outputs(
+            inputs.residual.float() + partial.float(), inputs.gamma, self.spec
+        )
 
 
 class ShadowRecorder(Recorder):
@@ -73,8 +79,15 @@ def recorders():
 
 
 def _bridge(**kwargs):
-    return FusionBridge(SPEC, strategy=Recorder.name, environment=TWO_RANKS, self_test=False, tuning="off",
-                        device=torch.device("cpu"), **kwargs)
+    return FusionBridge(
+        SPEC,
+        strategy=Recorder.name,
+        environment=TWO_RANKS,
+        self_test=False,
+        tuning="off",
+        device=torch.device("cpu"),
+        **kwargs,
+    )
 
 
 def _bad(inputs):
@@ -94,12 +107,15 @@ def _runs_of(bridge, inputs):
 
 # ---------------------------------------------------------------- finding 1
 def test_failing_rank_takes_part_in_the_route_its_peers_run_eagerly(recorders):
-    graph = {Recorder.name: {"a": {1: 5.0}, "b": {1: 9.0}}}     # graph: variant a wins at T=1
-    eager = {Recorder.name: {"a": {1: 40.0}, "b": {1: 12.0}}}   # eager: variant b wins at T=1
-    with _bridge(measured_us=graph, eager_us=eager) as healthy, _bridge(measured_us=graph, eager_us=eager) as failing:
+    graph = {Recorder.name: {"a": {1: 5.0}, "b": {1: 9.0}}}  # graph: variant a wins at T=1
+    eager = {Recorder.name: {"a": {1: 40.0}, "b": {1: 12.0}}}  # eager: variant b wins at T=1
+    with (
+        _bridge(measured_us=graph, eager_us=eager) as healthy,
+        _bridge(measured_us=graph, eager_us=eager) as failing,
+    ):
         assert healthy.plan.mode_dependent
         inputs = make_inputs(SPEC, 1, seed=1)
-        peer_runs = _runs_of(healthy, inputs)              # CPU: never capturing, so the eager plan
+        peer_runs = _runs_of(healthy, inputs)  # CPU: never capturing, so the eager plan
         failing_runs = _runs_of(failing, _bad(inputs))
     assert peer_runs == [(Recorder.name, "b")]
     assert failing_runs == peer_runs, (peer_runs, failing_runs)
@@ -112,25 +128,45 @@ def test_shadow_sampling_stays_in_step_after_a_failed_call(recorders):
         per_call = []
         for call, tokens in enumerate((3, 3, 3)):
             inputs = make_inputs(SPEC, tokens, seed=10 + call)
-            per_call.append((_runs_of(healthy, inputs), _runs_of(failing, _bad(inputs) if call == 0 else inputs)))
+            per_call.append(
+                (
+                    _runs_of(healthy, inputs),
+                    _runs_of(failing, _bad(inputs) if call == 0 else inputs),
+                )
+            )
     mismatches = [(call, peer, mine) for call, (peer, mine) in enumerate(per_call) if peer != mine]
-    # observed: call 0 (peers run the shadow, the failing rank not) and call 1 (the lagging counter makes
+    # observed: call 0 (peers run the shadow, the failing rank not) and call 1 (the lagging counter
+    # makes
     # the failing rank alone run it)
     assert not mismatches, mismatches
 
 
 # ---------------------------------------------------------------- finding 3
-CUDA_ENV = Environment(device_type="cuda", sm=90, gpu_name="NVIDIA H200", world_size=2, triton_version="3.6.0",
-                       flashinfer_version="0.7.2.post1")
+CUDA_ENV = Environment(
+    device_type="cuda",
+    sm=90,
+    gpu_name="NVIDIA H200",
+    world_size=2,
+    triton_version="3.6.0",
+    flashinfer_version="0.7.2.post1",
+)
 
 
-@pytest.mark.parametrize("measured", [
-    {"separate": {"default": {"T<=1": 5.0}}},                                          # key not an int
-    {"separate": {"default": {"1": None}}, "local_fused_nccl": {"default": {"1": 5.0}}},  # time not a number
-], ids=["bucket_key", "time_value"])
+@pytest.mark.parametrize(
+    "measured",
+    [
+        {"separate": {"default": {"T<=1": 5.0}}},  # key not an int
+        {
+            "separate": {"default": {"1": None}},
+            "local_fused_nccl": {"default": {"1": 5.0}},
+        },  # time not a number
+    ],
+    ids=["bucket_key", "time_value"],
+)
 def test_a_malformed_tuning_table_is_ignored_not_a_crash(tmp_path, measured):
     from fusion_bridge.planner import select_for_modes, static_statuses
     from fusion_bridge.tuning import SCHEMA_VERSION, as_measurements, read_table
+
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "measured_us": measured}))
     with warnings.catch_warnings():
@@ -139,14 +175,19 @@ def test_a_malformed_tuning_table_is_ignored_not_a_crash(tmp_path, measured):
     if table is None:
         return  # ignored with a warning: what the docstring promises
     # what FusionBridge.__init__ does with a table load_table returned (bridge.py:113-115)
-    select_for_modes(static_statuses(SPEC, CUDA_ENV), SPEC, "auto", as_measurements(table),
-                     as_measurements(table, "eager_us"))
+    select_for_modes(
+        static_statuses(SPEC, CUDA_ENV),
+        SPEC,
+        "auto",
+        as_measurements(table),
+        as_measurements(table, "eager_us"),
+    )
 
 
 # ---------------------------------------------------------------- finding 4
 def test_bridges_closed_at_exit_never_barrier_whatever_the_import_order():
     script = textwrap.dedent("""
-        from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy  # e.g. to set timeout_s
+        from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy  # to set timeout_s
         from fusion_bridge.strategies import symm_workspace as sw
         import fusion_bridge.bridge as bridge
 
@@ -157,7 +198,9 @@ def test_bridges_closed_at_exit_never_barrier_whatever_the_import_order():
         keep = StandIn()
         bridge._LIVE_BRIDGES.add(keep)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert "exiting flag at close:" in out.stdout, out.stderr[-2000:]
     assert "exiting flag at close: True" in out.stdout, out.stdout
 
@@ -165,9 +208,10 @@ def test_bridges_closed_at_exit_never_barrier_whatever_the_import_order():
 # ---------------------------------------------------------------- finding 5
 def test_buckets_without_eager_times_keep_the_measured_graph_route():
     from fusion_bridge.planner import select_for_modes, static_statuses
+
     statuses = static_statuses(SPEC, CUDA_ENV)
-    graph = {"separate": {"default": {1: 1.0, 2: 1.0}}}   # measured: separate wins at T<=1 and T<=2
-    eager = {"separate": {"default": {1: 1.0}}}           # eager wall time measured at T=1 only
+    graph = {"separate": {"default": {1: 1.0, 2: 1.0}}}  # measured: separate wins at T<=1 and T<=2
+    eager = {"separate": {"default": {1: 1.0}}}  # eager wall time measured at T=1 only
     plan = select_for_modes(statuses, SPEC, "auto", graph, eager)
     assert plan.choice[:2] == ("separate", "separate")
     assert plan.eager_choice[1] == plan.choice[1], (plan.choice, plan.eager_choice)

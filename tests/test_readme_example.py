@@ -20,8 +20,8 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 def readme_example() -> str:
     text = README.read_text()
-    section = text[text.index("## What it is\n"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("## What it is\n") :]
+    section = section[: section.index("\n## ", 1)]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1, f"expected one python block in 'What it is', found {len(blocks)}"
     return blocks[0]
@@ -32,12 +32,27 @@ def _run_example(rank: int, world_size: int, code: str) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(compile(code, "README.md (What it is)", "exec"), namespace)
-    keep = ("gemm2_out", "expanded_idx_to_permuted_idx", "expert_weights", "shared_output", "residual", "gamma")
+    keep = (
+        "gemm2_out",
+        "expanded_idx_to_permuted_idx",
+        "expert_weights",
+        "shared_output",
+        "residual",
+        "gamma",
+    )
     out = namespace["out"]
     result = {name: namespace[name].cpu() for name in keep}
-    result.update(residual_out=out.residual_out.cpu(), norm_out=out.norm_out.cpu(), quant=out.quant.cpu(),
-                  scale=out.scale.cpu(), printed=printed.getvalue(), global_scale=namespace["global_scale"],
-                  T=namespace["T"], H=namespace["H"], K=namespace["K"])
+    result.update(
+        residual_out=out.residual_out.cpu(),
+        norm_out=out.norm_out.cpu(),
+        quant=out.quant.cpu(),
+        scale=out.scale.cpu(),
+        printed=printed.getvalue(),
+        global_scale=namespace["global_scale"],
+        T=namespace["T"],
+        H=namespace["H"],
+        K=namespace["K"],
+    )
     return result
 
 
@@ -47,15 +62,16 @@ def ranks():
 
 
 def formula_fp32(ranks, routed_scaling_factor=2.5, eps=1e-6):
-    """The epilogue written out here, in fp32: sum over ranks of (finalize + shared), + residual, RMSNorm."""
+    """The epilogue written out here, in fp32: sum over ranks of (finalize + shared), + residual,
+    RMSNorm."""
     reduced = 0
     for r in ranks:
         perm, w = r["expanded_idx_to_permuted_idx"].long(), r["expert_weights"].float()
-        rows = r["gemm2_out"].float()[perm.clamp(min=0)]                    # [T, K, H]
+        rows = r["gemm2_out"].float()[perm.clamp(min=0)]  # [T, K, H]
         weighted = torch.where((perm >= 0).unsqueeze(-1), rows * w.unsqueeze(-1), torch.zeros(()))
         reduced = reduced + weighted.sum(1) * routed_scaling_factor + r["shared_output"].float()
     residual_out = ranks[0]["residual"].float() + reduced
-    rms = torch.sqrt((residual_out ** 2).mean(-1, keepdim=True) + eps)
+    rms = torch.sqrt((residual_out**2).mean(-1, keepdim=True) + eps)
     return residual_out, residual_out / rms * ranks[0]["gamma"].float()
 
 
@@ -66,19 +82,29 @@ def rel(a, b):
 def test_the_example_uses_only_the_model_author_imports():
     code = readme_example()
     imports = [line for line in code.splitlines() if "import" in line]
-    assert imports == ["import torch", "import torch.distributed as dist",
-                       "from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec"]
+    assert imports == [
+        "import torch",
+        "import torch.distributed as dist",
+        "from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec",
+    ]
 
 
 def test_inputs_are_what_the_readme_says(ranks):
     r = ranks[0]
     T, H, K = r["T"], r["H"], r["K"]
-    assert r["expanded_idx_to_permuted_idx"].dtype is torch.int32 and r["expanded_idx_to_permuted_idx"].shape == (T, K)
+    assert r["expanded_idx_to_permuted_idx"].dtype is torch.int32 and r[
+        "expanded_idx_to_permuted_idx"
+    ].shape == (T, K)
     assert (r["expanded_idx_to_permuted_idx"] == -1).any()
     assert r["expert_weights"].dtype is torch.float32 and r["expert_weights"].shape == (T, K)
     assert r["gamma"].dtype is torch.bfloat16 and r["gamma"].shape == (H,)
     assert r["gemm2_out"].dtype is torch.bfloat16 and r["gemm2_out"].shape[1] == H
-    for name in ("residual", "gamma", "expanded_idx_to_permuted_idx", "expert_weights"):  # replicated
+    for name in (
+        "residual",
+        "gamma",
+        "expanded_idx_to_permuted_idx",
+        "expert_weights",
+    ):  # replicated
         assert torch.equal(ranks[0][name], ranks[1][name]), name
     for name in ("gemm2_out", "shared_output"):  # per-rank partial sums
         assert not torch.equal(ranks[0][name], ranks[1][name]), name
@@ -88,9 +114,12 @@ def test_outputs_match_the_fp32_formula(ranks):
     residual_ref, norm_ref = formula_fp32(ranks)
     # separate runs on CPU: finalize output, shared add, one all-reduce hop, norm output = 4 bf16
     # roundings, plus the rounding of the output itself: sqrt(4 + 1) * 2^-8 norm-wise (docs/math.md)
-    bound = math.sqrt(5) * 2.0 ** -8
+    bound = math.sqrt(5) * 2.0**-8
     for r in ranks:
-        assert r["residual_out"].dtype is torch.bfloat16 and r["residual_out"].shape == residual_ref.shape
+        assert (
+            r["residual_out"].dtype is torch.bfloat16
+            and r["residual_out"].shape == residual_ref.shape
+        )
         assert rel(r["residual_out"], residual_ref) < bound
         assert rel(r["norm_out"], norm_ref) < bound
     for name in ("residual_out", "norm_out", "quant", "scale"):
@@ -110,18 +139,27 @@ def test_nvfp4_outputs_decode_to_norm_out(ranks):
     sf = torch.empty(T, nb)
     for m in range(T):
         for k in range(nb):
-            off = (m // 128) * (k4 * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
-            sf[m, k] = flat[off:off + 1].view(torch.float8_e4m3fn).float()
+            off = (
+                (m // 128) * (k4 * 512)
+                + (k // 4) * 512
+                + (m % 32) * 16
+                + ((m % 128) // 32) * 4
+                + k % 4
+            )
+            sf[m, k] = flat[off : off + 1].view(torch.float8_e4m3fn).float()
             used[off] = True
     assert (flat[~used] == 0).all(), "padding of the swizzled scales must be 0"
-    codes = torch.stack([r["quant"] & 0xF, r["quant"] >> 4], dim=-1).reshape(T, H)  # low nibble first
+    codes = torch.stack([r["quant"] & 0xF, r["quant"] >> 4], dim=-1).reshape(
+        T, H
+    )  # low nibble first
     values = torch.where((codes & 8) != 0, -E2M1[(codes & 7).long()], E2M1[(codes & 7).long()])
-    unit = (sf / gs).repeat_interleave(16, dim=1)                                    # sf_b / global_scale
+    unit = (sf / gs).repeat_interleave(16, dim=1)  # sf_b / global_scale
     x = r["norm_out"].float()
     amax = x.reshape(T, nb, 16).abs().amax(-1)
     expected_sf = (gs * amax / 6).clamp(max=448).to(torch.float8_e4m3fn).float()
     assert torch.equal(sf, expected_sf), "block scale must be e4m3(global_scale * amax / 6)"
-    # e2m1's widest gap is 2 units, so round-to-nearest is within 1 unit; a block whose scale rounded
+    # e2m1's widest gap is 2 units, so round-to-nearest is within 1 unit; a block whose scale
+    # rounded
     # down saturates at 6 units, at most amax * 2^-4 (one e4m3 step) away, also under 1 unit
     err = (values * unit - x).abs()
     assert (err <= unit * 1.0001).all(), f"worst error {(err / unit).max().item():.3f} units"

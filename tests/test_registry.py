@@ -1,4 +1,5 @@
-"""The registry and the shape every strategy declares: its steps cover the epilogue's stages in order,
+"""The registry and the shape every strategy declares: its steps cover the epilogue's stages in
+order,
 each exactly once, whatever the spec and machine."""
 
 import itertools
@@ -10,13 +11,26 @@ from fusion_bridge.strategies import REGISTRY, Environment, register
 from fusion_bridge.registry import strategy_class, strategy_classes, unregister
 from fusion_bridge.strategies.base import required_stages
 
-ENVS = [Environment(), Environment(device_type="cuda", sm=90, world_size=2, flashinfer_version="0.7.2.post1",
-                                   triton_version="3.6.0"),
-        Environment(device_type="cuda", sm=100, world_size=4, flashinfer_version="0.8.0", triton_version="3.6.0"),
-        Environment(device_type="cuda", sm=90, world_size=1, triton_version="3.6.0")]
-SPECS = [EpilogueSpec(hidden_size=h, top_k=8, has_shared_output=s, quant=q)
-         for h, s, q in itertools.product((2880, 7168), (True, False),
-                                          (QuantSpec.none(), QuantSpec.fp8(1.0), QuantSpec.nvfp4(1.0)))]
+ENVS = [
+    Environment(),
+    Environment(
+        device_type="cuda",
+        sm=90,
+        world_size=2,
+        flashinfer_version="0.7.2.post1",
+        triton_version="3.6.0",
+    ),
+    Environment(
+        device_type="cuda", sm=100, world_size=4, flashinfer_version="0.8.0", triton_version="3.6.0"
+    ),
+    Environment(device_type="cuda", sm=90, world_size=1, triton_version="3.6.0"),
+]
+SPECS = [
+    EpilogueSpec(hidden_size=h, top_k=8, has_shared_output=s, quant=q)
+    for h, s, q in itertools.product(
+        (2880, 7168), (True, False), (QuantSpec.none(), QuantSpec.fp8(1.0), QuantSpec.nvfp4(1.0))
+    )
+]
 
 
 @pytest.mark.parametrize("env", ENVS)
@@ -57,6 +71,16 @@ def test_every_strategy_declares_its_variants_and_a_default_for_every_bucket():
 def test_the_public_surfaces_are_small():
     import fusion_bridge
     import fusion_bridge.strategies
-    assert set(fusion_bridge.__all__) == {"FusionBridge", "EpilogueSpec", "QuantSpec", "EpilogueOutputs",
-                                          "EpilogueInputError", "NoStrategyAvailable", "__version__"}
-    assert {"Strategy", "register", "Reason", "Environment", "EpilogueInputs"} <= set(fusion_bridge.strategies.__all__)
+
+    assert set(fusion_bridge.__all__) == {
+        "FusionBridge",
+        "EpilogueSpec",
+        "QuantSpec",
+        "EpilogueOutputs",
+        "EpilogueInputError",
+        "NoStrategyAvailable",
+        "__version__",
+    }
+    assert {"Strategy", "register", "Reason", "Environment", "EpilogueInputs"} <= set(
+        fusion_bridge.strategies.__all__
+    )

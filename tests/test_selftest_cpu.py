@@ -1,4 +1,5 @@
-"""The self-test, called directly on CPU (the bridge runs it only on CUDA): a correct strategy passes,
+"""The self-test, called directly on CPU (the bridge runs it only on CUDA): a correct strategy
+passes,
 a strategy computing another function is rejected with `self_test_mismatch`, one that raises with
 `self_test_error`."""
 
@@ -12,13 +13,16 @@ from fusion_bridge.environment import Environment
 from fusion_bridge.selftest import self_test
 from fusion_bridge.strategies.separate import SeparateStrategy
 
-SPECS = [EpilogueSpec(hidden_size=96, top_k=2, weight_bias=0.5, routed_scaling_factor=2.5),
-         EpilogueSpec(hidden_size=96, top_k=2, quant=QuantSpec.nvfp4(448.0)),
-         EpilogueSpec(hidden_size=96, top_k=2, quant=QuantSpec.fp8(0.02))]
+SPECS = [
+    EpilogueSpec(hidden_size=96, top_k=2, weight_bias=0.5, routed_scaling_factor=2.5),
+    EpilogueSpec(hidden_size=96, top_k=2, quant=QuantSpec.nvfp4(448.0)),
+    EpilogueSpec(hidden_size=96, top_k=2, quant=QuantSpec.fp8(0.02)),
+]
 
 
 class DropsWeightBias(SeparateStrategy):
     """`separate` normalizing with gamma instead of gamma + weight_bias."""
+
     name = "drops_weight_bias"
 
     def run(self, inputs):
@@ -32,15 +36,21 @@ class DropsWeightBias(SeparateStrategy):
 
 class ZeroQuant(SeparateStrategy):
     """Writes all-zero quantized output (what FlashInfer's fused FP4 does on SM90)."""
+
     name = "zero_quant"
 
     def run(self, inputs):
         out = super().run(inputs)
-        return dataclasses.replace(out, quant=torch.zeros_like(out.quant)) if out.quant is not None else out
+        return (
+            dataclasses.replace(out, quant=torch.zeros_like(out.quant))
+            if out.quant is not None
+            else out
+        )
 
 
 class SlightlyOff(SeparateStrategy):
     """norm_out 5% too large: small, but far above separate's bound (sqrt(3)*2^-8 = 6.8e-3)."""
+
     name = "slightly_off"
 
     def run(self, inputs):
@@ -66,9 +76,16 @@ def test_a_correct_strategy_passes(spec):
     assert 0 < result.worst_rel_err <= max(SeparateStrategy.error_bound(spec, Environment()), 0.2)
 
 
-@pytest.mark.parametrize("cls,spec", [(DropsWeightBias, SPECS[0]), (SlightlyOff, SPECS[0]),
-                                      (ZeroQuant, SPECS[1]), (ZeroQuant, SPECS[2])],
-                         ids=["drops_weight_bias", "slightly_off", "zero_nvfp4", "zero_fp8"])
+@pytest.mark.parametrize(
+    "cls,spec",
+    [
+        (DropsWeightBias, SPECS[0]),
+        (SlightlyOff, SPECS[0]),
+        (ZeroQuant, SPECS[1]),
+        (ZeroQuant, SPECS[2]),
+    ],
+    ids=["drops_weight_bias", "slightly_off", "zero_nvfp4", "zero_fp8"],
+)
 def test_a_wrong_strategy_is_rejected_with_the_measured_error(cls, spec):
     result = _run(cls, spec)
     assert not result.passed and result.reason.code == "self_test_mismatch"

@@ -1,4 +1,5 @@
-"""EpilogueSpec / QuantSpec check types and finiteness, name the field, expected and actual value, and
+"""EpilogueSpec / QuantSpec check types and finiteness, name the field, expected and actual value,
+and
 normalise numbers so to_dict() is the same JSON on every rank."""
 
 import json
@@ -12,10 +13,22 @@ from fusion_bridge.spec import EpilogueSpec, QuantKind, QuantSpec, SFLayout
 OK = dict(hidden_size=64, top_k=2)
 
 BAD_SPECS = [
-    (dict(routed_scaling_factor="2"), "routed_scaling_factor must be a finite float, got '2' (a str)"),
-    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor must be a finite float, got nan"),
-    (dict(routed_scaling_factor=float("-inf")), "routed_scaling_factor must be a finite float, got -inf"),
-    (dict(routed_scaling_factor=True), "routed_scaling_factor must be a finite float, got True (a bool)"),
+    (
+        dict(routed_scaling_factor="2"),
+        "routed_scaling_factor must be a finite float, got '2' (a str)",
+    ),
+    (
+        dict(routed_scaling_factor=float("nan")),
+        "routed_scaling_factor must be a finite float, got nan",
+    ),
+    (
+        dict(routed_scaling_factor=float("-inf")),
+        "routed_scaling_factor must be a finite float, got -inf",
+    ),
+    (
+        dict(routed_scaling_factor=True),
+        "routed_scaling_factor must be a finite float, got True (a bool)",
+    ),
     (dict(eps=float("inf")), "eps must be a positive float (finite), got inf"),
     (dict(eps=float("nan")), "eps must be a positive float (finite), got nan"),
     (dict(eps=0.0), "eps must be a positive float (finite), got 0.0"),
@@ -36,7 +49,9 @@ BAD_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("change,message", BAD_SPECS, ids=[m.split(" must")[0] + ":" + repr(c) for c, m in BAD_SPECS])
+@pytest.mark.parametrize(
+    "change,message", BAD_SPECS, ids=[m.split(" must")[0] + ":" + repr(c) for c, m in BAD_SPECS]
+)
 def test_a_bad_spec_value_names_the_field_expected_and_actual(change, message):
     with pytest.raises(ValueError) as err:
         EpilogueSpec(**{**OK, **change})
@@ -44,19 +59,44 @@ def test_a_bad_spec_value_names_the_field_expected_and_actual(change, message):
 
 
 BAD_QUANTS = [
-    (lambda: QuantSpec.fp8("2"), "quant.scale must be a positive finite float for fp8, got '2' (a str)"),
-    (lambda: QuantSpec.fp8(float("inf")), "quant.scale must be a positive finite float for fp8, got inf"),
-    (lambda: QuantSpec.fp8(float("nan")), "quant.scale must be a positive finite float for fp8, got nan"),
+    (
+        lambda: QuantSpec.fp8("2"),
+        "quant.scale must be a positive finite float for fp8, got '2' (a str)",
+    ),
+    (
+        lambda: QuantSpec.fp8(float("inf")),
+        "quant.scale must be a positive finite float for fp8, got inf",
+    ),
+    (
+        lambda: QuantSpec.fp8(float("nan")),
+        "quant.scale must be a positive finite float for fp8, got nan",
+    ),
     (lambda: QuantSpec.fp8(0.0), "quant.scale must be a positive finite float for fp8, got 0.0"),
-    (lambda: QuantSpec.fp8(True), "quant.scale must be a positive finite float for fp8, got True (a bool)"),
-    (lambda: QuantSpec.nvfp4(-448.0), "quant.global_scale must be a positive finite float for nvfp4, got -448.0"),
-    (lambda: QuantSpec.nvfp4(float("inf")), "quant.global_scale must be a positive finite float for nvfp4, got inf"),
-    (lambda: QuantSpec.nvfp4(448.0, "rowwise"),
-     "quant.sf_layout must be one of 'swizzled_128x4', 'linear', got 'rowwise'"),
+    (
+        lambda: QuantSpec.fp8(True),
+        "quant.scale must be a positive finite float for fp8, got True (a bool)",
+    ),
+    (
+        lambda: QuantSpec.nvfp4(-448.0),
+        "quant.global_scale must be a positive finite float for nvfp4, got -448.0",
+    ),
+    (
+        lambda: QuantSpec.nvfp4(float("inf")),
+        "quant.global_scale must be a positive finite float for nvfp4, got inf",
+    ),
+    (
+        lambda: QuantSpec.nvfp4(448.0, "rowwise"),
+        "quant.sf_layout must be one of 'swizzled_128x4', 'linear', got 'rowwise'",
+    ),
     (lambda: QuantSpec("int8"), "quant.kind must be one of 'none', 'fp8', 'nvfp4', got 'int8'"),
-    (lambda: QuantSpec(QuantKind.NONE, scale=0.5), "quant.scale must be None for kind 'none', got 0.5"),
-    (lambda: QuantSpec(QuantKind.FP8, scale=0.5, global_scale=448.0),
-     "quant.global_scale must be None for kind 'fp8', got 448.0"),
+    (
+        lambda: QuantSpec(QuantKind.NONE, scale=0.5),
+        "quant.scale must be None for kind 'none', got 0.5",
+    ),
+    (
+        lambda: QuantSpec(QuantKind.FP8, scale=0.5, global_scale=448.0),
+        "quant.global_scale must be None for kind 'fp8', got 448.0",
+    ),
 ]
 
 
@@ -68,27 +108,61 @@ def test_a_bad_quant_value_names_the_field_expected_and_actual(make, message):
 
 
 def test_numbers_are_normalised_so_to_dict_is_the_same_json_for_2_and_2_0():
-    a = EpilogueSpec(hidden_size=64, top_k=2, routed_scaling_factor=2, weight_bias=1, eps=1,
-                     quant=QuantSpec.fp8(1))
-    b = EpilogueSpec(hidden_size=64, top_k=2, routed_scaling_factor=2.0, weight_bias=1.0, eps=1.0,
-                     quant=QuantSpec.fp8(1.0))
+    a = EpilogueSpec(
+        hidden_size=64,
+        top_k=2,
+        routed_scaling_factor=2,
+        weight_bias=1,
+        eps=1,
+        quant=QuantSpec.fp8(1),
+    )
+    b = EpilogueSpec(
+        hidden_size=64,
+        top_k=2,
+        routed_scaling_factor=2.0,
+        weight_bias=1.0,
+        eps=1.0,
+        quant=QuantSpec.fp8(1.0),
+    )
     assert a == b and json.dumps(a.to_dict()) == json.dumps(b.to_dict())
     assert type(a.routed_scaling_factor) is float and type(a.quant.scale) is float
 
 
 def test_to_dict_is_stable():
-    spec = EpilogueSpec(hidden_size=7168, top_k=8, dtype=torch.float16, eps=1e-5, weight_bias=1.0,
-                        routed_scaling_factor=2.5, has_shared_output=False,
-                        quant=QuantSpec.nvfp4(336.0, SFLayout.LINEAR), max_tokens=256)
+    spec = EpilogueSpec(
+        hidden_size=7168,
+        top_k=8,
+        dtype=torch.float16,
+        eps=1e-5,
+        weight_bias=1.0,
+        routed_scaling_factor=2.5,
+        has_shared_output=False,
+        quant=QuantSpec.nvfp4(336.0, SFLayout.LINEAR),
+        max_tokens=256,
+    )
     assert spec.to_dict() == {
-        "hidden_size": 7168, "top_k": 8, "dtype": "fp16", "eps": 1e-5, "weight_bias": 1.0,
-        "routed_scaling_factor": 2.5, "has_shared_output": False, "max_tokens": 256,
-        "quant": {"kind": "nvfp4", "scale": None, "global_scale": 336.0, "sf_layout": "linear"}}
+        "hidden_size": 7168,
+        "top_k": 8,
+        "dtype": "fp16",
+        "eps": 1e-5,
+        "weight_bias": 1.0,
+        "routed_scaling_factor": 2.5,
+        "has_shared_output": False,
+        "max_tokens": 256,
+        "quant": {"kind": "nvfp4", "scale": None, "global_scale": 336.0, "sf_layout": "linear"},
+    }
     assert EpilogueSpec(hidden_size=64, top_k=2).to_dict()["quant"] == {
-        "kind": "none", "scale": None, "global_scale": None, "sf_layout": "swizzled_128x4"}
+        "kind": "none",
+        "scale": None,
+        "global_scale": None,
+        "sf_layout": "swizzled_128x4",
+    }
 
 
 def test_good_values_of_other_numeric_types_are_accepted():
     import fractions
-    spec = EpilogueSpec(hidden_size=torch.tensor(64).item(), top_k=2, routed_scaling_factor=fractions.Fraction(5, 2))
+
+    spec = EpilogueSpec(
+        hidden_size=torch.tensor(64).item(), top_k=2, routed_scaling_factor=fractions.Fraction(5, 2)
+    )
     assert spec.routed_scaling_factor == 2.5 and not math.isnan(spec.eps)

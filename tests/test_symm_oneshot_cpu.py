@@ -1,4 +1,5 @@
-"""`symm_fused_oneshot` on CPU: the kernel's arithmetic under TRITON_INTERPRET=1 with the ranks emulated
+"""`symm_fused_oneshot` on CPU: the kernel's arithmetic under TRITON_INTERPRET=1 with the ranks
+emulated
 in one process (the signalling is GPU-only and tested on the device), its capability checks on
 Environment values, and the symmetric-memory API it calls (drift)."""
 
@@ -13,9 +14,18 @@ import triton.language as tl
 from fusion_bridge.spec import EpilogueSpec, SFLayout
 from fusion_bridge.environment import Environment
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
-from fusion_bridge.kernels.symm_oneshot import (ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS, default_launch,
-                                                emulate_clear, emulate_publish, emulate_reduce_norm,
-                                                _round, fill_sentinel, row_block)
+from fusion_bridge.kernels.symm_oneshot import (
+    ERR_ABORTED,
+    ERR_TIMEOUT,
+    SENTINEL_BITS,
+    default_launch,
+    emulate_clear,
+    emulate_publish,
+    emulate_reduce_norm,
+    _round,
+    fill_sentinel,
+    row_block,
+)
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
 from fusion_bridge.spec import QuantSpec, Stage
@@ -25,7 +35,9 @@ from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
 from fusion_bridge.synthetic import make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GOOD_ENV = Environment(device_type="cuda", sm=90, gpu_name="H200", world_size=2, triton_version="3.6.0")
+GOOD_ENV = Environment(
+    device_type="cuda", sm=90, gpu_name="H200", world_size=2, triton_version="3.6.0"
+)
 SAFE = dict(sw.MULTICAST_OFF)
 
 
@@ -36,7 +48,8 @@ def poisoned(shape, dtype):
 
 
 def oracle64(per_rank, spec):
-    """float64: partials [W, T, H], residual_out, norm_out of the exact math (no rounding at all)."""
+    """float64: partials [W, T, H], residual_out, norm_out of the exact math (no rounding at
+    all)."""
     partials = []
     for inp in per_rank:
         perm, w = inp.expanded_idx_to_permuted_idx.long(), inp.expert_weights.double()
@@ -51,52 +64,105 @@ def oracle64(per_rank, spec):
             acc += inp.shared_output.double()
         partials.append(acc)
     x = per_rank[0].residual.double() + sum(partials)
-    norm = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + spec.eps) * (per_rank[0].gamma.double() + spec.weight_bias)
+    norm = (
+        x
+        / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + spec.eps)
+        * (per_rank[0].gamma.double() + spec.weight_bias)
+    )
     return torch.stack(partials), x, norm
 
 
-def run_emulated(spec, tokens, world, quant, layout, block1, block2, seed=0, skip_rank=None, abort_word=0):
-    per_rank = [make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
-                for r in range(world)]
+def run_emulated(
+    spec, tokens, world, quant, layout, block1, block2, seed=0, skip_rank=None, abort_word=0
+):
+    per_rank = [
+        make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
+        for r in range(world)
+    ]
     hidden = spec.hidden_size
     slots = torch.empty((world, tokens, hidden), dtype=spec.dtype, device=DEVICE)
     fill_sentinel(slots)  # "not arrived" until a rank publishes
     for r, inp in enumerate(per_rank):
         if r == skip_rank:
             continue
-        emulate_publish(slots, r, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                        inp.shared_output, spec.routed_scaling_factor, block1=block1)
+        emulate_publish(
+            slots,
+            r,
+            inp.gemm2_out,
+            inp.expanded_idx_to_permuted_idx,
+            inp.expert_weights,
+            inp.shared_output,
+            spec.routed_scaling_factor,
+            block1=block1,
+        )
     res = per_rank[0]
-    residual_out, norm_out = poisoned((tokens, hidden), spec.dtype), poisoned((tokens, hidden), spec.dtype)
-    q = poisoned({QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[quant],
-                 torch.uint8)
+    residual_out, norm_out = (
+        poisoned((tokens, hidden), spec.dtype),
+        poisoned((tokens, hidden), spec.dtype),
+    )
+    q = poisoned(
+        {QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[quant],
+        torch.uint8,
+    )
     sf = poisoned(sf_shape(tokens, hidden, layout) if quant == QUANT_NVFP4 else (0,), torch.uint8)
     scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}[quant]
-    status = emulate_reduce_norm(slots, res.residual, res.gamma, residual_out, norm_out, q, sf, spec.eps,
-                                 spec.weight_bias, quant, scale, layout is SFLayout.SWIZZLED_128x4, block2=block2,
-                                 abort_word=abort_word)
+    status = emulate_reduce_norm(
+        slots,
+        res.residual,
+        res.gamma,
+        residual_out,
+        norm_out,
+        q,
+        sf,
+        spec.eps,
+        spec.weight_bias,
+        quant,
+        scale,
+        layout is SFLayout.SWIZZLED_128x4,
+        block2=block2,
+        abort_word=abort_word,
+    )
     if skip_rank is None and not abort_word:
         assert not status.any(), status
     run_emulated.status = status
     return per_rank, slots, residual_out, norm_out, q, sf, scale
 
 
-CASES = [  # tokens, hidden, top_k, world, block1, block2 (block2 >= H: whole rows; else each program of a row
+# tokens, hidden, top_k, world, block1, block2 (block2 >= H: whole rows; else each program of a row
+CASES = [
     # reads the whole row and stores its chunk)
-    (1, 96, 8, 2, 64, 64), (3, 160, 1, 2, 64, 1024), (5, 96, 8, 3, 64, 64), (4, 256, 2, 2, 128, 64),
+    (1, 96, 8, 2, 64, 64),
+    (3, 160, 1, 2, 64, 1024),
+    (5, 96, 8, 3, 64, 64),
+    (4, 256, 2, 2, 128, 64),
     (2, 320, 8, 2, 64, 192),
     (0, 96, 8, 2, 64, 64),
 ]
 
 
 @pytest.mark.parametrize("tokens,hidden,top_k,world,block1,block2", CASES)
-@pytest.mark.parametrize("quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_FP8, SFLayout.LINEAR),
-                                          (QUANT_NVFP4, SFLayout.SWIZZLED_128x4), (QUANT_NVFP4, SFLayout.LINEAR)])
-def test_emulated_ranks_match_the_float64_oracle(tokens, hidden, top_k, world, block1, block2, quant, layout):
-    spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
-                        has_shared_output=(top_k != 2))
+@pytest.mark.parametrize(
+    "quant,layout",
+    [
+        (QUANT_NONE, SFLayout.LINEAR),
+        (QUANT_FP8, SFLayout.LINEAR),
+        (QUANT_NVFP4, SFLayout.SWIZZLED_128x4),
+        (QUANT_NVFP4, SFLayout.LINEAR),
+    ],
+)
+def test_emulated_ranks_match_the_float64_oracle(
+    tokens, hidden, top_k, world, block1, block2, quant, layout
+):
+    spec = EpilogueSpec(
+        hidden_size=hidden,
+        top_k=top_k,
+        routed_scaling_factor=2.5,
+        weight_bias=0.5,
+        has_shared_output=(top_k != 2),
+    )
     per_rank, slots, residual_out, norm_out, q, sf, scale = run_emulated(
-        spec, tokens, world, quant, layout, block1, block2, seed=tokens * 13 + hidden + world)
+        spec, tokens, world, quant, layout, block1, block2, seed=tokens * 13 + hidden + world
+    )
     if tokens == 0:
         return
     partials, x, norm = oracle64(per_rank, spec)
@@ -115,7 +181,8 @@ def test_emulated_ranks_match_the_float64_oracle(tokens, hidden, top_k, world, b
     for r in range(1, world):
         summed = summed + slots[r].float()
     assert torch.equal(residual_out, (per_rank[0].residual.float() + summed).to(spec.dtype))
-    # quantization reads the kernel's own rounded norm_out: bit-exact against the reference, padding included
+    # quantization reads the kernel's own rounded norm_out: bit-exact against the reference, padding
+    # included
     if quant == QUANT_FP8:
         assert torch.equal(q, quantize_fp8(norm_out, scale).view(torch.uint8))
     if quant == QUANT_NVFP4:
@@ -125,13 +192,15 @@ def test_emulated_ranks_match_the_float64_oracle(tokens, hidden, top_k, world, b
 
 
 def test_model_width_single_token():
-    """H=7168 (DeepSeek-V3), T=1, K=8, split into the default launch's column chunks (each program of the
+    """H=7168 (DeepSeek-V3), T=1, K=8, split into the default launch's column chunks (each program
+    of the
     row reads the whole row for its sum of squares and stores its chunk)."""
     spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5)
     block1, block2, _ = default_launch(16, 7168)
     assert block2 < 7168  # the row is split
     per_rank, slots, residual_out, norm_out, q, sf, scale = run_emulated(
-        spec, 1, 2, QUANT_NVFP4, SFLayout.SWIZZLED_128x4, block1, block2)
+        spec, 1, 2, QUANT_NVFP4, SFLayout.SWIZZLED_128x4, block1, block2
+    )
     partials, x, norm = oracle64(per_rank, spec)
     u = UNIT_ROUNDOFF[spec.dtype]
     assert rel_err(norm_out, norm) <= math.sqrt(2) * u
@@ -141,7 +210,8 @@ def test_model_width_single_token():
 
 
 def test_chunked_and_whole_row_norms_are_bitwise_equal():
-    """The row's sum of squares comes from the whole row either way, so launch variants (and hence ranks,
+    """The row's sum of squares comes from the whole row either way, so launch variants (and hence
+    ranks,
     which all launch the same variant) agree bit for bit."""
     spec = EpilogueSpec(hidden_size=160, top_k=4)
     a = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, seed=5)
@@ -150,7 +220,11 @@ def test_chunked_and_whole_row_norms_are_bitwise_equal():
 
 
 def test_default_launch_spreads_small_t_and_keeps_whole_rows_at_large_t():
-    assert default_launch(1, 7168) == (1024, 8192, 8)  # 7 publish programs, one program writes the row
+    assert default_launch(1, 7168) == (
+        1024,
+        8192,
+        8,
+    )  # 7 publish programs, one program writes the row
     assert default_launch(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
     assert default_launch(64, 7168) == (8192, 3584, 8)  # 2 programs per row
     assert default_launch(256, 7168) == (8192, 7168, 8)
@@ -161,7 +235,8 @@ def test_default_launch_spreads_small_t_and_keeps_whole_rows_at_large_t():
 
 
 def test_negative_zero_payload_is_published_as_positive_zero():
-    """A partial of -0.0 (weight 0 times a negative value, no shared) would read as "not arrived"; it is
+    """A partial of -0.0 (weight 0 times a negative value, no shared) would read as "not arrived";
+    it is
     published as +0.0, which changes no sum."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
     inp = make_inputs(spec, 2, device=DEVICE, skip_fraction=0.0)
@@ -169,7 +244,9 @@ def test_negative_zero_payload_is_published_as_positive_zero():
     inp.expert_weights.zero_()
     slots = torch.empty((1, 2, 64), dtype=spec.dtype, device=DEVICE)
     fill_sentinel(slots)
-    emulate_publish(slots, 0, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, 1.0)
+    emulate_publish(
+        slots, 0, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, 1.0
+    )
     assert (slots.view(torch.int16) == 0).all()  # +0.0, never the sentinel
 
 
@@ -180,12 +257,17 @@ def test_clear_restores_the_sentinel():
     assert (slots.view(torch.int16) == SENTINEL_BITS).all()
 
 
-@pytest.mark.parametrize("quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_NVFP4, SFLayout.SWIZZLED_128x4)])
+@pytest.mark.parametrize(
+    "quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_NVFP4, SFLayout.SWIZZLED_128x4)]
+)
 def test_a_rank_that_never_publishes_times_out_with_nan_and_names_it(quant, layout):
-    """Rank 1 of 3 skips the call: the bounded poll ends, every output is NaN, every item's status names
+    """Rank 1 of 3 skips the call: the bounded poll ends, every output is NaN, every item's status
+    names
     rank 1 (and only rank 1)."""
     spec = EpilogueSpec(hidden_size=160, top_k=2)
-    _, _, residual_out, norm_out, *_ = run_emulated(spec, 3, 3, quant, layout, 64, 64, seed=9, skip_rank=1)
+    _, _, residual_out, norm_out, *_ = run_emulated(
+        spec, 3, 3, quant, layout, 64, 64, seed=9, skip_rank=1
+    )
     status = run_emulated.status
     assert status.numel() == 3 * 3
     assert (status == (int(ERR_TIMEOUT) | 0b10)).all(), status
@@ -196,8 +278,9 @@ def test_a_rank_that_never_publishes_times_out_with_nan_and_names_it(quant, layo
 def test_an_abort_word_stops_the_call_with_nan_even_when_the_data_is_there():
     spec = EpilogueSpec(hidden_size=96, top_k=2)
     word = int(ERR_ABORTED) | (0 << 20) | 0b10
-    _, _, residual_out, norm_out, *_ = run_emulated(spec, 2, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64,
-                                                    abort_word=word)
+    _, _, residual_out, norm_out, *_ = run_emulated(
+        spec, 2, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, abort_word=word
+    )
     assert (run_emulated.status == word).all()
     assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
     assert "rank 1 stopped because rank 0 timed out" in describe_error(word, rank=1)
@@ -205,7 +288,9 @@ def test_an_abort_word_stops_the_call_with_nan_even_when_the_data_is_there():
 
 # ---- capability checks (pure: Environment values, injected probe and process environment) ----
 def codes(spec, env, probe=lambda: None, environ=SAFE):
-    return {r.code for r in sw.reasons(spec, env, "symm_fused_oneshot", probe=probe, environ=environ)}
+    return {
+        r.code for r in sw.reasons(spec, env, "symm_fused_oneshot", probe=probe, environ=environ)
+    }
 
 
 def test_supported_on_h200_tp2():
@@ -217,7 +302,9 @@ def test_supported_on_h200_tp2():
 
 def test_missing_symmetric_memory_is_a_coded_reason():
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
-    reasons = sw.reasons(spec, GOOD_ENV, "symm_fused_oneshot", probe=lambda: "no module named x", environ=SAFE)
+    reasons = sw.reasons(
+        spec, GOOD_ENV, "symm_fused_oneshot", probe=lambda: "no module named x", environ=SAFE
+    )
     assert [r.code for r in reasons] == ["symm_mem_unavailable"]
     assert "no module named x" in reasons[0].message
 
@@ -237,10 +324,20 @@ def test_every_reason_is_collected():
     spec = EpilogueSpec(hidden_size=20000, top_k=8)
     env = Environment(device_type="cpu", world_size=1, single_node=False, triton_interpret=True)
     got = codes(spec, env, probe=lambda: "absent", environ={})
-    assert got == {"needs_cuda", "triton_missing", "multi_node_group", "multicast_not_disabled",
-                   "triton_interpreter", "symm_mem_unavailable", "world_size_unsupported", "hidden_too_large"}
+    assert got == {
+        "needs_cuda",
+        "triton_missing",
+        "multi_node_group",
+        "multicast_not_disabled",
+        "triton_interpreter",
+        "symm_mem_unavailable",
+        "world_size_unsupported",
+        "hidden_too_large",
+    }
     assert codes(EpilogueSpec(hidden_size=7168, top_k=8), GOOD_ENV.replace(sm=80)) == {"sm_too_low"}
-    assert codes(EpilogueSpec(hidden_size=7168, top_k=8), GOOD_ENV.replace(world_size=16)) == {"world_size_unsupported"}
+    assert codes(EpilogueSpec(hidden_size=7168, top_k=8), GOOD_ENV.replace(world_size=16)) == {
+        "world_size_unsupported"
+    }
 
 
 def test_strategy_declarations():
@@ -248,10 +345,21 @@ def test_strategy_declarations():
     cls = SymmFusedOneshotStrategy
     assert cls.self_tested
     (step,) = cls.steps(spec, GOOD_ENV)
-    assert step.stages == (Stage.FINALIZE, Stage.SHARED_ADD, Stage.ALL_REDUCE, Stage.RESIDUAL_NORM, Stage.QUANT)
-    assert cls.error_bound(spec, GOOD_ENV) == pytest.approx(math.sqrt(3) * 2.0 ** -8)
-    assert cls.max_tokens_per_call(spec, GOOD_ENV) == sw.MAX_CAP_TOKENS["oneshot"]  # larger T overflows elsewhere
-    assert cls.max_tokens_per_call(EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64), GOOD_ENV) == 64
+    assert step.stages == (
+        Stage.FINALIZE,
+        Stage.SHARED_ADD,
+        Stage.ALL_REDUCE,
+        Stage.RESIDUAL_NORM,
+        Stage.QUANT,
+    )
+    assert cls.error_bound(spec, GOOD_ENV) == pytest.approx(math.sqrt(3) * 2.0**-8)
+    assert (
+        cls.max_tokens_per_call(spec, GOOD_ENV) == sw.MAX_CAP_TOKENS["oneshot"]
+    )  # larger T overflows elsewhere
+    assert (
+        cls.max_tokens_per_call(EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64), GOOD_ENV)
+        == 64
+    )
     assert "variant" in inspect.signature(cls.run).parameters
     # the buffer: 3 rotating slots x W sources x cap tokens x H, plus a 256-byte header (abort word)
     assert sw.buffer_bytes(spec, 2) == 3 * 2 * 2048 * 7168 * 2 + 256
@@ -283,7 +391,13 @@ def _round_kernel(x_ptr, y_ptr):
 def test_rounding_keeps_the_gpus_canonical_nan():
     """The GPU's arithmetic NaN is 0x7FFFFFFF; integer RNE rounding would carry it into the sign bit
     (-0.0, measured as a non-NaN norm_out after a timeout). The kernel's rounding keeps it NaN."""
-    x = torch.tensor([0x7FFFFFFF, 0x7FC00000, 0x3F800000, -0x80000000], dtype=torch.int32, device=DEVICE)
+    x = torch.tensor(
+        [0x7FFFFFFF, 0x7FC00000, 0x3F800000, -0x80000000], dtype=torch.int32, device=DEVICE
+    )
     y = torch.empty(4, dtype=torch.bfloat16, device=DEVICE)
     _round_kernel[(1,)](x.view(torch.float32), y)
-    assert torch.isnan(y[:2]).all() and y[2].item() == 1.0 and y.view(torch.int16)[3].item() == SENTINEL_BITS
+    assert (
+        torch.isnan(y[:2]).all()
+        and y[2].item() == 1.0
+        and y.view(torch.int16)[3].item() == SENTINEL_BITS
+    )

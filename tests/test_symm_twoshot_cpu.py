@@ -1,5 +1,7 @@
-"""The two-shot symmetric-memory kernel (`kernels/symm_twoshot.py`) on CPU: its very kernel body under
-TRITON_INTERPRET=1, with the W ranks' buffers as slices of one tensor and one phase per launch (push on
+"""The two-shot symmetric-memory kernel (`kernels/symm_twoshot.py`) on CPU: its very kernel body
+under
+TRITON_INTERPRET=1, with the W ranks' buffers as slices of one tensor and one phase per launch (push
+on
 every rank, then reduce on every rank, then gather), so every wait finds what the earlier launches
 wrote. The signalling, the timer and the epoch ticket are GPU-only and tested on the device."""
 
@@ -10,8 +12,16 @@ import torch
 
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
 from fusion_bridge.kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS, SLOTS
-from fusion_bridge.kernels.symm_twoshot import (CLEAR, GATHER, PUSH, REDUCE, STATE_WORDS, emulate, fill_buffers,
-                                                slot_elems)
+from fusion_bridge.kernels.symm_twoshot import (
+    CLEAR,
+    GATHER,
+    PUSH,
+    REDUCE,
+    STATE_WORDS,
+    emulate,
+    fill_buffers,
+    slot_elems,
+)
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.quant_ref import sf_shape
 from fusion_bridge.spec import EpilogueSpec, SFLayout
@@ -22,8 +32,11 @@ from tests.oracle64 import epilogue64_from, finalize64, quantize  # float64, imp
 
 DEVICE = "cpu"
 # The emulation is for the interpreter (one launch per program, loop bounds as constexprs); on a GPU
-# machine the compiled kernel itself is tested by test_gpu_symm_one_device.py and test_gpu_symm_twoshot.py.
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter emulation; the GPU tests cover a GPU")
+# machine the compiled kernel itself is tested by test_gpu_symm_one_device.py and
+# test_gpu_symm_twoshot.py.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter emulation; the GPU tests cover a GPU"
+)
 SCALE = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}
 
 
@@ -37,37 +50,85 @@ class Emulated:
     """W ranks' buffers, states and outputs; `call` runs one epilogue call phase by phase."""
 
     def __init__(self, spec, world, cap, quant=QUANT_NONE, layout=SFLayout.LINEAR, programs=3):
-        self.spec, self.world, self.cap, self.quant, self.layout, self.programs = spec, world, cap, quant, layout, programs
-        self.bufs = torch.empty((world, SLOTS * slot_elems(world, cap, spec.hidden_size)), dtype=spec.dtype,
-                                device=DEVICE)
+        self.spec, self.world, self.cap, self.quant, self.layout, self.programs = (
+            spec,
+            world,
+            cap,
+            quant,
+            layout,
+            programs,
+        )
+        self.bufs = torch.empty(
+            (world, SLOTS * slot_elems(world, cap, spec.hidden_size)),
+            dtype=spec.dtype,
+            device=DEVICE,
+        )
         fill_buffers(self.bufs)
         self.states = torch.zeros((world, STATE_WORDS), dtype=torch.int32, device=DEVICE)
         self.aborts = torch.zeros(world, dtype=torch.int32, device=DEVICE)
 
     def call(self, tokens, seed=0, skip_rank=None, phases=(PUSH, REDUCE, GATHER), max_polls=3):
         spec, hidden = self.spec, self.spec.hidden_size
-        self.inputs = [make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
-                       for r in range(self.world)]
+        self.inputs = [
+            make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
+            for r in range(self.world)
+        ]
         self.outs = []
         for _ in range(self.world):
-            q = poisoned({QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[self.quant],
-                         torch.uint8)
-            sf = poisoned(sf_shape(tokens, hidden, self.layout) if self.quant == QUANT_NVFP4 else (0,), torch.uint8)
-            self.outs.append((poisoned((tokens, hidden), spec.dtype), poisoned((tokens, hidden), spec.dtype), q, sf))
+            q = poisoned(
+                {QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[
+                    self.quant
+                ],
+                torch.uint8,
+            )
+            sf = poisoned(
+                sf_shape(tokens, hidden, self.layout) if self.quant == QUANT_NVFP4 else (0,),
+                torch.uint8,
+            )
+            self.outs.append(
+                (
+                    poisoned((tokens, hidden), spec.dtype),
+                    poisoned((tokens, hidden), spec.dtype),
+                    q,
+                    sf,
+                )
+            )
         for phase in phases:
             for r, inp in enumerate(self.inputs):
                 if r == skip_rank:
                     continue
                 ro, no, q, sf = self.outs[r]
-                emulate(self.bufs, self.states, self.aborts, r, phase, self.cap, ro, no, q, sf, inp.gemm2_out,
-                        inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output, inp.residual,
-                        inp.gamma, spec.routed_scaling_factor, spec.eps, spec.weight_bias, self.quant,
-                        SCALE[self.quant], self.layout is SFLayout.SWIZZLED_128x4, programs=self.programs,
-                        max_polls=max_polls)
+                emulate(
+                    self.bufs,
+                    self.states,
+                    self.aborts,
+                    r,
+                    phase,
+                    self.cap,
+                    ro,
+                    no,
+                    q,
+                    sf,
+                    inp.gemm2_out,
+                    inp.expanded_idx_to_permuted_idx,
+                    inp.expert_weights,
+                    inp.shared_output,
+                    inp.residual,
+                    inp.gamma,
+                    spec.routed_scaling_factor,
+                    spec.eps,
+                    spec.weight_bias,
+                    self.quant,
+                    SCALE[self.quant],
+                    self.layout is SFLayout.SWIZZLED_128x4,
+                    programs=self.programs,
+                    max_polls=max_polls,
+                )
         return self.outs
 
     def next_slot(self, tokens):
-        """What the GPU's last ticket does at the end of a call: this slot's rows recorded, slot advanced."""
+        """What the GPU's last ticket does at the end of a call: this slot's rows recorded, slot
+        advanced."""
         for st in self.states:
             slot = int(st[0])
             st[4 + slot] = tokens
@@ -75,12 +136,17 @@ class Emulated:
 
 
 def rounded_partials(inputs, spec):
-    """Each rank's partial, computed in float64 and rounded once (the kernel accumulates in fp32: its
+    """Each rank's partial, computed in float64 and rounded once (the kernel accumulates in fp32:
+    its
     rounding agrees except where the fp32 sum sits within 1e-7 of a tie)."""
     parts = []
     for inp in inputs:
-        acc = finalize64(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                         spec.routed_scaling_factor)
+        acc = finalize64(
+            inp.gemm2_out,
+            inp.expanded_idx_to_permuted_idx,
+            inp.expert_weights,
+            spec.routed_scaling_factor,
+        )
         if inp.shared_output is not None:
             acc = acc + inp.shared_output.double()
         parts.append(acc.to(spec.dtype))
@@ -88,41 +154,68 @@ def rounded_partials(inputs, spec):
 
 
 CASES = [  # tokens, hidden, top_k, world, programs
-    (1, 96, 8, 2, 1), (2, 160, 1, 2, 3), (13, 96, 8, 2, 3), (7, 320, 4, 3, 2), (9, 64, 2, 4, 2), (3, 96, 8, 4, 1),
+    (1, 96, 8, 2, 1),
+    (2, 160, 1, 2, 3),
+    (13, 96, 8, 2, 3),
+    (7, 320, 4, 3, 2),
+    (9, 64, 2, 4, 2),
+    (3, 96, 8, 4, 1),
     (5, 2880, 8, 2, 2),
 ]
 
 
 @pytest.mark.parametrize("tokens,hidden,top_k,world,programs", CASES)
-@pytest.mark.parametrize("quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_FP8, SFLayout.LINEAR),
-                                          (QUANT_NVFP4, SFLayout.SWIZZLED_128x4), (QUANT_NVFP4, SFLayout.LINEAR)])
-def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(tokens, hidden, top_k, world, programs,
-                                                                             quant, layout):
-    spec = EpilogueSpec(hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
-                        has_shared_output=(top_k != 2))
+@pytest.mark.parametrize(
+    "quant,layout",
+    [
+        (QUANT_NONE, SFLayout.LINEAR),
+        (QUANT_FP8, SFLayout.LINEAR),
+        (QUANT_NVFP4, SFLayout.SWIZZLED_128x4),
+        (QUANT_NVFP4, SFLayout.LINEAR),
+    ],
+)
+def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
+    tokens, hidden, top_k, world, programs, quant, layout
+):
+    spec = EpilogueSpec(
+        hidden_size=hidden,
+        top_k=top_k,
+        routed_scaling_factor=2.5,
+        weight_bias=0.5,
+        has_shared_output=(top_k != 2),
+    )
     emu = Emulated(spec, world, cap=tokens + 2, quant=quant, layout=layout, programs=programs)
     outs = emu.call(tokens, seed=tokens * 31 + hidden + world)
     assert not emu.states[:, 2].any(), emu.states  # no wait failed
     # bitwise identical on every rank (rows reduced by their owner, the rest gathered from it)
     for r in range(1, world):
         for mine, theirs in zip(outs[r], outs[0]):
-            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"rank {r} differs"
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), (
+                f"rank {r} differs"
+            )
     residual_out, norm_out, q, sf = outs[0]
     x64, norm64 = epilogue64_from(spec, emu.inputs)
     u = UNIT_ROUNDOFF[spec.dtype]
     # the partial's rounding, residual_out's (the norm reads it) and norm_out's, in quadrature
     assert rel_err(residual_out, x64) <= math.sqrt(2) * u
     assert rel_err(norm_out, norm64) <= math.sqrt(3) * u
-    # residual_out is one RNE rounding of the residual plus the rank-ordered fp32 sum of the rounded partials
+    # residual_out is one RNE rounding of the residual plus the rank-ordered fp32 sum of the rounded
+    # partials
     parts = rounded_partials(emu.inputs, spec)
     summed = parts[0].float()
     for p in parts[1:]:
         summed = summed + p.float()
     expect = (emu.inputs[0].residual.float() + summed).to(spec.dtype)
-    assert (residual_out != expect).float().mean() <= 1e-3  # a near-tie partial may round the other way
+    assert (
+        residual_out != expect
+    ).float().mean() <= 1e-3  # a near-tie partial may round the other way
     # the norm reads the rounded residual_out
     ro = residual_out.double()
-    norm_of_ro = ro / torch.sqrt(ro.pow(2).mean(-1, keepdim=True) + spec.eps) * (emu.inputs[0].gamma.double() + 0.5)
+    norm_of_ro = (
+        ro
+        / torch.sqrt(ro.pow(2).mean(-1, keepdim=True) + spec.eps)
+        * (emu.inputs[0].gamma.double() + 0.5)
+    )
     assert rel_err(norm_out, norm_of_ro) <= u
     # quantization reads the kernel's own rounded norm_out: bit-exact, padding included
     if quant == QUANT_FP8:
@@ -133,7 +226,8 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(tok
 
 
 def test_successive_calls_rotate_slots_and_clear_exactly_what_was_written():
-    """Call 1 (T=7) in slot 0, call 2 (T=4) in slot 1 clears slot 0 as it goes; then a clear-only pass
+    """Call 1 (T=7) in slot 0, call 2 (T=4) in slot 1 clears slot 0 as it goes; then a clear-only
+    pass
     over slot 1 leaves every buffer all sentinel again, so nothing written was left behind."""
     spec = EpilogueSpec(hidden_size=96, top_k=4)
     emu = Emulated(spec, world=3, cap=8, programs=2)
@@ -161,7 +255,10 @@ def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip):
             continue
         residual_out, norm_out, *_ = outs[r]
         assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
-        assert int(emu.states[r, 2]) == int(ERR_TIMEOUT) | (1 << skip), (r, hex(int(emu.states[r, 2])))
+        assert int(emu.states[r, 2]) == int(ERR_TIMEOUT) | (1 << skip), (
+            r,
+            hex(int(emu.states[r, 2])),
+        )
 
 
 def test_an_abort_word_stops_the_call_with_nan():
@@ -177,12 +274,17 @@ def test_an_abort_word_stops_the_call_with_nan():
 
 
 def _exact_inputs(spec, world, tokens, partial_values, residual_value):
-    """Inputs whose rank-r partial is exactly partial_values[r] in every element (K=1, weight 1, routed
+    """Inputs whose rank-r partial is exactly partial_values[r] in every element (K=1, weight 1,
+    routed
     scaling 1, no shared output) and whose residual is residual_value."""
     out = []
     for r in range(world):
-        inp = make_inputs(spec, tokens, rank=r, device=DEVICE, skip_fraction=0.0, weight_dtype=torch.float32)
-        inp.expanded_idx_to_permuted_idx.copy_(torch.arange(tokens, dtype=torch.int32).view(tokens, 1))
+        inp = make_inputs(
+            spec, tokens, rank=r, device=DEVICE, skip_fraction=0.0, weight_dtype=torch.float32
+        )
+        inp.expanded_idx_to_permuted_idx.copy_(
+            torch.arange(tokens, dtype=torch.int32).view(tokens, 1)
+        )
         inp.expert_weights.fill_(1.0)
         inp.gemm2_out.fill_(partial_values[r])
         inp.residual.fill_(residual_value)
@@ -191,32 +293,62 @@ def _exact_inputs(spec, world, tokens, partial_values, residual_value):
 
 
 def _run_phases(emu, spec, inputs, tokens):
-    outs = [(poisoned((tokens, spec.hidden_size), spec.dtype), poisoned((tokens, spec.hidden_size), spec.dtype))
-            for _ in inputs]
+    outs = [
+        (
+            poisoned((tokens, spec.hidden_size), spec.dtype),
+            poisoned((tokens, spec.hidden_size), spec.dtype),
+        )
+        for _ in inputs
+    ]
     for phase in (PUSH, REDUCE, GATHER):
         for r, inp in enumerate(inputs):
             ro, no = outs[r]
-            emulate(emu.bufs, emu.states, emu.aborts, r, phase, emu.cap, ro, no, ro, ro, inp.gemm2_out,
-                    inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, inp.residual, inp.gamma,
-                    spec.routed_scaling_factor, spec.eps, 0.0, QUANT_NONE, 1.0, False)
+            emulate(
+                emu.bufs,
+                emu.states,
+                emu.aborts,
+                r,
+                phase,
+                emu.cap,
+                ro,
+                no,
+                ro,
+                ro,
+                inp.gemm2_out,
+                inp.expanded_idx_to_permuted_idx,
+                inp.expert_weights,
+                None,
+                inp.residual,
+                inp.gamma,
+                spec.routed_scaling_factor,
+                spec.eps,
+                0.0,
+                QUANT_NONE,
+                1.0,
+                False,
+            )
     return outs
 
 
 def test_partials_are_summed_in_rank_order():
-    """Partials 1, 2^-24, 2^-24 and residual 2^-8: in rank order the fp32 sum stays 1 and 1 + 2^-8 is a bf16
-    tie that rounds to 1.0; any other order reaches 1 + 2^-23 first and rounds to 1 + 2^-7. Every owner
+    """Partials 1, 2^-24, 2^-24 and residual 2^-8: in rank order the fp32 sum stays 1 and 1 + 2^-8
+    is a bf16
+    tie that rounds to 1.0; any other order reaches 1 + 2^-23 first and rounds to 1 + 2^-7. Every
+    owner
     (T = 3: one row each) must give 1.0."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
     emu = Emulated(spec, 3, cap=3)
-    outs = _run_phases(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0 ** -24, 2.0 ** -24], 2.0 ** -8), 3)
+    outs = _run_phases(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0**-24, 2.0**-24], 2.0**-8), 3)
     assert not emu.states[:, 2].any()
     for ro, _ in outs:
         assert (ro == 1.0).all(), ro[:, 0]
 
 
 def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
-    """A partial that rounds to -0.0 (a tiny negative value) would read as "not arrived": it is published
-    as +0.0, so the call completes, and residual_out (residual -0.0 plus +0.0) is +0.0 on every rank."""
+    """A partial that rounds to -0.0 (a tiny negative value) would read as "not arrived": it is
+    published
+    as +0.0, so the call completes, and residual_out (residual -0.0 plus +0.0) is +0.0 on every
+    rank."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
     emu = Emulated(spec, 2, cap=2)
     inputs = _exact_inputs(spec, 2, 2, [-1e-20, -1e-20], -0.0)

@@ -11,41 +11,76 @@ from fusion_bridge import EpilogueSpec, QuantSpec
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.strategies import Environment
 from fusion_bridge.planner import select, static_statuses
-from fusion_bridge.tuning import (SCHEMA_VERSION, as_measurements, cache_path, default_table_path, load_table,
-                                  make_table, read_table, save_table, table_key)
+from fusion_bridge.tuning import (
+    SCHEMA_VERSION,
+    as_measurements,
+    cache_path,
+    default_table_path,
+    load_table,
+    make_table,
+    read_table,
+    save_table,
+    table_key,
+)
 
-H200_TP2 = Environment(device_type="cuda", sm=90, gpu_name="NVIDIA H200", world_size=2, triton_version="3.6.0",
-                       flashinfer_version="0.7.2.post1", torch_version="2.11.0")
+H200_TP2 = Environment(
+    device_type="cuda",
+    sm=90,
+    gpu_name="NVIDIA H200",
+    world_size=2,
+    triton_version="3.6.0",
+    flashinfer_version="0.7.2.post1",
+    torch_version="2.11.0",
+)
 DSV3 = EpilogueSpec(hidden_size=7168, top_k=8)
 
 
 def test_keys_follow_gpu_world_spec_and_versions_but_not_numerics_or_max_tokens():
     base = table_key(DSV3, H200_TP2, True)
-    assert table_key(EpilogueSpec(hidden_size=7168, top_k=8, eps=1e-5, max_tokens=64, weight_bias=1.0),
-                     H200_TP2, True) == base
-    for spec in (EpilogueSpec(hidden_size=4096, top_k=8), EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(1.0)),
-                 EpilogueSpec(hidden_size=7168, top_k=8, dtype=torch.float16)):
+    assert (
+        table_key(
+            EpilogueSpec(hidden_size=7168, top_k=8, eps=1e-5, max_tokens=64, weight_bias=1.0),
+            H200_TP2,
+            True,
+        )
+        == base
+    )
+    for spec in (
+        EpilogueSpec(hidden_size=4096, top_k=8),
+        EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(1.0)),
+        EpilogueSpec(hidden_size=7168, top_k=8, dtype=torch.float16),
+    ):
         assert table_key(spec, H200_TP2, True) != base
-    for env in (H200_TP2.replace(world_size=4), H200_TP2.replace(gpu_name="NVIDIA B200"),
-                H200_TP2.replace(flashinfer_version="0.8.0")):
+    for env in (
+        H200_TP2.replace(world_size=4),
+        H200_TP2.replace(gpu_name="NVIDIA B200"),
+        H200_TP2.replace(flashinfer_version="0.8.0"),
+    ):
         assert table_key(DSV3, env, True) != base
-    assert table_key(DSV3, H200_TP2.replace(flashinfer_version="0.8.0"), False) == table_key(DSV3, H200_TP2, False)
+    assert table_key(DSV3, H200_TP2.replace(flashinfer_version="0.8.0"), False) == table_key(
+        DSV3, H200_TP2, False
+    )
 
 
 def test_tables_round_trip_strategy_variant_bucket(tmp_path):
-    measured = {"local_fused_flashinfer": {"oneshot": {1: 7.0, 4096: 430.0}, "twoshot": {4096: 420.0}}}
+    measured = {
+        "local_fused_flashinfer": {"oneshot": {1: 7.0, 4096: 430.0}, "twoshot": {4096: 420.0}}
+    }
     table = make_table(DSV3, H200_TP2, measured)
     assert table["schema_version"] == SCHEMA_VERSION == 2
     save_table(table, tmp_path / "t.json")
     assert as_measurements(read_table(tmp_path / "t.json")) == measured
 
 
-@pytest.mark.parametrize("content, why", [
-    ({"measured_us": {"local_fused/nccl_local_norm": {"1": 5.0}}}, "schema_version None"),
-    ({"schema_version": 1, "measured_us": {}}, "schema_version 1"),
-    ({"schema_version": 2, "measured_us": {"separate": {"1": 5.0}}}, "measured_us is not"),
-    ([1, 2], "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ({"measured_us": {"local_fused/nccl_local_norm": {"1": 5.0}}}, "schema_version None"),
+        ({"schema_version": 1, "measured_us": {}}, "schema_version 1"),
+        ({"schema_version": 2, "measured_us": {"separate": {"1": 5.0}}}, "measured_us is not"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
 def test_a_table_in_another_format_is_ignored_with_a_warning_that_says_why(tmp_path, content, why):
     path = tmp_path / "old.json"
     path.write_text(json.dumps(content))
@@ -88,7 +123,9 @@ def test_every_rank_uses_rank_zeros_table(tmp_path):
     env = H200_TP2.replace(gpu_name="NVIDIA test GPU")
     os.environ["FUSION_BRIDGE_CACHE_DIR"] = dirs[0]
     try:
-        save_table(make_table(DSV3, env, {"separate": {"default": {1: 3.0}}}), cache_path(DSV3, env))
+        save_table(
+            make_table(DSV3, env, {"separate": {"default": {1: 3.0}}}), cache_path(DSV3, env)
+        )
     finally:
         del os.environ["FUSION_BRIDGE_CACHE_DIR"]
     r0, r1 = run_distributed(_load_on_ranks, 2, dirs, backend="gloo", timeout_s=120)

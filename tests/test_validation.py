@@ -19,31 +19,69 @@ def _perm_with(value):
         p = i.expanded_idx_to_permuted_idx.clone()
         p[1, 0] = value
         return {"expanded_idx_to_permuted_idx": p}
+
     return change
 
 
 BAD_INPUTS = [
     ("gemm2_out fp32", lambda i: {"gemm2_out": i.gemm2_out.float()}, "gemm2_out.dtype"),
-    ("gemm2_out wrong hidden", lambda i: {"gemm2_out": i.gemm2_out[:, :32].contiguous()}, "gemm2_out.shape"),
+    (
+        "gemm2_out wrong hidden",
+        lambda i: {"gemm2_out": i.gemm2_out[:, :32].contiguous()},
+        "gemm2_out.shape",
+    ),
     ("gemm2_out 1-D", lambda i: {"gemm2_out": i.gemm2_out.reshape(-1)}, "gemm2_out must be a 2-D"),
-    ("gemm2_out not a tensor", lambda i: {"gemm2_out": i.gemm2_out.tolist()}, "gemm2_out must be a 2-D"),
-    ("index map int64", lambda i: {"expanded_idx_to_permuted_idx": i.expanded_idx_to_permuted_idx.long()},
-     "expanded_idx_to_permuted_idx.dtype"),
-    ("index map wrong top_k", lambda i: {"expanded_idx_to_permuted_idx": torch.zeros(5, 3, dtype=torch.int32)},
-     "top_k"),
-    ("index map 1-D", lambda i: {"expanded_idx_to_permuted_idx": i.expanded_idx_to_permuted_idx.reshape(-1)},
-     "2-D [T, top_k]"),
+    (
+        "gemm2_out not a tensor",
+        lambda i: {"gemm2_out": i.gemm2_out.tolist()},
+        "gemm2_out must be a 2-D",
+    ),
+    (
+        "index map int64",
+        lambda i: {"expanded_idx_to_permuted_idx": i.expanded_idx_to_permuted_idx.long()},
+        "expanded_idx_to_permuted_idx.dtype",
+    ),
+    (
+        "index map wrong top_k",
+        lambda i: {"expanded_idx_to_permuted_idx": torch.zeros(5, 3, dtype=torch.int32)},
+        "top_k",
+    ),
+    (
+        "index map 1-D",
+        lambda i: {"expanded_idx_to_permuted_idx": i.expanded_idx_to_permuted_idx.reshape(-1)},
+        "2-D [T, top_k]",
+    ),
     ("index past gemm2_out rows", _perm_with(10_000), "in [-1, 13)"),
     ("index equal to P (one past the last row)", _perm_with(13), "in [-1, 13)"),
     ("index below -1", _perm_with(-2), "in [-1, 13)"),
-    ("weights wrong T", lambda i: {"expert_weights": i.expert_weights[:4].contiguous()}, "expert_weights.shape"),
-    ("weights int", lambda i: {"expert_weights": i.expert_weights.to(torch.int32)}, "expert_weights.dtype"),
+    (
+        "weights wrong T",
+        lambda i: {"expert_weights": i.expert_weights[:4].contiguous()},
+        "expert_weights.shape",
+    ),
+    (
+        "weights int",
+        lambda i: {"expert_weights": i.expert_weights.to(torch.int32)},
+        "expert_weights.dtype",
+    ),
     ("shared missing", lambda i: {"shared_output": None}, "shared_output must be a tensor"),
-    ("shared wrong T", lambda i: {"shared_output": i.shared_output[:3].contiguous()}, "shared_output.shape"),
+    (
+        "shared wrong T",
+        lambda i: {"shared_output": i.shared_output[:3].contiguous()},
+        "shared_output.shape",
+    ),
     ("residual fp16", lambda i: {"residual": i.residual.half()}, "residual.dtype"),
-    ("residual strided", lambda i: {"residual": torch.cat([i.residual, i.residual], 1)[:, ::2]}, "contiguous"),
+    (
+        "residual strided",
+        lambda i: {"residual": torch.cat([i.residual, i.residual], 1)[:, ::2]},
+        "contiguous",
+    ),
     ("residual wrong T", lambda i: {"residual": i.residual[:4].contiguous()}, "residual.shape"),
-    ("residual on another device", lambda i: {"residual": i.residual.to("meta")}, "residual.device"),
+    (
+        "residual on another device",
+        lambda i: {"residual": i.residual.to("meta")},
+        "residual.device",
+    ),
     ("gamma wrong length", lambda i: {"gamma": i.gamma[:63].contiguous()}, "gamma.shape"),
     ("gamma not a tensor", lambda i: {"gamma": 1.0}, "gamma must be a torch.Tensor"),
 ]
@@ -51,7 +89,8 @@ BAD_INPUTS = [
 
 @pytest.fixture(scope="module")
 def bridge():
-    """The default path: no debug mode (conftest clears FUSION_BRIDGE_DEBUG). On CPU the index values
+    """The default path: no debug mode (conftest clears FUSION_BRIDGE_DEBUG). On CPU the index
+    values
     are checked anyway."""
     with FusionBridge(SPEC) as b:
         assert not b.debug
@@ -65,14 +104,23 @@ def test_bad_input_raises_clearly_and_changes_nothing(bridge, case):
     bad = good._replace(**change(good))
     before = clone_inputs(good)
     with pytest.raises(EpilogueInputError, match="finalize_epilogue: ") as err:
-        bridge.finalize_epilogue(bad.gemm2_out, bad.expanded_idx_to_permuted_idx, bad.expert_weights,
-                                 bad.shared_output, bad.residual, bad.gamma)
+        bridge.finalize_epilogue(
+            bad.gemm2_out,
+            bad.expanded_idx_to_permuted_idx,
+            bad.expert_weights,
+            bad.shared_output,
+            bad.residual,
+            bad.gamma,
+        )
     assert message in str(err.value) and "got" in str(err.value)
     assert inputs_equal(good, before)
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if not c[0].startswith("index ")],
-                         ids=[c[0] for c in BAD_INPUTS if not c[0].startswith("index ")])
+@pytest.mark.parametrize(
+    "case",
+    [c for c in BAD_INPUTS if not c[0].startswith("index ")],
+    ids=[c[0] for c in BAD_INPUTS if not c[0].startswith("index ")],
+)
 def test_the_hot_path_check_rejects_every_bad_metadata_case(case):
     good = make_inputs(SPEC, 5, padding_rows=3)
     check = input_check(SPEC, torch.device("cpu"))
@@ -83,24 +131,45 @@ def test_the_hot_path_check_rejects_every_bad_metadata_case(case):
 def test_shared_output_given_when_spec_has_none():
     spec = dataclasses.replace(SPEC, has_shared_output=False)
     inp = make_inputs(SPEC, 2)
-    with FusionBridge(spec) as b, pytest.raises(EpilogueInputError, match="shared_output must be None"):
-        b.finalize_epilogue(inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights,
-                            inp.shared_output, inp.residual, inp.gamma)
+    with (
+        FusionBridge(spec) as b,
+        pytest.raises(EpilogueInputError, match="shared_output must be None"),
+    ):
+        b.finalize_epilogue(
+            inp.gemm2_out,
+            inp.expanded_idx_to_permuted_idx,
+            inp.expert_weights,
+            inp.shared_output,
+            inp.residual,
+            inp.gamma,
+        )
 
 
 def test_a_good_call_leaves_every_input_unchanged(bridge):
     good = make_inputs(SPEC, 7)
     before = clone_inputs(good)
-    out = bridge.finalize_epilogue(good.gemm2_out, good.expanded_idx_to_permuted_idx, good.expert_weights,
-                                   good.shared_output, good.residual, good.gamma)
+    out = bridge.finalize_epilogue(
+        good.gemm2_out,
+        good.expanded_idx_to_permuted_idx,
+        good.expert_weights,
+        good.shared_output,
+        good.residual,
+        good.gamma,
+    )
     assert inputs_equal(good, before) and out.residual_out.data_ptr() != good.residual.data_ptr()
 
 
 BAD_SPECS = [
     (dict(hidden_size=0, top_k=8), "hidden_size must be a positive int, got 0"),
     (dict(hidden_size=64, top_k=0), "top_k must be a positive int, got 0"),
-    (dict(hidden_size=64, top_k=2, dtype=torch.float32), "dtype must be torch.bfloat16 or torch.float16"),
-    (dict(hidden_size=72, top_k=2, quant=QuantSpec.nvfp4(1.0)), "a multiple of 16 for nvfp4, got 72"),
+    (
+        dict(hidden_size=64, top_k=2, dtype=torch.float32),
+        "dtype must be torch.bfloat16 or torch.float16",
+    ),
+    (
+        dict(hidden_size=72, top_k=2, quant=QuantSpec.nvfp4(1.0)),
+        "a multiple of 16 for nvfp4, got 72",
+    ),
     (dict(hidden_size=64, top_k=2, max_tokens=0), "max_tokens must be a positive int, got 0"),
     (dict(hidden_size=64, top_k=2, eps=0.0), "eps must be a positive float"),
 ]
@@ -114,7 +183,9 @@ def test_bad_spec_names_the_field(kwargs, message):
 
 
 def test_bad_quant_scales_and_strategy_names():
-    with pytest.raises(ValueError, match="quant.scale must be a positive finite float for fp8, got -1.0"):
+    with pytest.raises(
+        ValueError, match="quant.scale must be a positive finite float for fp8, got -1.0"
+    ):
         QuantSpec.fp8(-1.0)
     with pytest.raises(ValueError, match="quant.global_scale"):
         QuantSpec.nvfp4(float("nan"))
@@ -132,7 +203,9 @@ def test_index_bounds_are_inclusive_of_minus_one_and_p_minus_one(bridge):
     perm[0, 0], perm[0, 1] = -1, rows - 1
     gemm2_out = good.gemm2_out.clone()
     gemm2_out[rows - 1] = 1.0  # was padding (NaN); now read
-    out = bridge(gemm2_out, perm, good.expert_weights, good.shared_output, good.residual, good.gamma)
+    out = bridge(
+        gemm2_out, perm, good.expert_weights, good.shared_output, good.residual, good.gamma
+    )
     assert torch.isfinite(out.norm_out).all()
 
 

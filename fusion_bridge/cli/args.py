@@ -1,4 +1,5 @@
-"""The CLI's arguments: the parser, its argument types (one-line errors, exit status 2) and the checks
+"""The CLI's arguments: the parser, its argument types (one-line errors, exit status 2) and the
+checks
 that involve two arguments. Imports nothing heavy, so `--help` and `--version` stay fast."""
 
 from __future__ import annotations
@@ -13,19 +14,29 @@ from .. import __version__
 SCHEMA_VERSION = 1  # of every JSON document the CLI prints
 STRATEGY_ENV = "FUSION_BRIDGE_STRATEGY"
 DEEPSEEK_V3 = {"hidden": 7168, "top_k": 8}
-DTYPES = ("bf16", "fp16")          # fusion_bridge.spec.DTYPE_BY_NAME (a test keeps them equal)
+DTYPES = ("bf16", "fp16")  # fusion_bridge.spec.DTYPE_BY_NAME (a test keeps them equal)
 QUANTS = ("none", "fp8", "nvfp4")
-DEFAULT_FP8_SCALE = 0.05           # divisor: |norm_out| up to ~22 fits e4m3's 448
+DEFAULT_FP8_SCALE = 0.05  # divisor: |norm_out| up to ~22 fits e4m3's 448
 DEFAULT_NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # multiplier for |norm_out| up to ~8
-SM_RANGE = (70, 200)               # Volta (SM70) up to anything plausible after Blackwell (SM100-121)
-MAX_GLOO_RANKS = 8                 # parity on CPU: one torch process per rank
+SM_RANGE = (70, 200)  # Volta (SM70) up to anything plausible after Blackwell (SM100-121)
+MAX_GLOO_RANKS = 8  # parity on CPU: one torch process per rank
 # GPU name -> SM, for `explain --gpu NAME` without --sm. Matched as a whole word in the name
 # ('NVIDIA H200', 'NVIDIA H100 80GB HBM3'; 'GH200' is its own entry, not 'H200').
-KNOWN_GPUS = {"A100": 80, "A800": 80, "H100": 90, "H800": 90, "H200": 90, "H20": 90, "GH200": 90,
-              "B200": 100, "GB200": 100}
+KNOWN_GPUS = {
+    "A100": 80,
+    "A800": 80,
+    "H100": 90,
+    "H800": 90,
+    "H200": 90,
+    "H20": 90,
+    "GH200": 90,
+    "B200": 100,
+    "GB200": 100,
+}
 
 
-# ------------------------------------------------------------------ argument types (one-line errors)
+# ------------------------------------------------------------------ argument types (one-line
+# errors)
 def _int_in(low: int, high: int | None = None, what: str = "an integer"):
     def parse(text: str) -> int:
         try:
@@ -36,6 +47,7 @@ def _int_in(low: int, high: int | None = None, what: str = "an integer"):
             bound = f">= {low}" if high is None else f"in {low}..{high}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
+
     parse.__name__ = what  # argparse names the type in its "invalid ... value" message
     return parse
 
@@ -48,15 +60,19 @@ def _parity_world_size(text: str) -> int:
     """Ranks `parity` can spawn here: one per visible GPU (NCCL), else min(8, CPU cores) (gloo)."""
     value = _int_in(1)(text)
     import torch  # only when this argument is given: --help stays fast
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
         if value > gpus:
-            raise argparse.ArgumentTypeError(f"must be at most {gpus} here (one rank per GPU, NCCL; "
-                                             f"{gpus} visible), got {value}")
+            raise argparse.ArgumentTypeError(
+                f"must be at most {gpus} here (one rank per GPU, NCCL; {gpus} visible), got {value}"
+            )
     elif value > gloo_rank_limit():
-        raise argparse.ArgumentTypeError(f"must be at most {gloo_rank_limit()} here (gloo on CPU: one process "
-                                         f"per rank, at most min({MAX_GLOO_RANKS}, {os.cpu_count()} CPU cores)), "
-                                         f"got {value}")
+        raise argparse.ArgumentTypeError(
+            f"must be at most {gloo_rank_limit()} here (gloo on CPU: one process "
+            f"per rank, at most min({MAX_GLOO_RANKS}, {os.cpu_count()} CPU cores)), "
+            f"got {value}"
+        )
     return value
 
 
@@ -71,7 +87,9 @@ def _gpu_name(text: str) -> str:
     """The name as torch.cuda.get_device_name() reports it; 'H200' is read as 'NVIDIA H200'."""
     name = " ".join(text.split())
     if not name:
-        raise argparse.ArgumentTypeError("expected a GPU name such as 'NVIDIA H200', got an empty string")
+        raise argparse.ArgumentTypeError(
+            "expected a GPU name such as 'NVIDIA H200', got an empty string"
+        )
     if sm_of_gpu(name) is not None and not name.upper().startswith("NVIDIA "):
         name = f"NVIDIA {name}"
     return name
@@ -87,16 +105,30 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     pass
 
 
-def _spec_args(p: argparse.ArgumentParser, tokens_default: int | None, min_tokens: int = 0,
-               max_tokens_default: int = 8192) -> None:
+def _spec_args(
+    p: argparse.ArgumentParser,
+    tokens_default: int | None,
+    min_tokens: int = 0,
+    max_tokens_default: int = 8192,
+) -> None:
     p.add_argument("--hidden", type=_int_in(1), default=DEEPSEEK_V3["hidden"], help="hidden size H")
-    p.add_argument("--top-k", type=_int_in(1), default=DEEPSEEK_V3["top_k"], help="experts per token K")
+    p.add_argument(
+        "--top-k", type=_int_in(1), default=DEEPSEEK_V3["top_k"], help="experts per token K"
+    )
     if tokens_default is not None:
-        p.add_argument("--tokens", type=_int_in(min_tokens), default=tokens_default,
-                       help=f"tokens T of the call to describe (>= {min_tokens})")
+        p.add_argument(
+            "--tokens",
+            type=_int_in(min_tokens),
+            default=tokens_default,
+            help=f"tokens T of the call to describe (>= {min_tokens})",
+        )
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="activation dtype")
-    p.add_argument("--max-tokens", type=_int_in(1), default=max_tokens_default,
-                   help="largest T per call; sizes workspaces")
+    p.add_argument(
+        "--max-tokens",
+        type=_int_in(1),
+        default=max_tokens_default,
+        help="largest T per call; sizes workspaces",
+    )
     p.add_argument("--quant", choices=QUANTS, default="none", help="quantize norm_out")
     p.add_argument("--no-shared", action="store_true", help="no shared-expert output")
     p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
@@ -104,11 +136,23 @@ def _spec_args(p: argparse.ArgumentParser, tokens_default: int | None, min_token
 
 def build_parser(commands: dict) -> argparse.ArgumentParser:
     """commands: subcommand name -> the function that runs it (cli/main.py's cmd_*)."""
-    prog = "fusion-bridge" if os.path.basename(sys.argv[0]) == "fusion-bridge" else "python -m fusion_bridge"
-    parser = _Parser(prog=prog, formatter_class=_Formatter, description=(
-        "The MoE epilogue bridge: which strategy runs, why the others don't, and whether they agree. "
-        "Runs on CPU by default with the DeepSeek-V3 shape (H=7168, K=8). Without a command: explain."),
-        epilog=f"Environment: {STRATEGY_ENV}=<name> requests a strategy (info reports whether it can run).")
+    prog = (
+        "fusion-bridge"
+        if os.path.basename(sys.argv[0]) == "fusion-bridge"
+        else "python -m fusion_bridge"
+    )
+    parser = _Parser(
+        prog=prog,
+        formatter_class=_Formatter,
+        description=(
+            "The MoE epilogue bridge: which strategy runs, why the others don't, and whether they "
+            "agree. "
+            "Runs on CPU by default with the DeepSeek-V3 shape (H=7168, K=8). Without a command: "
+            "explain."
+        ),
+        epilog=f"Environment: {STRATEGY_ENV}=<name> requests a strategy (info reports whether it "
+        "can run).",
+    )
     parser.add_argument("--version", action="version", version=f"fusion-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -117,58 +161,105 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         p.set_defaults(subparser=p)  # for the checks that involve two arguments
         return p
 
-    p = command("info", "this machine: environment and every strategy, with reasons and self-test",
-                "Build a bridge on this machine (one process, strategy auto) and report the environment, every "
-                f"strategy with all its reasons and its self-test state, and the plan. When {STRATEGY_ENV} is "
-                "set, also say whether that strategy can run here and why not; info still exits 0.")
+    p = command(
+        "info",
+        "this machine: environment and every strategy, with reasons and self-test",
+        "Build a bridge on this machine (one process, strategy auto) and report the environment, "
+        "every "
+        f"strategy with all its reasons and its self-test state, and the plan. When {STRATEGY_ENV} "
+        "is "
+        "set, also say whether that strategy can run here and why not; info still exits 0.",
+    )
     _spec_args(p, 16)
     p.set_defaults(fn=commands["info"])
 
-    p = command("explain", "the plan for a spec on this or a described machine (static checks)",
-                "Run every strategy's static checks for a spec on a machine (this one, or one described with "
-                "--gpu/--sm/--world-size) and show the plan. On a GPU with a shipped tuning table for that GPU "
-                "name, world size and spec, the plan uses the table's measurements, as a bridge would. "
-                f"--gpu alone implies the SM of known GPUs ({', '.join(f'{k} {v}' for k, v in KNOWN_GPUS.items())}); "
-                "other names need --sm. No self-test and no workspace: those need a bridge (see info).")
+    p = command(
+        "explain",
+        "the plan for a spec on this or a described machine (static checks)",
+        "Run every strategy's static checks for a spec on a machine (this one, or one described "
+        "with "
+        "--gpu/--sm/--world-size) and show the plan. On a GPU with a shipped tuning table for that "
+        "GPU "
+        "name, world size and spec, the plan uses the table's measurements, as a bridge would. "
+        "--gpu alone implies the SM of known GPUs "
+        f"({', '.join(f'{k} {v}' for k, v in KNOWN_GPUS.items())}); "
+        "other names need --sm. No self-test and no workspace: those need a bridge (see info).",
+    )
     _spec_args(p, 16)
-    p.add_argument("--world-size", type=_int_in(1), default=1, help="TP group size to describe (>= 1)")
-    p.add_argument("--sm", type=_int_in(*SM_RANGE, what="an SM number such as 90"), default=None,
-                   help=f"describe a CUDA GPU of this SM ({SM_RANGE[0]}..{SM_RANGE[1]}, e.g. 90 for H100/H200, "
-                        "100 for B200)")
-    p.add_argument("--gpu", type=_gpu_name, default=None,
-                   help="describe a GPU by name, e.g. 'NVIDIA H200' (selects its shipped tuning table)")
+    p.add_argument(
+        "--world-size", type=_int_in(1), default=1, help="TP group size to describe (>= 1)"
+    )
+    p.add_argument(
+        "--sm",
+        type=_int_in(*SM_RANGE, what="an SM number such as 90"),
+        default=None,
+        help=f"describe a CUDA GPU of this SM ({SM_RANGE[0]}..{SM_RANGE[1]}, e.g. 90 for "
+        "H100/H200, "
+        "100 for B200)",
+    )
+    p.add_argument(
+        "--gpu",
+        type=_gpu_name,
+        default=None,
+        help="describe a GPU by name, e.g. 'NVIDIA H200' (selects its shipped tuning table)",
+    )
     p.set_defaults(fn=commands["explain"])
 
-    p = command("parity", "every available strategy against the fp32 oracle",
-                "Spawn --world-size ranks on this machine, run every strategy that can run here on fresh random "
-                "inputs (different per rank) and compare each output with the fp32 oracle. Lists the strategies "
-                "it skipped, with their reason codes.")
+    p = command(
+        "parity",
+        "every available strategy against the fp32 oracle",
+        "Spawn --world-size ranks on this machine, run every strategy that can run here on fresh "
+        "random "
+        "inputs (different per rank) and compare each output with the fp32 oracle. Lists the "
+        "strategies "
+        "it skipped, with their reason codes.",
+    )
     _spec_args(p, 16, min_tokens=1)
-    p.add_argument("--world-size", type=_parity_world_size, default=1,
-                   help="ranks to spawn: with CUDA one per GPU (NCCL), at most the visible GPU count; on CPU gloo, "
-                        f"at most min({MAX_GLOO_RANKS}, CPU cores)")
+    p.add_argument(
+        "--world-size",
+        type=_parity_world_size,
+        default=1,
+        help="ranks to spawn: with CUDA one per GPU (NCCL), at most the visible GPU count; on CPU "
+        "gloo, "
+        f"at most min({MAX_GLOO_RANKS}, CPU cores)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32", help="expert weight dtype")
+    p.add_argument(
+        "--weights", choices=["fp32", "bf16"], default="fp32", help="expert weight dtype"
+    )
     p.set_defaults(fn=commands["parity"])
 
-    p = command("tune", "measure every strategy per token bucket and cache the plan (CUDA)",
-                "Time every (strategy, launch variant) at each token bucket 1, 2, 4, ... up to --max-tokens on "
-                "this machine's GPUs (one rank per GPU, NCCL), cache the table and print the plan.")
+    p = command(
+        "tune",
+        "measure every strategy per token bucket and cache the plan (CUDA)",
+        "Time every (strategy, launch variant) at each token bucket 1, 2, 4, ... up to "
+        "--max-tokens on "
+        "this machine's GPUs (one rank per GPU, NCCL), cache the table and print the plan.",
+    )
     _spec_args(p, None)
     p.add_argument("--world-size", type=_int_in(1), default=1, help="ranks (one GPU each, NCCL)")
     p.set_defaults(fn=commands["tune"])
 
-    p = command("bench", "time every strategy and auto for T = 1, 2, 4, ... (CUDA); CSV + PNG",
-                "Benchmark every strategy and auto for T = 1, 2, 4, ... up to --max-tokens, inputs rotated beyond "
-                "L2 and replayed; write a long-format CSV and, with matplotlib, a PNG beside it.")
+    p = command(
+        "bench",
+        "time every strategy and auto for T = 1, 2, 4, ... (CUDA); CSV + PNG",
+        "Benchmark every strategy and auto for T = 1, 2, 4, ... up to --max-tokens, inputs rotated "
+        "beyond "
+        "L2 and replayed; write a long-format CSV and, with matplotlib, a PNG beside it.",
+    )
     _spec_args(p, None, max_tokens_default=4096)
     p.add_argument("--world-size", type=_int_in(1), default=1, help="ranks (one GPU each, NCCL)")
-    p.add_argument("--csv", default="benchmarks/results/epilogue.csv", help="output CSV (PNG beside it)")
+    p.add_argument(
+        "--csv", default="benchmarks/results/epilogue.csv", help="output CSV (PNG beside it)"
+    )
     p.set_defaults(fn=commands["bench"])
 
-    p = command("matrix", "compatibility matrix generated from the registry (markdown)",
-                "Evaluate every strategy's capability checks over described machines and print the "
-                "compatibility matrix the README embeds.")
+    p = command(
+        "matrix",
+        "compatibility matrix generated from the registry (markdown)",
+        "Evaluate every strategy's capability checks over described machines and print the "
+        "compatibility matrix the README embeds.",
+    )
     p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
     p.set_defaults(fn=commands["matrix"])
     return parser
@@ -179,12 +270,18 @@ def check_combinations(parser: argparse.ArgumentParser, args) -> None:
     if getattr(args, "gpu", None) is not None:
         known = sm_of_gpu(args.gpu)
         if args.sm is None and known is None:
-            parser.error(f"--gpu {args.gpu!r} is not a GPU whose SM is known here "
-                         f"({', '.join(KNOWN_GPUS)}): give --sm too")
+            parser.error(
+                f"--gpu {args.gpu!r} is not a GPU whose SM is known here "
+                f"({', '.join(KNOWN_GPUS)}): give --sm too"
+            )
         if args.sm is not None and known is not None and args.sm != known:
             parser.error(f"--sm {args.sm} contradicts --gpu {args.gpu!r} (SM {known})")
     raw = os.environ.get(STRATEGY_ENV)
     if raw:
         from ..registry import REGISTRY
+
         if raw != "auto" and raw not in REGISTRY:
-            parser.error(f"{STRATEGY_ENV}={raw!r} is not a strategy: use 'auto' or one of {', '.join(REGISTRY)}")
+            parser.error(
+                f"{STRATEGY_ENV}={raw!r} is not a strategy: use 'auto' or one of "
+                f"{', '.join(REGISTRY)}"
+            )

@@ -1,4 +1,5 @@
-"""`python -m fusion_bridge tune` and `bench`: measured selection and the benchmark of every strategy
+"""`python -m fusion_bridge tune` and `bench`: measured selection and the benchmark of every
+strategy
 and `auto` against each other, in one run, on this machine's GPUs (one rank per GPU, NCCL).
 
 bench writes a long-format CSV (candidate, tokens, us_rotated, us_same_inputs, ...) and, when
@@ -17,6 +18,7 @@ from ..spec import EpilogueSpec
 
 def _bridge(spec: EpilogueSpec, world_size: int, tuning: str = "auto"):
     from ..bridge import FusionBridge
+
     group = torch.distributed.group.WORLD if world_size > 1 else None
     return FusionBridge(spec, group, debug=False, tuning=tuning)
 
@@ -33,10 +35,17 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
     launches themselves), interleaved in `rounds` rounds of `calls` calls; medians."""
     import statistics
     from ..synthetic import make_inputs
+
     inp = make_inputs(bridge.spec, tokens, device=bridge.device)
     raw = bridge.selected_run(tokens)
-    args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
-            inp.residual, inp.gamma)
+    args = (
+        inp.gemm2_out,
+        inp.expanded_idx_to_permuted_idx,
+        inp.expert_weights,
+        inp.shared_output,
+        inp.residual,
+        inp.gamma,
+    )
     fns = {"bridge": lambda: bridge.finalize_epilogue(*args), "raw": lambda: raw(inp)}
     samples: dict[str, list[float]] = {"bridge": [], "raw": []}
     for fn in fns.values():
@@ -51,17 +60,33 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
             samples[name].append((time.perf_counter() - start) / calls * 1e6)
     torch.cuda.synchronize()
     bridge_us, raw_us = statistics.median(samples["bridge"]), statistics.median(samples["raw"])
-    return {"bridge_us": round(bridge_us, 2), "raw_us": round(raw_us, 2),
-            "overhead_us": round(bridge_us - raw_us, 2), "route": ":".join(bridge.route_for(tokens))}
+    return {
+        "bridge_us": round(bridge_us, 2),
+        "raw_us": round(raw_us, 2),
+        "overhead_us": round(bridge_us - raw_us, 2),
+        "route": ":".join(bridge.route_for(tokens)),
+    }
 
 
-def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool) -> dict:
+def bench_rank(
+    rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool
+) -> dict:
     from ..tuning import measure
+
     with _bridge(spec, world_size, tuning="off") as bridge:
         bridge.tune(buckets=tokens, progress=progress, save=True)
-        auto = ("auto", "planned", lambda inp, _variant: bridge.finalize_epilogue(
-            inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.shared_output,
-            inp.residual, inp.gamma))
+        auto = (
+            "auto",
+            "planned",
+            lambda inp, _variant: bridge.finalize_epilogue(
+                inp.gemm2_out,
+                inp.expanded_idx_to_permuted_idx,
+                inp.expert_weights,
+                inp.shared_output,
+                inp.residual,
+                inp.gamma,
+            ),
+        )
         candidates = bridge.tuning_candidates() + [auto]
         args = (bridge.spec, bridge.env, bridge.group, bridge.device, candidates, tokens)
         limits = {s.name: s.max_tokens_per_call for s in bridge.statuses}
@@ -69,8 +94,14 @@ def bench_rank(rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int]
         same = measure(*args, rotate=False, progress=progress, seed=2, limits=limits)
         overhead = {t: host_overhead_us(bridge, t) for t in (1, 64)}
         plan = {t: ":".join(bridge.route_for(t)) for t in tokens}
-        return {"rotated": rotated, "same": same, "overhead": overhead, "plan": plan,
-                "gpu": bridge.env.gpu_name, "table_path": (bridge.table or {}).get("path")}
+        return {
+            "rotated": rotated,
+            "same": same,
+            "overhead": overhead,
+            "plan": plan,
+            "gpu": bridge.env.gpu_name,
+            "table_path": (bridge.table or {}).get("path"),
+        }
 
 
 def rows_from(result: dict, world_size: int) -> list[dict]:
@@ -80,17 +111,24 @@ def rows_from(result: dict, world_size: int) -> list[dict]:
         for variant, per in variants.items():
             label = name if name == "auto" else f"{name}:{variant}"
             for tokens, us in per.items():
-                rows.append({"candidate": label, "tokens": tokens, "world_size": world_size,
-                             "us_rotated": round(us, 2),
-                             "us_same_inputs": round(result["same"][name][variant][tokens], 2),
-                             "auto_picks": result["plan"][tokens] if name == "auto" else "",
-                             "gpu": result["gpu"]})
+                rows.append(
+                    {
+                        "candidate": label,
+                        "tokens": tokens,
+                        "world_size": world_size,
+                        "us_rotated": round(us, 2),
+                        "us_same_inputs": round(result["same"][name][variant][tokens], 2),
+                        "auto_picks": result["plan"][tokens] if name == "auto" else "",
+                        "gpu": result["gpu"],
+                    }
+                )
     return rows
 
 
 def write_csv(path: str, rows: Sequence[dict]) -> None:
     import csv
     import os
+
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -124,19 +162,29 @@ def summary(rows: list[dict]) -> list[dict]:
 def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for ax, mode, label in ((axes[0], "us_rotated", "inputs rotated beyond L2"),
-                            (axes[1], "us_same_inputs", "same inputs replayed")):
+    for ax, mode, label in (
+        (axes[0], "us_rotated", "inputs rotated beyond L2"),
+        (axes[1], "us_same_inputs", "same inputs replayed"),
+    ):
         for cand in sorted({r["candidate"] for r in rows}):
             pts = sorted((r["tokens"], r[mode]) for r in rows if r["candidate"] == cand)
             is_auto = cand == "auto"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=cand,
-                    linewidth=3.5 if is_auto else 1.2, color="black" if is_auto else None,
-                    zorder=10 if is_auto else 1, alpha=1.0 if is_auto else 0.8)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=cand,
+                linewidth=3.5 if is_auto else 1.2,
+                color="black" if is_auto else None,
+                zorder=10 if is_auto else 1,
+                alpha=1.0 if is_auto else 0.8,
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens T")

@@ -28,15 +28,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, backend: str, out_dir: str,
-               fn: Callable, args: tuple) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, backend: str, out_dir: str, fn: Callable, args: tuple
+) -> None:
     os.environ.update(NO_MULTICAST_ENV)
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
         try:
             result = ("ok", fn(rank, world_size, *args))
         finally:
@@ -47,28 +49,42 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, out_dir: str
         pickle.dump(result, f)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
-                    timeout_s: float = 300.0) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, backend: str | None = None, timeout_s: float = 300.0
+) -> list[Any]:
     """Run fn(rank, world_size, *args) in `world_size` fresh processes; return the results by rank.
 
     fn must be importable (module level). backend: "gloo" (default on CPU) or "nccl" (default when
     enough GPUs are visible)."""
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        backend = (
+            "nccl"
+            if torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+            else "gloo"
+        )
     if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"run_distributed: world_size {world_size} with NCCL needs that many GPUs, "
-                         f"found {torch.cuda.device_count()}")
+        raise ValueError(
+            f"run_distributed: world_size {world_size} with NCCL needs that many GPUs, "
+            f"found {torch.cuda.device_count()}"
+        )
     os.environ.update(NO_MULTICAST_ENV)
     with tempfile.TemporaryDirectory(prefix="fusion_bridge_") as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), backend, out_dir, fn, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _rank_main,
+            args=(world_size, free_port(), backend, out_dir, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                raise TimeoutError(f"run_distributed: the {world_size}-rank group did not finish in "
-                                   f"{timeout_s:.0f} s (a collective hang?)")
+                raise TimeoutError(
+                    f"run_distributed: the {world_size}-rank group did not finish in "
+                    f"{timeout_s:.0f} s (a collective hang?)"
+                )
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:

@@ -1,4 +1,5 @@
-"""python -m fusion_bridge [info|explain|parity|tune|bench|matrix] ...   (also installed as `fusion-bridge`)
+"""python -m fusion_bridge [info|explain|parity|tune|bench|matrix] ...   (also installed as
+`fusion-bridge`)
 
 With no arguments: `explain` for the built-in DeepSeek-V3 shape (H=7168, K=8, T=16) on this machine.
 With --json, stdout carries only the JSON document; logs and progress go to stderr.
@@ -13,13 +14,24 @@ import json
 import os
 import sys
 
-from .args import (DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, SCHEMA_VERSION, STRATEGY_ENV, check_combinations,
-                   build_parser, sm_of_gpu)
-from .args import DTYPES, QUANTS, gloo_rank_limit  # noqa: F401  (re-exported: what the parser accepts)
+from .args import (
+    DEFAULT_FP8_SCALE,
+    DEFAULT_NVFP4_GLOBAL_SCALE,
+    SCHEMA_VERSION,
+    STRATEGY_ENV,
+    check_combinations,
+    build_parser,
+    sm_of_gpu,
+)
+
+# re-exported: what the parser accepts
+from .args import DTYPES, QUANTS, gloo_rank_limit  # noqa: F401
 
 
 # ------------------------------------------------------------------ output
-_JSON_FD: list[int] = []  # the real stdout while --json sends everything else (C++ logs too) to stderr
+_JSON_FD: list[
+    int
+] = []  # the real stdout while --json sends everything else (C++ logs too) to stderr
 
 
 def _emit(args, doc: dict, text: str) -> None:
@@ -40,10 +52,20 @@ def _stdout_to_stderr() -> None:
 
 def _spec(args):
     from ..spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
-    quant = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(DEFAULT_FP8_SCALE),
-             "nvfp4": QuantSpec.nvfp4(DEFAULT_NVFP4_GLOBAL_SCALE)}[args.quant]
-    return EpilogueSpec(hidden_size=args.hidden, top_k=args.top_k, dtype=DTYPE_BY_NAME[args.dtype],
-                        has_shared_output=not args.no_shared, quant=quant, max_tokens=args.max_tokens)
+
+    quant = {
+        "none": QuantSpec.none(),
+        "fp8": QuantSpec.fp8(DEFAULT_FP8_SCALE),
+        "nvfp4": QuantSpec.nvfp4(DEFAULT_NVFP4_GLOBAL_SCALE),
+    }[args.quant]
+    return EpilogueSpec(
+        hidden_size=args.hidden,
+        top_k=args.top_k,
+        dtype=DTYPE_BY_NAME[args.dtype],
+        has_shared_output=not args.no_shared,
+        quant=quant,
+        max_tokens=args.max_tokens,
+    )
 
 
 def _env_request(statuses) -> dict | None:
@@ -52,8 +74,12 @@ def _env_request(statuses) -> dict | None:
     if not raw:
         return None
     status = next((s for s in statuses if s.name == raw), None)
-    return {"variable": STRATEGY_ENV, "value": raw, "available": True if status is None else status.available,
-            "reasons": [r.to_dict() for r in status.reasons] if status else []}
+    return {
+        "variable": STRATEGY_ENV,
+        "value": raw,
+        "available": True if status is None else status.available,
+        "reasons": [r.to_dict() for r in status.reasons] if status else [],
+    }
 
 
 def _env_request_text(req: dict | None) -> list[str]:
@@ -63,14 +89,17 @@ def _env_request_text(req: dict | None) -> list[str]:
     if req["available"]:
         return [f"{head}: can run here (a bridge built with it runs it for every T)"]
     return [f"{head}: cannot run here, a bridge built with it raises:"] + [
-        f"  [{r['code']}] {r['message']}" for r in req["reasons"]]
+        f"  [{r['code']}] {r['message']}" for r in req["reasons"]
+    ]
 
 
 # ------------------------------------------------------------------ commands
 def cmd_info(args) -> int:
     from ..bridge import FusionBridge
+
     spec = _spec(args)
-    # info diagnoses: build with "auto" whatever the variable asks, and report the request separately
+    # info diagnoses: build with "auto" whatever the variable asks, and report the request
+    # separately
     raw = os.environ.pop(STRATEGY_ENV, None)
     try:
         with FusionBridge(spec) as bridge:
@@ -79,7 +108,11 @@ def cmd_info(args) -> int:
         if raw is not None:
             os.environ[STRATEGY_ENV] = raw
     req = _env_request(report.strategies)
-    _emit(args, {**report.to_dict(), "env_strategy": req}, "\n".join([str(report), *_env_request_text(req)]))
+    _emit(
+        args,
+        {**report.to_dict(), "env_strategy": req},
+        "\n".join([str(report), *_env_request_text(req)]),
+    )
     return 0
 
 
@@ -87,8 +120,16 @@ def _static_self_test(statuses) -> list:
     """explain builds nothing: say so in each status's self-test state."""
     import dataclasses
     from ..registry import strategy_class
-    return [dataclasses.replace(s, self_test="not needed" if not strategy_class(s.name).self_tested
-                                else "not run (static checks only)") for s in statuses]
+
+    return [
+        dataclasses.replace(
+            s,
+            self_test="not needed"
+            if not strategy_class(s.name).self_tested
+            else "not run (static checks only)",
+        )
+        for s in statuses
+    ]
 
 
 def cmd_explain(args) -> int:
@@ -96,14 +137,23 @@ def cmd_explain(args) -> int:
     from ..planner import AUTO, NoStrategyAvailable, select, static_statuses
     from ..report import Report
     from .. import tuning
+
     env = detect(probe_flashinfer=True)
     described = args.sm is not None or args.gpu is not None or args.world_size != 1
     changes = {"world_size": args.world_size}
     if args.gpu is not None or args.sm is not None:
-        # a described GPU machine runs as documented: multicast variables set in every rank, and a CUDA
-        # torch whose symmetric memory works (this process's CPU torch and environment say nothing of it)
-        changes.update(device_type="cuda", sm=args.sm if args.sm is not None else sm_of_gpu(args.gpu),
-                       gpu_name=args.gpu, multicast_off=True, symm_mem_error=None, triton_interpret=False)
+        # a described GPU machine runs as documented: multicast variables set in every rank, and a
+        # CUDA
+        # torch whose symmetric memory works (this process's CPU torch and environment say nothing
+        # of it)
+        changes.update(
+            device_type="cuda",
+            sm=args.sm if args.sm is not None else sm_of_gpu(args.gpu),
+            gpu_name=args.gpu,
+            multicast_off=True,
+            symm_mem_error=None,
+            triton_interpret=False,
+        )
     env = env.replace(**changes)
     spec = _spec(args)
     statuses = _static_self_test(static_statuses(spec, env))
@@ -113,15 +163,20 @@ def cmd_explain(args) -> int:
         if path.is_file():
             table = tuning.read_table(path)
         if table is None:
-            table_line = (f"no tuning table ships for {env.gpu_name or f'SM{env.sm}'} TP{env.world_size} with this "
-                          "spec: static order")
+            table_line = (
+                f"no tuning table ships for {env.gpu_name or f'SM{env.sm}'} TP{env.world_size} "
+                "with this "
+                "spec: static order"
+            )
     requested = os.environ.get(STRATEGY_ENV) or AUTO
     try:
         plan = select(statuses, spec, requested, tuning.as_measurements(table) if table else None)
     except NoStrategyAvailable as exc:
         print(str(exc), file=sys.stderr)
         plan = None
-    report = Report(env, spec, statuses, plan, tokens=args.tokens, table=table["path"] if table else None)
+    report = Report(
+        env, spec, statuses, plan, tokens=args.tokens, table=table["path"] if table else None
+    )
     req = _env_request(statuses)
     lines = [str(report)] + ([table_line] if table_line else []) + _env_request_text(req)
     if described:
@@ -133,33 +188,52 @@ def cmd_explain(args) -> int:
 def cmd_parity(args) -> int:
     import torch
     from .parity import run_parity_report
+
     spec = _spec(args)
     if not args.json:
-        print(f"parity: {args.world_size} rank(s), T={args.tokens}, H={spec.hidden_size}, K={spec.top_k}",
-              file=sys.stderr)
-    rows, skipped = run_parity_report(spec, args.tokens, args.world_size, args.seed,
-                                      weight_dtype=torch.float32 if args.weights == "fp32" else torch.bfloat16)
+        print(
+            f"parity: {args.world_size} rank(s), T={args.tokens}, H={spec.hidden_size}, "
+            f"K={spec.top_k}",
+            file=sys.stderr,
+        )
+    rows, skipped = run_parity_report(
+        spec,
+        args.tokens,
+        args.world_size,
+        args.seed,
+        weight_dtype=torch.float32 if args.weights == "fp32" else torch.bfloat16,
+    )
     text = [f"{'strategy':18s} {'output':13s} {'rel_err':>10s} {'bound':>10s} {'max_abs':>10s}  ok"]
-    text += [f"{r['strategy']:18s} {r['output']:13s} {r['rel_err']:10.3e} {r['bound']:10.3e} "
-             f"{r['max_abs_err']:10.3e}  {'yes' if r['passed'] else 'NO'}" for r in rows]
+    text += [
+        f"{r['strategy']:18s} {r['output']:13s} {r['rel_err']:10.3e} {r['bound']:10.3e} "
+        f"{r['max_abs_err']:10.3e}  {'yes' if r['passed'] else 'NO'}"
+        for r in rows
+    ]
     if skipped:
         text.append("skipped (cannot run here):")
         text += [f"  {name:22s} {', '.join(codes)}" for name, codes in skipped.items()]
-    _emit(args, {"results": rows, "skipped": skipped, "world_size": args.world_size, "tokens": args.tokens},
-          "\n".join(text))
+    _emit(
+        args,
+        {"results": rows, "skipped": skipped, "world_size": args.world_size, "tokens": args.tokens},
+        "\n".join(text),
+    )
     return 0 if rows and all(r["passed"] for r in rows) else 1
 
 
 def _require_gpus(world_size: int) -> None:
     import torch
+
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
-                         f"found {found}")
+        raise ValueError(
+            f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
+            f"found {found}"
+        )
 
 
 def _on_ranks(fn, world_size: int, *fn_args):
     from .launch import run_distributed
+
     if world_size == 1:
         return fn(0, 1, *fn_args)
     return run_distributed(fn, world_size, *fn_args, backend="nccl", timeout_s=3000)[0]
@@ -167,48 +241,76 @@ def _on_ranks(fn, world_size: int, *fn_args):
 
 def cmd_tune(args) -> int:
     from .bench import tune_rank
+
     _require_gpus(args.world_size)
     table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
     lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
     for b in table["plan"]["buckets"]:
-        lines.append(f"  T <= {b['max_tokens']:6d}: {b['strategy']}:{b['variant']:10s} {b['measured_us']:.1f} us")
+        lines.append(
+            f"  T <= {b['max_tokens']:6d}: {b['strategy']}:{b['variant']:10s} "
+            f"{b['measured_us']:.1f} us"
+        )
     _emit(args, {"table": table}, "\n".join(lines))
     return 0
 
 
 def cmd_bench(args) -> int:
     from .bench import bench_rank, plot, rows_from, summary, write_csv
+
     _require_gpus(args.world_size)
-    tokens = [2 ** i for i in range(args.max_tokens.bit_length()) if 2 ** i <= args.max_tokens]
+    tokens = [2**i for i in range(args.max_tokens.bit_length()) if 2**i <= args.max_tokens]
     spec = _spec(args)
     result = _on_ranks(bench_rank, args.world_size, spec, tokens, not args.json)
     rows = rows_from(result, args.world_size)
     write_csv(args.csv, rows)
-    png = plot(rows, args.csv.rsplit(".", 1)[0] + ".png",
-               f"{result['gpu']} TP{args.world_size} H={spec.hidden_size} K={spec.top_k} {spec.dtype_name} "
-               f"quant={spec.quant.kind.value}")
+    png = plot(
+        rows,
+        args.csv.rsplit(".", 1)[0] + ".png",
+        f"{result['gpu']} TP{args.world_size} H={spec.hidden_size} K={spec.top_k} "
+        f"{spec.dtype_name} "
+        f"quant={spec.quant.kind.value}",
+    )
     table = summary(rows)
-    # hand-written tables (here, in parity and in matrix): tabulate comes only with the optional flashinfer
+    # hand-written tables (here, in parity and in matrix): tabulate comes only with the optional
+    # flashinfer
     # extra, not with torch/triton, and parity and matrix run on CPU installs without it
     text = [f"wrote {args.csv}" + (f" and {png}" if png else " (no matplotlib: no PNG)")]
     keys = list(table[0])
     text.append(" ".join(f"{k:>14s}" for k in keys))
     text += [" ".join(f"{str(line.get(k, '')):>14s}" for k in keys) for line in table]
     text.append(f"host overhead (eager, us per call): {result['overhead']}")
-    _emit(args, {"csv": args.csv, "png": png, "summary": table, "overhead": result["overhead"],
-                 "rows": rows}, "\n".join(text))
+    _emit(
+        args,
+        {
+            "csv": args.csv,
+            "png": png,
+            "summary": table,
+            "overhead": result["overhead"],
+            "rows": rows,
+        },
+        "\n".join(text),
+    )
     return 0
 
 
 def cmd_matrix(args) -> int:
     from .matrix import markdown, rows
+
     _emit(args, {"matrix": rows()}, markdown())
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser({"info": cmd_info, "explain": cmd_explain, "parity": cmd_parity, "tune": cmd_tune,
-                           "bench": cmd_bench, "matrix": cmd_matrix})
+    parser = build_parser(
+        {
+            "info": cmd_info,
+            "explain": cmd_explain,
+            "parity": cmd_parity,
+            "tune": cmd_tune,
+            "bench": cmd_bench,
+            "matrix": cmd_matrix,
+        }
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["explain", *argv]  # no command: explain (with any options given)

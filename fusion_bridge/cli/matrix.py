@@ -1,5 +1,7 @@
-"""The compatibility matrix, generated from the registry by evaluating every strategy's own capability
-checks over described machines: `python -m fusion_bridge matrix`. The README embeds it between markers
+"""The compatibility matrix, generated from the registry by evaluating every strategy's own
+capability
+checks over described machines: `python -m fusion_bridge matrix`. The README embeds it between
+markers
 and a test fails when the embedded copy is stale."""
 
 from __future__ import annotations
@@ -11,19 +13,36 @@ from ..strategies.base import required_stages
 
 SMS = (80, 90, 100)
 WORLD_SIZES = (1, 2, 3, 4, 8, 16)
-FLASHINFER_VERSIONS = ("0.7.2.post1", "0.7.4", "0.8.0")  # tested, latest known-broken fused FP4, a later one
+FLASHINFER_VERSIONS = (
+    "0.7.2.post1",
+    "0.7.4",
+    "0.8.0",
+)  # tested, latest known-broken fused FP4, a later one
 START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
-STAGE_ABBREV = {Stage.FINALIZE: "finalize", Stage.SHARED_ADD: "shared", Stage.ALL_REDUCE: "AR",
-                Stage.RESIDUAL_NORM: "res+norm", Stage.QUANT: "quant"}
+STAGE_ABBREV = {
+    Stage.FINALIZE: "finalize",
+    Stage.SHARED_ADD: "shared",
+    Stage.ALL_REDUCE: "AR",
+    Stage.RESIDUAL_NORM: "res+norm",
+    Stage.QUANT: "quant",
+}
 
 
 def _gpu(sm: int, world: int, flashinfer: str = FLASHINFER_VERSIONS[0]) -> Environment:
-    return Environment(device_type="cuda", sm=sm, gpu_name=f"SM{sm}", world_size=world, triton_version="3.6.0",
-                       flashinfer_version=flashinfer)
+    return Environment(
+        device_type="cuda",
+        sm=sm,
+        gpu_name=f"SM{sm}",
+        world_size=world,
+        triton_version="3.6.0",
+        flashinfer_version=flashinfer,
+    )
 
 
 def _cpu() -> Environment:
-    return Environment(world_size=2, triton_version="3.6.0", flashinfer_version=FLASHINFER_VERSIONS[0])
+    return Environment(
+        world_size=2, triton_version="3.6.0", flashinfer_version=FLASHINFER_VERSIONS[0]
+    )
 
 
 def _spec(quant: str) -> EpilogueSpec:
@@ -36,36 +55,59 @@ def _ok(cls, spec, env) -> bool:
 
 
 def _runs(cls, quants, sms, worlds, versions) -> bool:
-    return any(_ok(cls, _spec(q), _gpu(sm, w, fi)) for q in quants for sm in sms for w in worlds for fi in versions)
+    return any(
+        _ok(cls, _spec(q), _gpu(sm, w, fi))
+        for q in quants
+        for sm in sms
+        for w in worlds
+        for fi in versions
+    )
 
 
 def rows() -> list[dict]:
     out = []
     for cls in strategy_classes():
-        quants = [q for q in ("none", "fp8", "nvfp4") if _runs(cls, [q], SMS, [2], FLASHINFER_VERSIONS)]
+        quants = [
+            q for q in ("none", "fp8", "nvfp4") if _runs(cls, [q], SMS, [2], FLASHINFER_VERSIONS)
+        ]
         probe = _spec(quants[0] if quants else "none")
         versions = [fi for fi in FLASHINFER_VERSIONS if _runs(cls, quants, SMS, [2], [fi])]
         needs_fi = not _ok(cls, probe, _gpu(90, 2, None)) and bool(versions)
         with_fi = [st.name for st in cls.steps(probe, _gpu(90, 2))]
         if not needs_fi:
-            fi = "not needed" if with_fi == [st.name for st in cls.steps(probe, _gpu(90, 2, None))] else \
-                f"optional (>= {FLASHINFER_VERSIONS[0]} adds a faster sub-path)"
+            fi = (
+                "not needed"
+                if with_fi == [st.name for st in cls.steps(probe, _gpu(90, 2, None))]
+                else f"optional (>= {FLASHINFER_VERSIONS[0]} adds a faster sub-path)"
+            )
         elif versions[0] == FLASHINFER_VERSIONS[0]:
             fi = f">= {versions[0]}"
         else:
             before = FLASHINFER_VERSIONS[FLASHINFER_VERSIONS.index(versions[0]) - 1]
             fi = f"> {before} (self-test gated)"
-        out.append({
-            "strategy": cls.name,
-            "stages covered": " + ".join(STAGE_ABBREV[s] for s in required_stages(probe, 2)),
-            "launches at SM90, TP2": " → ".join(with_fi),
-            "CPU": "yes" if _ok(cls, probe, _cpu()) else
-                   ("interpreter only" if _ok(cls, probe, _cpu().replace(triton_interpret=True)) else "no"),
-            "SM": ", ".join(str(sm) for sm in SMS if _runs(cls, quants, [sm], [2], FLASHINFER_VERSIONS)) or "none",
-            "world sizes": ", ".join(str(w) for w in WORLD_SIZES if _runs(cls, quants, SMS, [w], FLASHINFER_VERSIONS)),
-            "quant": ", ".join(quants) or "none",
-            "flashinfer": fi,
-        })
+        out.append(
+            {
+                "strategy": cls.name,
+                "stages covered": " + ".join(STAGE_ABBREV[s] for s in required_stages(probe, 2)),
+                "launches at SM90, TP2": " → ".join(with_fi),
+                "CPU": "yes"
+                if _ok(cls, probe, _cpu())
+                else (
+                    "interpreter only"
+                    if _ok(cls, probe, _cpu().replace(triton_interpret=True))
+                    else "no"
+                ),
+                "SM": ", ".join(
+                    str(sm) for sm in SMS if _runs(cls, quants, [sm], [2], FLASHINFER_VERSIONS)
+                )
+                or "none",
+                "world sizes": ", ".join(
+                    str(w) for w in WORLD_SIZES if _runs(cls, quants, SMS, [w], FLASHINFER_VERSIONS)
+                ),
+                "quant": ", ".join(quants) or "none",
+                "flashinfer": fi,
+            }
+        )
     return out
 
 

@@ -2,7 +2,8 @@
 
 A strategy is one cover of the epilogue's stages (finalize, shared add, all-reduce, residual+norm,
 quant) by launch steps. Its class-level methods are pure functions of (spec, environment) so the
-planner and the golden tests need no hardware; an instance holds what `prepare()` built (workspaces).
+planner and the golden tests need no hardware; an instance holds what `prepare()` built
+(workspaces).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from ..io import EpilogueInputs, EpilogueOutputs
 from ..reasons import Reason
 from ..spec import EpilogueSpec, QuantKind, SFLayout, Stage
 
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DEFAULT_VARIANT = "default"
 
 
 @dataclass(frozen=True)
 class Step:
-    """One launch (or one library call) of a strategy, named `<library>.<what>`, and the stages it covers."""
+    """One launch (or one library call) of a strategy, named `<library>.<what>`, and the stages it
+    covers."""
 
     name: str
     stages: tuple[Stage, ...]
@@ -46,11 +48,16 @@ def required_stages(spec: EpilogueSpec, world_size: int) -> tuple[Stage, ...]:
 
 
 def kernel_quant_args(spec: EpilogueSpec) -> tuple[int, float, bool]:
-    """(quant code, scale, swizzled?) as our quant kernels take them: code 0 none, 1 fp8 (scale is the
+    """(quant code, scale, swizzled?) as our quant kernels take them: code 0 none, 1 fp8 (scale is
+    the
     divisor), 2 nvfp4 (scale is the global scale)."""
     q = spec.quant
     code = {QuantKind.NONE: 0, QuantKind.FP8: 1, QuantKind.NVFP4: 2}[q.kind]
-    scale = q.scale if q.kind is QuantKind.FP8 else (q.global_scale if q.kind is QuantKind.NVFP4 else 1.0)
+    scale = (
+        q.scale
+        if q.kind is QuantKind.FP8
+        else (q.global_scale if q.kind is QuantKind.NVFP4 else 1.0)
+    )
     return code, scale, q.sf_layout is SFLayout.SWIZZLED_128x4
 
 
@@ -69,8 +76,10 @@ class Strategy:
     summary: ClassVar[str]
     #: auto may pick it (the fp32 oracle may not)
     auto_selectable: ClassVar[bool] = True
-    #: opt-in: auto neither prepares (no workspace, no self-test) nor picks it; a request by name does. For
-    #: a strategy not yet measured where it would run: it cannot cost every auto bridge memory and build time
+    # : opt-in: auto neither prepares (no workspace, no self-test) nor picks it; a request by name
+    # does. For
+    # : a strategy not yet measured where it would run: it cannot cost every auto bridge memory and
+    # build time
     opt_in: ClassVar[bool] = False
     #: run the collective self-test against the oracle when the bridge is prepared (GPU strategies)
     self_tested: ClassVar[bool] = False
@@ -95,34 +104,45 @@ class Strategy:
     def error_bound(cls, spec: EpilogueSpec, env: Environment) -> float:
         """Norm-wise relative error bound of residual_out and norm_out against the fp32 oracle.
 
-        The oracle's outputs are rounded too, so its one rounding counts alongside the strategy's."""
+        The oracle's outputs are rounded too, so its one rounding counts alongside the
+        strategy's."""
         return rounding_error_bound(spec.dtype, cls.roundings(spec, env) + 1)
 
     @classmethod
     def is_auto_selectable(cls, spec: EpilogueSpec, env: Environment) -> bool:
-        """Whether auto may pick it when available (the oracle, interpreter-only and opt-in paths may not)."""
+        """Whether auto may pick it when available (the oracle, interpreter-only and opt-in paths
+        may not)."""
         return cls.auto_selectable and not cls.opt_in
 
     @classmethod
     def max_tokens_per_call(cls, spec: EpilogueSpec, env: Environment) -> Optional[int]:
-        """The largest T one call may carry, or None for no limit (workspace-backed paths have one)."""
+        """The largest T one call may carry, or None for no limit (workspace-backed paths have
+        one)."""
         return None
 
     @classmethod
     def variants(cls, spec: EpilogueSpec, env: Environment) -> tuple[str, ...]:
-        """Launch variants: ways to launch the same steps that differ only in speed (one-shot / two-shot,
-        PDL on / off). Tuning measures each; the plan stores one per token bucket; `run` receives it."""
+        """Launch variants: ways to launch the same steps that differ only in speed (one-shot /
+        two-shot,
+        PDL on / off). Tuning measures each; the plan stores one per token bucket; `run` receives
+        it."""
         return (DEFAULT_VARIANT,)
 
     @classmethod
     def default_variant(cls, spec: EpilogueSpec, env: Environment, tokens: Optional[int]) -> str:
-        """The variant for a bucket whose largest T is `tokens` (None: above max_tokens) when nothing
+        """The variant for a bucket whose largest T is `tokens` (None: above max_tokens) when
+        nothing
         was measured. A pure function, like every class-level method."""
         return cls.variants(spec, env)[0]
 
     # ---- per instance: built by the bridge, collectively ----
-    def __init__(self, spec: EpilogueSpec, env: Environment, group=None,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        spec: EpilogueSpec,
+        env: Environment,
+        group=None,
+        device: Optional[torch.device] = None,
+    ) -> None:
         self.spec, self.env, self.group = spec, env, group
         self.device = device or torch.device("cpu")
 

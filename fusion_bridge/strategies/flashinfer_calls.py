@@ -38,21 +38,59 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..log import get_logger, log_every
-from .flashinfer_common import MAX_COMM_SIZE  # flashinfer's trtllm_ar.MAX_COMM_SIZE, pinned by a drift test
+from .flashinfer_common import (
+    MAX_COMM_SIZE,
+)  # flashinfer's trtllm_ar.MAX_COMM_SIZE, pinned by a drift test
 
 _log = get_logger("strategies.flashinfer_calls")
 
-# The order in which get_trtllm_comm_module()'s functions pass their arguments to the compiled module
+# The order in which get_trtllm_comm_module()'s functions pass their arguments to the compiled
+# module
 # (flashinfer 0.7.2.post1, flashinfer/comm/trtllm_ar.py).
 ALLREDUCE_FUSION_ARGS = (
-    "allreduce_in", "world_size", "world_rank", "token_num", "hidden_dim", "workspace_ptrs", "launch_with_pdl",
-    "use_oneshot", "trigger_completion_at_end", "fp32_acc", "pattern_code", "allreduce_out", "residual_in",
-    "residual_out", "norm_out", "quant_out", "scale_out", "rms_gamma", "rms_eps", "scale_factor", "layout_code",
-    "block_quant_group_size", "weight_bias")
+    "allreduce_in",
+    "world_size",
+    "world_rank",
+    "token_num",
+    "hidden_dim",
+    "workspace_ptrs",
+    "launch_with_pdl",
+    "use_oneshot",
+    "trigger_completion_at_end",
+    "fp32_acc",
+    "pattern_code",
+    "allreduce_out",
+    "residual_in",
+    "residual_out",
+    "norm_out",
+    "quant_out",
+    "scale_out",
+    "rms_gamma",
+    "rms_eps",
+    "scale_factor",
+    "layout_code",
+    "block_quant_group_size",
+    "weight_bias",
+)
 MOE_FINALIZE_ARGS = (
-    "allreduce_in", "residual_in", "norm_weight", "expanded_idx_to_permuted_idx", "norm_out", "residual_out",
-    "quant_out", "scale_out", "launch_with_pdl", "workspace", "world_rank", "world_size", "eps",
-    "shared_expert_output", "expert_scale_factor", "routed_scaling_factor", "weight_bias")
+    "allreduce_in",
+    "residual_in",
+    "norm_weight",
+    "expanded_idx_to_permuted_idx",
+    "norm_out",
+    "residual_out",
+    "quant_out",
+    "scale_out",
+    "launch_with_pdl",
+    "workspace",
+    "world_rank",
+    "world_size",
+    "eps",
+    "shared_expert_output",
+    "expert_scale_factor",
+    "routed_scaling_factor",
+    "weight_bias",
+)
 # Fingerprints (see wrapper_fingerprint) of the public wrappers whose checks are replicated below.
 VERIFIED_WRAPPERS = {
     "trtllm_allreduce_fusion": "cf9b26bc08b5c549",
@@ -63,6 +101,7 @@ VERIFIED_WRAPPERS = {
 @functools.lru_cache(maxsize=1)
 def _module_source():
     from flashinfer.comm import trtllm_ar
+
     source = inspect.getsource(trtllm_ar)
     return trtllm_ar, source, ast.parse(source)
 
@@ -84,7 +123,11 @@ def wrapper_fingerprint(name: str) -> Optional[str]:
     lines = _module_source()[1].splitlines()
     skip: set[int] = set()
     first = node.body[0] if node.body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
         skip = set(range(first.lineno, first.end_lineno + 1))
     kept = [lines[i - 1].rstrip() for i in range(node.lineno, node.end_lineno + 1) if i not in skip]
     kept = [line for line in kept if line.strip() and not line.strip().startswith("#")]
@@ -100,24 +143,37 @@ def compiled_call_order(name: str) -> Optional[tuple[str, ...]]:
     for node in ast.walk(outer):
         if isinstance(node, ast.FunctionDef) and node.name == name:
             for call in ast.walk(node):
-                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == name
-                        and isinstance(call.func.value, ast.Name) and call.func.value.id == "module"):
+                if (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == name
+                    and isinstance(call.func.value, ast.Name)
+                    and call.func.value.id == "module"
+                ):
                     if call.keywords or not all(isinstance(a, ast.Name) for a in call.args):
                         return None
                     return tuple(a.id for a in call.args)
     return None
 
 
-def compiled_function(name: str, expected_order: tuple[str, ...]) -> tuple[Optional[Callable], Optional[str]]:
-    """(the compiled module's `name`, None) or (None, why not). Loads the module as the wrapper would."""
+def compiled_function(
+    name: str, expected_order: tuple[str, ...]
+) -> tuple[Optional[Callable], Optional[str]]:
+    """(the compiled module's `name`, None) or (None, why not). Loads the module as the wrapper
+    would."""
     try:
         fingerprint = wrapper_fingerprint(name)
         if fingerprint != VERIFIED_WRAPPERS[name]:
-            return None, (f"flashinfer's {name} wrapper is not the verified one (fingerprint {fingerprint}, "
-                          f"verified {VERIFIED_WRAPPERS[name]} = 0.7.2.post1): its checks may differ")
+            return None, (
+                f"flashinfer's {name} wrapper is not the verified one (fingerprint {fingerprint}, "
+                f"verified {VERIFIED_WRAPPERS[name]} = 0.7.2.post1): its checks may differ"
+            )
         order = compiled_call_order(name)
         if order != expected_order:
-            return None, f"get_trtllm_comm_module().{name} passes {order}, expected {expected_order}"
+            return (
+                None,
+                f"get_trtllm_comm_module().{name} passes {order}, expected {expected_order}",
+            )
         trtllm_ar = _module_source()[0]
         inner = getattr(trtllm_ar.get_trtllm_comm_module(), name)
         cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or ()))
@@ -136,77 +192,186 @@ def _report(who: str, reason: Optional[str]) -> None:
 
 
 class AllReduceFusionCall:
-    """trtllm_allreduce_fusion for one bridge: `call(allreduce_in, token_num, use_oneshot, residual_in,
-    residual_out, norm_out, quant_out, scale_out, rms_gamma)`. allreduce_out is None (the patterns we
+    """trtllm_allreduce_fusion for one bridge: `call(allreduce_in, token_num, use_oneshot,
+    residual_in,
+    residual_out, norm_out, quant_out, scale_out, rms_gamma)`. allreduce_out is None (the patterns
+    we
     use write norm_out); `scale_factor` must be an fp32 tensor made once (or None)."""
 
     name = "trtllm_allreduce_fusion"
 
-    def __init__(self, fi_comm, workspace, *, world_size: int, rank: int, hidden: int, dtype: torch.dtype,
-                 pattern: int, scale_factor: Optional[torch.Tensor], layout: Optional[int], eps: float,
-                 weight_bias: float, launch_with_pdl: bool = False, trigger_completion_at_end: bool = True,
-                 fp32_acc: bool = True, direct: bool = True):
+    def __init__(
+        self,
+        fi_comm,
+        workspace,
+        *,
+        world_size: int,
+        rank: int,
+        hidden: int,
+        dtype: torch.dtype,
+        pattern: int,
+        scale_factor: Optional[torch.Tensor],
+        layout: Optional[int],
+        eps: float,
+        weight_bias: float,
+        launch_with_pdl: bool = False,
+        trigger_completion_at_end: bool = True,
+        fp32_acc: bool = True,
+        direct: bool = True,
+    ):
         self._fi = fi_comm
         self.workspace_ptrs = workspace.workspace_tensor
         meta = getattr(workspace, "metadata", None) or {}
         if meta and meta.get("tp_size", world_size) != world_size:
-            raise ValueError(f"{self.name}: workspace tp_size {meta['tp_size']} != world_size {world_size}")
-        self.max_tokens = (meta["max_token_num"] * meta["hidden_dim"] // hidden
-                           if "max_token_num" in meta and "hidden_dim" in meta else None)
+            raise ValueError(
+                f"{self.name}: workspace tp_size {meta['tp_size']} != world_size {world_size}"
+            )
+        self.max_tokens = (
+            meta["max_token_num"] * meta["hidden_dim"] // hidden
+            if "max_token_num" in meta and "hidden_dim" in meta
+            else None
+        )
         if "use_fp32_lamport" in meta and meta["use_fp32_lamport"] != (dtype == torch.float32):
-            raise ValueError(f"{self.name}: workspace use_fp32_lamport={meta['use_fp32_lamport']} does not match "
-                             f"dtype {dtype}")
+            raise ValueError(
+                f"{self.name}: workspace use_fp32_lamport={meta['use_fp32_lamport']} does not "
+                "match "
+                f"dtype {dtype}"
+            )
         if scale_factor is not None and not isinstance(scale_factor, torch.Tensor):
-            raise TypeError(f"{self.name}: scale_factor must be a tensor made once (a float would be copied to "
-                            f"the device per call), got {type(scale_factor).__name__}")
+            raise TypeError(
+                f"{self.name}: scale_factor must be a tensor made once (a float would be copied to "
+                f"the device per call), got {type(scale_factor).__name__}"
+            )
         if scale_factor is not None and scale_factor.dtype != torch.float32:
-            scale_factor = scale_factor.to(torch.float32)  # once, where the wrapper converts per call
+            scale_factor = scale_factor.to(
+                torch.float32
+            )  # once, where the wrapper converts per call
         self.world_size, self.rank, self.hidden, self.dtype = world_size, rank, hidden, dtype
         self.pattern, self.scale_factor, self.layout = pattern, scale_factor, layout
         self.eps, self.weight_bias = float(eps), float(weight_bias)
         self.pdl, self.trigger, self.fp32_acc = launch_with_pdl, trigger_completion_at_end, fp32_acc
         comm_bytes_per_token = hidden * (4 if dtype == torch.float32 else 2) * world_size
         self.oneshot_max_tokens = MAX_COMM_SIZE // comm_bytes_per_token  # Lamport one-shot limit
-        fn, reason = compiled_function(self.name, ALLREDUCE_FUSION_ARGS) if direct else (None, "direct=False")
+        fn, reason = (
+            compiled_function(self.name, ALLREDUCE_FUSION_ARGS)
+            if direct
+            else (None, "direct=False")
+        )
         self.direct, self.reason = fn, reason
-        self._should_use_oneshot = _module_source()[0]._should_use_oneshot if fn is not None else None
+        self._should_use_oneshot = (
+            _module_source()[0]._should_use_oneshot if fn is not None else None
+        )
         _report(self.name, reason)
 
-    def __call__(self, allreduce_in: torch.Tensor, token_num: int, use_oneshot: Optional[bool],
-                 residual_in: torch.Tensor, residual_out: torch.Tensor, norm_out: torch.Tensor,
-                 quant_out: Optional[torch.Tensor], scale_out: Optional[torch.Tensor], rms_gamma: torch.Tensor
-                 ) -> None:
+    def __call__(
+        self,
+        allreduce_in: torch.Tensor,
+        token_num: int,
+        use_oneshot: Optional[bool],
+        residual_in: torch.Tensor,
+        residual_out: torch.Tensor,
+        norm_out: torch.Tensor,
+        quant_out: Optional[torch.Tensor],
+        scale_out: Optional[torch.Tensor],
+        rms_gamma: torch.Tensor,
+    ) -> None:
         fn = self.direct
         if fn is None:
-            return self._public(allreduce_in, token_num, use_oneshot, residual_in, residual_out, norm_out,
-                                quant_out, scale_out, rms_gamma)
+            return self._public(
+                allreduce_in,
+                token_num,
+                use_oneshot,
+                residual_in,
+                residual_out,
+                norm_out,
+                quant_out,
+                scale_out,
+                rms_gamma,
+            )
         world_size = self.world_size
         if self.max_tokens is not None and token_num > self.max_tokens:
-            raise ValueError(f"{self.name}: token_num {token_num} exceeds the workspace's {self.max_tokens} "
-                             "tokens (an illegal memory access in FlashInfer)")
+            raise ValueError(
+                f"{self.name}: token_num {token_num} exceeds the workspace's {self.max_tokens} "
+                "tokens (an illegal memory access in FlashInfer)"
+            )
         if use_oneshot is None:
             use_oneshot = self._should_use_oneshot(token_num, self.hidden, self.dtype, world_size)
         if not use_oneshot and token_num <= world_size:
-            raise ValueError(f"{self.name}: two-shot needs token_num > world_size, got token_num={token_num} "
-                             f"and world_size={world_size} (FlashInfer asserts it)")
+            raise ValueError(
+                f"{self.name}: two-shot needs token_num > world_size, got token_num={token_num} "
+                f"and world_size={world_size} (FlashInfer asserts it)"
+            )
         if use_oneshot and token_num > self.oneshot_max_tokens:
-            log_every(("flashinfer_calls.oneshot_too_large", self.hidden, world_size), 60.0, logging.WARNING,
-                      f"{self.name}: {token_num} tokens exceed the one-shot Lamport buffer "
-                      f"({self.oneshot_max_tokens}); two-shot is used, as FlashInfer does")
+            log_every(
+                ("flashinfer_calls.oneshot_too_large", self.hidden, world_size),
+                60.0,
+                logging.WARNING,
+                f"{self.name}: {token_num} tokens exceed the one-shot Lamport buffer "
+                f"({self.oneshot_max_tokens}); two-shot is used, as FlashInfer does",
+            )
             use_oneshot = False
-        fn(allreduce_in, world_size, self.rank, token_num, self.hidden, self.workspace_ptrs, self.pdl, use_oneshot,
-           self.trigger, self.fp32_acc, self.pattern, None, residual_in, residual_out, norm_out, quant_out,
-           scale_out, rms_gamma, self.eps, self.scale_factor, self.layout, None, self.weight_bias)
+        fn(
+            allreduce_in,
+            world_size,
+            self.rank,
+            token_num,
+            self.hidden,
+            self.workspace_ptrs,
+            self.pdl,
+            use_oneshot,
+            self.trigger,
+            self.fp32_acc,
+            self.pattern,
+            None,
+            residual_in,
+            residual_out,
+            norm_out,
+            quant_out,
+            scale_out,
+            rms_gamma,
+            self.eps,
+            self.scale_factor,
+            self.layout,
+            None,
+            self.weight_bias,
+        )
 
-    def _public(self, allreduce_in, token_num, use_oneshot, residual_in, residual_out, norm_out, quant_out,
-                scale_out, rms_gamma) -> None:
+    def _public(
+        self,
+        allreduce_in,
+        token_num,
+        use_oneshot,
+        residual_in,
+        residual_out,
+        norm_out,
+        quant_out,
+        scale_out,
+        rms_gamma,
+    ) -> None:
         self._fi.trtllm_allreduce_fusion(
-            allreduce_in=allreduce_in, world_size=self.world_size, world_rank=self.rank, token_num=token_num,
-            hidden_dim=self.hidden, workspace_ptrs=self.workspace_ptrs, launch_with_pdl=self.pdl,
-            trigger_completion_at_end=self.trigger, fp32_acc=self.fp32_acc, pattern_code=self.pattern,
-            use_oneshot=use_oneshot, allreduce_out=None, residual_in=residual_in, residual_out=residual_out,
-            norm_out=norm_out, quant_out=quant_out, scale_out=scale_out, rms_gamma=rms_gamma, rms_eps=self.eps,
-            scale_factor=self.scale_factor, layout_code=self.layout, weight_bias=self.weight_bias)
+            allreduce_in=allreduce_in,
+            world_size=self.world_size,
+            world_rank=self.rank,
+            token_num=token_num,
+            hidden_dim=self.hidden,
+            workspace_ptrs=self.workspace_ptrs,
+            launch_with_pdl=self.pdl,
+            trigger_completion_at_end=self.trigger,
+            fp32_acc=self.fp32_acc,
+            pattern_code=self.pattern,
+            use_oneshot=use_oneshot,
+            allreduce_out=None,
+            residual_in=residual_in,
+            residual_out=residual_out,
+            norm_out=norm_out,
+            quant_out=quant_out,
+            scale_out=scale_out,
+            rms_gamma=rms_gamma,
+            rms_eps=self.eps,
+            scale_factor=self.scale_factor,
+            layout_code=self.layout,
+            weight_bias=self.weight_bias,
+        )
 
 
 class MoeFinalizeCall:
@@ -217,49 +382,124 @@ class MoeFinalizeCall:
 
     name = "trtllm_moe_finalize_allreduce_fusion"
 
-    def __init__(self, fi_comm, workspace, *, world_size: int, rank: int, eps: float,
-                 routed_scaling_factor: Optional[float], weight_bias: float, launch_with_pdl: bool = False,
-                 direct: bool = True):
+    def __init__(
+        self,
+        fi_comm,
+        workspace,
+        *,
+        world_size: int,
+        rank: int,
+        eps: float,
+        routed_scaling_factor: Optional[float],
+        weight_bias: float,
+        launch_with_pdl: bool = False,
+        direct: bool = True,
+    ):
         self._fi = fi_comm
         self.workspace_ptrs = workspace.workspace_tensor
         self.world_size, self.rank, self.eps = world_size, rank, float(eps)
-        self.routed_scaling_factor = None if routed_scaling_factor is None else float(routed_scaling_factor)
+        self.routed_scaling_factor = (
+            None if routed_scaling_factor is None else float(routed_scaling_factor)
+        )
         self.weight_bias, self.pdl = float(weight_bias), launch_with_pdl
         self.max_comm_size = MAX_COMM_SIZE
-        fn, reason = compiled_function(self.name, MOE_FINALIZE_ARGS) if direct else (None, "direct=False")
+        fn, reason = (
+            compiled_function(self.name, MOE_FINALIZE_ARGS) if direct else (None, "direct=False")
+        )
         self.direct, self.reason = fn, reason
         _report(self.name, reason)
 
-    def __call__(self, allreduce_in: torch.Tensor, residual_in: torch.Tensor, norm_weight: torch.Tensor,
-                 expanded_idx_to_permuted_idx: torch.Tensor, norm_out: Optional[torch.Tensor],
-                 residual_out: Optional[torch.Tensor], quant_out: Optional[torch.Tensor],
-                 scale_out: Optional[torch.Tensor], shared_expert_output: Optional[torch.Tensor],
-                 expert_scale_factor: Optional[torch.Tensor]) -> None:
+    def __call__(
+        self,
+        allreduce_in: torch.Tensor,
+        residual_in: torch.Tensor,
+        norm_weight: torch.Tensor,
+        expanded_idx_to_permuted_idx: torch.Tensor,
+        norm_out: Optional[torch.Tensor],
+        residual_out: Optional[torch.Tensor],
+        quant_out: Optional[torch.Tensor],
+        scale_out: Optional[torch.Tensor],
+        shared_expert_output: Optional[torch.Tensor],
+        expert_scale_factor: Optional[torch.Tensor],
+    ) -> None:
         fn = self.direct
         if fn is None:
-            return self._public(allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out,
-                                residual_out, quant_out, scale_out, shared_expert_output, expert_scale_factor)
+            return self._public(
+                allreduce_in,
+                residual_in,
+                norm_weight,
+                expanded_idx_to_permuted_idx,
+                norm_out,
+                residual_out,
+                quant_out,
+                scale_out,
+                shared_expert_output,
+                expert_scale_factor,
+            )
         required = residual_in.numel() * residual_in.element_size() * self.world_size
         if required > self.max_comm_size:
-            raise ValueError(f"required_lamport_comm_size {required} is greater than MAX_COMM_SIZE "
-                             f"{self.max_comm_size}. Cannot use oneshot in this case.")
-        fn(allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out, residual_out, quant_out,
-           scale_out, self.pdl, self.workspace_ptrs, self.rank, self.world_size, self.eps, shared_expert_output,
-           expert_scale_factor, self.routed_scaling_factor, self.weight_bias)
+            raise ValueError(
+                f"required_lamport_comm_size {required} is greater than MAX_COMM_SIZE "
+                f"{self.max_comm_size}. Cannot use oneshot in this case."
+            )
+        fn(
+            allreduce_in,
+            residual_in,
+            norm_weight,
+            expanded_idx_to_permuted_idx,
+            norm_out,
+            residual_out,
+            quant_out,
+            scale_out,
+            self.pdl,
+            self.workspace_ptrs,
+            self.rank,
+            self.world_size,
+            self.eps,
+            shared_expert_output,
+            expert_scale_factor,
+            self.routed_scaling_factor,
+            self.weight_bias,
+        )
 
-    def _public(self, allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx, norm_out, residual_out,
-                quant_out, scale_out, shared_expert_output, expert_scale_factor) -> None:
+    def _public(
+        self,
+        allreduce_in,
+        residual_in,
+        norm_weight,
+        expanded_idx_to_permuted_idx,
+        norm_out,
+        residual_out,
+        quant_out,
+        scale_out,
+        shared_expert_output,
+        expert_scale_factor,
+    ) -> None:
         self._fi.trtllm_moe_finalize_allreduce_fusion(
-            allreduce_in=allreduce_in, residual_in=residual_in, norm_weight=norm_weight,
-            expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, norm_out=norm_out,
-            residual_out=residual_out, quant_out=quant_out, scale_out=scale_out,
-            workspace_ptrs=self.workspace_ptrs, launch_with_pdl=self.pdl, world_rank=self.rank,
-            world_size=self.world_size, eps=self.eps, shared_expert_output=shared_expert_output,
-            expert_scale_factor=expert_scale_factor, routed_scaling_factor=self.routed_scaling_factor,
-            weight_bias=self.weight_bias)
+            allreduce_in=allreduce_in,
+            residual_in=residual_in,
+            norm_weight=norm_weight,
+            expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
+            norm_out=norm_out,
+            residual_out=residual_out,
+            quant_out=quant_out,
+            scale_out=scale_out,
+            workspace_ptrs=self.workspace_ptrs,
+            launch_with_pdl=self.pdl,
+            world_rank=self.rank,
+            world_size=self.world_size,
+            eps=self.eps,
+            shared_expert_output=shared_expert_output,
+            expert_scale_factor=expert_scale_factor,
+            routed_scaling_factor=self.routed_scaling_factor,
+            weight_bias=self.weight_bias,
+        )
 
 
 def describe(call: Any) -> str:
     """One line for reports: which path a bound call takes and why."""
-    return f"{call.name}: " + ("compiled function, pre-bound" if call.direct is not None else
-                               f"public wrapper ({call.reason})")
+    return f"{call.name}: " + (
+        "compiled function, pre-bound"
+        if call.direct is not None
+        else f"public wrapper ({call.reason})"
+    )

@@ -1,5 +1,6 @@
 """`flashinfer_fused`: FlashInfer's trtllm_moe_finalize_allreduce_fusion (pattern
-kMoEFinalizeARResidualRMSNorm): finalize + shared add + all-reduce + residual + RMSNorm in one kernel;
+kMoEFinalizeARResidualRMSNorm): finalize + shared add + all-reduce + residual + RMSNorm in one
+kernel;
 for a quantized spec, our quant kernel as a second step (FlashInfer's fused FP4 is unusable in
 0.7.2.post1 -- see flashinfer_fused_fp4 for the variant that would use it).
 
@@ -21,13 +22,16 @@ from ..spec import QuantKind, Stage
 from . import flashinfer_calls, flashinfer_common as fic
 from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
 
-INT32_LIMIT = 2 ** 31
+INT32_LIMIT = 2**31
 
 
 class FlashInferFusedStrategy(Strategy):
     name = "flashinfer_fused"
-    summary = ("FlashInfer trtllm_moe_finalize_allreduce_fusion: finalize+shared+AR+residual+RMSNorm in one "
-               "kernel (+ our quant kernel)")
+    summary = (
+        "FlashInfer trtllm_moe_finalize_allreduce_fusion: finalize+shared+AR+residual+RMSNorm in "
+        "one "
+        "kernel (+ our quant kernel)"
+    )
     self_tested = True
     fused_fp4 = False  # the flashinfer_fused_fp4 subclass lets FlashInfer quantize to FP4 itself
 
@@ -35,9 +39,14 @@ class FlashInferFusedStrategy(Strategy):
     def not_supported_reasons(cls, spec, env):
         return collect(
             fic.common_reasons(spec, env, cls.name),
-            require_hidden_multiple(spec, cls.name, 256, "hidden_not_multiple_of_256",
-                                    " (H/8 a whole number of warps; at H=2880 we measured inf, NaN and a hang "
-                                    "although FlashInfer checks only % 8)"),
+            require_hidden_multiple(
+                spec,
+                cls.name,
+                256,
+                "hidden_not_multiple_of_256",
+                " (H/8 a whole number of warps; at H=2880 we measured inf, NaN and a hang "
+                "although FlashInfer checks only % 8)",
+            ),
         )
 
     @classmethod
@@ -51,8 +60,10 @@ class FlashInferFusedStrategy(Strategy):
 
     @classmethod
     def roundings(cls, spec, env):
-        # FlashInfer accumulates the top-k sum in the activation dtype: each product is rounded and each
-        # add is rounded (2K), then shared add, the all-reduce output, residual add and the norm output.
+        # FlashInfer accumulates the top-k sum in the activation dtype: each product is rounded and
+        # each
+        # add is rounded (2K), then shared add, the all-reduce output, residual add and the norm
+        # output.
         return 2 * spec.top_k + int(spec.has_shared_output) + 3
 
     @classmethod
@@ -65,13 +76,22 @@ class FlashInferFusedStrategy(Strategy):
     def prepare(self) -> None:
         import flashinfer.comm as fi_comm
         from ..kernels import ops
+
         self._ops = ops.fast  # our quant kernel
         self._fi = fi_comm
         self._workspace = fic.acquire_workspace(self.group, self.spec, self.env.world_size)
         self._rank = torch.distributed.get_rank(self.group)
-        self._moe = flashinfer_calls.MoeFinalizeCall(  # pre-bound; the public wrapper if internals differ
-            fi_comm, self._workspace, world_size=self.env.world_size, rank=self._rank, eps=self.spec.eps,
-            routed_scaling_factor=self.spec.routed_scaling_factor, weight_bias=self.spec.weight_bias)
+        self._moe = (
+            flashinfer_calls.MoeFinalizeCall(  # pre-bound; the public wrapper if internals differ
+                fi_comm,
+                self._workspace,
+                world_size=self.env.world_size,
+                rank=self._rank,
+                eps=self.spec.eps,
+                routed_scaling_factor=self.spec.routed_scaling_factor,
+                weight_bias=self.spec.weight_bias,
+            )
+        )
 
     @property
     def workspace_bytes(self) -> int:
@@ -84,23 +104,44 @@ class FlashInferFusedStrategy(Strategy):
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         spec = self.spec
-        out = allocate_outputs(spec, inputs.tokens, inputs.residual.device) if self.fused_fp4 else None
-        residual_out, norm_out = ((out.residual_out, out.norm_out) if out is not None else
-                                  (torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)))
+        out = (
+            allocate_outputs(spec, inputs.tokens, inputs.residual.device)
+            if self.fused_fp4
+            else None
+        )
+        residual_out, norm_out = (
+            (out.residual_out, out.norm_out)
+            if out is not None
+            else (torch.empty_like(inputs.residual), torch.empty_like(inputs.residual))
+        )
         quant_out, scale_out = (out.quant, out.scale) if out is not None else (None, None)
-        if scale_out is not None:  # swizzled padding must read 0; not verified that FlashInfer writes it
+        if (
+            scale_out is not None
+        ):  # swizzled padding must read 0; not verified that FlashInfer writes it
             scale_out.zero_()
         weights = inputs.expert_weights
         if weights.dtype != spec.dtype:  # FlashInfer reads them as the activation dtype, unchecked
             weights = weights.to(spec.dtype)
-        self._moe(inputs.gemm2_out, inputs.residual, inputs.gamma, inputs.expanded_idx_to_permuted_idx, norm_out,
-                  residual_out, quant_out, scale_out, inputs.shared_output, weights)
+        self._moe(
+            inputs.gemm2_out,
+            inputs.residual,
+            inputs.gamma,
+            inputs.expanded_idx_to_permuted_idx,
+            norm_out,
+            residual_out,
+            quant_out,
+            scale_out,
+            inputs.shared_output,
+            weights,
+        )
         q = spec.quant
         if q.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
         if quant_out is None:
             quant_out, scale_out = self._ops.quantize(norm_out, *kernel_quant_args(spec))
-        return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out if q.kind is QuantKind.NVFP4 else None)
+        return EpilogueOutputs(
+            residual_out, norm_out, quant_out, scale_out if q.kind is QuantKind.NVFP4 else None
+        )
 
     def close(self) -> None:
         workspace, self._workspace = getattr(self, "_workspace", None), None

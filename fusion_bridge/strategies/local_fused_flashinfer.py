@@ -2,7 +2,8 @@
 trtllm_allreduce_fusion (all-reduce + residual add + RMSNorm, + FP8 in the same kernel).
 
 FlashInfer patterns used: kARResidualRMSNorm; kARResidualRMSNormOutFP8Quant (its scale is a divisor,
-as ours); kARResidualRMSNormOutFP4Quant only on SM >= 100, where its FP4 conversion is compiled (on SM90
+as ours); kARResidualRMSNormOutFP4Quant only on SM >= 100, where its FP4 conversion is compiled (on
+SM90
 we run kARResidualRMSNorm and then our NVFP4 kernel). H % 8 == 0 suffices here (measured correct at
 H=2880, where FlashInfer's MoE-finalize fusion is not).
 
@@ -26,7 +27,12 @@ from .base import Step, Strategy, kernel_quant_args, required_stages
 from .local_common import finalize_partial, finalize_step, hidden_fits
 
 ONESHOT, TWOSHOT = "oneshot", "twoshot"
-_ONESHOT_MAX_MB = {2: 512, 4: 64, 8: 42, 16: 42}  # FlashInfer's heuristic (B200); tuning measures both
+_ONESHOT_MAX_MB = {
+    2: 512,
+    4: 64,
+    8: 42,
+    16: 42,
+}  # FlashInfer's heuristic (B200); tuning measures both
 
 
 def _fused_fp4(spec, env) -> bool:
@@ -35,24 +41,38 @@ def _fused_fp4(spec, env) -> bool:
 
 class LocalFusedFlashInferStrategy(Strategy):
     name = "local_fused_flashinfer"
-    summary = "our Triton finalize+shared-add kernel, then FlashInfer all-reduce+residual+RMSNorm(+FP8)"
+    summary = (
+        "our Triton finalize+shared-add kernel, then FlashInfer all-reduce+residual+RMSNorm(+FP8)"
+    )
     self_tested = True
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
-        return collect(require_triton(env, cls.name), fic.common_reasons(spec, env, cls.name),
-                       require_hidden_multiple(spec, cls.name, 8, "hidden_not_multiple_of_8", " (16-byte vectors)"),
-                       hidden_fits(spec, cls.name) if spec.quant.kind is QuantKind.NVFP4 else None)
+        return collect(
+            require_triton(env, cls.name),
+            fic.common_reasons(spec, env, cls.name),
+            require_hidden_multiple(
+                spec, cls.name, 8, "hidden_not_multiple_of_8", " (16-byte vectors)"
+            ),
+            hidden_fits(spec, cls.name) if spec.quant.kind is QuantKind.NVFP4 else None,
+        )
 
     @classmethod
     def steps(cls, spec, env):
         q = spec.quant.kind
-        ar_norm = tuple(s for s in required_stages(spec, env.world_size)
-                        if s in (Stage.ALL_REDUCE, Stage.RESIDUAL_NORM))
+        ar_norm = tuple(
+            s
+            for s in required_stages(spec, env.world_size)
+            if s in (Stage.ALL_REDUCE, Stage.RESIDUAL_NORM)
+        )
         steps = [finalize_step(spec, env)]
         if q is QuantKind.FP8 or _fused_fp4(spec, env):
-            return steps + [Step(f"flashinfer.ar_residual_rmsnorm_{'fp8' if q is QuantKind.FP8 else 'fp4'}",
-                                 ar_norm + (Stage.QUANT,))]
+            return steps + [
+                Step(
+                    f"flashinfer.ar_residual_rmsnorm_{'fp8' if q is QuantKind.FP8 else 'fp4'}",
+                    ar_norm + (Stage.QUANT,),
+                )
+            ]
         steps.append(Step("flashinfer.ar_residual_rmsnorm", ar_norm))
         if q is QuantKind.NVFP4:
             steps.append(Step("local.quant_nvfp4", (Stage.QUANT,)))
@@ -74,7 +94,7 @@ class LocalFusedFlashInferStrategy(Strategy):
     def default_variant(cls, spec, env, tokens: Optional[int]) -> str:
         if tokens is not None and tokens <= env.world_size:
             return ONESHOT
-        mb = (tokens or spec.max_tokens) * spec.hidden_size * 2 * env.world_size * 2 / 2 ** 20
+        mb = (tokens or spec.max_tokens) * spec.hidden_size * 2 * env.world_size * 2 / 2**20
         return ONESHOT if mb <= _ONESHOT_MAX_MB.get(env.world_size, 42) else TWOSHOT
 
     def local_resource_reasons(self):
@@ -85,6 +105,7 @@ class LocalFusedFlashInferStrategy(Strategy):
         import flashinfer.comm as fi_comm
 
         from ..kernels import ops
+
         spec, env = self.spec, self.env
         self._ops, self._fi = ops.fast, fi_comm
         self._quant = kernel_quant_args(spec)
@@ -98,17 +119,35 @@ class LocalFusedFlashInferStrategy(Strategy):
         elif self._fused_fp4:
             self._pattern, scale = pattern.kARResidualRMSNormOutFP4Quant, q.global_scale
             layouts = fi_comm.QuantizationSFLayout
-            self._layout = (layouts.SWIZZLED_128x4 if q.sf_layout is SFLayout.SWIZZLED_128x4 else layouts.LINEAR)
+            self._layout = (
+                layouts.SWIZZLED_128x4 if q.sf_layout is SFLayout.SWIZZLED_128x4 else layouts.LINEAR
+            )
         else:
             self._pattern = pattern.kARResidualRMSNorm
-        # a tensor made once: a Python float would become a host-to-device copy per call (not capturable)
-        self._scale = None if scale is None else torch.tensor([scale], dtype=torch.float32, device=self.device)
-        # FlashInfer's compiled entry point with the per-bridge arguments bound (its public wrapper when
-        # the internals differ from the pinned version): the wrapper costs ~16 us of host time per call
+        # a tensor made once: a Python float would become a host-to-device copy per call (not
+        # capturable)
+        self._scale = (
+            None
+            if scale is None
+            else torch.tensor([scale], dtype=torch.float32, device=self.device)
+        )
+        # FlashInfer's compiled entry point with the per-bridge arguments bound (its public wrapper
+        # when
+        # the internals differ from the pinned version): the wrapper costs ~16 us of host time per
+        # call
         self._ar = flashinfer_calls.AllReduceFusionCall(
-            fi_comm, self._workspace, world_size=env.world_size, rank=self._rank, hidden=spec.hidden_size,
-            dtype=spec.dtype, pattern=self._pattern, scale_factor=self._scale, layout=self._layout, eps=spec.eps,
-            weight_bias=spec.weight_bias)
+            fi_comm,
+            self._workspace,
+            world_size=env.world_size,
+            rank=self._rank,
+            hidden=spec.hidden_size,
+            dtype=spec.dtype,
+            pattern=self._pattern,
+            scale_factor=self._scale,
+            layout=self._layout,
+            eps=spec.eps,
+            weight_bias=spec.weight_bias,
+        )
 
     @property
     def workspace_bytes(self) -> int:
@@ -118,15 +157,30 @@ class LocalFusedFlashInferStrategy(Strategy):
     def run(self, inputs: EpilogueInputs, variant: str = ONESHOT) -> EpilogueOutputs:
         spec, tokens = self.spec, inputs.tokens
         partial = finalize_partial(self._ops, spec, inputs)
-        residual_out, norm_out = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
+        residual_out, norm_out = (
+            torch.empty_like(inputs.residual),
+            torch.empty_like(inputs.residual),
+        )
         quant_out = scale_out = None
         if spec.quant.kind is QuantKind.FP8 or self._fused_fp4:
-            quant_out, scale_out = quant_buffers(tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout,
-                                                 partial.device)
-            if scale_out is not None:  # swizzled padding must read 0; not verified that FlashInfer writes it
+            quant_out, scale_out = quant_buffers(
+                tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, partial.device
+            )
+            if (
+                scale_out is not None
+            ):  # swizzled padding must read 0; not verified that FlashInfer writes it
                 scale_out.zero_()
-        self._ar(partial, tokens, variant != TWOSHOT or tokens <= self.env.world_size, inputs.residual,
-                 residual_out, norm_out, quant_out, scale_out, inputs.gamma)
+        self._ar(
+            partial,
+            tokens,
+            variant != TWOSHOT or tokens <= self.env.world_size,
+            inputs.residual,
+            residual_out,
+            norm_out,
+            quant_out,
+            scale_out,
+            inputs.gamma,
+        )
         if spec.quant.kind is QuantKind.NVFP4 and not self._fused_fp4:
             quant_out, scale_out = self._ops.quantize(norm_out, *self._quant)
         return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out)

@@ -1,4 +1,5 @@
-"""`local_fused_nccl`: our Triton finalize+shared-add kernel, then torch.distributed all_reduce (NCCL on
+"""`local_fused_nccl`: our Triton finalize+shared-add kernel, then torch.distributed all_reduce
+(NCCL on
 GPU, gloo on CPU), then our residual add + RMSNorm (+ FP8 / NVFP4) kernel.
 
 Three launches, any T (no workspace), any world size: it is the route for T above the FlashInfer
@@ -19,14 +20,19 @@ from .local_common import finalize_partial, finalize_step, hidden_fits, needs_de
 
 class LocalFusedNcclStrategy(Strategy):
     name = "local_fused_nccl"
-    summary = "our Triton finalize+shared-add kernel, NCCL all-reduce, our add+RMSNorm(+quant) kernel"
+    summary = (
+        "our Triton finalize+shared-add kernel, NCCL all-reduce, our add+RMSNorm(+quant) kernel"
+    )
     self_tested = True
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
-        return collect(require_triton(env, cls.name), needs_device(env, cls.name),
-                       require_sm_at_least(env, cls.name, 80, why=" (Triton 3 targets SM80+)"),
-                       hidden_fits(spec, cls.name))
+        return collect(
+            require_triton(env, cls.name),
+            needs_device(env, cls.name),
+            require_sm_at_least(env, cls.name, 80, why=" (Triton 3 targets SM80+)"),
+            hidden_fits(spec, cls.name),
+        )
 
     @classmethod
     def is_auto_selectable(cls, spec, env):
@@ -39,16 +45,23 @@ class LocalFusedNcclStrategy(Strategy):
         if Stage.ALL_REDUCE in stages:
             backend = "nccl" if env.device_type == "cuda" else "gloo"
             steps.append(Step(f"torch_distributed.all_reduce_{backend}", (Stage.ALL_REDUCE,)))
-        norm = "local.add_rmsnorm" + ("" if spec.quant.kind is QuantKind.NONE else f"_{spec.quant.kind.value}")
-        steps.append(Step(norm, tuple(s for s in stages if s in (Stage.RESIDUAL_NORM, Stage.QUANT))))
+        norm = "local.add_rmsnorm" + (
+            "" if spec.quant.kind is QuantKind.NONE else f"_{spec.quant.kind.value}"
+        )
+        steps.append(
+            Step(norm, tuple(s for s in stages if s in (Stage.RESIDUAL_NORM, Stage.QUANT)))
+        )
         return steps
 
     @classmethod
     def roundings(cls, spec, env):
-        return 1 + (env.world_size - 1) + 1  # finalize_add output, ring all-reduce hops, norm output
+        return (
+            1 + (env.world_size - 1) + 1
+        )  # finalize_add output, ring all-reduce hops, norm output
 
     def prepare(self) -> None:
         from ..kernels import ops  # registers the custom ops; Triton compiles lazily
+
         self._ops = ops.fast
         self._quant = kernel_quant_args(self.spec)
         self._kind = self.spec.quant.kind
@@ -59,7 +72,12 @@ class LocalFusedNcclStrategy(Strategy):
         if self.env.world_size > 1:
             dist.all_reduce(partial, group=self.group)
         residual_out, norm_out, q, sf = self._ops.add_rmsnorm_quant(
-            inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, *self._quant)
+            inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, *self._quant
+        )
         kind = self._kind
-        return EpilogueOutputs(residual_out, norm_out, None if kind is QuantKind.NONE else q,
-                               sf if kind is QuantKind.NVFP4 else None)
+        return EpilogueOutputs(
+            residual_out,
+            norm_out,
+            None if kind is QuantKind.NONE else q,
+            sf if kind is QuantKind.NVFP4 else None,
+        )

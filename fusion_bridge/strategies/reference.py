@@ -1,4 +1,5 @@
-"""`reference`: the fp32 oracle. Always available, never auto-selected; every strategy is judged by it."""
+"""`reference`: the fp32 oracle. Always available, never auto-selected; every strategy is judged by
+it."""
 
 from __future__ import annotations
 
@@ -38,11 +39,17 @@ class ReferenceStrategy(Strategy):
 
     @classmethod
     def error_bound(cls, spec, env):
-        return 1e-5  # fp32 reassociation only (the all-reduce order), far below one bf16/fp16 rounding
+        return (
+            1e-5  # fp32 reassociation only (the all-reduce order), far below one bf16/fp16 rounding
+        )
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
-        partial = finalize_fp32(inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
-                                inputs.expert_weights, self.spec.routed_scaling_factor)
+        partial = finalize_fp32(
+            inputs.gemm2_out,
+            inputs.expanded_idx_to_permuted_idx,
+            inputs.expert_weights,
+            self.spec.routed_scaling_factor,
+        )
         if inputs.shared_output is not None:
             partial = partial + inputs.shared_output.float()
         if self.env.world_size > 1:
@@ -50,9 +57,16 @@ class ReferenceStrategy(Strategy):
         return residual_norm_outputs(inputs.residual.float() + partial, inputs.gamma, self.spec)
 
 
-def reference_epilogue(spec, inputs: EpilogueInputs, group=None, world_size: int = 1) -> EpilogueOutputs:
+def reference_epilogue(
+    spec, inputs: EpilogueInputs, group=None, world_size: int = 1
+) -> EpilogueOutputs:
     """The oracle as a function, for tests and the self-test."""
     from ..environment import Environment
-    strategy = ReferenceStrategy(spec, Environment(world_size=world_size), group,
-                                 inputs.residual.device if isinstance(inputs.residual, torch.Tensor) else None)
+
+    strategy = ReferenceStrategy(
+        spec,
+        Environment(world_size=world_size),
+        group,
+        inputs.residual.device if isinstance(inputs.residual, torch.Tensor) else None,
+    )
     return strategy.run(inputs)

@@ -43,10 +43,16 @@ class SeparateStrategy(Strategy):
         return 1 + int(spec.has_shared_output) + (env.world_size - 1) + 1
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
-        partial = finalize_fp32(inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
-                                inputs.expert_weights, self.spec.routed_scaling_factor).to(self.spec.dtype)
+        partial = finalize_fp32(
+            inputs.gemm2_out,
+            inputs.expanded_idx_to_permuted_idx,
+            inputs.expert_weights,
+            self.spec.routed_scaling_factor,
+        ).to(self.spec.dtype)
         if inputs.shared_output is not None:
             partial = partial + inputs.shared_output
         if self.env.world_size > 1:
             dist.all_reduce(partial, group=self.group)
-        return residual_norm_outputs(inputs.residual.float() + partial.float(), inputs.gamma, self.spec)
+        return residual_norm_outputs(
+            inputs.residual.float() + partial.float(), inputs.gamma, self.spec
+        )

@@ -1,5 +1,6 @@
 """Workspaces shared by every bridge (one per layer) of a process: created collectively by the first
-user of a key, freed by the last. Every rank builds and closes its bridges in the same order, so every
+user of a key, freed by the last. Every rank builds and closes its bridges in the same order, so
+every
 rank creates and frees each workspace at the same point."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ W = TypeVar("W")
 
 
 def group_name(group) -> str:
-    """The process group's name (None: the default group), the part of a key that tells groups apart."""
+    """The process group's name (None: the default group), the part of a key that tells groups
+    apart."""
     return (group if group is not None else dist.group.WORLD).group_name
 
 
@@ -30,7 +32,8 @@ class SharedWorkspaces(Generic[W]):
         return entry[0]
 
     def release(self, key: tuple, workspace: W, free: Callable[[W], None]) -> None:
-        """Drop one user of `workspace`; free it with the last (or at once if it was never shared)."""
+        """Drop one user of `workspace`; free it with the last (or at once if it was never
+        shared)."""
         entry = self._entries.get(key)
         if entry is None or entry[0] is not workspace:
             free(workspace)

@@ -32,11 +32,15 @@ LaunchVariant = Optional[tuple[int, int, int]]
 
 class SymmFusedOneshotStrategy(Strategy):
     name = "symm_fused_oneshot"
-    summary = ("one Triton launch over symmetric memory: finalize+shared, push to peers, rank-ordered fp32 "
-               "reduce, residual+RMSNorm (+fp8/nvfp4)")
+    summary = (
+        "one Triton launch over symmetric memory: finalize+shared, push to peers, rank-ordered "
+        "fp32 "
+        "reduce, residual+RMSNorm (+fp8/nvfp4)"
+    )
     self_tested = True
     workspace_kind = "oneshot"  # the kernel's buffer layout (symm_workspace)
-    #: seconds a rank waits for its peers before the call fails (override before prepare(); tests use less)
+    # : seconds a rank waits for its peers before the call fails (override before prepare(); tests
+    # use less)
     timeout_s: float = float(os.environ.get("FUSION_BRIDGE_SYMM_TIMEOUT_S", sw.DEFAULT_TIMEOUT_S))
 
     @classmethod
@@ -56,15 +60,29 @@ class SymmFusedOneshotStrategy(Strategy):
         return sw.capacity(spec, env.world_size, cls.workspace_kind)
 
     def local_resource_reasons(self):
-        return collect(sw.memory_reason(self.spec, self.env.world_size, self.device, self.name, self.workspace_kind))
+        return collect(
+            sw.memory_reason(
+                self.spec, self.env.world_size, self.device, self.name, self.workspace_kind
+            )
+        )
 
     def prepare(self) -> None:
-        self._kernel = sw.kernel_module(self.workspace_kind)  # bound once: no import on the call path
+        self._kernel = sw.kernel_module(
+            self.workspace_kind
+        )  # bound once: no import on the call path
         self._quant_args = kernel_quant_args(self.spec)
-        self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)  # q / sf the kernel never writes
+        self._unused = torch.empty(
+            0, dtype=torch.uint8, device=self.device
+        )  # q / sf the kernel never writes
         self._ws_timeout_s = self.timeout_s  # the sharing key at acquire time, for the release
-        self._ws = sw.acquire(self.group, self.spec, self.env.world_size, self.device, self._ws_timeout_s,
-                              self.workspace_kind)
+        self._ws = sw.acquire(
+            self.group,
+            self.spec,
+            self.env.world_size,
+            self.device,
+            self._ws_timeout_s,
+            self.workspace_kind,
+        )
 
     @property
     def workspace_bytes(self) -> int:
@@ -85,47 +103,95 @@ class SymmFusedOneshotStrategy(Strategy):
         spec = self.spec
         quant, scale, swizzled = self._quant_args
         self._kernel.fused_into(
-            ws, residual_out, norm_out, q, sf, inputs.gemm2_out, inputs.expanded_idx_to_permuted_idx,
-            inputs.expert_weights, inputs.shared_output, inputs.residual, inputs.gamma, spec.routed_scaling_factor,
-            spec.eps, spec.weight_bias, quant, scale, swizzled, launch=launch)
+            ws,
+            residual_out,
+            norm_out,
+            q,
+            sf,
+            inputs.gemm2_out,
+            inputs.expanded_idx_to_permuted_idx,
+            inputs.expert_weights,
+            inputs.shared_output,
+            inputs.residual,
+            inputs.gamma,
+            spec.routed_scaling_factor,
+            spec.eps,
+            spec.weight_bias,
+            quant,
+            scale,
+            swizzled,
+            launch=launch,
+        )
 
-    def run(self, inputs: EpilogueInputs, variant: "str | LaunchVariant" = DEFAULT_VARIANT) -> EpilogueOutputs:
-        """variant: the declared "default" (the per-T launch shape), or a launch tuple (benchmark sweeps;
+    def run(
+        self, inputs: EpilogueInputs, variant: "str | LaunchVariant" = DEFAULT_VARIANT
+    ) -> EpilogueOutputs:
+        """variant: the declared "default" (the per-T launch shape), or a launch tuple (benchmark
+        sweeps;
         one-shot: (finalize chunk, norm chunk, warps))."""
         launch = None if isinstance(variant, str) else variant
         ws = self._ws
         self.check_error()
         tokens, hidden = inputs.residual.shape
         if tokens > ws.cap:
-            raise ValueError(f"{self.name}: T={tokens} exceeds the workspace's {ws.cap} tokens (the planner "
-                             "routes such calls elsewhere)")
+            raise ValueError(
+                f"{self.name}: T={tokens} exceeds the workspace's {ws.cap} tokens (the planner "
+                "routes such calls elsewhere)"
+            )
         spec = self.spec
-        residual_out, norm_out = torch.empty_like(inputs.residual), torch.empty_like(inputs.residual)
-        q, sf = quant_buffers(tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inputs.residual.device)
+        residual_out, norm_out = (
+            torch.empty_like(inputs.residual),
+            torch.empty_like(inputs.residual),
+        )
+        q, sf = quant_buffers(
+            tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inputs.residual.device
+        )
         q = q if q is not None else self._unused
         sf = sf if sf is not None else self._unused
-        self._launch(ws, residual_out, norm_out, q.view(torch.uint8) if q.dtype != torch.uint8 else q, sf, inputs,
-                     launch)
+        self._launch(
+            ws,
+            residual_out,
+            norm_out,
+            q.view(torch.uint8) if q.dtype != torch.uint8 else q,
+            sf,
+            inputs,
+            launch,
+        )
         if spec.quant.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
-        return EpilogueOutputs(residual_out, norm_out, q, sf if spec.quant.kind is QuantKind.NVFP4 else None)
+        return EpilogueOutputs(
+            residual_out, norm_out, q, sf if spec.quant.kind is QuantKind.NVFP4 else None
+        )
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None
-        sw.release(ws, self.group, self.spec, self.env.world_size, getattr(self, "_ws_timeout_s", self.timeout_s),
-                   self.workspace_kind)
+        sw.release(
+            ws,
+            self.group,
+            self.spec,
+            self.env.world_size,
+            getattr(self, "_ws_timeout_s", self.timeout_s),
+            self.workspace_kind,
+        )
 
 
 def describe_error(word: int, rank: int, who: str = "symm_fused_oneshot") -> str:
     """Turn the kernel's error word into a message naming the rank(s) that did not arrive."""
     from ..kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT
+
     missed = [r for r in range(16) if word & (1 << r)]
     if word & int(ERR_ABORTED):
-        return (f"{who}: rank {rank} stopped because rank {(word >> 20) & 0xFF} timed out waiting for "
-                f"rank(s) {missed} in an earlier call; its outputs since then are NaN. The peers are out of step: "
-                "rebuild the bridge (close it and create a new one on every rank)")
+        return (
+            f"{who}: rank {rank} stopped because rank {(word >> 20) & 0xFF} timed out waiting for "
+            f"rank(s) {missed} in an earlier call; its outputs since then are NaN. The peers are "
+            "out of step: "
+            "rebuild the bridge (close it and create a new one on every rank)"
+        )
     if word & int(ERR_TIMEOUT):
-        return (f"{who}: rank {rank} timed out waiting for rank(s) {missed}, which did not make the "
-                "matching call (all ranks must call with the same T, in the same order); that call's outputs are "
-                "NaN. Rebuild the bridge (close it and create a new one on every rank)")
+        return (
+            f"{who}: rank {rank} timed out waiting for rank(s) {missed}, which did not make the "
+            "matching call (all ranks must call with the same T, in the same order); that call's "
+            "outputs are "
+            "NaN. Rebuild the bridge (close it and create a new one on every rank)"
+        )
     return f"{who}: rank {rank}: unknown kernel error word {word:#x}; rebuild the bridge"

@@ -1,4 +1,5 @@
-"""The symmetric-memory workspaces of `symm_fused_oneshot` and `symm_fused_twoshot`: capability checks,
+"""The symmetric-memory workspaces of `symm_fused_oneshot` and `symm_fused_twoshot`: capability
+checks,
 sizing, collective creation and release. `kind` ("oneshot" / "twoshot") picks the kernel's layout.
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
@@ -20,20 +21,34 @@ import torch
 import torch.distributed as dist
 
 from ..environment import Environment
-from ..reasons import Reason, collect, require_cuda, require_single_node, require_sm_at_least, require_triton
+from ..reasons import (
+    Reason,
+    collect,
+    require_cuda,
+    require_single_node,
+    require_sm_at_least,
+    require_triton,
+)
 from ..spec import EpilogueSpec
 from .shared import SharedWorkspaces, group_name
 
-MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF = {
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a drift test)
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
 WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
 MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in registers
-# tokens per call: one-shot is the small-T path; two-shot the bandwidth path; larger T takes the overflow route
+# tokens per call: one-shot is the small-T path; two-shot the bandwidth path; larger T takes the
+# overflow route
 MAX_CAP_TOKENS = {"oneshot": 2048, "twoshot": 4096}
 KINDS = tuple(MAX_CAP_TOKENS)
 MAX_BUFFER_BYTES = 512 << 20
-DEFAULT_TIMEOUT_S = 60.0  # a peer that has not arrived by then is treated as gone (bridge must be rebuilt)
+DEFAULT_TIMEOUT_S = (
+    60.0  # a peer that has not arrived by then is treated as gone (bridge must be rebuilt)
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,10 +57,16 @@ def probe_symm_mem() -> Optional[str]:
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except Exception as exc:  # ImportError, or a build without distributed
-        return f"torch.distributed._symmetric_memory does not import ({type(exc).__name__}: {exc})"[:300]
+        return f"torch.distributed._symmetric_memory does not import ({type(exc).__name__}: {exc})"[
+            :300
+        ]
     missing = [n for n in SYMM_MEM_API if not hasattr(symm_mem, n)]
     handle_cls = getattr(symm_mem, "_SymmetricMemory", None)
-    missing += [f"_SymmetricMemory.{n}" for n in HANDLE_API if handle_cls is None or not hasattr(handle_cls, n)]
+    missing += [
+        f"_SymmetricMemory.{n}"
+        for n in HANDLE_API
+        if handle_cls is None or not hasattr(handle_cls, n)
+    ]
     return f"torch.distributed._symmetric_memory lacks {missing}" if missing else None
 
 
@@ -54,11 +75,15 @@ def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> O
     environ = os.environ if environ is None else environ
     wrong = {k: environ.get(k) for k, v in MULTICAST_OFF.items() if environ.get(k) != v}
     if wrong:
-        return Reason("multicast_not_disabled",
-                      f"{who} requires {MULTICAST_OFF} before the symmetric-memory rendezvous (NVLink multicast "
-                      f"can take shared GPUs out of service), but found {wrong}",
-                      "export " + " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items())
-                      + " in every rank before torch.distributed is initialized")
+        return Reason(
+            "multicast_not_disabled",
+            f"{who} requires {MULTICAST_OFF} before the symmetric-memory rendezvous (NVLink "
+            "multicast "
+            f"can take shared GPUs out of service), but found {wrong}",
+            "export "
+            + " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items())
+            + " in every rank before torch.distributed is initialized",
+        )
     return None
 
 
@@ -66,76 +91,141 @@ def kernel_module(kind: str):
     """The kernel module of a workspace kind (its buffer layout and launch)."""
     if kind == "oneshot":
         from ..kernels import symm_oneshot
+
         return symm_oneshot
     if kind == "twoshot":
         from ..kernels import symm_twoshot
+
         return symm_twoshot
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
 def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    """Tokens one call may carry, bounded in bytes: one-shot slots are [3][W][cap][H]; two-shot slots
+    """Tokens one call may carry, bounded in bytes: one-shot slots are [3][W][cap][H]; two-shot
+    slots
     [3][W * cap/W (reduce-scatter) + cap (all-gather)][H]."""
     elem = torch.finfo(spec.dtype).bits // 8
     rows_per_token = 3 * max(world_size, 1) if kind == "oneshot" else 3 * 2
-    cap = min(spec.max_tokens, MAX_CAP_TOKENS[kind], MAX_BUFFER_BYTES // (rows_per_token * spec.hidden_size * elem))
-    while cap > 0 and kernel_module(kind).buffer_bytes(max(world_size, 1), cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES:
+    cap = min(
+        spec.max_tokens,
+        MAX_CAP_TOKENS[kind],
+        MAX_BUFFER_BYTES // (rows_per_token * spec.hidden_size * elem),
+    )
+    while (
+        cap > 0
+        and kernel_module(kind).buffer_bytes(max(world_size, 1), cap, spec.hidden_size, elem)
+        > MAX_BUFFER_BYTES
+    ):
         cap -= 1  # two-shot rounds its reduce-scatter rows up to whole blocks of W
     return max(0, cap)
 
 
 def buffer_bytes(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    return kernel_module(kind).buffer_bytes(world_size, capacity(spec, world_size, kind), spec.hidden_size,
-                                      torch.finfo(spec.dtype).bits // 8)
+    return kernel_module(kind).buffer_bytes(
+        world_size,
+        capacity(spec, world_size, kind),
+        spec.hidden_size,
+        torch.finfo(spec.dtype).bits // 8,
+    )
 
 
-def reasons(spec: EpilogueSpec, env: Environment, who: str,
-            probe: Optional[Callable[[], Optional[str]]] = None,
-            environ: Optional[Mapping[str, str]] = None, kind: str = "oneshot") -> list[Reason]:
+def reasons(
+    spec: EpilogueSpec,
+    env: Environment,
+    who: str,
+    probe: Optional[Callable[[], Optional[str]]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    kind: str = "oneshot",
+) -> list[Reason]:
     """Every static reason the symmetric-memory one-shot cannot run: a pure function of (spec, env),
-    whose `multicast_off` and `symm_mem_error` detect() reads from the process (tests may instead pass a
+    whose `multicast_off` and `symm_mem_error` detect() reads from the process (tests may instead
+    pass a
     probe and an environ mapping). prepare() checks the real process environment again."""
-    multicast = (multicast_reason(who, environ) if environ is not None else
-                 None if env.multicast_off else multicast_reason(who, {}))
-    out = collect(require_cuda(env, who), require_triton(env, who),
-                  require_sm_at_least(env, who, 90, why=" (system-scope acquire/release over NVLink; validated "
-                                                        "on H200)"),
-                  require_single_node(env, who), multicast)
+    multicast = (
+        multicast_reason(who, environ)
+        if environ is not None
+        else None
+        if env.multicast_off
+        else multicast_reason(who, {})
+    )
+    out = collect(
+        require_cuda(env, who),
+        require_triton(env, who),
+        require_sm_at_least(
+            env, who, 90, why=" (system-scope acquire/release over NVLink; validated on H200)"
+        ),
+        require_single_node(env, who),
+        multicast,
+    )
     if env.triton_interpret:
-        out.append(Reason("triton_interpreter", f"{who} signals peers with inline PTX, which the Triton "
-                          "interpreter (TRITON_INTERPRET=1) cannot run", "unset TRITON_INTERPRET"))
+        out.append(
+            Reason(
+                "triton_interpreter",
+                f"{who} signals peers with inline PTX, which the Triton "
+                "interpreter (TRITON_INTERPRET=1) cannot run",
+                "unset TRITON_INTERPRET",
+            )
+        )
     missing = probe() if probe is not None else env.symm_mem_error
     if missing is not None:
-        out.append(Reason("symm_mem_unavailable", f"{who} requires PyTorch symmetric memory: {missing} "
-                          f"(torch {env.torch_version})", "use a torch build with CUDA symmetric memory (>= 2.6)"))
+        out.append(
+            Reason(
+                "symm_mem_unavailable",
+                f"{who} requires PyTorch symmetric memory: {missing} (torch {env.torch_version})",
+                "use a torch build with CUDA symmetric memory (>= 2.6)",
+            )
+        )
     if env.world_size not in WORLD_SIZES:
-        out.append(Reason("world_size_unsupported", f"{who} supports world sizes {list(WORLD_SIZES)} (one NVLink "
-                          f"node), but the group has {env.world_size} ranks", "use an NCCL-based strategy"))
+        out.append(
+            Reason(
+                "world_size_unsupported",
+                f"{who} supports world sizes {list(WORLD_SIZES)} (one NVLink "
+                f"node), but the group has {env.world_size} ranks",
+                "use an NCCL-based strategy",
+            )
+        )
     if spec.hidden_size > MAX_HIDDEN:
-        out.append(Reason("hidden_too_large", f"{who} supports hidden_size <= {MAX_HIDDEN} (a row is held in "
-                          f"registers), but hidden_size is {spec.hidden_size}", "another strategy handles it"))
+        out.append(
+            Reason(
+                "hidden_too_large",
+                f"{who} supports hidden_size <= {MAX_HIDDEN} (a row is held in "
+                f"registers), but hidden_size is {spec.hidden_size}",
+                "another strategy handles it",
+            )
+        )
     elif capacity(spec, env.world_size, kind) == 0:
-        out.append(Reason("workspace_too_small", f"{who}: not one token of H={spec.hidden_size} fits the "
-                          f"{MAX_BUFFER_BYTES >> 20} MiB workspace at world size {env.world_size}", ""))
+        out.append(
+            Reason(
+                "workspace_too_small",
+                f"{who}: not one token of H={spec.hidden_size} fits the "
+                f"{MAX_BUFFER_BYTES >> 20} MiB workspace at world size {env.world_size}",
+                "",
+            )
+        )
     return out
 
 
-def memory_reason(spec: EpilogueSpec, world_size: int, device: torch.device, who: str,
-                  kind: str = "oneshot") -> Optional[Reason]:
+def memory_reason(
+    spec: EpilogueSpec, world_size: int, device: torch.device, who: str, kind: str = "oneshot"
+) -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
     need = buffer_bytes(spec, world_size, kind)
     free, _ = torch.cuda.mem_get_info(device)
     if need + (256 << 20) > free:
-        return Reason("workspace_no_memory", f"{who}: the symmetric buffer for {capacity(spec, world_size, kind)} tokens "
-                      f"needs {need / 2**20:.0f} MiB (+256 MiB headroom), {free / 2**20:.0f} MiB are free",
-                      "lower EpilogueSpec.max_tokens or free GPU memory")
+        return Reason(
+            "workspace_no_memory",
+            f"{who}: the symmetric buffer for {capacity(spec, world_size, kind)} tokens "
+            f"needs {need / 2**20:.0f} MiB (+256 MiB headroom), {free / 2**20:.0f} MiB are free",
+            "lower EpilogueSpec.max_tokens or free GPU memory",
+        )
     return None
 
 
 @dataclass
 class SymmWorkspace:
     """What one launch needs. ptrs: int64 [W + 1] device (every rank's buffer, then the pinned error
-    word); state: int32 [8] device (slot = epoch mod 3, ticket counter, error word, -, rows of slots 0-2);
+    word); state: int32 [8] device (slot = epoch mod 3, ticket counter, error word, -, rows of slots
+    0-2);
     err: int32 [4] pinned host."""
 
     buffer: torch.Tensor
@@ -152,19 +242,29 @@ class SymmWorkspace:
     nbytes: int
 
     def __post_init__(self) -> None:
-        self._err_view = self.err.numpy()  # a numpy view reads in ~100 ns, a tensor index in microseconds
+        self._err_view = (
+            self.err.numpy()
+        )  # a numpy view reads in ~100 ns, a tensor index in microseconds
 
     def error_word(self) -> int:
         """The error the kernel left (0: none). Reads pinned host memory: no device sync."""
         return int(self._err_view[0])
 
 
-def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
-           timeout_s: float = DEFAULT_TIMEOUT_S, kind: str = "oneshot") -> SymmWorkspace:
-    """Collective: every rank of `group` calls it. Raises RuntimeError if multicast could be used."""
+def create(
+    group,
+    spec: EpilogueSpec,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    kind: str = "oneshot",
+) -> SymmWorkspace:
+    """Collective: every rank of `group` calls it. Raises RuntimeError if multicast could be
+    used."""
     import torch.distributed._symmetric_memory as symm_mem
 
     from ..kernels.symm_common import HEADER_BYTES, SENTINEL_BITS
+
     kernel = kernel_module(kind)
     who = f"symm_fused_{kind}"
     bad = multicast_reason(who)
@@ -176,8 +276,10 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group.group_name)
     if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
-        raise RuntimeError(f"[multicast_present] {who}: the symmetric-memory handle exposes a multicast "
-                           "pointer although multicast is disabled; refusing to run")
+        raise RuntimeError(
+            f"[multicast_present] {who}: the symmetric-memory handle exposes a multicast "
+            "pointer although multicast is disabled; refusing to run"
+        )
     head = HEADER_BYTES
     buffer[:head].zero_()  # the abort word
     buffer[head:].view(torch.int16).fill_(SENTINEL_BITS)  # every data slot "not arrived" (-0.0)
@@ -185,7 +287,8 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     dist.barrier(group)  # no rank publishes before every rank's slots hold the sentinel
     torch.cuda.synchronize(device)
     # buffer_ptrs are the bases of each rank's symmetric allocation; a tensor carved out of a pooled
-    # allocation sits at an offset (measured: a re-used pool put a new buffer over an old one's flags).
+    # allocation sits at an offset (measured: a re-used pool put a new buffer over an old one's
+    # flags).
     # The offset is the same on every rank; check it rather than assume it.
     rank = dist.get_rank(group)
     bases = [int(p) for p in handle.buffer_ptrs]
@@ -195,13 +298,29 @@ def create(group, spec: EpilogueSpec, world_size: int, device: torch.device,
     dist.all_gather_object(seen, (offset, num_sms), group=group)
     offsets = [o for o, _ in seen]
     if len(set(offsets)) != 1 or not 0 <= offset or offset % 256:
-        raise RuntimeError(f"[symm_offset_mismatch] {who}: the buffer's offsets in the symmetric "
-                           f"allocations differ across ranks or are misaligned: {offsets}")
+        raise RuntimeError(
+            f"[symm_offset_mismatch] {who}: the buffer's offsets in the symmetric "
+            f"allocations differ across ranks or are misaligned: {offsets}"
+        )
     err = torch.zeros(4, dtype=torch.int32).pin_memory()
-    ptrs = torch.tensor([b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device)
+    ptrs = torch.tensor(
+        [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
+    )
     state = torch.zeros(kernel.STATE_WORDS, dtype=torch.int32, device=device)
-    return SymmWorkspace(buffer, handle, ptrs, state, err, world_size, rank, cap, head // 2,
-                         min(n for _, n in seen), int(timeout_s * 1e9), nbytes)
+    return SymmWorkspace(
+        buffer,
+        handle,
+        ptrs,
+        state,
+        err,
+        world_size,
+        rank,
+        cap,
+        head // 2,
+        min(n for _, n in seen),
+        int(timeout_s * 1e9),
+        nbytes,
+    )
 
 
 _EXITING = [False]
@@ -209,7 +328,8 @@ _EXITING = [False]
 
 @atexit.register
 def _interpreter_exiting() -> None:
-    """Registered after the bridge's own exit hook, so it runs first (atexit is last-in, first-out): at
+    """Registered after the bridge's own exit hook, so it runs first (atexit is last-in, first-out):
+    at
     exit, ranks leave at different times and a barrier could wait forever; the memory goes with the
     process anyway."""
     _EXITING[0] = True
@@ -225,27 +345,54 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
         dist.barrier(group if group is not None else dist.group.WORLD)
 
 
-# One workspace per (group, world, H, dtype, capacity, timeout), shared by every bridge (every layer) that
-# uses this strategy: a model builds one bridge per layer, and 61 private buffers would cost gigabytes.
-# Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the workspace
+# One workspace per (group, world, H, dtype, capacity, timeout), shared by every bridge (every
+# layer) that
+# uses this strategy: a model builds one bridge per layer, and 61 private buffers would cost
+# gigabytes.
+# Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the
+# workspace
 # and every call of every layer goes through it in the same order on every rank, on one stream.
 _SHARED: SharedWorkspaces = SharedWorkspaces()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str) -> tuple:
-    return (kind, group_name(group), world_size, spec.hidden_size, spec.dtype, capacity(spec, world_size, kind),
-            float(timeout_s))
+    return (
+        kind,
+        group_name(group),
+        world_size,
+        spec.hidden_size,
+        spec.dtype,
+        capacity(spec, world_size, kind),
+        float(timeout_s),
+    )
 
 
-def acquire(group, spec: EpilogueSpec, world_size: int, device: torch.device,
-            timeout_s: float = DEFAULT_TIMEOUT_S, kind: str = "oneshot") -> SymmWorkspace:
+def acquire(
+    group,
+    spec: EpilogueSpec,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    kind: str = "oneshot",
+) -> SymmWorkspace:
     """The shared workspace for this key; created (collectively) by its first user."""
-    return _SHARED.acquire(_key(group, spec, world_size, timeout_s, kind),
-                           lambda: create(group, spec, world_size, device, timeout_s, kind))
+    return _SHARED.acquire(
+        _key(group, spec, world_size, timeout_s, kind),
+        lambda: create(group, spec, world_size, device, timeout_s, kind),
+    )
 
 
-def release(ws: Optional[SymmWorkspace], group, spec: EpilogueSpec, world_size: int,
-            timeout_s: float = DEFAULT_TIMEOUT_S, kind: str = "oneshot") -> None:
-    """Drop one user; the last one frees it (collectively: every rank releases in the same order)."""
+def release(
+    ws: Optional[SymmWorkspace],
+    group,
+    spec: EpilogueSpec,
+    world_size: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    kind: str = "oneshot",
+) -> None:
+    """Drop one user; the last one frees it (collectively: every rank releases in the same
+    order)."""
     if ws is not None:
-        _SHARED.release(_key(group, spec, world_size, timeout_s, kind), ws, lambda w: close(w, group))
+        _SHARED.release(
+            _key(group, spec, world_size, timeout_s, kind), ws, lambda w: close(w, group)
+        )
