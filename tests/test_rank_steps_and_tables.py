@@ -187,7 +187,7 @@ def test_a_malformed_tuning_table_is_ignored_not_a_crash(tmp_path, measured):
 # ---------------------------------------------------------------- finding 4
 def test_bridges_closed_at_exit_never_barrier_whatever_the_import_order():
     script = textwrap.dedent("""
-        from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy  # to set timeout_s
+        from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
         from fusion_bridge.strategies import symm_workspace as sw
         import fusion_bridge.bridge as bridge
 
