@@ -77,7 +77,10 @@ def test_tables_round_trip_strategy_variant_bucket(tmp_path):
     [
         ({"measured_us": {"local_fused/nccl_local_norm": {"1": 5.0}}}, "schema_version None"),
         ({"schema_version": 1, "measured_us": {}}, "schema_version 1"),
-        ({"schema_version": 2, "measured_us": {"separate": {"1": 5.0}}}, "measured_us is not"),
+        (
+            {"schema_version": 2, "measured_us": {"separate": {"1": 5.0}}},
+            r"measured_us\['separate'\]\['1'\] is not",
+        ),
         ([1, 2], "not a JSON object"),
     ],
 )

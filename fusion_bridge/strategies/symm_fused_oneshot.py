@@ -15,11 +15,11 @@ and every later call on every rank raises: the bridge must be rebuilt.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from .. import env_vars
 from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..reasons import collect
 from ..spec import QuantKind
@@ -39,9 +39,9 @@ class SymmFusedOneshotStrategy(Strategy):
     )
     self_tested = True
     workspace_kind = "oneshot"  # the kernel's buffer layout (symm_workspace)
-    # : seconds a rank waits for its peers before the call fails (override before prepare(); tests
-    # use less)
-    timeout_s: float = float(os.environ.get("FUSION_BRIDGE_SYMM_TIMEOUT_S", sw.DEFAULT_TIMEOUT_S))
+    # seconds a rank waits for its peers before the call fails; None: $FUSION_BRIDGE_SYMM_TIMEOUT_S
+    # read at prepare() (tests set less on the class or the instance before prepare())
+    timeout_s: Optional[float] = None
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
@@ -74,7 +74,12 @@ class SymmFusedOneshotStrategy(Strategy):
         self._unused = torch.empty(
             0, dtype=torch.uint8, device=self.device
         )  # q / sf the kernel never writes
-        self._ws_timeout_s = self.timeout_s  # the sharing key at acquire time, for the release
+        # the sharing key at acquire time, for the release
+        self._ws_timeout_s = (
+            self.timeout_s
+            if self.timeout_s is not None
+            else env_vars.read("FUSION_BRIDGE_SYMM_TIMEOUT_S")
+        )
         self._ws = sw.acquire(
             self.group,
             self.spec,
@@ -170,7 +175,7 @@ class SymmFusedOneshotStrategy(Strategy):
             self.group,
             self.spec,
             self.env.world_size,
-            getattr(self, "_ws_timeout_s", self.timeout_s),
+            getattr(self, "_ws_timeout_s", self.timeout_s or sw.DEFAULT_TIMEOUT_S),
             self.workspace_kind,
         )
 
