@@ -1,6 +1,7 @@
 """Bad inputs get a clear error naming the argument, the expected and the actual value, and the
 caller's tensors are left unchanged."""
 
+import re
 import dataclasses
 
 import pytest
@@ -185,7 +186,10 @@ def test_bad_spec_names_the_field(kwargs, message):
 def test_bad_quant_scales_and_strategy_names():
     with pytest.raises(
         ValueError,
-        match="quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) for fp8, got -1.0",
+        match=re.escape(
+            "quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) "
+            "for fp8, got -1.0"
+        ),
     ):
         QuantSpec.fp8(-1.0)
     with pytest.raises(ValueError, match="quant.global_scale"):
