@@ -24,13 +24,20 @@ def _fail(name: str, expected: str, actual: object) -> None:
     raise EpilogueInputError(f"finalize_epilogue: {name} must be {expected}, got {actual}")
 
 
-def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+T_SOURCE = " (T = residual.shape[0], the call's token count)"
+
+
+def _check_tensor(
+    name: str, t: object, shape: tuple, dtypes: tuple, device: torch.device, note: str = ""
+) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.is_nested or t.layout is not torch.strided:
+        _fail(name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else t.layout)
     if t.dtype not in dtypes:
         _fail(f"{name}.dtype", " or ".join(str(d) for d in dtypes), t.dtype)
     if tuple(t.shape) != shape:
-        _fail(f"{name}.shape", str(list(shape)), list(t.shape))
+        _fail(f"{name}.shape", str(list(shape)) + note, list(t.shape))
     if t.device != device:
         _fail(f"{name}.device", str(device), t.device)
     if not t.is_contiguous():
@@ -38,7 +45,23 @@ def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: tor
 
 
 def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.device) -> None:
-    """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe."""
+    """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe.
+
+    The call's T is residual's first dimension (replicated on every rank of the group, so even a
+    rank whose other inputs are malformed knows the T its peers run); every other tensor is checked
+    against it."""
+    residual = inputs.residual
+    if not isinstance(residual, torch.Tensor):
+        _fail("residual", "a torch.Tensor [T, hidden_size]", type(residual).__name__)
+    if residual.is_nested or residual.layout is not torch.strided or residual.dim() != 2:
+        _fail(
+            "residual",
+            "a dense 2-D tensor [T, hidden_size] (its first dimension is the call's T)",
+            "a nested tensor"
+            if residual.is_nested
+            else f"{residual.layout} {list(residual.shape)}",
+        )
+    tokens, hidden = residual.shape[0], spec.hidden_size
     perm = inputs.expanded_idx_to_permuted_idx
     if not isinstance(perm, torch.Tensor):
         _fail("expanded_idx_to_permuted_idx", "a torch.Tensor", type(perm).__name__)
@@ -48,7 +71,6 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
             "2-D [T, top_k]",
             f"{perm.dim()}-D shape {list(perm.shape)}",
         )
-    tokens, hidden = perm.shape[0], spec.hidden_size
     if perm.shape[1] != spec.top_k:
         _fail(
             "expanded_idx_to_permuted_idx.shape[1] (top_k)",
@@ -56,20 +78,30 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
             perm.shape[1],
         )
     _check_tensor(
-        "expanded_idx_to_permuted_idx", perm, (tokens, spec.top_k), (torch.int32,), device
+        "expanded_idx_to_permuted_idx",
+        perm,
+        (tokens, spec.top_k),
+        (torch.int32,),
+        device,
+        T_SOURCE,
     )
     g = inputs.gemm2_out
     if not isinstance(g, torch.Tensor) or g.dim() != 2:
         _fail("gemm2_out", "a 2-D tensor [P, hidden_size]", getattr(g, "shape", type(g).__name__))
     _check_tensor("gemm2_out", g, (g.shape[0], hidden), (spec.dtype,), device)
     _check_tensor(
-        "expert_weights", inputs.expert_weights, (tokens, spec.top_k), EXPERT_WEIGHT_DTYPES, device
+        "expert_weights",
+        inputs.expert_weights,
+        (tokens, spec.top_k),
+        EXPERT_WEIGHT_DTYPES,
+        device,
+        T_SOURCE,
     )
     if spec.has_shared_output:
         if inputs.shared_output is None:
             _fail("shared_output", "a tensor (spec.has_shared_output=True)", None)
         _check_tensor(
-            "shared_output", inputs.shared_output, (tokens, hidden), (spec.dtype,), device
+            "shared_output", inputs.shared_output, (tokens, hidden), (spec.dtype,), device, T_SOURCE
         )
     elif inputs.shared_output is not None:
         _fail("shared_output", "None (spec.has_shared_output=False)", "a tensor")
@@ -134,11 +166,7 @@ def input_check(spec: EpilogueSpec, device: torch.device) -> Callable[[EpilogueI
                 and gamma.device == device
                 and (s is None or s.device == device)
             )
-        except (
-            AttributeError,
-            TypeError,
-            IndexError,
-        ):  # not a tensor somewhere, or a 0-D index map
+        except Exception:  # noqa: BLE001 - not a tensor, a 0-D map, an exotic layout: say what
             return False
 
     return check

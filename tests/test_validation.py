@@ -77,7 +77,11 @@ BAD_INPUTS = [
         lambda i: {"residual": torch.cat([i.residual, i.residual], 1)[:, ::2]},
         "contiguous",
     ),
-    ("residual wrong T", lambda i: {"residual": i.residual[:4].contiguous()}, "residual.shape"),
+    (  # residual's first dimension is the call's T: the other tensors are named against it
+        "residual wrong T",
+        lambda i: {"residual": i.residual[:4].contiguous()},
+        "expanded_idx_to_permuted_idx.shape must be [4, 2] (T = residual.shape[0]",
+    ),
     (
         "residual on another device",
         lambda i: {"residual": i.residual.to("meta")},

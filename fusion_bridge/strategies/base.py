@@ -8,6 +8,8 @@ planner and the golden tests need no hardware; an instance holds what `prepare()
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -69,6 +71,16 @@ def rounding_error_bound(dtype: torch.dtype, roundings: int) -> float:
     Inputs are random in every parity test, which is what makes the roundings independent.
     """
     return math.sqrt(max(roundings, 1)) * UNIT_ROUNDOFF[dtype]
+
+
+class CallStage(enum.Enum):
+    """Where a call of a strategy's `run` is relative to its collective (what the bridge needs to
+    know when `run` raises: before, this rank can still take part; inside, it cannot tell whether
+    the peers finished; after, the group is in step)."""
+
+    BEFORE_COLLECTIVE = "before the collective"
+    IN_COLLECTIVE = "inside the collective"
+    AFTER_COLLECTIVE = "after the collective"
 
 
 class Strategy:
@@ -163,8 +175,23 @@ class Strategy:
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         """One call on validated inputs with 0 < T <= max_tokens_per_call. `variant` is one of
-        `variants()`, as the plan chose it for this T. Collective when the world size is > 1."""
+        `variants()`, as the plan chose it for this T. Collective when the world size is > 1: the
+        call's one collective (an all-reduce, or the launch of a kernel that exchanges with peers)
+        goes inside `with self.collective():`, everything that can fail locally before it."""
         raise NotImplementedError
+
+    #: the strategy's run() wraps its one collective in `self.collective()`; a strategy that does
+    #: not is treated as "inside" whenever its run raises (the bridge cannot tell where it failed)
+    marks_collective: ClassVar[bool] = False
+    call_stage: CallStage = CallStage.BEFORE_COLLECTIVE
+
+    @contextlib.contextmanager
+    def collective(self):
+        """Mark the call's one collective: a failure before it lets this rank still take part with
+        a NaN payload; a failure inside it breaks the bridge; after it, the group is in step."""
+        self.call_stage = CallStage.IN_COLLECTIVE
+        yield
+        self.call_stage = CallStage.AFTER_COLLECTIVE
 
     def close(self) -> None:
         """Free what prepare() built. Idempotent."""

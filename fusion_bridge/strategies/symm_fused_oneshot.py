@@ -31,6 +31,7 @@ LaunchVariant = Optional[tuple[int, int, int]]
 
 
 class SymmFusedOneshotStrategy(Strategy):
+    marks_collective = True
     name = "symm_fused_oneshot"
     summary = (
         "one Triton launch over symmetric memory: finalize+shared, push to peers, rank-ordered "
@@ -153,15 +154,16 @@ class SymmFusedOneshotStrategy(Strategy):
         )
         q = q if q is not None else self._unused
         sf = sf if sf is not None else self._unused
-        self._launch(
-            ws,
-            residual_out,
-            norm_out,
-            q.view(torch.uint8) if q.dtype != torch.uint8 else q,
-            sf,
-            inputs,
-            launch,
-        )
+        with self.collective():
+            self._launch(
+                ws,
+                residual_out,
+                norm_out,
+                q.view(torch.uint8) if q.dtype != torch.uint8 else q,
+                sf,
+                inputs,
+                launch,
+            )
         if spec.quant.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
         return EpilogueOutputs(
