@@ -284,7 +284,7 @@ class FusionBridge:
         try:
             if not self._looks_valid(inputs):
                 validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
-            tokens = residual.shape[0]  # the group's T (call_protocol.canonical_tokens)
+            tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
             if self._check_values:
                 validate_index_values(inputs)
             if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
@@ -318,14 +318,14 @@ class FusionBridge:
         on a NaN payload, so the group stays in step and the peers get NaN outputs; then raise the
         original error. If T is unreadable or has no route, this rank cannot take part: the bridge
         refuses every later call (call_protocol.broken_message says what recovers)."""
-        tokens = call_protocol.canonical_tokens(inputs)
+        tokens = call_protocol.group_tokens(inputs)
         if self.env.world_size == 1 or tokens == 0:
             raise error
         route = self._planned_route(tokens) if tokens is not None else None
         if route is None:
             where = (
-                "before its collective, and residual (the source of the group's T) is not a 2-D "
-                "tensor"
+                "before its collective, and none of its [T, ...] inputs is a 2-D tensor, so it "
+                "cannot tell the group's T"
                 if tokens is None
                 else f"before its collective, and T={tokens} has no route"
             )
@@ -364,7 +364,7 @@ class FusionBridge:
         """Debug mode over several ranks: local checks (index range included), then one small
         collective on (ok, T, call number) before the epilogue's collectives; if any rank failed,
         T differs or a rank is on another call, every rank raises the same error."""
-        tokens = call_protocol.canonical_tokens(inputs)
+        tokens = call_protocol.group_tokens(inputs)
         error, route = None, None
         try:
             validate_inputs(self.spec, inputs, self.device)

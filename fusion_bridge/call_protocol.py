@@ -8,12 +8,13 @@ makes the rank take part in the call anyway, with a NaN payload of the group's T
 its peers run, and only then raise. The peers get NaN outputs (loud, never plausible), and the
 next call is in step on every rank.
 
-The group's T comes from one tensor: `residual` ([T, H], replicated on every rank of the TP group).
-Every other input is validated against it, so a rank whose index map or weights are malformed
-still knows which T its peers are running.
+The group's T is the first dimension most of the [T, ...] inputs agree on (`group_tokens`: the
+index map, the expert weights, the shared output and `residual`, all replicated in T on every rank
+of the TP group; on a tie, residual's). Every input is validated against it, so a rank with one
+malformed tensor still knows which T its peers are running.
 
 Where a rank cannot take part, it marks its bridge broken (every later call raises) with a message
-that says what recovers; that happens when T itself is unreadable (`residual` is not a 2-D tensor),
+that says what recovers; that happens when T itself is unreadable (none of those is a 2-D tensor),
 or when the failure came while this rank was inside the collective (it cannot tell whether the peers
 finished it).
 
@@ -39,19 +40,31 @@ _index_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, K) 
 _gammas: dict[tuple, torch.Tensor] = {}  # (device, dtype, H) -> [H] of ones
 
 
-def canonical_tokens(inputs: EpilogueInputs) -> Optional[int]:
-    """The call's T: `residual.size(0)` when `residual` is a 2-D tensor, else None (unreadable).
-    Never raises, whatever object or exotic tensor layout the caller passed."""
-    residual = inputs.residual
-    if not isinstance(residual, torch.Tensor):
+def _first_dim(t: object) -> Optional[int]:
+    if not isinstance(t, torch.Tensor):
         return None
     try:
-        if residual.dim() != 2:
-            return None
-        tokens = int(residual.size(0))
+        return int(t.size(0)) if t.dim() == 2 else None
     except Exception:  # noqa: BLE001 - a tensor subclass whose metadata cannot be read
         return None
-    return tokens if tokens >= 0 else None
+
+
+def group_tokens(inputs: EpilogueInputs) -> Optional[int]:
+    """The call's T: the first dimension most of the [T, ...] inputs (index map, expert weights,
+    shared output, residual; each counted when it is a 2-D tensor) agree on; on a tie, residual's,
+    then the index map's. None when none of them is readable. Never raises, whatever objects or
+    exotic tensor layouts the caller passed. One malformed tensor never changes T."""
+    named = (
+        ("residual", inputs.residual),
+        ("index map", inputs.expanded_idx_to_permuted_idx),
+        ("weights", inputs.expert_weights),
+        ("shared", inputs.shared_output),
+    )
+    dims = [d for d in (_first_dim(t) for _, t in named) if d is not None]
+    if not dims:
+        return None
+    best = max(dims.count(d) for d in dims)
+    return next(d for d in dims if dims.count(d) == best)  # dims keep the tie order above
 
 
 def reserve(device: torch.device, dtype: torch.dtype, hidden: int, top_k: int, rows: int) -> None:

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .call_protocol import group_tokens
 from .io import EpilogueInputs
 from .spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
 
@@ -24,12 +25,7 @@ def _fail(name: str, expected: str, actual: object) -> None:
     raise EpilogueInputError(f"finalize_epilogue: {name} must be {expected}, got {actual}")
 
 
-T_SOURCE = " (T = residual.shape[0], the call's token count)"
-
-
-def _check_tensor(
-    name: str, t: object, shape: tuple, dtypes: tuple, device: torch.device, note: str = ""
-) -> None:
+def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
     if t.is_nested or t.layout is not torch.strided:
@@ -37,7 +33,7 @@ def _check_tensor(
     if t.dtype not in dtypes:
         _fail(f"{name}.dtype", " or ".join(str(d) for d in dtypes), t.dtype)
     if tuple(t.shape) != shape:
-        _fail(f"{name}.shape", str(list(shape)) + note, list(t.shape))
+        _fail(f"{name}.shape", str(list(shape)), list(t.shape))
     if t.device != device:
         _fail(f"{name}.device", str(device), t.device)
     if not t.is_contiguous():
@@ -47,21 +43,17 @@ def _check_tensor(
 def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.device) -> None:
     """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe.
 
-    The call's T is residual's first dimension (replicated on every rank of the group, so even a
-    rank whose other inputs are malformed knows the T its peers run); every other tensor is checked
-    against it."""
-    residual = inputs.residual
-    if not isinstance(residual, torch.Tensor):
-        _fail("residual", "a torch.Tensor [T, hidden_size]", type(residual).__name__)
-    if residual.is_nested or residual.layout is not torch.strided or residual.dim() != 2:
+    The call's T is the first dimension most of the [T, ...] inputs agree on
+    (call_protocol.group_tokens), so a rank with one malformed tensor still knows the T its peers
+    run; every tensor is checked against it."""
+    tokens, hidden = group_tokens(inputs), spec.hidden_size
+    if tokens is None:
         _fail(
             "residual",
-            "a dense 2-D tensor [T, hidden_size] (its first dimension is the call's T)",
-            "a nested tensor"
-            if residual.is_nested
-            else f"{residual.layout} {list(residual.shape)}",
+            "a dense 2-D tensor [T, hidden_size] (T is the first dimension the [T, ...] inputs "
+            "agree on, and none of them is a 2-D tensor)",
+            type(inputs.residual).__name__,
         )
-    tokens, hidden = residual.shape[0], spec.hidden_size
     perm = inputs.expanded_idx_to_permuted_idx
     if not isinstance(perm, torch.Tensor):
         _fail("expanded_idx_to_permuted_idx", "a torch.Tensor", type(perm).__name__)
@@ -83,7 +75,6 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
         (tokens, spec.top_k),
         (torch.int32,),
         device,
-        T_SOURCE,
     )
     g = inputs.gemm2_out
     if not isinstance(g, torch.Tensor) or g.dim() != 2:
@@ -95,13 +86,16 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
         (tokens, spec.top_k),
         EXPERT_WEIGHT_DTYPES,
         device,
-        T_SOURCE,
     )
     if spec.has_shared_output:
         if inputs.shared_output is None:
             _fail("shared_output", "a tensor (spec.has_shared_output=True)", None)
         _check_tensor(
-            "shared_output", inputs.shared_output, (tokens, hidden), (spec.dtype,), device, T_SOURCE
+            "shared_output",
+            inputs.shared_output,
+            (tokens, hidden),
+            (spec.dtype,),
+            device,
         )
     elif inputs.shared_output is not None:
         _fail("shared_output", "None (spec.has_shared_output=False)", "a tensor")

@@ -77,10 +77,10 @@ BAD_INPUTS = [
         lambda i: {"residual": torch.cat([i.residual, i.residual], 1)[:, ::2]},
         "contiguous",
     ),
-    (  # residual's first dimension is the call's T: the other tensors are named against it
+    (  # T is what most [T, ...] inputs agree on: the one odd tensor is named
         "residual wrong T",
         lambda i: {"residual": i.residual[:4].contiguous()},
-        "expanded_idx_to_permuted_idx.shape must be [4, 2] (T = residual.shape[0]",
+        "residual.shape must be [5,",
     ),
     (
         "residual on another device",
