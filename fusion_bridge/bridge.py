@@ -141,7 +141,7 @@ class FusionBridge:
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.
-        consensus.check_in(group, timeout_s=build_timeout_s)
+        self.build_index = consensus.check_in(group, timeout_s=build_timeout_s)
         consensus.agree_on_settings(
             {
                 "spec": spec.to_dict(),
@@ -380,6 +380,8 @@ class FusionBridge:
             self.group,
             collective_device(self.group, self.device),
             call=self.calls,
+            bridge=self.build_index,
+            fingerprint=call_protocol.replicated_fingerprint(inputs) if error is None else 0,
         )
         if not tokens:
             return allocate_outputs(self.spec, 0, self.device)

@@ -138,3 +138,17 @@ def add_note(error: BaseException, note: str) -> None:
     """Attach `note` to the exception's report where Python supports notes (3.11+)."""
     if hasattr(error, "add_note"):
         error.add_note(note)
+
+
+def replicated_fingerprint(inputs: EpilogueInputs) -> int:
+    """A checksum of the inputs every rank of the TP group holds identical (residual, index map,
+    expert weights), for debug mode: ranks whose fingerprints differ are not on the same step.
+    Reads every byte (a sync and a pass over [T, H]): debug mode only."""
+    total = 0
+    for i, t in enumerate(
+        (inputs.residual, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights)
+    ):
+        raw = t.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+        weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) % 65521 + 1
+        total = (total * 1000003 + int((raw * weights).sum()) + i) % (1 << 61)
+    return total

@@ -344,6 +344,8 @@ def agree_call(
     device: torch.device = _CPU,
     *,
     call: int = 0,
+    bridge: int = 0,
+    fingerprint: int = 0,
 ) -> int:
     """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
     the
@@ -366,7 +368,7 @@ def agree_call(
             raise _call_error({0: error or "no reason given"}, [tokens], group)
         return tokens
     flags = torch.tensor(
-        [int(bool(ok)), int(tokens), int(call)],
+        [int(bool(ok)), int(tokens), int(call), int(bridge), int(fingerprint)],
         dtype=torch.int64,
         device=collective_device(group, torch.device(device)),
     )
@@ -374,15 +376,25 @@ def agree_call(
     dist.all_gather(gathered, flags, group=group)
     table = torch.stack(gathered).tolist()  # one device-to-host copy
     oks, token_counts = [bool(row[0]) for row in table], [int(row[1]) for row in table]
-    calls = [int(row[2]) for row in table]
-    if len(set(calls)) > 1:  # a rank skipped or added a call: every later call would pair wrongly
+    calls = [(int(row[3]), int(row[2])) for row in table]  # (bridge, call number)
+    prints = [int(row[4]) for row in table]
+    if all(oks) and (len(set(calls)) > 1 or len(set(prints)) > 1):
+        # A rank skipped a call or made an extra one: its calls would pair with the peers' other
+        # calls from here on. The replicated inputs tell steps apart where call numbers cannot (a
+        # rank that skipped one call of a bridge is on the same count at its next one).
         raise GroupInputError(
-            "finalize_epilogue (debug mode): the ranks of the group are on different calls of "
-            "this bridge: "
-            + ", ".join(f"call {c} on rank {r}" for r, c in enumerate(calls))
-            + ". A rank skipped a call or made an extra one; every rank must call every bridge "
-            "the same number of times, in the same order. None of the epilogue's collectives ran "
-            "for this call; every rank raises this error.",
+            "finalize_epilogue (debug mode): the ranks of the group are on different calls: "
+            + ", ".join(f"bridge {b} call {c} on rank {r}" for r, (b, c) in enumerate(calls))
+            + (
+                "; their replicated inputs (residual, index map, expert weights) differ, so they "
+                "are not the same step"
+                if len(set(prints)) > 1
+                else ""
+            )
+            + ". A rank skipped a call or made an extra one, or passed inputs that are not "
+            "replicated across the group; every rank must call every bridge the same number of "
+            "times, in the same order, with the same residual and routing. None of the epilogue's "
+            "collectives ran for this call; every rank raises this error.",
             {},
             token_counts,
         )

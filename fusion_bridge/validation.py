@@ -28,8 +28,7 @@ def _fail(name: str, expected: str, actual: object) -> None:
 def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
-    if t.is_nested or t.layout is not torch.strided:
-        _fail(name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else t.layout)
+    _require_dense(name, t)
     if t.dtype not in dtypes:
         _fail(f"{name}.dtype", " or ".join(str(d) for d in dtypes), t.dtype)
     if tuple(t.shape) != shape:
@@ -38,6 +37,12 @@ def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: tor
         _fail(f"{name}.device", str(device), t.device)
     if not t.is_contiguous():
         _fail(name, "contiguous (call .contiguous())", f"strides {t.stride()}")
+
+
+def _require_dense(name: str, t: torch.Tensor) -> None:
+    """Sparse and nested tensors: their other metadata (shape, strides) may not even be readable."""
+    if t.is_nested or t.layout is not torch.strided:
+        _fail(name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else t.layout)
 
 
 def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.device) -> None:
@@ -57,6 +62,7 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
     perm = inputs.expanded_idx_to_permuted_idx
     if not isinstance(perm, torch.Tensor):
         _fail("expanded_idx_to_permuted_idx", "a torch.Tensor", type(perm).__name__)
+    _require_dense("expanded_idx_to_permuted_idx", perm)
     if perm.dim() != 2:
         _fail(
             "expanded_idx_to_permuted_idx",
@@ -77,6 +83,8 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
         device,
     )
     g = inputs.gemm2_out
+    if isinstance(g, torch.Tensor):
+        _require_dense("gemm2_out", g)
     if not isinstance(g, torch.Tensor) or g.dim() != 2:
         _fail("gemm2_out", "a 2-D tensor [P, hidden_size]", getattr(g, "shape", type(g).__name__))
     _check_tensor("gemm2_out", g, (g.shape[0], hidden), (spec.dtype,), device)

@@ -156,9 +156,16 @@ def _bad(inputs, how):
     raise AssertionError(how)
 
 
+def _dense(x):
+    """A strided copy of a sparse or nested tensor (what it holds), for comparisons."""
+    if x.is_nested:
+        return torch.cat([t.reshape(-1) for t in x.unbind()])
+    return x.to_dense() if x.layout is not torch.strided else x
+
+
 def _snapshot(inputs):
     return [
-        x.clone() if isinstance(x, torch.Tensor) else (None if x is None else repr(x))
+        _dense(x).clone() if isinstance(x, torch.Tensor) else (None if x is None else repr(x))
         for x in inputs
     ]
 
@@ -173,7 +180,9 @@ def _same_tensor(a, b):
 
 def _unchanged(before, inputs):
     return all(
-        _same_tensor(b, x) if isinstance(x, torch.Tensor) else b == (None if x is None else repr(x))
+        _same_tensor(b, _dense(x))
+        if isinstance(x, torch.Tensor)
+        else b == (None if x is None else repr(x))
         for b, x in zip(before, inputs)
     )
 
@@ -659,37 +668,44 @@ def test_7_unequal_t_and_t0_on_one_rank_under_debug_raise_the_same_error_everywh
         (
             "routed_scaling_factor",
             "2",
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got '2' (a str)",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "'2' (a str)",
         ),
         (
             "routed_scaling_factor",
             float("nan"),
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got nan",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "nan",
         ),
         (
             "routed_scaling_factor",
             float("inf"),
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got inf",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "inf",
         ),
         (
             "routed_scaling_factor",
             True,
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got True (a bool)",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "True (a bool)",
         ),
         (
             "eps",
             float("inf"),
-            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is 0 in fp32 turns an all-zero row into NaN), got inf",
+            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
+            "that is 0 in fp32 turns an all-zero row into NaN), got inf",
         ),
         (
             "eps",
             0.0,
-            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is 0 in fp32 turns an all-zero row into NaN), got 0.0",
+            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
+            "that is 0 in fp32 turns an all-zero row into NaN), got 0.0",
         ),
         (
             "eps",
             -1e-6,
-            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is 0 in fp32 turns an all-zero row into NaN), got -1e-06",
+            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
+            "that is 0 in fp32 turns an all-zero row into NaN), got -1e-06",
         ),
         (
             "weight_bias",
