@@ -189,3 +189,21 @@ def test_text_level_hostility_never_raises(tmp_path):
     path = tmp_path / "ok.json"
     path.write_text(good)
     assert read_table(path, expect)["measured_us"] == GOOD["measured_us"]
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--seed", "1e29"], "argument --seed: expected a seed (an integer), got '1e29'"),
+        (["--seed", str(10**29)], "argument --seed: must be in 0..9223372036854775807"),
+        (["--tokens", "200000"], "argument --tokens: must be in 1..16384, got 200000"),
+    ],
+)
+def test_parity_refuses_values_it_cannot_use_before_any_work(args, why):
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusion_bridge", "parity", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-1000:]
