@@ -207,3 +207,19 @@ def test_parity_refuses_values_it_cannot_use_before_any_work(args, why):
         timeout=120,
     )
     assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-1000:]
+
+
+def test_every_cli_command_names_a_malformed_variable_in_one_line():
+    env = {**__import__("os").environ, "FUSION_BRIDGE_SYMM_TIMEOUT_S": "garbage"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusion_bridge", "info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-1000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: environment variable FUSION_BRIDGE_SYMM_TIMEOUT_S must be a number of seconds in "
+        "[0.001, 86400], got 'garbage'"
+    ]

@@ -8,7 +8,6 @@ planner and the golden tests need no hardware; an instance holds what `prepare()
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 from dataclasses import dataclass
@@ -185,13 +184,25 @@ class Strategy:
     marks_collective: ClassVar[bool] = False
     call_stage: CallStage = CallStage.BEFORE_COLLECTIVE
 
-    @contextlib.contextmanager
-    def collective(self):
-        """Mark the call's one collective: a failure before it lets this rank still take part with
-        a NaN payload; a failure inside it breaks the bridge; after it, the group is in step."""
-        self.call_stage = CallStage.IN_COLLECTIVE
-        yield
-        self.call_stage = CallStage.AFTER_COLLECTIVE
+    def collective(self) -> "_CollectiveMark":
+        """Mark the call's one collective (`with self.collective(): ...`): a failure before it lets
+        this rank still take part with a NaN payload; a failure inside it breaks the bridge; after
+        it, the group is in step. A plain object, not a generator: it sits on every call's path."""
+        return _CollectiveMark(self)
+
+
+class _CollectiveMark:
+    __slots__ = ("strategy",)
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def __enter__(self) -> None:
+        self.strategy.call_stage = CallStage.IN_COLLECTIVE
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.strategy.call_stage = CallStage.AFTER_COLLECTIVE
 
     def close(self) -> None:
         """Free what prepare() built. Idempotent."""
