@@ -190,6 +190,9 @@ class Strategy:
         it, the group is in step. A plain object, not a generator: it sits on every call's path."""
         return _CollectiveMark(self)
 
+    def close(self) -> None:
+        """Free what prepare() built. Idempotent."""
+
 
 class _CollectiveMark:
     __slots__ = ("strategy",)
@@ -203,6 +206,3 @@ class _CollectiveMark:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.strategy.call_stage = CallStage.AFTER_COLLECTIVE
-
-    def close(self) -> None:
-        """Free what prepare() built. Idempotent."""
