@@ -378,7 +378,8 @@ def agree_call(
     oks, token_counts = [bool(row[0]) for row in table], [int(row[1]) for row in table]
     calls = [(int(row[3]), int(row[2])) for row in table]  # (bridge, call number)
     prints = [int(row[4]) for row in table]
-    if all(oks) and (len(set(calls)) > 1 or len(set(prints)) > 1):
+    same_t = len(set(token_counts)) == 1  # else the T message below says more
+    if all(oks) and same_t and (len(set(calls)) > 1 or len(set(prints)) > 1):
         # A rank skipped a call or made an extra one: its calls would pair with the peers' other
         # calls from here on. The replicated inputs tell steps apart where call numbers cannot (a
         # rank that skipped one call of a bridge is on the same count at its next one).

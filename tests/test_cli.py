@@ -215,7 +215,7 @@ def _parity_rank_limit() -> tuple[int, str]:
 BAD_ARGUMENTS = [
     (("parity", "--world-size", "0"), "argument --world-size: must be >= 1, got 0"),
     (("parity", "--tokens", "-1"), "argument --tokens: must be in 1..16384, got -1"),
-    (("parity", "--tokens", "0"), "argument --tokens: must be >= 1, got 0"),
+    (("parity", "--tokens", "0"), "argument --tokens: must be in 1..16384, got 0"),
     (("parity", "--world-size", "1000"), "argument --world-size: must be at most"),
     (("explain", "--world-size", "0"), "argument --world-size: must be >= 1, got 0"),
     (("explain", "--world-size", "-2"), "argument --world-size: must be >= 1, got -2"),
