@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from . import registry
-from .agreement import agree_flags, collective_device, my_rank, other_rank_reason
+from .process_group import collective_device, my_rank
+from .rank_agreement import agree_flags, other_rank_reason
 from .environment import Environment
 from .planner import AUTO, StrategyStatus
 from .reasons import Reason

@@ -26,13 +26,13 @@ from typing import Callable, Optional
 
 import torch
 
-from . import compiled, log, registry
+from . import custom_op, log, registry
 from . import tuning as tuning_tables
-from . import consensus
+from . import rank_agreement
 from .admission import admit
-from .agreement import collective_device
 from .environment import Environment, default_device, detect
-from .io import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from .epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from .process_group import collective_device
 from .planner import AUTO, Plan, bucket_index, select_for_modes
 from .report import Report
 from .shadow import Shadow
@@ -114,8 +114,8 @@ class FusionBridge:
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.
-        consensus.check_in(group, timeout_s=build_timeout_s)
-        consensus.agree_on_settings(
+        rank_agreement.check_in(group, timeout_s=build_timeout_s)
+        rank_agreement.agree_on_settings(
             {
                 "spec": spec.to_dict(),
                 "requested_strategy": requested,
@@ -172,14 +172,16 @@ class FusionBridge:
         except Exception:
             self.close()
             raise
-        self.name = compiled.register_bridge(self)
+        self.name = custom_op.register_bridge(self)
         _LOG.info(self._summary())
 
     def _use_plan(self, plan: Plan) -> None:
         """Check that every rank will execute the same plan, then bind it to the prepared instances:
         one (instance, variant, checks shapes?) per bucket."""
         if self.env.world_size > 1:
-            consensus.agree_on_settings(consensus.plan_settings(plan), self.group, what="the plan")
+            rank_agreement.agree_on_settings(
+                rank_agreement.plan_settings(plan), self.group, what="the plan"
+            )
         self.plan = plan
         shape_checked = {
             name: type(inst).accepts is not Strategy.accepts
@@ -228,7 +230,7 @@ class FusionBridge:
         if (
             torch.compiler.is_compiling()
         ):  # one opaque node in the graph; the op runs this method eagerly
-            return compiled.outputs_from_op(
+            return custom_op.outputs_from_op(
                 self.spec,
                 torch.ops.fusion_bridge.finalize_epilogue(
                     gemm2_out,
@@ -343,7 +345,7 @@ class FusionBridge:
                 route = self._route(inputs, tokens)
         except EpilogueInputError as exc:
             error = exc
-        consensus.agree_call(
+        rank_agreement.agree_call(
             error is None,
             -1 if tokens is None else tokens,
             None if error is None else str(error),

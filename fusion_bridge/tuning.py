@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .agreement import my_rank
+from .process_group import my_rank
 from .environment import Environment
 from .spec import EpilogueSpec
 from .synthetic import make_inputs

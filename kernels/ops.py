@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..io import quant_buffers
+from ..epilogue_tensors import quant_buffers
 from ..spec import QuantKind, SFLayout
 from .add_rmsnorm import add_rmsnorm_into
 from .finalize_add import finalize_add_into

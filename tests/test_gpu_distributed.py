@@ -271,7 +271,7 @@ def _graphs_routing_and_fp4(rank, world_size):
                 routed_scaling_factor=self.spec.routed_scaling_factor,
                 weight_bias=self.spec.weight_bias,
             )
-            from fusion_bridge.io import EpilogueOutputs
+            from fusion_bridge.epilogue_tensors import EpilogueOutputs
 
             return EpilogueOutputs(res, norm)
 

@@ -66,7 +66,7 @@ def _workspaces(kernel, world, cap, hidden, timeout_s=10.0):
 def _call(kernel, wss, streams, spec, inputs):
     """One epilogue call on every emulated rank, each on its own stream; returns each rank's
     outputs."""
-    from fusion_bridge.io import quant_buffers
+    from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.strategies.base import kernel_quant_args
 
     quant, scale, swizzled = kernel_quant_args(spec)

@@ -5,7 +5,7 @@ with
 `register` (or to the built-in registry). See migration/README.md, "Adding a strategy"."""
 
 from ..environment import Environment
-from ..io import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from ..reasons import Reason
 from ..registry import REGISTRY, register, unregister
 from ..spec import Stage

@@ -15,7 +15,7 @@ from typing import ClassVar, Optional
 import torch
 
 from ..environment import Environment
-from ..io import EpilogueInputs, EpilogueOutputs
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from ..reasons import Reason
 from ..spec import EpilogueSpec, QuantKind, SFLayout, Stage
 

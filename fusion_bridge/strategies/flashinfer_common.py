@@ -27,7 +27,8 @@ from ..reasons import (
     require_world_size_in,
 )
 from ..spec import EpilogueSpec
-from .shared import SharedWorkspaces, group_name
+from ..process_group import group_name
+from .workspace_pool import WorkspacePool
 
 MIN_FLASHINFER = "0.7.2"
 LAMPORT_WORLD_SIZES = (2, 4, 8, 16)
@@ -148,7 +149,7 @@ def memory_reason(
     return None
 
 
-_WORKSPACES: SharedWorkspaces = SharedWorkspaces()
+_WORKSPACES: WorkspacePool = WorkspacePool()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int) -> tuple:

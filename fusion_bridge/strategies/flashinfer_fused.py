@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from ..reasons import collect, require_hidden_multiple
 from ..spec import QuantKind, Stage
 from . import flashinfer_calls, flashinfer_common as fic

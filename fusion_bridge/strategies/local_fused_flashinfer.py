@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..reasons import collect, require_hidden_multiple, require_triton
 from ..spec import QuantKind, SFLayout, Stage
 from . import flashinfer_calls, flashinfer_common as fic

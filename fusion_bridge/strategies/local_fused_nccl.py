@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..io import EpilogueInputs, EpilogueOutputs
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from ..reasons import collect, require_sm_at_least, require_triton
 from ..spec import QuantKind, Stage
 from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages

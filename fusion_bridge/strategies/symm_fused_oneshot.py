@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..reasons import collect
 from ..spec import QuantKind
 from . import symm_workspace as sw

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..io import EpilogueInputs
+from ..epilogue_tensors import EpilogueInputs
 from .base import Step, required_stages
 from .symm_fused_oneshot import SymmFusedOneshotStrategy
 

@@ -30,7 +30,8 @@ from ..reasons import (
     require_triton,
 )
 from ..spec import EpilogueSpec
-from .shared import SharedWorkspaces, group_name
+from ..process_group import group_name
+from .workspace_pool import WorkspacePool
 
 MULTICAST_OFF = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -352,7 +353,7 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
 # Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the
 # workspace
 # and every call of every layer goes through it in the same order on every rank, on one stream.
-_SHARED: SharedWorkspaces = SharedWorkspaces()
+_SHARED: WorkspacePool = WorkspacePool()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str) -> tuple:

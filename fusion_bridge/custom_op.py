@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .io import EpilogueOutputs
+from .epilogue_tensors import EpilogueOutputs
 from .spec import QuantKind, SFLayout
 
 _BRIDGES: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()

@@ -1,24 +1,15 @@
-"""Workspaces shared by every bridge (one per layer) of a process: created collectively by the first
-user of a key, freed by the last. Every rank builds and closes its bridges in the same order, so
-every
-rank creates and frees each workspace at the same point."""
+"""A pool of reference-counted workspaces, shared by every bridge (one per layer) of a process:
+created collectively by the first user of a key, freed by the last. Every rank builds and closes its
+bridges in the same order, so every rank creates and frees each workspace at the same point."""
 
 from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
 
-import torch.distributed as dist
-
 W = TypeVar("W")
 
 
-def group_name(group) -> str:
-    """The process group's name (None: the default group), the part of a key that tells groups
-    apart."""
-    return (group if group is not None else dist.group.WORLD).group_name
-
-
-class SharedWorkspaces(Generic[W]):
+class WorkspacePool(Generic[W]):
     """key -> (workspace, users)."""
 
     def __init__(self) -> None:
