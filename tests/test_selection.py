@@ -66,7 +66,7 @@ GOLDEN = [
     ),
     (
         "h200-tp2-multicast-variables-missing",
-        H200.replace(multicast_off=False),
+        H200.replace(probes={"multicast_off": False}),
         DSV3,
         LF,
         {"symm_fused_oneshot": ["multicast_not_disabled"]},
@@ -74,7 +74,7 @@ GOLDEN = [
     ),
     (
         "h200-tp2-no-symmetric-memory",
-        H200.replace(symm_mem_error="torch.distributed._symmetric_memory lacks x"),
+        H200.replace(probes={"symm_mem_error": "torch.distributed._symmetric_memory lacks x"}),
         DSV3,
         LF,
         {"symm_fused_oneshot": ["symm_mem_unavailable"]},

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fusion_bridge.spec import EpilogueSpec, SFLayout
-from fusion_bridge.environment import Environment
+from fusion_bridge.environment import NO_MULTICAST_ENV, Environment
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
 from fusion_bridge.kernels.symm_oneshot import (
     ERR_ABORTED,
@@ -38,7 +38,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GOOD_ENV = Environment(
     device_type="cuda", sm=90, gpu_name="H200", world_size=2, triton_version="3.6.0"
 )
-SAFE = dict(sw.MULTICAST_OFF)
+SAFE = dict(NO_MULTICAST_ENV)
 
 
 def poisoned(shape, dtype):
@@ -309,7 +309,7 @@ def test_missing_symmetric_memory_is_a_coded_reason():
     assert "no module named x" in reasons[0].message
 
 
-@pytest.mark.parametrize("missing", list(sw.MULTICAST_OFF))
+@pytest.mark.parametrize("missing", list(NO_MULTICAST_ENV))
 def test_multicast_variables_are_required(missing):
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
     environ = {k: v for k, v in SAFE.items() if k != missing}

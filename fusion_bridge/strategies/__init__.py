@@ -4,7 +4,7 @@ capability checks over (`EpilogueSpec`, `Environment`), run on `EpilogueInputs`,
 with
 `register` (or to the built-in registry). See migration/README.md, "Adding a strategy"."""
 
-from ..environment import Environment
+from ..environment import Environment, Probe
 from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from ..reasons import Reason
 from ..registry import REGISTRY, register, unregister
@@ -17,6 +17,7 @@ __all__ = [
     "Stage",
     "Reason",
     "Environment",
+    "Probe",
     "EpilogueInputs",
     "EpilogueOutputs",
     "allocate_outputs",

@@ -14,7 +14,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..environment import Environment
+from ..environment import Environment, Probe
 from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from ..reasons import Reason
 from ..spec import EpilogueSpec, QuantKind, SFLayout, Stage
@@ -83,6 +83,9 @@ class Strategy:
     opt_in: ClassVar[bool] = False
     #: run the collective self-test against the oracle when the bridge is prepared (GPU strategies)
     self_tested: ClassVar[bool] = False
+    #: facts about the process that only this strategy's checks need: detect() runs them and stores
+    #: their values in `Environment.probes`; read one with `probe.value_in(env)`
+    probes: ClassVar[tuple[Probe, ...]] = ()
 
     # ---- pure, class-level: used by the planner, the report and golden tests ----
     @classmethod

@@ -38,6 +38,7 @@ class SymmFusedOneshotStrategy(Strategy):
         "reduce, residual+RMSNorm (+fp8/nvfp4)"
     )
     self_tested = True
+    probes = (sw.SYMM_MEM_PROBE, sw.MULTICAST_PROBE)
     workspace_kind = "oneshot"  # the kernel's buffer layout (symm_workspace)
     # : seconds a rank waits for its peers before the call fails (override before prepare(); tests
     # use less)
