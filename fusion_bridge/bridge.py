@@ -33,7 +33,7 @@ from .admission import admit
 from .environment import Environment, default_device, detect
 from .epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from .process_group import collective_device
-from .planner import AUTO, Plan, bucket_index, select_for_modes
+from .planner import AUTO, Plan, bucket_index, select_for_modes, token_ranges, tokens_text
 from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
@@ -448,6 +448,12 @@ class FusionBridge:
                 f"run_strategy: variant of {name!r} must be one of {list(status.variants)}, "
                 f"got {variant!r}"
             )
+        low, high = status.token_range(variant)
+        if inputs.tokens < low or (high is not None and inputs.tokens > high):
+            raise ValueError(
+                f"run_strategy: {name}:{variant} takes {tokens_text(low, high)}, "
+                f"got T={inputs.tokens}"
+            )
         return inst.run(inputs, variant)
 
     def selected_run(
@@ -487,7 +493,6 @@ class FusionBridge:
                 f"{self.device.type}"
             )
         eager: dict = {}
-        limits = {s.name: s.max_tokens_per_call for s in self.statuses}
         measured = tuning_tables.measure(
             self.spec,
             self.env,
@@ -497,7 +502,7 @@ class FusionBridge:
             list(buckets or self.plan.bounds),
             progress=progress,
             eager_out=eager,
-            limits=limits,
+            token_ranges=token_ranges(self.statuses),
         )
         table = tuning_tables.make_table(self.spec, self.env, measured, eager)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):

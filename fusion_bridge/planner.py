@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 
 from .reasons import Reason
 from .spec import EpilogueSpec
-from .strategies.base import DEFAULT_VARIANT, Step
+from .strategies.base import ANY_TOKENS, DEFAULT_VARIANT, Step, TokenRange
 
 AUTO = "auto"
 
@@ -32,11 +32,13 @@ class StrategyStatus:
     self_test_error: Optional[float] = None
     workspace_bytes: int = 0
     variants: tuple[str, ...] = (DEFAULT_VARIANT,)
-    # : the unmeasured choice of variant per token bucket (aligned with bucket_bounds) and above
-    # max_tokens
+    #: the unmeasured choice of variant per token bucket (aligned with bucket_bounds) and above
+    #: max_tokens; each one's variant_tokens hold its bucket whenever some variant's do
     default_variants: tuple[str, ...] = ()
     overflow_variant: str = DEFAULT_VARIANT
     opt_in: bool = False  # auto neither prepares nor picks it; a request by name does
+    #: the token counts each variant can take (aligned with `variants`; empty: every variant, any T)
+    variant_tokens: tuple[TokenRange, ...] = ()
 
     @property
     def available(self) -> bool:
@@ -53,7 +55,12 @@ class StrategyStatus:
         workspace_bytes: int = 0,
     ) -> "StrategyStatus":
         """The status of strategy class `cls` given the reasons gathered for it."""
-        return StrategyStatus(
+        variants = tuple(cls.variants(spec, env))
+        declared = cls.variant_tokens(spec, env)
+        unknown = set(declared) - set(variants)
+        if unknown:
+            raise ValueError(f"{cls.name}: variant_tokens names undeclared variants {unknown}")
+        status = StrategyStatus(
             name=cls.name,
             summary=cls.summary,
             reasons=tuple(reasons),
@@ -65,12 +72,46 @@ class StrategyStatus:
             self_test=self_test,
             self_test_error=self_test_error,
             workspace_bytes=workspace_bytes,
-            variants=tuple(cls.variants(spec, env)),
-            default_variants=tuple(
-                cls.default_variant(spec, env, b) for b in bucket_bounds(spec.max_tokens)
-            ),
-            overflow_variant=cls.default_variant(spec, env, None),
+            variants=variants,
+            variant_tokens=tuple(declared.get(v, ANY_TOKENS) for v in variants),
         )
+        defaults = tuple(
+            status.valid_variant(cls.default_variant(spec, env, high), low, high)
+            for low, high in bucket_ranges(spec.max_tokens)
+        )
+        overflow = status.valid_variant(
+            cls.default_variant(spec, env, None), spec.max_tokens + 1, None
+        )
+        return dataclasses.replace(status, default_variants=defaults, overflow_variant=overflow)
+
+    def declared_range(self, variant: str) -> TokenRange:
+        """(fewest, most) tokens `variant` declares (variant_tokens); most None: no own limit."""
+        i = self.variants.index(variant)
+        return self.variant_tokens[i] if i < len(self.variant_tokens) else ANY_TOKENS
+
+    def token_range(self, variant: str) -> TokenRange:
+        """(fewest, most) tokens `variant` can take; most None: no limit. Includes the strategy's
+        max_tokens_per_call."""
+        low, high = self.declared_range(variant)
+        cap = self.max_tokens_per_call
+        if cap is not None:
+            high = cap if high is None else min(high, cap)
+        return low, high
+
+    def variants_for(self, low: int, high: Optional[int]) -> tuple[str, ...]:
+        """The variants that can take every T in [low, high] (high None: unbounded above)."""
+        out = []
+        for v in self.variants:
+            v_low, v_high = self.token_range(v)
+            if low >= v_low and (v_high is None or (high is not None and high <= v_high)):
+                out.append(v)
+        return tuple(out)
+
+    def valid_variant(self, preferred: str, low: int, high: Optional[int]) -> str:
+        """`preferred` if it can take every T in [low, high], else the first variant that can (else
+        `preferred`: then no variant fits and the planner does not give this strategy the range)."""
+        valid = self.variants_for(low, high)
+        return preferred if preferred in valid or not valid else valid[0]
 
     def variant_for(self, bucket: int) -> str:
         return (
@@ -95,6 +136,7 @@ class StrategyStatus:
             "self_test_error": self.self_test_error,
             "workspace_bytes": self.workspace_bytes,
             "variants": list(self.variants),
+            "variant_tokens": {v: list(self.token_range(v)) for v in self.variants},
         }
 
 
@@ -132,6 +174,12 @@ def static_statuses(spec: EpilogueSpec, env) -> list[StrategyStatus]:
 def bucket_index(tokens: int) -> int:
     """Token buckets are powers of two: bucket i holds 2^(i-1) < T <= 2^i. O(1), no allocation."""
     return (tokens - 1).bit_length()
+
+
+def bucket_ranges(max_tokens: int) -> tuple[tuple[int, int], ...]:
+    """(fewest, most) T of each bucket up to max_tokens: (1, 1), (2, 2), (3, 4), (5, 8), ..."""
+    bounds = bucket_bounds(max_tokens)
+    return tuple(zip((1,) + tuple(b + 1 for b in bounds[:-1]), bounds))
 
 
 def bucket_bounds(max_tokens: int) -> tuple[int, ...]:
@@ -233,17 +281,18 @@ def select(
     """Pick a (strategy, variant) per token bucket.
 
     requested: "auto" or a strategy name. An explicit name that cannot run raises
-    NoStrategyAvailable
-    with its reasons; it never falls back. Under auto, among available auto-selectable strategies
-    that
-    can take the bucket's largest T, the fastest measured (strategy, variant) wins; a bucket nobody
-    measured takes the first fitting strategy in the static order (the order of `statuses`) with its
-    default variant. Measurements naming a strategy or variant that is not registered are ignored,
-    with
-    a note. T above spec.max_tokens goes to the first candidate without a per-call limit, or raises.
+    NoStrategyAvailable with its reasons; it never falls back. Under auto, among available
+    auto-selectable strategies with a variant that can take every T of the bucket
+    (max_tokens_per_call and variant_tokens), the fastest measured such (strategy, variant) wins; a
+    bucket nobody measured takes the first fitting strategy in the static order (the order of
+    `statuses`) with its default variant. Measurements naming a strategy or variant that is not
+    registered, or a token count the variant cannot take, are ignored, with a note. T above
+    spec.max_tokens goes to the first candidate without a per-call limit, or raises. What the plan
+    names is what runs: no strategy overrides it.
     """
     by_name = {s.name: s for s in statuses}
     bounds = bucket_bounds(spec.max_tokens)
+    ranges = bucket_ranges(spec.max_tokens)
     measured, notes = _known_measurements(measured_us or {}, by_name)
     if requested != AUTO:
         if requested not in by_name:
@@ -253,7 +302,7 @@ def select(
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
-        picks = [_fastest(i, bound, [st], measured) for i, bound in enumerate(bounds)]
+        picks = [_fastest(i, rng, [st], measured) for i, rng in enumerate(ranges)]
         overflow = requested if st.max_tokens_per_call is None else None
         return Plan(
             requested,
@@ -271,13 +320,11 @@ def select(
     if not candidates:
         raise NoStrategyAvailable(AUTO, statuses)
     choice, variants, times = [], [], []
-    for i, bound in enumerate(bounds):
-        fits = [
-            s for s in candidates if s.max_tokens_per_call is None or s.max_tokens_per_call >= bound
-        ]
+    for i, (low, high) in enumerate(ranges):
+        fits = [s for s in candidates if s.variants_for(low, high)]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
-        best_time, best, variant = _fastest(i, bound, fits, measured)
+        best_time, best, variant = _fastest(i, (low, high), fits, measured)
         choice.append(best)
         variants.append(variant)
         times.append(best_time)
@@ -302,16 +349,17 @@ def select(
 
 
 def _fastest(
-    bucket: int, bound: int, fits: list[StrategyStatus], measured: Measurements
+    bucket: int, tokens: tuple[int, int], fits: list[StrategyStatus], measured: Measurements
 ) -> tuple[Optional[float], str, str]:
-    """(time, strategy, variant): the fastest measured (strategy, variant) at this bucket, ties to
-    the
-    static order; unmeasured, the first strategy with its default variant."""
+    """(time, strategy, variant): the fastest measured (strategy, variant) that can take every T in
+    the bucket's range `tokens`, timed at its largest T; ties go to the static order; unmeasured,
+    the first strategy with its default variant."""
+    low, bound = tokens
     timed = [
         (per[bound], order, s.name, v)
         for order, s in enumerate(fits)
         for v, per in measured.get(s.name, {}).items()
-        if bound in per
+        if bound in per and v in s.variants_for(low, bound)
     ]
     if timed:
         best_time, _, best, variant = min(timed)
@@ -339,8 +387,26 @@ def _known_measurements(
                     f"(declared: {', '.join(by_name[name].variants)})"
                 )
                 continue
+            low, high = by_name[name].declared_range(variant)
+            outside = sorted(t for t in per if t < low or (high is not None and t > high))
+            if outside:
+                notes.append(
+                    f"measurements for {name}:{variant} at T={outside} ignored (it takes "
+                    f"{tokens_text(low, high)})"
+                )
+                per = {t: us for t, us in per.items() if t not in outside}
             known.setdefault(name, {})[variant] = per
     return known, notes
+
+
+def tokens_text(low: int, high: Optional[int]) -> str:
+    """A token range for messages: 'T in 3..8' or 'T >= 3'."""
+    return f"T >= {low}" if high is None else f"T in {low}..{high}"
+
+
+def token_ranges(statuses: list[StrategyStatus]) -> dict[tuple[str, str], TokenRange]:
+    """(strategy, variant) -> the token counts it can take: what tuning may measure."""
+    return {(s.name, v): s.token_range(v) for s in statuses for v in s.variants}
 
 
 def select_for_modes(

@@ -35,3 +35,28 @@ class OptInSeparate(SeparateStrategy):
     def prepare(self) -> None:
         OptInSeparate.prepared += 1
         super().prepare()
+
+
+class RangedVariants(SeparateStrategy):
+    """The separate path with variant 'a' for any T and 'b' only for T >= 3 (a declared range, like
+    FlashInfer's two-shot), recording which one ran. Its default prefers 'b' everywhere."""
+
+    name = "ranged_variants"
+    summary = "the separate path, launched as variant 'a' (any T) or 'b' (T >= 3)"
+    ran: list = []
+
+    @classmethod
+    def variants(cls, spec, env):
+        return ("a", "b")
+
+    @classmethod
+    def variant_tokens(cls, spec, env):
+        return {"b": (3, None)}
+
+    @classmethod
+    def default_variant(cls, spec, env, tokens):
+        return "b"
+
+    def run(self, inputs, variant="a"):
+        RangedVariants.ran.append(variant)
+        return super().run(inputs, variant)

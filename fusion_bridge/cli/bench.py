@@ -71,6 +71,7 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
 def bench_rank(
     rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool
 ) -> dict:
+    from ..planner import token_ranges
     from ..tuning import measure
 
     with _bridge(spec, world_size, tuning="off") as bridge:
@@ -89,9 +90,9 @@ def bench_rank(
         )
         candidates = bridge.tuning_candidates() + [auto]
         args = (bridge.spec, bridge.env, bridge.group, bridge.device, candidates, tokens)
-        limits = {s.name: s.max_tokens_per_call for s in bridge.statuses}
-        rotated = measure(*args, rotate=True, progress=progress, seed=1, limits=limits)
-        same = measure(*args, rotate=False, progress=progress, seed=2, limits=limits)
+        ranges = token_ranges(bridge.statuses)
+        rotated = measure(*args, rotate=True, progress=progress, seed=1, token_ranges=ranges)
+        same = measure(*args, rotate=False, progress=progress, seed=2, token_ranges=ranges)
         overhead = {t: host_overhead_us(bridge, t) for t in (1, 64)}
         plan = {t: ":".join(bridge.route_for(t)) for t in tokens}
         return {

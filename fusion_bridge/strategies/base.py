@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Mapping, Optional
 
 import torch
 
@@ -21,6 +21,9 @@ from ..spec import EpilogueSpec, QuantKind, SFLayout, Stage
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DEFAULT_VARIANT = "default"
+#: the token counts a launch variant can take: (fewest, most); most None = up to max_tokens_per_call
+TokenRange = tuple[int, Optional[int]]
+ANY_TOKENS: TokenRange = (1, None)
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,17 @@ class Strategy:
         return (DEFAULT_VARIANT,)
 
     @classmethod
+    def variant_tokens(cls, spec: EpilogueSpec, env: Environment) -> Mapping[str, TokenRange]:
+        """Per variant, the token counts it can launch with (a variant not listed: any T). The
+        planner gives a bucket only a variant whose range holds the bucket's every T, and `run`
+        refuses a T outside it: no run() overrides the planned variant."""
+        return {}
+
+    @classmethod
     def default_variant(cls, spec: EpilogueSpec, env: Environment, tokens: Optional[int]) -> str:
         """The variant for a bucket whose largest T is `tokens` (None: above max_tokens) when
-        nothing
-        was measured. A pure function, like every class-level method."""
+        nothing was measured; the planner takes it when its variant_tokens hold the bucket, else the
+        first declared variant whose range does. A pure function, like every class-level method."""
         return cls.variants(spec, env)[0]
 
     # ---- per instance: built by the bridge, collectively ----
@@ -166,7 +176,8 @@ class Strategy:
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         """One call on validated inputs with 0 < T <= max_tokens_per_call. `variant` is one of
-        `variants()`, as the plan chose it for this T. Collective when the world size is > 1."""
+        `variants()`, as the plan chose it for this T (within its variant_tokens); run() never
+        launches another variant than the one it is given. Collective when the world size is > 1."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -119,11 +119,17 @@ def fp4_fusion_reasons(spec: EpilogueSpec, env: Environment, who: str) -> list[R
     return reasons
 
 
+def lamport_max_tokens(hidden: int, element_bytes: int, world_size: int) -> int:
+    """The most tokens FlashInfer's one-shot Lamport buffers hold: every rank's whole partial
+    (T * H * element_bytes * world_size bytes) must fit MAX_COMM_SIZE."""
+    return MAX_COMM_SIZE // (hidden * element_bytes * max(world_size, 1))
+
+
 def max_tokens_for(spec: EpilogueSpec, world_size: int) -> int:
     """Tokens one call may carry: the workspace's size, capped by FlashInfer's Lamport buffer
     limit."""
-    per_token = spec.hidden_size * 2 * max(world_size, 1)
-    return max(0, min(spec.max_tokens, MAX_COMM_SIZE // per_token))
+    elem = torch.finfo(spec.dtype).bits // 8
+    return max(0, min(spec.max_tokens, lamport_max_tokens(spec.hidden_size, elem, world_size)))
 
 
 def workspace_bytes_estimate(spec: EpilogueSpec, world_size: int) -> int:
