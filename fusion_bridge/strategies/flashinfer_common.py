@@ -28,7 +28,7 @@ from ..reasons import (
 )
 from ..spec import EpilogueSpec
 from ..process_group import group_name
-from .workspace_pool import WorkspacePool
+from .workspace_pool import WorkspacePool, memory_reason as workspace_memory_reason
 
 MIN_FLASHINFER = "0.7.2"
 LAMPORT_WORLD_SIZES = (2, 4, 8, 16)
@@ -142,17 +142,8 @@ def memory_reason(
     spec: EpilogueSpec, world_size: int, device: torch.device, who: str
 ) -> Optional[Reason]:
     """Can this rank hold the workspace? Checked locally before the collective creation."""
-    need = workspace_bytes_estimate(spec, world_size)
-    free, _ = torch.cuda.mem_get_info(device)
-    headroom = 256 << 20
-    if need + headroom > free:
-        return Reason(
-            "workspace_no_memory",
-            f"{who}: the workspace for max_tokens={spec.max_tokens} needs "
-            f"{need / 2**20:.0f} MiB (+256 MiB headroom) per rank, {free / 2**20:.0f} MiB are free",
-            "lower EpilogueSpec.max_tokens or free GPU memory",
-        )
-    return None
+    what = f"the workspace for max_tokens={spec.max_tokens}"
+    return workspace_memory_reason(who, what, workspace_bytes_estimate(spec, world_size), device)
 
 
 _WORKSPACES: WorkspacePool = WorkspacePool()

@@ -74,10 +74,4 @@ class LocalFusedNcclStrategy(Strategy):
         residual_out, norm_out, q, sf = self._ops.add_rmsnorm_quant(
             inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, *self._quant
         )
-        kind = self._kind
-        return EpilogueOutputs(
-            residual_out,
-            norm_out,
-            None if kind is QuantKind.NONE else q,
-            sf if kind is QuantKind.NVFP4 else None,
-        )
+        return EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf)

@@ -22,7 +22,6 @@ import torch
 
 from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..reasons import collect
-from ..spec import QuantKind
 from . import symm_workspace as sw
 from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
 
@@ -158,11 +157,7 @@ class SymmFusedOneshotStrategy(Strategy):
             inputs,
             launch,
         )
-        if spec.quant.kind is QuantKind.NONE:
-            return EpilogueOutputs(residual_out, norm_out)
-        return EpilogueOutputs(
-            residual_out, norm_out, q, sf if spec.quant.kind is QuantKind.NVFP4 else None
-        )
+        return EpilogueOutputs.for_quant(spec.quant.kind, residual_out, norm_out, q, sf)
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None

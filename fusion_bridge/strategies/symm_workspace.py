@@ -31,7 +31,7 @@ from ..reasons import (
 )
 from ..spec import EpilogueSpec
 from ..process_group import group_name
-from .workspace_pool import WorkspacePool
+from .workspace_pool import WorkspacePool, memory_reason as workspace_memory_reason
 
 SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a drift test)
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
@@ -211,16 +211,8 @@ def memory_reason(
     spec: EpilogueSpec, world_size: int, device: torch.device, who: str, kind: str = "oneshot"
 ) -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
-    need = buffer_bytes(spec, world_size, kind)
-    free, _ = torch.cuda.mem_get_info(device)
-    if need + (256 << 20) > free:
-        return Reason(
-            "workspace_no_memory",
-            f"{who}: the symmetric buffer for {capacity(spec, world_size, kind)} tokens "
-            f"needs {need / 2**20:.0f} MiB (+256 MiB headroom), {free / 2**20:.0f} MiB are free",
-            "lower EpilogueSpec.max_tokens or free GPU memory",
-        )
-    return None
+    what = f"the symmetric buffer for {capacity(spec, world_size, kind)} tokens"
+    return workspace_memory_reason(who, what, buffer_bytes(spec, world_size, kind), device)
 
 
 @dataclass

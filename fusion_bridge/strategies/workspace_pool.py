@@ -4,9 +4,33 @@ bridges in the same order, so every rank creates and frees each workspace at the
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
+
+import torch
+
+from ..reasons import Reason
 
 W = TypeVar("W")
+#: what a rank keeps free beyond a workspace, for the activations and kernels around it
+HEADROOM_BYTES = 256 << 20
+
+
+def memory_reason(
+    who: str, what: str, need: int, device: torch.device, free: Optional[int] = None
+) -> Optional[Reason]:
+    """Can this rank hold `need` bytes for `what` (e.g. "the symmetric buffer for 2048 tokens") and
+    keep HEADROOM_BYTES free? Checked locally before a collective creation. `free`: the free bytes
+    on `device` (default: asks the device)."""
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
+    if need + HEADROOM_BYTES <= free:
+        return None
+    return Reason(
+        "workspace_no_memory",
+        f"{who}: {what} needs {need / 2**20:.0f} MiB (+{HEADROOM_BYTES >> 20} MiB headroom) per "
+        f"rank, {free / 2**20:.0f} MiB are free",
+        "lower EpilogueSpec.max_tokens or free GPU memory",
+    )
 
 
 class WorkspacePool(Generic[W]):
