@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib
 from types import MappingProxyType
-from typing import Mapping
-
-from .environment import Probe
+from typing import Any, Mapping
 
 # Order is the static preference when nothing was measured: fastest first, as measured on 2x H200
 # (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 /
@@ -67,11 +65,12 @@ def strategy_classes() -> list[type]:
     return [strategy_class(n) for n in _REGISTRY]
 
 
-def environment_probes() -> dict[str, Probe]:
-    """name -> Probe: what detect() runs, collected from every registered strategy's `probes`. Two
-    strategies may share a probe (the same Probe object); two different probes of one name are an
-    error naming both strategies."""
-    out: dict[str, Probe] = {}
+def environment_probes() -> dict[str, Any]:
+    """name -> environment.Probe: what detect() runs, collected from every registered strategy's
+    `probes` (environment imports this module, so no import back). Two strategies may share a
+    probe (the same Probe object); two different probes of one name are an error naming both
+    strategies."""
+    out: dict[str, Any] = {}
     owner: dict[str, str] = {}
     for cls in strategy_classes():
         for probe in cls.probes:

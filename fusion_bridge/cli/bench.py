@@ -17,7 +17,7 @@ from ..spec import EpilogueSpec
 
 
 def _bridge(spec: EpilogueSpec, world_size: int, tuning: str = "auto"):
-    from ..bridge import FusionBridge
+    from .. import FusionBridge
 
     group = torch.distributed.group.WORLD if world_size > 1 else None
     return FusionBridge(spec, group, debug=False, tuning=tuning)

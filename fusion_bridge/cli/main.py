@@ -95,7 +95,7 @@ def _env_request_text(req: dict | None) -> list[str]:
 
 # ------------------------------------------------------------------ commands
 def cmd_info(args) -> int:
-    from ..bridge import FusionBridge
+    from .. import FusionBridge
 
     spec = _spec(args)
     # info diagnoses: build with "auto" whatever the variable asks, and report the request
@@ -119,7 +119,7 @@ def cmd_info(args) -> int:
 def _static_self_test(statuses) -> list:
     """explain builds nothing: say so in each status's self-test state."""
     import dataclasses
-    from ..registry import strategy_class
+    from ..strategies import strategy_class
 
     return [
         dataclasses.replace(
