@@ -33,7 +33,8 @@ from .admission import admit
 from .environment import Environment, default_device, detect
 from .epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from .process_group import collective_device
-from .planner import AUTO, Plan, bucket_index, select_for_modes, token_ranges, tokens_text
+from .buckets import bucket_index, tokens_text
+from .planner import AUTO, Plan, select_for_modes
 from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
@@ -502,7 +503,7 @@ class FusionBridge:
             list(buckets or self.plan.bounds),
             progress=progress,
             eager_out=eager,
-            token_ranges=token_ranges(self.statuses),
+            token_ranges=tuning_tables.token_ranges(self.statuses),
         )
         table = tuning_tables.make_table(self.spec, self.env, measured, eager)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):

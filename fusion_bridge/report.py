@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .environment import Environment
-from .planner import Plan, StrategyStatus
+from .planner import Plan
+from .strategy_status import StrategyStatus
 from .spec import EpilogueSpec
 from .strategies.base import DEFAULT_VARIANT
 

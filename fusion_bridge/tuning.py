@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .process_group import my_rank
 from .environment import Environment
 from .spec import EpilogueSpec
+from .strategy_status import StrategyStatus
 from .synthetic import make_inputs
 from .timing import sets_to_rotate, time_eager, time_graph
 
@@ -203,6 +204,13 @@ def as_measurements(
         name: {v: {int(b): us for b, us in per.items()} for v, per in variants.items()}
         for name, variants in table.get(key, {}).items()
     }
+
+
+def token_ranges(
+    statuses: list[StrategyStatus],
+) -> dict[tuple[str, str], tuple[int, Optional[int]]]:
+    """(strategy, variant) -> the token counts it can take: what tuning may measure."""
+    return {(s.name, v): s.token_range(v) for s in statuses for v in s.variants}
 
 
 Candidate = tuple[str, str, Callable]  # (strategy, variant, run(inputs))

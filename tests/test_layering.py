@@ -5,7 +5,7 @@ module imports a layer above its own.
     math, io    the fp32 math, quant references, kernels, the epilogue's tensors, input checks,
                 process-group facts, timing
     strategies  fusion_bridge.strategies and every strategy module
-    planner     the pure selection
+    planner     token buckets, the strategies' statuses, the pure selection
     bridge      admission, rank agreement, self-test, shadow, tuning, report, custom op, the bridge
     facade      fusion_bridge itself (the model author's names)
     cli         the command-line tools
@@ -44,7 +44,7 @@ LAYERS = {
         "kernels",
     },
     "strategies": {"strategies"},
-    "planner": {"planner"},
+    "planner": {"buckets", "strategy_status", "planner"},
     "bridge": {
         "admission",
         "rank_agreement",

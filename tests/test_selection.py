@@ -7,7 +7,8 @@ import torch
 
 from fusion_bridge import EpilogueSpec, NoStrategyAvailable, QuantSpec
 from fusion_bridge.strategies import Environment
-from fusion_bridge.planner import bucket_bounds, bucket_index, select, static_statuses
+from fusion_bridge.buckets import bucket_bounds, bucket_index
+from fusion_bridge.planner import select, static_statuses
 
 CPU = Environment(device_type="cpu", triton_version="3.6.0", flashinfer_version="0.7.2.post1")
 H200 = Environment(

@@ -6,13 +6,10 @@ import pytest
 import torch
 
 from fusion_bridge import EpilogueSpec, FusionBridge
-from fusion_bridge.planner import (
-    StrategyStatus,
-    bucket_ranges,
-    select,
-    static_statuses,
-    token_ranges,
-)
+from fusion_bridge.buckets import bucket_ranges
+from fusion_bridge.planner import select, static_statuses
+from fusion_bridge.strategy_status import StrategyStatus
+from fusion_bridge.tuning import token_ranges
 from fusion_bridge.report import Report
 from fusion_bridge.strategies import Environment, register, unregister
 from fusion_bridge.synthetic import make_inputs

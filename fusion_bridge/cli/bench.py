@@ -71,8 +71,7 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
 def bench_rank(
     rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool
 ) -> dict:
-    from ..planner import token_ranges
-    from ..tuning import measure
+    from ..tuning import measure, token_ranges
 
     with _bridge(spec, world_size, tuning="off") as bridge:
         bridge.tune(buckets=tokens, progress=progress, save=True)
