@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .io import EpilogueInputs
+from .epilogue_tensors import EpilogueInputs
 
 _lock = threading.Lock()
 _nan_rows: dict[tuple, torch.Tensor] = {}  # (device, dtype, H) -> [rows, H] of NaN

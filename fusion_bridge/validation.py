@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from .call_protocol import group_tokens
-from .io import EpilogueInputs
+from .epilogue_tensors import EpilogueInputs
 from .spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
 
 

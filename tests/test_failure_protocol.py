@@ -129,7 +129,7 @@ def test_debug_mode_names_a_skipped_call_on_every_rank(world_size):
 
 
 def _per_rank_arguments(rank, world_size):
-    from fusion_bridge.consensus import RankAgreementError
+    from fusion_bridge.rank_agreement import RankAgreementError
 
     group = _group(world_size)
     out = {}

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..environment import Environment
+from ..environment import NO_MULTICAST_ENV, Environment, Probe, multicast_is_off
 from ..reasons import (
     Reason,
     collect,
@@ -29,14 +29,11 @@ from ..reasons import (
     require_sm_at_least,
     require_triton,
 )
+from ..kernels import symm_protocol as protocol
 from ..spec import EpilogueSpec
-from .shared import SharedWorkspaces, group_name
+from ..process_group import group_name
+from .workspace_pool import WorkspacePool, memory_reason as workspace_memory_reason
 
-MULTICAST_OFF = {
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a drift test)
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
 WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
@@ -44,7 +41,7 @@ MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in register
 # tokens per call: one-shot is the small-T path; two-shot the bandwidth path; larger T takes the
 # overflow route
 MAX_CAP_TOKENS = {"oneshot": 2048, "twoshot": 4096}
-KINDS = tuple(MAX_CAP_TOKENS)
+KINDS = protocol.KINDS
 MAX_BUFFER_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = (
     60.0  # a peer that has not arrived by then is treated as gone (bridge must be rebuilt)
@@ -70,42 +67,35 @@ def probe_symm_mem() -> Optional[str]:
     return f"torch.distributed._symmetric_memory lacks {missing}" if missing else None
 
 
+#: the environment facts the symmetric-memory strategies declare (Strategy.probes): on a machine set
+#: up as documented, symmetric memory imports and every multicast variable is set
+SYMM_MEM_PROBE = Probe("symm_mem_error", probe_symm_mem, documented=None)
+MULTICAST_PROBE = Probe("multicast_off", multicast_is_off, documented=True)
+
+
 def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> Optional[Reason]:
     """The multicast-disabling variables must be set (to exactly these values) in this process."""
     environ = os.environ if environ is None else environ
-    wrong = {k: environ.get(k) for k, v in MULTICAST_OFF.items() if environ.get(k) != v}
+    wrong = {k: environ.get(k) for k, v in NO_MULTICAST_ENV.items() if environ.get(k) != v}
     if wrong:
         return Reason(
             "multicast_not_disabled",
-            f"{who} requires {MULTICAST_OFF} before the symmetric-memory rendezvous (NVLink "
+            f"{who} requires {NO_MULTICAST_ENV} before the symmetric-memory rendezvous (NVLink "
             "multicast "
             f"can take shared GPUs out of service), but found {wrong}",
             "export "
-            + " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items())
+            + " ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())
             + " in every rank before torch.distributed is initialized",
         )
     return None
 
 
-def kernel_module(kind: str):
-    """The kernel module of a workspace kind (its buffer layout and launch)."""
-    if kind == "oneshot":
-        from ..kernels import symm_oneshot
-
-        return symm_oneshot
-    if kind == "twoshot":
-        from ..kernels import symm_twoshot
-
-        return symm_twoshot
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-
-
 def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    """Tokens one call may carry, bounded in bytes: one-shot slots are [3][W][cap][H]; two-shot
-    slots
-    [3][W * cap/W (reduce-scatter) + cap (all-gather)][H]."""
+    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol)."""
     elem = torch.finfo(spec.dtype).bits // 8
-    rows_per_token = 3 * max(world_size, 1) if kind == "oneshot" else 3 * 2
+    world = max(world_size, 1)
+    # one-shot: [3][W][cap][H]; two-shot: [3][W * cap/W + cap][H], about 2 rows per token
+    rows_per_token = protocol.SLOTS * (world if kind == "oneshot" else 2)
     cap = min(
         spec.max_tokens,
         MAX_CAP_TOKENS[kind],
@@ -113,15 +103,15 @@ def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
     )
     while (
         cap > 0
-        and kernel_module(kind).buffer_bytes(max(world_size, 1), cap, spec.hidden_size, elem)
-        > MAX_BUFFER_BYTES
+        and protocol.buffer_bytes(kind, world, cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES
     ):
         cap -= 1  # two-shot rounds its reduce-scatter rows up to whole blocks of W
     return max(0, cap)
 
 
 def buffer_bytes(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    return kernel_module(kind).buffer_bytes(
+    return protocol.buffer_bytes(
+        kind,
         world_size,
         capacity(spec, world_size, kind),
         spec.hidden_size,
@@ -138,14 +128,14 @@ def reasons(
     kind: str = "oneshot",
 ) -> list[Reason]:
     """Every static reason the symmetric-memory one-shot cannot run: a pure function of (spec, env),
-    whose `multicast_off` and `symm_mem_error` detect() reads from the process (tests may instead
-    pass a
-    probe and an environ mapping). prepare() checks the real process environment again."""
+    whose probes (MULTICAST_PROBE, SYMM_MEM_PROBE) detect() reads from the process (tests may
+    instead pass a probe and an environ mapping). prepare() checks the real process environment
+    again."""
     multicast = (
         multicast_reason(who, environ)
         if environ is not None
         else None
-        if env.multicast_off
+        if MULTICAST_PROBE.value_in(env)
         else multicast_reason(who, {})
     )
     out = collect(
@@ -166,7 +156,7 @@ def reasons(
                 "unset TRITON_INTERPRET",
             )
         )
-    missing = probe() if probe is not None else env.symm_mem_error
+    missing = probe() if probe is not None else SYMM_MEM_PROBE.value_in(env)
     if missing is not None:
         out.append(
             Reason(
@@ -209,24 +199,15 @@ def memory_reason(
     spec: EpilogueSpec, world_size: int, device: torch.device, who: str, kind: str = "oneshot"
 ) -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
-    need = buffer_bytes(spec, world_size, kind)
-    free, _ = torch.cuda.mem_get_info(device)
-    if need + (256 << 20) > free:
-        return Reason(
-            "workspace_no_memory",
-            f"{who}: the symmetric buffer for {capacity(spec, world_size, kind)} tokens "
-            f"needs {need / 2**20:.0f} MiB (+256 MiB headroom), {free / 2**20:.0f} MiB are free",
-            "lower EpilogueSpec.max_tokens or free GPU memory",
-        )
-    return None
+    what = f"the symmetric buffer for {capacity(spec, world_size, kind)} tokens"
+    return workspace_memory_reason(who, what, buffer_bytes(spec, world_size, kind), device)
 
 
 @dataclass
 class SymmWorkspace:
-    """What one launch needs. ptrs: int64 [W + 1] device (every rank's buffer, then the pinned error
-    word); state: int32 [8] device (slot = epoch mod 3, ticket counter, error word, -, rows of slots
-    0-2);
-    err: int32 [4] pinned host."""
+    """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
+    buffer, then the pinned error word); state: int32 [STATE_WORDS] device (kernels/symm_protocol);
+    err: int32 [4] pinned host. A layer binds it with kernels.symm_protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
     handle: object
@@ -263,9 +244,6 @@ def create(
     used."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from ..kernels.symm_common import HEADER_BYTES, SENTINEL_BITS
-
-    kernel = kernel_module(kind)
     who = f"symm_fused_{kind}"
     bad = multicast_reason(who)
     if bad is not None:
@@ -280,9 +258,9 @@ def create(
             f"[multicast_present] {who}: the symmetric-memory handle exposes a multicast "
             "pointer although multicast is disabled; refusing to run"
         )
-    head = HEADER_BYTES
+    head = protocol.HEADER_BYTES
     buffer[:head].zero_()  # the abort word
-    buffer[head:].view(torch.int16).fill_(SENTINEL_BITS)  # every data slot "not arrived" (-0.0)
+    protocol.fill_sentinel(buffer[head:].view(torch.int16))  # every data slot "not arrived"
     torch.cuda.synchronize(device)
     dist.barrier(group)  # no rank publishes before every rank's slots hold the sentinel
     torch.cuda.synchronize(device)
@@ -306,7 +284,7 @@ def create(
     ptrs = torch.tensor(
         [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
     )
-    state = torch.zeros(kernel.STATE_WORDS, dtype=torch.int32, device=device)
+    state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int32, device=device)
     return SymmWorkspace(
         buffer,
         handle,
@@ -352,7 +330,7 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
 # Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the
 # workspace
 # and every call of every layer goes through it in the same order on every rank, on one stream.
-_SHARED: SharedWorkspaces = SharedWorkspaces()
+_SHARED: WorkspacePool = WorkspacePool()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str) -> tuple:

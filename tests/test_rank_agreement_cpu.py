@@ -1,8 +1,7 @@
-"""fusion_bridge.consensus over real gloo process groups on CPU: check-in with a timeout, settings
-agreement, debug-mode per-call agreement. Every rank function returns what it caught, so the parent
-asserts per rank; every collective runs on a subgroup with a short timeout, and every group run has
-a
-hard timeout, so a regression fails fast instead of hanging CI."""
+"""fusion_bridge.rank_agreement over real gloo process groups on CPU: check-in with a timeout,
+settings agreement, debug-mode per-call agreement. Every rank function returns what it caught, so
+the parent asserts per rank; every collective runs on a subgroup with a short timeout, and every
+group run has a hard timeout, so a regression fails fast instead of hanging CI."""
 
 import re
 import time
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
-from fusion_bridge.consensus import (
+from fusion_bridge.rank_agreement import (
     DEFAULT_BUILD_TIMEOUT_S,
     GroupInputError,
     agree_call,
@@ -249,7 +248,8 @@ def test_build_timeout_comes_from_the_argument_then_the_environment(monkeypatch)
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds in [0.001, 86400], got 'soon'"
+            "FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds in [0.001, 86400], "
+            "got 'soon'"
         ),
     ):
         build_timeout_s()
