@@ -93,7 +93,7 @@ def agree_flags(flags: list[int], group, device: torch.device) -> list[int]:
     """Elementwise AND of 0/1 flags across the ranks of `group`: one all-reduce MIN over an int
     tensor with one slot per flag (MIN of packed bitmasks is not AND). Collective; the identity
     without a group or in a group of one."""
-    if not flags or not group_active(group) or dist.getworld_size(group) == 1:
+    if not flags or not group_active(group) or dist.get_world_size(group) == 1:
         return list(flags)
     t = torch.tensor(flags, dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
