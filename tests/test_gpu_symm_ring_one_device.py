@@ -1,0 +1,202 @@
+"""The ring two-shot kernel (`kernels/symm_ring.py`) with W ranks emulated on ONE GPU: each rank's
+buffer its own allocation, each rank's launch on its own CUDA stream with SMs / W programs per SM
+share, so every program of every rank is resident at once and the ranks really wait for each other.
+
+Checks what the interpreter cannot: the compiled kernel, its release counters and acquire/release
+ordering under real concurrency, the ring reused many times within one call (T up to 16384 with
+256-token chunks and 4 slots), the chunk base carried across calls in device state, CUDA graphs
+replayed between eager calls, bitwise identity across ranks, and a rank that skips a call (NaN and
+the error word on the others, no hang). Not the NVLink test (peers here share one L2) and times
+nothing.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from tests.test_gpu_symm_one_device import _problems, needs_gpu
+
+pytestmark = pytest.mark.gpu
+U_BF16 = 2.0**-8
+# the partial's rounding, residual_out's (the norm reads it) and norm_out's, in quadrature
+BOUND = math.sqrt(3) * U_BF16
+
+
+def _call(wss, streams, spec, inputs, skip_rank=None):
+    """One epilogue call on every emulated rank (each on its own stream); outputs poisoned first."""
+    from fusion_bridge.io import quant_buffers
+    from fusion_bridge.kernels import symm_ring
+    from fusion_bridge.strategies.base import kernel_quant_args
+
+    quant, scale, swizzled = kernel_quant_args(spec)
+    outs = []
+    main = torch.cuda.current_stream()
+    for rank, (ws, stream, inp) in enumerate(zip(wss, streams, inputs)):
+        tokens, hidden = inp.residual.shape
+        ro = torch.full_like(inp.residual, float("nan"))
+        no = torch.full_like(inp.residual, float("nan"))
+        q, sf = quant_buffers(
+            tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inp.residual.device
+        )
+        empty = torch.empty(0, dtype=torch.uint8, device=inp.residual.device)
+        q = empty if q is None else q.view(torch.uint8)
+        sf = empty if sf is None else sf
+        for t in (q, sf):
+            t.fill_(0xFF)
+        outs.append((ro, no, q, sf))
+        if rank == skip_rank:
+            continue
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            symm_ring.fused_into(
+                ws, residual_out=ro, norm_out=no, q=q, sf=sf, gemm2_out=inp.gemm2_out,
+                perm=inp.expanded_idx_to_permuted_idx, weights=inp.expert_weights,
+                shared=inp.shared_output, residual=inp.residual, gamma=inp.gamma,
+                routed_scaling=spec.routed_scaling_factor, eps=spec.eps,
+                weight_bias=spec.weight_bias, quant=quant, quant_scale=scale, swizzled=swizzled,
+            )  # fmt: skip
+    for stream in streams:
+        main.wait_stream(stream)
+    return outs
+
+
+def _quant_problems(spec, outs, tag):
+    """Rank 0's codes are the torch reference's quantization of its own norm_out, bit for bit."""
+    from fusion_bridge import quant_ref
+    from fusion_bridge.spec import QuantKind
+
+    _, norm_out, q, sf = outs[0]
+    kind = spec.quant.kind
+    if kind == QuantKind.FP8:
+        ref = quant_ref.quantize_fp8(norm_out, spec.quant.scale).view(torch.uint8)
+        return [] if torch.equal(q, ref) else [f"{tag}: fp8 codes differ from the reference"]
+    if kind == QuantKind.NVFP4:
+        ref_q, ref_sf = quant_ref.quantize_nvfp4(
+            norm_out, spec.quant.global_scale, spec.quant.sf_layout
+        )
+        same = torch.equal(q, ref_q.view(torch.uint8)) and torch.equal(sf, ref_sf.view(torch.uint8))
+        return [] if same else [f"{tag}: nvfp4 codes/scales differ from the reference"]
+    return []
+
+
+def _setup(world, hidden, timeout_s=10.0):
+    from fusion_bridge.kernels.symm_ring import DEFAULT_SHAPE
+    from fusion_bridge.kernels.symm_ring_emu import one_gpu_workspaces
+
+    wss, _ = one_gpu_workspaces(world, DEFAULT_SHAPE.chunk, hidden, timeout_s=timeout_s)
+    return wss, [torch.cuda.Stream() for _ in range(world)]
+
+
+def _inputs(spec, tokens, world, seed):
+    from fusion_bridge.synthetic import make_inputs
+
+    return [
+        make_inputs(spec, tokens, rank=r, seed=seed, device="cuda", skip_fraction=0.2)
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ring_parity_and_identity_on_emulated_ranks(world):
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
+
+    quants = [
+        QuantSpec.none(),
+        QuantSpec.fp8(0.05),
+        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
+    ]
+    problems = []
+    for hidden, top_k in ((7168, 8), (2880, 1)):
+        wss, streams = _setup(world, hidden)  # one ring for every case: the base carries over
+        for quant in quants:
+            spec = EpilogueSpec(
+                hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
+                quant=quant,
+            )  # fmt: skip
+            for tokens in (1, 3, 255, 257, 1000, 4096):
+                inputs = _inputs(spec, tokens, world, seed=tokens + hidden + world)
+                outs = _call(wss, streams, spec, inputs)
+                tag = f"W={world} H={hidden} K={top_k} {quant.kind.value} T={tokens}"
+                problems += _problems(spec, outs, inputs, BOUND, tag)
+                if tokens <= 1000:
+                    problems += _quant_problems(spec, outs, tag)
+        torch.cuda.synchronize()
+        errors = [int(ws.err[0]) for ws in wss]
+        assert errors == [0] * world, f"kernel error words {errors}"
+    # the largest T: the ring (4 slots of 256 tokens) turns 16 times within the call
+    spec = EpilogueSpec(hidden_size=4096, top_k=8, routed_scaling_factor=2.5)
+    wss, streams = _setup(world, 4096)
+    inputs = _inputs(spec, 16384, world, seed=5)
+    problems += _problems(spec, _call(wss, streams, spec, inputs), inputs, BOUND, "T=16384")
+    torch.cuda.synchronize()
+    assert [int(ws.err[0]) for ws in wss] == [0] * world
+    assert not problems, "\n".join(problems[:20])
+
+
+def test_ring_stress_graphs_and_eager_at_random_t():
+    """Random T (the same on every rank), CUDA-graph replays of three captured T mixed with eager
+    calls of others, through one ring: the chunk base and the release counters stay in step."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec
+
+    world = 4
+    spec = EpilogueSpec(hidden_size=4096, top_k=8)
+    wss, streams = _setup(world, 4096)
+    problems = []
+    graphs = {}
+    for tokens in (5, 1024, 3000):
+        static = _inputs(spec, tokens, world, seed=1)
+        _call(wss, streams, spec, static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = _call(wss, streams, spec, static)
+        graphs[tokens] = (graph, static, got)
+    rng = random.Random(11)
+    pool = {t: _inputs(spec, t, world, seed=t) for t in (1, 2, 255, 256, 257, 700, 1300, 5000)}
+    for call in range(400):
+        if rng.random() < 0.5:
+            tokens = rng.choice(list(graphs))
+            graph, static, got = graphs[tokens]
+            for o in got:
+                o[0].fill_(float("nan"))
+                o[1].fill_(float("nan"))
+            graph.replay()
+            if call % 40 == 0:
+                problems += _problems(spec, got, static, BOUND, f"call {call} graph T={tokens}")
+        else:
+            tokens = rng.choice(list(pool))
+            outs = _call(wss, streams, spec, pool[tokens])
+            if call % 40 == 1:
+                problems += _problems(spec, outs, pool[tokens], BOUND, f"call {call} T={tokens}")
+    torch.cuda.synchronize()
+    assert [int(ws.err[0]) for ws in wss] == [0] * world
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("world,skip", [(2, 1), (4, 0)])
+def test_ring_a_rank_that_skips_a_call_gives_nan_and_the_error_word(world, skip):
+    needs_gpu()
+    from fusion_bridge.kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT
+    from fusion_bridge.spec import EpilogueSpec
+
+    spec = EpilogueSpec(hidden_size=4096, top_k=8)
+    wss, streams = _setup(world, 4096, timeout_s=1.0)
+    first = _inputs(spec, 600, world, seed=1)
+    assert not _problems(spec, _call(wss, streams, spec, first), first, BOUND, "before the skip")
+    torch.cuda.synchronize()
+    outs = _call(wss, streams, spec, _inputs(spec, 1500, world, seed=2), skip_rank=skip)
+    torch.cuda.synchronize()  # returns: every wait is bounded
+    for rank in range(world):
+        if rank == skip:
+            continue
+        ro, no, _, _ = outs[rank]
+        err = int(wss[rank].err[0])
+        assert err & (int(ERR_TIMEOUT) | int(ERR_ABORTED)), (rank, hex(err))
+        assert torch.isnan(ro).any() and torch.isnan(no).any(), rank
+        if err & int(ERR_TIMEOUT) and not err & int(ERR_ABORTED):
+            assert err & (1 << skip), (rank, hex(err))  # names the rank that never came
