@@ -15,10 +15,10 @@ three stages in flight, one chunk apart:
                back to the sentinel.
   gather(c-2): whole rows: wait for the owner's row, store it as residual_out, norm it (+ FP8 /
                NVFP4), put the row back to the sentinel; then the program releases slot s (a
-               counter in its rank's header, +1 per program).
+               counter in its rank's header; the P programs' shares add up to one unit).
 
 Before finalize(c) writes into slot s of any rank, the program waits until every rank's counter of
-slot s shows that all P programs released the chunk that used s before (SLOTS chunks earlier). All
+slot s shows that all programs released the chunk that used s before (SLOTS chunks earlier). All
 ranks launch the same P programs with the same T, and every program is resident (P is capped by the
 compiled kernel's occupancy), so every wait is for an earlier stage: no deadlock, by induction over
 (chunk, stage). Waits are bounded (time, or the abort word a peer that timed out sets): a missing
@@ -77,6 +77,9 @@ STATE_WORDS = 4  # int64: chunk base, ticket, error word, unused
 _SLOTS = tl.constexpr(SLOTS)
 _FREED_BYTE = tl.constexpr(FREED_BYTE)
 _HEAD_ELEMS = tl.constexpr(HEADER_BYTES // 2)
+# one chunk's releases add exactly this to its slot's counter, whatever the program count P (program
+# 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
+_UNIT = tl.constexpr(1 << 20)
 STAGE_FINALIZE, STAGE_REDUCE, STAGE_GATHER, STAGE_SF_PAD = 0, 1, 2, 3
 
 
@@ -179,16 +182,18 @@ def _wait_slot_free(
 
 
 @triton.jit
-def _release(ptrs_ptr, emu_freed_ptr, rank, slot, EMU: tl.constexpr):
-    """This program is done with `slot` (its reads and clears): +1 on its rank's counter."""
+def _release(ptrs_ptr, emu_freed_ptr, rank, slot, pid, nprog, EMU: tl.constexpr):
+    """This program is done with `slot` (its reads and clears): its share of _UNIT on its rank's
+    counter."""
+    share = tl.where(pid == 0, _UNIT - nprog + 1, 1).to(tl.int64)
     if EMU:
         cnt = _counter(ptrs_ptr, emu_freed_ptr, rank, slot, EMU)
-        tl.store(cnt, tl.load(cnt) + 1)
+        tl.store(cnt, tl.load(cnt) + share)
     else:
         tl.debug_barrier()  # every thread's clears precede the release
         lane = tl.arange(0, 32)
         cnt = _counter(ptrs_ptr, emu_freed_ptr, rank, slot, EMU)
-        tl.atomic_add(cnt + lane * 0, lane * 0 + 1, mask=lane == 0, sem="release", scope="sys")
+        tl.atomic_add(cnt + lane * 0, lane * 0 + share, mask=lane == 0, sem="release", scope="sys")
 
 
 @triton.jit
@@ -396,7 +401,7 @@ def _stage_finalize(
     slot = seq % _SLOTS
     # the chunk that used this slot before (SLOTS chunks ago) is released by every program
     missing = _wait_slot_free(
-        ptrs_ptr, emu_freed_ptr, slot, (seq // _SLOTS) * nprog, abort_ptr, start, timeout, WORLD,
+        ptrs_ptr, emu_freed_ptr, slot, (seq // _SLOTS) * _UNIT, abort_ptr, start, timeout, WORLD,
         EMU,
     )  # fmt: skip
     if missing != 0:
@@ -526,7 +531,7 @@ def _stage_gather(
                 tl.where(in_row, xr.to(tl.float32), 0.0), g, t, 0, ROW_BLOCK, norm_out_ptr, q_ptr,
                 sf_ptr, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip
-    _release(ptrs_ptr, emu_freed_ptr, rank, slot, EMU)
+    _release(ptrs_ptr, emu_freed_ptr, rank, slot, pid, nprog, EMU)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -643,6 +648,7 @@ def fused_into(
     per_sm = _OCCUPANCY.get(key)
     if per_sm is None:
         compiled = _ring_kernel.warmup(*args, grid=(1,), num_warps=shape.warps, **constexprs)
+        compiled._init_handles()  # loads it: n_regs is known from here on
         per_sm = _OCCUPANCY[key] = resident_per_sm(compiled, shape.warps)
     programs = ws.num_sms * min(shape.programs_per_sm, per_sm)
     _ring_kernel[(programs,)](*args, num_warps=shape.warps, **constexprs)
