@@ -15,17 +15,15 @@ import triton
 
 from .symm_common import SENTINEL_BITS
 from .symm_ring import (
-    SLOTS,
     STAGE_FINALIZE,
     STAGE_GATHER,
     STAGE_REDUCE,
     STAGE_SF_PAD,
-    STATE_WORDS,
     RingShape,
     _args,
     _ring_kernel,
-    buffer_bytes,
 )
+from .symm_ring_protocol import SLOTS, STATE_WORDS, buffer_bytes
 
 
 class EmulatedRing:
@@ -65,10 +63,10 @@ class EmulatedRing:
         cw = -(-chunk // world)
         f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
         r_cols = min(shape.r_cols, triton.next_power_of_2(hidden))
-        bound = max(
+        bound = max(  # loop bounds only: the kernel's own formulas decide which items run
             world * -(-cw // shape.f_rows) * -(-hidden // f_cols),
             -(-cw // shape.r_rows) * -(-hidden // r_cols),
-            chunk,
+            world * -(-cw // shape.g_rows),
             (tokens + 255) // 32 * -(-hidden // 2048) + 8,  # swizzled scale padding items
         )
         items = -(-bound // programs) + 1
@@ -143,3 +141,11 @@ def one_gpu_workspaces(world: int, chunk: int, hidden: int, timeout_s: float = 1
         )
     torch.cuda.synchronize(dev)
     return out, bufs
+
+
+def launch_ablated(ws, skip_stages: int, io: dict, shape: RingShape) -> None:
+    """Benchmark only: one GPU launch of the ring kernel with stages left out (bit 0 reduce, bit 1
+    gather; see the kernel's SKIP_STAGES). The outputs are wrong; the ring still turns."""
+    from .symm_ring import launch
+
+    launch(ws, io, 0, 1.0, False, shape, SKIP_STAGES=skip_stages)
