@@ -25,27 +25,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fusion_bridge.cli.bench import write_csv  # noqa: E402
 from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
-SWEEP = {  # label -> RingShape fields (chunk: per workspace; programs capped by occupancy)
-    "c256_w4_t2x1024": dict(),
-    "c256_w4_t1x1024": dict(f_rows=1, r_rows=1, g_rows=1),
-    "c256_w4_t1x512": dict(f_rows=1, f_cols=512, r_rows=1, r_cols=512, g_rows=1, g_cols=512),
-    "c256_w4_f2x1024_rg1x1024": dict(r_rows=1, g_rows=1),
-    "c256_w8_t2x1024": dict(warps=8),
-    "c256_w8_t4x1024": dict(warps=8, f_rows=4, r_rows=4, g_rows=4),
-    "c512_w4_t1x1024": dict(chunk=512, f_rows=1, r_rows=1, g_rows=1),
-    "c128_w4_t1x1024": dict(chunk=128, f_rows=1, r_rows=1, g_rows=1),
-    "c256_w2_t1x512_p16": dict(
-        warps=2,
-        programs_per_sm=16,
-        f_rows=1,
-        f_cols=512,
-        r_rows=1,
-        r_cols=512,
-        g_rows=1,
-        g_cols=512,
-    ),
+SWEEP = {  # label -> RingShape fields (chunk: per workspace)
+    "c256_p2_w8_t2x1024": dict(chunk=256),
+    "c128_p2_w8_t2x1024": dict(chunk=128),
+    "c512_p2_w8_t2x1024": dict(chunk=512),
+    "c256_p1_w8_t2x1024": dict(chunk=256, programs_per_sm=1),
+    "c256_p4_w8_t2x1024": dict(chunk=256, programs_per_sm=4),
+    "c256_p4_w4_t2x1024": dict(chunk=256, programs_per_sm=4, warps=4),
+    "c256_p2_w8_t4x1024": dict(chunk=256, f_rows=4, r_rows=4),
+    "c256_p2_w8_t1x2048": dict(chunk=256, f_rows=1, f_cols=2048, r_rows=1, r_cols=2048),
 }
-ABLATE = {"finalize_only": 3, "finalize_reduce": 2}  # SKIP_STAGES bits (wrong outputs; timing)
 
 
 def main() -> None:
@@ -54,14 +43,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
     ap.add_argument("--variants", default="default", choices=["default", "sweep"])
     ap.add_argument("--old", action="store_true")
-    ap.add_argument("--ablate", nargs="*", default=[], help="variant labels to ablate")
     ap.add_argument("--emulate", type=int, nargs="*", default=[])
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     from fusion_bridge.kernels import symm_ring
     from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
     from fusion_bridge.kernels.finalize_add import finalize_add_into
-    from fusion_bridge.kernels.symm_ring_emu import launch_ablated, one_gpu_workspaces
+    from fusion_bridge.kernels.symm_ring_emu import one_gpu_workspaces
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
 
@@ -138,23 +126,6 @@ def main() -> None:
                     continue
                 record(f"ring_{label}", hidden, tokens, time_graph(ring, sets=n))
                 assert int(ws.err[0]) == 0, hex(int(ws.err[0]))
-                caps = sorted(set(symm_ring._OCCUPANCY.values()))
-                print(f"  programs per SM (occupancy caps so far): {caps}")
-                for what, skip in ABLATE.items() if label in args.ablate else ():
-
-                    def ablated(i, ws=ws, shape=shape, skip=skip):
-                        s = sets[i]
-                        io = dict(
-                            gemm2_out=s.gemm2_out, perm=s.expanded_idx_to_permuted_idx,
-                            weights=s.expert_weights, shared=s.shared_output, residual=s.residual,
-                            gamma=s.gamma, residual_out=out_ro, norm_out=out_no, q=none, sf=none,
-                            routed_scaling=spec.routed_scaling_factor, eps=spec.eps,
-                            weight_bias=spec.weight_bias,
-                        )  # fmt: skip
-                        launch_ablated(ws, skip, io, shape)
-
-                    record(f"ring_{label}_ablate_{what}", hidden, tokens, time_graph(ablated, n))
-                    assert int(ws.err[0]) == 0, hex(int(ws.err[0]))
             if args.old and tokens <= 4096:
                 _old(record, spec, sets, n, tokens, hidden, part, ro, none)
             for world in args.emulate:

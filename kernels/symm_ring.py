@@ -56,20 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import QUANT_NVFP4
+from .quant import QUANT_NVFP4, row_block
 from .symm_common import _globaltimer, _sf_padding_item, sf_padding_items
-from .symm_ring_protocol import (
-    SLOTS,
-    STATE_WORDS,
-    _SLOTS,
-    _UNIT,
-    buffer_bytes,
-    fail,
-    padded_cols,
-    release,
-    wait_slot_free,
-)
-from .symm_ring_stages import stage_finalize, stage_gather, stage_reduce
+from .symm_ring_protocol import SLOTS, STATE_WORDS, buffer_bytes
+from .symm_ring_stages import _stage_finalize, _stage_gather, _stage_reduce
 
 __all__ = ["SLOTS", "STATE_WORDS", "buffer_bytes", "RingShape", "DEFAULT_SHAPE", "fused_into"]
 STAGE_FINALIZE, STAGE_REDUCE, STAGE_GATHER, STAGE_SF_PAD = 0, 1, 2, 3
@@ -77,23 +67,52 @@ STAGE_FINALIZE, STAGE_REDUCE, STAGE_GATHER, STAGE_SF_PAD = 0, 1, 2, 3
 
 @triton.jit(do_not_specialize=["tokens", "rank", "timeout", "sf_rows", "sf_pad_items", "buf_elems"])
 def _ring_kernel(
-    ptrs_ptr, bufs_ptr, buf_elems, emu_abort_ptr, emu_freed_ptr, state_ptr, gemm2_ptr, perm_ptr,
-    weight_ptr, shared_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
-    tokens, hidden, chunk, rank, routed_scaling, eps, weight_bias, quant_scale, sf_rows, sf_cols,
-    sf_pad_items, timeout,
-    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
-    F_ROWS: tl.constexpr, F_COLS: tl.constexpr, R_ROWS: tl.constexpr, R_COLS: tl.constexpr,
-    G_ROWS: tl.constexpr, G_COLS: tl.constexpr, G_TILES: tl.constexpr,
-    EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
-    EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
-    SKIP_STAGES: tl.constexpr = 0,
-):  # fmt: skip
-    """EMU*: the CPU emulation (symm_ring_emu). SKIP_STAGES (benchmark ablation only, the results
-    are then wrong): bit 0 leaves out the reduce stage, bit 1 the gather stage (slots still
-    released, so the ring turns)."""
-    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-    KP: tl.constexpr = triton.next_power_of_2(TOP_K)
+    ptrs_ptr,
+    bufs_ptr,
+    buf_elems,
+    emu_abort_ptr,
+    emu_freed_ptr,
+    state_ptr,
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    residual_ptr,
+    gamma_ptr,
+    residual_out_ptr,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    tokens,
+    hidden,
+    chunk,
+    rank,
+    routed_scaling,
+    eps,
+    weight_bias,
+    quant_scale,
+    sf_rows,
+    sf_cols,
+    sf_pad_items,
+    timeout,
+    WORLD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    F_ROWS: tl.constexpr,
+    F_COLS: tl.constexpr,
+    R_ROWS: tl.constexpr,
+    R_COLS: tl.constexpr,
+    EMU: tl.constexpr = False,
+    EMU_PID: tl.constexpr = 0,
+    EMU_NPROG: tl.constexpr = 1,
+    EMU_STAGE: tl.constexpr = 0,
+    EMU_CHUNK: tl.constexpr = 0,
+    EMU_ITEMS: tl.constexpr = 0,
+):
     if EMU:
         pid = EMU_PID
         nprog = EMU_NPROG
@@ -108,54 +127,74 @@ def _ring_kernel(
         abort_ptr = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int32))
     base = tl.load(state_ptr)  # chunks of every earlier call (int64)
     lane = tl.arange(0, 32)
-    if not EMU:  # the ticket: issued after the base load returned (its predicate depends on it)
+    if not EMU:
+        # the ticket: issued after the base load returned (its predicate depends on it)
         ticket = tl.atomic_add(
-            state_ptr + 1 + lane * 0, lane * 0 + 1, mask=(lane == 0) & (base >= 0),
-            sem="relaxed", scope="gpu",
-        )  # fmt: skip
+            state_ptr + 1 + lane * 0,
+            lane * 0 + 1,
+            mask=(lane == 0) & (base >= 0),
+            sem="relaxed",
+            scope="gpu",
+        )
     nchunks = tl.cdiv(tokens, chunk)
-    for it in range(EMU_CHUNK if EMU else 0, EMU_CHUNK + 1 if EMU else nchunks + 2):
-        c = it  # finalize(c)
-        if ((not EMU) or (EMU_STAGE == 0)) and (c < nchunks):
-            seq = base + c
-            slot = seq % _SLOTS
-            # the chunk that used this slot SLOTS chunks ago is released on every rank
-            short = wait_slot_free(
-                ptrs_ptr, emu_freed_ptr, slot, (seq // _SLOTS) * _UNIT, abort_ptr, start,
-                timeout_ns, WORLD, EMU,
+    if EMU:
+        if EMU_STAGE == 0:
+            _stage_finalize(
+                EMU_CHUNK, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
+                state_ptr, start, timeout_ns, pid, nprog, gemm2_ptr, perm_ptr, weight_ptr,
+                shared_ptr, tokens, hidden, chunk, rank, routed_scaling,
+                residual_out_ptr.dtype.element_ty, WORLD, TOP_K,
+                HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
             )  # fmt: skip
-            if short != 0:
-                fail(short, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD, EMU)
-            stage_finalize(
-                c, tl.minimum(chunk, tokens - c * chunk), chunk, pid, nprog, rank, hidden, slot,
-                ptrs_ptr, bufs_ptr, buf_elems, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr,
-                routed_scaling, dtype, WORLD, TOP_K, KP, HAS_SHARED, F_ROWS, F_COLS, EMU,
-                EMU_ITEMS,
+        if EMU_STAGE == 1:
+            _stage_reduce(
+                EMU_CHUNK, base, ptrs_ptr, bufs_ptr, buf_elems, abort_ptr, state_ptr, start,
+                timeout_ns, pid, nprog, residual_ptr, tokens, hidden, chunk, rank,
+                residual_out_ptr.dtype.element_ty, WORLD, R_ROWS, R_COLS, EMU, EMU_ITEMS,
             )  # fmt: skip
-        c = it if EMU else it - 1  # reduce(c)
-        stage_on: tl.constexpr = (not EMU or EMU_STAGE == 1) and (SKIP_STAGES & 1) == 0
-        if stage_on and (c >= 0) and (c < nchunks):
-            stage_reduce(
-                c, tl.minimum(chunk, tokens - c * chunk), chunk, pid, nprog, rank, hidden,
-                (base + c) % _SLOTS, ptrs_ptr, bufs_ptr, buf_elems, abort_ptr, state_ptr, start,
-                timeout_ns, residual_ptr, dtype, WORLD, R_ROWS, R_COLS, EMU, EMU_ITEMS,
+        if EMU_STAGE == 2:
+            _stage_gather(
+                EMU_CHUNK, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
+                state_ptr, start, timeout_ns, pid, nprog, gamma_ptr, weight_bias,
+                residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps,
+                quant_scale, sf_cols, WORLD,
+                QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU, EMU_ITEMS,
             )  # fmt: skip
-        c = it if EMU else it - 2  # gather(c), then this program releases the slot
-        if ((not EMU) or (EMU_STAGE == 2)) and (c >= 0) and (c < nchunks):
-            if (SKIP_STAGES & 2) == 0:
-                stage_gather(
-                    c, tl.minimum(chunk, tokens - c * chunk), chunk, pid, nprog, rank, hidden,
-                    (base + c) % _SLOTS, ptrs_ptr, bufs_ptr, buf_elems, abort_ptr, state_ptr,
-                    start, timeout_ns, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr,
-                    q_ptr, sf_ptr, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, HW_CVT,
-                    G_ROWS, G_COLS, G_TILES, EMU, EMU_ITEMS,
+        if EMU_STAGE == 3:
+            if QUANT == 2:
+                if SWIZZLED:
+                    for item in range(EMU_PID, EMU_ITEMS, EMU_NPROG):
+                        if item < sf_pad_items:
+                            _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+    else:
+        for it in range(0, nchunks + 2):
+            if it < nchunks:
+                _stage_finalize(
+                    it, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
+                    state_ptr, start, timeout_ns, pid, nprog, gemm2_ptr, perm_ptr, weight_ptr,
+                    shared_ptr, tokens, hidden, chunk, rank, routed_scaling,
+                residual_out_ptr.dtype.element_ty, WORLD, TOP_K,
+                    HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
                 )  # fmt: skip
-            release(ptrs_ptr, emu_freed_ptr, rank, (base + c) % _SLOTS, pid, nprog, EMU)
-    if (QUANT == 2) and SWIZZLED and ((not EMU) or (EMU_STAGE == 3)):
-        for item in range(EMU_PID if EMU else pid, EMU_ITEMS if EMU else sf_pad_items, nprog):
-            if item < sf_pad_items:
-                _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
-    if not EMU:  # the last ticket advances the chunk base (every program read it before)
+            if (it >= 1) & (it <= nchunks):
+                _stage_reduce(
+                    it - 1, base, ptrs_ptr, bufs_ptr, buf_elems, abort_ptr, state_ptr, start,
+                    timeout_ns, pid, nprog, residual_ptr, tokens, hidden, chunk, rank,
+                    residual_out_ptr.dtype.element_ty, WORLD, R_ROWS, R_COLS, EMU, 0,
+                )  # fmt: skip
+            if it >= 2:
+                _stage_gather(
+                    it - 2, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
+                    state_ptr, start, timeout_ns, pid, nprog, gamma_ptr, weight_bias,
+                    residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps,
+                quant_scale, sf_cols, WORLD,
+                    QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 0,
+                )  # fmt: skip
+        if QUANT == 2:
+            if SWIZZLED:
+                for item in range(pid, sf_pad_items, nprog):
+                    _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+        # the last ticket advances the chunk base for the next call (every program read it first)
         done = (lane == 0) & (ticket == nprog - 1)
         tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=done)
         tl.store(state_ptr + 1 + lane * 0, lane * 0, mask=done)
@@ -168,28 +207,23 @@ def _ring_kernel(
 class RingShape:
     """A launch variant: chunk tokens (fixed per workspace: it sizes the slots), programs per SM
     (capped by the compiled kernel's occupancy: every program must be resident), warps, and the
-    finalize / reduce / gather tiles [rows, columns] (columns: powers of two >= 64)."""
+    finalize / reduce tiles [rows, columns]."""
 
     chunk: int = 256
-    programs_per_sm: int = 8
-    warps: int = 4
+    programs_per_sm: int = 2
+    warps: int = 8
     f_rows: int = 2
     f_cols: int = 1024
     r_rows: int = 2
     r_cols: int = 1024
-    g_rows: int = 2
-    g_cols: int = 1024
 
     def constexprs(self, hidden: int) -> dict:
-        g_cols = padded_cols(self.g_cols, hidden)
+        cap = triton.next_power_of_2(hidden)
         return dict(
             F_ROWS=self.f_rows,
-            F_COLS=padded_cols(self.f_cols, hidden),
+            F_COLS=min(self.f_cols, cap),
             R_ROWS=self.r_rows,
-            R_COLS=padded_cols(self.r_cols, hidden),
-            G_ROWS=self.g_rows,
-            G_COLS=g_cols,
-            G_TILES=triton.cdiv(hidden, g_cols),
+            R_COLS=min(self.r_cols, cap),
         )
 
 
@@ -230,6 +264,7 @@ def _args(ws, io: dict, quant: int, quant_scale: float, swizzled: bool) -> tuple
         HAS_SHARED=io["shared"] is not None,
         QUANT=quant,
         SWIZZLED=bool(swizzled),
+        ROW_BLOCK=row_block(hidden),
         HW_CVT=io["residual"].is_cuda,
     )
     return args, constexprs
@@ -259,30 +294,23 @@ def fused_into(
     """One GPU launch. `ws`: ptrs (int64 [W + 1]: every rank's buffer, then the pinned error word),
     state (int64 [STATE_WORDS]), world, rank, chunk, num_sms (the same on every rank), timeout_ns.
     Any T (the ring is reused within the call); T == 0 launches nothing (on every rank).
-    shape: a launch variant (its chunk must be the workspace's). q / sf: uint8 views of the FP8 /
-    NVFP4 outputs (any tensor when unused)."""
-    if perm.shape[0] == 0:
+    shape: a launch variant (its chunk must be the workspace's)."""
+    tokens = perm.shape[0]
+    if tokens == 0:
         return
-    io = dict(
-        gemm2_out=gemm2_out, perm=perm, weights=weights, shared=shared, residual=residual,
-        gamma=gamma, residual_out=residual_out, norm_out=norm_out, q=q, sf=sf,
-        routed_scaling=routed_scaling, eps=eps, weight_bias=weight_bias,
-    )  # fmt: skip
-    launch(ws, io, quant, quant_scale, swizzled, shape or DEFAULT_SHAPE)
-
-
-def launch(ws, io: dict, quant: int, quant_scale: float, swizzled: bool, shape, **hooks) -> None:
-    """fused_into's launch; `hooks` are the kernel's benchmark-only constexprs (symm_ring_emu)."""
+    shape = shape or DEFAULT_SHAPE
     if shape.chunk != ws.chunk:
         raise ValueError(f"symm_ring: shape.chunk={shape.chunk} but the workspace's is {ws.chunk}")
     io = dict(
-        io, ptrs=ws.ptrs, bufs=ws.state, buf_elems=0, emu_abort=ws.state, emu_freed=ws.state,
-        state=ws.state, chunk=ws.chunk, rank=ws.rank, timeout=ws.timeout_ns // 1000,
-        world=ws.world,
+        ptrs=ws.ptrs, bufs=ws.state, buf_elems=0, emu_abort=ws.state, emu_freed=ws.state,
+        state=ws.state, gemm2_out=gemm2_out, perm=perm, weights=weights, shared=shared,
+        residual=residual, gamma=gamma, residual_out=residual_out, norm_out=norm_out, q=q, sf=sf,
+        chunk=ws.chunk, rank=ws.rank, routed_scaling=routed_scaling, eps=eps,
+        weight_bias=weight_bias, timeout=ws.timeout_ns // 1000, world=ws.world,
     )  # fmt: skip
     args, constexprs = _args(ws, io, quant, quant_scale, swizzled)
-    constexprs.update(shape.constexprs(io["residual"].shape[1]), **hooks)
-    key = (tuple(sorted(constexprs.items())), shape.warps, io["residual"].device)
+    constexprs.update(shape.constexprs(residual.shape[1]))
+    key = (tuple(sorted(constexprs.items())), shape.warps, residual.dtype, residual.device)
     per_sm = _OCCUPANCY.get(key)
     if per_sm is None:
         compiled = _ring_kernel.warmup(*args, grid=(1,), num_warps=shape.warps, **constexprs)

@@ -63,10 +63,10 @@ class EmulatedRing:
         cw = -(-chunk // world)
         f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
         r_cols = min(shape.r_cols, triton.next_power_of_2(hidden))
-        bound = max(  # loop bounds only: the kernel's own formulas decide which items run
+        bound = max(
             world * -(-cw // shape.f_rows) * -(-hidden // f_cols),
             -(-cw // shape.r_rows) * -(-hidden // r_cols),
-            world * -(-cw // shape.g_rows),
+            chunk,
             (tokens + 255) // 32 * -(-hidden // 2048) + 8,  # swizzled scale padding items
         )
         items = -(-bound // programs) + 1
@@ -141,11 +141,3 @@ def one_gpu_workspaces(world: int, chunk: int, hidden: int, timeout_s: float = 1
         )
     torch.cuda.synchronize(dev)
     return out, bufs
-
-
-def launch_ablated(ws, skip_stages: int, io: dict, shape: RingShape) -> None:
-    """Benchmark only: one GPU launch of the ring kernel with stages left out (bit 0 reduce, bit 1
-    gather; see the kernel's SKIP_STAGES). The outputs are wrong; the ring still turns."""
-    from .symm_ring import launch
-
-    launch(ws, io, 0, 1.0, False, shape, SKIP_STAGES=skip_stages)

@@ -26,8 +26,8 @@ STATE_WORDS = 4  # int64: chunk base, ticket, error word, unused
 _SLOTS = tl.constexpr(SLOTS)
 _FREED_BYTE = tl.constexpr(FREED_BYTE)
 _HEAD_ELEMS = tl.constexpr(HEADER_BYTES // 2)
-# one chunk's releases add exactly this to its slot's counter, whatever the program count P
-# (program 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
+# one chunk's releases add exactly this to its slot's counter, whatever the program count P (program
+# 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
 _UNIT = tl.constexpr(1 << 20)
 
 
@@ -45,9 +45,8 @@ def buffer_bytes(world: int, chunk: int, hidden: int, elem_size: int) -> int:
 
 
 @triton.jit
-def rank_buf(ptrs_ptr, bufs_ptr, buf_elems, q, EMU: tl.constexpr):
-    """Rank q's buffer base (int16 elements, header included): GPU, its symmetric address (256-byte
-    aligned: saying so lets slot accesses vectorize); EMU, a row of the emulated buffers."""
+def _rank_buf(ptrs_ptr, bufs_ptr, buf_elems, q, EMU: tl.constexpr):
+    """Rank q's buffer base (int16 elements, header included)."""
     if EMU:
         return bufs_ptr + q * buf_elems
     else:
@@ -55,17 +54,15 @@ def rank_buf(ptrs_ptr, bufs_ptr, buf_elems, q, EMU: tl.constexpr):
 
 
 @triton.jit
-def slot_base(ptrs_ptr, bufs_ptr, buf_elems, q, slot, hidden, chunk, WORLD: tl.constexpr, EMU):
-    """Rank q's slot `slot` (its reduce-scatter rows; the all-gather rows follow W * CW rows on)."""
-    src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * hidden
-    base = rank_buf(ptrs_ptr, bufs_ptr, buf_elems, q, EMU) + _HEAD_ELEMS
-    return base + slot * 2 * WORLD * src_stride
+def _counter(ptrs_ptr, emu_freed_ptr, q, slot, EMU: tl.constexpr):
+    if EMU:
+        return emu_freed_ptr + q * _SLOTS + slot
+    else:
+        return (tl.load(ptrs_ptr + q) + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
 
 
 @triton.jit
-def fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD: tl.constexpr, EMU: tl.constexpr):
-    """A wait ran out: the error word (and, on the GPU, the pinned host word and every rank's abort
-    word)."""
+def _fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD: tl.constexpr, EMU: tl.constexpr):
     if EMU:
         err, _ = _timeout_word(who, abort_ptr, rank)
         tl.store(state_ptr + 2, err.to(tl.int64))
@@ -74,10 +71,8 @@ def fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD: tl.constexpr, EMU: tl
 
 
 @triton.jit
-def wait_tile(ptrs, mask, abort_ptr, start, timeout, EMU: tl.constexpr):
-    """Poll a 2-D tile of int16 bits until no element is the sentinel (or time / abort): (bits,
-    1 if it failed). Its status is a block reduction, so when it returns every thread's load of the
-    final bits has completed (the tile may be cleared right after)."""
+def _wait_tile(ptrs, mask, abort_ptr, start, timeout, EMU: tl.constexpr):
+    """Poll a 2-D tile of int16 bits until no element is the sentinel (or time / abort)."""
     v = tl.load(ptrs, mask=mask, other=0, volatile=True)
     polls = 1
     status = _poll_status(v, abort_ptr, start, timeout, polls, EMU)
@@ -89,60 +84,54 @@ def wait_tile(ptrs, mask, abort_ptr, start, timeout, EMU: tl.constexpr):
 
 
 @triton.jit
-def _read_counters(ptrs_ptr, emu_freed_ptr, slot, WORLD: tl.constexpr, EMU: tl.constexpr):
-    """int64 [32]: lane q < W holds rank q's release counter of `slot` (GPU: all W read at once,
-    system-scope acquire)."""
-    lane = tl.arange(0, 32)
-    live = lane < WORLD
+def _read_counter(cnt, EMU: tl.constexpr):
     if EMU:
-        return tl.load(emu_freed_ptr + lane * _SLOTS + slot, mask=live, other=0)
+        return tl.load(cnt)
     else:
-        base = tl.load(ptrs_ptr + lane, mask=live, other=0)
-        cnt = (base + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
-        return tl.atomic_add(cnt, lane.to(tl.int64) * 0, mask=live, sem="acquire", scope="sys")
+        lane = tl.arange(0, 32)
+        got = tl.atomic_add(cnt + lane * 0, lane * 0, mask=lane == 0, sem="acquire", scope="sys")
+        return tl.max(tl.where(lane == 0, got, -(1 << 62)), axis=0)
 
 
 @triton.jit
-def wait_slot_free(
+def _wait_slot_free(
     ptrs_ptr, emu_freed_ptr, slot, need, abort_ptr, start, timeout, WORLD: tl.constexpr,
     EMU: tl.constexpr,
 ):  # fmt: skip
-    """Until every rank's counter of `slot` reaches `need` (or time / abort); returns the ranks
-    (bit mask) that never did."""
-    lane = tl.arange(0, 32)
-    seen = _read_counters(ptrs_ptr, emu_freed_ptr, slot, WORLD, EMU)
-    short = tl.sum(tl.where((lane < WORLD) & ((seen - need) < 0), 1 << lane, 0), axis=0)
-    polls = 1
-    waiting = short
-    while waiting != 0:
-        seen = _read_counters(ptrs_ptr, emu_freed_ptr, slot, WORLD, EMU)
-        short = tl.sum(tl.where((lane < WORLD) & ((seen - need) < 0), 1 << lane, 0), axis=0)
-        polls += 1
-        if EMU:
-            late = polls >= timeout
-        else:
-            late = (_globaltimer() - start) > timeout
-        ab = tl.load(abort_ptr, volatile=True)
-        waiting = tl.where(late | (ab != 0), 0, short)
+    """Until every rank's counter of `slot` reaches `need`; returns the ranks that never did."""
+    missing = 0
+    for q in tl.static_range(WORLD):
+        cnt = _counter(ptrs_ptr, emu_freed_ptr, q, slot, EMU)
+        seen = _read_counter(cnt, EMU)
+        polls = 1
+        waiting = ((seen - need) < 0).to(tl.int32)
+        while waiting != 0:
+            seen = _read_counter(cnt, EMU)
+            polls += 1
+            if EMU:
+                late = polls >= timeout
+            else:
+                late = (_globaltimer() - start) > timeout
+            ab = tl.load(abort_ptr, volatile=True)
+            waiting = ((seen - need) < 0).to(tl.int32) * (1 - late.to(tl.int32))
+            waiting = waiting * (ab == 0).to(tl.int32)
+        missing = missing | tl.where((seen - need) >= 0, 0, 1 << q)
     if not EMU:
-        tl.debug_barrier()  # the acquires were a few threads': order every thread's stores after
-    return short
+        # the acquire was one thread's: order the whole program's stores after it
+        tl.debug_barrier()
+    return missing
 
 
 @triton.jit
-def release(ptrs_ptr, emu_freed_ptr, rank, slot, pid, nprog, EMU: tl.constexpr):
+def _release(ptrs_ptr, emu_freed_ptr, rank, slot, pid, nprog, EMU: tl.constexpr):
     """This program is done with `slot` (its reads and clears): its share of _UNIT on its rank's
-    counter (GPU: after a block barrier, a system-scope release)."""
+    counter."""
     share = tl.where(pid == 0, _UNIT - nprog + 1, 1).to(tl.int64)
     if EMU:
-        cnt = emu_freed_ptr + rank * _SLOTS + slot
+        cnt = _counter(ptrs_ptr, emu_freed_ptr, rank, slot, EMU)
         tl.store(cnt, tl.load(cnt) + share)
     else:
         tl.debug_barrier()  # every thread's clears precede the release
         lane = tl.arange(0, 32)
-        cnt = (tl.load(ptrs_ptr + rank) + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
+        cnt = _counter(ptrs_ptr, emu_freed_ptr, rank, slot, EMU)
         tl.atomic_add(cnt + lane * 0, lane * 0 + share, mask=lane == 0, sem="release", scope="sys")
-
-
-def padded_cols(cols: int, hidden: int) -> int:
-    return min(cols, triton.next_power_of_2(hidden))
