@@ -56,75 +56,42 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import QUANT_NVFP4, row_block
-from .symm_common import _globaltimer, _sf_padding_item, sf_padding_items
-from .symm_ring_protocol import SLOTS, STATE_WORDS, buffer_bytes
+from .quant import row_block, sf_padding_item, sf_padding_items
+from .quant_codes import QUANT_NVFP4
+from .symm_device import abort_word_ptr, start_clock
+from .symm_protocol import SymmLayer
+from .symm_ring_device import CHUNK, SLOTS, STATE_WORDS, buffer_bytes
 from .symm_ring_stages import _stage_finalize, _stage_gather, _stage_reduce
 
-__all__ = ["SLOTS", "STATE_WORDS", "buffer_bytes", "RingShape", "DEFAULT_SHAPE", "fused_into"]
+__all__ = ["CHUNK", "SLOTS", "STATE_WORDS", "buffer_bytes", "RingShape", "DEFAULT_SHAPE", "launch"]
 STAGE_FINALIZE, STAGE_REDUCE, STAGE_GATHER, STAGE_SF_PAD = 0, 1, 2, 3
 
 
-@triton.jit(do_not_specialize=["tokens", "rank", "timeout", "sf_rows", "sf_pad_items", "buf_elems"])
+@triton.jit(do_not_specialize=["tokens", "rank", "timeout", "sf_rows", "sf_pad_items"])
 def _ring_kernel(
-    ptrs_ptr,
-    bufs_ptr,
-    buf_elems,
-    emu_abort_ptr,
-    emu_freed_ptr,
-    state_ptr,
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
-    residual_ptr,
-    gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
-    tokens,
-    hidden,
-    chunk,
-    rank,
-    routed_scaling,
-    eps,
-    weight_bias,
-    quant_scale,
-    sf_rows,
-    sf_cols,
-    sf_pad_items,
-    timeout,
-    WORLD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr,
-    R_ROWS: tl.constexpr,
-    R_COLS: tl.constexpr,
-    EMU: tl.constexpr = False,
-    EMU_PID: tl.constexpr = 0,
-    EMU_NPROG: tl.constexpr = 1,
-    EMU_STAGE: tl.constexpr = 0,
-    EMU_CHUNK: tl.constexpr = 0,
-    EMU_ITEMS: tl.constexpr = 0,
-):
+    ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, residual_ptr, gamma_ptr,
+    residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, routed_scaling,
+    eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
+    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_COLS: tl.constexpr,
+    R_ROWS: tl.constexpr, R_COLS: tl.constexpr,
+    EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
+    EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
+):  # fmt: skip
+    """EMU* (set only by symm_testing, the CPU emulation): run one stage (EMU_STAGE) of one chunk
+    for one program, time counted in polls, no end-of-call ticket. Everything else, peer pointers,
+    counters and error reports included, is the GPU code."""
+    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     if EMU:
         pid = EMU_PID
         nprog = EMU_NPROG
-        start = 0
         timeout_ns = timeout
-        abort_ptr = emu_abort_ptr + rank
     else:
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        start = _globaltimer()
         timeout_ns = timeout.to(tl.int64) * 1000
-        abort_ptr = tl.load(ptrs_ptr + rank).to(tl.pointer_type(tl.int32))
+    start = start_clock(EMU)
+    abort_ptr = abort_word_ptr(ptrs_ptr, rank)
     base = tl.load(state_ptr)  # chunks of every earlier call (int64)
     lane = tl.arange(0, 32)
     if not EMU:
@@ -140,60 +107,54 @@ def _ring_kernel(
     if EMU:
         if EMU_STAGE == 0:
             _stage_finalize(
-                EMU_CHUNK, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
-                state_ptr, start, timeout_ns, pid, nprog, gemm2_ptr, perm_ptr, weight_ptr,
-                shared_ptr, tokens, hidden, chunk, rank, routed_scaling,
-                residual_out_ptr.dtype.element_ty, WORLD, TOP_K,
-                HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
+                EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
+                gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
+                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_COLS, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 1:
             _stage_reduce(
-                EMU_CHUNK, base, ptrs_ptr, bufs_ptr, buf_elems, abort_ptr, state_ptr, start,
-                timeout_ns, pid, nprog, residual_ptr, tokens, hidden, chunk, rank,
-                residual_out_ptr.dtype.element_ty, WORLD, R_ROWS, R_COLS, EMU, EMU_ITEMS,
+                EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
+                residual_ptr, tokens, hidden, chunk, rank, dtype, WORLD, R_ROWS, R_COLS, EMU,
+                EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 2:
             _stage_gather(
-                EMU_CHUNK, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
-                state_ptr, start, timeout_ns, pid, nprog, gamma_ptr, weight_bias,
-                residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps,
-                quant_scale, sf_cols, WORLD,
-                QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU, EMU_ITEMS,
+                EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
+                gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens,
+                hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK,
+                HW_CVT, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 3:
             if QUANT == 2:
                 if SWIZZLED:
                     for item in range(EMU_PID, EMU_ITEMS, EMU_NPROG):
                         if item < sf_pad_items:
-                            _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+                            sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
     else:
         for it in range(0, nchunks + 2):
             if it < nchunks:
                 _stage_finalize(
-                    it, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
-                    state_ptr, start, timeout_ns, pid, nprog, gemm2_ptr, perm_ptr, weight_ptr,
-                    shared_ptr, tokens, hidden, chunk, rank, routed_scaling,
-                residual_out_ptr.dtype.element_ty, WORLD, TOP_K,
-                    HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
+                    it, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
+                    gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
+                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_COLS, EMU, 0,
                 )  # fmt: skip
             if (it >= 1) & (it <= nchunks):
                 _stage_reduce(
-                    it - 1, base, ptrs_ptr, bufs_ptr, buf_elems, abort_ptr, state_ptr, start,
-                    timeout_ns, pid, nprog, residual_ptr, tokens, hidden, chunk, rank,
-                    residual_out_ptr.dtype.element_ty, WORLD, R_ROWS, R_COLS, EMU, 0,
+                    it - 1, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
+                    residual_ptr, tokens, hidden, chunk, rank, dtype, WORLD, R_ROWS, R_COLS, EMU,
+                    0,
                 )  # fmt: skip
             if it >= 2:
                 _stage_gather(
-                    it - 2, base, ptrs_ptr, bufs_ptr, buf_elems, emu_freed_ptr, abort_ptr,
-                    state_ptr, start, timeout_ns, pid, nprog, gamma_ptr, weight_bias,
-                    residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps,
-                quant_scale, sf_cols, WORLD,
-                    QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 0,
+                    it - 2, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
+                    gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens,
+                    hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED,
+                    ROW_BLOCK, HW_CVT, EMU, 0,
                 )  # fmt: skip
         if QUANT == 2:
             if SWIZZLED:
                 for item in range(pid, sf_pad_items, nprog):
-                    _sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
         # the last ticket advances the chunk base for the next call (every program read it first)
         done = (lane == 0) & (ticket == nprog - 1)
         tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=done)
@@ -205,25 +166,24 @@ def _ring_kernel(
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RingShape:
-    """A launch variant: chunk tokens (fixed per workspace: it sizes the slots), programs per SM
-    (capped by the compiled kernel's occupancy: every program must be resident), warps, and the
-    finalize / reduce tiles [rows, columns]."""
+    """A launch variant: programs per SM (capped by the compiled kernel's occupancy: every program
+    must be resident), warps, the finalize column block and the reduce tile [rows, columns]. The
+    default is the fastest shape of the candidate sweep that the emulated-ranks GPU test passed
+    with (benchmarks/results/ring_local_h200_*.csv)."""
 
-    chunk: int = 256
     programs_per_sm: int = 2
     warps: int = 8
-    f_rows: int = 2
-    f_cols: int = 1024
-    r_rows: int = 2
-    r_cols: int = 1024
+    f_cols: int = 2048
+    r_rows: int = 1
+    r_cols: int = 2048
 
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
         return dict(
-            F_ROWS=self.f_rows,
             F_COLS=min(self.f_cols, cap),
             R_ROWS=self.r_rows,
             R_COLS=min(self.r_cols, cap),
+            ROW_BLOCK=row_block(hidden),
         )
 
 
@@ -243,35 +203,9 @@ def resident_per_sm(compiled, warps: int) -> int:
 _OCCUPANCY: dict = {}
 
 
-def _args(ws, io: dict, quant: int, quant_scale: float, swizzled: bool) -> tuple[list, dict]:
-    perm = io["perm"]
-    tokens, top_k = perm.shape
-    hidden = io["residual"].shape[1]
-    sf = io["sf"]
-    sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant == QUANT_NVFP4 else (tokens, 0)
-    pad = sf_padding_items(tokens, sf_rows, sf_cols) if quant == QUANT_NVFP4 and swizzled else 0
-    args = [
-        io["ptrs"], io["bufs"], io["buf_elems"], io["emu_abort"], io["emu_freed"], io["state"],
-        io["gemm2_out"], perm, io["weights"],
-        io["shared"] if io["shared"] is not None else io["residual"],
-        io["residual"], io["gamma"], io["residual_out"], io["norm_out"], io["q"], sf,
-        tokens, hidden, io["chunk"], io["rank"], float(io["routed_scaling"]), float(io["eps"]),
-        float(io["weight_bias"]), float(quant_scale), sf_rows, sf_cols, pad, io["timeout"],
-    ]  # fmt: skip
-    constexprs = dict(
-        WORLD=io["world"],
-        TOP_K=top_k,
-        HAS_SHARED=io["shared"] is not None,
-        QUANT=quant,
-        SWIZZLED=bool(swizzled),
-        ROW_BLOCK=row_block(hidden),
-        HW_CVT=io["residual"].is_cuda,
-    )
-    return args, constexprs
-
-
-def fused_into(
-    ws,
+def call_args(
+    layer: SymmLayer,
+    shape: Optional[RingShape],
     *,
     residual_out: torch.Tensor,
     norm_out: torch.Tensor,
@@ -283,38 +217,47 @@ def fused_into(
     shared: Optional[torch.Tensor],
     residual: torch.Tensor,
     gamma: torch.Tensor,
-    routed_scaling: float,
-    eps: float,
-    weight_bias: float,
-    quant: int,
-    quant_scale: float,
-    swizzled: bool,
-    shape: Optional[RingShape] = None,
-) -> None:
-    """One GPU launch. `ws`: ptrs (int64 [W + 1]: every rank's buffer, then the pinned error word),
-    state (int64 [STATE_WORDS]), world, rank, chunk, num_sms (the same on every rank), timeout_ns.
-    Any T (the ring is reused within the call); T == 0 launches nothing (on every rank).
-    shape: a launch variant (its chunk must be the workspace's)."""
-    tokens = perm.shape[0]
-    if tokens == 0:
+    chunk: int = CHUNK,
+) -> tuple[list, dict]:
+    """(positional args, constexprs) of one call (any T > 0: the ring turns within the call).
+    chunk: the buffers' (the CPU emulation uses small ones)."""
+    tokens, top_k = perm.shape
+    quant = layer.quant
+    sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
+    swz = quant.code == QUANT_NVFP4 and quant.swizzled
+    args = [
+        layer.ptrs, layer.state, gemm2_out, perm, weights,
+        shared if shared is not None else residual, residual, gamma, residual_out, norm_out, q, sf,
+        tokens, layer.hidden, chunk, layer.rank, layer.routed_scaling, layer.eps,
+        layer.weight_bias, quant.scale, sf_rows, sf_cols,
+        sf_padding_items(tokens, sf_rows, sf_cols) if swz else 0, layer.timeout_us,
+    ]  # fmt: skip
+    constexprs = dict(
+        WORLD=layer.world,
+        TOP_K=top_k,
+        HAS_SHARED=shared is not None,
+        QUANT=quant.code,
+        SWIZZLED=bool(quant.swizzled),
+        HW_CVT=residual.is_cuda,
+        **(shape or DEFAULT_SHAPE).constexprs(layer.hidden),
+    )
+    return args, constexprs
+
+
+def launch(layer: SymmLayer, *, shape: Optional[RingShape] = None, **tensors) -> None:
+    """One call on the GPU: `tensors` are call_args's keywords (residual_out, norm_out, q, sf as
+    uint8: [T, H] fp8 codes / [T, H/2] packed fp4, gemm2_out, perm, weights, shared or None,
+    residual, gamma). `layer`: a SymmLayer of a ring workspace (state int64 [STATE_WORDS]). Any T;
+    T == 0 launches nothing (on every rank)."""
+    if tensors["perm"].shape[0] == 0:
         return
     shape = shape or DEFAULT_SHAPE
-    if shape.chunk != ws.chunk:
-        raise ValueError(f"symm_ring: shape.chunk={shape.chunk} but the workspace's is {ws.chunk}")
-    io = dict(
-        ptrs=ws.ptrs, bufs=ws.state, buf_elems=0, emu_abort=ws.state, emu_freed=ws.state,
-        state=ws.state, gemm2_out=gemm2_out, perm=perm, weights=weights, shared=shared,
-        residual=residual, gamma=gamma, residual_out=residual_out, norm_out=norm_out, q=q, sf=sf,
-        chunk=ws.chunk, rank=ws.rank, routed_scaling=routed_scaling, eps=eps,
-        weight_bias=weight_bias, timeout=ws.timeout_ns // 1000, world=ws.world,
-    )  # fmt: skip
-    args, constexprs = _args(ws, io, quant, quant_scale, swizzled)
-    constexprs.update(shape.constexprs(residual.shape[1]))
-    key = (tuple(sorted(constexprs.items())), shape.warps, residual.dtype, residual.device)
+    args, constexprs = call_args(layer, shape, **tensors)
+    key = (tuple(sorted(constexprs.items())), shape.warps, tensors["residual"].device)
     per_sm = _OCCUPANCY.get(key)
-    if per_sm is None:
+    if per_sm is None:  # compile first: the grid must fit on the GPU at once
         compiled = _ring_kernel.warmup(*args, grid=(1,), num_warps=shape.warps, **constexprs)
         compiled._init_handles()  # loads it: n_regs is known from here on
         per_sm = _OCCUPANCY[key] = resident_per_sm(compiled, shape.warps)
-    programs = ws.num_sms * min(shape.programs_per_sm, per_sm)
+    programs = layer.num_sms * min(shape.programs_per_sm, per_sm)
     _ring_kernel[(programs,)](*args, num_warps=shape.warps, **constexprs)

@@ -10,6 +10,7 @@ the error word on the others, no hang). Not the NVLink test (peers here share on
 nothing.
 """
 
+import dataclasses
 import math
 import random
 
@@ -24,16 +25,15 @@ U_BF16 = 2.0**-8
 BOUND = math.sqrt(3) * U_BF16
 
 
-def _call(wss, streams, spec, inputs, skip_rank=None):
+def _call(layers, streams, spec, inputs, skip_rank=None):
     """One epilogue call on every emulated rank (each on its own stream); outputs poisoned first."""
     from fusion_bridge.io import quant_buffers
     from fusion_bridge.kernels import symm_ring
-    from fusion_bridge.strategies.base import kernel_quant_args
+    from fusion_bridge.kernels.symm_testing import call_tensors
 
-    quant, scale, swizzled = kernel_quant_args(spec)
     outs = []
     main = torch.cuda.current_stream()
-    for rank, (ws, stream, inp) in enumerate(zip(wss, streams, inputs)):
+    for rank, (layer, stream, inp) in enumerate(zip(layers, streams, inputs)):
         tokens, hidden = inp.residual.shape
         ro = torch.full_like(inp.residual, float("nan"))
         no = torch.full_like(inp.residual, float("nan"))
@@ -50,13 +50,7 @@ def _call(wss, streams, spec, inputs, skip_rank=None):
             continue
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            symm_ring.fused_into(
-                ws, residual_out=ro, norm_out=no, q=q, sf=sf, gemm2_out=inp.gemm2_out,
-                perm=inp.expanded_idx_to_permuted_idx, weights=inp.expert_weights,
-                shared=inp.shared_output, residual=inp.residual, gamma=inp.gamma,
-                routed_scaling=spec.routed_scaling_factor, eps=spec.eps,
-                weight_bias=spec.weight_bias, quant=quant, quant_scale=scale, swizzled=swizzled,
-            )  # fmt: skip
+            symm_ring.launch(layer, **call_tensors(inp, (ro, no, q, sf)))
     for stream in streams:
         main.wait_stream(stream)
     return outs
@@ -81,12 +75,13 @@ def _quant_problems(spec, outs, tag):
     return []
 
 
-def _setup(world, hidden, timeout_s=10.0):
-    from fusion_bridge.kernels.symm_ring import DEFAULT_SHAPE
-    from fusion_bridge.kernels.symm_ring_emu import one_gpu_workspaces
+def _setup(world, spec, timeout_s=10.0):
+    """W ranks' layers for `spec` (its hidden size, scalars and quantization) and their pinned
+    error words, one stream each."""
+    from fusion_bridge.kernels.symm_testing import ring_layers_on_one_gpu
 
-    wss, _ = one_gpu_workspaces(world, DEFAULT_SHAPE.chunk, hidden, timeout_s=timeout_s)
-    return wss, [torch.cuda.Stream() for _ in range(world)]
+    layers, errs, _ = ring_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s=timeout_s)
+    return layers, errs, [torch.cuda.Stream() for _ in range(world)]
 
 
 def _inputs(spec, tokens, world, seed):
@@ -101,6 +96,7 @@ def _inputs(spec, tokens, world, seed):
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ring_parity_and_identity_on_emulated_ranks(world):
     needs_gpu()
+    from fusion_bridge.kernels.quant_codes import quant_args
     from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
 
     quants = [
@@ -111,29 +107,30 @@ def test_ring_parity_and_identity_on_emulated_ranks(world):
     ]
     problems = []
     for hidden, top_k in ((7168, 8), (2880, 1)):
-        wss, streams = _setup(world, hidden)  # one ring for every case: the base carries over
+        base = EpilogueSpec(
+            hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5
+        )
+        rings, errs, streams = _setup(world, base)  # one ring for every case: the base carries over
         for quant in quants:
-            spec = EpilogueSpec(
-                hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
-                quant=quant,
-            )  # fmt: skip
+            spec = dataclasses.replace(base, quant=quant)
+            layers = [dataclasses.replace(r, quant=quant_args(spec)) for r in rings]
             for tokens in (1, 3, 255, 257, 1000, 4096):
                 inputs = _inputs(spec, tokens, world, seed=tokens + hidden + world)
-                outs = _call(wss, streams, spec, inputs)
+                outs = _call(layers, streams, spec, inputs)
                 tag = f"W={world} H={hidden} K={top_k} {quant.kind.value} T={tokens}"
                 problems += _problems(spec, outs, inputs, BOUND, tag)
                 if tokens <= 1000:
                     problems += _quant_problems(spec, outs, tag)
         torch.cuda.synchronize()
-        errors = [int(ws.err[0]) for ws in wss]
+        errors = [int(e[0]) for e in errs]
         assert errors == [0] * world, f"kernel error words {errors}"
     # the largest T: the ring (4 slots of 256 tokens) turns 16 times within the call
     spec = EpilogueSpec(hidden_size=4096, top_k=8, routed_scaling_factor=2.5)
-    wss, streams = _setup(world, 4096)
+    layers, errs, streams = _setup(world, spec)
     inputs = _inputs(spec, 16384, world, seed=5)
-    problems += _problems(spec, _call(wss, streams, spec, inputs), inputs, BOUND, "T=16384")
+    problems += _problems(spec, _call(layers, streams, spec, inputs), inputs, BOUND, "T=16384")
     torch.cuda.synchronize()
-    assert [int(ws.err[0]) for ws in wss] == [0] * world
+    assert [int(e[0]) for e in errs] == [0] * world
     assert not problems, "\n".join(problems[:20])
 
 
@@ -145,7 +142,7 @@ def test_ring_stress_graphs_and_eager_at_random_t():
 
     world = 4
     spec = EpilogueSpec(hidden_size=4096, top_k=8)
-    wss, streams = _setup(world, 4096)
+    wss, errs, streams = _setup(world, spec)
     problems = []
     graphs = {}
     for tokens in (5, 1024, 3000):
@@ -174,18 +171,18 @@ def test_ring_stress_graphs_and_eager_at_random_t():
             if call % 40 == 1:
                 problems += _problems(spec, outs, pool[tokens], BOUND, f"call {call} T={tokens}")
     torch.cuda.synchronize()
-    assert [int(ws.err[0]) for ws in wss] == [0] * world
+    assert [int(e[0]) for e in errs] == [0] * world
     assert not problems, "\n".join(problems[:20])
 
 
 @pytest.mark.parametrize("world,skip", [(2, 1), (4, 0)])
 def test_ring_a_rank_that_skips_a_call_gives_nan_and_the_error_word(world, skip):
     needs_gpu()
-    from fusion_bridge.kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT
+    from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT
     from fusion_bridge.spec import EpilogueSpec
 
     spec = EpilogueSpec(hidden_size=4096, top_k=8)
-    wss, streams = _setup(world, 4096, timeout_s=1.0)
+    wss, errs, streams = _setup(world, spec, timeout_s=1.0)
     first = _inputs(spec, 600, world, seed=1)
     assert not _problems(spec, _call(wss, streams, spec, first), first, BOUND, "before the skip")
     torch.cuda.synchronize()
@@ -195,7 +192,7 @@ def test_ring_a_rank_that_skips_a_call_gives_nan_and_the_error_word(world, skip)
         if rank == skip:
             continue
         ro, no, _, _ = outs[rank]
-        err = int(wss[rank].err[0])
+        err = int(errs[rank][0])
         assert err & (int(ERR_TIMEOUT) | int(ERR_ABORTED)), (rank, hex(err))
         assert torch.isnan(ro).any() and torch.isnan(no).any(), rank
         if err & int(ERR_TIMEOUT) and not err & int(ERR_ABORTED):
