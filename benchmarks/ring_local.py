@@ -52,6 +52,7 @@ def main() -> None:
     rows = [dict(path="hbm_copy_gbs", H=0, T=0, us=round(copy_bandwidth_gbs(1 << 30), 1))]
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    keep = []
 
     def record(name, hidden, tokens, us):
         rows.append(dict(path=name, H=hidden, T=tokens, us=round(us, 2)))
@@ -90,8 +91,9 @@ def main() -> None:
             ref_ro, ref_no = ro.clone(), no.clone()
             for label, fields in variants.items():
                 shape = symm_ring.RingShape(**fields)
-                (layer,), (err,), _ = ring_layers_on_one_gpu(1, hidden, spec, timeout_s=5.0)
-                layer = _with_sms(layer, sms)
+                group = ring_layers_on_one_gpu(1, hidden, spec, timeout_s=5.0)
+                keep.append(group)  # the layer holds raw pointers into its buffer
+                layer, err = _with_sms(group.layers[0], sms), group.errs[0]
                 out = (torch.empty_like(part), torch.empty_like(part), none, none)
 
                 def ring(i, layer=layer, shape=shape, out=out):
@@ -126,7 +128,8 @@ def _emulated(record, spec, sets, n, tokens, hidden, world):
     from fusion_bridge.kernels import symm_ring
     from fusion_bridge.kernels.symm_testing import call_tensors, ring_layers_on_one_gpu
 
-    layers, errs, _ = ring_layers_on_one_gpu(world, hidden, spec, timeout_s=5.0)
+    group = ring_layers_on_one_gpu(world, hidden, spec, timeout_s=5.0)
+    layers, errs = group.layers, group.errs
     streams = [torch.cuda.Stream() for _ in range(world)]
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
     outs = [

@@ -317,7 +317,8 @@ class EmulatedRing:
 def ring_layers_on_one_gpu(world: int, hidden: int, spec, timeout_s: float = 10.0, device=None):
     """W ranks' layers on ONE GPU: each rank's buffer its own allocation, each rank's programs on
     SMs / W (so all ranks' programs are resident together when each rank launches on its own
-    stream). Returns (layers, error words (pinned int32 [4] per rank), buffers)."""
+    stream). Returns a namespace of layers, errs (pinned int32 [4] per rank) and buffers: keep it
+    alive while its layers are used (the layers hold raw pointers into the buffers)."""
     dev = torch.device("cuda", 0) if device is None else device
     nbytes = buffer_bytes(world, hidden, 2)
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(world)]
@@ -348,4 +349,4 @@ def ring_layers_on_one_gpu(world: int, hidden: int, spec, timeout_s: float = 10.
         )
         errs.append(err)
     torch.cuda.synchronize(dev)
-    return layers, errs, SimpleNamespace(buffers=bufs)
+    return SimpleNamespace(layers=layers, errs=errs, buffers=bufs)

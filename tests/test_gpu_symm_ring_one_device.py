@@ -20,6 +20,7 @@ from tests.test_gpu_symm_one_device import _problems, needs_gpu
 
 pytestmark = pytest.mark.gpu
 U_BF16 = 2.0**-8
+_KEEP: list = []  # the emulated groups' buffers, alive for the whole module
 # the partial's rounding, residual_out's (the norm reads it) and norm_out's, in quadrature
 BOUND = math.sqrt(3) * U_BF16
 
@@ -79,8 +80,9 @@ def _setup(world, spec, timeout_s=10.0):
     error words, one stream each."""
     from fusion_bridge.kernels.symm_testing import ring_layers_on_one_gpu
 
-    layers, errs, _ = ring_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s=timeout_s)
-    return layers, errs, [torch.cuda.Stream() for _ in range(world)]
+    group = ring_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s=timeout_s)
+    _KEEP.append(group)  # the layers hold raw pointers into its buffers
+    return group.layers, group.errs, [torch.cuda.Stream() for _ in range(world)]
 
 
 def _inputs(spec, tokens, world, seed):
