@@ -93,7 +93,7 @@ def rank_main(
     from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
-    from fusion_bridge.kernels import symm_oneshot, symm_ring, symm_testing
+    from fusion_bridge.kernels import symm_oneshot, symm_testing, symm_twoshot
     from fusion_bridge.kernels import symm_protocol as P
 
     # the exchange alone: constant partials published and awaited, no gathers, no outputs
@@ -206,12 +206,6 @@ def rank_main(
                     s = sets[i]
                     if shape is None and phases is None:
                         strat.run(s)
-                    elif strat.workspace_kind == "twoshot":  # the ring: a launch shape only
-                        strat._kernel.launch(
-                            strat._layer,
-                            shape=shape,
-                            **symm_testing.call_tensors(s, (outs[0], outs[1], outs[2], outs[2])),
-                        )
                     else:
                         symm_testing.launch_with_hooks(
                             strat.workspace_kind,
@@ -258,12 +252,15 @@ def rank_main(
             if tokens <= world:  # FlashInfer's two-shot needs T > world size
                 paths = [p for p in paths if p[0] != "compose_fin_fi_ar_norm_twoshot"]
             if sweep and tokens >= 129 and hidden == 7168:
-                for per_sm, warps, cols in ((4, 4, 1024), (2, 8, 1024), (1, 8, 2048)):
-                    shape = symm_ring.RingShape(
-                        programs_per_sm=per_sm, warps=warps, f_cols=cols, r_cols=cols
-                    )
+                sms = two._ws.num_sms
+                for programs, warps in ((sms, 4), (sms, 16), (sms // 2, 8), (sms // 2, 16)):
                     paths.append(
-                        (f"symm2_p{per_sm}_w{warps}_c{cols}", symm_run(two, shape), hbm_all, link_b)
+                        (
+                            f"symm2_v{programs}p_w{warps}",
+                            symm_run(two, symm_twoshot.TwoshotShape(programs, warps)),
+                            hbm_all,
+                            link_b,
+                        )
                     )
             if sweep and tokens <= 16 and hidden == 7168:
                 rb = row_block(hidden)

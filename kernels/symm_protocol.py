@@ -1,4 +1,4 @@
-"""The symmetric-memory protocol of our one-launch kernels (`symm_oneshot`, `symm_ring`): buffer
+"""The symmetric-memory protocol of our one-launch kernels (`symm_oneshot`, `symm_twoshot`): buffer
 layout, device state, error words, sizes and the launch arguments fixed for a layer.
 
 Imports no Triton: capability and sizing code (strategies/symm_workspace.py) read it without loading
@@ -9,15 +9,11 @@ The data carries its own arrival (Lamport-style): a slot element holds the senti
 0x8000 in bf16 and fp16) until a peer writes it, a published value never holds -0.0 (it is mapped to
 +0.0), and a reader polls the data itself. Three slots rotate, each cleared one call behind.
 
-Buffer of one rank (bytes): a HEADER_BYTES header (int32 abort word at 0), then data slots of the
-activation dtype, all the sentinel at creation:
-    one-shot: [SLOTS][W][cap][H] (source rank, token); three slots, each cleared one call behind.
-    two-shot (the ring, `symm_ring`): [RING_SLOTS][2][W][CW][H], CW = ceil(RING_CHUNK / W): per
-              slot the reduce-scatter rows (source, owner row) then the all-gather rows (owner,
-              owner row) of one chunk of RING_CHUNK tokens. Chunks take the slots in turn, within a
-              call and across calls, so the size does not depend on T; each slot is cleared by its
-              readers and handed back through a release counter (int64, header byte
-              RING_FREED_BYTE + 8 * slot). Its device state is int64 [RING_STATE_WORDS].
+Buffer of one rank (bytes): a HEADER_BYTES header (int32 abort word at 0), then SLOTS data slots of
+the activation dtype, all the sentinel at creation:
+    one-shot: [SLOTS][W][cap][H]              (source rank, token)
+    two-shot: [SLOTS][W * cap_blocks + cap][H] (reduce-scatter rows [W][cap_blocks], then all-gather
+              rows [cap])
 """
 
 from __future__ import annotations
@@ -64,41 +60,44 @@ ALL_PHASES = PUBLISH | REDUCE | NORM | CLEAR | EPOCH | FINALIZE
 
 KINDS = ("oneshot", "twoshot")
 
-# ---- the two-shot ring ------------------------------------------------------------------------
+# ---- the two-shot ring (kernels/symm_ring.py; not yet behind a strategy) ------------------------
+# Per rank: the HEADER_BYTES header (int32 abort word at 0, int64 release counters [RING_SLOTS] at
+# RING_FREED_BYTE), then RING_SLOTS slots, each [2][W][CW][H], CW = ceil(RING_CHUNK / W): the
+# reduce-scatter rows (source, owner row) then the all-gather rows (owner, owner row) of one chunk.
+# Chunks take the slots in turn within a call and across calls, so the size does not depend on T;
+# each slot is cleared by its readers and handed back through its release counter. Device state:
+# int64 [RING_STATE_WORDS] = (chunk base: chunks of every earlier call, ticket, error word, -).
 RING_SLOTS = 4
 RING_CHUNK = 256  # tokens per chunk (measured: 128 slower, 512 no faster; 4 slots fit in L2)
-RING_FREED_BYTE = 64  # header byte offset of the int64 release counters [RING_SLOTS]
-RING_STATE_WORDS = 4  # int64: chunk base (chunks of every earlier call), ticket, error word, -
-RING_STATE_BASE, RING_STATE_TICKET = 0, 1  # (the error word is at STATE_ERROR, as for one-shot)
+RING_FREED_BYTE = 64
+RING_STATE_WORDS = 4
 # one chunk's releases add exactly this to its slot's counter, whatever the program count P
 # (program 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
 RING_UNIT = 1 << 20
 
 
-def ring_rows_per_source(world: int, chunk: int = RING_CHUNK) -> int:
-    return -(-chunk // world)
+def ring_buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = RING_CHUNK) -> int:
+    """One rank's ring buffer, independent of T (29.4 MB at H=7168, bf16, any W)."""
+    rows_per_source = -(-chunk // world)
+    return HEADER_BYTES + RING_SLOTS * 2 * world * rows_per_source * hidden * elem_size
 
 
-def slot_elems(kind: str, world: int, cap: int, hidden: int, chunk: int = RING_CHUNK) -> int:
-    """Elements of one slot (the ring's do not depend on cap)."""
+def cap_blocks(world: int, cap: int) -> int:
+    """Two-shot: blocks of W rows that `cap` tokens fill (rows t = b * W + q, owner q)."""
+    return -(-cap // world)
+
+
+def slot_elems(kind: str, world: int, cap: int, hidden: int) -> int:
+    """Elements of one slot."""
     if kind == "oneshot":
         return world * cap * hidden
     if kind == "twoshot":
-        return 2 * world * ring_rows_per_source(world, chunk) * hidden
+        return (world * cap_blocks(world, cap) + cap) * hidden
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-def buffer_bytes(
-    kind: str, world: int, cap: int, hidden: int, elem_size: int, chunk: int = RING_CHUNK
-) -> int:
-    """One rank's buffer. Two-shot: independent of cap (29.4 MB at H=7168, bf16, any W)."""
-    slots = SLOTS if kind == "oneshot" else RING_SLOTS
-    return HEADER_BYTES + slots * slot_elems(kind, world, cap, hidden, chunk) * elem_size
-
-
-def state_spec(kind: str) -> tuple[int, torch.dtype]:
-    """(words, dtype) of one rank's device state."""
-    return (STATE_WORDS, torch.int32) if kind == "oneshot" else (RING_STATE_WORDS, torch.int64)
+def buffer_bytes(kind: str, world: int, cap: int, hidden: int, elem_size: int) -> int:
+    return HEADER_BYTES + SLOTS * slot_elems(kind, world, cap, hidden) * elem_size
 
 
 def fill_sentinel(t: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ _UNIT = tl.constexpr(P.RING_UNIT)
 
 
 def buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = CHUNK) -> int:
-    return P.buffer_bytes("twoshot", world, 0, hidden, elem_size, chunk)
+    return P.ring_buffer_bytes(world, hidden, elem_size, chunk)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import symm_oneshot
+from . import symm_oneshot, symm_twoshot
 from . import symm_protocol as P
 from .quant_codes import QuantArgs, quant_args
 from .symm_ring import (
@@ -33,16 +33,18 @@ from .symm_ring import (
     STAGE_SF_PAD,
     RingShape,
     _ring_kernel,
-    call_args,
 )
+from .symm_ring import call_args as ring_call_args
 from .symm_ring_device import FREED_BYTE, SLOTS, STATE_WORDS, buffer_bytes
 
-KERNELS = {"oneshot": symm_oneshot}  # the two-shot ring: EmulatedRing below
+KERNELS = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}
 
 
 def call_parts(kind: str) -> tuple[int, ...]:
     """The parts of one call in the order the CPU emulation runs them (each on every rank)."""
-    return (P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH)
+    if kind == "oneshot":
+        return (P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH)
+    return (P.CLEAR, P.PUBLISH, P.REDUCE, P.NORM, P.EPOCH)
 
 
 def launch_with_hooks(
@@ -296,7 +298,9 @@ class EmulatedRing:
             for rank in range(world):
                 if rank == skip_rank:
                     continue
-                args, constexprs = call_args(layers[rank], shape, chunk=chunk, **per_rank[rank])
+                args, constexprs = ring_call_args(
+                    layers[rank], shape, chunk=chunk, **per_rank[rank]
+                )
                 for pid in range(programs):
                     _ring_kernel[(1,)](
                         *args,
@@ -350,3 +354,48 @@ def ring_layers_on_one_gpu(world: int, hidden: int, spec, timeout_s: float = 10.
         errs.append(err)
     torch.cuda.synchronize(dev)
     return SimpleNamespace(layers=layers, errs=errs, buffers=bufs)
+
+
+def ring_over_symmetric_memory(group, spec, device, timeout_s: float = 20.0):
+    """Collective (every rank of `group`): a ring buffer in PyTorch symmetric memory (multicast
+    off, as strategies/symm_workspace.create does for the other kernels) and this rank's layer.
+    Returns a namespace (layer, err: pinned int32 [4], buffer, handle); keep it alive while the
+    layer is used. For the two-GPU ring test until the ring is behind a strategy."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ..strategies.symm_workspace import multicast_reason
+
+    bad = multicast_reason("symm_ring")
+    if bad is not None:
+        raise RuntimeError(f"[{bad.code}] {bad.message}. {bad.hint}")
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nbytes = buffer_bytes(world, spec.hidden_size, torch.finfo(spec.dtype).bits // 8)
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
+        raise RuntimeError("symm_ring: the symmetric-memory handle exposes a multicast pointer")
+    buffer[: P.HEADER_BYTES].zero_()
+    P.fill_sentinel(buffer[P.HEADER_BYTES :].view(torch.int16))
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    torch.cuda.synchronize(device)
+    bases = [int(p) for p in handle.buffer_ptrs]
+    offset = buffer.data_ptr() - bases[rank]
+    seen: list = [None] * world
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    dist.all_gather_object(seen, (offset, sms), group=group)
+    if len({o for o, _ in seen}) != 1 or offset % 256:
+        raise RuntimeError(f"symm_ring: buffer offsets differ or are misaligned: {seen}")
+    err = torch.zeros(4, dtype=torch.int32).pin_memory()
+    ptrs = torch.tensor(
+        [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
+    )
+    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
+    scalars = (float(spec.routed_scaling_factor), float(spec.eps), float(spec.weight_bias))
+    layer = _ring_layer(
+        ptrs, state, world, rank, min(n for _, n in seen), int(timeout_s * 1e6),
+        spec.hidden_size, scalars, quant_args(spec),
+    )  # fmt: skip
+    return SimpleNamespace(layer=layer, err=err, buffer=buffer, handle=handle)

@@ -1,5 +1,4 @@
-"""Our one-shot symmetric-memory kernel (`symm_oneshot`) with W ranks emulated on ONE GPU (the
-two-shot ring's is tests/test_gpu_symm_ring_one_device.py):
+"""Our symmetric-memory kernels (`symm_oneshot`, `symm_twoshot`) with W ranks emulated on ONE GPU:
 each
 rank's buffer is its own allocation, each rank's launch runs on its own CUDA stream with at most SMs
 / W
@@ -102,15 +101,17 @@ def _problems(spec, outs, inputs, bound, tag):
     return found
 
 
-@pytest.mark.parametrize("kind,world", [("oneshot", 2)])
+@pytest.mark.parametrize(
+    "kind,world", [("twoshot", 2), ("twoshot", 3), ("twoshot", 4), ("oneshot", 2)]
+)
 def test_emulated_ranks_on_one_gpu(kind, world):
     needs_gpu()
-    from fusion_bridge.kernels import symm_oneshot
+    from fusion_bridge.kernels import symm_oneshot, symm_twoshot
     from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
     from fusion_bridge.synthetic import make_inputs
 
-    kernel = symm_oneshot
-    bound = math.sqrt(2) * U_BF16
+    kernel = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
+    bound = math.sqrt(3 if kind == "twoshot" else 2) * U_BF16
     problems = []
     streams = [torch.cuda.Stream() for _ in range(world)]
     quants = [
@@ -118,7 +119,7 @@ def test_emulated_ranks_on_one_gpu(kind, world):
         QuantSpec.fp8(0.05),
         QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
     ]
-    cap = 256
+    cap = 1024 if kind == "twoshot" else 256
     for hidden, top_k in ((7168, 8), (2880, 1)):
         for quant in quants:
             spec = EpilogueSpec(

@@ -275,3 +275,25 @@ def test_a_row_whose_squares_overflow_is_normalized_not_zeroed():
     outs = _run(emu, spec, inputs)
     _, norm64 = epilogue64_from(spec, inputs)
     assert rel_err(outs[0][1], norm64) <= math.sqrt(3) * U
+
+
+def test_the_ring_buffer_does_not_grow_with_t_and_stays_under_64_mb():
+    from fusion_bridge.kernels import symm_protocol
+
+    for world in range(2, 9):
+        nbytes = symm_protocol.ring_buffer_bytes(world, 7168, 2)
+        assert nbytes <= 64 << 20, (world, nbytes)
+    # 4 slots of W * ceil(256 / W) reduce-scatter rows and as many all-gather rows, after the header
+    assert symm_protocol.ring_buffer_bytes(3, 64, 2) == 256 + 4 * 2 * 3 * 86 * 64 * 2
+
+
+def test_the_ring_launch_exposes_no_test_hooks():
+    import inspect
+
+    from fusion_bridge.kernels import symm_ring
+
+    hooks = {"EMU", "EMU_STAGE", "EMU_PID", "emulated", "phases"}
+    assert not hooks & set(inspect.signature(symm_ring.launch).parameters)
+    assert not hooks & set(inspect.signature(symm_ring.call_args).parameters)
+    params = inspect.signature(symm_ring._ring_kernel.fn).parameters
+    assert params["EMU"].default is False and params["EMU_STAGE"].default == 0

@@ -42,9 +42,9 @@ SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a 
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
 WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
 MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in registers
-# tokens per call of the one-shot (the small-T path; larger T takes the overflow route). The
-# two-shot's ring takes any T in a buffer whose size does not depend on T.
-MAX_CAP_TOKENS = {"oneshot": 2048}
+# tokens per call: one-shot is the small-T path; two-shot the bandwidth path; larger T takes the
+# overflow route
+MAX_CAP_TOKENS = {"oneshot": 2048, "twoshot": 4096}
 KINDS = protocol.KINDS
 MAX_BUFFER_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = (
@@ -89,14 +89,11 @@ def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> O
 
 
 def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol).
-    Two-shot: every T of the spec, if its (T-independent) ring fits at all."""
+    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol)."""
     elem = torch.finfo(spec.dtype).bits // 8
     world = max(world_size, 1)
-    if kind == "twoshot":
-        ring = protocol.buffer_bytes(kind, world, 0, spec.hidden_size, elem)
-        return spec.max_tokens if ring <= MAX_BUFFER_BYTES else 0
-    rows_per_token = protocol.SLOTS * world  # one-shot: [3][W][cap][H]
+    # one-shot: [3][W][cap][H]; two-shot: [3][W * cap/W + cap][H], about 2 rows per token
+    rows_per_token = protocol.SLOTS * (world if kind == "oneshot" else 2)
     cap = min(
         spec.max_tokens,
         MAX_CAP_TOKENS[kind],
@@ -106,7 +103,7 @@ def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
         cap > 0
         and protocol.buffer_bytes(kind, world, cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES
     ):
-        cap -= 1
+        cap -= 1  # two-shot rounds its reduce-scatter rows up to whole blocks of W
     return max(0, cap)
 
 
@@ -215,7 +212,7 @@ def memory_reason(
 @dataclass
 class SymmWorkspace:
     """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
-    buffer, then the pinned error word); state: device words (protocol.state_spec(kind));
+    buffer, then the pinned error word); state: int32 [STATE_WORDS] device (kernels/symm_protocol);
     err: int32 [4] pinned host. A layer binds it with kernels.symm_protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
@@ -293,8 +290,7 @@ def create(
     ptrs = torch.tensor(
         [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
     )
-    words, state_dtype = protocol.state_spec(kind)
-    state = torch.zeros(words, dtype=state_dtype, device=device)
+    state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int32, device=device)
     return SymmWorkspace(
         buffer,
         handle,
