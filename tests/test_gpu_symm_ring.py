@@ -27,10 +27,9 @@ BOUND = 3**0.5 * U_BF16  # the partial's rounding, residual_out's (the norm read
 
 def _runner(spec, dev, timeout_s=20.0):
     """A ring on symmetric memory and a call that returns EpilogueOutputs."""
-    from fusion_bridge.io import EpilogueOutputs, quant_buffers
+    from fusion_bridge.epilogue_tensors import EpilogueOutputs, quant_buffers
     from fusion_bridge.kernels import symm_ring
     from fusion_bridge.kernels.symm_testing import call_tensors, ring_over_symmetric_memory
-    from fusion_bridge.spec import QuantKind
 
     ring = ring_over_symmetric_memory(None, spec, dev, timeout_s)
     empty = torch.empty(0, dtype=torch.uint8, device=dev)
@@ -42,9 +41,7 @@ def _runner(spec, dev, timeout_s=20.0):
         qv = empty if q is None else q.view(torch.uint8)
         sfv = empty if sf is None else sf
         symm_ring.launch(ring.layer, **call_tensors(inp, (ro, no, qv, sfv)))
-        if spec.quant.kind is QuantKind.NONE:
-            return EpilogueOutputs(ro, no)
-        return EpilogueOutputs(ro, no, q, sf if spec.quant.kind is QuantKind.NVFP4 else None)
+        return EpilogueOutputs.for_quant(spec.quant.kind, ro, no, q, sf)
 
     return ring, run
 

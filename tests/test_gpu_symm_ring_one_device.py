@@ -36,7 +36,7 @@ BOUND = math.sqrt(3) * U_BF16
 
 def _call(layers, streams, spec, inputs, skip_rank=None):
     """One epilogue call on every emulated rank (each on its own stream); outputs poisoned first."""
-    from fusion_bridge.io import quant_buffers
+    from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.kernels import symm_ring
     from fusion_bridge.kernels.symm_testing import call_tensors
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from fusion_bridge.io import quant_buffers
+from fusion_bridge.epilogue_tensors import quant_buffers
 from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT
 from fusion_bridge.kernels.symm_ring import RingShape
 from fusion_bridge.kernels.symm_testing import EmulatedRing
