@@ -297,3 +297,13 @@ def test_the_ring_launch_exposes_no_test_hooks():
     assert not hooks & set(inspect.signature(symm_ring.call_args).parameters)
     params = inspect.signature(symm_ring._ring_kernel.fn).parameters
     assert params["EMU"].default is False and params["EMU_STAGE"].default == 0
+
+
+def test_a_missing_partial_is_reported_by_the_reduce_itself():
+    """T = 1 at W = 2: the only row belongs to rank 0, so only rank 0's reduce waits on the missing
+    rank 1 (its gather then receives the NaN row in time): the reduce must write the error word."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    emu = EmulatedRing(2, 4, 64)
+    outs = _run(emu, spec, _inputs(spec, 1, 2, seed=4), skip_rank=1)
+    assert torch.isnan(outs[0][0]).all() and torch.isnan(outs[0][1]).all()
+    assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10, hex(int(emu.states[0, 2]))
