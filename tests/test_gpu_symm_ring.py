@@ -1,7 +1,7 @@
 """GPU tests of the two-shot ring kernel (`kernels/symm_ring.py`) over 2 ranks (NCCL + PyTorch
 symmetric memory, multicast off), for the two-GPU run: one spawned process group runs every case and
 returns its problems. The ring is not behind a strategy yet, so the kernel is launched directly on a
-buffer made by kernels/symm_testing.ring_over_symmetric_memory.
+buffer made here (`ring_over_symmetric_memory`) as strategies/symm_workspace makes the others'.
 
 Covered: parity against the float64 oracle (T in 1, 3, 255, 257 (chunk edges), 1000, 4096, 16384
 (the ring turns 16 times in one call); H in 7168, 2880; K in 8, 1; inputs different per rank with
@@ -25,11 +25,62 @@ WORLD = 2
 BOUND = 3**0.5 * U_BF16  # the partial's rounding, residual_out's (the norm reads it), norm_out's
 
 
+def ring_over_symmetric_memory(group, spec, device, timeout_s: float = 20.0):
+    """Collective (every rank of `group`): a ring buffer in PyTorch symmetric memory (multicast
+    off, as strategies/symm_workspace.create does for the other kernels) and this rank's layer.
+    Returns a namespace (layer, err: pinned int32 [4], buffer, handle); keep it alive while the
+    layer is used. For the two-GPU ring test until the ring is behind a strategy."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from fusion_bridge.kernels import symm_protocol as P
+    from fusion_bridge.kernels.quant_codes import quant_args
+    from fusion_bridge.kernels.symm_ring_device import STATE_WORDS, buffer_bytes
+    from fusion_bridge.kernels.symm_testing import _ring_layer
+    from fusion_bridge.strategies.symm_workspace import multicast_reason
+
+    bad = multicast_reason("symm_ring")
+    if bad is not None:
+        raise RuntimeError(f"[{bad.code}] {bad.message}. {bad.hint}")
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nbytes = buffer_bytes(world, spec.hidden_size, torch.finfo(spec.dtype).bits // 8)
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
+        raise RuntimeError("symm_ring: the symmetric-memory handle exposes a multicast pointer")
+    buffer[: P.HEADER_BYTES].zero_()
+    P.fill_sentinel(buffer[P.HEADER_BYTES :].view(torch.int16))
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    torch.cuda.synchronize(device)
+    bases = [int(p) for p in handle.buffer_ptrs]
+    offset = buffer.data_ptr() - bases[rank]
+    seen: list = [None] * world
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    dist.all_gather_object(seen, (offset, sms), group=group)
+    if len({o for o, _ in seen}) != 1 or offset % 256:
+        raise RuntimeError(f"symm_ring: buffer offsets differ or are misaligned: {seen}")
+    err = torch.zeros(4, dtype=torch.int32).pin_memory()
+    ptrs = torch.tensor(
+        [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
+    )
+    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
+    scalars = (float(spec.routed_scaling_factor), float(spec.eps), float(spec.weight_bias))
+    layer = _ring_layer(
+        ptrs, state, world, rank, min(n for _, n in seen), int(timeout_s * 1e6),
+        spec.hidden_size, scalars, quant_args(spec),
+    )  # fmt: skip
+    return SimpleNamespace(layer=layer, err=err, buffer=buffer, handle=handle)
+
+
 def _runner(spec, dev, timeout_s=20.0):
     """A ring on symmetric memory and a call that returns EpilogueOutputs."""
     from fusion_bridge.epilogue_tensors import EpilogueOutputs, quant_buffers
     from fusion_bridge.kernels import symm_ring
-    from fusion_bridge.kernels.symm_testing import call_tensors, ring_over_symmetric_memory
+    from fusion_bridge.kernels.symm_testing import call_tensors
 
     ring = ring_over_symmetric_memory(None, spec, dev, timeout_s)
     empty = torch.empty(0, dtype=torch.uint8, device=dev)
