@@ -281,6 +281,8 @@ def compare(model, group, world: int, prompt: torch.Tensor, new_tokens: int, **p
         "logits_checksum": float(new.double().sum()),
         "strategies": strategies,
         "norms_reused": norms_reused,
+        "patched_calls": len(new_calls) + len(new_gen_calls),
+        "sequences": new_gen.sequences.tolist(),
         "moe_layers": moe,
         "explain": explain,
         **steps,
