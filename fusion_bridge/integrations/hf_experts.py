@@ -26,7 +26,7 @@ def _grouped_linear(
 ) -> torch.Tensor:
     """rows [S, in] (sorted by group), weights [G, out, in], ends [G] int32 cumulative row counts
     -> [S, out]; rows past ends[-1] are left uninitialised (nobody reads them). One grouped GEMM
-    where torch has it (no host sync: CUDA-graph safe); else one GEMM per group (syncs on counts)."""
+    on CUDA (no host sync: CUDA-graph safe); else one GEMM per group (syncs on counts)."""
     if _GROUPED_MM is not None and _grouped_mm_ok(rows, weights):
         return _GROUPED_MM(rows, weights.transpose(-2, -1), offs=ends)
     out = rows.new_empty(rows.shape[0], weights.shape[1])

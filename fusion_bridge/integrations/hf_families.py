@@ -39,7 +39,8 @@ class Family:
 class DeepseekV3(Family):
     """DeepSeek-V3 (and models published under its architecture, e.g. Kimi-K2): sigmoid scores,
     grouped top-k (n_group / topk_group), routed_scaling_factor, one shared expert (an MLP of
-    n_shared_experts * moe_intermediate_size); the first `first_k_dense_replace` layers are dense."""
+    n_shared_experts * moe_intermediate_size); the first `first_k_dense_replace` layers are
+    dense."""
 
     name = "DeepSeek-V3"
     model_type = "deepseek_v3"
@@ -103,7 +104,8 @@ def check_moe_block(family: Family, block: torch.nn.Module, where: str, hidden: 
     down = getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         raise UnsupportedModelError(
-            f"patch_moe_epilogues: {where}.experts ({type(experts).__name__}) must hold {expected}; "
+            f"patch_moe_epilogues: {where}.experts ({type(experts).__name__}) must hold "
+            f"{expected}; "
             f"it has {sorted(n for n, _ in experts.named_parameters(recurse=False))}"
         )
     for name, t in (("gate_up_proj", gate_up), ("down_proj", down)):

@@ -94,7 +94,7 @@ class PatchedMoELayer:
 
 
 class MoEEpiloguePatch:
-    """The handle patch_moe_epilogues returns: the patched layers, their reports, and the way back."""
+    """What patch_moe_epilogues returns: the patched layers, their reports, the way back."""
 
     def __init__(self, model, family: Family, group, rank: int, world: int) -> None:
         self.model, self.family, self.group = model, family, group
@@ -113,7 +113,8 @@ class MoEEpiloguePatch:
         parts = []
         for i, p in self.layers.items():
             parts.append(
-                f"layer {i} ({self.family.name}, rank {self.rank}/{self.world_size}: routed experts "
+                f"layer {i} ({self.family.name}, rank {self.rank}/{self.world_size}: "
+                f"routed experts "
                 f"{p.local_experts.start}..{p.local_experts.stop - 1}"
                 + (
                     f", shared columns {p.shared_columns.start}..{p.shared_columns.stop - 1}"
