@@ -47,7 +47,7 @@ def build_model(family: str, size: dict, seed: int = 0, device="cpu") -> torch.n
         max_position_embeddings=256,
         norm_topk_prob=True,
         # transformers' default experts path (grouped_mm) is CUDA-graph safe but slow on CPU
-        experts_implementation="eager" if device.type == "cpu" else None,
+        experts_implementation="batched_mm" if device.type == "cpu" else None,
     )
     if family == "deepseek_v3":
         config = transformers.DeepseekV3Config(
