@@ -13,7 +13,7 @@ from fusion_bridge.integrations.transformers import (  # noqa: E402
     patch_moe_epilogues,
     unpatch_moe_epilogues,
 )
-from migration.examples.hf_moe import SMALL, build_model, run_rank  # noqa: E402
+from migration.examples.hf_moe import SMALL, build_model, run_rank, tainted_positions  # noqa: E402
 
 NEW_TOKENS = 16
 
@@ -36,8 +36,11 @@ def check_summary(r: dict) -> None:
     assert not r["generate_covered_disagree"], where
     # every MoE layer's norm came from the bridge, on every forward call (none computed twice)
     assert r["norms_reused"] == len(r["moe_layers"]) * r["patched_calls"], where
-    assert all(isinstance(s, str) for s in r["strategies"].values()), r["strategies"]
-    assert "selected" in r["explain"] or "strateg" in r["explain"]
+    assert sorted(r["strategies"]) == r["moe_layers"], r["strategies"]
+    for layer, strategy in r["strategies"].items():  # each layer's report names its plan
+        section = r["explain"].split(f"layer {layer} (")[1].split("\nlayer ")[0]
+        assert f"spec: H={SMALL['hidden']} K={SMALL['top_k']} bf16" in section
+        assert isinstance(strategy, str) and strategy in section
 
 
 def test_patched_model_matches_unmodified_on_one_rank():
@@ -54,7 +57,13 @@ def _two_ranks(rank: int, world: int) -> dict:
         mismatch = None
     except ValueError as exc:
         mismatch = str(exc)
-    return {"results": results, "mismatch": mismatch}
+    few = build_model("qwen3_moe", dict(SMALL, experts=1, top_k=1), seed=0)
+    try:
+        patch_moe_epilogues(few)
+        too_few = None
+    except ValueError as exc:
+        too_few = str(exc)
+    return {"results": results, "mismatch": mismatch, "too_few": too_few}
 
 
 def test_patched_model_matches_unmodified_on_two_gloo_ranks():
@@ -68,6 +77,7 @@ def test_patched_model_matches_unmodified_on_two_gloo_ranks():
         assert ranks[0]["sequences"] == ranks[1]["sequences"]
     for r in range(2):
         assert "every rank of the group must hold the same model" in per_rank[r]["mismatch"]
+        assert "at most the number of routed experts (1)" in per_rank[r]["too_few"]
 
 
 def test_unpatch_restores_the_model_and_refuses_a_second_patch():
@@ -142,3 +152,20 @@ def test_refuses_a_group_without_torch_distributed_and_a_float32_model():
         patch_moe_epilogues(model, group=object())
     with pytest.raises(UnsupportedModelError, match="bf16 or fp16"):
         patch_moe_epilogues(model.float())
+
+
+def test_a_routing_flip_taints_its_token_and_before_the_last_layer_every_later_one():
+    class Layers:  # what tainted_positions reads from a Recorder
+        last_layer = 2
+
+    same = torch.arange(8).view(4, 2)  # 2 sequences x 2 positions, top-2
+    flipped = same.clone()
+    flipped[1] = torch.tensor([2, 7])  # sequence 0, position 1
+    prefill = ({1: same, 2: same}, {1: same, 2: flipped})  # flip in the last layer
+    decode = ({1: same[:2], 2: same[:2]}, {1: same[:2].flip(0), 2: same[:2]})  # layer 1, step 1
+    tainted, flips = tainted_positions(
+        [prefill[0], decode[0]], [prefill[1], decode[1]], Layers, batch=2
+    )
+    assert flips == [(2, 0, 1), (1, 0, 2), (1, 1, 2)]
+    assert [p in tainted[0] for p in range(5)] == [False, True, True, True, True]
+    assert [p in tainted[1] for p in range(5)] == [False, False, True, True, True]

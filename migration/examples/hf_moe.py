@@ -289,11 +289,24 @@ def compare(model, group, world: int, prompt: torch.Tensor, new_tokens: int, **p
     }
 
 
+class Tainted:
+    """Positions of one sequence the bound does not cover: single positions, and every position
+    from `start` on."""
+
+    def __init__(self) -> None:
+        self.single: set[int] = set()
+        self.start = float("inf")
+
+    def __contains__(self, pos: int) -> bool:
+        return pos in self.single or pos >= self.start
+
+
 def tainted_positions(ref: list[dict], new: list[dict], recorder: Recorder, batch: int):
-    """Positions per sequence whose logits the bound does not cover: a token routed differently
-    in layer l taints itself and, unless l is the last layer (no attention after it), every later
-    position of its sequence. Forward call c covers positions [start, start + its length)."""
-    tainted: list[set] = [set() for _ in range(batch)]
+    """Per sequence, the positions whose logits the bound does not cover: a token routed
+    differently in layer l taints itself and, unless l is the last layer (no attention after it),
+    every later position of its sequence. Forward call c covers positions [start, start + its
+    length). -> (list of Tainted, [(layer, sequence, position) of each routing flip])."""
+    tainted = [Tainted() for _ in range(batch)]
     flips, start = [], 0
     for ref_call, new_call in zip(ref, new):
         length = 0
@@ -303,8 +316,10 @@ def tainted_positions(ref: list[dict], new: list[dict], recorder: Recorder, batc
             other = new_call[layer].view(batch, -1, ids.shape[-1])
             for b, p in (ids != other).any(-1).nonzero().tolist():
                 flips.append((layer, b, start + p))
-                later = range(start + p, 10**6) if layer != recorder.last_layer else ()
-                tainted[b].update({start + p, *later})
+                if layer == recorder.last_layer:
+                    tainted[b].single.add(start + p)
+                else:
+                    tainted[b].start = min(tainted[b].start, start + p)
         start += length
     return tainted, flips
 
