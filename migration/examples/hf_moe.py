@@ -406,19 +406,24 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"agree": ok, "results": results}, indent=2, default=str))
         return 0 if ok else 1
-    for r in results:
+    for r in sorted(results, key=lambda r: (FAMILIES.index(r["family"]), r["rank"])):
         if r["rank"] == 0:
             strategies = ", ".join(f"layer {i}: {s}" for i, s in r["strategies"].items())
             print(f"{r['family']} (world {args.world_size}): {strategies}")
+        split = [s for s in r["generate_reported_steps"] if not s["same"]]
+        where = (
+            f"first differs at sequence {split[0]['seq']} step {split[0]['step']}, top-two gap "
+            f"{split[0]['gap']:.3g} (below what the bound allows)"
+            if split
+            else "identical"
+        )
         print(
             f"  rank {r['rank']}: logits vs unmodified, max per-token rel err "
             f"{r['max_rel_err_clean']:.2e} over {r['clean_tokens']}/{r['tokens']} tokens "
             f"(bound {r['bound_range'][0]:.2e}..{r['bound_range'][1]:.2e}, worst error/bound "
             f"{r['max_rel_err_over_bound']:.2f}); routing flips {r['routing_flips']}; "
-            f"greedy generate "
-            f"{'identical' if r['generate_identical'] else 'differs'} "
-            f"({r['generate_covered_steps']} steps above the gap bound, "
-            f"{len(r['generate_reported_steps'])} below it)"
+            f"greedy generate: {where}; {r['generate_covered_steps']} steps above the gap "
+            f"bound agree, {len(r['generate_reported_steps'])} below it"
         )
     print("patched and unmodified agree" if ok else "patched and unmodified DISAGREE")
     return 0 if ok else 1
