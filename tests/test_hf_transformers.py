@@ -169,3 +169,20 @@ def test_a_routing_flip_taints_its_token_and_before_the_last_layer_every_later_o
     assert flips == [(2, 0, 1), (1, 0, 2), (1, 1, 2)]
     assert [p in tainted[0] for p in range(5)] == [False, True, True, True, True]
     assert [p in tainted[1] for p in range(5)] == [False, False, True, True, True]
+
+
+def test_a_patched_layer_takes_its_arguments_by_position_as_by_keyword_and_needs_eval_mode():
+    model = build_model("qwen3_moe", SMALL)
+    with pytest.raises(ValueError, match="eval mode"):
+        patch_moe_epilogues(model.train())
+    model.eval()
+    patch = patch_moe_epilogues(model)
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 5, SMALL["hidden"]).to(torch.bfloat16)
+    position_ids = torch.arange(5).unsqueeze(0)
+    rope = model.model.rotary_emb(hidden, position_ids)
+    with torch.no_grad():
+        by_keyword = layer(hidden, position_ids=position_ids, position_embeddings=rope)
+        by_position = layer(hidden, None, position_ids, None, False, rope)
+    patch.unpatch()
+    assert torch.equal(by_keyword, by_position)

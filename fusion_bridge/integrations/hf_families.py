@@ -8,6 +8,7 @@ and route with `mlp.gate(x) -> (router_logits, top_k_weights [T, K], top_k_index
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -54,7 +55,14 @@ class DeepseekV3(Family):
         return weights / self.routed_scaling(block), ids
 
     def routed_scaling(self, block):
-        return float(block.gate.routed_scaling_factor)
+        factor = float(block.gate.routed_scaling_factor)
+        if not math.isfinite(factor) or factor == 0:
+            raise UnsupportedModelError(
+                "patch_moe_epilogues: gate.routed_scaling_factor must be a nonzero finite number "
+                "(the bridge applies it after dividing it out of the router's weights), got "
+                f"{factor}"
+            )
+        return factor
 
 
 class Qwen3Moe(Family):

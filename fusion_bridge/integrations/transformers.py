@@ -164,6 +164,11 @@ def patch_moe_epilogues(
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise ValueError("patch_moe_epilogues: model is already patched (call .unpatch() first)")
     family = family_of(model)
+    if model.training:
+        raise ValueError(
+            "patch_moe_epilogues: model must be in eval mode (call model.eval()): the bridge is "
+            "an inference epilogue, without autograd"
+        )
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     layers, final_norm = getattr(base, "layers", None), getattr(base, "norm", None)
     if not isinstance(layers, torch.nn.ModuleList) or final_norm is None:
@@ -257,13 +262,19 @@ def _moe_layer_forward(layer: torch.nn.Module, state: PatchedMoELayer):
     families' layers run; the arguments go to self_attn exactly as the layer's own forward passes
     them (whatever this transformers version names them)."""
     signature = inspect.signature(type(layer).forward)
+    var_keyword = next(
+        (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+    )
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args:  # the models pass everything but hidden_states by keyword; bind if not
-            bound = signature.bind(layer, hidden_states, *args, **kwargs).arguments
-            extra = bound.pop("kwargs", {})
-            kwargs = {k: v for k, v in bound.items() if k not in ("self", "hidden_states")}
-            kwargs.update(extra)
+        # every named parameter of the layer's own forward (defaults included) goes to self_attn,
+        # as the layer's own forward passes them
+        bound = signature.bind(layer, hidden_states, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
+        kwargs = {k: v for k, v in arguments.items() if k not in ("self", "hidden_states")}
+        kwargs.update(extra)
         residual = hidden_states
         attn = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
         hidden = residual + (attn[0] if isinstance(attn, tuple) else attn)
