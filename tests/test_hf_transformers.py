@@ -186,3 +186,16 @@ def test_a_patched_layer_takes_its_arguments_by_position_as_by_keyword_and_needs
         by_position = layer(hidden, None, position_ids, None, False, rope)
     patch.unpatch()
     assert torch.equal(by_keyword, by_position)
+
+
+def test_the_package_never_imports_transformers_itself():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fusion_bridge, fusion_bridge.integrations.transformers\n"
+        "from fusion_bridge import FusionBridge, EpilogueSpec\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

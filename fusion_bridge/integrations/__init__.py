@@ -1,6 +1,7 @@
 """Adapters that move other people's model code onto the bridge.
 
 `fusion_bridge.integrations.transformers`: Hugging Face transformers MoE models
-(`pip install "fusion-bridge[transformers]"`). Nothing here is imported by `import fusion_bridge`;
-importing an adapter imports its framework.
+(`pip install "fusion-bridge[transformers]"` installs the tested transformers). The adapters work
+on the model objects the caller already built; `import fusion_bridge` never imports them, and they
+never import the framework themselves.
 """
