@@ -90,10 +90,10 @@ def build_model(family: str, size: dict, seed: int = 0, device="cpu") -> torch.n
 def epilogue_roundings(model: torch.nn.Module, world: int) -> int:
     """Roundings (in u^2 units) by which one MoE layer's output differs between the unmodified
     model and the patched one, relative to that output:
-      - unmodified: transformers' default grouped_mm experts round the top-k sum once (DeepSeek's
-        weights are fp32; Qwen3's are bf16, so each of the K weighted rows is rounded too: K more),
-        and DeepSeek rounds routed + shared once more; the eager experts round every weighted row
-        and every index_add (2K, + 1 for the shared add);
+      - unmodified: transformers' grouped_mm (its default) and batched_mm experts round the top-k
+        sum once (DeepSeek's weights are fp32; Qwen3's are bf16, so each of the K weighted rows is
+        rounded too: K more), and DeepSeek rounds routed + shared once more; the eager experts
+        round every weighted row and every index_add (2K, + 1 for the shared add);
       - bridge: each rank rounds its partial once (W), the all-reduce rounds W-1 sums, and a
         shared expert split over W ranks rounds W partial down_proj outputs instead of one (W-1)."""
     cfg = model.config
