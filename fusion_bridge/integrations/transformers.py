@@ -57,9 +57,8 @@ __all__ = [
 ]
 
 _PATCH_ATTR = "_fusion_bridge_patch"
-_HANDOFF_ATTR = (
-    "_fusion_bridge_handoff"  # on a norm: (residual_out, norm_out) of the last MoE layer
-)
+# on a norm: (residual_out, norm_out) of the MoE layer that just ran, or None
+_HANDOFF_ATTR = "_fusion_bridge_handoff"
 
 
 @dataclass
@@ -112,16 +111,12 @@ class MoEEpiloguePatch:
         """Every patched layer's report, as text."""
         parts = []
         for i, p in self.layers.items():
+            held = f"routed experts {p.local_experts.start}..{p.local_experts.stop - 1}"
+            if p.shared_columns is not None:
+                held += f", shared columns {p.shared_columns.start}..{p.shared_columns.stop - 1}"
             parts.append(
-                f"layer {i} ({self.family.name}, rank {self.rank}/{self.world_size}: "
-                f"routed experts "
-                f"{p.local_experts.start}..{p.local_experts.stop - 1}"
-                + (
-                    f", shared columns {p.shared_columns.start}..{p.shared_columns.stop - 1}"
-                    if p.shared_columns is not None
-                    else ""
-                )
-                + f"; norm fused: {p.next_norm})\n{p.explain(tokens)}"
+                f"layer {i} ({self.family.name}, rank {self.rank}/{self.world_size}: {held}; "
+                f"norm fused: {p.next_norm})\n{p.explain(tokens)}"
             )
         return "\n\n".join(parts)
 
