@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # strategies/__init__ re-exports this module: no import at lo
 # which
 # is validated at every world size.
 _REGISTRY: dict[str, str] = {
+    "fused_tp1": "fusion_bridge.strategies.fused_tp1:FusedTp1Strategy",  # world size 1 only
     "local_fused_flashinfer": "fusion_bridge.strategies.local_fused_flashinfer:LocalFusedFlashInferStrategy",  # noqa: E501
     "local_fused_nccl": "fusion_bridge.strategies.local_fused_nccl:LocalFusedNcclStrategy",
     "symm_fused_oneshot": "fusion_bridge.strategies.symm_fused_oneshot:SymmFusedOneshotStrategy",

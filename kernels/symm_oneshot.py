@@ -92,7 +92,8 @@ import triton.language as tl
 from . import symm_protocol as P
 from .add_rmsnorm import norm_quant_row
 from .finalize_add import finalize_row
-from .quant import QUANT_NVFP4, row_block, sf_padding_item
+from .launcher import KernelLauncher
+from .quant import QUANT_NONE, QUANT_NVFP4, launch_rows, quantize_row, row_block, sf_padding_item
 from .rounding import round_to
 from .symm_device import (
     abort_word_ptr,
@@ -118,8 +119,20 @@ FINALIZE = tl.constexpr(P.FINALIZE)
 
 
 @triton.jit
+def _rank_ordered_sum(v, dtype: tl.constexpr, WORLD: tl.constexpr, WP: tl.constexpr):
+    """fp32 [ROW_BLOCK]: the row's W partials (int16 bits [WP, ROW_BLOCK]) summed in rank order
+    (exact selections: one nonzero term per column and rank)."""
+    qi = tl.arange(0, WP)[:, None]
+    vf = v.to(dtype, bitcast=True).to(tl.float32)
+    s = tl.sum(tl.where(qi == 0, vf, 0.0), axis=0)
+    for q in tl.static_range(1, WORLD):  # rank order
+        s += tl.sum(tl.where(qi == q, vf, 0.0), axis=0)
+    return s
+
+
+@triton.jit
 def _row_outputs(
-    v,
+    s,
     row,
     lo,
     hi,
@@ -136,22 +149,16 @@ def _row_outputs(
     weight_bias,
     quant_scale,
     sf_cols,
-    WORLD: tl.constexpr,
-    WP: tl.constexpr,
     QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
-    """From the row's W partials (int16 bits [WP, ROW_BLOCK]): the whole row's x and norm (each
-    program of the row computes them identically), stored for columns [lo, hi) only (multiples of
-    64, so the masks stay constant over whole 16-byte vectors). bad != 0 writes NaN."""
+    """From the row's summed partials s (fp32 [ROW_BLOCK]): the whole row's x = residual + s and
+    its norm (each program of the row computes them identically), stored for columns [lo, hi) only
+    (multiples of 64, so the masks stay constant over whole 16-byte vectors). bad != 0 writes
+    NaN."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-    qi = tl.arange(0, WP)[:, None]
-    vf = v.to(dtype, bitcast=True).to(tl.float32)
-    s = tl.sum(tl.where(qi == 0, vf, 0.0), axis=0)  # exact: one nonzero term per column
-    for q in tl.static_range(1, WORLD):  # rank order
-        s += tl.sum(tl.where(qi == q, vf, 0.0), axis=0)
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     offs = row * hidden + cols
@@ -178,6 +185,95 @@ def _row_outputs(
         ROW_BLOCK,
         HW_CVT,
     )
+
+
+@triton.jit
+def _local_rows(
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    residual_ptr,
+    gamma_ptr,
+    residual_out_ptr,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    tokens,
+    hidden,
+    routed_scaling,
+    eps,
+    weight_bias,
+    quant_scale,
+    sf_cols,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """World size 1: the one-shot's local work with the exchange left out. One program per row: the
+    top-k finalize of the row stays in registers, rounded once as a published partial would be (so
+    residual_out is the two-launch path's bit for bit), then residual, norm and quant from the same
+    building blocks. No slot, no wait, no device state. Programs past T (swizzled NVFP4 only) write
+    their scale row's padding (zeros), as the standalone norm kernel does."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, ROW_BLOCK)
+    if row < tokens:
+        acc = finalize_row(
+            gemm2_ptr,
+            perm_ptr,
+            weight_ptr,
+            shared_ptr,
+            row,
+            cols,
+            hidden,
+            routed_scaling,
+            TOP_K,
+            HAS_SHARED,
+        )
+        _row_outputs(
+            round_to(acc, residual_out_ptr.dtype.element_ty).to(tl.float32),
+            row,
+            0,
+            ROW_BLOCK,
+            0,
+            tokens,
+            residual_ptr,
+            gamma_ptr,
+            residual_out_ptr,
+            norm_out_ptr,
+            q_ptr,
+            sf_ptr,
+            hidden,
+            eps,
+            weight_bias,
+            quant_scale,
+            sf_cols,
+            QUANT,
+            SWIZZLED,
+            ROW_BLOCK,
+            HW_CVT,
+        )
+    else:
+        quantize_row(
+            tl.zeros([ROW_BLOCK], dtype=tl.float32),
+            row,
+            0,
+            ROW_BLOCK,
+            tokens,
+            hidden,
+            q_ptr,
+            sf_ptr,
+            quant_scale,
+            sf_cols,
+            QUANT,
+            SWIZZLED,
+            ROW_BLOCK,
+            HW_CVT,
+            False,
+        )
 
 
 @triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout"])  # one compile per BLOCK1
@@ -220,122 +316,150 @@ def _oneshot_kernel(
     PHASES: tl.constexpr = P.ALL_PHASES,  # test/benchmark hook (symm_protocol)
     EMULATED: tl.constexpr = False,  # test hook (symm_protocol)
 ):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-    slot, prev, prev_rows = call_state(state_ptr)
-    start = start_clock(EMULATED)
-    slot_stride = cap.to(tl.int64) * hidden  # one source's rows
-    local = peer_ptr(ptrs_ptr, rank, tl.int16)
+    if WORLD == 1:  # world size 1: the local work alone, each row's partial kept in registers
+        _local_rows(
+            gemm2_ptr,
+            perm_ptr,
+            weight_ptr,
+            shared_ptr,
+            residual_ptr,
+            gamma_ptr,
+            residual_out_ptr,
+            norm_out_ptr,
+            q_ptr,
+            sf_ptr,
+            tokens,
+            hidden,
+            routed_scaling,
+            eps,
+            weight_bias,
+            quant_scale,
+            sf_cols,
+            TOP_K,
+            HAS_SHARED,
+            QUANT,
+            SWIZZLED,
+            ROW_BLOCK,
+            HW_CVT,
+        )
+    else:
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+        slot, prev, prev_rows = call_state(state_ptr)
+        start = start_clock(EMULATED)
+        slot_stride = cap.to(tl.int64) * hidden  # one source's rows
+        local = peer_ptr(ptrs_ptr, rank, tl.int16)
 
-    # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
-    if PUBLISH & PHASES:
-        chunks1 = tl.cdiv(hidden, BLOCK1)
-        dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
-        for item in range(pid, tokens * chunks1, nprog):
-            row = (item // chunks1).to(tl.int64)
-            cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
-            if FINALIZE & PHASES:
-                acc = finalize_row(
-                    gemm2_ptr,
-                    perm_ptr,
-                    weight_ptr,
-                    shared_ptr,
-                    row,
-                    cols,
-                    hidden,
-                    routed_scaling,
-                    TOP_K,
-                    HAS_SHARED,
-                )
-                bits = payload_bits(acc, dtype)
-            else:
-                bits = tl.full([BLOCK1], 0x3F80, tl.int16)
+        # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
+        if PUBLISH & PHASES:
+            chunks1 = tl.cdiv(hidden, BLOCK1)
+            dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
+            for item in range(pid, tokens * chunks1, nprog):
+                row = (item // chunks1).to(tl.int64)
+                cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
+                if FINALIZE & PHASES:
+                    acc = finalize_row(
+                        gemm2_ptr,
+                        perm_ptr,
+                        weight_ptr,
+                        shared_ptr,
+                        row,
+                        cols,
+                        hidden,
+                        routed_scaling,
+                        TOP_K,
+                        HAS_SHARED,
+                    )
+                    bits = payload_bits(acc, dtype)
+                else:
+                    bits = tl.full([BLOCK1], 0x3F80, tl.int16)
+                for q in tl.static_range(WORLD):
+                    tl.store(
+                        peer_ptr(ptrs_ptr, q, tl.int16) + dst + row * hidden + cols,
+                        bits,
+                        mask=cols < hidden,
+                    )
+        if EPOCH & PHASES:
+            ticket = take_ticket(state_ptr, slot, prev_rows, BLOCK1)
+
+        # B. the previous call's slot back to the sentinel (its rows, every source), overlapping
+        # the wait
+        if CLEAR & PHASES:
+            prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
+            chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
             for q in tl.static_range(WORLD):
-                tl.store(
-                    peer_ptr(ptrs_ptr, q, tl.int16) + dst + row * hidden + cols,
-                    bits,
-                    mask=cols < hidden,
-                )
-    if EPOCH & PHASES:
-        ticket = take_ticket(state_ptr, slot, prev_rows, BLOCK1)
+                for item in range(pid, prev_rows * chunks_c, nprog):
+                    clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
 
-    # B. the previous call's slot back to the sentinel (its rows, every source): overlaps the wait
-    if CLEAR & PHASES:
-        prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
-        chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
-        for q in tl.static_range(WORLD):
-            for item in range(pid, prev_rows * chunks_c, nprog):
-                clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
-
-    # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
-    if REDUCE & PHASES:
-        abort_ptr = abort_word_ptr(ptrs_ptr, rank)
-        src = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
-        if EMULATED:
-            timeout_ns = timeout  # polls
-        else:
-            timeout_ns = timeout.to(tl.int64) * 1000
-        chunks2 = tl.cdiv(hidden, block2)
-        for item in range(pid, tokens * chunks2, nprog):
-            row = (item // chunks2).to(tl.int64)
-            lo = tl.multiple_of((item % chunks2) * block2, 64)
-            v, status = wait_row(
-                src,
-                slot_stride,
-                row,
-                hidden,
-                abort_ptr,
-                start,
-                timeout_ns,
-                -1,
-                WORLD,
-                WP,
-                ROW_BLOCK,
-                EMULATED,
-            )
-            bad = ((status & 5) != 0).to(tl.int32)  # still pending after the timeout, or aborted
-            if bad != 0:  # `status` is uniform over the program, so is this branch
-                report_error(
-                    missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
-                )
-            if NORM & PHASES:
-                _row_outputs(
-                    v,
+        # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
+        if REDUCE & PHASES:
+            abort_ptr = abort_word_ptr(ptrs_ptr, rank)
+            src = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
+            if EMULATED:
+                timeout_ns = timeout  # polls
+            else:
+                timeout_ns = timeout.to(tl.int64) * 1000
+            chunks2 = tl.cdiv(hidden, block2)
+            for item in range(pid, tokens * chunks2, nprog):
+                row = (item // chunks2).to(tl.int64)
+                lo = tl.multiple_of((item % chunks2) * block2, 64)
+                v, status = wait_row(
+                    src,
+                    slot_stride,
                     row,
-                    lo,
-                    lo + block2,
-                    bad,
-                    tokens,
-                    residual_ptr,
-                    gamma_ptr,
-                    residual_out_ptr,
-                    norm_out_ptr,
-                    q_ptr,
-                    sf_ptr,
                     hidden,
-                    eps,
-                    weight_bias,
-                    quant_scale,
-                    sf_cols,
+                    abort_ptr,
+                    start,
+                    timeout_ns,
+                    -1,
                     WORLD,
                     WP,
-                    QUANT,
-                    SWIZZLED,
                     ROW_BLOCK,
-                    HW_CVT,
+                    EMULATED,
                 )
-    if NORM & PHASES:
-        if QUANT == 2:
-            if SWIZZLED:
-                for item in range(
-                    pid, tl.cdiv(sf_rows - tokens, 32) * tl.cdiv(sf_cols, 128), nprog
-                ):
-                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+                bad = ((status & 5) != 0).to(
+                    tl.int32
+                )  # still pending after the timeout, or aborted
+                if bad != 0:  # `status` is uniform over the program, so is this branch
+                    report_error(
+                        missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
+                    )
+                if NORM & PHASES:
+                    _row_outputs(
+                        _rank_ordered_sum(v, dtype, WORLD, WP),
+                        row,
+                        lo,
+                        lo + block2,
+                        bad,
+                        tokens,
+                        residual_ptr,
+                        gamma_ptr,
+                        residual_out_ptr,
+                        norm_out_ptr,
+                        q_ptr,
+                        sf_ptr,
+                        hidden,
+                        eps,
+                        weight_bias,
+                        quant_scale,
+                        sf_cols,
+                        QUANT,
+                        SWIZZLED,
+                        ROW_BLOCK,
+                        HW_CVT,
+                    )
+        if NORM & PHASES:
+            if QUANT == 2:
+                if SWIZZLED:
+                    for item in range(
+                        pid, tl.cdiv(sf_rows - tokens, 32) * tl.cdiv(sf_cols, 128), nprog
+                    ):
+                        sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
 
-    # D. the last ticket advances the epoch and records this slot's rows for the next call's clear
-    if EPOCH & PHASES:
-        advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
+        # D. the last ticket advances the epoch, records this slot's rows for the next clear
+        if EPOCH & PHASES:
+            advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
 
 
 class OneshotShape(NamedTuple):
@@ -347,18 +471,31 @@ class OneshotShape(NamedTuple):
     warps: int
 
 
-def default_shape(tokens: int, hidden: int, num_sms: int = 132) -> OneshotShape:
-    """BLOCK1: 1024 while T * chunks stays within two waves of programs (T=1 spreads the K gathers
-    of a row over 7 SMs at H=7168), else whole rows (more bytes in flight per program at large T);
-    two values, so few compiles. block2: whole rows at T <= 2, else the row split over as many
-    programs as one wave allows. Every program of a row reads the whole row's partials (local) for
-    its sum of squares. Measured on 2x H200, H=7168 (us, graph): T=1 (512, 512) 6.35, (1024, 512)
-    6.12, (512, row) 5.72; T=16 (512, 896) 8.70, (1024, 896) 7.82, (512, row) 8.97."""
+def default_shape(
+    tokens: int, hidden: int, num_sms: int = 132, world: int = 2, quant: int = QUANT_NONE
+) -> OneshotShape:
+    """World size 1: whole rows (the partial stays in registers), one program per row; only the
+    warps vary (`local_warps`).
+
+    Otherwise: BLOCK1 1024 while T * chunks stays within two waves of programs (T=1 spreads the K
+    gathers of a row over 7 SMs at H=7168), else whole rows (more bytes in flight per program at
+    large T); two values, so few compiles. block2: whole rows at T <= 2, else the row split over as
+    many programs as one wave allows. Every program of a row reads the whole row's partials (local)
+    for its sum of squares. Measured on 2x H200, H=7168 (us, graph): T=1 (512, 512) 6.35, (1024,
+    512) 6.12, (512, row) 5.72; T=16 (512, 896) 8.70, (1024, 896) 7.82, (512, row) 8.97."""
     rb = row_block(hidden)
+    if world == 1:
+        return OneshotShape(rb, rb, local_warps(tokens, hidden, quant))
     block1 = 1024 if rb > 1024 and tokens * triton.cdiv(hidden, 1024) <= 2 * num_sms else rb
     per_row = max(1, num_sms // max(tokens, 1))
     block2 = rb if tokens <= 2 else min(rb, max(512, -(-triton.cdiv(hidden, per_row) // 64) * 64))
     return OneshotShape(block1, block2, 8 if rb >= 4096 else 4)
+
+
+def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
+    """Warps per row program at world size 1 (benchmarks/tp1_local.py sweeps them)."""
+    rb = row_block(hidden)
+    return 8 if rb >= 4096 else 4
 
 
 def call_args(
@@ -379,12 +516,16 @@ def call_args(
     """(programs, positional args, constexprs + num_warps) of one call; T > 0."""
     tokens, top_k = perm.shape
     hidden = layer.hidden
-    block1, block2, warps = shape or default_shape(tokens, hidden, layer.num_sms)
+    quant = layer.quant
+    block1, block2, warps = shape or default_shape(
+        tokens, hidden, layer.num_sms, layer.world, quant.code
+    )
     rb = row_block(hidden)
+    if layer.world == 1:  # whole rows, one program per row: nothing waits, so no residency cap
+        block1, block2 = rb, rb
     block1, block2 = min(block1, rb), min(block2, rb)
     assert block2 % 64 == 0 and block1 % 64 == 0
     items = max(tokens * triton.cdiv(hidden, block1), tokens * triton.cdiv(hidden, block2))
-    quant = layer.quant
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
     args = (
         layer.ptrs,
@@ -426,17 +567,41 @@ def call_args(
         CLEAR_BLOCK=min(1024, rb),
         num_warps=warps,
     )
-    return max(1, min(layer.num_sms, items)), args, constexprs
+    if layer.world == 1:  # one program per row (and per swizzled scale padding row)
+        programs = launch_rows(quant.code, quant.swizzled, tokens, sf)
+    else:
+        programs = max(1, min(layer.num_sms, items))
+    return programs, args, constexprs
 
 
 KERNEL = _oneshot_kernel
+_CONSTEXPRS = (
+    "WORLD",
+    "WP",
+    "TOP_K",
+    "HAS_SHARED",
+    "QUANT",
+    "SWIZZLED",
+    "BLOCK1",
+    "ROW_BLOCK",
+    "HW_CVT",
+    "CLEAR_BLOCK",
+)
+_LAUNCH = KernelLauncher(_oneshot_kernel, _CONSTEXPRS + ("PHASES", "EMULATED"))
+_PRODUCTION = (P.ALL_PHASES, False)  # the hooks' defaults (symm_protocol)
 
 
 def launch(layer: SymmLayer, *, shape: Optional[OneshotShape] = None, **tensors) -> None:
     """One call: `tensors` are call_args's keywords (residual_out, norm_out, q, sf as uint8: [T, H]
     fp8 codes / [T, H/2] packed fp4, gemm2_out, perm, weights, shared or None, residual, gamma).
-    T == 0 launches nothing (on every rank); T must be <= layer.cap. shape: None = default_shape."""
+    T == 0 launches nothing (on every rank); T must be <= layer.cap. shape: None = default_shape.
+    Through the cached launcher (kernels/launcher.py): an eager call costs one launch."""
     if tensors["perm"].shape[0] == 0:
         return
     programs, args, constexprs = call_args(layer, shape, **tensors)
-    _oneshot_kernel[(programs,)](*args, **constexprs)
+    _LAUNCH(
+        (programs,),
+        args,
+        tuple(constexprs[n] for n in _CONSTEXPRS) + _PRODUCTION,
+        constexprs["num_warps"],
+    )
