@@ -46,6 +46,46 @@ def _spec(hidden, top_k, quant, max_tokens):
     )
 
 
+def time_ranks(fns, sets: int, calls: int = 20, repeats: int = 15) -> float:
+    """Median us per call of W emulated ranks, each replaying its own CUDA graph of `calls` calls on
+    its own stream, all at once (as W GPUs would: one graph holding every rank would not guarantee
+    that its branches run concurrently, and a rank waiting alone for a peer times out)."""
+    import statistics
+
+    world = len(fns)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    main = torch.cuda.current_stream()
+
+    def on_ranks(work):
+        for r, s in enumerate(streams):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                work(r)
+        for s in streams:
+            main.wait_stream(s)
+
+    for i in range(min(sets, 3)):
+        on_ranks(lambda r, i=i: fns[r](i))
+    torch.cuda.synchronize()
+    graphs = []
+    for r in range(world):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fns[r](i % sets)
+        graphs.append(graph)
+    on_ranks(lambda r: graphs[r].replay())
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        on_ranks(lambda r: graphs[r].replay())
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
 def _strategy(name, spec):
     from fusion_bridge.environment import detect
     from fusion_bridge.registry import strategy_class
@@ -205,18 +245,14 @@ def main() -> None:
             )
             for _ in range(world)
         ]
-        streams = [torch.cuda.Stream() for _ in range(world)]
 
-        def emu(i):
-            main = torch.cuda.current_stream()
-            for r, s in enumerate(streams):
-                s.wait_stream(main)
-                with torch.cuda.stream(s):
-                    symm_oneshot.launch(group.layers[r], **call_tensors(sets[i][r], outs[r]))
-            for s in streams:
-                main.wait_stream(s)
+        def rank_fn(r):
+            return lambda i: symm_oneshot.launch(
+                group.layers[r], **call_tensors(sets[i][r], outs[r])
+            )
 
-        emit("emulated_w2_oneshot", "none", hidden, tokens, time_graph(emu, sets=n), 0)
+        us = time_ranks([rank_fn(r) for r in range(world)], sets=n)
+        emit("emulated_w2_oneshot", "none", hidden, tokens, us, 0)
         torch.cuda.synchronize()
         assert not group.errs.any(), group.errs
     if args.csv:

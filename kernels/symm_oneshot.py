@@ -153,6 +153,7 @@ def _row_outputs(
     SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
+    OVERFLOW_SAFE: tl.constexpr,
 ):
     """From the row's summed partials s (fp32 [ROW_BLOCK]): the whole row's x = residual + s and
     its norm (each program of the row computes them identically), stored for columns [lo, hi) only
@@ -184,6 +185,7 @@ def _row_outputs(
         SWIZZLED,
         ROW_BLOCK,
         HW_CVT,
+        OVERFLOW_SAFE,
     )
 
 
@@ -255,6 +257,7 @@ def _local_rows(
             SWIZZLED,
             ROW_BLOCK,
             HW_CVT,
+            True,  # as the two-launch path's norm kernel
         )
     else:
         quantize_row(
@@ -448,6 +451,7 @@ def _oneshot_kernel(
                         SWIZZLED,
                         ROW_BLOCK,
                         HW_CVT,
+                        False,  # as before: the one-shot's norm was never overflow-safe
                     )
         if NORM & PHASES:
             if QUANT == 2:
@@ -493,9 +497,14 @@ def default_shape(
 
 
 def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
-    """Warps per row program at world size 1 (benchmarks/tp1_local.py sweeps them)."""
-    rb = row_block(hidden)
-    return 8 if rb >= 4096 else 4
+    """Warps per row program at world size 1. Measured on one H200, H=7168, K=8, graph, rotated
+    inputs (benchmarks/tp1_local.py --sweep, us, 8 / 16 / 32 warps): none T=16 6.39 / 6.01 / 5.84,
+    T=64 7.15 / 6.74 / 6.52, T=1024 49.9 / 48.7 / 55.7, T=4096 173.9 / 170.0 / 198.2; fp8 T=64
+    10.8 / 9.75 / 7.87, T=4096 220 / 201 / 234; nvfp4 T=16 9.50 / 8.54 / 8.05, T=4096 311 / 205 /
+    259. Few rows: the most threads in flight per row; many rows: 16 warps (quant or not). Half as
+    many for rows of half the width."""
+    per_row = 32 if tokens <= 64 else 16
+    return max(4, per_row * row_block(hidden) // 8192)
 
 
 def call_args(

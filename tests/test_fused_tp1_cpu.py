@@ -104,6 +104,20 @@ def test_matches_the_oracle_and_the_two_launch_path(tokens, hidden, top_k, quant
         assert out.quant is None and out.scale is None
 
 
+def test_a_row_whose_sum_of_squares_overflows_fp32_is_normalized():
+    """|x| ~ 1e25: the fp32 sum of squares overflows; the norm is scaled (as the two-launch path's
+    kernel does), not zeroed."""
+    spec = EpilogueSpec(hidden_size=96, top_k=2, has_shared_output=False)
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+    strat.prepare()
+    inp = make_inputs(spec, 2, seed=4, device=DEVICE, skip_fraction=0.0)
+    inp.residual[0].mul_(1e25)
+    out = strat.run(inp)
+    x64, norm64 = epilogue64_from(spec, [inp])
+    assert torch.isfinite(out.norm_out).all()
+    assert rel_err(out.norm_out, norm64) <= FusedTp1Strategy.error_bound(spec, ENV)
+
+
 def test_zero_tokens_launch_nothing():
     from fusion_bridge.kernels import symm_oneshot
     from fusion_bridge.kernels.symm_protocol import SymmLayer

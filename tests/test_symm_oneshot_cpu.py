@@ -244,6 +244,10 @@ def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
     assert default_shape(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
     assert default_shape(64, 7168) == (8192, 3584, 8)  # 2 programs per row
     assert default_shape(256, 7168) == (8192, 7168, 8)
+    # world size 1: whole rows, the most warps while rows are few (measured, see local_warps)
+    assert default_shape(1, 7168, world=1) == (8192, 8192, 32)
+    assert default_shape(1024, 7168, world=1) == (8192, 8192, 16)
+    assert default_shape(16, 4096, world=1) == (4096, 4096, 16)
     for tokens in (1, 3, 16, 64, 129, 256):
         for hidden in (7168, 4096, 2880, 96):
             b1, b2, _ = default_shape(tokens, hidden)
@@ -255,12 +259,14 @@ def test_negative_zero_payload_is_published_as_positive_zero():
     """A partial of -0.0 (weight 0 times a negative value, no shared) would read as "not arrived";
     it is published as +0.0, which changes no sum."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
-    grp = Group(spec, 1, 2)
+    grp = Group(spec, 2, 2)
     inp = make_inputs(spec, 2, device=DEVICE, skip_fraction=0.0)
     inp.gemm2_out[:2].copy_(-inp.gemm2_out[:2].abs() - 1.0)  # every referenced value negative
     inp.expert_weights.zero_()
-    grp.g.call([inp], [outputs(spec, 2, QUANT_NONE, SFLayout.LINEAR)], (P.PUBLISH | P.FINALIZE,))
-    assert (grp.slot(0, 0).view(torch.int16) == 0).all()  # +0.0, never the sentinel
+    outs = [outputs(spec, 2, QUANT_NONE, SFLayout.LINEAR) for _ in range(2)]
+    grp.g.call([inp, inp], outs, (P.PUBLISH | P.FINALIZE,))
+    for r in range(2):  # every rank's copy of both sources: +0.0, never the sentinel
+        assert (grp.slot(r, 0).view(torch.int16) == 0).all()
 
 
 @emulation
