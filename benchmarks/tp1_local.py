@@ -189,18 +189,16 @@ def main() -> None:
                 if tokens == 1 and quant == "none" and hidden == args.hidden[0]:
                     # eager: the strategy's call vs one bare cached launch of the same kernel
                     out = one.run(sets[0])
-                    programs, kargs, cx = symm_oneshot.call_args(
+                    call = symm_oneshot.local_call(
                         one._layer,
                         None,
                         **call_tensors(
                             sets[0], (out.residual_out, out.norm_out, one._unused, one._unused)
                         ),
                     )
-                    names = symm_oneshot._CONSTEXPRS
-                    consts = tuple(cx[k] for k in names) + symm_oneshot._PRODUCTION
 
                     def bare(i):
-                        symm_oneshot._LAUNCH((programs,), kargs, consts, cx["num_warps"])
+                        symm_oneshot._LOCAL(*call)
 
                     emit(
                         "eager_one_launch",

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Mapping
 if TYPE_CHECKING:  # strategies/__init__ re-exports this module: no import at load time
     from .strategies.base import Strategy
 
+# fused_tp1 runs at world size 1 only (one launch; measured on one H200 1.05-1.22x faster than
+# local_fused_nccl from T=16 on, slower at T=1: benchmarks/tp1_local.py), so it comes first.
 # Order is the static preference when nothing was measured: fastest first, as measured on 2x H200
 # (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 /
 # 113;

@@ -279,6 +279,62 @@ def _local_rows(
         )
 
 
+@triton.jit
+def _tp1_kernel(
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    residual_ptr,
+    gamma_ptr,
+    residual_out_ptr,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    tokens,
+    hidden,
+    routed_scaling,
+    eps,
+    weight_bias,
+    quant_scale,
+    sf_cols,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """World size 1: the entry point of `_local_rows`. Its own entry (not a WORLD == 1 branch of
+    the exchange kernel) because its source reaches no module-level value, which is what lets the
+    cached launcher (kernels/launcher.py) launch it: an eager call is one cheap launch."""
+    _local_rows(
+        gemm2_ptr,
+        perm_ptr,
+        weight_ptr,
+        shared_ptr,
+        residual_ptr,
+        gamma_ptr,
+        residual_out_ptr,
+        norm_out_ptr,
+        q_ptr,
+        sf_ptr,
+        tokens,
+        hidden,
+        routed_scaling,
+        eps,
+        weight_bias,
+        quant_scale,
+        sf_cols,
+        TOP_K,
+        HAS_SHARED,
+        QUANT,
+        SWIZZLED,
+        ROW_BLOCK,
+        HW_CVT,
+    )
+
+
 @triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout"])  # one compile per BLOCK1
 def _oneshot_kernel(
     ptrs_ptr,
@@ -319,151 +375,122 @@ def _oneshot_kernel(
     PHASES: tl.constexpr = P.ALL_PHASES,  # test/benchmark hook (symm_protocol)
     EMULATED: tl.constexpr = False,  # test hook (symm_protocol)
 ):
-    if WORLD == 1:  # world size 1: the local work alone, each row's partial kept in registers
-        _local_rows(
-            gemm2_ptr,
-            perm_ptr,
-            weight_ptr,
-            shared_ptr,
-            residual_ptr,
-            gamma_ptr,
-            residual_out_ptr,
-            norm_out_ptr,
-            q_ptr,
-            sf_ptr,
-            tokens,
-            hidden,
-            routed_scaling,
-            eps,
-            weight_bias,
-            quant_scale,
-            sf_cols,
-            TOP_K,
-            HAS_SHARED,
-            QUANT,
-            SWIZZLED,
-            ROW_BLOCK,
-            HW_CVT,
-        )
-    else:
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-        slot, prev, prev_rows = call_state(state_ptr)
-        start = start_clock(EMULATED)
-        slot_stride = cap.to(tl.int64) * hidden  # one source's rows
-        local = peer_ptr(ptrs_ptr, rank, tl.int16)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    slot, prev, prev_rows = call_state(state_ptr)
+    start = start_clock(EMULATED)
+    slot_stride = cap.to(tl.int64) * hidden  # one source's rows
+    local = peer_ptr(ptrs_ptr, rank, tl.int16)
 
-        # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
-        if PUBLISH & PHASES:
-            chunks1 = tl.cdiv(hidden, BLOCK1)
-            dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
-            for item in range(pid, tokens * chunks1, nprog):
-                row = (item // chunks1).to(tl.int64)
-                cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
-                if FINALIZE & PHASES:
-                    acc = finalize_row(
-                        gemm2_ptr,
-                        perm_ptr,
-                        weight_ptr,
-                        shared_ptr,
-                        row,
-                        cols,
-                        hidden,
-                        routed_scaling,
-                        TOP_K,
-                        HAS_SHARED,
-                    )
-                    bits = payload_bits(acc, dtype)
-                else:
-                    bits = tl.full([BLOCK1], 0x3F80, tl.int16)
-                for q in tl.static_range(WORLD):
-                    tl.store(
-                        peer_ptr(ptrs_ptr, q, tl.int16) + dst + row * hidden + cols,
-                        bits,
-                        mask=cols < hidden,
-                    )
-        if EPOCH & PHASES:
-            ticket = take_ticket(state_ptr, slot, prev_rows, BLOCK1)
-
-        # B. the previous call's slot back to the sentinel (its rows, every source), overlapping
-        # the wait
-        if CLEAR & PHASES:
-            prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
-            chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
-            for q in tl.static_range(WORLD):
-                for item in range(pid, prev_rows * chunks_c, nprog):
-                    clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
-
-        # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
-        if REDUCE & PHASES:
-            abort_ptr = abort_word_ptr(ptrs_ptr, rank)
-            src = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
-            if EMULATED:
-                timeout_ns = timeout  # polls
-            else:
-                timeout_ns = timeout.to(tl.int64) * 1000
-            chunks2 = tl.cdiv(hidden, block2)
-            for item in range(pid, tokens * chunks2, nprog):
-                row = (item // chunks2).to(tl.int64)
-                lo = tl.multiple_of((item % chunks2) * block2, 64)
-                v, status = wait_row(
-                    src,
-                    slot_stride,
+    # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
+    if PUBLISH & PHASES:
+        chunks1 = tl.cdiv(hidden, BLOCK1)
+        dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
+        for item in range(pid, tokens * chunks1, nprog):
+            row = (item // chunks1).to(tl.int64)
+            cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
+            if FINALIZE & PHASES:
+                acc = finalize_row(
+                    gemm2_ptr,
+                    perm_ptr,
+                    weight_ptr,
+                    shared_ptr,
                     row,
+                    cols,
                     hidden,
-                    abort_ptr,
-                    start,
-                    timeout_ns,
-                    -1,
-                    WORLD,
-                    WP,
-                    ROW_BLOCK,
-                    EMULATED,
+                    routed_scaling,
+                    TOP_K,
+                    HAS_SHARED,
                 )
-                bad = ((status & 5) != 0).to(
-                    tl.int32
-                )  # still pending after the timeout, or aborted
-                if bad != 0:  # `status` is uniform over the program, so is this branch
-                    report_error(
-                        missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
-                    )
-                if NORM & PHASES:
-                    _row_outputs(
-                        _rank_ordered_sum(v, dtype, WORLD, WP),
-                        row,
-                        lo,
-                        lo + block2,
-                        bad,
-                        tokens,
-                        residual_ptr,
-                        gamma_ptr,
-                        residual_out_ptr,
-                        norm_out_ptr,
-                        q_ptr,
-                        sf_ptr,
-                        hidden,
-                        eps,
-                        weight_bias,
-                        quant_scale,
-                        sf_cols,
-                        QUANT,
-                        SWIZZLED,
-                        ROW_BLOCK,
-                        HW_CVT,
-                        False,  # as before: the one-shot's norm was never overflow-safe
-                    )
-        if NORM & PHASES:
-            if QUANT == 2:
-                if SWIZZLED:
-                    for item in range(
-                        pid, tl.cdiv(sf_rows - tokens, 32) * tl.cdiv(sf_cols, 128), nprog
-                    ):
-                        sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+                bits = payload_bits(acc, dtype)
+            else:
+                bits = tl.full([BLOCK1], 0x3F80, tl.int16)
+            for q in tl.static_range(WORLD):
+                tl.store(
+                    peer_ptr(ptrs_ptr, q, tl.int16) + dst + row * hidden + cols,
+                    bits,
+                    mask=cols < hidden,
+                )
+    if EPOCH & PHASES:
+        ticket = take_ticket(state_ptr, slot, prev_rows, BLOCK1)
 
-        # D. the last ticket advances the epoch, records this slot's rows for the next clear
-        if EPOCH & PHASES:
-            advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
+    # B. the previous call's slot back to the sentinel (its rows, every source), overlapping
+    # the wait
+    if CLEAR & PHASES:
+        prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
+        chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
+        for q in tl.static_range(WORLD):
+            for item in range(pid, prev_rows * chunks_c, nprog):
+                clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
+
+    # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
+    if REDUCE & PHASES:
+        abort_ptr = abort_word_ptr(ptrs_ptr, rank)
+        src = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
+        if EMULATED:
+            timeout_ns = timeout  # polls
+        else:
+            timeout_ns = timeout.to(tl.int64) * 1000
+        chunks2 = tl.cdiv(hidden, block2)
+        for item in range(pid, tokens * chunks2, nprog):
+            row = (item // chunks2).to(tl.int64)
+            lo = tl.multiple_of((item % chunks2) * block2, 64)
+            v, status = wait_row(
+                src,
+                slot_stride,
+                row,
+                hidden,
+                abort_ptr,
+                start,
+                timeout_ns,
+                -1,
+                WORLD,
+                WP,
+                ROW_BLOCK,
+                EMULATED,
+            )
+            bad = ((status & 5) != 0).to(tl.int32)  # still pending after the timeout, or aborted
+            if bad != 0:  # `status` is uniform over the program, so is this branch
+                report_error(
+                    missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
+                )
+            if NORM & PHASES:
+                _row_outputs(
+                    _rank_ordered_sum(v, dtype, WORLD, WP),
+                    row,
+                    lo,
+                    lo + block2,
+                    bad,
+                    tokens,
+                    residual_ptr,
+                    gamma_ptr,
+                    residual_out_ptr,
+                    norm_out_ptr,
+                    q_ptr,
+                    sf_ptr,
+                    hidden,
+                    eps,
+                    weight_bias,
+                    quant_scale,
+                    sf_cols,
+                    QUANT,
+                    SWIZZLED,
+                    ROW_BLOCK,
+                    HW_CVT,
+                    False,  # as before: the one-shot's norm was never overflow-safe
+                )
+    if NORM & PHASES:
+        if QUANT == 2:
+            if SWIZZLED:
+                for item in range(
+                    pid, tl.cdiv(sf_rows - tokens, 32) * tl.cdiv(sf_cols, 128), nprog
+                ):
+                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+
+    # D. the last ticket advances the epoch, records this slot's rows for the next clear
+    if EPOCH & PHASES:
+        advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
 
 
 class OneshotShape(NamedTuple):
@@ -522,7 +549,8 @@ def call_args(
     residual: torch.Tensor,
     gamma: torch.Tensor,
 ) -> tuple[int, tuple, dict]:
-    """(programs, positional args, constexprs + num_warps) of one call; T > 0."""
+    """(programs, positional args, constexprs + num_warps) of one call of the exchange kernel
+    (world size >= 2); T > 0."""
     tokens, top_k = perm.shape
     hidden = layer.hidden
     quant = layer.quant
@@ -530,8 +558,6 @@ def call_args(
         tokens, hidden, layer.num_sms, layer.world, quant.code
     )
     rb = row_block(hidden)
-    if layer.world == 1:  # whole rows, one program per row: nothing waits, so no residency cap
-        block1, block2 = rb, rb
     block1, block2 = min(block1, rb), min(block2, rb)
     assert block2 % 64 == 0 and block1 % 64 == 0
     items = max(tokens * triton.cdiv(hidden, block1), tokens * triton.cdiv(hidden, block2))
@@ -576,41 +602,78 @@ def call_args(
         CLEAR_BLOCK=min(1024, rb),
         num_warps=warps,
     )
-    if layer.world == 1:  # one program per row (and per swizzled scale padding row)
-        programs = launch_rows(quant.code, quant.swizzled, tokens, sf)
-    else:
-        programs = max(1, min(layer.num_sms, items))
-    return programs, args, constexprs
+    return max(1, min(layer.num_sms, items)), args, constexprs
 
 
-KERNEL = _oneshot_kernel
-_CONSTEXPRS = (
-    "WORLD",
-    "WP",
-    "TOP_K",
-    "HAS_SHARED",
-    "QUANT",
-    "SWIZZLED",
-    "BLOCK1",
-    "ROW_BLOCK",
-    "HW_CVT",
-    "CLEAR_BLOCK",
+KERNEL = _oneshot_kernel  # the exchange kernel (world size >= 2), for kernels/symm_testing
+_LOCAL = KernelLauncher(
+    _tp1_kernel, ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT")
 )
-_LAUNCH = KernelLauncher(_oneshot_kernel, _CONSTEXPRS + ("PHASES", "EMULATED"))
-_PRODUCTION = (P.ALL_PHASES, False)  # the hooks' defaults (symm_protocol)
 
 
 def launch(layer: SymmLayer, *, shape: Optional[OneshotShape] = None, **tensors) -> None:
     """One call: `tensors` are call_args's keywords (residual_out, norm_out, q, sf as uint8: [T, H]
     fp8 codes / [T, H/2] packed fp4, gemm2_out, perm, weights, shared or None, residual, gamma).
     T == 0 launches nothing (on every rank); T must be <= layer.cap. shape: None = default_shape.
-    Through the cached launcher (kernels/launcher.py): an eager call costs one launch."""
+    World size 1 launches the local kernel through the cached launcher: an eager call is one
+    cheap launch."""
     if tensors["perm"].shape[0] == 0:
         return
+    if layer.world == 1:
+        _LOCAL(*local_call(layer, shape, **tensors))
+        return
     programs, args, constexprs = call_args(layer, shape, **tensors)
-    _LAUNCH(
-        (programs,),
-        args,
-        tuple(constexprs[n] for n in _CONSTEXPRS) + _PRODUCTION,
-        constexprs["num_warps"],
+    _oneshot_kernel[(programs,)](*args, **constexprs)
+
+
+def local_call(
+    layer: SymmLayer,
+    shape: Optional[OneshotShape],
+    *,
+    residual_out: torch.Tensor,
+    norm_out: torch.Tensor,
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    gemm2_out: torch.Tensor,
+    perm: torch.Tensor,
+    weights: torch.Tensor,
+    shared: Optional[torch.Tensor],
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+) -> tuple[tuple, tuple, tuple, int]:
+    """World size 1: (grid, args, constexprs, warps) of the local kernel, one program per row (and
+    per swizzled scale padding row); only the warps of `shape` apply (whole rows). T > 0."""
+    tokens, top_k = perm.shape
+    quant = layer.quant
+    warps = shape.warps if shape is not None else local_warps(tokens, layer.hidden, quant.code)
+    return (
+        (launch_rows(quant.code, quant.swizzled, tokens, sf),),
+        (
+            gemm2_out,
+            perm,
+            weights,
+            shared if shared is not None else residual,
+            residual,
+            gamma,
+            residual_out,
+            norm_out,
+            q,
+            sf,
+            tokens,
+            layer.hidden,
+            layer.routed_scaling,
+            layer.eps,
+            layer.weight_bias,
+            quant.scale,
+            sf.shape[1] if quant.code == QUANT_NVFP4 else 0,
+        ),
+        (
+            top_k,
+            shared is not None,
+            quant.code,
+            quant.swizzled,
+            row_block(layer.hidden),
+            residual.is_cuda,
+        ),
+        warps,
     )
