@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .environment import Environment
-from .planner import Plan, StrategyStatus
+from .planner import Plan
+from .strategy_status import StrategyStatus
 from .spec import EpilogueSpec
+from .strategies.base import DEFAULT_VARIANT
 
 SCHEMA_VERSION = 1  # of Report.to_dict(); raise it when a field changes meaning or goes away
 
@@ -27,9 +29,15 @@ class Report:
 
     @property
     def selected(self) -> Optional[str]:
+        route = self.selected_route
+        return route[0] if route else None
+
+    @property
+    def selected_route(self) -> Optional[tuple[str, str]]:
+        """(strategy, variant) a call with `tokens` runs under CUDA graphs, as planned."""
         if self.plan is None or self.tokens is None or self.tokens <= 0:
             return None
-        return self.plan.strategy_for(self.tokens)
+        return self.plan.route_for(self.tokens)
 
     def to_dict(self) -> dict:
         chosen = set(self.plan.choice) if self.plan else set()
@@ -52,6 +60,8 @@ class Report:
         if self.tokens is not None:
             out["tokens"] = self.tokens
             out["selected"] = self.selected
+            route = self.selected_route
+            out["selected_variant"] = route[1] if route else None
         return out
 
     def to_json(self, indent: int = 2) -> str:
@@ -108,20 +118,26 @@ class Report:
             lines += ["", f"plan ({self.plan.source}, requested {self.plan.requested}):"]
             low = 1
             buckets = self.plan.to_dict()["buckets"]
-            for i, b in enumerate(buckets):  # merge neighbours with the same strategy and no timing
+            for i, b in enumerate(buckets):  # merge neighbours with the same route and no timing
                 nxt = buckets[i + 1] if i + 1 < len(buckets) else None
                 if (
                     nxt
                     and b["measured_us"] is None
                     and nxt["measured_us"] is None
-                    and nxt["strategy"] == b["strategy"]
+                    and (nxt["strategy"], nxt["variant"]) == (b["strategy"], b["variant"])
                 ):
                     continue
                 t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
-                lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
+                route = _route_text(b["strategy"], b["variant"])
+                lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {route}{t}")
                 low = b["max_tokens"] + 1
+            overflow = (
+                _route_text(self.plan.overflow, self.plan.overflow_variant)
+                if self.plan.overflow
+                else "error (raises)"
+            )
             lines.append(
-                f"  T > {spec.max_tokens:6d}:           {self.plan.overflow or 'error (raises)'}"
+                f"  T > {spec.max_tokens:6d}:           {overflow}"
                 + (f", rerouted {self.reroutes} calls so far" if self.reroutes else "")
             )
             lines += [f"  note: {n}" for n in self.plan.notes]
@@ -150,6 +166,11 @@ class Report:
                     "per-call limit: raises)"
                 )
             else:
-                picked = self.selected
+                picked = _route_text(*self.selected_route)
             lines.append(f"selected for T={self.tokens}: {picked}")
         return "\n".join(lines)
+
+
+def _route_text(strategy: str, variant: str) -> str:
+    """ "name" for a strategy's only ("default") variant, else "name:variant": what runs."""
+    return strategy if variant == DEFAULT_VARIANT else f"{strategy}:{variant}"
