@@ -49,7 +49,10 @@ def quant_tuple(spec):
 
 
 def outs_for(spec, T):
-    from fusion_bridge.io import quant_buffers
+    try:
+        from fusion_bridge.epilogue_tensors import quant_buffers
+    except ImportError:  # before the rename
+        from fusion_bridge.io import quant_buffers
 
     ro = torch.empty(T, H, dtype=spec.dtype, device="cuda")
     no = torch.empty_like(ro)

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..reasons import Reason, collect, require_sm_at_least, require_triton
-from ..spec import QuantKind
 from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 from .local_common import needs_device
 
@@ -88,12 +87,14 @@ class FusedTp1Strategy(Strategy):
         tokens, hidden = residual.shape
         residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
         q, sf = quant_buffers(tokens, hidden, self._kind, spec.quant.sf_layout, residual.device)
+        q = self._unused if q is None else q
+        sf = self._unused if sf is None else sf
         self._kernel.launch(
             self._layer,
             residual_out=residual_out,
             norm_out=norm_out,
-            q=self._unused if q is None else q.view(torch.uint8),
-            sf=self._unused if sf is None else sf,
+            q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,
+            sf=sf,
             gemm2_out=inputs.gemm2_out,
             perm=inputs.expanded_idx_to_permuted_idx,
             weights=inputs.expert_weights,
@@ -101,6 +102,4 @@ class FusedTp1Strategy(Strategy):
             residual=residual,
             gamma=inputs.gamma,
         )
-        if self._kind is QuantKind.NONE:
-            return EpilogueOutputs(residual_out, norm_out)
-        return EpilogueOutputs(residual_out, norm_out, q, sf)
+        return EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf)
