@@ -144,6 +144,26 @@ class SymmLayer:
             quant=quant_args(spec),
         )
 
+    @classmethod
+    def local(cls, spec, device) -> "SymmLayer":
+        """World size 1: no exchange, so no buffer and no device state are read (placeholders)."""
+        placeholder = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
+        return cls(
+            ptrs=placeholder,
+            state=placeholder[:1].view(torch.int32),
+            world=1,
+            rank=0,
+            cap=spec.max_tokens,
+            data_off=0,
+            num_sms=1,
+            timeout_us=0,
+            hidden=spec.hidden_size,
+            routed_scaling=float(spec.routed_scaling_factor),
+            eps=float(spec.eps),
+            weight_bias=float(spec.weight_bias),
+            quant=quant_args(spec),
+        )
+
 
 def describe_error(word: int, rank: int, who: str = "symm_fused_oneshot") -> str:
     """The kernel's error word as a message naming the rank(s) that did not arrive."""
