@@ -398,6 +398,12 @@ def test_error_words_name_the_missing_rank():
     assert "rank 0 timed out" in msg and "[1]" in msg and "rebuild the bridge" in msg.lower()
     msg = describe_error(int(ERR_ABORTED) | (0 << 20) | 0b10, rank=1)
     assert "rank 1 stopped because rank 0 timed out" in msg and "[1]" in msg
+    # rank 0 missing (bit 0), alone and with others; mutant killed: the mask read from bit 1 up
+    assert "timed out waiting for rank(s) [0]," in describe_error(int(ERR_TIMEOUT) | 0b1, rank=1)
+    msg = describe_error(int(ERR_TIMEOUT) | 0b1001, rank=2)
+    assert "timed out waiting for rank(s) [0, 3]," in msg
+    msg = describe_error(int(ERR_ABORTED) | (2 << 20) | 0b1, rank=1)
+    assert "rank 1 stopped because rank 2 timed out waiting for rank(s) [0] " in msg
 
 
 # ---- API drift: what we call in torch's private symmetric-memory module ----
