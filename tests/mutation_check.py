@@ -70,22 +70,18 @@ def copy_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
         link.symlink_to("../kernels")
 
 
-def apply(tree: pathlib.Path, mutant: dict) -> Optional[str]:
-    """Edit the copy; None when applied, else why not (the mutant is stale)."""
+def apply(tree: pathlib.Path, mutant: dict) -> tuple[Optional[str], Optional[str]]:
+    """Edit the copy: (the file's original text, None) when applied, else (None, why not: the
+    mutant is stale)."""
     path = tree / mutant["file"]
     if not path.is_file():
-        return f"{mutant['file']} does not exist"
+        return None, f"{mutant['file']} does not exist"
     text = path.read_text()
     count = text.count(mutant["find"])
     if count != 1:
-        return f"`find` occurs {count} times in {mutant['file']} (must be exactly once)"
+        return None, f"`find` occurs {count} times in {mutant['file']} (must be exactly once)"
     path.write_text(text.replace(mutant["find"], mutant["replace"]))
-    return None
-
-
-def revert(tree: pathlib.Path, mutant: dict) -> None:
-    path = tree / mutant["file"]
-    path.write_text(path.read_text().replace(mutant["replace"], mutant["find"], 1))
+    return text, None
 
 
 def run_tests(tree: pathlib.Path, tests: list[str], extra: list[str], timeout_s: float) -> dict:
@@ -106,7 +102,11 @@ def run_tests(tree: pathlib.Path, tests: list[str], extra: list[str], timeout_s:
         rc = -1
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
         out += f"\n[mutation_check] timed out after {timeout_s:g} s"
-    failed = [line.split(" ", 2)[1] for line in out.splitlines() if line.startswith("FAILED ")]
+    failed = [
+        line[len("FAILED ") :].split(" - ")[0]
+        for line in out.splitlines()
+        if line.startswith("FAILED ")
+    ]
     return {
         "rc": rc,
         "seconds": round(time.monotonic() - start, 1),
@@ -206,14 +206,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 chosen = []
         for m in chosen:
             row = {k: m[k] for k in ("id", "file", "why", "tests")}
-            why_not = apply(tree, m)
-            if why_not is not None:
+            original, why_not = apply(tree, m)
+            if original is None:
                 row.update(status="stale", detail=why_not)
             else:
                 try:
                     row.update(run_tests(tree, m["tests"], extra, args.timeout))
                 finally:
-                    revert(tree, m)
+                    (tree / m["file"]).write_text(original)
                 row["status"] = verdict(row["rc"])
             report["mutants"].append(row)
             say(
