@@ -134,7 +134,8 @@ def markdown(mutants: list[dict]) -> str:
     lines = ["| mutant | file | what it breaks | killed by |", "|---|---|---|---|"]
     for m in mutants:
         tests = "<br>".join(f"`{t}`" for t in m["tests"])
-        lines.append(f"| `{m['id']}` | `{m['file']}` | {m['why']} | {tests} |")
+        why = m["why"].replace("|", "\\|")  # a pipe would end the cell
+        lines.append(f"| `{m['id']}` | `{m['file']}` | {why} | {tests} |")
     return "\n".join(lines)
 
 
