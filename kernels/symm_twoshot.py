@@ -444,6 +444,7 @@ def _gather_block(
                 SWIZZLED,
                 ROW_BLOCK,
                 HW_CVT,
+                True,  # overflow-safe, as every norm of ours (a branch taken only on overflow)
             )
 
 

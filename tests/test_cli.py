@@ -44,7 +44,7 @@ def test_no_arguments_explains_the_deepseek_v3_shape():
     assert "described machine" not in out, out.splitlines()[-1]
     # each strategy's row states its self-test once, with why it did not run
     rows = [line for line in out.splitlines() if "self-test:" in line]
-    assert len(rows) == 8 and all(line.count("self-test") == 1 for line in rows), rows
+    assert len(rows) == 9 and all(line.count("self-test") == 1 for line in rows), rows
     assert all(line.endswith(("not run (static checks only)", "not needed")) for line in rows), rows
 
 
@@ -110,6 +110,7 @@ def test_info_json_has_every_strategy_with_reasons_steps_and_self_test():
     assert doc["environment"]["device_type"] in ("cpu", "cuda")
     names = [s["name"] for s in doc["strategies"]]
     assert names == [
+        "fused_tp1",
         "local_fused_flashinfer",
         "local_fused_nccl",
         "symm_fused_oneshot",

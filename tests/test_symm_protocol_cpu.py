@@ -101,3 +101,20 @@ def test_capacity_at_every_world_size():
         )
         assert sw.capacity(wide, world, "twoshot") == cap, world
     assert [sw.capacity(wide, w, "twoshot") for w in (2, 4, 8)] == [2730, 2729, 2728]
+
+
+def test_the_world_size_one_kernel_can_take_the_launch_cache():
+    """The cached launcher (kernels/launcher.py) refuses a kernel whose source reaches module-level
+    values (Triton re-checks them per launch); the local kernel reaches none, the exchange kernel
+    does (the protocol's constants). Compiled-mode JIT objects: a subprocess without the
+    interpreter."""
+    code = (
+        "from fusion_bridge.kernels import symm_oneshot as m; "
+        "m._tp1_kernel.cache_key; m._oneshot_kernel.cache_key; "
+        "print(len(m._tp1_kernel.used_global_vals), len(m._oneshot_kernel.used_global_vals) > 0)"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+    )
+    assert out.stdout.split() == ["0", "True"], out

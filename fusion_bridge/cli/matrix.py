@@ -43,6 +43,10 @@ def _cpu() -> Environment:
     )
 
 
+def _cpu_at(world: int) -> Environment:
+    return _cpu().replace(world_size=world)
+
+
 def _spec(quant: str) -> EpilogueSpec:
     q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(1.0), "nvfp4": QuantSpec.nvfp4(1.0)}[quant]
     return EpilogueSpec(hidden_size=7168, top_k=8, quant=q)
@@ -62,20 +66,29 @@ def _runs(cls, quants, sms, worlds, versions) -> bool:
     )
 
 
+def _probe_world(cls) -> int:
+    """TP2, or the first world size the strategy runs at (a world-size-1 strategy: TP1)."""
+    for w in (2,) + WORLD_SIZES:
+        if _runs(cls, ("none", "fp8", "nvfp4"), SMS, [w], FLASHINFER_VERSIONS):
+            return w
+    return 2
+
+
 def rows() -> list[dict]:
     out = []
     for cls in strategy_classes():
+        pw = _probe_world(cls)
         quants = [
-            q for q in ("none", "fp8", "nvfp4") if _runs(cls, [q], SMS, [2], FLASHINFER_VERSIONS)
+            q for q in ("none", "fp8", "nvfp4") if _runs(cls, [q], SMS, [pw], FLASHINFER_VERSIONS)
         ]
         probe = _spec(quants[0] if quants else "none")
-        versions = [fi for fi in FLASHINFER_VERSIONS if _runs(cls, quants, SMS, [2], [fi])]
-        needs_fi = not _ok(cls, probe, _gpu(90, 2, None)) and bool(versions)
-        with_fi = [st.name for st in cls.steps(probe, _gpu(90, 2))]
+        versions = [fi for fi in FLASHINFER_VERSIONS if _runs(cls, quants, SMS, [pw], [fi])]
+        needs_fi = not _ok(cls, probe, _gpu(90, pw, None)) and bool(versions)
+        with_fi = [st.name for st in cls.steps(probe, _gpu(90, pw))]
         if not needs_fi:
             fi = (
                 "not needed"
-                if with_fi == [st.name for st in cls.steps(probe, _gpu(90, 2, None))]
+                if with_fi == [st.name for st in cls.steps(probe, _gpu(90, pw, None))]
                 else f"optional (>= {FLASHINFER_VERSIONS[0]} adds a faster sub-path)"
             )
         elif versions[0] == FLASHINFER_VERSIONS[0]:
@@ -86,17 +99,17 @@ def rows() -> list[dict]:
         out.append(
             {
                 "strategy": cls.name,
-                "stages covered": " + ".join(STAGE_ABBREV[s] for s in required_stages(probe, 2)),
-                "launches at SM90, TP2": " → ".join(with_fi),
+                "stages covered": " + ".join(STAGE_ABBREV[s] for s in required_stages(probe, pw)),
+                "launches at SM90, TP2": " → ".join(with_fi) + ("" if pw == 2 else f" (TP{pw})"),
                 "CPU": "yes"
-                if _ok(cls, probe, _cpu())
+                if _ok(cls, probe, _cpu_at(pw))
                 else (
                     "interpreter only"
-                    if _ok(cls, probe, _cpu().replace(triton_interpret=True))
+                    if _ok(cls, probe, _cpu_at(pw).replace(triton_interpret=True))
                     else "no"
                 ),
                 "SM": ", ".join(
-                    str(sm) for sm in SMS if _runs(cls, quants, [sm], [2], FLASHINFER_VERSIONS)
+                    str(sm) for sm in SMS if _runs(cls, quants, [sm], [pw], FLASHINFER_VERSIONS)
                 )
                 or "none",
                 "world sizes": ", ".join(
