@@ -1,11 +1,12 @@
 """Overflow-safe RMSNorm. bf16 holds values up to ~3.4e38, but the fp32 sum of squares of a row
 overflows once |x| >~ 1.8e19; rsqrt(inf) = 0 then turns a finite row into a norm_out of zeros.
 Every path we own that computes RMSNorm scales such a row by a power of two first: torch math for
-`reference` and `separate`, our add+RMSNorm kernel for `local_fused`, the one-shot and two-shot
-symmetric-memory kernels (here with emulated ranks under the interpreter; compiled, in
-tests/test_gpu_symm_one_device.py). Checked against the float64 oracle (which squares in
-float64: no overflow below ~1e154), and normal rows checked bit for bit against the previous
-formula.
+`reference` and `separate`, our add+RMSNorm kernel for `local_fused`, the world-size-1 kernel
+(`fused_tp1`, among the CPU strategies below), the one-shot and two-shot symmetric-memory kernels
+(here with emulated ranks under the interpreter; compiled, in tests/test_gpu_symm_one_device.py)
+and the ring two-shot (tests/test_symm_ring_cpu.py, its own emulation). Checked against the
+float64 oracle (which squares in float64: no overflow below ~1e154), and normal rows checked bit
+for bit against the previous formula.
 """
 
 import pytest
