@@ -94,6 +94,32 @@ def test_a_table_in_another_format_is_ignored_with_a_warning_that_says_why(tmp_p
         assert read_table(path) is None
 
 
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ({"measured_us": {"separate": {"default": {"1": float("nan")}}}}, "1 is nan, not a finite"),
+        ({"measured_us": {"separate": {"default": {"1": float("inf")}}}}, "1 is inf, not a finite"),
+        ({"measured_us": {}, "eager_us": {"separate": {"1": 5.0}}}, "eager_us is not"),
+        (
+            {"measured_us": {}, "eager_us": {"separate": {"default": {"1": float("-inf")}}}},
+            "eager_us.separate.default.1 is -inf",
+        ),
+        ({"measured_us": {}, "eager_us": {"separate": {"default": {"0": 5.0}}}}, "bucket '0'"),
+    ],
+    ids=["nan", "infinity", "eager_shape", "eager_infinity", "eager_bucket"],
+)
+def test_non_finite_times_and_a_malformed_eager_section_make_the_table_ignored(
+    tmp_path, content, why
+):
+    """Mutants killed: NaN / Infinity times accepted (json writes and reads them: a NaN time never
+    loses a comparison, so the planner's choice would be arbitrary), and the eager_us section left
+    unvalidated (a malformed one crashes the build instead of being ignored with a warning)."""
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, **content}))
+    with pytest.warns(UserWarning, match=why):
+        assert read_table(path) is None
+
+
 def test_shipped_h200_tables_resolve_and_are_used():
     for world in (1, 2):
         env = H200_TP2.replace(world_size=world)
