@@ -97,12 +97,21 @@ def test_a_table_in_another_format_is_ignored_with_a_warning_that_says_why(tmp_p
 @pytest.mark.parametrize(
     "content, why",
     [
-        ({"measured_us": {"separate": {"default": {"1": float("nan")}}}}, "1 is nan, not a finite"),
-        ({"measured_us": {"separate": {"default": {"1": float("inf")}}}}, "1 is inf, not a finite"),
-        ({"measured_us": {}, "eager_us": {"separate": {"1": 5.0}}}, "eager_us is not"),
+        (
+            {"measured_us": {"separate": {"default": {"1": float("nan")}}}},
+            r"\[1\] is 'nan', not a number of microseconds",
+        ),
+        (
+            {"measured_us": {"separate": {"default": {"1": float("inf")}}}},
+            r"\[1\] is 'inf', not a number of microseconds",
+        ),
+        (
+            {"measured_us": {}, "eager_us": {"separate": {"1": 5.0}}},
+            r"eager_us\['separate'\]\['1'\] is not",
+        ),
         (
             {"measured_us": {}, "eager_us": {"separate": {"default": {"1": float("-inf")}}}},
-            "eager_us.separate.default.1 is -inf",
+            r"eager_us\['separate'\]\['default'\]\[1\] is '-inf'",
         ),
         ({"measured_us": {}, "eager_us": {"separate": {"default": {"0": 5.0}}}}, "bucket '0'"),
     ],
