@@ -31,7 +31,7 @@ from . import tuning as tuning_tables
 from . import consensus
 from .admission import admit
 from .agreement import collective_device
-from .environment import Environment, default_device, detect
+from .environment import Environment, check_process_group, default_device, detect
 from .io import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from .planner import AUTO, Plan, bucket_index, select_for_modes
 from .report import Report
@@ -111,6 +111,7 @@ class FusionBridge:
             _env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test
         )
         self.device = default_device(device)
+        check_process_group(group)  # before anything collective: a forgotten init_process_group
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.

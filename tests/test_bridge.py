@@ -204,3 +204,27 @@ def test_an_opt_in_strategy_is_neither_prepared_nor_picked_by_auto_but_runs_when
             assert torch.isfinite(out.norm_out).all()
     finally:
         unregister("opt_in_separate")
+
+
+@pytest.mark.parametrize("world_size_var", ["2", "8"])
+def test_a_multi_process_launch_without_a_process_group_is_refused_naming_the_fix(
+    monkeypatch, world_size_var
+):
+    # under torchrun with init_process_group forgotten, each rank would otherwise build a silent
+    # one-rank bridge and skip the all-reduce
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", world_size_var)
+    with pytest.raises(RuntimeError, match=f"WORLD_SIZE={world_size_var}") as info:
+        FusionBridge(SPEC)
+    assert "init_process_group" in str(info.value) and "group=" in str(info.value)
+
+
+@pytest.mark.parametrize("world_size_var", [None, "1", ""])
+def test_a_single_process_needs_no_process_group(monkeypatch, world_size_var):
+    if world_size_var is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size_var)
+    with FusionBridge(SPEC) as bridge:
+        assert bridge.env.world_size == 1
+        assert call(bridge, make_inputs(SPEC, 3)).norm_out.shape == (3, 64)
