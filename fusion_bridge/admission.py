@@ -9,12 +9,13 @@ on any rank, is off on every rank, with the reasons kept for the report.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import registry
+from . import log, registry
 from .agreement import agree_flags, collective_device, my_rank, other_rank_reason
 from .environment import Environment
 from .planner import AUTO, StrategyStatus
@@ -64,6 +65,11 @@ def admit(
                 instances[cls.name] = inst
     flag_device = collective_device(group, device) if env.world_size > 1 else device
     _agree(classes, reasons, instances, "capability or resources", env, group, flag_device)
+    slow = slow_build_notice(
+        [n for n, i in instances.items() if i.self_tested], device, run_self_test, my_rank(group)
+    )
+    if slow:
+        log.once("slow build", logging.WARNING, slow)
     for name, inst in list(instances.items()):  # same order on every rank: registry order
         try:
             inst.prepare()
@@ -98,6 +104,24 @@ def admit(
             )
         )
     return Admission(statuses, instances)
+
+
+def slow_build_notice(
+    gpu_strategies: list[str], device: torch.device, run_self_test: bool, rank: int
+) -> Optional[str]:
+    """The line logged (once per process, at WARNING so a script without logging set up shows it)
+    before the build steps that can take minutes the first time: FlashInfer JIT-compiling its
+    communication kernels while preparing, and Triton compiling our kernels on the self-test's
+    first calls (a cold Triton cache measured 72 s for the symmetric-memory kernels). None on CPU
+    or when no GPU strategy is prepared."""
+    if device.type != "cuda" or not gpu_strategies:
+        return None
+    steps = "preparing" + (" and self-testing" if run_self_test else "")
+    return (
+        f"fusion_bridge: rank {rank}: {steps} {', '.join(gpu_strategies)}. The first build in a "
+        "process compiles kernels (FlashInfer's communication kernels, our Triton kernels) unless "
+        "they are cached: with cold caches this can take minutes; later builds reuse them."
+    )
 
 
 def _not_run_why(cls, run_self_test: bool, device: torch.device, prepared: bool = True) -> str:
