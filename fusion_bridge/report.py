@@ -12,6 +12,11 @@ from .planner import Plan, StrategyStatus
 from .spec import EpilogueSpec
 
 SCHEMA_VERSION = 1  # of Report.to_dict(); raise it when a field changes meaning or goes away
+# reason codes that say "this machine has no GPU": on such a machine the text shows only that one
+NEEDS_GPU = {
+    "needs_cuda": "needs a CUDA GPU",
+    "needs_cuda_or_interpreter": "needs a CUDA GPU (or TRITON_INTERPRET=1, for CPU tests)",
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,76 @@ class Report:
         return json.dumps(self.to_dict(), indent=indent)
 
     def __str__(self) -> str:
+        """The answer first (the strategy for T, then the plan per token range), then every
+        strategy with its reasons. On a machine without CUDA a GPU strategy shows only that it
+        needs a GPU: its other checks and hints are GPU-machine advice (`to_dict()` keeps them)."""
+        lines = self._header() + [""] + self._answer() + ["", "strategies:"]
+        chosen = set(self.plan.choice) if self.plan else set()
+        for st in self.strategies:
+            lines += self._strategy_lines(st, st.name in chosen)
+        if self.shadow:
+            lines += [""] + self._shadow_lines()
+        return "\n".join(lines)
+
+    def machine_text(self) -> str:
+        """What `info` prints: this machine and what a bridge built here prepared (self-test,
+        workspace), with the plan in one line; `str(report)` is the plan with every reason."""
+        env = self.environment
+        chosen = set(self.plan.choice) if self.plan else set()
+        symm = (
+            "not used without CUDA"
+            if env.device_type != "cuda"
+            else "usable"
+            if env.symm_mem_error is None
+            else f"unusable ({env.symm_mem_error})"
+        )
+        lines = self._header() + [
+            "",
+            "this machine:",
+            f"  device:            {self._device_text()}",
+            f"  triton:            {env.triton_version or f'missing ({env.triton_error})'}"
+            + (" under the interpreter (TRITON_INTERPRET=1)" if env.triton_interpret else ""),
+            f"  flashinfer:        {env.flashinfer_version or f'missing ({env.flashinfer_error})'}",
+            f"  symmetric memory:  {symm}",
+            f"  process group:     {env.world_size} rank(s)"
+            + ("" if env.single_node else ", several nodes"),
+            "",
+            f"{'strategy':22s} {'state':10s} {'self-test':30s} workspace/rank",
+        ]
+        for st in self.strategies:
+            state = "SELECTED" if st.name in chosen else "available" if st.available else "rejected"
+            test = st.self_test + (
+                f" ({st.self_test_error:.1e})" if st.self_test_error is not None else ""
+            )
+            ws = f"{st.workspace_bytes / 2**20:.1f} MiB" if st.workspace_bytes else "-"
+            lines.append(f"{st.name:22s} {state:10s} {test:30s} {ws}")
+        lines += ["", *self._answer()[:1], f"plan: {self._plan_line()}"]
+        lines.append(
+            "(`python -m fusion_bridge explain` gives the plan per token range and every reason)"
+        )
+        return "\n".join(lines)
+
+    def _device_text(self) -> str:
+        env = self.environment
+        if env.device_type != "cuda":
+            return "cpu (no CUDA GPU visible to torch)"
+        return f"cuda SM{env.sm} {env.gpu_name or ''}".rstrip()
+
+    def _plan_line(self) -> str:
+        """The plan as token ranges in one line, e.g. 'separate for 1..8192, separate above'."""
+        if not self.plan:
+            return "none (no strategy can run)"
+        parts, low = [], 1
+        for i, (bound, name) in enumerate(zip(self.plan.bounds, self.plan.choice)):
+            nxt = self.plan.choice[i + 1] if i + 1 < len(self.plan.choice) else None
+            if nxt == name:
+                continue
+            parts.append(f"{name} for T={low}..{bound}")
+            low = bound + 1
+        parts.append(f"{self.plan.overflow or 'an error'} above {self.spec.max_tokens}")
+        return ", ".join(parts) + f" ({self.plan.source})"
+
+    def _header(self) -> list[str]:
         env, spec = self.environment, self.spec
         where = env.device_type
         if env.device_type == "cuda":
@@ -65,7 +140,7 @@ class Report:
             name = (env.gpu_name or "").strip()
             if name and not name.upper().startswith(f"SM{env.sm}"):  # no "SM90 SM90 GPU"
                 where += f" ({name})"
-        lines = [
+        return [
             f"fusion-bridge on {where}, world size {env.world_size}"
             f"{'' if env.single_node else ' (multi-node)'}; torch {env.torch_version}, "
             f"triton {env.triton_version or 'missing'}, flashinfer "
@@ -73,83 +148,99 @@ class Report:
             f"spec: H={spec.hidden_size} K={spec.top_k} {spec.dtype_name} "
             f"quant={spec.quant.kind.value} "
             f"shared={'yes' if spec.has_shared_output else 'no'} max_tokens={spec.max_tokens}",
-            "",
         ]
-        chosen = set(self.plan.choice) if self.plan else set()
-        for st in self.strategies:
-            if st.name in chosen:
-                state = "SELECTED"
-            elif st.available:
-                state = "available" + (
-                    ""
-                    if st.auto_selectable
-                    else " (opt-in: request it by name)"
-                    if st.opt_in
-                    else " (never auto-selected here)"
-                )
-            else:
-                state = "rejected"
-            extra = f", self-test: {st.self_test}" + (
-                f" (rel err {st.self_test_error:.2e})" if st.self_test_error is not None else ""
-            )
-            ws = (
-                f", workspace {st.workspace_bytes / 2**20:.1f} MiB/rank"
-                if st.workspace_bytes
-                else ""
-            )
-            lines.append(f"{st.name:22s} {state}{extra}{ws}")
-            lines.append(f"{'':22s} steps: {' -> '.join(s.name for s in st.steps)}")
-            for r in st.reasons:
-                lines.append(
-                    f"{'':22s} [{r.code}] {r.message}"
-                    + (f"\n{'':24s}hint: {r.hint}" if r.hint else "")
-                )
-        if self.plan:
-            lines += ["", f"plan ({self.plan.source}, requested {self.plan.requested}):"]
-            low = 1
-            buckets = self.plan.to_dict()["buckets"]
-            for i, b in enumerate(buckets):  # merge neighbours with the same strategy and no timing
-                nxt = buckets[i + 1] if i + 1 < len(buckets) else None
-                if (
-                    nxt
-                    and b["measured_us"] is None
-                    and nxt["measured_us"] is None
-                    and nxt["strategy"] == b["strategy"]
-                ):
-                    continue
-                t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
-                lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
-                low = b["max_tokens"] + 1
-            lines.append(
-                f"  T > {spec.max_tokens:6d}:           {self.plan.overflow or 'error (raises)'}"
-                + (f", rerouted {self.reroutes} calls so far" if self.reroutes else "")
-            )
-            lines += [f"  note: {n}" for n in self.plan.notes]
-            if self.table:
-                lines.append(f"  measurements from {self.table}")
-        if self.shadow:
-            sh = self.shadow
-            lines += [
-                "",
-                f"shadow {sh['strategy']} every {sh['every']} calls: {sh['sampled']} sampled of "
-                f"{sh['calls']} ({sh['skipped_in_capture']} skipped in CUDA-graph capture)",
-            ]
-            for name, s in sh["outputs"].items():
-                lines.append(
-                    f"  {name:13s} max rel err {s['max_rel_err']:.2e}, max abs {s['max_abs']:.2e}, "
-                    f"NaN {s['nan']}, Inf {s['inf']}"
-                )
+
+    def _answer(self) -> list[str]:
+        """The selected strategy for `tokens` and the plan, merged into token ranges."""
+        spec, lines = self.spec, []
         if self.tokens is not None:
-            if self.tokens <= 0:
-                picked = "none (T=0: nothing to compute, no launch)"
-            elif self.plan is None:
-                picked = "none (no plan: the requested strategy cannot run, see its reasons above)"
-            elif self.selected is None:
-                picked = (
-                    f"none (T > max_tokens={spec.max_tokens} and no strategy without a "
-                    "per-call limit: raises)"
-                )
-            else:
-                picked = self.selected
-            lines.append(f"selected for T={self.tokens}: {picked}")
-        return "\n".join(lines)
+            lines.append(f"selected for T={self.tokens}: {self._picked()}")
+        if not self.plan:
+            return lines
+        plan = self.plan
+        source = f"requested: {plan.requested}" if plan.source == "requested" else plan.source
+        lines.append(f"plan ({source}):")
+        low = 1
+        buckets = plan.to_dict()["buckets"]
+        for i, b in enumerate(buckets):  # merge neighbours with the same route and no timing
+            nxt = buckets[i + 1] if i + 1 < len(buckets) else None
+            if (
+                nxt
+                and b["measured_us"] is None
+                and nxt["measured_us"] is None
+                and nxt["strategy"] == b["strategy"]
+            ):
+                continue
+            t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
+            lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
+            low = b["max_tokens"] + 1
+        lines.append(
+            f"  T > {spec.max_tokens:6d}:           {plan.overflow or 'error (raises)'}"
+            + (f", rerouted {self.reroutes} calls so far" if self.reroutes else "")
+        )
+        lines += [f"  note: {n}" for n in plan.notes]
+        if self.table:
+            lines.append(f"  measurements from {self.table}")
+        return lines
+
+    def _picked(self) -> str:
+        if self.tokens <= 0:
+            return "none (T=0: nothing to compute, no launch)"
+        if self.plan is None:
+            return "none (no plan: the requested strategy cannot run, see its reasons below)"
+        if self.selected is None:
+            return (
+                f"none (T > max_tokens={self.spec.max_tokens} and no strategy without a "
+                "per-call limit: raises)"
+            )
+        return self.selected
+
+    def _strategy_lines(self, st: StrategyStatus, chosen: bool) -> list[str]:
+        if chosen:
+            state = "SELECTED"
+        elif st.available:
+            state = "available" + (
+                ""
+                if st.auto_selectable
+                else " (opt-in: request it by name)"
+                if st.opt_in
+                else " (never auto-selected here)"
+            )
+        else:
+            state = "rejected"
+        gpu_only = self.environment.device_type != "cuda" and any(
+            r.code in NEEDS_GPU for r in st.reasons
+        )
+        if gpu_only:  # the rest is advice for a GPU machine
+            need = next(r for r in st.reasons if r.code in NEEDS_GPU)
+            more = len(st.reasons) - 1
+            return [
+                f"{st.name:22s} rejected: {NEEDS_GPU[need.code]} [{need.code}]"
+                + (f" (+{more} more for GPU machines: --json lists them)" if more else "")
+            ]
+        extra = f", self-test: {st.self_test}" + (
+            f" (rel err {st.self_test_error:.2e})" if st.self_test_error is not None else ""
+        )
+        ws = f", workspace {st.workspace_bytes / 2**20:.1f} MiB/rank" if st.workspace_bytes else ""
+        lines = [
+            f"{st.name:22s} {state}{extra}{ws}",
+            f"{'':22s} steps: {' -> '.join(s.name for s in st.steps)}",
+        ]
+        for r in st.reasons:
+            lines.append(
+                f"{'':22s} [{r.code}] {r.message}" + (f"\n{'':24s}hint: {r.hint}" if r.hint else "")
+            )
+        return lines
+
+    def _shadow_lines(self) -> list[str]:
+        sh = self.shadow
+        lines = [
+            f"shadow {sh['strategy']} every {sh['every']} calls: {sh['sampled']} sampled of "
+            f"{sh['calls']} ({sh['skipped_in_capture']} skipped in CUDA-graph capture)"
+        ]
+        for name, s in sh["outputs"].items():
+            lines.append(
+                f"  {name:13s} max rel err {s['max_rel_err']:.2e}, max abs {s['max_abs']:.2e}, "
+                f"NaN {s['nan']}, Inf {s['inf']}"
+            )
+        return lines

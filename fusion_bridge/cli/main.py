@@ -93,6 +93,24 @@ def _env_request_text(req: dict | None) -> list[str]:
     ]
 
 
+def versions() -> dict:
+    """The versions a result was produced with (torch, triton, flashinfer, this package)."""
+    import importlib.metadata
+
+    import torch
+
+    from .. import __version__
+
+    found = {"fusion_bridge": __version__, "torch": torch.__version__}
+    for dist_name, key in (("triton", "triton"), ("flashinfer-python", "flashinfer")):
+        try:
+            found[key] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            found[key] = None
+    found["cuda"] = torch.version.cuda
+    return found
+
+
 # ------------------------------------------------------------------ commands
 def cmd_info(args) -> int:
     from ..bridge import FusionBridge
@@ -111,7 +129,7 @@ def cmd_info(args) -> int:
     _emit(
         args,
         {**report.to_dict(), "env_strategy": req},
-        "\n".join([str(report), *_env_request_text(req)]),
+        "\n".join([report.machine_text(), *_env_request_text(req)]),
     )
     return 0
 
@@ -187,13 +205,18 @@ def cmd_explain(args) -> int:
 
 def cmd_parity(args) -> int:
     import torch
+
+    interpreted = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+    if interpreted:  # our Triton kernels (local_fused_nccl) then run on CPU too, in every rank
+        os.environ["TRITON_INTERPRET"] = "1"
     from .parity import run_parity_report
 
     spec = _spec(args)
     if not args.json:
         print(
             f"parity: {args.world_size} rank(s), T={args.tokens}, H={spec.hidden_size}, "
-            f"K={spec.top_k}",
+            f"K={spec.top_k}"
+            + (", our Triton kernels under the interpreter (CPU; slower)" if interpreted else ""),
             file=sys.stderr,
         )
     rows, skipped = run_parity_report(
@@ -214,13 +237,43 @@ def cmd_parity(args) -> int:
         text += [f"  {name:22s} {', '.join(codes)}" for name, codes in skipped.items()]
     _emit(
         args,
-        {"results": rows, "skipped": skipped, "world_size": args.world_size, "tokens": args.tokens},
+        {
+            "results": rows,
+            "skipped": skipped,
+            "world_size": args.world_size,
+            "tokens": args.tokens,
+            "seed": args.seed,
+            "weights": args.weights,
+            "spec": spec.to_dict(),
+            "versions": versions(),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        },
         "\n".join(text),
     )
     return 0 if rows and all(r["passed"] for r in rows) else 1
 
 
+def visible_nvidia_gpus_without_torch() -> int:
+    """GPUs this process could see, from the driver's device files and CUDA_VISIBLE_DEVICES, without
+    importing torch (seconds on a cold start): lets `tune` and `bench` refuse a GPU-less machine at
+    once. An upper bound; torch's own count decides when this finds enough."""
+    import glob
+
+    devices = len(glob.glob("/dev/nvidia[0-9]*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        listed = [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+        devices = min(devices, len(listed))
+    return devices
+
+
 def _require_gpus(world_size: int) -> None:
+    if visible_nvidia_gpus_without_torch() < world_size:
+        raise ValueError(
+            f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
+            f"found {visible_nvidia_gpus_without_torch()} (no NVIDIA device files or "
+            "CUDA_VISIBLE_DEVICES hides them)"
+        )
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
@@ -240,9 +293,9 @@ def _on_ranks(fn, world_size: int, *fn_args):
 
 
 def cmd_tune(args) -> int:
+    _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
     from .bench import tune_rank
 
-    _require_gpus(args.world_size)
     table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
     lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
     for b in table["plan"]["buckets"]:
@@ -255,9 +308,9 @@ def cmd_tune(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
     from .bench import bench_rank, plot, rows_from, summary, write_csv
 
-    _require_gpus(args.world_size)
     tokens = [2**i for i in range(args.max_tokens.bit_length()) if 2**i <= args.max_tokens]
     spec = _spec(args)
     result = _on_ranks(bench_rank, args.world_size, spec, tokens, not args.json)
@@ -274,7 +327,14 @@ def cmd_bench(args) -> int:
     # hand-written tables (here, in parity and in matrix): tabulate comes only with the optional
     # flashinfer
     # extra, not with torch/triton, and parity and matrix run on CPU installs without it
-    text = [f"wrote {args.csv}" + (f" and {png}" if png else " (no matplotlib: no PNG)")]
+    text = [
+        f"wrote {args.csv}"
+        + (
+            f" and {png}"
+            if png
+            else " (no PNG: matplotlib is missing; pip install 'fusion-bridge[plot]')"
+        )
+    ]
     keys = list(table[0])
     text.append(" ".join(f"{k:>14s}" for k in keys))
     text += [" ".join(f"{str(line.get(k, '')):>14s}" for k in keys) for line in table]

@@ -12,7 +12,7 @@ from ..spec import EpilogueSpec, QuantSpec, Stage
 from ..strategies.base import required_stages
 
 SMS = (80, 90, 100)
-WORLD_SIZES = (1, 2, 3, 4, 8, 16)
+WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 FLASHINFER_VERSIONS = (
     "0.7.2.post1",
     "0.7.4",
@@ -64,7 +64,21 @@ def _runs(cls, quants, sms, worlds, versions) -> bool:
     )
 
 
+# JSON key -> the README table's column title
+TITLES = {
+    "strategy": "strategy",
+    "stages": "stages covered",
+    "launches_sm90_tp2": "launches at SM90, TP2",
+    "cpu": "CPU",
+    "sm": "SM",
+    "world_sizes": "world sizes",
+    "quant": "quant",
+    "flashinfer": "flashinfer",
+}
+
+
 def rows() -> list[dict]:
+    """One row per strategy, keyed as `matrix --json` prints it (lists where there are several)."""
     out = []
     for cls in strategy_classes():
         quants = [
@@ -85,37 +99,55 @@ def rows() -> list[dict]:
         else:
             before = FLASHINFER_VERSIONS[FLASHINFER_VERSIONS.index(versions[0]) - 1]
             fi = f"> {before} (self-test gated)"
+        if _ok(cls, probe, _cpu()):
+            cpu = "yes"
+        elif _ok(cls, probe, _cpu().replace(triton_interpret=True)):
+            cpu = "interpreter only"
+        else:
+            cpu = "no"
         out.append(
             {
                 "strategy": cls.name,
-                "stages covered": " + ".join(STAGE_ABBREV[s] for s in required_stages(probe, 2)),
-                "launches at SM90, TP2": " → ".join(with_fi),
-                "CPU": "yes"
-                if _ok(cls, probe, _cpu())
-                else (
-                    "interpreter only"
-                    if _ok(cls, probe, _cpu().replace(triton_interpret=True))
-                    else "no"
-                ),
-                "SM": ", ".join(
-                    str(sm) for sm in SMS if _runs(cls, quants, [sm], [2], FLASHINFER_VERSIONS)
-                )
-                or "none",
-                "world sizes": ", ".join(
-                    str(w) for w in WORLD_SIZES if _runs(cls, quants, SMS, [w], FLASHINFER_VERSIONS)
-                ),
-                "quant": ", ".join(quants) or "none",
+                "stages": [STAGE_ABBREV[s] for s in required_stages(probe, 2)],
+                "launches_sm90_tp2": with_fi,
+                "cpu": cpu,
+                "sm": [sm for sm in SMS if _runs(cls, quants, [sm], [2], FLASHINFER_VERSIONS)],
+                "world_sizes": [
+                    w for w in WORLD_SIZES if _runs(cls, quants, SMS, [w], FLASHINFER_VERSIONS)
+                ],
+                "quant": quants,
                 "flashinfer": fi,
             }
         )
     return out
 
 
+def _ranges(values: list[int]) -> str:
+    """[1, 2, 3, 4, 8] -> '1-4, 8'."""
+    parts: list[list[int]] = []
+    for v in values:
+        if parts and v == parts[-1][-1] + 1:
+            parts[-1].append(v)
+        else:
+            parts.append([v])
+    return ", ".join(
+        f"{p[0]}-{p[-1]}" if len(p) > 2 else ", ".join(str(v) for v in p) for p in parts
+    )
+
+
+def _cell(key: str, value) -> str:
+    if key == "world_sizes":
+        return _ranges(value)
+    if isinstance(value, list):
+        sep = {"stages": " + ", "launches_sm90_tp2": " → "}.get(key, ", ")
+        return sep.join(str(v) for v in value) or "none"
+    return str(value)
+
+
 def markdown() -> str:
     table = rows()
-    keys = list(table[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in table]
+    lines = ["| " + " | ".join(TITLES.values()) + " |", "|" + "---|" * len(TITLES)]
+    lines += ["| " + " | ".join(_cell(k, r[k]) for k in TITLES) + " |" for r in table]
     return "\n".join(lines)
 
 
