@@ -1,7 +1,6 @@
 """`symm_fused_oneshot` on CPU: the kernel's arithmetic under TRITON_INTERPRET=1 with the ranks
-emulated
-in one process (the signalling is GPU-only and tested by the `gpu`-marked tests), its capability checks on
-Environment values, and the symmetric-memory API it calls (drift)."""
+emulated in one process (the signalling is GPU-only and tested by the `gpu`-marked tests), its
+capability checks on Environment values, and the symmetric-memory API it calls (drift)."""
 
 import inspect
 import math

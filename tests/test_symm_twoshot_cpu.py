@@ -1,9 +1,8 @@
 """The two-shot symmetric-memory kernel (`kernels/symm_twoshot.py`) on CPU: its very kernel body
-under
-TRITON_INTERPRET=1, with the W ranks' buffers as slices of one tensor and one phase per launch (push
-on
-every rank, then reduce on every rank, then gather), so every wait finds what the earlier launches
-wrote. The signalling, the timer and the epoch ticket are GPU-only and tested by the `gpu`-marked tests."""
+under TRITON_INTERPRET=1, with the W ranks' buffers as slices of one tensor and one phase per launch
+(push on every rank, then reduce on every rank, then gather), so every wait finds what the earlier
+launches wrote. The signalling, the timer and the epoch ticket are GPU-only and tested by the
+`gpu`-marked tests."""
 
 import math
 
