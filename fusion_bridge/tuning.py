@@ -52,11 +52,16 @@ def cache_dir() -> Path:
 
 
 def spec_key(spec: EpilogueSpec) -> dict:
+    """The spec as far as it can change a timing: the table key. Values, not shapes, are left out:
+    eps, weight_bias, routed_scaling_factor and the quant scales (FP8 `scale`, NVFP4 `global_scale`:
+    calibrated per layer, so keying on them would give every layer of a quantized model its own
+    table and none would ever be found); max_tokens only adds buckets (unmeasured ones take the
+    static order). The quant kind and scale layout stay: they change the work."""
     d = spec.to_dict()
-    # these do not change the timing; max_tokens only adds buckets (unmeasured ones use the static
-    # order)
     for field in ("eps", "weight_bias", "routed_scaling_factor", "max_tokens"):
         d.pop(field)
+    # None, not removed: an unquantized spec (scales None) keeps the key its shipped tables have
+    d["quant"] = dict(d["quant"], scale=None, global_scale=None)
     return d
 
 
