@@ -22,7 +22,7 @@ def main(paths: list[str]) -> int:
         table = json.load(open(path))
         s = table["spec"]
         q = s["quant"]
-        # the table key leaves the quant scales out (tuning.spec_key): any valid value names the file
+        # the table key leaves the quant scales out (tuning.spec_key): any valid value will do
         quant = QuantSpec(
             q["kind"],
             scale=1.0 if q["kind"] == "fp8" else None,

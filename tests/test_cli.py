@@ -510,3 +510,24 @@ def test_bench_draws_its_png_with_the_plot_extra(tmp_path):
     assert path == str(tmp_path / "bench.png")
     data = (tmp_path / "bench.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_measuring_tools_set_the_multicast_variables_in_their_processes_and_say_so():
+    # tune, bench and parity (on GPUs) call this before anything starts NCCL; spawned ranks set the
+    # same variables again (cli/launch.py) before init_process_group
+    code = (
+        "import os; from fusion_bridge.cli.main import set_multicast_off; "
+        "set_multicast_off('tune'); "
+        "print(os.environ['NCCL_NVLS_ENABLE'], os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'],"
+        " os.environ['NVSHMEM_DISABLE_NVLS'])"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.stdout.split() == ["0", "1", "1"], proc.stderr
+    assert proc.stderr.startswith("tune: every process it starts runs with NCCL_NVLS_ENABLE=0")

@@ -207,7 +207,7 @@ def cmd_parity(args) -> int:
     import torch
 
     if torch.cuda.is_available():
-        _multicast_off("parity")
+        set_multicast_off("parity")
     interpreted = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
     if interpreted:  # our Triton kernels (local_fused_nccl) then run on CPU too, in every rank
         os.environ["TRITON_INTERPRET"] = "1"
@@ -286,7 +286,7 @@ def _require_gpus(world_size: int) -> None:
         )
 
 
-def _multicast_off(command: str) -> None:
+def set_multicast_off(command: str) -> None:
     """Our measuring tools run with NCCL NVLS and NVLink multicast off in every process they start
     (this one, and each spawned rank before it initialises NCCL): multicast can take a shared
     host's GPUs out of service. The library itself neither needs nor sets these variables."""
@@ -311,7 +311,7 @@ def _on_ranks(fn, world_size: int, *fn_args):
 
 def cmd_tune(args) -> int:
     _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
-    _multicast_off("tune")
+    set_multicast_off("tune")
     from .bench import tune_rank
 
     table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
@@ -327,7 +327,7 @@ def cmd_tune(args) -> int:
 
 def cmd_bench(args) -> int:
     _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
-    _multicast_off("bench")
+    set_multicast_off("bench")
     from .bench import bench_rank, plot, rows_from, summary, write_csv
 
     tokens = [2**i for i in range(args.max_tokens.bit_length()) if 2**i <= args.max_tokens]
