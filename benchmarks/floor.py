@@ -88,11 +88,16 @@ def rank_main(
 
     from fusion_bridge.environment import detect
     from fusion_bridge.kernels.finalize_add import finalize_add_into
+    from fusion_bridge.kernels.quant import row_block
     from fusion_bridge.spec import EpilogueSpec, QuantSpec
     from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
-    from fusion_bridge.kernels import symm_oneshot
+    from fusion_bridge.kernels import symm_oneshot, symm_testing, symm_twoshot
+    from fusion_bridge.kernels import symm_protocol as P
+
+    # the exchange alone: constant partials published and awaited, no gathers, no outputs
+    EXCHANGE_ONLY = P.ALL_PHASES & ~P.FINALIZE & ~P.NORM
 
     dev = torch.device("cuda", rank)
     env = detect(device=dev)
@@ -193,34 +198,22 @@ def rank_main(
                     weight_bias=spec.weight_bias,
                 )
 
-            def symm_run(strat, launch=None, ablate=0):
+            def symm_run(strat, shape=None, phases=None):
+                """The strategy's call; with a launch shape or an ablation (a subset of the
+                kernel's phases: results are then wrong), its kernel through the test hooks."""
+
                 def fn(i):
                     s = sets[i]
-                    if ablate:
-                        r_out, n_out = outs[0], outs[1]
-                        symm_oneshot.fused_into(
-                            strat._ws,
-                            r_out,
-                            n_out,
-                            outs[2],
-                            outs[2],
-                            s.gemm2_out,
-                            s.expanded_idx_to_permuted_idx,
-                            s.expert_weights,
-                            s.shared_output,
-                            s.residual,
-                            s.gamma,
-                            spec.routed_scaling_factor,
-                            spec.eps,
-                            spec.weight_bias,
-                            0,
-                            1.0,
-                            False,
-                            launch=launch,
-                            ablate=ablate,
-                        )
+                    if shape is None and phases is None:
+                        strat.run(s)
                     else:
-                        strat.run(s, variant=launch)
+                        symm_testing.launch_with_hooks(
+                            strat.workspace_kind,
+                            strat._layer,
+                            shape=shape,
+                            phases=P.ALL_PHASES if phases is None else phases,
+                            **symm_testing.call_tensors(s, (outs[0], outs[1], outs[2], outs[2])),
+                        )
 
                 return fn
 
@@ -236,7 +229,7 @@ def rank_main(
             hbm_all = tokens * hidden * 2 * (top_k + 4)
             link_b = tokens * hidden * 2 * (world - 1)
             paths = [
-                ("symm_exchange_only", symm_run(symm, ablate=3), 0, 0),
+                ("symm_exchange_only", symm_run(symm, phases=EXCHANGE_ONLY), 0, 0),
                 ("finalize_alone", fin, hbm_fin, 0),
                 ("nccl_allreduce", lambda i: dist.all_reduce(parts[i]), 0, link_b),
                 ("fi_allreduce", lambda i: fi_ar(i, norm=False), 0, link_b),
@@ -246,7 +239,6 @@ def rank_main(
                 ("compose_fin_fi_ar_norm_pdl", fin_then(True), hbm_all, link_b),
                 ("symm_fused_oneshot", symm_run(symm), hbm_all, link_b),
                 ("symm_fused_oneshot_nvfp4", symm_run(symm4), hbm_all, link_b),
-                ("symm_ablate_no_peers", symm_run(symm, ablate=2), hbm_all, 0),
                 ("compose_fin_fi_ar_norm_twoshot", fin_then(False, False), hbm_all, link_b),
                 ("symm_fused_twoshot", symm_run(two), hbm_all, link_b),
                 ("symm_fused_twoshot_nvfp4", symm_run(two4), hbm_all, link_b),
@@ -265,14 +257,14 @@ def rank_main(
                     paths.append(
                         (
                             f"symm2_v{programs}p_w{warps}",
-                            symm_run(two, (programs, warps)),
+                            symm_run(two, symm_twoshot.TwoshotShape(programs, warps)),
                             hbm_all,
                             link_b,
                         )
                     )
             if sweep and tokens <= 16 and hidden == 7168:
-                rb = symm_oneshot.row_block(hidden)
-                b1d, b2d, _ = symm_oneshot.default_launch(tokens, hidden, symm._ws.num_sms)
+                rb = row_block(hidden)
+                b1d, b2d, _ = symm_oneshot.default_shape(tokens, hidden, symm._ws.num_sms)
                 for b1, b2, w in (
                     (256, b2d, 8),
                     (1024, b2d, 8),
@@ -284,7 +276,7 @@ def rank_main(
                     paths.append(
                         (
                             f"symm_v{b1 if b1 != rb else 'row'}_{b2 if b2 != rb else 'row'}_w{w}",
-                            symm_run(symm, (b1, b2, w)),
+                            symm_run(symm, symm_oneshot.OneshotShape(b1, b2, w)),
                             hbm_all,
                             link_b,
                         )

@@ -35,9 +35,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
-    from test_gpu_symm_one_device import _workspaces
-
-    from fusion_bridge.kernels import symm_twoshot
+    from fusion_bridge.kernels import symm_protocol as P
+    from fusion_bridge.kernels import symm_testing
+    from fusion_bridge.kernels.symm_twoshot import TwoshotShape
     from fusion_bridge.kernels.finalize_add import finalize_add_into
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
@@ -47,8 +47,9 @@ def main() -> None:
     for hidden in args.hidden:
         cap = max(args.tokens)
         spec = EpilogueSpec(hidden_size=hidden, top_k=8, routed_scaling_factor=2.5, max_tokens=cap)
-        (ws,), _ = _workspaces(symm_twoshot, 1, cap, hidden)
-        ws.num_sms = sms
+        group = symm_testing.emulated_group(
+            "twoshot", spec, 1, cap, device="cuda", timeout=10_000_000, num_sms=sms
+        )
         for tokens in args.tokens:
             n = sets_to_rotate(tokens * hidden * 2 * 14, max_sets=16)
             sets = [
@@ -69,29 +70,14 @@ def main() -> None:
                     spec.routed_scaling_factor,
                 )
 
-            def local(warps, phases=symm_twoshot.ALL_PHASES):
+            def local(warps, phases=P.ALL_PHASES):
                 def fn(i):
-                    s = sets[i]
-                    symm_twoshot.fused_into(
-                        ws,
-                        outs[0],
-                        outs[1],
-                        none,
-                        none,
-                        s.gemm2_out,
-                        s.expanded_idx_to_permuted_idx,
-                        s.expert_weights,
-                        s.shared_output,
-                        s.residual,
-                        s.gamma,
-                        spec.routed_scaling_factor,
-                        spec.eps,
-                        spec.weight_bias,
-                        0,
-                        1.0,
-                        False,
-                        warps=warps,
+                    symm_testing.launch_with_hooks(
+                        "twoshot",
+                        group.layers[0],
+                        shape=TwoshotShape(None, warps),
                         phases=phases,
+                        **symm_testing.call_tensors(sets[i], (outs[0], outs[1], none, none)),
                     )
 
                 return fn
@@ -100,18 +86,17 @@ def main() -> None:
                 (f"twoshot_local_w{w}", local(w)) for w in (8, 16, 4)
             ]
             # ablations (wrong results, timing only): which phase costs what
-            k = symm_twoshot
             for label, phases in (
-                ("reduce_only", k.REDUCE),
-                ("reduce_gather", k.REDUCE | k.GATHER),
-                ("reduce_clear", k.REDUCE | k.CLEAR),
+                ("reduce_only", P.REDUCE | P.EPOCH),
+                ("reduce_gather", P.REDUCE | P.NORM | P.EPOCH),
+                ("reduce_clear", P.REDUCE | P.CLEAR | P.EPOCH),
             ):
                 variants.append((f"twoshot_ablate_{label}_w16", local(16, phases)))
             for name, fn in variants:
                 us = time_graph(fn, sets=n)
                 rows.append(dict(path=name, H=hidden, T=tokens, us=round(us, 2)))
                 print(f"{name:32s} H={hidden} T={tokens:5d} {us:9.2f} us", flush=True)
-        assert int(ws.err[0]) == 0, hex(int(ws.err[0]))
+        assert int(group.errs[0, 0]) == 0, hex(int(group.errs[0, 0]))
     if args.csv:
         write_csv(args.csv, rows)
     print(f"HBM copy {rows[0]['us']} GB/s")

@@ -22,6 +22,26 @@ from .rounding import round_to
 
 
 @triton.jit
+def rms_norm_row(x, g, hidden, eps):
+    """The building block (the symmetric-memory kernels call it too): fp32 x [BLOCK] (0 past H),
+    g = gamma + weight_bias (0 past H) -> x * rsqrt(mean(x^2) + eps) * g in fp32, not rounded.
+
+    Overflow-safe: a finite row with |x| >~ 1.8e19 (bf16 holds up to 3.4e38) overflows the fp32 sum
+    of squares, and rsqrt(inf) = 0 would zero the row. Such a row is scaled by the power of two s
+    bringing its largest magnitude into [2^31, 2^32) (exact), with eps*s^2 in place of eps. The
+    branch is uniform over the program and taken only then; every other row computes the plain
+    formula."""
+    sum_sq = tl.sum(x * x, axis=0)
+    y = x * tl.rsqrt(sum_sq / hidden + eps) * g
+    if sum_sq == float("inf"):
+        amax_exp = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased
+        s = ((tl.minimum(tl.maximum(285 - amax_exp, 1), 254)) << 23).to(tl.float32, bitcast=True)
+        x_s = x * s
+        y = x_s * tl.rsqrt(tl.sum(x_s * x_s, axis=0) / hidden + eps * s * s) * g
+    return y
+
+
+@triton.jit
 def _add_rmsnorm_kernel(
     residual_ptr,
     reduced_ptr,
@@ -51,28 +71,14 @@ def _add_rmsnorm_kernel(
     x = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(reduced_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(residual_out_ptr + offs, round_to(x, residual_out_ptr.dtype.element_ty), mask=mask)
-    sum_sq = tl.sum(x * x, axis=0)
-    # Overflow-safe: a finite row with |x| >~ 1.8e19 (bf16 holds up to 3.4e38) overflows the fp32
-    # sum
-    # of squares, and rsqrt(inf) = 0 would zero the row. Such a row is scaled by the power of two s
-    # bringing its largest magnitude into [2^31, 2^32) (exact), with eps*s^2 in place of eps. Every
-    # other row has s = 1 and computes the unscaled formula bit for bit.
-    overflow = sum_sq == float("inf")
-    amax_exp = (
-        tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23
-    ) & 0xFF  # biased exponent
-    power = ((tl.minimum(tl.maximum(285 - amax_exp, 1), 254)) << 23).to(tl.float32, bitcast=True)
-    s = tl.where(overflow, power, 1.0)
-    x_s = x * s
-    sum_sq = tl.where(overflow, tl.sum(x_s * x_s, axis=0), sum_sq)
-    inv_rms = tl.rsqrt(sum_sq / hidden + eps * s * s)
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
-    y = round_to(x_s * inv_rms * g, norm_out_ptr.dtype.element_ty)
+    y = round_to(rms_norm_row(x, g, hidden, eps), norm_out_ptr.dtype.element_ty)
     tl.store(norm_out_ptr + offs, y, mask=mask)
     quantize_row(
         y,
         row,
-        cols,
+        0,
+        BLOCK,
         tokens,
         hidden,
         q_ptr,
@@ -83,6 +89,55 @@ def _add_rmsnorm_kernel(
         SWIZZLED,
         BLOCK,
         HW_CVT,
+        False,
+    )
+
+
+@triton.jit
+def norm_quant_row(
+    x,
+    g,
+    row,
+    lo,
+    hi,
+    tokens,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    hidden,
+    eps,
+    quant_scale,
+    sf_cols,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """x: fp32 [ROW_BLOCK], the whole row (0 past H, row < tokens); g: gamma + weight_bias. Stores
+    norm_out = round(rms_norm_row(x)) and its FP8 / NVFP4 codes for columns [lo, hi) only (multiples
+    of 64): the programs that share a row each compute the whole row's norm and store their part."""
+    cols = tl.arange(0, ROW_BLOCK)
+    in_row = cols < hidden
+    y = round_to(rms_norm_row(x, g, hidden, eps), norm_out_ptr.dtype.element_ty)
+    tl.store(norm_out_ptr + row * hidden + cols, y, mask=in_row & (cols >= lo) & (cols < hi))
+    if QUANT == 2:
+        y = tl.where(in_row, y, 0.0)  # a NaN row (failed wait) stays NaN only inside the row
+    quantize_row(
+        y,
+        row,
+        lo,
+        hi,
+        tokens,
+        hidden,
+        q_ptr,
+        sf_ptr,
+        quant_scale,
+        sf_cols,
+        QUANT,
+        SWIZZLED,
+        ROW_BLOCK,
+        HW_CVT,
+        True,
     )
 
 
@@ -97,6 +152,7 @@ def add_rmsnorm_into(
     residual: torch.Tensor,
     reduced: torch.Tensor,
     gamma: torch.Tensor,
+    *,
     eps: float,
     weight_bias: float,
     quant: int,

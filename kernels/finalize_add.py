@@ -20,6 +20,37 @@ from .rounding import round_to
 
 
 @triton.jit
+def finalize_row(
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    row,
+    cols,
+    hidden,
+    routed_scaling,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+):
+    """The building block (the symmetric-memory kernels call it too): fp32 [len(cols)] =
+    routed_scaling * sum_k w[row,k] * gemm2_out[perm[row,k], cols] (+ shared[row, cols]), row int64.
+    Slots with perm == -1 are never read; where, not x * 0: a skipped slot's weight may be garbage
+    (NaN)."""
+    in_row = cols < hidden
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        src = tl.load(perm_ptr + row * TOP_K + k).to(tl.int64)
+        weight = tl.load(weight_ptr + row * TOP_K + k).to(tl.float32)
+        valid = (cols * 0 + src) >= 0  # vector form: the interpreter rejects a scalar-bool mask
+        x = tl.load(gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+        acc += tl.where(valid, x * weight, 0.0)
+    acc = acc * routed_scaling
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _finalize_add_kernel(
     gemm2_ptr,
     perm_ptr,
@@ -34,19 +65,21 @@ def _finalize_add_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_row = cols < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        row = tl.load(perm_ptr + token * TOP_K + k).to(tl.int64)
-        weight = tl.load(weight_ptr + token * TOP_K + k).to(tl.float32)
-        valid = (cols * 0 + row) >= 0  # vector form: the interpreter rejects a scalar-bool mask
-        x = tl.load(gemm2_ptr + row * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-        # where, not x * 0: a skipped slot's weight may be garbage (NaN)
-        acc += tl.where(valid, x * weight, 0.0)
-    acc = acc * routed_scaling
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + token * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * hidden + cols, round_to(acc, out_ptr.dtype.element_ty), mask=in_row)
+    acc = finalize_row(
+        gemm2_ptr,
+        perm_ptr,
+        weight_ptr,
+        shared_ptr,
+        token,
+        cols,
+        hidden,
+        routed_scaling,
+        TOP_K,
+        HAS_SHARED,
+    )
+    tl.store(
+        out_ptr + token * hidden + cols, round_to(acc, out_ptr.dtype.element_ty), mask=cols < hidden
+    )
 
 
 def block_h_for(hidden: int, tokens: int) -> int:

@@ -3,13 +3,12 @@ and
 capture in CUDA graphs. They allocate their outputs (the caching allocator serves them inside
 graphs).
 
-Strategies call `finalize_add`, `add_rmsnorm_quant` and `quantize` from this module's `fast`
-namespace:
-under torch.compile they go through the registered ops; in eager mode they call the same Python
-bodies
-directly, skipping the custom-op dispatcher (tens of microseconds of host time per call).
+Strategies call `finalize_add`, `add_rmsnorm_quant` and `quantize` from this module's
+`direct_when_eager` namespace: under torch.compile they go through the registered ops; in eager mode
+they call the same Python bodies directly, skipping the custom-op dispatcher (tens of microseconds
+of host time per call).
 
-quant codes: 0 none, 1 fp8 (quant_scale is the divisor), 2 nvfp4 (quant_scale is the global scale).
+quant codes: kernels/quant_codes.py.
 """
 
 from __future__ import annotations
@@ -19,16 +18,10 @@ from typing import Optional
 import torch
 
 from ..io import quant_buffers
-from ..spec import QuantKind, SFLayout
 from .add_rmsnorm import add_rmsnorm_into
 from .finalize_add import finalize_add_into
-from .quant import QUANT_FP8, QUANT_NVFP4, quantize_into
-
-
-def _kind_layout(quant: int, swizzled: bool) -> tuple[QuantKind, SFLayout]:
-    """Our kernels' quant code and swizzle flag as the spec's enums."""
-    kind = {QUANT_FP8: QuantKind.FP8, QUANT_NVFP4: QuantKind.NVFP4}.get(quant, QuantKind.NONE)
-    return kind, SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
+from .quant import quantize_into
+from .quant_codes import QUANT_FP8, kind_layout
 
 
 def _quant_outputs(
@@ -37,7 +30,7 @@ def _quant_outputs(
     """(q returned, q as uint8 for the kernel, sf returned, sf for the kernel). Unused ones are
     empty
     and distinct: a custom op's outputs may not alias each other."""
-    q, sf = quant_buffers(*like.shape, *_kind_layout(quant, swizzled), like.device)
+    q, sf = quant_buffers(*like.shape, *kind_layout(quant, swizzled), like.device)
     q = q if q is not None else like.new_empty(0, dtype=torch.uint8)
     sf = sf if sf is not None else like.new_empty(0, dtype=torch.uint8)
     q_bytes = q.view(torch.uint8) if (quant == QUANT_FP8 and not fake) else q
@@ -92,11 +85,11 @@ def _add_rmsnorm_quant(
         residual,
         reduced,
         gamma,
-        eps,
-        weight_bias,
-        quant,
-        quant_scale,
-        swizzled,
+        eps=eps,
+        weight_bias=weight_bias,
+        quant=quant,
+        quant_scale=quant_scale,
+        swizzled=swizzled,
     )
     return residual_out, norm_out, q, sf
 
@@ -144,7 +137,7 @@ def _add_rmsnorm_quant_eager(
     quant
     mode does not have; the kernel's unused pointers get an output it writes anyway)."""
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
-    q, sf = quant_buffers(*residual.shape, *_kind_layout(quant, swizzled), residual.device)
+    q, sf = quant_buffers(*residual.shape, *kind_layout(quant, swizzled), residual.device)
     q_bytes = q.view(torch.uint8) if q is not None else norm_out
     add_rmsnorm_into(
         residual_out,
@@ -154,17 +147,18 @@ def _add_rmsnorm_quant_eager(
         residual,
         reduced,
         gamma,
-        eps,
-        weight_bias,
-        quant,
-        quant_scale,
-        swizzled,
+        eps=eps,
+        weight_bias=weight_bias,
+        quant=quant,
+        quant_scale=quant_scale,
+        swizzled=swizzled,
     )
     return residual_out, norm_out, q, sf
 
 
-class _Fast:
-    """Eager: the op bodies directly. Compiling: the registered ops (so dynamo sees custom ops)."""
+class _DirectWhenEager:
+    """Eager: the op bodies called directly (no dispatcher). Compiling: the registered ops (so
+    dynamo sees custom ops)."""
 
     @staticmethod
     def finalize_add(*args):
@@ -187,4 +181,4 @@ class _Fast:
         return _quantize(*args)
 
 
-fast = _Fast()
+direct_when_eager = _DirectWhenEager()

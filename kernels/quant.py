@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .launcher import KernelLauncher
 
-QUANT_NONE, QUANT_FP8, QUANT_NVFP4 = 0, 1, 2
+from .quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4  # noqa: F401 (re-exported)
 
 
 @triton.jit
@@ -72,7 +72,8 @@ def _e2m1_codes(a, sf):
 def quantize_row(
     y,
     row,
-    cols,
+    lo,
+    hi,
     tokens,
     hidden,
     q_ptr,
@@ -83,14 +84,20 @@ def quantize_row(
     SWIZZLED: tl.constexpr,
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Quantize row `row` (values y [BLOCK], already rounded to the activation dtype) and store it.
-    Rows at or past `tokens` store only swizzled scale padding (zeros). HW_CVT: use the GPU's
-    round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it takes the software
-    one)."""
-    row_ok_cols = (
-        cols * 0 + row
-    ) < tokens  # vector form: the interpreter rejects scalar-bool masks
+    """The building block (every kernel that quantizes calls it): quantize row `row` (y [BLOCK], the
+    whole row already rounded to the activation dtype, 0 past H) and store it.
+    WINDOW False: the whole row; rows at or past `tokens` store only swizzled scale padding (zeros).
+    WINDOW True: only columns [lo, hi) (multiples of 64, so the chunks of a row together also cover
+    the swizzled padding columns, written 0) of a row below `tokens`.
+    HW_CVT: use the GPU's round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it
+    takes the software one)."""
+    cols = tl.arange(0, BLOCK)
+    if WINDOW:
+        keep = (cols < hidden) & (cols >= lo) & (cols < hi)
+    else:
+        keep = (cols < hidden) & ((cols * 0 + row) < tokens)  # vector form: no scalar-bool masks
     if QUANT == 1:
         v = tl.math.div_rn(y.to(tl.float32), quant_scale)
         if HW_CVT:
@@ -101,21 +108,23 @@ def quantize_row(
             )
         else:
             code, _ = _e4m3_rne_satfinite(v)
-        tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=(cols < hidden) & row_ok_cols)
+        tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=keep)
     if QUANT == 2:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = tl.max(tl.abs(yb), axis=1)
         sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
         scaled = yb * quant_scale
         codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
-        lo, hi = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
-        packed_cols = tl.arange(0, BLOCK // 2)
-        tl.store(
-            q_ptr + row * (hidden // 2) + packed_cols,
-            (lo | (hi << 4)).to(tl.uint8),
-            mask=(packed_cols < hidden // 2) & ((packed_cols * 0 + row) < tokens),
-        )
+        lo4, hi4 = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
+        packed = tl.arange(0, BLOCK // 2)
         kb = tl.arange(0, BLOCK // 16)
+        if WINDOW:
+            keep_q = (packed < hidden // 2) & (packed * 2 >= lo) & (packed * 2 < hi)
+            keep_sf = (kb * 16 >= lo) & (kb * 16 < hi)
+        else:
+            keep_q = (packed < hidden // 2) & ((packed * 0 + row) < tokens)
+            keep_sf = (kb * 0 + row) < tokens
+        tl.store(q_ptr + row * (hidden // 2) + packed, (lo4 | (hi4 << 4)).to(tl.uint8), mask=keep_q)
         sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
         if SWIZZLED:
             sf_off = (
@@ -125,12 +134,13 @@ def quantize_row(
                 + ((row % 128) // 32) * 4
                 + (kb % 4)
             )
-            tl.store(sf_ptr + sf_off, sf_byte, mask=kb < sf_cols)
+            if WINDOW:
+                tl.store(sf_ptr + sf_off, sf_byte, mask=(kb < sf_cols) & keep_sf)
+            else:  # padding rows too
+                tl.store(sf_ptr + sf_off, sf_byte, mask=kb < sf_cols)
         else:
             tl.store(
-                sf_ptr + row * (hidden // 16) + kb,
-                sf_byte,
-                mask=(kb < hidden // 16) & ((kb * 0 + row) < tokens),
+                sf_ptr + row * (hidden // 16) + kb, sf_byte, mask=(kb < hidden // 16) & keep_sf
             )
 
 
@@ -156,7 +166,8 @@ def _quantize_kernel(
     quantize_row(
         y,
         row,
-        cols,
+        0,
+        BLOCK,
         tokens,
         hidden,
         q_ptr,
@@ -167,6 +178,32 @@ def _quantize_kernel(
         SWIZZLED,
         BLOCK,
         HW_CVT,
+        False,
+    )
+
+
+def sf_padding_items(tokens: int, sf_rows: int, sf_cols: int) -> int:
+    """Items of `sf_padding_item` that cover swizzled scale rows T .. sf_rows."""
+    return triton.cdiv(max(sf_rows - tokens, 0), 32) * triton.cdiv(sf_cols, 128)
+
+
+@triton.jit
+def sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols):
+    """Swizzled scale padding rows T .. round_up(T, 128) -> 0, for kernels whose programs do not map
+    to rows; item = (32 padding rows, 128 scale columns): few items, so T=1 (127 padding rows) costs
+    a store or two per program, not a loop."""
+    kchunks = tl.cdiv(sf_cols, 128)
+    row = tokens + (item // kchunks) * 32 + tl.arange(0, 32)[:, None]
+    kb = (item % kchunks) * 128 + tl.arange(0, 128)[None, :]
+    off = (
+        (row // 128) * (sf_cols * 128)
+        + (kb // 4) * 512
+        + (row % 32) * 16
+        + ((row % 128) // 32) * 4
+        + (kb % 4)
+    )
+    tl.store(
+        sf_ptr + off, tl.zeros([32, 128], dtype=tl.uint8), mask=(kb < sf_cols) & (row < sf_rows)
     )
 
 

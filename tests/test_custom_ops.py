@@ -122,7 +122,7 @@ def test_the_eager_path_computes_what_the_op_computes_and_allocates_only_its_out
         0.05 if quant == QUANT_FP8 else 300.0,
         True,
     )
-    eager = ops.fast.add_rmsnorm_quant(*args)
+    eager = ops.direct_when_eager.add_rmsnorm_quant(*args)
     op = torch.ops.fusion_bridge.add_rmsnorm_quant(*args)
     assert torch.equal(eager[0], op[0]) and torch.equal(eager[1], op[1])
     if quant == QUANT_NONE:

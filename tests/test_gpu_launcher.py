@@ -238,11 +238,11 @@ def norm_cached(residual, reduced, gamma, quant_mode, swizzled):
         residual,
         reduced,
         gamma,
-        1e-6,
-        0.5,
-        quant_mode,
-        scale_for(quant_mode),
-        swizzled,
+        eps=1e-6,
+        weight_bias=0.5,
+        quant=quant_mode,
+        quant_scale=scale_for(quant_mode),
+        swizzled=swizzled,
     )
     return r_out, n_out, q, sf
 

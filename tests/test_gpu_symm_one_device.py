@@ -15,7 +15,6 @@ tests/test_gpu_symm_oneshot.py and tests/test_gpu_symm_twoshot.py run the real t
 
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,50 +28,23 @@ def needs_gpu():
         pytest.skip("needs a CUDA GPU (on a GPU machine: `python -m pytest -m gpu`)")
 
 
-def _workspaces(kernel, world, cap, hidden, timeout_s=10.0):
-    from fusion_bridge.kernels.symm_common import HEADER_BYTES, SENTINEL_BITS
+def _group(kind, spec, world, cap, timeout_s=10.0):
+    """W ranks' buffers (each its own allocation), states, pinned error words and layers, with at
+    most SMs / W programs per rank (kernels/symm_testing)."""
+    from fusion_bridge.kernels.symm_testing import emulated_group
 
-    dev = torch.device("cuda", 0)
-    nbytes = kernel.buffer_bytes(world, cap, hidden, 2)
-    bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(world)]
-    for b in bufs:
-        b[:HEADER_BYTES].zero_()
-        b[HEADER_BYTES:].view(torch.int16).fill_(SENTINEL_BITS)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    out = []
-    for rank in range(world):
-        err = torch.zeros(4, dtype=torch.int32).pin_memory()
-        ptrs = torch.tensor(
-            [b.data_ptr() for b in bufs] + [err.data_ptr()], dtype=torch.int64, device=dev
-        )
-        out.append(
-            SimpleNamespace(
-                ptrs=ptrs,
-                state=torch.zeros(8, dtype=torch.int32, device=dev),
-                err=err,
-                world=world,
-                rank=rank,
-                cap=cap,
-                data_off=HEADER_BYTES // 2,
-                num_sms=sms // world,
-                timeout_ns=int(timeout_s * 1e9),
-                buffer=bufs[rank],
-            )
-        )
-    torch.cuda.synchronize()
-    return out, bufs
+    return emulated_group(kind, spec, world, cap, device="cuda", timeout=int(timeout_s * 1e6))
 
 
-def _call(kernel, wss, streams, spec, inputs):
-    """One epilogue call on every emulated rank, each on its own stream; returns each rank's
-    outputs."""
+def _call(kernel, group, streams, spec, inputs):
+    """One epilogue call on every emulated rank (the production launch), each on its own stream;
+    returns each rank's outputs."""
     from fusion_bridge.io import quant_buffers
-    from fusion_bridge.strategies.base import kernel_quant_args
+    from fusion_bridge.kernels.symm_testing import call_tensors
 
-    quant, scale, swizzled = kernel_quant_args(spec)
     outs = []
     main = torch.cuda.current_stream()
-    for ws, stream, inp in zip(wss, streams, inputs):
+    for layer, stream, inp in zip(group.layers, streams, inputs):
         tokens, hidden = inp.residual.shape
         ro = torch.full_like(inp.residual, float("nan"))
         no = torch.full_like(inp.residual, float("nan"))
@@ -86,25 +58,7 @@ def _call(kernel, wss, streams, spec, inputs):
             t.fill_(0xFF)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            kernel.fused_into(
-                ws,
-                ro,
-                no,
-                q,
-                sf,
-                inp.gemm2_out,
-                inp.expanded_idx_to_permuted_idx,
-                inp.expert_weights,
-                inp.shared_output,
-                inp.residual,
-                inp.gamma,
-                spec.routed_scaling_factor,
-                spec.eps,
-                spec.weight_bias,
-                quant,
-                scale,
-                swizzled,
-            )
+            kernel.launch(layer, **call_tensors(inp, (ro, no, q, sf)))
         outs.append((ro, no, q, sf))
     for stream in streams:
         main.wait_stream(stream)
@@ -176,7 +130,7 @@ def test_emulated_ranks_on_one_gpu(kind, world):
                 quant=quant,
                 max_tokens=cap,
             )
-            wss, _ = _workspaces(kernel, world, cap, hidden)
+            group = _group(kind, spec, world, cap)
             for tokens in (1, 3, 129, cap - 1, cap):
                 inputs = [
                     make_inputs(
@@ -184,7 +138,7 @@ def test_emulated_ranks_on_one_gpu(kind, world):
                     )
                     for r in range(world)
                 ]
-                outs = _call(kernel, wss, streams, spec, inputs)
+                outs = _call(kernel, group, streams, spec, inputs)
                 problems += _problems(
                     spec,
                     outs,
@@ -194,7 +148,7 @@ def test_emulated_ranks_on_one_gpu(kind, world):
                 )
     # many calls at changing T through one set of buffers: slots rotate and are cleared behind
     spec = EpilogueSpec(hidden_size=4096, top_k=8, max_tokens=cap)
-    wss, _ = _workspaces(kernel, world, cap, 4096)
+    group = _group(kind, spec, world, cap)
     rng = random.Random(7)
     pool = {
         t: [make_inputs(spec, t, rank=r, seed=t, device="cuda") for r in range(world)]
@@ -202,12 +156,12 @@ def test_emulated_ranks_on_one_gpu(kind, world):
     }
     for call in range(600):
         tokens = rng.choice(list(pool))
-        outs = _call(kernel, wss, streams, spec, pool[tokens])
+        outs = _call(kernel, group, streams, spec, pool[tokens])
         if call % 50 == 0:
             problems += _problems(
                 spec, outs, pool[tokens], bound, f"{kind} W={world} stress call {call} T={tokens}"
             )
     torch.cuda.synchronize()
-    errors = [int(ws.err[0]) for ws in wss]
+    errors = [int(e) for e in group.errs[:, 0]]
     assert errors == [0] * world, f"kernel error words {errors}"
     assert not problems, "\n".join(problems[:20])

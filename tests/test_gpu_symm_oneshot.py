@@ -222,7 +222,7 @@ def _skipped_call(rank, dev, problems):
     call is aborted at once (a peer timed out), then raises too. Nothing hangs."""
     import torch.distributed as dist
 
-    from fusion_bridge.kernels.symm_oneshot import SENTINEL_BITS
+    from fusion_bridge.kernels.symm_protocol import SENTINEL_BITS
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
 

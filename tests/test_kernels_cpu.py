@@ -136,11 +136,11 @@ def _run_add_rmsnorm(residual, reduced, gamma, eps, weight_bias, quant, scale, l
         residual,
         reduced,
         gamma,
-        eps,
-        weight_bias,
-        quant,
-        scale,
-        layout is SFLayout.SWIZZLED_128x4,
+        eps=eps,
+        weight_bias=weight_bias,
+        quant=quant,
+        quant_scale=scale,
+        swizzled=layout is SFLayout.SWIZZLED_128x4,
     )
     return residual_out, norm_out, q, sf
 

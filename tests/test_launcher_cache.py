@@ -530,11 +530,11 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
                     residual,
                     reduced,
                     gamma,
-                    1e-6,
-                    0.0,
-                    quant_mode,
-                    scale,
-                    swizzled,
+                    eps=1e-6,
+                    weight_bias=0.0,
+                    quant=quant_mode,
+                    quant_scale=scale,
+                    swizzled=swizzled,
                 )
                 quant.quantize_into(q2, sf2, n_out, quant_mode, scale, swizzled)
             else:

@@ -96,11 +96,11 @@ def _kernel_norm(x_bf16, gamma, eps, weight_bias):
         residual,
         zeros,
         gamma.to(DEVICE),
-        eps,
-        weight_bias,
-        0,
-        1.0,
-        False,
+        eps=eps,
+        weight_bias=weight_bias,
+        quant=0,
+        quant_scale=1.0,
+        swizzled=False,
     )
     return norm_out.cpu()
 

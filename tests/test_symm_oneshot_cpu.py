@@ -1,6 +1,7 @@
-"""`symm_fused_oneshot` on CPU: the kernel's arithmetic under TRITON_INTERPRET=1 with the ranks
-emulated in one process (the signalling is GPU-only and tested by the `gpu`-marked tests), its
-capability checks on Environment values, and the symmetric-memory API it calls (drift)."""
+"""`symm_fused_oneshot` on CPU: the production kernel body under TRITON_INTERPRET=1 with W ranks
+emulated in one process (kernels/symm_testing: publish, clear, reduce + norm and the epoch advance
+run part by part on every rank; only the GPU timer and fence are left out), its capability checks on
+Environment values, and the symmetric-memory API it calls (drift)."""
 
 import inspect
 import math
@@ -10,24 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_bridge.spec import EpilogueSpec, SFLayout
 from fusion_bridge.environment import Environment
-from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
-from fusion_bridge.kernels.symm_oneshot import (
-    ERR_ABORTED,
-    ERR_TIMEOUT,
-    SENTINEL_BITS,
-    default_launch,
-    emulate_clear,
-    emulate_publish,
-    emulate_reduce_norm,
-    _round,
-    fill_sentinel,
-    row_block,
-)
+from fusion_bridge.kernels import symm_protocol as P
+from fusion_bridge.kernels.quant import row_block
+from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, QuantArgs
+from fusion_bridge.kernels.rounding import round_to
+from fusion_bridge.kernels.symm_oneshot import OneshotShape, default_shape
+from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS
+from fusion_bridge.kernels.symm_testing import emulated_group
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
-from fusion_bridge.spec import QuantSpec, Stage
+from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout, Stage
 from fusion_bridge.strategies import symm_workspace as sw
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy, describe_error
@@ -38,6 +32,12 @@ GOOD_ENV = Environment(
     device_type="cuda", sm=90, gpu_name="H200", world_size=2, triton_version="3.6.0"
 )
 SAFE = dict(sw.MULTICAST_OFF)
+SCALE = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}
+# the emulation runs the production kernel body part by part under the interpreter; on a GPU
+# machine the compiled kernel is tested by test_gpu_symm_one_device.py and test_gpu_symm_oneshot.py
+emulation = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter emulation; the GPU tests cover a GPU"
+)
 
 
 def poisoned(shape, dtype):
@@ -71,74 +71,70 @@ def oracle64(per_rank, spec):
     return torch.stack(partials), x, norm
 
 
-def run_emulated(
-    spec, tokens, world, quant, layout, block1, block2, seed=0, skip_rank=None, abort_word=0
-):
-    per_rank = [
-        make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
-        for r in range(world)
-    ]
+def outputs(spec, tokens, quant, layout):
     hidden = spec.hidden_size
-    slots = torch.empty((world, tokens, hidden), dtype=spec.dtype, device=DEVICE)
-    fill_sentinel(slots)  # "not arrived" until a rank publishes
-    for r, inp in enumerate(per_rank):
-        if r == skip_rank:
-            continue
-        emulate_publish(
-            slots,
-            r,
-            inp.gemm2_out,
-            inp.expanded_idx_to_permuted_idx,
-            inp.expert_weights,
-            inp.shared_output,
-            spec.routed_scaling_factor,
-            block1=block1,
+    q_shape = {QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}
+    return (
+        poisoned((tokens, hidden), spec.dtype),
+        poisoned((tokens, hidden), spec.dtype),
+        poisoned(q_shape[quant], torch.uint8),
+        poisoned(sf_shape(tokens, hidden, layout) if quant == QUANT_NVFP4 else (0,), torch.uint8),
+    )
+
+
+class Group:
+    """W emulated ranks of the one-shot kernel (kernels/symm_testing) and one call's results."""
+
+    def __init__(self, spec, world, cap, quant=QUANT_NONE, layout=SFLayout.LINEAR, max_polls=3):
+        self.spec, self.world, self.quant, self.layout = spec, world, quant, layout
+        swizzled = layout is SFLayout.SWIZZLED_128x4
+        self.g = emulated_group(
+            "oneshot",
+            spec,
+            world,
+            cap,
+            timeout=max_polls,
+            quant=QuantArgs(quant, SCALE[quant], swizzled),
         )
-    res = per_rank[0]
-    residual_out, norm_out = (
-        poisoned((tokens, hidden), spec.dtype),
-        poisoned((tokens, hidden), spec.dtype),
-    )
-    q = poisoned(
-        {QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[quant],
-        torch.uint8,
-    )
-    sf = poisoned(sf_shape(tokens, hidden, layout) if quant == QUANT_NVFP4 else (0,), torch.uint8)
-    scale = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}[quant]
-    status = emulate_reduce_norm(
-        slots,
-        res.residual,
-        res.gamma,
-        residual_out,
-        norm_out,
-        q,
-        sf,
-        spec.eps,
-        spec.weight_bias,
-        quant,
-        scale,
-        layout is SFLayout.SWIZZLED_128x4,
-        block2=block2,
-        abort_word=abort_word,
-    )
-    if skip_rank is None and not abort_word:
-        assert not status.any(), status
-    run_emulated.status = status
-    return per_rank, slots, residual_out, norm_out, q, sf, scale
+
+    def call(self, tokens, shape=None, seed=0, skip_rank=None, parts=None, programs=None):
+        self.inputs = [
+            make_inputs(self.spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
+            for r in range(self.world)
+        ]
+        # one TP group: every rank holds the same residual and gamma
+        self.inputs = [
+            inp._replace(residual=self.inputs[0].residual, gamma=self.inputs[0].gamma)
+            for inp in self.inputs
+        ]
+        self.outs = [outputs(self.spec, tokens, self.quant, self.layout) for _ in range(self.world)]
+        self.g.call(self.inputs, self.outs, parts, skip_rank, programs, shape)
+        return self.outs
+
+    def slot(self, rank, slot):
+        return self.g.slot(rank, slot, self.spec.dtype)
+
+    def error(self, rank):
+        """The error word in the host word and in device state (the kernel writes both)."""
+        word = int(self.g.errs[rank, 0])
+        assert word == int(self.g.states[rank, P.STATE_ERROR])
+        return word
 
 
 # tokens, hidden, top_k, world, block1, block2 (block2 >= H: whole rows; else each program of a row
+# reads the whole row and stores its chunk)
 CASES = [
-    # reads the whole row and stores its chunk)
     (1, 96, 8, 2, 64, 64),
     (3, 160, 1, 2, 64, 1024),
     (5, 96, 8, 3, 64, 64),
     (4, 256, 2, 2, 128, 64),
     (2, 320, 8, 2, 64, 192),
+    (3, 96, 8, 1, 64, 64),
     (0, 96, 8, 2, 64, 64),
 ]
 
 
+@emulation
 @pytest.mark.parametrize("tokens,hidden,top_k,world,block1,block2", CASES)
 @pytest.mark.parametrize(
     "quant,layout",
@@ -159,18 +155,29 @@ def test_emulated_ranks_match_the_float64_oracle(
         weight_bias=0.5,
         has_shared_output=(top_k != 2),
     )
-    per_rank, slots, residual_out, norm_out, q, sf, scale = run_emulated(
-        spec, tokens, world, quant, layout, block1, block2, seed=tokens * 13 + hidden + world
+    grp = Group(spec, world, max(tokens, 1), quant, layout)
+    outs = grp.call(
+        tokens, OneshotShape(block1, block2, 4), seed=tokens * 13 + hidden + world, programs=3
     )
+    assert [grp.error(r) for r in range(world)] == [0] * world
     if tokens == 0:
+        assert not grp.g.states.any()  # T == 0 launches nothing: the epoch stays
         return
-    partials, x, norm = oracle64(per_rank, spec)
+    # every rank's epoch advanced once and recorded this slot's rows
+    assert grp.g.states[:, P.STATE_SLOT].tolist() == [1] * world
+    assert grp.g.states[:, P.STATE_ROWS].tolist() == [tokens] * world
+    partials, x, norm = oracle64(grp.inputs, spec)
     u = UNIT_ROUNDOFF[spec.dtype]
     # the partial is rounded once to bf16 (fp32 accumulation adds ~1e-7): norm-wise at most u; every
-    # slot was written (no sentinel left), and a read of a skipped slot's NaN row would make it NaN
+    # slot was written on every rank (no sentinel left), and a read of a skipped slot's NaN row
+    # would make it NaN
+    slots = grp.slot(0, 0)[:, :tokens]
+    for r in range(world):
+        assert torch.equal(grp.slot(r, 0)[:, :tokens].view(torch.int16), slots.view(torch.int16))
     assert not (slots.view(torch.int16) == SENTINEL_BITS).any()
     assert torch.isfinite(slots).all()
     assert rel_err(slots, partials) <= u
+    residual_out, norm_out, q, sf = outs[0]
     # residual_out, norm_out: the partial's rounding + the output's, independent, in quadrature
     for got, ref in ((residual_out, x), (norm_out, norm)):
         assert torch.isfinite(got).all()
@@ -179,109 +186,131 @@ def test_emulated_ranks_match_the_float64_oracle(
     summed = slots[0].float()
     for r in range(1, world):
         summed = summed + slots[r].float()
-    assert torch.equal(residual_out, (per_rank[0].residual.float() + summed).to(spec.dtype))
+    assert torch.equal(residual_out, (grp.inputs[0].residual.float() + summed).to(spec.dtype))
+    # every rank's outputs are bitwise identical
+    for r in range(1, world):
+        for a, b in zip(outs[0], outs[r]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     # quantization reads the kernel's own rounded norm_out: bit-exact against the reference, padding
     # included
     if quant == QUANT_FP8:
-        assert torch.equal(q, quantize_fp8(norm_out, scale).view(torch.uint8))
+        assert torch.equal(q, quantize_fp8(norm_out, SCALE[quant]).view(torch.uint8))
     if quant == QUANT_NVFP4:
-        ref_q, ref_sf = quantize_nvfp4(norm_out, scale, layout)
+        ref_q, ref_sf = quantize_nvfp4(norm_out, SCALE[quant], layout)
         assert torch.equal(q, ref_q)
         assert torch.equal(sf, ref_sf)
 
 
+@emulation
 def test_model_width_single_token():
     """H=7168 (DeepSeek-V3), T=1, K=8, split into the default launch's column chunks (each program
-    of the
-    row reads the whole row for its sum of squares and stores its chunk)."""
+    of the row reads the whole row for its sum of squares and stores its chunk)."""
     spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5)
-    block1, block2, _ = default_launch(16, 7168)
-    assert block2 < 7168  # the row is split
-    per_rank, slots, residual_out, norm_out, q, sf, scale = run_emulated(
-        spec, 1, 2, QUANT_NVFP4, SFLayout.SWIZZLED_128x4, block1, block2
-    )
-    partials, x, norm = oracle64(per_rank, spec)
+    shape = default_shape(16, 7168)
+    assert shape.block2 < 7168  # the row is split
+    grp = Group(spec, 2, 1, QUANT_NVFP4, SFLayout.SWIZZLED_128x4)
+    residual_out, norm_out, q, sf = grp.call(1, shape)[0]
+    partials, x, norm = oracle64(grp.inputs, spec)
     u = UNIT_ROUNDOFF[spec.dtype]
     assert rel_err(norm_out, norm) <= math.sqrt(2) * u
     assert rel_err(residual_out, x) <= math.sqrt(2) * u
-    ref_q, ref_sf = quantize_nvfp4(norm_out, scale, SFLayout.SWIZZLED_128x4)
+    ref_q, ref_sf = quantize_nvfp4(norm_out, SCALE[QUANT_NVFP4], SFLayout.SWIZZLED_128x4)
     assert torch.equal(q, ref_q) and torch.equal(sf, ref_sf)
 
 
+@emulation
 def test_chunked_and_whole_row_norms_are_bitwise_equal():
     """The row's sum of squares comes from the whole row either way, so launch variants (and hence
-    ranks,
-    which all launch the same variant) agree bit for bit."""
+    ranks, which all launch the same variant) agree bit for bit."""
     spec = EpilogueSpec(hidden_size=160, top_k=4)
-    a = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, seed=5)
-    b = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, row_block(160), seed=5)
-    assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    a = Group(spec, 2, 3).call(3, OneshotShape(64, 64, 4), seed=5)[0]
+    b = Group(spec, 2, 3).call(3, OneshotShape(64, row_block(160), 4), seed=5)[0]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_default_launch_spreads_small_t_and_keeps_whole_rows_at_large_t():
-    assert default_launch(1, 7168) == (
-        1024,
-        8192,
-        8,
-    )  # 7 publish programs, one program writes the row
-    assert default_launch(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
-    assert default_launch(64, 7168) == (8192, 3584, 8)  # 2 programs per row
-    assert default_launch(256, 7168) == (8192, 7168, 8)
+def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
+    assert default_shape(1, 7168) == (1024, 8192, 8)  # 7 publish programs, one writes the row
+    assert default_shape(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
+    assert default_shape(64, 7168) == (8192, 3584, 8)  # 2 programs per row
+    assert default_shape(256, 7168) == (8192, 7168, 8)
     for tokens in (1, 3, 16, 64, 129, 256):
         for hidden in (7168, 4096, 2880, 96):
-            b1, b2, _ = default_launch(tokens, hidden)
+            b1, b2, _ = default_shape(tokens, hidden)
             assert b1 in (1024, row_block(hidden)) and b2 % 64 == 0 and b2 <= row_block(hidden)
 
 
+@emulation
 def test_negative_zero_payload_is_published_as_positive_zero():
     """A partial of -0.0 (weight 0 times a negative value, no shared) would read as "not arrived";
-    it is
-    published as +0.0, which changes no sum."""
+    it is published as +0.0, which changes no sum."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
+    grp = Group(spec, 1, 2)
     inp = make_inputs(spec, 2, device=DEVICE, skip_fraction=0.0)
     inp.gemm2_out[:2].copy_(-inp.gemm2_out[:2].abs() - 1.0)  # every referenced value negative
     inp.expert_weights.zero_()
-    slots = torch.empty((1, 2, 64), dtype=spec.dtype, device=DEVICE)
-    fill_sentinel(slots)
-    emulate_publish(
-        slots, 0, inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights, None, 1.0
-    )
-    assert (slots.view(torch.int16) == 0).all()  # +0.0, never the sentinel
+    grp.g.call([inp], [outputs(spec, 2, QUANT_NONE, SFLayout.LINEAR)], (P.PUBLISH | P.FINALIZE,))
+    assert (grp.slot(0, 0).view(torch.int16) == 0).all()  # +0.0, never the sentinel
 
 
-def test_clear_restores_the_sentinel():
+@emulation
+def test_each_call_clears_exactly_the_previous_calls_slot_and_rows():
+    """Call 1 (T=3) writes slot 0; call 2 (T=2) writes slot 1 and clears slot 0 (the 3 rows call 1
+    recorded in device state); call 3 (T=1) writes slot 2 and clears slot 1. Nothing written is left
+    behind, and nothing else is touched: the rows past T stay the sentinel throughout."""
     spec = EpilogueSpec(hidden_size=96, top_k=8)
-    _, slots, *_ = run_emulated(spec, 3, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, seed=3)
-    emulate_clear(slots)
-    assert (slots.view(torch.int16) == SENTINEL_BITS).all()
+    grp = Group(spec, 3, 4)
+
+    def sentinel(rank, slot):
+        return grp.slot(rank, slot).view(torch.int16) == SENTINEL_BITS
+
+    for call, (tokens, written, cleared) in enumerate([(3, 0, None), (2, 1, 0), (1, 2, 1)]):
+        grp.call(tokens, OneshotShape(64, 64, 4), seed=call, programs=2)
+        assert grp.g.states[:, P.STATE_SLOT].tolist() == [(call + 1) % 3] * 3
+        for r in range(3):
+            assert not sentinel(r, written)[:, :tokens].any()  # every source's rows arrived
+            assert sentinel(r, written)[:, tokens:].all()
+            if cleared is not None:
+                assert sentinel(r, cleared).all()
 
 
+@emulation
 @pytest.mark.parametrize(
-    "quant,layout", [(QUANT_NONE, SFLayout.LINEAR), (QUANT_NVFP4, SFLayout.SWIZZLED_128x4)]
+    "quant,layout,tokens,programs",
+    [
+        (QUANT_NONE, SFLayout.LINEAR, 3, 2),
+        (QUANT_NVFP4, SFLayout.SWIZZLED_128x4, 3, 2),
+        (QUANT_NONE, SFLayout.LINEAR, 1, 1),  # one wait: the word is the first timeout's own
+    ],
 )
-def test_a_rank_that_never_publishes_times_out_with_nan_and_names_it(quant, layout):
-    """Rank 1 of 3 skips the call: the bounded poll ends, every output is NaN, every item's status
-    names
-    rank 1 (and only rank 1)."""
+def test_a_rank_that_never_publishes_times_out_with_nan_and_names_it(
+    quant, layout, tokens, programs
+):
+    """Rank 1 of 3 skips the call: the bounded poll ends, every output is NaN; rank 0 times out
+    naming rank 1 (and only rank 1) and aborts the group, so rank 2 reports rank 0's abort."""
     spec = EpilogueSpec(hidden_size=160, top_k=2)
-    _, _, residual_out, norm_out, *_ = run_emulated(
-        spec, 3, 3, quant, layout, 64, 64, seed=9, skip_rank=1
-    )
-    status = run_emulated.status
-    assert status.numel() == 3 * 3
-    assert (status == (int(ERR_TIMEOUT) | 0b10)).all(), status
-    assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
-    assert "timed out waiting for rank(s) [1]" in describe_error(int(status[0]), rank=0)
+    grp = Group(spec, 3, 3, quant, layout)
+    shape = OneshotShape(64, 64 if programs > 1 else 256, 4)
+    outs = grp.call(tokens, shape, seed=9, skip_rank=1, programs=programs)
+    assert grp.error(0) == ERR_TIMEOUT | 0b10, hex(grp.error(0))
+    assert grp.error(2) == ERR_ABORTED | (0 << P.ERR_RANK_SHIFT) | 0b10, hex(grp.error(2))
+    for r in (0, 2):
+        assert torch.isnan(outs[r][0]).all() and torch.isnan(outs[r][1]).all()
+        assert int(grp.g.abort_word(r)) == ERR_ABORTED | 0b10  # later calls stop at once
+    assert "timed out waiting for rank(s) [1]" in describe_error(grp.error(0), rank=0)
 
 
+@emulation
 def test_an_abort_word_stops_the_call_with_nan_even_when_the_data_is_there():
     spec = EpilogueSpec(hidden_size=96, top_k=2)
-    word = int(ERR_ABORTED) | (0 << 20) | 0b10
-    _, _, residual_out, norm_out, *_ = run_emulated(
-        spec, 2, 2, QUANT_NONE, SFLayout.LINEAR, 64, 64, abort_word=word
-    )
-    assert (run_emulated.status == word).all()
-    assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
+    grp = Group(spec, 2, 2)
+    word = ERR_ABORTED | (0 << P.ERR_RANK_SHIFT) | 0b10
+    for r in range(2):
+        grp.g.abort_word(r).fill_(word)
+    outs = grp.call(2, OneshotShape(64, 64, 4))
+    for residual_out, norm_out, *_ in outs:
+        assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
+    # rank 1 reports rank 0's abort; rank 0 finds its own (earlier) timeout in it
+    assert grp.error(1) == word and grp.error(0) == ERR_TIMEOUT | 0b10
     assert "rank 1 stopped because rank 0 timed out" in describe_error(word, rank=1)
 
 
@@ -384,12 +413,12 @@ def test_symmetric_memory_api_drift():
 @triton.jit
 def _round_kernel(x_ptr, y_ptr):
     i = tl.arange(0, 4)
-    tl.store(y_ptr + i, _round(tl.load(x_ptr + i), tl.bfloat16))
+    tl.store(y_ptr + i, round_to(tl.load(x_ptr + i), tl.bfloat16))
 
 
 def test_rounding_keeps_the_gpus_canonical_nan():
     """The GPU's arithmetic NaN is 0x7FFFFFFF; integer RNE rounding would carry it into the sign bit
-    (-0.0, measured as a non-NaN norm_out after a timeout). The kernel's rounding keeps it NaN."""
+    (-0.0, measured as a non-NaN norm_out after a timeout). The rounding keeps it NaN."""
     x = torch.tensor(
         [0x7FFFFFFF, 0x7FC00000, 0x3F800000, -0x80000000], dtype=torch.int32, device=DEVICE
     )

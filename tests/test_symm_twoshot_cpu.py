@@ -1,38 +1,29 @@
-"""The two-shot symmetric-memory kernel (`kernels/symm_twoshot.py`) on CPU: its very kernel body
-under TRITON_INTERPRET=1, with the W ranks' buffers as slices of one tensor and one phase per launch
-(push on every rank, then reduce on every rank, then gather), so every wait finds what the earlier
-launches wrote. The signalling, the timer and the epoch ticket are GPU-only and tested by the
-`gpu`-marked tests."""
+"""The two-shot symmetric-memory kernel (`kernels/symm_twoshot.py`) on CPU: its production kernel
+body under TRITON_INTERPRET=1 (kernels/symm_testing), W ranks' buffers in host memory laid out as on
+the GPU, one part of a call per launch (clear, push, reduce, gather, epoch; each on every rank), so
+every wait finds what the earlier launches wrote. Only the GPU timer and fence are left out."""
 
 import math
 
 import pytest
 import torch
 
-from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
-from fusion_bridge.kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS, SLOTS
-from fusion_bridge.kernels.symm_twoshot import (
-    CLEAR,
-    GATHER,
-    PUSH,
-    REDUCE,
-    STATE_WORDS,
-    emulate,
-    fill_buffers,
-    slot_elems,
-)
+from fusion_bridge.kernels import symm_protocol as P
+from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, QuantArgs
+from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS
+from fusion_bridge.kernels.symm_testing import emulated_group
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.quant_ref import sf_shape
 from fusion_bridge.spec import EpilogueSpec, SFLayout
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF
+from fusion_bridge.strategies.symm_fused_oneshot import describe_error
 from fusion_bridge.synthetic import make_inputs
 
 from tests.oracle64 import epilogue64_from, finalize64, quantize  # float64, imports nothing of ours
 
 DEVICE = "cpu"
-# The emulation is for the interpreter (one launch per program, loop bounds as constexprs); on a GPU
-# machine the compiled kernel itself is tested by test_gpu_symm_one_device.py and
-# test_gpu_symm_twoshot.py.
+# The emulation is for the interpreter; on a GPU machine the compiled kernel itself is tested by
+# test_gpu_symm_one_device.py and test_gpu_symm_twoshot.py.
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter emulation; the GPU tests cover a GPU"
 )
@@ -46,7 +37,7 @@ def poisoned(shape, dtype):
 
 
 class Emulated:
-    """W ranks' buffers, states and outputs; `call` runs one epilogue call phase by phase."""
+    """W ranks (kernels/symm_testing.EmulatedGroup); `call` runs one epilogue call part by part."""
 
     def __init__(self, spec, world, cap, quant=QUANT_NONE, layout=SFLayout.LINEAR, programs=3):
         self.spec, self.world, self.cap, self.quant, self.layout, self.programs = (
@@ -57,81 +48,55 @@ class Emulated:
             layout,
             programs,
         )
-        self.bufs = torch.empty(
-            (world, SLOTS * slot_elems(world, cap, spec.hidden_size)),
-            dtype=spec.dtype,
-            device=DEVICE,
+        self.group = emulated_group(
+            "twoshot",
+            spec,
+            world,
+            cap,
+            quant=QuantArgs(quant, SCALE[quant], layout is SFLayout.SWIZZLED_128x4),
         )
-        fill_buffers(self.bufs)
-        self.states = torch.zeros((world, STATE_WORDS), dtype=torch.int32, device=DEVICE)
-        self.aborts = torch.zeros(world, dtype=torch.int32, device=DEVICE)
+        self.states = self.group.states
 
-    def call(self, tokens, seed=0, skip_rank=None, phases=(PUSH, REDUCE, GATHER), max_polls=3):
+    def data(self):
+        """Every rank's slots as int16 [W, elements]."""
+        return torch.stack([self.group.data(r, torch.int16) for r in range(self.world)])
+
+    def error(self, rank):
+        word = int(self.group.errs[rank, 0])
+        assert word == int(self.states[rank, P.STATE_ERROR])  # host word and device state agree
+        return word
+
+    def call(self, tokens, seed=0, skip_rank=None, inputs=None):
         spec, hidden = self.spec, self.spec.hidden_size
-        self.inputs = [
-            make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
-            for r in range(self.world)
+        if inputs is None:
+            inputs = [
+                make_inputs(spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
+                for r in range(self.world)
+            ]
+            # one TP group: every rank holds the same residual and gamma
+            inputs = [
+                inp._replace(residual=inputs[0].residual, gamma=inputs[0].gamma) for inp in inputs
+            ]
+        self.inputs = inputs
+        q_shape = {
+            QUANT_NONE: (0,),
+            QUANT_FP8: (tokens, hidden),
+            QUANT_NVFP4: (tokens, hidden // 2),
+        }
+        self.outs = [
+            (
+                poisoned((tokens, hidden), spec.dtype),
+                poisoned((tokens, hidden), spec.dtype),
+                poisoned(q_shape[self.quant], torch.uint8),
+                poisoned(
+                    sf_shape(tokens, hidden, self.layout) if self.quant == QUANT_NVFP4 else (0,),
+                    torch.uint8,
+                ),
+            )
+            for _ in range(self.world)
         ]
-        self.outs = []
-        for _ in range(self.world):
-            q = poisoned(
-                {QUANT_NONE: (0,), QUANT_FP8: (tokens, hidden), QUANT_NVFP4: (tokens, hidden // 2)}[
-                    self.quant
-                ],
-                torch.uint8,
-            )
-            sf = poisoned(
-                sf_shape(tokens, hidden, self.layout) if self.quant == QUANT_NVFP4 else (0,),
-                torch.uint8,
-            )
-            self.outs.append(
-                (
-                    poisoned((tokens, hidden), spec.dtype),
-                    poisoned((tokens, hidden), spec.dtype),
-                    q,
-                    sf,
-                )
-            )
-        for phase in phases:
-            for r, inp in enumerate(self.inputs):
-                if r == skip_rank:
-                    continue
-                ro, no, q, sf = self.outs[r]
-                emulate(
-                    self.bufs,
-                    self.states,
-                    self.aborts,
-                    r,
-                    phase,
-                    self.cap,
-                    ro,
-                    no,
-                    q,
-                    sf,
-                    inp.gemm2_out,
-                    inp.expanded_idx_to_permuted_idx,
-                    inp.expert_weights,
-                    inp.shared_output,
-                    inp.residual,
-                    inp.gamma,
-                    spec.routed_scaling_factor,
-                    spec.eps,
-                    spec.weight_bias,
-                    self.quant,
-                    SCALE[self.quant],
-                    self.layout is SFLayout.SWIZZLED_128x4,
-                    programs=self.programs,
-                    max_polls=max_polls,
-                )
+        self.group.call(self.inputs, self.outs, skip_rank=skip_rank, programs=self.programs)
         return self.outs
-
-    def next_slot(self, tokens):
-        """What the GPU's last ticket does at the end of a call: this slot's rows recorded, slot
-        advanced."""
-        for st in self.states:
-            slot = int(st[0])
-            st[4 + slot] = tokens
-            st[0] = (slot + 1) % 3
 
 
 def rounded_partials(inputs, spec):
@@ -185,7 +150,10 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     )
     emu = Emulated(spec, world, cap=tokens + 2, quant=quant, layout=layout, programs=programs)
     outs = emu.call(tokens, seed=tokens * 31 + hidden + world)
-    assert not emu.states[:, 2].any(), emu.states  # no wait failed
+    assert [emu.error(r) for r in range(world)] == [0] * world  # no wait failed
+    # the last ticket of every rank advanced the epoch and recorded this slot's rows
+    assert emu.states[:, P.STATE_SLOT].tolist() == [1] * world
+    assert emu.states[:, P.STATE_ROWS].tolist() == [tokens] * world
     # bitwise identical on every rank (rows reduced by their owner, the rest gathered from it)
     for r in range(1, world):
         for mine, theirs in zip(outs[r], outs[0]):
@@ -225,51 +193,59 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
 
 
 def test_successive_calls_rotate_slots_and_clear_exactly_what_was_written():
-    """Call 1 (T=7) in slot 0, call 2 (T=4) in slot 1 clears slot 0 as it goes; then a clear-only
-    pass
-    over slot 1 leaves every buffer all sentinel again, so nothing written was left behind."""
+    """Call 1 (T=7) in slot 0; call 2 (T=4) in slot 1 clears slot 0 as it goes (the 7 rows call 1
+    recorded in device state); call 3 (T=1) in slot 2 clears slot 1: then slots 0 and 1 are all
+    sentinel again, so nothing written was left behind."""
     spec = EpilogueSpec(hidden_size=96, top_k=4)
     emu = Emulated(spec, world=3, cap=8, programs=2)
+    slot_len = P.slot_elems("twoshot", 3, 8, 96)
     first = emu.call(7, seed=1)
-    assert (emu.bufs.view(torch.int16) != SENTINEL_BITS).any()  # something was written
-    emu.next_slot(7)
-    second = emu.call(4, seed=2, phases=(CLEAR, PUSH, REDUCE, GATHER))
+    assert (emu.data()[:, :slot_len] != SENTINEL_BITS).any()  # something was written
+    assert (emu.data()[:, slot_len:] == SENTINEL_BITS).all()  # only into slot 0
+    second = emu.call(4, seed=2)
     x64, norm64 = epilogue64_from(spec, emu.inputs)
     assert rel_err(second[1][1], norm64) <= math.sqrt(3) * UNIT_ROUNDOFF[spec.dtype]
     assert torch.equal(second[0][0], second[2][0]) and first[0][0].shape[0] == 7
-    slot_len = slot_elems(3, 8, 96)
-    assert (emu.bufs[:, :slot_len].view(torch.int16) == SENTINEL_BITS).all()  # slot 0 cleared
-    emu.next_slot(4)  # the next call (slot 2) clears slot 1
-    emu.call(0, phases=(CLEAR,))
-    assert (emu.bufs.view(torch.int16) == SENTINEL_BITS).all()
+    assert (emu.data()[:, :slot_len] == SENTINEL_BITS).all()  # slot 0 cleared
+    assert (emu.data()[:, slot_len : 2 * slot_len] != SENTINEL_BITS).any()
+    emu.call(1, seed=3)  # slot 2; clears slot 1
+    assert (emu.data()[:, : 2 * slot_len] == SENTINEL_BITS).all()
+    assert emu.states[:, P.STATE_SLOT].tolist() == [0, 0, 0]
+    assert emu.states[0, P.STATE_ROWS :].tolist()[:3] == [7, 4, 1]
 
 
 @pytest.mark.parametrize("world,skip", [(2, 1), (3, 0), (4, 2)])
 def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip):
+    """The first rank whose wait runs out names the missing rank and aborts the group; every other
+    rank reports that abort (naming the same missing rank) or, in its own later waits, the same."""
     spec = EpilogueSpec(hidden_size=64, top_k=2)
     emu = Emulated(spec, world, cap=8, quant=QUANT_NVFP4, layout=SFLayout.SWIZZLED_128x4)
     outs = emu.call(6, skip_rank=skip)
+    first = min(r for r in range(world) if r != skip)  # ranks run in order: it waits first
+    assert emu.error(first) == ERR_TIMEOUT | (1 << skip), hex(emu.error(first))
     for r in range(world):
         if r == skip:
             continue
         residual_out, norm_out, *_ = outs[r]
         assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
-        assert int(emu.states[r, 2]) == int(ERR_TIMEOUT) | (1 << skip), (
-            r,
-            hex(int(emu.states[r, 2])),
-        )
+        if r != first:
+            aborted = ERR_ABORTED | (first << P.ERR_RANK_SHIFT) | (1 << skip)
+            assert emu.error(r) == aborted, (r, hex(emu.error(r)))
+    msg = describe_error(emu.error(first), rank=first, who="symm_fused_twoshot")
+    assert f"timed out waiting for rank(s) [{skip}]" in msg
 
 
 def test_an_abort_word_stops_the_call_with_nan():
     spec = EpilogueSpec(hidden_size=64, top_k=2)
     emu = Emulated(spec, 2, cap=4)
-    word = int(ERR_ABORTED) | (1 << 20) | 0b1
-    emu.aborts.fill_(word)
+    word = ERR_ABORTED | (1 << P.ERR_RANK_SHIFT) | 0b1
+    for r in range(2):
+        emu.group.abort_word(r).fill_(word)
     outs = emu.call(3)
     for residual_out, norm_out, *_ in outs:
         assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
     # rank 0 reports rank 1's abort; rank 1 finds its own (a sibling program's) timeout in it
-    assert int(emu.states[0, 2]) == word and int(emu.states[1, 2]) == int(ERR_TIMEOUT) | 0b1
+    assert emu.error(0) == word and emu.error(1) == ERR_TIMEOUT | 0b1
 
 
 def _exact_inputs(spec, world, tokens, partial_values, residual_value):
@@ -291,42 +267,10 @@ def _exact_inputs(spec, world, tokens, partial_values, residual_value):
     return out
 
 
-def _run_phases(emu, spec, inputs, tokens):
-    outs = [
-        (
-            poisoned((tokens, spec.hidden_size), spec.dtype),
-            poisoned((tokens, spec.hidden_size), spec.dtype),
-        )
-        for _ in inputs
-    ]
-    for phase in (PUSH, REDUCE, GATHER):
-        for r, inp in enumerate(inputs):
-            ro, no = outs[r]
-            emulate(
-                emu.bufs,
-                emu.states,
-                emu.aborts,
-                r,
-                phase,
-                emu.cap,
-                ro,
-                no,
-                ro,
-                ro,
-                inp.gemm2_out,
-                inp.expanded_idx_to_permuted_idx,
-                inp.expert_weights,
-                None,
-                inp.residual,
-                inp.gamma,
-                spec.routed_scaling_factor,
-                spec.eps,
-                0.0,
-                QUANT_NONE,
-                1.0,
-                False,
-            )
-    return outs
+def _run_call(emu, spec, inputs, tokens):
+    """One call of `inputs` (no shared output, no quant): each rank's (residual_out, norm_out)."""
+    outs = emu.call(tokens, inputs=inputs)
+    return [(ro, no) for ro, no, _, _ in outs]
 
 
 def test_partials_are_summed_in_rank_order():
@@ -337,8 +281,8 @@ def test_partials_are_summed_in_rank_order():
     (T = 3: one row each) must give 1.0."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
     emu = Emulated(spec, 3, cap=3)
-    outs = _run_phases(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0**-24, 2.0**-24], 2.0**-8), 3)
-    assert not emu.states[:, 2].any()
+    outs = _run_call(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0**-24, 2.0**-24], 2.0**-8), 3)
+    assert [emu.error(r) for r in range(3)] == [0] * 3
     for ro, _ in outs:
         assert (ro == 1.0).all(), ro[:, 0]
 
@@ -353,7 +297,7 @@ def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
     inputs = _exact_inputs(spec, 2, 2, [-1e-20, -1e-20], -0.0)
     for inp in inputs:
         inp.expert_weights.fill_(1e-21)  # the partial -1e-41 rounds to bf16 -0.0
-    outs = _run_phases(emu, spec, inputs, 2)
-    assert not emu.states[:, 2].any(), emu.states  # nobody waited for a "missing" -0.0
+    outs = _run_call(emu, spec, inputs, 2)
+    assert [emu.error(r) for r in range(2)] == [0, 0]  # nobody waited for a "missing" -0.0
     for ro, _ in outs:
         assert (ro.view(torch.int16) == 0).all()  # +0.0 everywhere, identical on both ranks

@@ -16,8 +16,9 @@ import torch
 
 from ..environment import Environment
 from ..io import EpilogueInputs, EpilogueOutputs
+from ..kernels.quant_codes import quant_args as kernel_quant_args  # noqa: F401 (strategies use it)
 from ..reasons import Reason
-from ..spec import EpilogueSpec, QuantKind, SFLayout, Stage
+from ..spec import EpilogueSpec, QuantKind, Stage
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DEFAULT_VARIANT = "default"
@@ -45,20 +46,6 @@ def required_stages(spec: EpilogueSpec, world_size: int) -> tuple[Stage, ...]:
     if spec.quant.kind is not QuantKind.NONE:
         stages.append(Stage.QUANT)
     return tuple(stages)
-
-
-def kernel_quant_args(spec: EpilogueSpec) -> tuple[int, float, bool]:
-    """(quant code, scale, swizzled?) as our quant kernels take them: code 0 none, 1 fp8 (scale is
-    the
-    divisor), 2 nvfp4 (scale is the global scale)."""
-    q = spec.quant
-    code = {QuantKind.NONE: 0, QuantKind.FP8: 1, QuantKind.NVFP4: 2}[q.kind]
-    scale = (
-        q.scale
-        if q.kind is QuantKind.FP8
-        else (q.global_scale if q.kind is QuantKind.NVFP4 else 1.0)
-    )
-    return code, scale, q.sf_layout is SFLayout.SWIZZLED_128x4
 
 
 def rounding_error_bound(dtype: torch.dtype, roundings: int) -> float:

@@ -107,7 +107,7 @@ class LocalFusedFlashInferStrategy(Strategy):
         from ..kernels import ops
 
         spec, env = self.spec, self.env
-        self._ops, self._fi = ops.fast, fi_comm
+        self._ops, self._fi = ops.direct_when_eager, fi_comm
         self._quant = kernel_quant_args(spec)
         self._workspace = fic.acquire_workspace(self.group, spec, env.world_size)
         self._rank = torch.distributed.get_rank(self.group)

@@ -62,7 +62,7 @@ class LocalFusedNcclStrategy(Strategy):
     def prepare(self) -> None:
         from ..kernels import ops  # registers the custom ops; Triton compiles lazily
 
-        self._ops = ops.fast
+        self._ops = ops.direct_when_eager
         self._quant = kernel_quant_args(self.spec)
         self._kind = self.spec.quant.kind
 

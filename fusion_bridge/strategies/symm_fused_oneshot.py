@@ -16,18 +16,15 @@ and every later call on every rank raises: the bridge must be rebuilt.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
 from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
+from ..kernels.symm_protocol import SymmLayer, describe_error
 from ..reasons import collect
 from ..spec import QuantKind
 from . import symm_workspace as sw
-from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
-
-#: launch variants (BLOCK1 finalize chunk, BLOCK2 norm chunk, warps); None = the per-T default
-LaunchVariant = Optional[tuple[int, int, int]]
+from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class SymmFusedOneshotStrategy(Strategy):
@@ -66,11 +63,13 @@ class SymmFusedOneshotStrategy(Strategy):
             )
         )
 
+    def _kernel_module(self):
+        from ..kernels import symm_oneshot
+
+        return symm_oneshot
+
     def prepare(self) -> None:
-        self._kernel = sw.kernel_module(
-            self.workspace_kind
-        )  # bound once: no import on the call path
-        self._quant_args = kernel_quant_args(self.spec)
+        self._kernel = self._kernel_module()  # bound once: no import on the call path
         self._unused = torch.empty(
             0, dtype=torch.uint8, device=self.device
         )  # q / sf the kernel never writes
@@ -83,6 +82,8 @@ class SymmFusedOneshotStrategy(Strategy):
             self._ws_timeout_s,
             self.workspace_kind,
         )
+        # what every launch of this layer shares: pointers, sizes, eps, scales, world, rank
+        self._layer = SymmLayer.bind(self._ws, self.spec)
 
     @property
     def workspace_bytes(self) -> int:
@@ -99,37 +100,8 @@ class SymmFusedOneshotStrategy(Strategy):
         if word:
             raise RuntimeError(describe_error(word, self._ws.rank, self.name))
 
-    def _launch(self, ws, residual_out, norm_out, q, sf, inputs: EpilogueInputs, launch) -> None:
-        spec = self.spec
-        quant, scale, swizzled = self._quant_args
-        self._kernel.fused_into(
-            ws,
-            residual_out,
-            norm_out,
-            q,
-            sf,
-            inputs.gemm2_out,
-            inputs.expanded_idx_to_permuted_idx,
-            inputs.expert_weights,
-            inputs.shared_output,
-            inputs.residual,
-            inputs.gamma,
-            spec.routed_scaling_factor,
-            spec.eps,
-            spec.weight_bias,
-            quant,
-            scale,
-            swizzled,
-            launch=launch,
-        )
-
-    def run(
-        self, inputs: EpilogueInputs, variant: "str | LaunchVariant" = DEFAULT_VARIANT
-    ) -> EpilogueOutputs:
-        """variant: the declared "default" (the per-T launch shape), or a launch tuple (benchmark
-        sweeps;
-        one-shot: (finalize chunk, norm chunk, warps))."""
-        launch = None if isinstance(variant, str) else variant
+    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+        """variant: the declared "default" (the per-T launch shape)."""
         ws = self._ws
         self.check_error()
         tokens, hidden = inputs.residual.shape
@@ -148,14 +120,18 @@ class SymmFusedOneshotStrategy(Strategy):
         )
         q = q if q is not None else self._unused
         sf = sf if sf is not None else self._unused
-        self._launch(
-            ws,
-            residual_out,
-            norm_out,
-            q.view(torch.uint8) if q.dtype != torch.uint8 else q,
-            sf,
-            inputs,
-            launch,
+        self._kernel.launch(
+            self._layer,
+            residual_out=residual_out,
+            norm_out=norm_out,
+            q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,
+            sf=sf,
+            gemm2_out=inputs.gemm2_out,
+            perm=inputs.expanded_idx_to_permuted_idx,
+            weights=inputs.expert_weights,
+            shared=inputs.shared_output,
+            residual=inputs.residual,
+            gamma=inputs.gamma,
         )
         if spec.quant.kind is QuantKind.NONE:
             return EpilogueOutputs(residual_out, norm_out)
@@ -173,25 +149,3 @@ class SymmFusedOneshotStrategy(Strategy):
             getattr(self, "_ws_timeout_s", self.timeout_s),
             self.workspace_kind,
         )
-
-
-def describe_error(word: int, rank: int, who: str = "symm_fused_oneshot") -> str:
-    """Turn the kernel's error word into a message naming the rank(s) that did not arrive."""
-    from ..kernels.symm_common import ERR_ABORTED, ERR_TIMEOUT
-
-    missed = [r for r in range(16) if word & (1 << r)]
-    if word & int(ERR_ABORTED):
-        return (
-            f"{who}: rank {rank} stopped because rank {(word >> 20) & 0xFF} timed out waiting for "
-            f"rank(s) {missed} in an earlier call; its outputs since then are NaN. The peers are "
-            "out of step: "
-            "rebuild the bridge (close it and create a new one on every rank)"
-        )
-    if word & int(ERR_TIMEOUT):
-        return (
-            f"{who}: rank {rank} timed out waiting for rank(s) {missed}, which did not make the "
-            "matching call (all ranks must call with the same T, in the same order); that call's "
-            "outputs are "
-            "NaN. Rebuild the bridge (close it and create a new one on every rank)"
-        )
-    return f"{who}: rank {rank}: unknown kernel error word {word:#x}; rebuild the bridge"

@@ -30,14 +30,8 @@ name).
 
 from __future__ import annotations
 
-from typing import Optional
-
-from ..io import EpilogueInputs
 from .base import Step, required_stages
 from .symm_fused_oneshot import SymmFusedOneshotStrategy
-
-#: launch variants for benchmark sweeps: (programs, warps); None = the default (one program per SM)
-TwoshotLaunch = Optional[tuple[int, int]]
 
 
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
@@ -61,30 +55,7 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
     def roundings(cls, spec, env):
         return 3  # the partial, residual_out (the norm reads it, on every rank) and each output
 
-    def _launch(
-        self, ws, residual_out, norm_out, q, sf, inputs: EpilogueInputs, launch: TwoshotLaunch
-    ) -> None:
-        spec = self.spec
-        quant, scale, swizzled = self._quant_args
-        programs, warps = launch if launch is not None else (None, None)
-        self._kernel.fused_into(
-            ws,
-            residual_out,
-            norm_out,
-            q,
-            sf,
-            inputs.gemm2_out,
-            inputs.expanded_idx_to_permuted_idx,
-            inputs.expert_weights,
-            inputs.shared_output,
-            inputs.residual,
-            inputs.gamma,
-            spec.routed_scaling_factor,
-            spec.eps,
-            spec.weight_bias,
-            quant,
-            scale,
-            swizzled,
-            warps=warps,
-            programs=programs,
-        )
+    def _kernel_module(self):
+        from ..kernels import symm_twoshot
+
+        return symm_twoshot

@@ -29,6 +29,7 @@ from ..reasons import (
     require_sm_at_least,
     require_triton,
 )
+from ..kernels import symm_protocol as protocol
 from ..spec import EpilogueSpec
 from .shared import SharedWorkspaces, group_name
 
@@ -44,7 +45,7 @@ MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in register
 # tokens per call: one-shot is the small-T path; two-shot the bandwidth path; larger T takes the
 # overflow route
 MAX_CAP_TOKENS = {"oneshot": 2048, "twoshot": 4096}
-KINDS = tuple(MAX_CAP_TOKENS)
+KINDS = protocol.KINDS
 MAX_BUFFER_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = (
     60.0  # a peer that has not arrived by then is treated as gone (bridge must be rebuilt)
@@ -87,25 +88,12 @@ def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> O
     return None
 
 
-def kernel_module(kind: str):
-    """The kernel module of a workspace kind (its buffer layout and launch)."""
-    if kind == "oneshot":
-        from ..kernels import symm_oneshot
-
-        return symm_oneshot
-    if kind == "twoshot":
-        from ..kernels import symm_twoshot
-
-        return symm_twoshot
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-
-
 def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    """Tokens one call may carry, bounded in bytes: one-shot slots are [3][W][cap][H]; two-shot
-    slots
-    [3][W * cap/W (reduce-scatter) + cap (all-gather)][H]."""
+    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol)."""
     elem = torch.finfo(spec.dtype).bits // 8
-    rows_per_token = 3 * max(world_size, 1) if kind == "oneshot" else 3 * 2
+    world = max(world_size, 1)
+    # one-shot: [3][W][cap][H]; two-shot: [3][W * cap/W + cap][H], about 2 rows per token
+    rows_per_token = protocol.SLOTS * (world if kind == "oneshot" else 2)
     cap = min(
         spec.max_tokens,
         MAX_CAP_TOKENS[kind],
@@ -113,15 +101,15 @@ def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
     )
     while (
         cap > 0
-        and kernel_module(kind).buffer_bytes(max(world_size, 1), cap, spec.hidden_size, elem)
-        > MAX_BUFFER_BYTES
+        and protocol.buffer_bytes(kind, world, cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES
     ):
         cap -= 1  # two-shot rounds its reduce-scatter rows up to whole blocks of W
     return max(0, cap)
 
 
 def buffer_bytes(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    return kernel_module(kind).buffer_bytes(
+    return protocol.buffer_bytes(
+        kind,
         world_size,
         capacity(spec, world_size, kind),
         spec.hidden_size,
@@ -223,10 +211,9 @@ def memory_reason(
 
 @dataclass
 class SymmWorkspace:
-    """What one launch needs. ptrs: int64 [W + 1] device (every rank's buffer, then the pinned error
-    word); state: int32 [8] device (slot = epoch mod 3, ticket counter, error word, -, rows of slots
-    0-2);
-    err: int32 [4] pinned host."""
+    """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
+    buffer, then the pinned error word); state: int32 [STATE_WORDS] device (kernels/symm_protocol);
+    err: int32 [4] pinned host. A layer binds it with kernels.symm_protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
     handle: object
@@ -263,9 +250,6 @@ def create(
     used."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from ..kernels.symm_common import HEADER_BYTES, SENTINEL_BITS
-
-    kernel = kernel_module(kind)
     who = f"symm_fused_{kind}"
     bad = multicast_reason(who)
     if bad is not None:
@@ -280,9 +264,9 @@ def create(
             f"[multicast_present] {who}: the symmetric-memory handle exposes a multicast "
             "pointer although multicast is disabled; refusing to run"
         )
-    head = HEADER_BYTES
+    head = protocol.HEADER_BYTES
     buffer[:head].zero_()  # the abort word
-    buffer[head:].view(torch.int16).fill_(SENTINEL_BITS)  # every data slot "not arrived" (-0.0)
+    protocol.fill_sentinel(buffer[head:].view(torch.int16))  # every data slot "not arrived"
     torch.cuda.synchronize(device)
     dist.barrier(group)  # no rank publishes before every rank's slots hold the sentinel
     torch.cuda.synchronize(device)
@@ -306,7 +290,7 @@ def create(
     ptrs = torch.tensor(
         [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
     )
-    state = torch.zeros(kernel.STATE_WORDS, dtype=torch.int32, device=device)
+    state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int32, device=device)
     return SymmWorkspace(
         buffer,
         handle,

@@ -1,0 +1,143 @@
+"""The symmetric-memory protocol of our one-launch kernels (`symm_oneshot`, `symm_twoshot`): buffer
+layout, device state, error words, sizes and the launch arguments fixed for a layer.
+
+Imports no Triton: capability and sizing code (strategies/symm_workspace.py) read it without loading
+a kernel. The device side of the protocol (tickets, epochs, waits, error reports) is
+`kernels/symm_device.py`; each kernel's module docstring carries its memory-ordering argument.
+
+The data carries its own arrival (Lamport-style): a slot element holds the sentinel -0.0 (bits
+0x8000 in bf16 and fp16) until a peer writes it, a published value never holds -0.0 (it is mapped to
++0.0), and a reader polls the data itself. Three slots rotate, each cleared one call behind.
+
+Buffer of one rank (bytes): a HEADER_BYTES header (int32 abort word at 0), then SLOTS data slots of
+the activation dtype, all the sentinel at creation:
+    one-shot: [SLOTS][W][cap][H]              (source rank, token)
+    two-shot: [SLOTS][W * cap_blocks + cap][H] (reduce-scatter rows [W][cap_blocks], then all-gather
+              rows [cap])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quant_codes import QuantArgs, quant_args
+
+HEADER_BYTES = 256
+SLOTS = 3
+SENTINEL_BITS = -32768  # int16 view of -0.0 in bf16 and fp16 (0x8000)
+
+# device state, int32 [STATE_WORDS] per rank: the epoch lives here, so CUDA graphs replay it
+STATE_SLOT = 0  # this call's slot: the epoch mod SLOTS (it never wraps)
+STATE_TICKET = 1  # programs that finished their loads this call (the last one advances the epoch)
+STATE_ERROR = 2  # the error word of a failed wait (also written to the pinned host word)
+STATE_ROWS = 4  # rows of slot 0, 1, 2 as the call that wrote them used them (the next clear's)
+STATE_WORDS = 8
+
+# error word: bits 0-15 the ranks missed; bit 16 this rank timed out; bit 17 a peer timed out
+# earlier (then bits 20-27 name that peer)
+ERR_TIMEOUT = 1 << 16
+ERR_ABORTED = 1 << 17
+ERR_RANK_SHIFT = 20
+
+# ---- test and benchmark hooks -------------------------------------------------------------------
+# Both kernels take two constexprs that default to production and compile away there:
+#   PHASES   a bitmask of the parts of a call to run (default ALL_PHASES). The CPU emulation runs
+#            one part per launch on every rank in turn (a wait finds what earlier launches wrote);
+#            the benchmarks' ablations leave parts out (their results are then wrong).
+#   EMULATED interpreter (TRITON_INTERPRET=1): the timeout counts polls instead of reading the GPU
+#            timer, and the epoch fence (inline PTX) is left out. Everything else is the GPU code:
+#            peer pointers, tickets, waits and error reports run as they do on the device.
+# Only kernels/symm_testing.py sets them; no production launcher or strategy exposes them.
+PUBLISH = 1  # finalize the partials and store them where they are read (two-shot: at the owner)
+REDUCE = 2  # wait for a row's partials and sum them (two-shot: push the reduced row to every rank)
+NORM = 4  # the outputs: residual_out, norm_out, quant (two-shot: wait for the owner's row first)
+CLEAR = 8  # the previous call's slot back to the sentinel
+EPOCH = 16  # the end-of-call ticket: record this slot's rows, advance the slot
+FINALIZE = 32  # partials from the top-k gathers (off: a constant partial; the exchange alone)
+ALL_PHASES = PUBLISH | REDUCE | NORM | CLEAR | EPOCH | FINALIZE
+
+KINDS = ("oneshot", "twoshot")
+
+
+def cap_blocks(world: int, cap: int) -> int:
+    """Two-shot: blocks of W rows that `cap` tokens fill (rows t = b * W + q, owner q)."""
+    return -(-cap // world)
+
+
+def slot_elems(kind: str, world: int, cap: int, hidden: int) -> int:
+    """Elements of one slot."""
+    if kind == "oneshot":
+        return world * cap * hidden
+    if kind == "twoshot":
+        return (world * cap_blocks(world, cap) + cap) * hidden
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def buffer_bytes(kind: str, world: int, cap: int, hidden: int, elem_size: int) -> int:
+    return HEADER_BYTES + SLOTS * slot_elems(kind, world, cap, hidden) * elem_size
+
+
+def fill_sentinel(t: torch.Tensor) -> None:
+    """Every element of a bf16/fp16 tensor -> the sentinel (-0.0): "not arrived"."""
+    t.view(torch.int16).fill_(SENTINEL_BITS)
+
+
+@dataclass(frozen=True)
+class SymmLayer:
+    """What every launch of one layer shares, bound once in prepare(): the workspace (ptrs: int64
+    [W + 1] device, every rank's buffer then the error word; state: int32 [STATE_WORDS]), the
+    group's shape and the spec's scalars. Per-call tensors are passed by keyword to `launch`."""
+
+    ptrs: torch.Tensor
+    state: torch.Tensor
+    world: int
+    rank: int
+    cap: int  # tokens one call may carry
+    data_off: int  # int16 elements before slot 0 (the header)
+    num_sms: int  # the smallest SM count of the group: every rank launches the same grid
+    timeout_us: int  # a wait longer than this fails the call (EMULATED: polls)
+    hidden: int
+    routed_scaling: float
+    eps: float
+    weight_bias: float
+    quant: QuantArgs
+
+    @classmethod
+    def bind(cls, ws, spec) -> "SymmLayer":
+        """From a workspace (strategies/symm_workspace.SymmWorkspace) and an EpilogueSpec."""
+        return cls(
+            ptrs=ws.ptrs,
+            state=ws.state,
+            world=ws.world,
+            rank=ws.rank,
+            cap=ws.cap,
+            data_off=ws.data_off,
+            num_sms=ws.num_sms,
+            timeout_us=ws.timeout_ns // 1000,
+            hidden=spec.hidden_size,
+            routed_scaling=float(spec.routed_scaling_factor),
+            eps=float(spec.eps),
+            weight_bias=float(spec.weight_bias),
+            quant=quant_args(spec),
+        )
+
+
+def describe_error(word: int, rank: int, who: str = "symm_fused_oneshot") -> str:
+    """The kernel's error word as a message naming the rank(s) that did not arrive."""
+    missed = [r for r in range(16) if word & (1 << r)]
+    if word & ERR_ABORTED:
+        return (
+            f"{who}: rank {rank} stopped because rank {(word >> ERR_RANK_SHIFT) & 0xFF} timed out "
+            f"waiting for rank(s) {missed} in an earlier call; its outputs since then are NaN. The "
+            "peers are out of step: rebuild the bridge (close it and create a new one on every "
+            "rank)"
+        )
+    if word & ERR_TIMEOUT:
+        return (
+            f"{who}: rank {rank} timed out waiting for rank(s) {missed}, which did not make the "
+            "matching call (all ranks must call with the same T, in the same order); that call's "
+            "outputs are NaN. Rebuild the bridge (close it and create a new one on every rank)"
+        )
+    return f"{who}: rank {rank}: unknown kernel error word {word:#x}; rebuild the bridge"
