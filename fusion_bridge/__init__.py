@@ -31,7 +31,7 @@ __all__ = [
 
 _LAZY = {
     "FusionBridge": ".bridge",
-    "EpilogueOutputs": ".io",
+    "EpilogueOutputs": ".epilogue_tensors",
     "NoStrategyAvailable": ".planner",
     "EpilogueSpec": ".spec",
     "QuantSpec": ".spec",
@@ -40,7 +40,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
     from .bridge import FusionBridge
-    from .io import EpilogueOutputs
+    from .epilogue_tensors import EpilogueOutputs
     from .planner import NoStrategyAvailable
     from .spec import EpilogueSpec, QuantSpec
     from .validation import EpilogueInputError

@@ -16,9 +16,11 @@ from typing import Optional
 import torch
 
 from . import log, registry
-from .agreement import agree_flags, collective_device, my_rank, other_rank_reason
+from .process_group import collective_device, my_rank
+from .rank_agreement import agree_flags, other_rank_reason
 from .environment import Environment
-from .planner import AUTO, StrategyStatus
+from .planner import AUTO
+from .strategy_status import StrategyStatus
 from .reasons import Reason
 from .selftest import self_test
 from .spec import EpilogueSpec

@@ -26,14 +26,15 @@ from typing import Callable, Optional
 
 import torch
 
-from . import compiled, log, registry
+from . import custom_op, log, registry
 from . import tuning as tuning_tables
-from . import consensus
+from . import rank_agreement
 from .admission import admit
-from .agreement import collective_device
-from .environment import Environment, check_process_group, default_device, detect
-from .io import EpilogueInputs, EpilogueOutputs, allocate_outputs
-from .planner import AUTO, Plan, bucket_index, select_for_modes
+from .environment import Environment, default_device, detect
+from .epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from .process_group import check_process_group, collective_device
+from .buckets import bucket_index, tokens_text
+from .planner import AUTO, Plan, select_for_modes
 from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
@@ -115,8 +116,8 @@ class FusionBridge:
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.
-        consensus.check_in(group, timeout_s=build_timeout_s)
-        consensus.agree_on_settings(
+        rank_agreement.check_in(group, timeout_s=build_timeout_s)
+        rank_agreement.agree_on_settings(
             {
                 "spec": spec.to_dict(),
                 "requested_strategy": requested,
@@ -173,14 +174,16 @@ class FusionBridge:
         except Exception:
             self.close()
             raise
-        self.name = compiled.register_bridge(self)
+        self.name = custom_op.register_bridge(self)
         _LOG.info(self._summary())
 
     def _use_plan(self, plan: Plan) -> None:
         """Check that every rank will execute the same plan, then bind it to the prepared instances:
         one (instance, variant, checks shapes?) per bucket."""
         if self.env.world_size > 1:
-            consensus.agree_on_settings(consensus.plan_settings(plan), self.group, what="the plan")
+            rank_agreement.agree_on_settings(
+                rank_agreement.plan_settings(plan), self.group, what="the plan"
+            )
         self.plan = plan
         shape_checked = {
             name: type(inst).accepts is not Strategy.accepts
@@ -229,7 +232,7 @@ class FusionBridge:
         if (
             torch.compiler.is_compiling()
         ):  # one opaque node in the graph; the op runs this method eagerly
-            return compiled.outputs_from_op(
+            return custom_op.outputs_from_op(
                 self.spec,
                 torch.ops.fusion_bridge.finalize_epilogue(
                     gemm2_out,
@@ -344,7 +347,7 @@ class FusionBridge:
                 route = self._route(inputs, tokens)
         except EpilogueInputError as exc:
             error = exc
-        consensus.agree_call(
+        rank_agreement.agree_call(
             error is None,
             -1 if tokens is None else tokens,
             None if error is None else str(error),
@@ -447,6 +450,12 @@ class FusionBridge:
                 f"run_strategy: variant of {name!r} must be one of {list(status.variants)}, "
                 f"got {variant!r}"
             )
+        low, high = status.token_range(variant)
+        if inputs.tokens < low or (high is not None and inputs.tokens > high):
+            raise ValueError(
+                f"run_strategy: {name}:{variant} takes {tokens_text(low, high)}, "
+                f"got T={inputs.tokens}"
+            )
         return inst.run(inputs, variant)
 
     def selected_run(
@@ -486,7 +495,6 @@ class FusionBridge:
                 f"{self.device.type}"
             )
         eager: dict = {}
-        limits = {s.name: s.max_tokens_per_call for s in self.statuses}
         measured = tuning_tables.measure(
             self.spec,
             self.env,
@@ -496,7 +504,7 @@ class FusionBridge:
             list(buckets or self.plan.bounds),
             progress=progress,
             eager_out=eager,
-            limits=limits,
+            token_ranges=tuning_tables.token_ranges(self.statuses),
         )
         table = tuning_tables.make_table(self.spec, self.env, measured, eager)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):

@@ -2,6 +2,12 @@
 
 Capability checks are pure functions of (EpilogueSpec, Environment), so tests build Environment
 values directly instead of needing hardware. `detect()` reads the real machine.
+
+The fields below are what several strategies need (device, SM, world size, library versions). A
+fact only one strategy needs is that strategy's `Probe`: it declares the probe on its class,
+detect() runs every registered strategy's probes and stores their values in `Environment.probes`,
+and the strategy reads its value back with `probe.value_in(env)`. So this module knows no strategy,
+and a new strategy with a new probe adds no field here.
 """
 
 from __future__ import annotations
@@ -13,22 +19,39 @@ import importlib.metadata
 import os
 import re
 import socket
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 
 # NVLink multicast (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS) can take the GPUs of a
-# shared
-# host out of service; nothing in this library uses it, and these variables keep every library off
-# it.
+# shared host out of service; nothing in this library uses it, and these variables keep every
+# library off it. The one home of this list: the launcher sets it, the symmetric-memory strategies
+# check it.
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A fact about this process that one strategy's capability checks need (e.g. whether PyTorch
+    symmetric memory imports). `read()` measures it (detect() calls it at every bridge build: cache
+    it if it is slow); `documented` is what `read()` returns on a machine set up as the README says,
+    the value a hand-built Environment without this probe stands for (golden tests, explain --gpu).
+    Values must be plain (None, bool, int, float, str): they travel in reports and JSON."""
+
+    name: str
+    read: Callable[[], Any]
+    documented: Any = None
+
+    def value_in(self, env: "Environment") -> Any:
+        """The probe's value in `env`; its documented value when `env` was built without it."""
+        return env.probes.get(self.name, self.documented)
 
 
 @dataclass(frozen=True)
@@ -46,16 +69,33 @@ class Environment:
     flashinfer_version: Optional[str] = None  # None: not importable
     flashinfer_error: Optional[str] = None
     triton_interpret: bool = False  # TRITON_INTERPRET=1: Triton kernels run on CPU (tests only)
-    multicast_off: bool = (
-        True  # every NO_MULTICAST_ENV variable set as required (detect() reads it)
-    )
-    symm_mem_error: Optional[str] = None  # why PyTorch symmetric memory is unusable; None: usable
+    #: the registered strategies' probe values by probe name (see Probe); a probe absent here takes
+    #: its documented value
+    probes: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = {f.name for f in dataclasses.fields(self)}
+        clash = sorted(set(self.probes) & names)
+        if clash:
+            raise ValueError(f"Environment: probe names {clash} clash with Environment fields")
+        object.__setattr__(self, "probes", dict(self.probes))  # a copy: the value cannot change
+
+    def __hash__(self) -> int:
+        fields = tuple(
+            getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "probes"
+        )
+        return hash((fields, tuple(sorted(self.probes.items()))))
 
     def replace(self, **changes) -> "Environment":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain values; each probe appears as a field of its own name (as in reports since v1)."""
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "probes"
+        }
+        out.update(self.probes)
+        return out
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -88,13 +128,6 @@ def _flashinfer_probe() -> tuple[Optional[str], Optional[str]]:
         return None, f"{type(exc).__name__}: {exc}"[:300]
 
 
-@functools.lru_cache(maxsize=None)
-def _symm_mem_probe() -> Optional[str]:
-    from .strategies.symm_workspace import probe_symm_mem  # the API list lives beside its only user
-
-    return probe_symm_mem()
-
-
 def _group_is_single_node(group) -> bool:
     """True when every rank of `group` runs on this host. Collective: all ranks must call it."""
     hosts: list = [None] * dist.get_world_size(group)
@@ -118,36 +151,23 @@ def default_device(device: Optional[torch.device | str] = None) -> torch.device:
     return device
 
 
-def check_process_group(group) -> None:
-    """Refuse a bridge that would silently run alone on one rank of a multi-process launch.
-
-    Under torchrun (or any launcher that sets WORLD_SIZE > 1) with no explicit group and no
-    initialised default process group, each rank would build its own world-size-1 bridge and skip
-    the all-reduce: the ranks' outputs would differ with no error. A single process (WORLD_SIZE
-    unset or 1) keeps working without a group."""
-    if group is not None or (dist.is_available() and dist.is_initialized()):
-        return
-    raw = os.environ.get("WORLD_SIZE", "").strip()
-    try:
-        launched = int(raw) if raw else 1
-    except ValueError:
-        return  # not a launcher's value: nothing to infer from it
-    if launched > 1:
-        raise RuntimeError(
-            f"FusionBridge: WORLD_SIZE={launched} in the environment (a multi-process launch, e.g. "
-            "torchrun), but torch.distributed has no initialised default process group and no "
-            "`group` was given, so this rank would all-reduce with nobody. Call "
-            "torch.distributed.init_process_group() on every rank before building the bridge "
-            "(torchrun sets the rendezvous variables; it does not create the group), or pass "
-            "group=<your tensor-parallel group>."
-        )
-
-
 def detect(
-    group=None, device: Optional[torch.device] = None, *, probe_flashinfer: bool = True
+    group=None,
+    device: Optional[torch.device] = None,
+    *,
+    probe_flashinfer: bool = True,
+    probes: Optional[Mapping[str, Probe]] = None,
 ) -> Environment:
-    """Read the environment of this process. With a process group this is collective."""
+    """Read the environment of this process. With a process group this is collective.
+
+    probes: name -> Probe to run (default: every registered strategy's probes, as
+    registry.environment_probes() collects them).
+    """
     device = default_device(device)
+    if probes is None:
+        from .registry import environment_probes  # imports the strategy classes, lazily
+
+        probes = environment_probes()
     world_size, single_node = 1, True
     if group is not None or (dist.is_available() and dist.is_initialized()):
         world_size = dist.get_world_size(group)
@@ -170,6 +190,12 @@ def detect(
         flashinfer_version=fi_version,
         flashinfer_error=fi_error,
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        multicast_off=all(os.environ.get(k) == v for k, v in NO_MULTICAST_ENV.items()),
-        symm_mem_error=_symm_mem_probe(),
+        probes={name: probe.read() for name, probe in probes.items()},
     )
+
+
+def multicast_is_off(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether every NO_MULTICAST_ENV variable holds its required value in `environ` (default: this
+    process's environment)."""
+    environ = os.environ if environ is None else environ
+    return all(environ.get(k) == v for k, v in NO_MULTICAST_ENV.items())

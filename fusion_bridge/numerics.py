@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from . import quant_ref
-from .io import EpilogueOutputs
+from .epilogue_tensors import EpilogueOutputs
 from .spec import EpilogueSpec, QuantKind
 
 

@@ -10,92 +10,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from .reasons import Reason
+from .buckets import bucket_bounds, bucket_index, bucket_ranges, tokens_text
 from .spec import EpilogueSpec
-from .strategies.base import DEFAULT_VARIANT, Step
+from .strategies.base import DEFAULT_VARIANT
+from .strategy_status import StrategyStatus
 
 AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class StrategyStatus:
-    """What the bridge learned about one registered strategy, on every rank alike."""
-
-    name: str
-    summary: str
-    reasons: tuple[Reason, ...]
-    steps: tuple[Step, ...]
-    auto_selectable: bool
-    max_tokens_per_call: Optional[int]
-    error_bound: float
-    self_test: str = "not run"  # "passed" | "failed" | "not run"
-    self_test_error: Optional[float] = None
-    workspace_bytes: int = 0
-    variants: tuple[str, ...] = (DEFAULT_VARIANT,)
-    # : the unmeasured choice of variant per token bucket (aligned with bucket_bounds) and above
-    # max_tokens
-    default_variants: tuple[str, ...] = ()
-    overflow_variant: str = DEFAULT_VARIANT
-    opt_in: bool = False  # auto neither prepares nor picks it; a request by name does
-
-    @property
-    def available(self) -> bool:
-        return not self.reasons
-
-    @staticmethod
-    def of(
-        cls,
-        spec: EpilogueSpec,
-        env,
-        reasons: list[Reason],
-        self_test: str = "not run",
-        self_test_error: Optional[float] = None,
-        workspace_bytes: int = 0,
-    ) -> "StrategyStatus":
-        """The status of strategy class `cls` given the reasons gathered for it."""
-        return StrategyStatus(
-            name=cls.name,
-            summary=cls.summary,
-            reasons=tuple(reasons),
-            steps=tuple(cls.steps(spec, env)),
-            auto_selectable=cls.is_auto_selectable(spec, env),
-            opt_in=cls.opt_in,
-            max_tokens_per_call=cls.max_tokens_per_call(spec, env),
-            error_bound=cls.error_bound(spec, env),
-            self_test=self_test,
-            self_test_error=self_test_error,
-            workspace_bytes=workspace_bytes,
-            variants=tuple(cls.variants(spec, env)),
-            default_variants=tuple(
-                cls.default_variant(spec, env, b) for b in bucket_bounds(spec.max_tokens)
-            ),
-            overflow_variant=cls.default_variant(spec, env, None),
-        )
-
-    def variant_for(self, bucket: int) -> str:
-        return (
-            self.default_variants[bucket]
-            if bucket < len(self.default_variants)
-            else self.variants[0]
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "summary": self.summary,
-            "available": self.available,
-            "reasons": [r.to_dict() for r in self.reasons],
-            "steps": [s.name for s in self.steps],
-            "step_stages": [s.to_dict() for s in self.steps],
-            "auto_selectable": self.auto_selectable,
-            "opt_in": self.opt_in,
-            "max_tokens_per_call": self.max_tokens_per_call,
-            "error_bound": self.error_bound,
-            "self_test": self.self_test,
-            "self_test_error": self.self_test_error,
-            "workspace_bytes": self.workspace_bytes,
-            "variants": list(self.variants),
-        }
 
 
 class NoStrategyAvailable(RuntimeError):
@@ -127,21 +47,6 @@ def static_statuses(spec: EpilogueSpec, env) -> list[StrategyStatus]:
         StrategyStatus.of(c, spec, env, c.not_supported_reasons(spec, env))
         for c in strategy_classes()
     ]
-
-
-def bucket_index(tokens: int) -> int:
-    """Token buckets are powers of two: bucket i holds 2^(i-1) < T <= 2^i. O(1), no allocation."""
-    return (tokens - 1).bit_length()
-
-
-def bucket_bounds(max_tokens: int) -> tuple[int, ...]:
-    """Upper bounds 1, 2, 4, ... of the buckets up to max_tokens (the last one clamped to it)."""
-    bounds, b = [], 1
-    while b < max_tokens:
-        bounds.append(b)
-        b *= 2
-    bounds.append(max_tokens)
-    return tuple(bounds)
 
 
 @dataclass(frozen=True)
@@ -233,17 +138,18 @@ def select(
     """Pick a (strategy, variant) per token bucket.
 
     requested: "auto" or a strategy name. An explicit name that cannot run raises
-    NoStrategyAvailable
-    with its reasons; it never falls back. Under auto, among available auto-selectable strategies
-    that
-    can take the bucket's largest T, the fastest measured (strategy, variant) wins; a bucket nobody
-    measured takes the first fitting strategy in the static order (the order of `statuses`) with its
-    default variant. Measurements naming a strategy or variant that is not registered are ignored,
-    with
-    a note. T above spec.max_tokens goes to the first candidate without a per-call limit, or raises.
+    NoStrategyAvailable with its reasons; it never falls back. Under auto, among available
+    auto-selectable strategies with a variant that can take every T of the bucket
+    (max_tokens_per_call and variant_tokens), the fastest measured such (strategy, variant) wins; a
+    bucket nobody measured takes the first fitting strategy in the static order (the order of
+    `statuses`) with its default variant. Measurements naming a strategy or variant that is not
+    registered, or a token count the variant cannot take, are ignored, with a note. T above
+    spec.max_tokens goes to the first candidate without a per-call limit, or raises. What the plan
+    names is what runs: no strategy overrides it.
     """
     by_name = {s.name: s for s in statuses}
     bounds = bucket_bounds(spec.max_tokens)
+    ranges = bucket_ranges(spec.max_tokens)
     measured, notes = _known_measurements(measured_us or {}, by_name)
     if requested != AUTO:
         if requested not in by_name:
@@ -253,7 +159,7 @@ def select(
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
-        picks = [_fastest(i, bound, [st], measured) for i, bound in enumerate(bounds)]
+        picks = [_fastest(i, rng, [st], measured) for i, rng in enumerate(ranges)]
         overflow = requested if st.max_tokens_per_call is None else None
         return Plan(
             requested,
@@ -271,13 +177,11 @@ def select(
     if not candidates:
         raise NoStrategyAvailable(AUTO, statuses)
     choice, variants, times = [], [], []
-    for i, bound in enumerate(bounds):
-        fits = [
-            s for s in candidates if s.max_tokens_per_call is None or s.max_tokens_per_call >= bound
-        ]
+    for i, (low, high) in enumerate(ranges):
+        fits = [s for s in candidates if s.variants_for(low, high)]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
-        best_time, best, variant = _fastest(i, bound, fits, measured)
+        best_time, best, variant = _fastest(i, (low, high), fits, measured)
         choice.append(best)
         variants.append(variant)
         times.append(best_time)
@@ -302,16 +206,17 @@ def select(
 
 
 def _fastest(
-    bucket: int, bound: int, fits: list[StrategyStatus], measured: Measurements
+    bucket: int, tokens: tuple[int, int], fits: list[StrategyStatus], measured: Measurements
 ) -> tuple[Optional[float], str, str]:
-    """(time, strategy, variant): the fastest measured (strategy, variant) at this bucket, ties to
-    the
-    static order; unmeasured, the first strategy with its default variant."""
+    """(time, strategy, variant): the fastest measured (strategy, variant) that can take every T in
+    the bucket's range `tokens`, timed at its largest T; ties go to the static order; unmeasured,
+    the first strategy with its default variant."""
+    low, bound = tokens
     timed = [
         (per[bound], order, s.name, v)
         for order, s in enumerate(fits)
         for v, per in measured.get(s.name, {}).items()
-        if bound in per
+        if bound in per and v in s.variants_for(low, bound)
     ]
     if timed:
         best_time, _, best, variant = min(timed)
@@ -339,6 +244,14 @@ def _known_measurements(
                     f"(declared: {', '.join(by_name[name].variants)})"
                 )
                 continue
+            low, high = by_name[name].declared_range(variant)
+            outside = sorted(t for t in per if t < low or (high is not None and t > high))
+            if outside:
+                notes.append(
+                    f"measurements for {name}:{variant} at T={outside} ignored (it takes "
+                    f"{tokens_text(low, high)})"
+                )
+                per = {t: us for t, us in per.items() if t not in outside}
             known.setdefault(name, {})[variant] = per
     return known, notes
 

@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import importlib
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Mapping
-
-if TYPE_CHECKING:  # strategies/__init__ re-exports this module: no import at load time
-    from .strategies.base import Strategy
+from typing import Any, Mapping
 
 # Order is the static preference when nothing was measured: fastest first, as measured on 2x H200
 # (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 /
-# 113;
-# our finalize + NCCL + our norm 14.0 / 25.1 / 134; FlashInfer's fused MoE-finalize 11.9 / 22.1 /
-# 287.
-# symm_fused_oneshot and symm_fused_twoshot (ours, one launch each: small T / large T) are measured
-# only
-# at TP2, where tuned tables select them by speed; without a table they come after the NCCL path,
-# which
-# is validated at every world size.
+# 113; our finalize + NCCL + our norm 14.0 / 25.1 / 134; FlashInfer's fused MoE-finalize 11.9 / 22.1
+# / 287. symm_fused_oneshot (ours, one launch, small T) is measured only at TP2, where the shipped
+# H200 table selects it by speed; without a table it comes after the NCCL path, which is validated
+# at every world size. symm_fused_twoshot (ours, one launch, large T) is opt-in: auto neither
+# prepares nor picks it, with a table or without; a request by name runs it.
 _REGISTRY: dict[str, str] = {
     "local_fused_flashinfer": "fusion_bridge.strategies.local_fused_flashinfer:LocalFusedFlashInferStrategy",  # noqa: E501
     "local_fused_nccl": "fusion_bridge.strategies.local_fused_nccl:LocalFusedNcclStrategy",
@@ -55,7 +49,8 @@ def unregister(name: str) -> None:
     del _REGISTRY[name]
 
 
-def strategy_class(name: str) -> "type[Strategy]":
+def strategy_class(name: str) -> type:
+    """The registered Strategy subclass called `name` (its module imported on first use)."""
     if name not in _REGISTRY:
         raise ValueError(f"strategy must be 'auto' or one of {list(_REGISTRY)}, got {name!r}")
     module_name, _, class_name = _REGISTRY[name].partition(":")
@@ -65,5 +60,25 @@ def strategy_class(name: str) -> "type[Strategy]":
     return cls
 
 
-def strategy_classes() -> "list[type[Strategy]]":
+def strategy_classes() -> list[type]:
+    """Every registered Strategy subclass, in registry order (the static preference)."""
     return [strategy_class(n) for n in _REGISTRY]
+
+
+def environment_probes() -> dict[str, Any]:
+    """name -> environment.Probe: what detect() runs, collected from every registered strategy's
+    `probes` (environment imports this module, so no import back). Two strategies may share a
+    probe (the same Probe object); two different probes of one name are an error naming both
+    strategies."""
+    out: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for cls in strategy_classes():
+        for probe in cls.probes:
+            if probe.name in out and out[probe.name] is not probe:
+                raise ValueError(
+                    f"strategies {owner[probe.name]!r} and {cls.name!r} declare different "
+                    f"environment probes named {probe.name!r}; rename one"
+                )
+            out.setdefault(probe.name, probe)
+            owner.setdefault(probe.name, cls.name)
+    return out

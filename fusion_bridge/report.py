@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .environment import Environment
-from .planner import Plan, StrategyStatus
+from .planner import Plan
+from .strategy_status import StrategyStatus
 from .spec import EpilogueSpec
+from .strategies.base import DEFAULT_VARIANT
 
 SCHEMA_VERSION = 1  # of Report.to_dict(); raise it when a field changes meaning or goes away
 # reason codes that say "this machine has no GPU": on such a machine the text shows only that one
@@ -32,9 +34,15 @@ class Report:
 
     @property
     def selected(self) -> Optional[str]:
+        route = self.selected_route
+        return route[0] if route else None
+
+    @property
+    def selected_route(self) -> Optional[tuple[str, str]]:
+        """(strategy, variant) a call with `tokens` runs under CUDA graphs, as planned."""
         if self.plan is None or self.tokens is None or self.tokens <= 0:
             return None
-        return self.plan.strategy_for(self.tokens)
+        return self.plan.route_for(self.tokens)
 
     def to_dict(self) -> dict:
         chosen = set(self.plan.choice) if self.plan else set()
@@ -57,6 +65,8 @@ class Report:
         if self.tokens is not None:
             out["tokens"] = self.tokens
             out["selected"] = self.selected
+            route = self.selected_route
+            out["selected_variant"] = route[1] if route else None
         return out
 
     def to_json(self, indent: int = 2) -> str:
@@ -168,14 +178,18 @@ class Report:
                 nxt
                 and b["measured_us"] is None
                 and nxt["measured_us"] is None
-                and nxt["strategy"] == b["strategy"]
+                and (nxt["strategy"], nxt["variant"]) == (b["strategy"], b["variant"])
             ):
                 continue
             t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
-            lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {b['strategy']}{t}")
+            route = _route_text(b["strategy"], b["variant"])
+            lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {route}{t}")
             low = b["max_tokens"] + 1
+        overflow = (
+            _route_text(plan.overflow, plan.overflow_variant) if plan.overflow else "error (raises)"
+        )
         lines.append(
-            f"  T > {spec.max_tokens:6d}:           {plan.overflow or 'error (raises)'}"
+            f"  T > {spec.max_tokens:6d}:           {overflow}"
             + (f", rerouted {self.reroutes} calls so far" if self.reroutes else "")
         )
         lines += [f"  note: {n}" for n in plan.notes]
@@ -193,7 +207,7 @@ class Report:
                 f"none (T > max_tokens={self.spec.max_tokens} and no strategy without a "
                 "per-call limit: raises)"
             )
-        return self.selected
+        return _route_text(*self.selected_route)
 
     def _strategy_lines(self, st: StrategyStatus, chosen: bool) -> list[str]:
         if chosen:
@@ -244,3 +258,8 @@ class Report:
                 f"NaN {s['nan']}, Inf {s['inf']}"
             )
         return lines
+
+
+def _route_text(strategy: str, variant: str) -> str:
+    """ "name" for a strategy's only ("default") variant, else "name:variant": what runs."""
+    return strategy if variant == DEFAULT_VARIANT else f"{strategy}:{variant}"

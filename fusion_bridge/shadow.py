@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .io import EpilogueOutputs
+from .epilogue_tensors import EpilogueOutputs
 from .spec import EpilogueSpec
 from .numerics import compare
 

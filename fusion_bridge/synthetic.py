@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .io import EpilogueInputs
+from .epilogue_tensors import EpilogueInputs
 from .spec import EpilogueSpec
 
 

@@ -35,9 +35,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .agreement import my_rank
+from .process_group import my_rank
 from .environment import Environment
 from .spec import EpilogueSpec
+from .strategy_status import StrategyStatus
 from .synthetic import make_inputs
 from .timing import sets_to_rotate, time_eager, time_graph
 
@@ -210,6 +211,13 @@ def as_measurements(
     }
 
 
+def token_ranges(
+    statuses: list[StrategyStatus],
+) -> dict[tuple[str, str], tuple[int, Optional[int]]]:
+    """(strategy, variant) -> the token counts it can take: what tuning may measure."""
+    return {(s.name, v): s.token_range(v) for s in statuses for v in s.variants}
+
+
 Candidate = tuple[str, str, Callable]  # (strategy, variant, run(inputs))
 
 
@@ -224,18 +232,24 @@ def measure(
     progress: bool = True,
     seed: int = 0,
     eager_out: Optional[dict] = None,
-    limits: Optional[dict[str, Optional[int]]] = None,
+    token_ranges: Optional[dict[tuple[str, str], tuple[int, Optional[int]]]] = None,
 ) -> dict[str, dict[str, dict[int, float]]]:
     """Time each candidate at each bucket's largest T under CUDA graphs. Collective; max over ranks.
     With `eager_out` (a dict), also the eager wall time per call of back-to-back calls, into it.
-    `limits`: a strategy's largest T per call; buckets above it are not measured for it (every rank
-    holds the same limits, so every rank skips the same cases)."""
-    limits = limits or {}
+    `token_ranges`: (strategy, variant) -> the (fewest, most) T it can take (planner.token_ranges);
+    a T outside is not measured for it (every rank holds the same ranges, so every rank skips the
+    same cases). A candidate without an entry is measured at every T."""
+    token_ranges = token_ranges or {}
+
+    def can_take(name: str, variant: str, tokens: int) -> bool:
+        low, high = token_ranges.get((name, variant), (1, None))
+        return low <= tokens and (high is None or tokens <= high)
+
     rank = my_rank(group)
     bar = _progress(len(buckets) * len(candidates), progress and rank == 0)
     out: dict[str, dict[str, dict[int, float]]] = {}
     for tokens in buckets:
-        fits = [c for c in candidates if limits.get(c[0]) is None or tokens <= limits[c[0]]]
+        fits = [c for c in candidates if can_take(c[0], c[1], tokens)]
         bar.update(len(candidates) - len(fits))
         probe = make_inputs(spec, tokens, rank=rank, seed=seed, device=device, skip_fraction=0.0)
         per_set = sum(

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .io import EpilogueInputs
+from .epilogue_tensors import EpilogueInputs
 from .spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
 
 

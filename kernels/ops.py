@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..io import quant_buffers
+from ..epilogue_tensors import quant_buffers
 from .add_rmsnorm import add_rmsnorm_into
 from .finalize_add import finalize_add_into
 from .quant import quantize_into

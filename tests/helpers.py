@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion_bridge.io import EpilogueInputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs
 
 
 def clone_inputs(inputs: EpilogueInputs) -> EpilogueInputs:

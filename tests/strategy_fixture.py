@@ -1,5 +1,6 @@
 """A strategy defined outside the package, to show registration is one line."""
 
+from fusion_bridge.strategies import Probe, Reason
 from fusion_bridge.strategies.separate import SeparateStrategy
 
 
@@ -35,3 +36,49 @@ class OptInSeparate(SeparateStrategy):
     def prepare(self) -> None:
         OptInSeparate.prepared += 1
         super().prepare()
+
+
+class RangedVariants(SeparateStrategy):
+    """The separate path with variant 'a' for any T and 'b' only for T >= 3 (a declared range, like
+    FlashInfer's two-shot), recording which one ran. Its default prefers 'b' everywhere."""
+
+    name = "ranged_variants"
+    summary = "the separate path, launched as variant 'a' (any T) or 'b' (T >= 3)"
+    ran: list = []
+
+    @classmethod
+    def variants(cls, spec, env):
+        return ("a", "b")
+
+    @classmethod
+    def variant_tokens(cls, spec, env):
+        return {"b": (3, None)}
+
+    @classmethod
+    def default_variant(cls, spec, env, tokens):
+        return "b"
+
+    def run(self, inputs, variant="a"):
+        RangedVariants.ran.append(variant)
+        return super().run(inputs, variant)
+
+
+def _read_fixture_flag() -> str:
+    return "read from this process"
+
+
+class ProbedSeparate(SeparateStrategy):
+    """The separate path, runnable only where its own probe reads "ok": a strategy that brings a
+    fact about the process that no other strategy needs."""
+
+    name = "probed_separate"
+    summary = "the separate path, gated by its own environment probe"
+    FLAG = Probe("fixture_flag", _read_fixture_flag, documented="ok")
+    probes = (FLAG,)
+
+    @classmethod
+    def not_supported_reasons(cls, spec, env):
+        flag = cls.FLAG.value_in(env)
+        if flag == "ok":
+            return super().not_supported_reasons(spec, env)
+        return [Reason("fixture_flag_not_ok", f"{cls.name}: fixture_flag is {flag!r}", "")]

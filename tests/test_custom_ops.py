@@ -1,13 +1,13 @@
 """torch.library.opcheck on every custom op we register (kernels/ops.py, and the whole-epilogue op
 of
-fusion_bridge/compiled.py): schema, fake (meta) implementation against the real one, autograd
+fusion_bridge/custom_op.py): schema, fake (meta) implementation against the real one, autograd
 registration, and AOT dispatch. Real outputs come from the Triton kernels (under the interpreter on
 CPU). A new op must get a case: the last test fails when an op of the namespace has none."""
 
 import pytest
 import torch
 
-import fusion_bridge.compiled  # noqa: F401  (registers finalize_epilogue)
+import fusion_bridge.custom_op  # noqa: F401  (registers finalize_epilogue)
 import fusion_bridge.kernels.ops  # noqa: F401  (registers the ops)
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
 
@@ -70,7 +70,7 @@ CASES = [
 @pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
 def test_opcheck_whole_epilogue(quant):
     from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
-    from fusion_bridge import compiled
+    from fusion_bridge import custom_op
     from fusion_bridge.synthetic import make_inputs
 
     spec = EpilogueSpec(
@@ -83,7 +83,7 @@ def test_opcheck_whole_epilogue(quant):
         }[quant],
     )
     with FusionBridge(spec) as bridge:
-        name = next(k for k, v in compiled._BRIDGES.items() if v is bridge)
+        name = next(k for k, v in custom_op._BRIDGES.items() if v is bridge)
         inp = make_inputs(spec, 3, device=DEVICE)
         torch.library.opcheck(torch.ops.fusion_bridge.finalize_epilogue.default, (*inp, name))
 

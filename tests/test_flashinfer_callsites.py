@@ -212,11 +212,12 @@ class Case(NamedTuple):
 
 
 CASES = [
-    # local_fused_flashinfer: one-shot choice by variant and T (T <= world size always one-shot)
+    # local_fused_flashinfer: one-shot exactly when the variant says so (two-shot only at T > world
+    # size, where the planner may choose it)
     Case("lff_bf16_oneshot_T7", LFF, S_BF16, 90, 7, "oneshot"),
     Case("lff_bf16_twoshot_T7", LFF, S_BF16, 90, 7, "twoshot"),
     Case("lff_bf16_twoshot_T3", LFF, S_BF16, 100, 3, "twoshot", torch.bfloat16),
-    Case("lff_bf16_twoshot_T2", LFF, S_BF16, 90, 2, "twoshot"),
+    Case("lff_bf16_oneshot_T2", LFF, S_BF16, 90, 2, "oneshot"),
     Case("lff_bf16_oneshot_T1", LFF, S_BF16, 100, 1, "oneshot"),
     Case("lff_fp16_noshared_oneshot_T5", LFF, S_FP16_NO_SHARED, 100, 5, "oneshot", torch.bfloat16),
     Case("lff_fp8_sm90", LFF, S_FP8, 90, 4, "twoshot"),
@@ -351,6 +352,12 @@ def _workspace_sharing(rank: int, group) -> dict:
         int(kw["workspace_ptrs"].item()) - 1000 for _, _, kw, _ in _FakeLog.calls
     ]
     out["serials"] = [w.serial for w in made]
+    try:  # the planner never routes two-shot to T <= world size; a direct run() is refused
+        a.run(make_inputs(S_BF16, WORLD, rank=rank, seed=4), "twoshot")
+        out["twoshot_at_world"] = None
+    except ValueError as exc:
+        out["twoshot_at_world"] = str(exc)
+    out["calls_after_refusal"] = len(_FakeLog.calls)
     out["bytes"] = (a.workspace_bytes, b.workspace_bytes)
     out["destroyed_after_prepare"] = [w.destroyed for w in made]
     a.close()
@@ -518,27 +525,38 @@ def ws_serial(rec: dict) -> int:
 
 
 @pytest.mark.parametrize("name", LFF_CASES)
-def test_lff_use_oneshot_follows_the_variant_and_token_count(ranks, name):
-    """ "oneshot" -> True; "twoshot" -> False when T > world size, True when T <= world size
-    (FlashInfer
-    asserts T > world size for two-shot)."""
+def test_lff_use_oneshot_is_the_variant(ranks, name):
+    """ "oneshot" -> True, "twoshot" -> False, whatever T: run() launches the variant it is given
+    (two-shot only ever reaches it at T > world size, the range it declares)."""
     case = CASE_BY_NAME[name]
-    expected = case.variant == "oneshot" or case.tokens <= WORLD
     for rank in range(WORLD):
-        assert kw(the_call(ranks, name, rank), "use_oneshot") is expected, (name, rank)
-
-
-def test_lff_variants_cover_both_one_shot_choices():
-    """The cases above are not all one value: both variants, T both above and at/below the world
-    size."""
-    seen = {
-        (
-            CASE_BY_NAME[n].variant,
-            CASE_BY_NAME[n].variant == "oneshot" or CASE_BY_NAME[n].tokens <= WORLD,
+        assert kw(the_call(ranks, name, rank), "use_oneshot") is (case.variant == "oneshot"), (
+            name,
+            rank,
         )
-        for n in LFF_CASES
-    }
-    assert seen == {("oneshot", True), ("twoshot", False), ("twoshot", True)}
+
+
+def test_lff_cases_cover_both_variants_and_t_at_or_below_the_world_size():
+    """The cases above are not all one value: both variants, one-shot at T <= world size and
+    above, two-shot above it (its declared range)."""
+    seen = {(CASE_BY_NAME[n].variant, CASE_BY_NAME[n].tokens > WORLD) for n in LFF_CASES}
+    assert seen == {("oneshot", True), ("oneshot", False), ("twoshot", True)}
+
+
+def test_lff_refuses_two_shot_at_t_at_or_below_the_world_size(ranks):
+    """run() launches the variant it is given or refuses: no silent one-shot instead."""
+    for rank in range(WORLD):
+        sharing = ranks[rank]["sharing"]
+        assert "two-shot needs token_num > world_size" in (sharing["twoshot_at_world"] or "")
+        assert sharing["calls_after_refusal"] == 2  # the refused call never reached FlashInfer
+
+
+def test_lff_declares_two_shot_only_above_the_world_size():
+    from fusion_bridge.strategies.local_fused_flashinfer import LocalFusedFlashInferStrategy as L
+
+    ranges = L.variant_tokens(S_BF16, env_for(90))
+    assert ranges["twoshot"] == (WORLD + 1, None)
+    assert ranges["oneshot"][0] == 1 and ranges["oneshot"][1] >= S_BF16.max_tokens
 
 
 @pytest.mark.parametrize(

@@ -196,11 +196,10 @@ def same(a, b):
 
 @pytest.mark.parametrize(
     "tokens,use_oneshot",
-    [(1, True), (3, False), (64, True), (64, False), (64, None), (10000, None), (MAX_TOKENS, True)],
+    [(1, True), (3, False), (64, True), (64, False), (10000, False), (MAX_TOKENS, True)],
 )
 @pytest.mark.parametrize("flags", [(False, True, True), (True, False, True), (False, True, False)])
 def test_direct_allreduce_passes_what_the_wrapper_passes(monkeypatch, tokens, use_oneshot, flags):
-    """(10000, None): FlashInfer's heuristic picks two-shot above 512 MB at world size 2."""
     pdl, trigger, fp32_acc = flags
     call, compiled = bound_allreduce(
         monkeypatch, launch_with_pdl=pdl, trigger_completion_at_end=trigger, fp32_acc=fp32_acc
@@ -239,16 +238,27 @@ def test_direct_allreduce_keeps_the_two_shot_token_check(monkeypatch):
     assert compiled.calls == []
 
 
-def test_direct_allreduce_switches_to_two_shot_above_the_lamport_limit(monkeypatch):
-    call, compiled = bound_allreduce(monkeypatch)
+@pytest.mark.parametrize("direct", [True, False])
+def test_allreduce_call_never_overrides_the_planned_variant(monkeypatch, direct):
+    """The planner alone chooses one-shot or two-shot: one-shot above the Lamport buffers raises
+    (FlashInfer's wrapper would switch to two-shot), and so do two-shot at T <= world size and a
+    use_oneshot of None (the wrapper's own heuristic), on both paths."""
+    call, compiled = bound_allreduce(monkeypatch, direct=direct)
     call.max_tokens = None  # a workspace large enough; the Lamport limit decides
     tokens = call.oneshot_max_tokens + 1
     ts = tensors(1)
-    call(ts[0], tokens, True, *ts[1:])
-    assert dict(zip(fc.ALLREDUCE_FUSION_ARGS, compiled.calls[0][0]))["use_oneshot"] is False
+    with pytest.raises(ValueError, match="one-shot holds at most"):
+        call(ts[0], tokens, True, *ts[1:])
+    # the wrapper, given the same request, switches: that is the override the call refuses
     assert what_the_wrapper_passes(monkeypatch, call, tokens, True, ts)["use_oneshot"] is False
-    call(ts[0], tokens - 1, True, *ts[1:])
-    assert dict(zip(fc.ALLREDUCE_FUSION_ARGS, compiled.calls[1][0]))["use_oneshot"] is True
+    with pytest.raises(ValueError, match="two-shot needs token_num > world_size"):
+        call(ts[0], WORLD, False, *ts[1:])
+    with pytest.raises(TypeError, match="use_oneshot must be True or False"):
+        call(ts[0], 64, None, *ts[1:])
+    assert compiled.calls == []
+    if direct:
+        call(ts[0], tokens - 1, True, *ts[1:])
+        assert dict(zip(fc.ALLREDUCE_FUSION_ARGS, compiled.calls[0][0]))["use_oneshot"] is True
 
 
 def test_direct_allreduce_refuses_more_tokens_than_the_workspace(monkeypatch):

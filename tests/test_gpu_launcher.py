@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_bridge.io import quant_buffers
+from fusion_bridge.epilogue_tensors import quant_buffers
 from fusion_bridge.kernels import add_rmsnorm, finalize_add, launcher, quant
 from fusion_bridge.spec import QuantKind, SFLayout
 

@@ -39,7 +39,7 @@ def _group(kind, spec, world, cap, timeout_s=10.0):
 def _call(kernel, group, streams, spec, inputs):
     """One epilogue call on every emulated rank (the production launch), each on its own stream;
     returns each rank's outputs."""
-    from fusion_bridge.io import quant_buffers
+    from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.kernels.symm_testing import call_tensors
 
     outs = []

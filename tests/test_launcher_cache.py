@@ -490,7 +490,7 @@ def test_finalize_add_outputs_identical_through_the_cache(cached):
     ],
 )
 def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, quant_mode, swizzled):
-    from fusion_bridge.io import quant_buffers
+    from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.spec import QuantKind, SFLayout
 
     torch.manual_seed(1)

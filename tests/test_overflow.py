@@ -9,7 +9,7 @@ formula.
 import pytest
 import torch
 
-from fusion_bridge.io import EpilogueInputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs
 
 from fusion_bridge import EpilogueSpec, FusionBridge
 from fusion_bridge.synthetic import make_inputs

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusion_bridge import EpilogueSpec
-from fusion_bridge.io import EpilogueInputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs
 from fusion_bridge.strategies.reference import reference_epilogue
 from fusion_bridge.synthetic import make_inputs
 from tests import oracle64

@@ -84,3 +84,49 @@ def test_the_public_surfaces_are_small():
     assert {"Strategy", "register", "Reason", "Environment", "EpilogueInputs"} <= set(
         fusion_bridge.strategies.__all__
     )
+
+
+def test_readme_static_order_is_the_registry_order():
+    import re
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    m = re.search(
+        r"the static order is the registry order of the strategies auto may pick: ([^(]+)", text
+    )
+    assert m, "the README's static-order sentence is gone"
+    listed = [name.strip() for name in m.group(1).split(",")]
+    auto = [c.name for c in strategy_classes() if c.auto_selectable and not c.opt_in]
+    assert listed == auto
+
+
+def test_a_strategy_brings_its_own_environment_probe():
+    """One class and one registry line: detect() runs its probe, its checks read the value, and a
+    hand-built Environment stands for a machine set up as documented."""
+    from fusion_bridge import EpilogueSpec
+    from fusion_bridge.environment import detect
+    from fusion_bridge.planner import static_statuses
+    from fusion_bridge.registry import environment_probes
+
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    assert "fixture_flag" not in environment_probes()
+    register("probed_separate", "tests.strategy_fixture:ProbedSeparate")
+    try:
+        assert environment_probes()["fixture_flag"].read() == "read from this process"
+        env = detect(probe_flashinfer=False)
+        assert env.probes["fixture_flag"] == "read from this process"
+        assert env.to_dict()["fixture_flag"] == "read from this process"
+
+        def codes(e):
+            return next(s for s in static_statuses(spec, e) if s.name == "probed_separate").reasons
+
+        assert [r.code for r in codes(env)] == ["fixture_flag_not_ok"]
+        assert codes(Environment()) == ()  # documented value: "ok"
+        assert codes(Environment(probes={"fixture_flag": "ok"})) == ()
+    finally:
+        unregister("probed_separate")
+
+
+def test_probe_names_cannot_shadow_environment_fields():
+    with pytest.raises(ValueError, match="clash with Environment fields"):
+        Environment(probes={"world_size": 3})

@@ -7,7 +7,8 @@ import torch
 
 from fusion_bridge import EpilogueSpec, NoStrategyAvailable, QuantSpec
 from fusion_bridge.strategies import Environment
-from fusion_bridge.planner import bucket_bounds, bucket_index, select, static_statuses
+from fusion_bridge.buckets import bucket_bounds, bucket_index
+from fusion_bridge.planner import select, static_statuses
 
 CPU = Environment(device_type="cpu", triton_version="3.6.0", flashinfer_version="0.7.2.post1")
 H200 = Environment(
@@ -66,7 +67,7 @@ GOLDEN = [
     ),
     (
         "h200-tp2-multicast-variables-missing",
-        H200.replace(multicast_off=False),
+        H200.replace(probes={"multicast_off": False}),
         DSV3,
         LF,
         {"symm_fused_oneshot": ["multicast_not_disabled"]},
@@ -74,7 +75,7 @@ GOLDEN = [
     ),
     (
         "h200-tp2-no-symmetric-memory",
-        H200.replace(symm_mem_error="torch.distributed._symmetric_memory lacks x"),
+        H200.replace(probes={"symm_mem_error": "torch.distributed._symmetric_memory lacks x"}),
         DSV3,
         LF,
         {"symm_fused_oneshot": ["symm_mem_unavailable"]},

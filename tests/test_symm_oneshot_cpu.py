@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_bridge.environment import Environment
+from fusion_bridge.environment import NO_MULTICAST_ENV, Environment
 from fusion_bridge.kernels import symm_protocol as P
 from fusion_bridge.kernels.quant import row_block
 from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, QuantArgs
@@ -31,7 +31,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GOOD_ENV = Environment(
     device_type="cuda", sm=90, gpu_name="H200", world_size=2, triton_version="3.6.0"
 )
-SAFE = dict(sw.MULTICAST_OFF)
+SAFE = dict(NO_MULTICAST_ENV)
 SCALE = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}
 # the emulation runs the production kernel body part by part under the interpreter; on a GPU
 # machine the compiled kernel is tested by test_gpu_symm_one_device.py and test_gpu_symm_oneshot.py
@@ -337,7 +337,7 @@ def test_missing_symmetric_memory_is_a_coded_reason():
     assert "no module named x" in reasons[0].message
 
 
-@pytest.mark.parametrize("missing", list(sw.MULTICAST_OFF))
+@pytest.mark.parametrize("missing", list(NO_MULTICAST_ENV))
 def test_multicast_variables_are_required(missing):
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
     environ = {k: v for k, v in SAFE.items() if k != missing}

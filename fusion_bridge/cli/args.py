@@ -278,7 +278,7 @@ def check_combinations(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--sm {args.sm} contradicts --gpu {args.gpu!r} (SM {known})")
     raw = os.environ.get(STRATEGY_ENV)
     if raw:
-        from ..registry import REGISTRY
+        from ..strategies import REGISTRY
 
         if raw != "auto" and raw not in REGISTRY:
             parser.error(

@@ -17,7 +17,7 @@ from ..spec import EpilogueSpec
 
 
 def _bridge(spec: EpilogueSpec, world_size: int, tuning: str = "auto"):
-    from ..bridge import FusionBridge
+    from .. import FusionBridge
 
     group = torch.distributed.group.WORLD if world_size > 1 else None
     return FusionBridge(spec, group, debug=False, tuning=tuning)
@@ -71,7 +71,7 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
 def bench_rank(
     rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool
 ) -> dict:
-    from ..tuning import measure
+    from ..tuning import measure, token_ranges
 
     with _bridge(spec, world_size, tuning="off") as bridge:
         bridge.tune(buckets=tokens, progress=progress, save=True)
@@ -89,9 +89,9 @@ def bench_rank(
         )
         candidates = bridge.tuning_candidates() + [auto]
         args = (bridge.spec, bridge.env, bridge.group, bridge.device, candidates, tokens)
-        limits = {s.name: s.max_tokens_per_call for s in bridge.statuses}
-        rotated = measure(*args, rotate=True, progress=progress, seed=1, limits=limits)
-        same = measure(*args, rotate=False, progress=progress, seed=2, limits=limits)
+        ranges = token_ranges(bridge.statuses)
+        rotated = measure(*args, rotate=True, progress=progress, seed=1, token_ranges=ranges)
+        same = measure(*args, rotate=False, progress=progress, seed=2, token_ranges=ranges)
         overhead = {t: host_overhead_us(bridge, t) for t in (1, 64)}
         plan = {t: ":".join(bridge.route_for(t)) for t in tokens}
         return {

@@ -113,7 +113,7 @@ def versions() -> dict:
 
 # ------------------------------------------------------------------ commands
 def cmd_info(args) -> int:
-    from ..bridge import FusionBridge
+    from .. import FusionBridge
 
     spec = _spec(args)
     # info diagnoses: build with "auto" whatever the variable asks, and report the request
@@ -137,7 +137,7 @@ def cmd_info(args) -> int:
 def _static_self_test(statuses) -> list:
     """explain builds nothing: say so in each status's self-test state."""
     import dataclasses
-    from ..registry import strategy_class
+    from ..strategies import strategy_class
 
     return [
         dataclasses.replace(
@@ -160,16 +160,13 @@ def cmd_explain(args) -> int:
     described = args.sm is not None or args.gpu is not None or args.world_size != 1
     changes = {"world_size": args.world_size}
     if args.gpu is not None or args.sm is not None:
-        # a described GPU machine runs as documented: multicast variables set in every rank, and a
-        # CUDA
-        # torch whose symmetric memory works (this process's CPU torch and environment say nothing
-        # of it)
+        # a described GPU machine runs as documented: every strategy's probe takes its documented
+        # value (this process's CPU torch and environment say nothing of that machine)
         changes.update(
             device_type="cuda",
             sm=args.sm if args.sm is not None else sm_of_gpu(args.gpu),
             gpu_name=args.gpu,
-            multicast_off=True,
-            symm_mem_error=None,
+            probes={},
             triton_interpret=False,
         )
     env = env.replace(**changes)

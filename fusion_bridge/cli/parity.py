@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..bridge import FusionBridge
+from .. import FusionBridge
 from .launch import run_distributed
 from ..spec import EpilogueSpec
 from ..numerics import compare, quant_error_bound

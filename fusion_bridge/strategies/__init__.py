@@ -1,15 +1,15 @@
-"""What a strategy author uses: subclass `Strategy` (one file per strategy), return `Reason`s from
-its
-capability checks over (`EpilogueSpec`, `Environment`), run on `EpilogueInputs`, and add one line
-with
-`register` (or to the built-in registry). See migration/README.md, "Adding a strategy"."""
+"""What a strategy author uses: subclass `Strategy` (one file per strategy), declare its launch
+`Step`s (covering `required_stages`), return `Reason`s from its capability checks over
+(`EpilogueSpec`, `Environment`; a fact only it needs is its own `Probe`), run on `EpilogueInputs`,
+and add one line with `register` (or to the built-in registry). `strategy_class(es)` give the
+registered classes. See migration/README.md, "Adopt a new upstream fusion as a strategy"."""
 
-from ..environment import Environment
-from ..io import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from ..environment import Environment, Probe
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from ..reasons import Reason
-from ..registry import REGISTRY, register, unregister
+from ..registry import REGISTRY, register, strategy_class, strategy_classes, unregister
 from ..spec import Stage
-from .base import DEFAULT_VARIANT, Step, Strategy
+from .base import DEFAULT_VARIANT, Step, Strategy, TokenRange, required_stages
 
 __all__ = [
     "Strategy",
@@ -17,6 +17,7 @@ __all__ = [
     "Stage",
     "Reason",
     "Environment",
+    "Probe",
     "EpilogueInputs",
     "EpilogueOutputs",
     "allocate_outputs",
@@ -24,4 +25,8 @@ __all__ = [
     "unregister",
     "REGISTRY",
     "DEFAULT_VARIANT",
+    "TokenRange",
+    "required_stages",
+    "strategy_class",
+    "strategy_classes",
 ]

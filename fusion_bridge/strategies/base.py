@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Mapping, Optional
 
 import torch
 
-from ..environment import Environment
-from ..io import EpilogueInputs, EpilogueOutputs
+from ..environment import Environment, Probe
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from ..kernels.quant_codes import quant_args as kernel_quant_args  # noqa: F401 (strategies use it)
 from ..reasons import Reason
 from ..spec import EpilogueSpec, QuantKind, Stage
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DEFAULT_VARIANT = "default"
+#: the token counts a launch variant can take: (fewest, most); most None = up to max_tokens_per_call
+TokenRange = tuple[int, Optional[int]]
+ANY_TOKENS: TokenRange = (1, None)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class Strategy:
     opt_in: ClassVar[bool] = False
     #: run the collective self-test against the oracle when the bridge is prepared (GPU strategies)
     self_tested: ClassVar[bool] = False
+    #: facts about the process that only this strategy's checks need: detect() runs them and stores
+    #: their values in `Environment.probes`; read one with `probe.value_in(env)`
+    probes: ClassVar[tuple[Probe, ...]] = ()
 
     # ---- pure, class-level: used by the planner, the report and golden tests ----
     @classmethod
@@ -116,10 +122,17 @@ class Strategy:
         return (DEFAULT_VARIANT,)
 
     @classmethod
+    def variant_tokens(cls, spec: EpilogueSpec, env: Environment) -> Mapping[str, TokenRange]:
+        """Per variant, the token counts it can launch with (a variant not listed: any T). The
+        planner gives a bucket only a variant whose range holds the bucket's every T, and `run`
+        refuses a T outside it: no run() overrides the planned variant."""
+        return {}
+
+    @classmethod
     def default_variant(cls, spec: EpilogueSpec, env: Environment, tokens: Optional[int]) -> str:
         """The variant for a bucket whose largest T is `tokens` (None: above max_tokens) when
-        nothing
-        was measured. A pure function, like every class-level method."""
+        nothing was measured; the planner takes it when its variant_tokens hold the bucket, else the
+        first declared variant whose range does. A pure function, like every class-level method."""
         return cls.variants(spec, env)[0]
 
     # ---- per instance: built by the bridge, collectively ----
@@ -150,7 +163,8 @@ class Strategy:
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         """One call on validated inputs with 0 < T <= max_tokens_per_call. `variant` is one of
-        `variants()`, as the plan chose it for this T. Collective when the world size is > 1."""
+        `variants()`, as the plan chose it for this T (within its variant_tokens); run() never
+        launches another variant than the one it is given. Collective when the world size is > 1."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -9,10 +9,12 @@ workspace pointers, world size and rank, hidden size, pattern, scale tensor, SF 
 bias and flags once, keep every check of the wrapper that depends on the call, and call the compiled
 function positionally:
 
-- trtllm_allreduce_fusion: `use_oneshot=None` -> FlashInfer's size heuristic; two-shot requires
-  token_num > world_size (the wrapper asserts it; raised here as ValueError); one-shot above
-  MAX_COMM_SIZE switches to two-shot with a warning (rate-limited here); and, as a memory-safety
-  guard the bridge's routing already implies, token_num <= the workspace's max_token_num.
+- trtllm_allreduce_fusion: two-shot requires token_num > world_size (the wrapper asserts it; raised
+  here as ValueError); and, as a memory-safety guard the bridge's routing already implies,
+  token_num <= the workspace's max_token_num. Two of the wrapper's choices are not taken here,
+  because the planner alone chooses the variant: `use_oneshot` must be True or False (the wrapper's
+  None asks FlashInfer's size heuristic), and one-shot above the Lamport buffers raises ValueError
+  (the wrapper switches to two-shot with a warning). These checks run before either path.
 - trtllm_moe_finalize_allreduce_fusion: residual_in bytes * world_size > MAX_COMM_SIZE raises
   ValueError, as the wrapper does (backend "trtllm" only).
 
@@ -32,15 +34,12 @@ import ast
 import functools
 import hashlib
 import inspect
-import logging
 from typing import Any, Callable, Optional
 
 import torch
 
-from ..log import get_logger, log_every
-from .flashinfer_common import (
-    MAX_COMM_SIZE,
-)  # flashinfer's trtllm_ar.MAX_COMM_SIZE, pinned by a drift test
+from ..log import get_logger
+from .flashinfer_common import MAX_COMM_SIZE, lamport_max_tokens
 
 _log = get_logger("strategies.flashinfer_calls")
 
@@ -250,24 +249,21 @@ class AllReduceFusionCall:
         self.pattern, self.scale_factor, self.layout = pattern, scale_factor, layout
         self.eps, self.weight_bias = float(eps), float(weight_bias)
         self.pdl, self.trigger, self.fp32_acc = launch_with_pdl, trigger_completion_at_end, fp32_acc
-        comm_bytes_per_token = hidden * (4 if dtype == torch.float32 else 2) * world_size
-        self.oneshot_max_tokens = MAX_COMM_SIZE // comm_bytes_per_token  # Lamport one-shot limit
+        element_bytes = 4 if dtype == torch.float32 else 2
+        self.oneshot_max_tokens = lamport_max_tokens(hidden, element_bytes, world_size)
         fn, reason = (
             compiled_function(self.name, ALLREDUCE_FUSION_ARGS)
             if direct
             else (None, "direct=False")
         )
         self.direct, self.reason = fn, reason
-        self._should_use_oneshot = (
-            _module_source()[0]._should_use_oneshot if fn is not None else None
-        )
         _report(self.name, reason)
 
     def __call__(
         self,
         allreduce_in: torch.Tensor,
         token_num: int,
-        use_oneshot: Optional[bool],
+        use_oneshot: bool,
         residual_in: torch.Tensor,
         residual_out: torch.Tensor,
         norm_out: torch.Tensor,
@@ -275,6 +271,30 @@ class AllReduceFusionCall:
         scale_out: Optional[torch.Tensor],
         rms_gamma: torch.Tensor,
     ) -> None:
+        world_size = self.world_size
+        if self.max_tokens is not None and token_num > self.max_tokens:
+            raise ValueError(
+                f"{self.name}: token_num {token_num} exceeds the workspace's {self.max_tokens} "
+                "tokens (an illegal memory access in FlashInfer)"
+            )
+        if use_oneshot is True:
+            if token_num > self.oneshot_max_tokens:
+                raise ValueError(
+                    f"{self.name}: one-shot holds at most {self.oneshot_max_tokens} tokens (the "
+                    f"Lamport buffers), got token_num={token_num}; the planner chooses two-shot "
+                    "there (FlashInfer's wrapper would switch silently)"
+                )
+        elif use_oneshot is False:
+            if token_num <= world_size:
+                raise ValueError(
+                    f"{self.name}: two-shot needs token_num > world_size, got token_num="
+                    f"{token_num} and world_size={world_size} (FlashInfer asserts it)"
+                )
+        else:
+            raise TypeError(
+                f"{self.name}: use_oneshot must be True or False (the planner chooses the "
+                f"variant), got {use_oneshot!r}"
+            )
         fn = self.direct
         if fn is None:
             return self._public(
@@ -288,28 +308,6 @@ class AllReduceFusionCall:
                 scale_out,
                 rms_gamma,
             )
-        world_size = self.world_size
-        if self.max_tokens is not None and token_num > self.max_tokens:
-            raise ValueError(
-                f"{self.name}: token_num {token_num} exceeds the workspace's {self.max_tokens} "
-                "tokens (an illegal memory access in FlashInfer)"
-            )
-        if use_oneshot is None:
-            use_oneshot = self._should_use_oneshot(token_num, self.hidden, self.dtype, world_size)
-        if not use_oneshot and token_num <= world_size:
-            raise ValueError(
-                f"{self.name}: two-shot needs token_num > world_size, got token_num={token_num} "
-                f"and world_size={world_size} (FlashInfer asserts it)"
-            )
-        if use_oneshot and token_num > self.oneshot_max_tokens:
-            log_every(
-                ("flashinfer_calls.oneshot_too_large", self.hidden, world_size),
-                60.0,
-                logging.WARNING,
-                f"{self.name}: {token_num} tokens exceed the one-shot Lamport buffer "
-                f"({self.oneshot_max_tokens}); two-shot is used, as FlashInfer does",
-            )
-            use_oneshot = False
         fn(
             allreduce_in,
             world_size,

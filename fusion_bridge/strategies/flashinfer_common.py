@@ -27,7 +27,8 @@ from ..reasons import (
     require_world_size_in,
 )
 from ..spec import EpilogueSpec
-from .shared import SharedWorkspaces, group_name
+from ..process_group import group_name
+from .workspace_pool import WorkspacePool, memory_reason as workspace_memory_reason
 
 MIN_FLASHINFER = "0.7.2"
 LAMPORT_WORLD_SIZES = (2, 4, 8, 16)
@@ -118,11 +119,17 @@ def fp4_fusion_reasons(spec: EpilogueSpec, env: Environment, who: str) -> list[R
     return reasons
 
 
+def lamport_max_tokens(hidden: int, element_bytes: int, world_size: int) -> int:
+    """The most tokens FlashInfer's one-shot Lamport buffers hold: every rank's whole partial
+    (T * H * element_bytes * world_size bytes) must fit MAX_COMM_SIZE."""
+    return MAX_COMM_SIZE // (hidden * element_bytes * max(world_size, 1))
+
+
 def max_tokens_for(spec: EpilogueSpec, world_size: int) -> int:
     """Tokens one call may carry: the workspace's size, capped by FlashInfer's Lamport buffer
     limit."""
-    per_token = spec.hidden_size * 2 * max(world_size, 1)
-    return max(0, min(spec.max_tokens, MAX_COMM_SIZE // per_token))
+    elem = torch.finfo(spec.dtype).bits // 8
+    return max(0, min(spec.max_tokens, lamport_max_tokens(spec.hidden_size, elem, world_size)))
 
 
 def workspace_bytes_estimate(spec: EpilogueSpec, world_size: int) -> int:
@@ -135,20 +142,11 @@ def memory_reason(
     spec: EpilogueSpec, world_size: int, device: torch.device, who: str
 ) -> Optional[Reason]:
     """Can this rank hold the workspace? Checked locally before the collective creation."""
-    need = workspace_bytes_estimate(spec, world_size)
-    free, _ = torch.cuda.mem_get_info(device)
-    headroom = 256 << 20
-    if need + headroom > free:
-        return Reason(
-            "workspace_no_memory",
-            f"{who}: the workspace for max_tokens={spec.max_tokens} needs "
-            f"{need / 2**20:.0f} MiB (+256 MiB headroom) per rank, {free / 2**20:.0f} MiB are free",
-            "lower EpilogueSpec.max_tokens or free GPU memory",
-        )
-    return None
+    what = f"the workspace for max_tokens={spec.max_tokens}"
+    return workspace_memory_reason(who, what, workspace_bytes_estimate(spec, world_size), device)
 
 
-_WORKSPACES: SharedWorkspaces = SharedWorkspaces()
+_WORKSPACES: WorkspacePool = WorkspacePool()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int) -> tuple:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from ..reasons import collect, require_hidden_multiple
 from ..spec import QuantKind, Stage
 from . import flashinfer_calls, flashinfer_common as fic
@@ -134,14 +134,10 @@ class FlashInferFusedStrategy(Strategy):
             inputs.shared_output,
             weights,
         )
-        q = spec.quant
-        if q.kind is QuantKind.NONE:
-            return EpilogueOutputs(residual_out, norm_out)
-        if quant_out is None:
+        kind = spec.quant.kind
+        if quant_out is None and kind is not QuantKind.NONE:
             quant_out, scale_out = self._ops.quantize(norm_out, *kernel_quant_args(spec))
-        return EpilogueOutputs(
-            residual_out, norm_out, quant_out, scale_out if q.kind is QuantKind.NVFP4 else None
-        )
+        return EpilogueOutputs.for_quant(kind, residual_out, norm_out, quant_out, scale_out)
 
     def close(self) -> None:
         workspace, self._workspace = getattr(self, "_workspace", None), None

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..environment import Environment
-from ..io import EpilogueInputs
+from ..epilogue_tensors import EpilogueInputs
 from ..reasons import Reason
 from ..spec import EpilogueSpec, Stage
 from .base import Step, required_stages

@@ -7,10 +7,12 @@ SM90
 we run kARResidualRMSNorm and then our NVFP4 kernel). H % 8 == 0 suffices here (measured correct at
 H=2880, where FlashInfer's MoE-finalize fusion is not).
 
-Launch variants: "oneshot" (every rank reads every peer's whole partial; best at small T) and
-"twoshot" (reduce-scatter + all-gather; FlashInfer asserts T > world size, so T <= world size always
-runs one-shot). Unmeasured buckets use FlashInfer's own size heuristic. T above the workspace is not
-ours: the planner routes it to a strategy without a token limit.
+Launch variants: "oneshot" (every rank reads every peer's whole partial; best at small T; at most
+what the Lamport buffers hold) and "twoshot" (reduce-scatter + all-gather; FlashInfer asserts T >
+world size, so it declares T >= world size + 1). The planner picks among the variants whose declared
+token range holds the bucket, and run() launches exactly the variant it is given. Unmeasured buckets
+use FlashInfer's own size heuristic. T above the workspace is not ours: the planner routes it to a
+strategy without a token limit.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..reasons import collect, require_hidden_multiple, require_triton
 from ..spec import QuantKind, SFLayout, Stage
 from . import flashinfer_calls, flashinfer_common as fic
@@ -27,6 +29,7 @@ from .base import Step, Strategy, kernel_quant_args, required_stages
 from .local_common import finalize_partial, finalize_step, hidden_fits
 
 ONESHOT, TWOSHOT = "oneshot", "twoshot"
+_USE_ONESHOT = {ONESHOT: True, TWOSHOT: False}
 _ONESHOT_MAX_MB = {
     2: 512,
     4: 64,
@@ -89,6 +92,14 @@ class LocalFusedFlashInferStrategy(Strategy):
     @classmethod
     def variants(cls, spec, env):
         return (ONESHOT, TWOSHOT)
+
+    @classmethod
+    def variant_tokens(cls, spec, env):
+        elem = torch.finfo(spec.dtype).bits // 8
+        return {
+            ONESHOT: (1, fic.lamport_max_tokens(spec.hidden_size, elem, env.world_size)),
+            TWOSHOT: (env.world_size + 1, None),  # FlashInfer asserts T > world size
+        }
 
     @classmethod
     def default_variant(cls, spec, env, tokens: Optional[int]) -> str:
@@ -155,6 +166,10 @@ class LocalFusedFlashInferStrategy(Strategy):
         return fic.workspace_bytes(ws) if ws is not None else 0
 
     def run(self, inputs: EpilogueInputs, variant: str = ONESHOT) -> EpilogueOutputs:
+        if variant not in _USE_ONESHOT:
+            raise ValueError(
+                f"{self.name}: variant must be one of {ONESHOT, TWOSHOT}, got {variant!r}"
+            )
         spec, tokens = self.spec, inputs.tokens
         partial = finalize_partial(self._ops, spec, inputs)
         residual_out, norm_out = (
@@ -173,7 +188,7 @@ class LocalFusedFlashInferStrategy(Strategy):
         self._ar(
             partial,
             tokens,
-            variant != TWOSHOT or tokens <= self.env.world_size,
+            _USE_ONESHOT[variant],  # the call refuses a T outside the variant's range
             inputs.residual,
             residual_out,
             norm_out,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..io import EpilogueInputs, EpilogueOutputs
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from ..reasons import collect, require_sm_at_least, require_triton
 from ..spec import QuantKind, Stage
 from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
@@ -74,10 +74,4 @@ class LocalFusedNcclStrategy(Strategy):
         residual_out, norm_out, q, sf = self._ops.add_rmsnorm_quant(
             inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, *self._quant
         )
-        kind = self._kind
-        return EpilogueOutputs(
-            residual_out,
-            norm_out,
-            None if kind is QuantKind.NONE else q,
-            sf if kind is QuantKind.NVFP4 else None,
-        )
+        return EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf)

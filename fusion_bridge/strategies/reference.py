@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..io import EpilogueInputs, EpilogueOutputs
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from ..spec import Stage
 from ..torch_math import finalize_fp32, residual_norm_outputs
 from .base import DEFAULT_VARIANT, Step, Strategy, required_stages

@@ -19,10 +19,9 @@ import os
 
 import torch
 
-from ..io import EpilogueInputs, EpilogueOutputs, quant_buffers
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..kernels.symm_protocol import SymmLayer, describe_error
 from ..reasons import collect
-from ..spec import QuantKind
 from . import symm_workspace as sw
 from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
@@ -35,6 +34,7 @@ class SymmFusedOneshotStrategy(Strategy):
         "reduce, residual+RMSNorm (+fp8/nvfp4)"
     )
     self_tested = True
+    probes = (sw.SYMM_MEM_PROBE, sw.MULTICAST_PROBE)
     workspace_kind = "oneshot"  # the kernel's buffer layout (symm_workspace)
     # : seconds a rank waits for its peers before the call fails (override before prepare(); tests
     # use less)
@@ -133,11 +133,7 @@ class SymmFusedOneshotStrategy(Strategy):
             residual=inputs.residual,
             gamma=inputs.gamma,
         )
-        if spec.quant.kind is QuantKind.NONE:
-            return EpilogueOutputs(residual_out, norm_out)
-        return EpilogueOutputs(
-            residual_out, norm_out, q, sf if spec.quant.kind is QuantKind.NVFP4 else None
-        )
+        return EpilogueOutputs.for_quant(spec.quant.kind, residual_out, norm_out, q, sf)
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..environment import Environment
+from ..environment import NO_MULTICAST_ENV, Environment, Probe, multicast_is_off
 from ..reasons import (
     Reason,
     collect,
@@ -31,13 +31,9 @@ from ..reasons import (
 )
 from ..kernels import symm_protocol as protocol
 from ..spec import EpilogueSpec
-from .shared import SharedWorkspaces, group_name
+from ..process_group import group_name
+from .workspace_pool import WorkspacePool, memory_reason as workspace_memory_reason
 
-MULTICAST_OFF = {
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NCCL_NVLS_ENABLE": "0",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a drift test)
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
 WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
@@ -71,18 +67,24 @@ def probe_symm_mem() -> Optional[str]:
     return f"torch.distributed._symmetric_memory lacks {missing}" if missing else None
 
 
+#: the environment facts the symmetric-memory strategies declare (Strategy.probes): on a machine set
+#: up as documented, symmetric memory imports and every multicast variable is set
+SYMM_MEM_PROBE = Probe("symm_mem_error", probe_symm_mem, documented=None)
+MULTICAST_PROBE = Probe("multicast_off", multicast_is_off, documented=True)
+
+
 def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> Optional[Reason]:
     """The multicast-disabling variables must be set (to exactly these values) in this process."""
     environ = os.environ if environ is None else environ
-    wrong = {k: environ.get(k) for k, v in MULTICAST_OFF.items() if environ.get(k) != v}
+    wrong = {k: environ.get(k) for k, v in NO_MULTICAST_ENV.items() if environ.get(k) != v}
     if wrong:
         return Reason(
             "multicast_not_disabled",
-            f"{who} requires {MULTICAST_OFF} before the symmetric-memory rendezvous (NVLink "
+            f"{who} requires {NO_MULTICAST_ENV} before the symmetric-memory rendezvous (NVLink "
             "multicast "
             f"can take shared GPUs out of service), but found {wrong}",
             "export "
-            + " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items())
+            + " ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())
             + " in every rank before torch.distributed is initialized",
         )
     return None
@@ -126,14 +128,14 @@ def reasons(
     kind: str = "oneshot",
 ) -> list[Reason]:
     """Every static reason the symmetric-memory one-shot cannot run: a pure function of (spec, env),
-    whose `multicast_off` and `symm_mem_error` detect() reads from the process (tests may instead
-    pass a
-    probe and an environ mapping). prepare() checks the real process environment again."""
+    whose probes (MULTICAST_PROBE, SYMM_MEM_PROBE) detect() reads from the process (tests may
+    instead pass a probe and an environ mapping). prepare() checks the real process environment
+    again."""
     multicast = (
         multicast_reason(who, environ)
         if environ is not None
         else None
-        if env.multicast_off
+        if MULTICAST_PROBE.value_in(env)
         else multicast_reason(who, {})
     )
     out = collect(
@@ -154,7 +156,7 @@ def reasons(
                 "unset TRITON_INTERPRET",
             )
         )
-    missing = probe() if probe is not None else env.symm_mem_error
+    missing = probe() if probe is not None else SYMM_MEM_PROBE.value_in(env)
     if missing is not None:
         out.append(
             Reason(
@@ -197,16 +199,8 @@ def memory_reason(
     spec: EpilogueSpec, world_size: int, device: torch.device, who: str, kind: str = "oneshot"
 ) -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
-    need = buffer_bytes(spec, world_size, kind)
-    free, _ = torch.cuda.mem_get_info(device)
-    if need + (256 << 20) > free:
-        return Reason(
-            "workspace_no_memory",
-            f"{who}: the symmetric buffer for {capacity(spec, world_size, kind)} tokens "
-            f"needs {need / 2**20:.0f} MiB (+256 MiB headroom), {free / 2**20:.0f} MiB are free",
-            "lower EpilogueSpec.max_tokens or free GPU memory",
-        )
-    return None
+    what = f"the symmetric buffer for {capacity(spec, world_size, kind)} tokens"
+    return workspace_memory_reason(who, what, buffer_bytes(spec, world_size, kind), device)
 
 
 @dataclass
@@ -336,7 +330,7 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
 # Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the
 # workspace
 # and every call of every layer goes through it in the same order on every rank, on one stream.
-_SHARED: SharedWorkspaces = SharedWorkspaces()
+_SHARED: WorkspacePool = WorkspacePool()
 
 
 def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str) -> tuple:

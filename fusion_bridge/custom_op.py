@@ -20,8 +20,7 @@ from typing import Optional
 
 import torch
 
-from .io import EpilogueOutputs
-from .spec import QuantKind, SFLayout
+from .epilogue_tensors import EpilogueOutputs, allocate_outputs
 
 _BRIDGES: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 _NAMES = itertools.count()
@@ -70,36 +69,15 @@ def finalize_epilogue_op(
 def _(
     gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma, bridge
 ):
-    spec = _bridge(bridge).spec
-    tokens, hidden = residual.shape
-    q = spec.quant
-    if q.kind is QuantKind.FP8:
-        quant, scale = residual.new_empty(tokens, hidden, dtype=torch.float8_e4m3fn), None
-    elif q.kind is QuantKind.NVFP4:
-        quant = residual.new_empty(tokens, hidden // 2, dtype=torch.uint8)
-        rows, cols = (
-            (-(-tokens // 128) * 128, -(-(hidden // 16) // 4) * 4)
-            if q.sf_layout is SFLayout.SWIZZLED_128x4
-            else (tokens, hidden // 16)
-        )
-        scale = residual.new_empty(rows, cols, dtype=torch.uint8)
-    else:
-        quant = scale = None
+    out = allocate_outputs(_bridge(bridge).spec, residual.shape[0], residual.device)
     empty = residual.new_empty(0, dtype=torch.uint8)
     return (
-        torch.empty_like(residual),
-        torch.empty_like(residual),
-        quant if quant is not None else empty,
-        scale if scale is not None else empty.clone(),
+        out.residual_out,
+        out.norm_out,
+        out.quant if out.quant is not None else empty,
+        out.scale if out.scale is not None else empty.clone(),
     )
 
 
 def outputs_from_op(spec, result) -> EpilogueOutputs:
-    residual_out, norm_out, quant, scale = result
-    kind = spec.quant.kind
-    return EpilogueOutputs(
-        residual_out,
-        norm_out,
-        None if kind is QuantKind.NONE else quant,
-        scale if kind is QuantKind.NVFP4 else None,
-    )
+    return EpilogueOutputs.for_quant(spec.quant.kind, *result)

@@ -34,14 +34,33 @@ class EpilogueInputs(NamedTuple):
 class EpilogueOutputs:
     """residual_out, norm_out: [T, H] act dtype.
     quant: fp8 -> [T, H] float8_e4m3fn; nvfp4 -> [T, H/2] uint8 (2 e2m1 codes per byte, low nibble
-    first).
+    first); None without quantization.
     scale: nvfp4 only: uint8 e4m3 block scales, [round_up(T,128), round_up(H/16,4)] swizzled or [T,
-    H/16]."""
+    H/16]; None otherwise."""
 
     residual_out: torch.Tensor
     norm_out: torch.Tensor
     quant: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
+
+    @classmethod
+    def for_quant(
+        cls,
+        kind: QuantKind,
+        residual_out: torch.Tensor,
+        norm_out: torch.Tensor,
+        quant: Optional[torch.Tensor] = None,
+        scale: Optional[torch.Tensor] = None,
+    ) -> "EpilogueOutputs":
+        """The outputs of a spec quantizing with `kind`, from a path that may hand back more (a
+        kernel or op that always returns four tensors, placeholders included): quant only when the
+        spec quantizes, scale only for NVFP4. The one place that trims outputs."""
+        return cls(
+            residual_out,
+            norm_out,
+            None if kind is QuantKind.NONE else quant,
+            scale if kind is QuantKind.NVFP4 else None,
+        )
 
     def named(self) -> dict[str, torch.Tensor]:
         out = {"residual_out": self.residual_out, "norm_out": self.norm_out}

@@ -1,4 +1,5 @@
-"""Consensus across the ranks of a TP group: check in, agree on settings, agree on each debug call.
+"""Rank agreement: every collective that makes the ranks of a TP group agree before they act:
+check in, agree on settings (and the plan), AND the admission flags, agree on each debug call.
 
 Building a bridge and calling it are collective. When ranks disagree (one rank never builds, one
 rank
@@ -9,6 +10,7 @@ case into the same clear error on every rank:
   check_in(group)            before any collective of a build: every rank arrives, within a timeout
                              (the process group's store, set/wait: no collective, so it cannot hang)
   agree_on_settings(d, group) all-gather a dict of plain values and compare it field by field
+  agree_flags(flags, group)  admission: elementwise AND of one 0/1 flag per strategy
   agree_call(ok, T, ...)     debug mode, per call: one small all-gather of (ok flag, T)
 
 Each is a plain function of its arguments and the process group; none knows about the bridge.
@@ -25,7 +27,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .agreement import collective_device
+from .process_group import (
+    collective_device,
+    group_active,
+    group_name,
+    group_store,
+    ranks_text,
+    world_size,
+)
+from .reasons import Reason
 from .validation import EpilogueInputError
 
 BUILD_TIMEOUT_ENV = "FUSION_BRIDGE_BUILD_TIMEOUT_S"
@@ -75,42 +85,29 @@ class GroupInputError(EpilogueInputError):
         self.failed, self.tokens = failed, tokens
 
 
-# ---------------------------------------------------------------- group helpers
 _CPU = torch.device("cpu")
 
 
-def _world_size(group) -> int:
-    """Ranks in `group`; 1 when torch.distributed is not initialised (a single process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+# ---------------------------------------------------------------- admission flags
+def agree_flags(flags: list[int], group, device: torch.device) -> list[int]:
+    """Elementwise AND of 0/1 flags across the ranks of `group`: one all-reduce MIN over an int
+    tensor with one slot per flag (MIN of packed bitmasks is not AND). Collective; the identity
+    without a group or in a group of one."""
+    if not flags or not group_active(group) or dist.get_world_size(group) == 1:
+        return list(flags)
+    t = torch.tensor(flags, dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in t.tolist()]
 
 
-def _group_name(group) -> str:
-    """The group's name: identical on every member rank, distinct between groups."""
-    pg = group if group is not None else dist.group.WORLD
-    name = getattr(pg, "group_name", None)
-    return name if name else dist.distributed_c10d._get_process_group_name(pg)
-
-
-def _group_store(group) -> "dist.Store":
-    """The group's own key/value store: the store that created it, prefixed with its name for a
-    subgroup. torch has no public accessor; _get_process_group_store has been stable since 2.0."""
-    pg = group if group is not None else dist.group.WORLD
-    getter = getattr(dist.distributed_c10d, "_get_process_group_store", None)
-    return getter(pg) if getter is not None else dist.distributed_c10d._world.pg_map[pg][1]
-
-
-def _ranks_text(ranks, group) -> str:
-    """'1, 3' or, when the group is not the default one, '1, 3 (global ranks 5, 7)'."""
-    ranks = list(ranks)
-    text = ", ".join(str(r) for r in ranks)
-    if group is not None and group is not dist.group.WORLD:
-        members = dist.get_process_group_ranks(group)
-        glob = [members[r] for r in ranks]
-        if glob != ranks:
-            text += f" (global ranks {', '.join(str(g) for g in glob)})"
-    return text
+def other_rank_reason(stage: str) -> Reason:
+    """Why a strategy that passed every check on this rank is off: another rank failed `stage`."""
+    return Reason(
+        "unavailable_on_another_rank",
+        f"another rank of the group cannot run this strategy ({stage}); every rank must pick "
+        "the same plan, so it is off on all ranks",
+        "run `python -m fusion_bridge info` on each rank to see which one and why",
+    )
 
 
 # ---------------------------------------------------------------- check-in
@@ -164,10 +161,10 @@ def check_in(
     arrive, within the timeout.
     """
     timeout_s = build_timeout_s(timeout_s)
-    world = _world_size(group)
+    world = world_size(group)
     if world == 1:
         return 0
-    rank, name, store = dist.get_rank(group), _group_name(group), _group_store(group)
+    rank, name, store = dist.get_rank(group), group_name(group), group_store(group)
     with _builds_lock:
         build = _builds.get(name, 0)
     prefix = f"fusion_bridge/check_in/{name}/{build}/"
@@ -180,7 +177,7 @@ def check_in(
             missing = [r for r in range(world) if not store.check([keys[r]])]
         except RuntimeError as store_exc:
             raise RankAgreementError(
-                f"{label}: rank {_ranks_text([rank], group)} of the {world}-rank group lost the "
+                f"{label}: rank {ranks_text([rank], group)} of the {world}-rank group lost the "
                 "group's "
                 f"store while waiting for the other ranks to check in ({type(store_exc).__name__}: "
                 f"{str(store_exc).splitlines()[0]}); the process that hosts it (rank 0 of the "
@@ -193,8 +190,8 @@ def check_in(
             except RuntimeError:  # a store without delete: the late rank then proceeds alone
                 pass
             raise RankAgreementError(
-                f"{label}: rank {_ranks_text([rank], group)} of the {world}-rank group waited "
-                f"{timeout_s:g} s for rank(s) {_ranks_text(missing, group)} to check in, in vain "
+                f"{label}: rank {ranks_text([rank], group)} of the {world}-rank group waited "
+                f"{timeout_s:g} s for rank(s) {ranks_text(missing, group)} to check in, in vain "
                 "(build "
                 f"{build} of group {name!r}). Every rank must build its bridges, in the same "
                 "order; is "
@@ -260,7 +257,7 @@ def _describe_values(values: list, group) -> str:
         else:
             groups.append((v, [rank]))
     return "; ".join(
-        f"{v!r} on rank{'s' if len(r) > 1 else ''} {_ranks_text(r, group)}" for v, r in groups
+        f"{v!r} on rank{'s' if len(r) > 1 else ''} {ranks_text(r, group)}" for v, r in groups
     )
 
 
@@ -283,7 +280,7 @@ def agree_on_settings(
     Raises RankAgreementError on every rank, with the same message, naming each differing field and
     every rank's value (at most MAX_FIELDS_SHOWN fields, then a count).
     """
-    world = _world_size(group)
+    world = world_size(group)
     if world == 1:
         return [settings]
     gathered: list = [None] * world
@@ -348,7 +345,7 @@ def agree_call(
     Raises GroupInputError (an EpilogueInputError) on every rank with the same message when any rank
     failed (naming each failing rank and its reason) or T differs (naming T on each rank).
     """
-    world = _world_size(group)
+    world = world_size(group)
     if world == 1:
         if not ok:
             raise _call_error({0: error or "no reason given"}, [tokens], group)
@@ -378,7 +375,7 @@ def _call_error(failed: dict[int, str], token_counts: list[int], group) -> Group
     world, parts = len(token_counts), []
     if failed:
         parts.append(
-            f"rank{'s' if len(failed) > 1 else ''} {_ranks_text(failed, group)} of the "
+            f"rank{'s' if len(failed) > 1 else ''} {ranks_text(failed, group)} of the "
             f"{world}-rank group failed the call's checks: "
             + "; ".join(f"rank {r}: {reason}" for r, reason in failed.items())
         )

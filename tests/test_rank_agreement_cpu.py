@@ -1,8 +1,7 @@
-"""fusion_bridge.consensus over real gloo process groups on CPU: check-in with a timeout, settings
-agreement, debug-mode per-call agreement. Every rank function returns what it caught, so the parent
-asserts per rank; every collective runs on a subgroup with a short timeout, and every group run has
-a
-hard timeout, so a regression fails fast instead of hanging CI."""
+"""fusion_bridge.rank_agreement over real gloo process groups on CPU: check-in with a timeout,
+settings agreement, debug-mode per-call agreement. Every rank function returns what it caught, so
+the parent asserts per rank; every collective runs on a subgroup with a short timeout, and every
+group run has a hard timeout, so a regression fails fast instead of hanging CI."""
 
 import time
 from datetime import timedelta
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
-from fusion_bridge.consensus import (
+from fusion_bridge.rank_agreement import (
     DEFAULT_BUILD_TIMEOUT_S,
     GroupInputError,
     agree_call,
