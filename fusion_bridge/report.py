@@ -104,6 +104,7 @@ class Report:
             + (" under the interpreter (TRITON_INTERPRET=1)" if env.triton_interpret else ""),
             f"  flashinfer:        {env.flashinfer_version or f'missing ({env.flashinfer_error})'}",
             f"  symmetric memory:  {symm}",
+            f"  NVLink multicast:  {self._multicast_text()}",
             f"  process group:     {env.world_size} rank(s)"
             + ("" if env.single_node else ", several nodes"),
             "",
@@ -121,6 +122,14 @@ class Report:
             "(`python -m fusion_bridge explain` gives the plan per token range and every reason)"
         )
         return "\n".join(lines)
+
+    def _multicast_text(self) -> str:
+        off = self.environment.probes.get("multicast_off")
+        if off is None:
+            return "not probed"
+        if off:
+            return "off in this process (NCCL_NVLS_ENABLE=0 and the other two set)"
+        return "this process leaves it to NCCL and torch (our kernels never use it either way)"
 
     def _device_text(self) -> str:
         env = self.environment

@@ -59,9 +59,22 @@ def test_explain_text_of_a_described_gpu():
     # flashinfer_fused_fp4 does not apply to quant=none: that one reason, not the FP4 gate's too
     fp4 = out.split("flashinfer_fused_fp4", 1)[1].split("\nseparate", 1)[0]
     assert "[quant_not_nvfp4]" in fp4 and fp4.count("[") == 1, fp4
-    assert out.rstrip().endswith(
-        "(a described machine: static checks only, no self-test, no workspace)"
+    tail = out.split("(a described machine: static checks only, no self-test, no workspace)")[1]
+    # it says what it took for granted about that machine; multicast is not among the needs
+    assert tail.startswith("\nassumed for it:\n  world size 2, every rank on one node\n")
+    assert "multicast: not needed by any strategy" in tail
+
+
+def test_explain_of_a_described_machine_lists_its_assumptions_in_json_too():
+    doc = json.loads(cli("explain", "--gpu", "H200", "--world-size", "2", "--json").stdout)
+    assert doc["assumed"][0] == "world size 2, every rank on one node"
+    # the shipped table was measured with NVLS and multicast off: said with the table's versions
+    assert any(
+        a.startswith("the tuning table's times: measured with NCCL NVLS and NVLink multicast off")
+        for a in doc["assumed"]
     )
+    here = json.loads(cli("explain", "--json").stdout)
+    assert here["assumed"] == []  # this machine is probed, not assumed
 
 
 def test_report_names_the_gpu_once_and_carries_a_schema_version():

@@ -193,11 +193,34 @@ def cmd_explain(args) -> int:
         env, spec, statuses, plan, tokens=args.tokens, table=table["path"] if table else None
     )
     req = _env_request(statuses)
+    assumed = _assumptions(env, table) if described else []
     lines = [str(report)] + ([table_line] if table_line else []) + _env_request_text(req)
     if described:
         lines.append("(a described machine: static checks only, no self-test, no workspace)")
-    _emit(args, {**report.to_dict(), "env_strategy": req}, "\n".join(lines))
+        lines += ["assumed for it:"] + [f"  {a}" for a in assumed]
+    _emit(args, {**report.to_dict(), "env_strategy": req, "assumed": assumed}, "\n".join(lines))
     return 0 if plan else 1
+
+
+def _assumptions(env, table) -> list[str]:
+    """What `explain` takes for granted about a described machine (it cannot probe it)."""
+    out = [f"world size {env.world_size}, every rank on one node"]
+    if env.device_type == "cuda":
+        torch_version = env.torch_version.split("+")[0]
+        triton, flashinfer = env.triton_version or "missing", env.flashinfer_version or "missing"
+        out += [
+            f"a CUDA build of torch {torch_version} whose symmetric memory works, triton {triton} "
+            f"and flashinfer {flashinfer} (the versions installed here)",
+            "multicast: not needed by any strategy (our kernels never use it), so not assumed "
+            "either way",
+        ]
+        if table is not None:
+            versions = table.get("versions", {})
+            out.append(
+                "the tuning table's times: measured with NCCL NVLS and NVLink multicast off, "
+                f"torch {versions.get('torch')}, flashinfer {versions.get('flashinfer')}"
+            )
+    return out
 
 
 def cmd_parity(args) -> int:
