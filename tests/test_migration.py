@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -68,11 +67,3 @@ def test_readme_matrix_is_the_generated_one():
         "README matrix is stale: run `python -m fusion_bridge matrix`"
     )
 
-
-def test_readme_static_order_is_the_registry_order():
-    from fusion_bridge.registry import strategy_classes
-
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    listed = text.split("<!-- static-order -->", 1)[1].split(" (", 1)[0]
-    expected = [c.name for c in strategy_classes() if c.auto_selectable and not c.opt_in]
-    assert [name.strip() for name in listed.split(",")] == expected
