@@ -66,4 +66,3 @@ def test_readme_matrix_is_the_generated_one():
     assert embedded(readme) == markdown(), (
         "README matrix is stale: run `python -m fusion_bridge matrix`"
     )
-
