@@ -170,7 +170,16 @@ class FusionBridge:
                 if self.table is not None:
                     measured_us = tuning_tables.as_measurements(self.table)
                     eager_us = tuning_tables.as_measurements(self.table, "eager_us")
-            self._use_plan(select_for_modes(self.statuses, spec, requested, measured_us, eager_us))
+            self._use_plan(
+                select_for_modes(
+                    self.statuses,
+                    spec,
+                    requested,
+                    measured_us,
+                    eager_us,
+                    tuning_tables.margin_of(self.table),
+                )
+            )
         except Exception:
             self.close()
             raise
@@ -495,6 +504,7 @@ class FusionBridge:
                 f"{self.device.type}"
             )
         eager: dict = {}
+        differences: list = []
         measured = tuning_tables.measure(
             self.spec,
             self.env,
@@ -505,14 +515,19 @@ class FusionBridge:
             progress=progress,
             eager_out=eager,
             token_ranges=tuning_tables.token_ranges(self.statuses),
+            spread_out=differences,
         )
-        table = tuning_tables.make_table(self.spec, self.env, measured, eager)
+        spread = tuning_tables.spread_summary(differences)
+        table = tuning_tables.make_table(self.spec, self.env, measured, eager, spread)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):
             path = tuning_tables.cache_path(self.spec, self.env)
             tuning_tables.save_table(table, path)
             table["path"] = str(path)
         self.table = table
-        self._use_plan(select_for_modes(self.statuses, self.spec, self.requested, measured, eager))
+        margin = tuning_tables.margin_of(table)
+        self._use_plan(
+            select_for_modes(self.statuses, self.spec, self.requested, measured, eager, margin)
+        )
         return table
 
     def _summary(self) -> str:

@@ -17,6 +17,30 @@ from .strategy_status import StrategyStatus
 
 AUTO = "auto"
 
+#: The rule of a measured plan: a bucket keeps the static-order choice (the first fitting strategy,
+#: its default variant) unless a measured alternative is faster by more than the measured spread,
+#: so neighbouring buckets do not flip on noise. The spread comes from the table (`tune` times
+#: every case twice and records it); measurements without one use DEFAULT_MARGIN: the median
+#: run-to-run spread of the same code per token bucket (max - min over 3 runs, relative to the
+#: median), 3.1%, in benchmarks/results/ab_auto_restructure_h200_tp2.jsonl (2x H200).
+DEFAULT_MARGIN = 0.031
+DEFAULT_MARGIN_SOURCE = (
+    "the run-to-run spread of the same code on 2x H200 "
+    "(benchmarks/results/ab_auto_restructure_h200_tp2.jsonl; the measurements record none)"
+)
+
+
+@dataclass(frozen=True)
+class Margin:
+    """How much faster (a fraction) a measured route must be to replace the static-order choice,
+    and where that number comes from."""
+
+    fraction: float = DEFAULT_MARGIN
+    source: str = DEFAULT_MARGIN_SOURCE
+
+    def to_dict(self) -> dict:
+        return {"fraction": self.fraction, "source": self.source}
+
 
 class NoStrategyAvailable(RuntimeError):
     """Raised when the requested strategy (or, under auto, every strategy) cannot run; lists all
@@ -69,6 +93,10 @@ class Plan:
     eager_choice: tuple[str, ...] = ()
     eager_variants: tuple[str, ...] = ()
     eager_measured_us: tuple[Optional[float], ...] = ()
+    #: per bucket, every measured (strategy, variant, us) that could take it, fastest first
+    candidates: tuple[tuple[tuple[str, str, float], ...], ...] = ()
+    why: tuple[str, ...] = ()  # per bucket, why its route was chosen
+    margin: Optional[Margin] = None  # the rule's margin, when measurements were used
 
     @property
     def mode_dependent(self) -> bool:
@@ -104,9 +132,14 @@ class Plan:
                     "strategy": s,
                     "variant": v,
                     "measured_us": self.measured_us[i] if i < len(self.measured_us) else None,
+                    "why": self.why[i] if i < len(self.why) else None,
+                    "candidates": _candidates_dict(
+                        self.candidates[i] if i < len(self.candidates) else (), s, v
+                    ),
                 }
                 for i, (b, s, v) in enumerate(zip(self.bounds, self.choice, self.variants))
             ],
+            "margin": self.margin.to_dict() if self.margin else None,
             "notes": list(self.notes),
             "eager_buckets": [
                 {
@@ -124,6 +157,20 @@ class Plan:
         }
 
 
+def _candidates_dict(timed, strategy: str, variant: str) -> list[dict]:
+    """Each measured candidate with its time and how far it is behind the chosen route."""
+    chosen = next((us for s, v, us in timed if (s, v) == (strategy, variant)), None)
+    return [
+        {
+            "strategy": s,
+            "variant": v,
+            "measured_us": us,
+            "vs_chosen_pct": None if chosen is None else round(100.0 * (us / chosen - 1.0), 1),
+        }
+        for s, v, us in timed
+    ]
+
+
 Measurements = Mapping[
     str, Mapping[str, Mapping[int, float]]
 ]  # strategy -> variant -> bucket bound -> us
@@ -134,16 +181,19 @@ def select(
     spec: EpilogueSpec,
     requested: str = AUTO,
     measured_us: Optional[Measurements] = None,
+    margin: Optional[Margin] = None,
 ) -> Plan:
     """Pick a (strategy, variant) per token bucket.
 
     requested: "auto" or a strategy name. An explicit name that cannot run raises
     NoStrategyAvailable with its reasons; it never falls back. Under auto, among available
     auto-selectable strategies with a variant that can take every T of the bucket
-    (max_tokens_per_call and variant_tokens), the fastest measured such (strategy, variant) wins; a
-    bucket nobody measured takes the first fitting strategy in the static order (the order of
-    `statuses`) with its default variant. Measurements naming a strategy or variant that is not
-    registered, or a token count the variant cannot take, are ignored, with a note. T above
+    (max_tokens_per_call and variant_tokens), the first in the static order (the order of
+    `statuses`) with its default variant is chosen, unless a measured (strategy, variant) is faster
+    than it by more than `margin` (default: Margin(), see DEFAULT_MARGIN); then the fastest wins.
+    A requested strategy follows the same rule among its variants. Measurements naming a strategy
+    or variant that is not registered, or a token count the variant cannot take, are ignored, with a
+    note. T above
     spec.max_tokens goes to the first candidate without a per-call limit, or raises. What the plan
     names is what runs: no strategy overrides it.
     """
@@ -151,6 +201,7 @@ def select(
     bounds = bucket_bounds(spec.max_tokens)
     ranges = bucket_ranges(spec.max_tokens)
     measured, notes = _known_measurements(measured_us or {}, by_name)
+    margin = margin or Margin()
     if requested != AUTO:
         if requested not in by_name:
             raise ValueError(
@@ -159,32 +210,33 @@ def select(
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
-        picks = [_fastest(i, rng, [st], measured) for i, rng in enumerate(ranges)]
+        picks = [_choose(i, rng, [st], measured, margin.fraction) for i, rng in enumerate(ranges)]
         overflow = requested if st.max_tokens_per_call is None else None
         return Plan(
             requested,
             bounds,
             tuple(requested for _ in bounds),
-            tuple(v for _, _, v in picks),
+            tuple(p.variant for p in picks),
             overflow,
             st.overflow_variant,
-            tuple(t for t, _, _ in picks),
+            tuple(p.us for p in picks),
             "requested",
             tuple(notes),
+            candidates=tuple(p.timed for p in picks),
+            why=tuple(p.why for p in picks),
+            margin=margin if measured else None,
         )
 
     candidates = [s for s in statuses if s.available and s.auto_selectable]
     if not candidates:
         raise NoStrategyAvailable(AUTO, statuses)
-    choice, variants, times = [], [], []
+    picks = []
     for i, (low, high) in enumerate(ranges):
         fits = [s for s in candidates if s.variants_for(low, high)]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
-        best_time, best, variant = _fastest(i, (low, high), fits, measured)
-        choice.append(best)
-        variants.append(variant)
-        times.append(best_time)
+        picks.append(_choose(i, (low, high), fits, measured, margin.fraction))
+    times = [p.us for p in picks]
     unlimited = [s for s in candidates if s.max_tokens_per_call is None]
     overflow = unlimited[0] if unlimited else None
     if overflow is None:
@@ -195,33 +247,72 @@ def select(
     return Plan(
         AUTO,
         bounds,
-        tuple(choice),
-        tuple(variants),
+        tuple(p.strategy for p in picks),
+        tuple(p.variant for p in picks),
         overflow.name if overflow else None,
         overflow.overflow_variant if overflow else DEFAULT_VARIANT,
         tuple(times),
         source,
         tuple(notes),
+        candidates=tuple(p.timed for p in picks),
+        why=tuple(p.why for p in picks),
+        margin=margin if source == "measured" else None,
     )
 
 
-def _fastest(
-    bucket: int, tokens: tuple[int, int], fits: list[StrategyStatus], measured: Measurements
-) -> tuple[Optional[float], str, str]:
-    """(time, strategy, variant): the fastest measured (strategy, variant) that can take every T in
-    the bucket's range `tokens`, timed at its largest T; ties go to the static order; unmeasured,
-    the first strategy with its default variant."""
+@dataclass(frozen=True)
+class _Pick:
+    us: Optional[float]
+    strategy: str
+    variant: str
+    timed: tuple[tuple[str, str, float], ...]  # every measured candidate, fastest first
+    why: str
+
+
+def _choose(
+    bucket: int,
+    tokens: tuple[int, int],
+    fits: list[StrategyStatus],
+    measured: Measurements,
+    margin: float,
+) -> _Pick:
+    """The bucket's route under the rule (see DEFAULT_MARGIN): the static-order choice (the first
+    fitting strategy, its default variant) unless a measured (strategy, variant) that can take every
+    T of the bucket, timed at its largest T, is faster than it by more than `margin`."""
     low, bound = tokens
-    timed = [
+    timed = sorted(
         (per[bound], order, s.name, v)
         for order, s in enumerate(fits)
         for v, per in measured.get(s.name, {}).items()
         if bound in per and v in s.variants_for(low, bound)
-    ]
-    if timed:
-        best_time, _, best, variant = min(timed)
-        return best_time, best, variant
-    return None, fits[0].name, fits[0].variant_for(bucket)
+    )
+    listing = tuple((name, v, us) for us, _, name, v in timed)
+    static = (fits[0].name, fits[0].variant_for(bucket))
+    if not timed:
+        return _Pick(None, *static, listing, "static order (unmeasured)")
+    best_us, _, best, variant = timed[0]
+    static_us = next((us for name, v, us in listing if (name, v) == static), None)
+    if static_us is None:
+        why = f"fastest measured (the static-order choice {_label(*static)} was not measured)"
+        return _Pick(best_us, best, variant, listing, why)
+    if (best, variant) == static:
+        return _Pick(best_us, best, variant, listing, "static order, and fastest measured")
+    gain = 1.0 - best_us / static_us
+    if gain > margin:
+        why = (
+            f"measured {gain:.1%} faster than the static-order choice {_label(*static)} "
+            f"(more than the {margin:.1%} margin)"
+        )
+        return _Pick(best_us, best, variant, listing, why)
+    why = (
+        f"static order kept: {_label(best, variant)} is only {gain:.1%} faster "
+        f"(within the {margin:.1%} margin)"
+    )
+    return _Pick(static_us, *static, listing, why)
+
+
+def _label(strategy: str, variant: str) -> str:
+    return strategy if variant == DEFAULT_VARIANT else f"{strategy}:{variant}"
 
 
 def _known_measurements(
@@ -262,15 +353,16 @@ def select_for_modes(
     requested: str = AUTO,
     measured_us: Optional[Measurements] = None,
     eager_us: Optional[Measurements] = None,
+    margin: Optional[Margin] = None,
 ) -> Plan:
     """The graph plan from CUDA-graph times (`measured_us`) and, when eager wall times per call were
     measured on this host (`eager_us`), an eager plan from them: eager calls are host-bound at small
     T,
     so one launch can beat two there even when two win under graphs. Both are pure functions."""
-    plan = select(statuses, spec, requested, measured_us)
+    plan = select(statuses, spec, requested, measured_us, margin)
     if not eager_us:
         return plan
-    eager = select(statuses, spec, requested, eager_us)
+    eager = select(statuses, spec, requested, eager_us, margin)
     # a bucket without an eager time keeps the graph plan's measured route, not the static order
     keep = [t is None for t in eager.measured_us]
     eager = dataclasses.replace(

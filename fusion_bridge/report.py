@@ -80,6 +80,9 @@ class Report:
         chosen = set(self.plan.choice) if self.plan else set()
         for st in self.strategies:
             lines += self._strategy_lines(st, st.name in chosen)
+        measured = self._measured_lines()
+        if measured:
+            lines += [""] + measured
         if self.shadow:
             lines += [""] + self._shadow_lines()
         return "\n".join(lines)
@@ -179,21 +182,23 @@ class Report:
         plan = self.plan
         source = f"requested: {plan.requested}" if plan.source == "requested" else plan.source
         lines.append(f"plan ({source}):")
-        low = 1
-        buckets = plan.to_dict()["buckets"]
-        for i, b in enumerate(buckets):  # merge neighbours with the same route and no timing
-            nxt = buckets[i + 1] if i + 1 < len(buckets) else None
-            if (
-                nxt
-                and b["measured_us"] is None
-                and nxt["measured_us"] is None
-                and (nxt["strategy"], nxt["variant"]) == (b["strategy"], b["variant"])
-            ):
-                continue
-            t = f"  {b['measured_us']:.1f} us" if b["measured_us"] is not None else ""
+        if plan.margin is not None:
+            lines.append(
+                f"  (the static-order choice stays unless a measured route is faster by more than "
+                f"{plan.margin.fraction:.1%}: {plan.margin.source})"
+            )
+        for low, high, bucket_list in _ranges(plan.to_dict()["buckets"]):
+            b = bucket_list[0]
             route = _route_text(b["strategy"], b["variant"])
-            lines.append(f"  {low:6d} <= T <= {b['max_tokens']:6d}: {route}{t}")
-            low = b["max_tokens"] + 1
+            times = [x["measured_us"] for x in bucket_list if x["measured_us"] is not None]
+            t = ""
+            if times:
+                t = (
+                    f"  {times[0]:.1f} us"
+                    if len(times) == 1
+                    else f"  {times[0]:.1f}-{times[-1]:.1f} us"
+                )
+            lines.append(f"  {low:6d} <= T <= {high:6d}: {route}{t}")
         overflow = (
             _route_text(plan.overflow, plan.overflow_variant) if plan.overflow else "error (raises)"
         )
@@ -204,6 +209,45 @@ class Report:
         lines += [f"  note: {n}" for n in plan.notes]
         if self.table:
             lines.append(f"  measurements from {self.table}")
+        return lines
+
+    def _why_not_chosen(self, name: str) -> Optional[str]:
+        """For a strategy that can run but no bucket chose: how close it came, from measurements."""
+        if not self.plan or self.plan.margin is None:
+            return None
+        behind = [
+            (c["vs_chosen_pct"], b["max_tokens"])
+            for b in self.plan.to_dict()["buckets"]
+            for c in b["candidates"]
+            if c["strategy"] == name and c["vs_chosen_pct"] is not None
+        ]
+        if not behind:
+            return "not chosen: no measurement of it in the table"
+        pct, bound = min(behind)
+        if pct < 0:
+            return (
+                f"not chosen: at best {-pct:.1f}% faster (T<={bound}), within the margin, so the "
+                "static-order choice stayed"
+            )
+        return (
+            f"not chosen: slower than the chosen route in every measured bucket it could take "
+            f"(closest: {pct:+.1f}% at T<={bound})"
+        )
+
+    def _measured_lines(self) -> list[str]:
+        """Per measured bucket: why its route won, and every other candidate's time and distance."""
+        if not self.plan or self.plan.margin is None:
+            return []
+        lines = ["measured, per token bucket (why the route won; the others, + = slower):"]
+        low = 1
+        for b in self.plan.to_dict()["buckets"]:
+            if b["measured_us"] is not None:
+                route = _route_text(b["strategy"], b["variant"])
+                lines.append(
+                    f"  {low:6d} <= T <= {b['max_tokens']:6d}: {route} {b['measured_us']:.1f} us"
+                )
+                lines += _candidate_lines(b)
+            low = b["max_tokens"] + 1
         return lines
 
     def _picked(self) -> str:
@@ -249,6 +293,9 @@ class Report:
             f"{st.name:22s} {state}{extra}{ws}",
             f"{'':22s} steps: {' -> '.join(s.name for s in st.steps)}",
         ]
+        lost = self._why_not_chosen(st.name) if st.available and not chosen else None
+        if lost:
+            lines.append(f"{'':22s} {lost}")
         for r in st.reasons:
             lines.append(
                 f"{'':22s} [{r.code}] {r.message}" + (f"\n{'':24s}hint: {r.hint}" if r.hint else "")
@@ -272,3 +319,34 @@ class Report:
 def _route_text(strategy: str, variant: str) -> str:
     """ "name" for a strategy's only ("default") variant, else "name:variant": what runs."""
     return strategy if variant == DEFAULT_VARIANT else f"{strategy}:{variant}"
+
+
+def _candidate_lines(bucket: dict) -> list[str]:
+    """Why a measured bucket's route won, and every other measured candidate's time and its
+    distance to the chosen route (+: slower)."""
+    others = [
+        f"{_route_text(c['strategy'], c['variant'])} {c['measured_us']:.1f} "
+        f"({c['vs_chosen_pct']:+.1f}%)"
+        for c in bucket["candidates"]
+        if (c["strategy"], c["variant"]) != (bucket["strategy"], bucket["variant"])
+    ]
+    pad = " " * 10
+    lines = [f"{pad}{bucket['why']}"] if bucket.get("why") else []
+    return lines + ([f"{pad}others: " + ", ".join(others)] if others else [])
+
+
+def _ranges(buckets: list[dict]) -> list[tuple[int, int, list[dict]]]:
+    """Neighbouring buckets with the same route merged: (first T, last T, the buckets)."""
+    out: list[tuple[int, int, list[dict]]] = []
+    low = 1
+    for b in buckets:
+        same = out and (out[-1][2][0]["strategy"], out[-1][2][0]["variant"]) == (
+            b["strategy"],
+            b["variant"],
+        )
+        if same:
+            out[-1] = (out[-1][0], b["max_tokens"], out[-1][2] + [b])
+        else:
+            out.append((low, b["max_tokens"], [b]))
+        low = b["max_tokens"] + 1
+    return out

@@ -128,7 +128,7 @@ def cmd_info(args) -> int:
     req = _env_request(report.strategies)
     _emit(
         args,
-        {**report.to_dict(), "env_strategy": req},
+        {**report.to_dict(), "env_strategy": req, "assumed": []},  # this machine: probed
         "\n".join([report.machine_text(), *_env_request_text(req)]),
     )
     return 0
@@ -185,7 +185,13 @@ def cmd_explain(args) -> int:
             )
     requested = os.environ.get(STRATEGY_ENV) or AUTO
     try:
-        plan = select(statuses, spec, requested, tuning.as_measurements(table) if table else None)
+        plan = select(
+            statuses,
+            spec,
+            requested,
+            tuning.as_measurements(table) if table else None,
+            tuning.margin_of(table),
+        )
     except NoStrategyAvailable as exc:
         print(str(exc), file=sys.stderr)
         plan = None
@@ -336,10 +342,17 @@ def cmd_tune(args) -> int:
 
     table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
     lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
+    spread = table.get("spread") or {}
+    if spread:
+        lines.append(
+            f"spread between two passes: {100 * spread['fraction']:.1f}% (90th percentile of "
+            f"{spread['cases']} cases): a route replaces the static-order choice only when "
+            "faster by more"
+        )
     for b in table["plan"]["buckets"]:
         lines.append(
             f"  T <= {b['max_tokens']:6d}: {b['strategy']}:{b['variant']:10s} "
-            f"{b['measured_us']:.1f} us"
+            f"{b['measured_us']:.1f} us  ({b['why']})"
         )
     _emit(args, {"table": table}, "\n".join(lines))
     return 0
