@@ -21,7 +21,7 @@ from .rank_agreement import agree_flags, other_rank_reason
 from .environment import Environment
 from .planner import AUTO
 from .strategy_status import StrategyStatus
-from .reasons import Reason
+from .reasons import Reason, excluded_by_request
 from .selftest import self_test
 from .spec import EpilogueSpec
 from .strategies.base import Strategy
@@ -42,14 +42,18 @@ def admit(
     requested: str,
     also_prepare: tuple[str, ...] = (),
     run_self_test: bool = True,
+    excluded: Optional[dict[str, str]] = None,
 ) -> Admission:
     """Collective. Prepares everything auto may pick (or only the requested strategy), the oracle,
     and
-    `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name."""
+    `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name.
+    `excluded`: {strategy: where the request came from}, kept out (never prepared)."""
     classes = registry.strategy_classes()
     reasons: dict[str, list[Reason]] = {
         c.name: list(c.not_supported_reasons(spec, env)) for c in classes
     }
+    for name, source in (excluded or {}).items():  # kept out of auto by the caller: not prepared
+        reasons[name].append(excluded_by_request(name, source))
     wanted = [
         c
         for c in classes

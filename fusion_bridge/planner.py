@@ -10,36 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from .reasons import excluded_by_request
 from .buckets import bucket_bounds, bucket_index, bucket_ranges, tokens_text
+from .route_rule import DEFAULT_MARGIN, Margin, choose  # noqa: F401 (DEFAULT_MARGIN re-exported)
 from .spec import EpilogueSpec
 from .strategies.base import DEFAULT_VARIANT
 from .strategy_status import StrategyStatus
 
 AUTO = "auto"
-
-#: The rule of a measured plan: a bucket keeps the static-order choice (the first fitting strategy,
-#: its default variant) unless a measured alternative is faster by more than the measured spread,
-#: so neighbouring buckets do not flip on noise. The spread comes from the table (`tune` times
-#: every case twice and records it); measurements without one use DEFAULT_MARGIN: the median
-#: run-to-run spread of the same code per token bucket (max - min over 3 runs, relative to the
-#: median), 3.1%, in benchmarks/results/ab_auto_restructure_h200_tp2.jsonl (2x H200).
-DEFAULT_MARGIN = 0.031
-DEFAULT_MARGIN_SOURCE = (
-    "the run-to-run spread of the same code on 2x H200 "
-    "(benchmarks/results/ab_auto_restructure_h200_tp2.jsonl; the measurements record none)"
-)
-
-
-@dataclass(frozen=True)
-class Margin:
-    """How much faster (a fraction) a measured route must be to replace the static-order choice,
-    and where that number comes from."""
-
-    fraction: float = DEFAULT_MARGIN
-    source: str = DEFAULT_MARGIN_SOURCE
-
-    def to_dict(self) -> dict:
-        return {"fraction": self.fraction, "source": self.source}
 
 
 class NoStrategyAvailable(RuntimeError):
@@ -70,6 +48,33 @@ def static_statuses(spec: EpilogueSpec, env) -> list[StrategyStatus]:
     return [
         StrategyStatus.of(c, spec, env, c.not_supported_reasons(spec, env))
         for c in strategy_classes()
+    ]
+
+
+def check_exclusions(names, known: list[str], requested: str, source: str) -> tuple[str, ...]:
+    """The strategies to keep out of auto, validated: a list of registered names (not the oracle
+    `reference`, which the self-test needs, nor a strategy requested by name). Sorted, no
+    duplicates: every rank compares them at build."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{source} must be a list of strategy names, got {names!r}")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"{source} names unknown strategies {unknown}; known: {known}")
+    if "reference" in names:
+        raise ValueError(f"{source} cannot exclude 'reference': it is the self-test's oracle")
+    if requested in names:
+        raise ValueError(f"{source} excludes {requested!r}, which is requested by name")
+    return tuple(sorted(set(names)))
+
+
+def exclude(statuses: list[StrategyStatus], names, source: str) -> list[StrategyStatus]:
+    """`statuses` with each strategy in `names` marked excluded by request (so auto never picks it
+    and the report says why)."""
+    return [
+        dataclasses.replace(s, reasons=s.reasons + (excluded_by_request(s.name, source),))
+        if s.name in names
+        else s
+        for s in statuses
     ]
 
 
@@ -210,7 +215,7 @@ def select(
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
-        picks = [_choose(i, rng, [st], measured, margin.fraction) for i, rng in enumerate(ranges)]
+        picks = [choose(i, rng, [st], measured, margin.fraction) for i, rng in enumerate(ranges)]
         overflow = requested if st.max_tokens_per_call is None else None
         return Plan(
             requested,
@@ -235,7 +240,7 @@ def select(
         fits = [s for s in candidates if s.variants_for(low, high)]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
-        picks.append(_choose(i, (low, high), fits, measured, margin.fraction))
+        picks.append(choose(i, (low, high), fits, measured, margin.fraction))
     times = [p.us for p in picks]
     unlimited = [s for s in candidates if s.max_tokens_per_call is None]
     overflow = unlimited[0] if unlimited else None
@@ -258,61 +263,6 @@ def select(
         why=tuple(p.why for p in picks),
         margin=margin if source == "measured" else None,
     )
-
-
-@dataclass(frozen=True)
-class _Pick:
-    us: Optional[float]
-    strategy: str
-    variant: str
-    timed: tuple[tuple[str, str, float], ...]  # every measured candidate, fastest first
-    why: str
-
-
-def _choose(
-    bucket: int,
-    tokens: tuple[int, int],
-    fits: list[StrategyStatus],
-    measured: Measurements,
-    margin: float,
-) -> _Pick:
-    """The bucket's route under the rule (see DEFAULT_MARGIN): the static-order choice (the first
-    fitting strategy, its default variant) unless a measured (strategy, variant) that can take every
-    T of the bucket, timed at its largest T, is faster than it by more than `margin`."""
-    low, bound = tokens
-    timed = sorted(
-        (per[bound], order, s.name, v)
-        for order, s in enumerate(fits)
-        for v, per in measured.get(s.name, {}).items()
-        if bound in per and v in s.variants_for(low, bound)
-    )
-    listing = tuple((name, v, us) for us, _, name, v in timed)
-    static = (fits[0].name, fits[0].variant_for(bucket))
-    if not timed:
-        return _Pick(None, *static, listing, "static order (unmeasured)")
-    best_us, _, best, variant = timed[0]
-    static_us = next((us for name, v, us in listing if (name, v) == static), None)
-    if static_us is None:
-        why = f"fastest measured (the static-order choice {_label(*static)} was not measured)"
-        return _Pick(best_us, best, variant, listing, why)
-    if (best, variant) == static:
-        return _Pick(best_us, best, variant, listing, "static order, and fastest measured")
-    gain = 1.0 - best_us / static_us
-    if gain > margin:
-        why = (
-            f"measured {gain:.1%} faster than the static-order choice {_label(*static)} "
-            f"(more than the {margin:.1%} margin)"
-        )
-        return _Pick(best_us, best, variant, listing, why)
-    why = (
-        f"static order kept: {_label(best, variant)} is only {gain:.1%} faster "
-        f"(within the {margin:.1%} margin)"
-    )
-    return _Pick(static_us, *static, listing, why)
-
-
-def _label(strategy: str, variant: str) -> str:
-    return strategy if variant == DEFAULT_VARIANT else f"{strategy}:{variant}"
 
 
 def _known_measurements(

@@ -10,6 +10,7 @@ from typing import Optional
 from .environment import Environment
 from .planner import Plan
 from .strategy_status import StrategyStatus
+from .reasons import EXCLUDED
 from .spec import EpilogueSpec
 from .strategies.base import DEFAULT_VARIANT
 
@@ -31,6 +32,8 @@ class Report:
     reroutes: int = 0
     shadow: Optional[dict] = None
     table: Optional[str] = None  # the tuning table the plan came from
+    #: calls per route so far (FusionBridge.route_calls); None: not a built bridge (explain --gpu)
+    calls: Optional[list] = None
 
     @property
     def selected(self) -> Optional[str]:
@@ -61,6 +64,7 @@ class Report:
             "reroutes": self.reroutes,
             "shadow": self.shadow,
             "tuning_table": self.table,
+            "calls": self.calls,
         }
         if self.tokens is not None:
             out["tokens"] = self.tokens
@@ -209,7 +213,19 @@ class Report:
         lines += [f"  note: {n}" for n in plan.notes]
         if self.table:
             lines.append(f"  measurements from {self.table}")
+        if self.calls is not None:
+            lines.append(f"calls so far: {self._calls_text()}")
         return lines
+
+    def _calls_text(self) -> str:
+        if not self.calls:
+            return "none"
+        parts = [
+            f"{_route_text(c['strategy'], c['variant'])} {c['eager']} eager, "
+            f"{c['captured']} in CUDA-graph captures"
+            for c in self.calls
+        ]
+        return "; ".join(parts) + " (graph replays never reach the host: not counted)"
 
     def _why_not_chosen(self, name: str) -> Optional[str]:
         """For a strategy that can run but no bucket chose: how close it came, from measurements."""
@@ -273,6 +289,8 @@ class Report:
                 if st.opt_in
                 else " (never auto-selected here)"
             )
+        elif any(r.code == EXCLUDED for r in st.reasons):
+            state = "excluded by request"
         else:
             state = "rejected"
         gpu_only = self.environment.device_type != "cuda" and any(
@@ -280,11 +298,12 @@ class Report:
         )
         if gpu_only:  # the rest is advice for a GPU machine
             need = next(r for r in st.reasons if r.code in NEEDS_GPU)
-            more = len(st.reasons) - 1
+            excluded = [r for r in st.reasons if r.code == EXCLUDED]
+            more = len(st.reasons) - 1 - len(excluded)
             return [
-                f"{st.name:22s} rejected: {NEEDS_GPU[need.code]} [{need.code}]"
+                f"{st.name:22s} {state}: {NEEDS_GPU[need.code]} [{need.code}]"
                 + (f" (+{more} more for GPU machines: --json lists them)" if more else "")
-            ]
+            ] + [f"{'':22s} [{r.code}] {r.message}" for r in excluded]
         extra = f", self-test: {st.self_test}" + (
             f" (rel err {st.self_test_error:.2e})" if st.self_test_error is not None else ""
         )

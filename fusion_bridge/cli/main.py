@@ -152,7 +152,14 @@ def _static_self_test(statuses) -> list:
 
 def cmd_explain(args) -> int:
     from ..environment import detect
-    from ..planner import AUTO, NoStrategyAvailable, select, static_statuses
+    from ..planner import (
+        AUTO,
+        NoStrategyAvailable,
+        check_exclusions,
+        exclude,
+        select,
+        static_statuses,
+    )
     from ..report import Report
     from .. import tuning
 
@@ -172,6 +179,13 @@ def cmd_explain(args) -> int:
     env = env.replace(**changes)
     spec = _spec(args)
     statuses = _static_self_test(static_statuses(spec, env))
+    raw_exclude = os.environ.get("FUSION_BRIDGE_EXCLUDE", "")
+    names = [n.strip() for n in raw_exclude.split(",") if n.strip()]
+    if names:  # as a bridge would: kept out of auto, reported as excluded by request
+        requested_here = os.environ.get(STRATEGY_ENV) or AUTO
+        known = [st.name for st in statuses]
+        names = check_exclusions(names, known, requested_here, "FUSION_BRIDGE_EXCLUDE")
+        statuses = exclude(statuses, names, "FUSION_BRIDGE_EXCLUDE")
     table, table_line = None, None
     if env.device_type == "cuda":
         path = tuning.default_table_path(spec, env)
