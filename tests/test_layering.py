@@ -8,6 +8,7 @@ module imports a layer above its own.
     planner     token buckets, the strategies' statuses, the pure selection
     bridge      admission, rank agreement, self-test, shadow, tuning, report, custom op, the bridge
     facade      fusion_bridge itself (the model author's names)
+    integrations  adapters for other people's model code (fusion_bridge.integrations)
     cli         the command-line tools
 
 Every import counts: at module level, inside functions (a circle closed at call time is still a
@@ -56,6 +57,7 @@ LAYERS = {
         "bridge",
     },
     "facade": {""},
+    "integrations": {"integrations"},
     "cli": {"cli", "__main__"},
 }
 ORDER = list(LAYERS)
@@ -187,3 +189,19 @@ def test_the_cli_uses_public_names_only():
                     f"and the tool modules {sorted(CLI_TOOL_MODULES)} only"
                 )
                 assert not imported.startswith("_"), (name, module, imported)
+
+
+def test_the_integrations_use_the_model_authors_names_only():
+    """An adapter is model code written against the package: the facade's `__all__` and its own
+    modules, nothing else."""
+    public = set(importlib.import_module(PACKAGE).__all__)
+    for name in MODULES:
+        if layer_of(name) != "integrations":
+            continue
+        for module, imported in imports_of(name):
+            if layer_of(module) == "integrations":
+                continue
+            assert module == PACKAGE and imported in public, (
+                f"{name} imports {imported or module!r} from {module}; an integration uses the "
+                f"names in fusion_bridge.__all__ {sorted(public)} only"
+            )

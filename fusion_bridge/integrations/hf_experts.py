@@ -1,0 +1,95 @@
+"""One rank's share of a transformers MoE block, in the form an engine hands to the fused epilogue.
+
+Split over a group of W ranks (every rank holds the whole model; only the work is divided):
+  - routed experts: rank r computes experts [r*E//W, (r+1)*E//W) (contiguous blocks, the usual
+    expert-parallel placement); slots routed to other ranks' experts are -1 in its index map;
+  - shared expert: rank r computes intermediate columns [r*I//W, (r+1)*I//W) of gate/up and the
+    matching columns of down_proj (tensor-parallel), a partial sum of the shared output.
+The bridge's all-reduce adds the W partials.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def block_of(rank: int, world: int, count: int) -> range:
+    """The contiguous block [rank*count//world, (rank+1)*count//world) that rank owns."""
+    return range(rank * count // world, (rank + 1) * count // world)
+
+
+def _grouped_linear(
+    rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """rows [S, in] (sorted by group), weights [G, out, in], ends [G] int32 cumulative row counts
+    -> [S, out]; rows past ends[-1] are left uninitialised (nobody reads them). One grouped GEMM
+    on CUDA (no host sync: CUDA-graph safe); else one GEMM per group (syncs on counts)."""
+    if _GROUPED_MM is not None and _grouped_mm_ok(rows, weights):
+        return _GROUPED_MM(rows, weights.transpose(-2, -1), offs=ends)
+    out = rows.new_empty(rows.shape[0], weights.shape[1])
+    # on CPU in fp32: bf16 GEMMs there are several times slower, and a bf16 GEMM accumulates in
+    # fp32 and rounds its output once, which is what the cast back does
+    compute = torch.float32 if rows.device.type == "cpu" else rows.dtype
+    start = 0
+    for g, n in enumerate(counts.tolist()):
+        if n:
+            rows_g = rows[start : start + n].to(compute)
+            out[start : start + n] = F.linear(rows_g, weights[g].to(compute)).to(rows.dtype)
+        start += n
+    return out
+
+
+def _grouped_mm_ok(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    # CUDA SM80+ only: torch's CPU grouped_mm is far slower than one GEMM per group (and on CPU
+    # nothing is captured, so the host sync of the loop costs nothing). The kernel wants 16-byte
+    # aligned rows and strides (bf16/fp16: inner dims multiples of 8).
+    aligned = all(d % 8 == 0 for d in (rows.shape[1], weights.shape[1])) and rows.shape[0] > 0
+    return (
+        rows.device.type == "cuda"
+        and aligned
+        and torch.cuda.get_device_capability(rows.device) >= (8, 0)
+    )
+
+
+def routed_rows(
+    x: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module, local: range
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's routed experts on x [T, H] with top-k ids [T, K].
+
+    Returns gemm2_out [T*K, H] x.dtype (the down projection's output, unweighted, rows sorted by
+    expert: the permuted layout a grouped GEMM produces; rows of slots this rank does not hold are
+    left uninitialised) and expanded_idx_to_permuted_idx [T, K] int32 (the row of each (token, k)
+    slot, -1 where another rank holds the expert)."""
+    tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    held = (flat >= local.start) & (flat < local.stop)
+    n_local = len(local)
+    # sort key: local expert index, or n_local for slots held elsewhere (sorted to the end)
+    key = torch.where(held, flat - local.start, torch.full_like(flat, n_local))
+    _, order = torch.sort(key, stable=True)  # permuted row p holds slot order[p]
+    row_of_slot = torch.empty_like(order)
+    row_of_slot[order] = torch.arange(order.numel(), device=x.device)
+    index_map = torch.where(held, row_of_slot, -1).view(tokens, top_k).to(torch.int32)
+    # histc (float input, bins of width 1) counts without a host sync; bincount would sync for its
+    # output size
+    counts = torch.histc(key.float(), bins=n_local + 1, min=0, max=n_local + 1)[:n_local]
+    counts = counts.to(torch.int32)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = x[order // top_k]
+    gate_up = experts.gate_up_proj[local.start : local.stop]
+    down = experts.down_proj[local.start : local.stop]
+    gate, up = _grouped_linear(rows, gate_up, ends, counts).chunk(2, dim=-1)
+    hidden = experts.act_fn(gate) * up
+    return _grouped_linear(hidden, down, ends, counts), index_map
+
+
+def shared_partial(x: torch.Tensor, shared: torch.nn.Module, columns: range) -> torch.Tensor:
+    """This rank's partial sum of the shared expert MLP on x [T, H]: its intermediate columns of
+    gate_proj / up_proj, the matching input columns of down_proj. -> [T, H] x.dtype."""
+    sl = slice(columns.start, columns.stop)
+    gate = F.linear(x, shared.gate_proj.weight[sl])
+    up = F.linear(x, shared.up_proj.weight[sl])
+    return F.linear(shared.act_fn(gate) * up, shared.down_proj.weight[:, sl])
