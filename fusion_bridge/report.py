@@ -188,8 +188,8 @@ class Report:
         lines.append(f"plan ({source}):")
         if plan.margin is not None:
             lines.append(
-                f"  (the static-order choice stays unless a measured route is faster by more than "
-                f"{plan.margin.fraction:.1%}: {plan.margin.source})"
+                f"  (static-order choice kept unless a measured route is more than "
+                f"{plan.margin.fraction:.1%} faster; margin: {plan.margin.source})"
             )
         for low, high, bucket_list in _ranges(plan.to_dict()["buckets"]):
             b = bucket_list[0]
@@ -197,10 +197,11 @@ class Report:
             times = [x["measured_us"] for x in bucket_list if x["measured_us"] is not None]
             t = ""
             if times:
+                low_us, high_us = min(times), max(times)
                 t = (
-                    f"  {times[0]:.1f} us"
-                    if len(times) == 1
-                    else f"  {times[0]:.1f}-{times[-1]:.1f} us"
+                    f"  {low_us:.1f} us"
+                    if low_us == high_us
+                    else f"  {low_us:.1f}-{high_us:.1f} us"
                 )
             lines.append(f"  {low:6d} <= T <= {high:6d}: {route}{t}")
         overflow = (
@@ -355,14 +356,16 @@ def _candidate_lines(bucket: dict) -> list[str]:
 
 
 def _ranges(buckets: list[dict]) -> list[tuple[int, int, list[dict]]]:
-    """Neighbouring buckets with the same route merged: (first T, last T, the buckets)."""
+    """Neighbouring buckets with the same route, all measured or all not, merged: (first T, last T,
+    the buckets)."""
     out: list[tuple[int, int, list[dict]]] = []
     low = 1
+
+    def key(b: dict) -> tuple:
+        return b["strategy"], b["variant"], b["measured_us"] is None
+
     for b in buckets:
-        same = out and (out[-1][2][0]["strategy"], out[-1][2][0]["variant"]) == (
-            b["strategy"],
-            b["variant"],
-        )
+        same = out and key(out[-1][2][0]) == key(b)
         if same:
             out[-1] = (out[-1][0], b["max_tokens"], out[-1][2] + [b])
         else:

@@ -22,8 +22,7 @@ Measurements = Mapping[str, Mapping[str, Mapping[int, float]]]  # strategy -> va
 #: median), 3.1%, in benchmarks/results/ab_auto_restructure_h200_tp2.jsonl (2x H200).
 DEFAULT_MARGIN = 0.031
 DEFAULT_MARGIN_SOURCE = (
-    "the run-to-run spread of the same code on 2x H200 "
-    "(benchmarks/results/ab_auto_restructure_h200_tp2.jsonl; the measurements record none)"
+    "default: run-to-run spread on 2x H200, benchmarks/results/ab_auto_restructure_h200_tp2.jsonl"
 )
 
 

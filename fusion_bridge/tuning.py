@@ -155,8 +155,7 @@ def margin_of(table: Optional[dict]):
         return None
     return Margin(
         float(fraction),
-        "the spread `tune` measured between two passes of every case (90th percentile of "
-        f"{spread.get('cases', '?')} cases; the table's `spread`)",
+        f"spread between tune's two passes (90th percentile of {spread.get('cases', '?')} cases)",
     )
 
 
