@@ -1,4 +1,4 @@
-"""`symm_fused_twoshot`: our own single launch over PyTorch symmetric memory (multicast off) for
+"""`symm_fused_twoshot`: our own single launch over PyTorch symmetric memory (no NVLink multicast) for
 large T,
 the bandwidth path: finalize + shared add, reduce-scatter by token, residual add, all-gather of the
 reduced rows, RMSNorm (+ FP8 / NVFP4).
