@@ -10,6 +10,8 @@ import importlib
 from types import MappingProxyType
 from typing import Any, Mapping
 
+# fused_tp1 runs at world size 1 only (one launch; measured on one H200 1.05-1.22x faster than
+# local_fused_nccl from T=16 on, slower at T=1: benchmarks/tp1_local.py), so it comes first.
 # Order is the static preference when nothing was measured: fastest first, as measured on 2x H200
 # (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 /
 # 113; our finalize + NCCL + our norm 14.0 / 25.1 / 134; FlashInfer's fused MoE-finalize 11.9 / 22.1
@@ -18,6 +20,7 @@ from typing import Any, Mapping
 # at every world size. symm_fused_twoshot (ours, one launch, large T) is opt-in: auto neither
 # prepares nor picks it, with a table or without; a request by name runs it.
 _REGISTRY: dict[str, str] = {
+    "fused_tp1": "fusion_bridge.strategies.fused_tp1:FusedTp1Strategy",  # world size 1 only
     "local_fused_flashinfer": "fusion_bridge.strategies.local_fused_flashinfer:LocalFusedFlashInferStrategy",  # noqa: E501
     "local_fused_nccl": "fusion_bridge.strategies.local_fused_nccl:LocalFusedNcclStrategy",
     "symm_fused_oneshot": "fusion_bridge.strategies.symm_fused_oneshot:SymmFusedOneshotStrategy",

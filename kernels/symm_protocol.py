@@ -60,6 +60,27 @@ ALL_PHASES = PUBLISH | REDUCE | NORM | CLEAR | EPOCH | FINALIZE
 
 KINDS = ("oneshot", "twoshot")
 
+# ---- the two-shot ring (kernels/symm_ring.py; not yet behind a strategy) ------------------------
+# Per rank: the HEADER_BYTES header (int32 abort word at 0, int64 release counters [RING_SLOTS] at
+# RING_FREED_BYTE), then RING_SLOTS slots, each [2][W][CW][H], CW = ceil(RING_CHUNK / W): the
+# reduce-scatter rows (source, owner row) then the all-gather rows (owner, owner row) of one chunk.
+# Chunks take the slots in turn within a call and across calls, so the size does not depend on T;
+# each slot is cleared by its readers and handed back through its release counter. Device state:
+# int64 [RING_STATE_WORDS] = (chunk base: chunks of every earlier call, ticket, error word, -).
+RING_SLOTS = 4
+RING_CHUNK = 256  # tokens per chunk (measured: 128 slower, 512 no faster; 4 slots fit in L2)
+RING_FREED_BYTE = 64
+RING_STATE_WORDS = 4
+# one chunk's releases add exactly this to its slot's counter, whatever the program count P
+# (program 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
+RING_UNIT = 1 << 20
+
+
+def ring_buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = RING_CHUNK) -> int:
+    """One rank's ring buffer, independent of T (29.4 MB at H=7168, bf16, any W)."""
+    rows_per_source = -(-chunk // world)
+    return HEADER_BYTES + RING_SLOTS * 2 * world * rows_per_source * hidden * elem_size
+
 
 def cap_blocks(world: int, cap: int) -> int:
     """Two-shot: blocks of W rows that `cap` tokens fill (rows t = b * W + q, owner q)."""
@@ -116,6 +137,26 @@ class SymmLayer:
             data_off=ws.data_off,
             num_sms=ws.num_sms,
             timeout_us=ws.timeout_ns // 1000,
+            hidden=spec.hidden_size,
+            routed_scaling=float(spec.routed_scaling_factor),
+            eps=float(spec.eps),
+            weight_bias=float(spec.weight_bias),
+            quant=quant_args(spec),
+        )
+
+    @classmethod
+    def local(cls, spec, device) -> "SymmLayer":
+        """World size 1: no exchange, so no buffer and no device state are read (placeholders)."""
+        placeholder = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
+        return cls(
+            ptrs=placeholder,
+            state=placeholder[:1].view(torch.int32),
+            world=1,
+            rank=0,
+            cap=spec.max_tokens,
+            data_off=0,
+            num_sms=1,
+            timeout_us=0,
             hidden=spec.hidden_size,
             routed_scaling=float(spec.routed_scaling_factor),
             eps=float(spec.eps),

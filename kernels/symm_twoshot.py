@@ -444,6 +444,7 @@ def _gather_block(
                 SWIZZLED,
                 ROW_BLOCK,
                 HW_CVT,
+                False,  # the two-shot's norm was never overflow-safe; its cost is measured
             )
 
 

@@ -44,16 +44,20 @@ def inputs_equal(a: EpilogueInputs, b: EpilogueInputs) -> bool:
     )
 
 
-def cpu_strategy_names() -> list[str]:
+def cpu_strategy_names(world_size: int = 1) -> list[str]:
     """The registered strategies that run in this CPU test setup (our Triton kernels under the
     interpreter included: conftest sets TRITON_INTERPRET=1), found by building a bridge, so a
-    renamed
-    strategy is still covered. Fails unless the three kinds the suite relies on are all there: the
-    oracle, the torch path and a path through our kernels."""
+    renamed strategy is still covered; with world_size > 1, those whose capability checks also pass
+    at that world size (a world-size-1 path drops out). Fails unless the three kinds the suite
+    relies on are all there: the oracle, the torch path and a path through our kernels."""
     from fusion_bridge import EpilogueSpec, FusionBridge
+    from fusion_bridge.registry import strategy_class
 
-    with FusionBridge(EpilogueSpec(hidden_size=64, top_k=2)) as bridge:
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    with FusionBridge(spec) as bridge:
         names = [s.name for s in bridge.statuses if s.available]
+        env = bridge.env.replace(world_size=world_size)
+    names = [n for n in names if not strategy_class(n).not_supported_reasons(spec, env)]
     assert (
         "reference" in names
         and "separate" in names

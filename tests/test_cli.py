@@ -126,6 +126,7 @@ def test_info_json_has_every_strategy_with_reasons_steps_and_self_test():
     assert doc["environment"]["device_type"] in ("cpu", "cuda")
     names = [s["name"] for s in doc["strategies"]]
     assert names == [
+        "fused_tp1",
         "local_fused_flashinfer",
         "local_fused_nccl",
         "symm_fused_oneshot",

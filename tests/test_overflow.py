@@ -155,7 +155,8 @@ def test_every_cpu_strategy_normalizes_a_huge_row(strategy):
     residual[1] = (residual[1].float() * 1e25).to(torch.bfloat16)
     inp = inp._replace(residual=residual)
     # our kernels run on the GPU where there is one (TRITON_INTERPRET is set only without CUDA)
-    device = "cuda" if strategy == "local_fused_nccl" and torch.cuda.is_available() else "cpu"
+    ours = strategy in ("local_fused_nccl", "fused_tp1")
+    device = "cuda" if ours and torch.cuda.is_available() else "cpu"
     with FusionBridge(
         spec, strategy="reference" if strategy == "reference" else "auto", device=device
     ) as bridge:

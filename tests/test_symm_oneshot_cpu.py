@@ -128,7 +128,6 @@ CASES = [
     (5, 96, 8, 3, 64, 64),
     (4, 256, 2, 2, 128, 64),
     (2, 320, 8, 2, 64, 192),
-    (3, 96, 8, 1, 64, 64),
     (0, 96, 8, 2, 64, 64),
 ]
 
@@ -201,6 +200,18 @@ def test_emulated_ranks_match_the_float64_oracle(
 
 
 @emulation
+def test_world_size_one_takes_the_local_path_and_leaves_the_protocol_alone():
+    """At W=1 the kernel keeps each row's partial in registers: no slot written, no device state
+    touched (tests/test_fused_tp1_cpu.py checks its outputs)."""
+    spec = EpilogueSpec(hidden_size=96, top_k=8)
+    grp = Group(spec, 1, 4)
+    residual_out, norm_out, *_ = grp.call(3, seed=2)[0]
+    assert torch.isfinite(norm_out).all() and torch.isfinite(residual_out).all()
+    assert not grp.g.states.any() and grp.error(0) == 0
+    assert (grp.g.data(0, torch.int16) == SENTINEL_BITS).all()
+
+
+@emulation
 def test_model_width_single_token():
     """H=7168 (DeepSeek-V3), T=1, K=8, split into the default launch's column chunks (each program
     of the row reads the whole row for its sum of squares and stores its chunk)."""
@@ -232,6 +243,10 @@ def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
     assert default_shape(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
     assert default_shape(64, 7168) == (8192, 3584, 8)  # 2 programs per row
     assert default_shape(256, 7168) == (8192, 7168, 8)
+    # world size 1: whole rows, the most warps while rows are few (measured, see local_warps)
+    assert default_shape(1, 7168, world=1) == (8192, 8192, 32)
+    assert default_shape(1024, 7168, world=1) == (8192, 8192, 16)
+    assert default_shape(16, 4096, world=1) == (4096, 4096, 16)
     for tokens in (1, 3, 16, 64, 129, 256):
         for hidden in (7168, 4096, 2880, 96):
             b1, b2, _ = default_shape(tokens, hidden)
@@ -243,12 +258,14 @@ def test_negative_zero_payload_is_published_as_positive_zero():
     """A partial of -0.0 (weight 0 times a negative value, no shared) would read as "not arrived";
     it is published as +0.0, which changes no sum."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
-    grp = Group(spec, 1, 2)
+    grp = Group(spec, 2, 2)
     inp = make_inputs(spec, 2, device=DEVICE, skip_fraction=0.0)
     inp.gemm2_out[:2].copy_(-inp.gemm2_out[:2].abs() - 1.0)  # every referenced value negative
     inp.expert_weights.zero_()
-    grp.g.call([inp], [outputs(spec, 2, QUANT_NONE, SFLayout.LINEAR)], (P.PUBLISH | P.FINALIZE,))
-    assert (grp.slot(0, 0).view(torch.int16) == 0).all()  # +0.0, never the sentinel
+    outs = [outputs(spec, 2, QUANT_NONE, SFLayout.LINEAR) for _ in range(2)]
+    grp.g.call([inp, inp], outs, (P.PUBLISH | P.FINALIZE,))
+    for r in range(2):  # every rank's copy of both sources: +0.0, never the sentinel
+        assert (grp.slot(r, 0).view(torch.int16) == 0).all()
 
 
 @emulation

@@ -70,3 +70,20 @@ def test_sizes_follow_the_layouts():
     assert symm_protocol.buffer_bytes("oneshot", 2, 16, 64, 2) == 256 + 3 * 2 * 16 * 64 * 2
     # two-shot: W * ceil(cap / W) reduce-scatter rows, then cap all-gather rows, per slot
     assert symm_protocol.buffer_bytes("twoshot", 3, 7, 64, 2) == 256 + 3 * (3 * 3 + 7) * 64 * 2
+
+
+def test_the_world_size_one_kernel_can_take_the_launch_cache():
+    """The cached launcher (kernels/launcher.py) refuses a kernel whose source reaches module-level
+    values (Triton re-checks them per launch); the local kernel reaches none, the exchange kernel
+    does (the protocol's constants). Compiled-mode JIT objects: a subprocess without the
+    interpreter."""
+    code = (
+        "from fusion_bridge.kernels import symm_oneshot as m; "
+        "m._tp1_kernel.cache_key; m._oneshot_kernel.cache_key; "
+        "print(len(m._tp1_kernel.used_global_vals), len(m._oneshot_kernel.used_global_vals) > 0)"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+    )
+    assert out.stdout.split() == ["0", "True"], out

@@ -43,6 +43,10 @@ def _cpu() -> Environment:
     )
 
 
+def _cpu_at(world: int) -> Environment:
+    return _cpu().replace(world_size=world)
+
+
 def _spec(quant: str) -> EpilogueSpec:
     q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(1.0), "nvfp4": QuantSpec.nvfp4(1.0)}[quant]
     return EpilogueSpec(hidden_size=7168, top_k=8, quant=q)
@@ -62,6 +66,14 @@ def _runs(cls, quants, sms, worlds, versions) -> bool:
     )
 
 
+def _probe_world(cls) -> int:
+    """TP2, or the first world size the strategy runs at (a world-size-1 strategy: TP1)."""
+    for w in (2,) + WORLD_SIZES:
+        if _runs(cls, ("none", "fp8", "nvfp4"), SMS, [w], FLASHINFER_VERSIONS):
+            return w
+    return 2
+
+
 # JSON key -> the README table's column title
 TITLES = {
     "strategy": "strategy",
@@ -79,17 +91,18 @@ def rows() -> list[dict]:
     """One row per strategy, keyed as `matrix --json` prints it (lists where there are several)."""
     out = []
     for cls in strategy_classes():
+        pw = _probe_world(cls)
         quants = [
-            q for q in ("none", "fp8", "nvfp4") if _runs(cls, [q], SMS, [2], FLASHINFER_VERSIONS)
+            q for q in ("none", "fp8", "nvfp4") if _runs(cls, [q], SMS, [pw], FLASHINFER_VERSIONS)
         ]
         probe = _spec(quants[0] if quants else "none")
-        versions = [fi for fi in FLASHINFER_VERSIONS if _runs(cls, quants, SMS, [2], [fi])]
-        needs_fi = not _ok(cls, probe, _gpu(90, 2, None)) and bool(versions)
-        with_fi = [st.name for st in cls.steps(probe, _gpu(90, 2))]
+        versions = [fi for fi in FLASHINFER_VERSIONS if _runs(cls, quants, SMS, [pw], [fi])]
+        needs_fi = not _ok(cls, probe, _gpu(90, pw, None)) and bool(versions)
+        with_fi = [st.name for st in cls.steps(probe, _gpu(90, pw))]
         if not needs_fi:
             fi = (
                 "not needed"
-                if with_fi == [st.name for st in cls.steps(probe, _gpu(90, 2, None))]
+                if with_fi == [st.name for st in cls.steps(probe, _gpu(90, pw, None))]
                 else f"optional (>= {FLASHINFER_VERSIONS[0]} adds a faster sub-path)"
             )
         elif versions[0] == FLASHINFER_VERSIONS[0]:
@@ -97,19 +110,20 @@ def rows() -> list[dict]:
         else:
             before = FLASHINFER_VERSIONS[FLASHINFER_VERSIONS.index(versions[0]) - 1]
             fi = f"> {before} (self-test gated)"
-        if _ok(cls, probe, _cpu()):
+        if _ok(cls, probe, _cpu_at(pw)):
             cpu = "yes"
-        elif _ok(cls, probe, _cpu().replace(triton_interpret=True)):
+        elif _ok(cls, probe, _cpu_at(pw).replace(triton_interpret=True)):
             cpu = "interpreter only"
         else:
             cpu = "no"
         out.append(
             {
                 "strategy": cls.name,
-                "stages": [STAGE_ABBREV[s] for s in required_stages(probe, 2)],
+                "stages": [STAGE_ABBREV[s] for s in required_stages(probe, pw)],
                 "launches_sm90_tp2": with_fi,
+                "launches_at_world_size": pw,  # 2, or the first world size it runs at
                 "cpu": cpu,
-                "sm": [sm for sm in SMS if _runs(cls, quants, [sm], [2], FLASHINFER_VERSIONS)],
+                "sm": [sm for sm in SMS if _runs(cls, quants, [sm], [pw], FLASHINFER_VERSIONS)],
                 "world_sizes": [
                     w for w in WORLD_SIZES if _runs(cls, quants, SMS, [w], FLASHINFER_VERSIONS)
                 ],
@@ -133,9 +147,12 @@ def _ranges(values: list[int]) -> str:
     )
 
 
-def _cell(key: str, value) -> str:
+def _cell(key: str, value, row: dict) -> str:
     if key == "world_sizes":
         return _ranges(value)
+    if key == "launches_sm90_tp2":
+        world = row["launches_at_world_size"]
+        return " → ".join(value) + ("" if world == 2 else f" (TP{world})")
     if isinstance(value, list):
         sep = {"stages": " + ", "launches_sm90_tp2": " → "}.get(key, ", ")
         return sep.join(str(v) for v in value) or "none"
@@ -145,7 +162,7 @@ def _cell(key: str, value) -> str:
 def markdown() -> str:
     table = rows()
     lines = ["| " + " | ".join(TITLES.values()) + " |", "|" + "---|" * len(TITLES)]
-    lines += ["| " + " | ".join(_cell(k, r[k]) for k in TITLES) + " |" for r in table]
+    lines += ["| " + " | ".join(_cell(k, r[k], r) for k in TITLES) + " |" for r in table]
     return "\n".join(lines)
 
 

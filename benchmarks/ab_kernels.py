@@ -1,0 +1,232 @@
+"""Same-run A/B of our kernels between two trees: run it once per tree in the same device call, from
+that tree's root (PYTHONPATH selects the tree; it adapts to the launch API before and after the
+kernel restructure). H=7168, K=8; T from AB_TOKENS (1,64,1024,4096); the two-launch local path and
+the symmetric-memory kernels from AB_CASES (kind:world, W ranks emulated on one GPU, one CUDA graph
+per rank); graph and eager; inputs rotated past L2. JSON rows on stdout and in
+$OUT/ab_<label>.jsonl.
+
+    cd <tree> && PYTHONPATH=$PWD OUT=... python <this file> <label> [reps]
+"""
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+from fusion_bridge.timing import sets_to_rotate, time_eager, time_graph
+from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
+from fusion_bridge.synthetic import make_inputs
+from fusion_bridge.kernels import ops, symm_oneshot, symm_twoshot
+
+label = sys.argv[1]
+CASES = [
+    tuple(c.split(":"))
+    for c in os.environ.get("AB_CASES", "oneshot:2,twoshot:1,twoshot:2").split(",")
+]
+CASES = [(k, int(w)) for k, w in CASES]
+TOKENS = [int(t) for t in os.environ.get("AB_TOKENS", "1,64,1024,4096").split(",")]
+LOCAL = os.environ.get("AB_LOCAL", "1") == "1"
+reps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+H, K = 7168, 8
+NEW = hasattr(symm_oneshot, "launch")
+fast = getattr(ops, "direct_when_eager", None) or ops.fast
+rows = []
+
+
+def emit(path, T, world, mode, us):
+    row = dict(tree=label, path=path, T=T, W=world, mode=mode, us=round(us, 3))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def quant_tuple(spec):
+    q = spec.quant
+    code = {"none": 0, "fp8": 1, "nvfp4": 2}[q.kind.value]
+    scale = q.scale if code == 1 else (q.global_scale if code == 2 else 1.0)
+    return code, float(scale), q.sf_layout is SFLayout.SWIZZLED_128x4
+
+
+def outs_for(spec, T):
+    try:
+        from fusion_bridge.epilogue_tensors import quant_buffers
+    except ImportError:  # before the rename
+        from fusion_bridge.io import quant_buffers
+
+    ro = torch.empty(T, H, dtype=spec.dtype, device="cuda")
+    no = torch.empty_like(ro)
+    q, sf = quant_buffers(T, H, spec.quant.kind, spec.quant.sf_layout, ro.device)
+    e = torch.empty(0, dtype=torch.uint8, device="cuda")
+    q = e if q is None else q.view(torch.uint8)
+    sf = e if sf is None else sf
+    return ro, no, q, sf
+
+
+def kernel_group(kind, spec, world, cap):
+    """Per-rank launch closures fn(rank, inputs, outs)."""
+    kern = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
+    if NEW:
+        from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
+
+        g = emulated_group(kind, spec, world, cap, device="cuda", timeout=10_000_000)
+        return [
+            (lambda inp, out, layer=layer: kern.launch(layer, **call_tensors(inp, out)))
+            for layer in g.layers
+        ], g
+    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+    from test_gpu_symm_one_device import _workspaces
+
+    wss, bufs = _workspaces(kern, world, cap, H)
+    quant, scale, swz = quant_tuple(spec)
+
+    def mk(ws):
+        def fn(inp, out):
+            ro, no, q, sf = out
+            kern.fused_into(
+                ws,
+                ro,
+                no,
+                q,
+                sf,
+                inp.gemm2_out,
+                inp.expanded_idx_to_permuted_idx,
+                inp.expert_weights,
+                inp.shared_output,
+                inp.residual,
+                inp.gamma,
+                spec.routed_scaling_factor,
+                spec.eps,
+                spec.weight_bias,
+                quant,
+                scale,
+                swz,
+            )
+
+        return fn
+
+    return [mk(ws) for ws in wss], (wss, bufs)
+
+
+def time_ranks(fns, sets: int, calls: int = 20, repeats: int = 15) -> float:
+    """Median us per call of W emulated ranks, each replaying its own CUDA graph of `calls` calls on
+    its own stream, all at once (as W GPUs would: one graph holding every rank would not guarantee
+    that its branches run concurrently, and a rank waiting alone for a peer times out)."""
+
+    world = len(fns)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    main = torch.cuda.current_stream()
+
+    def on_ranks(work):
+        for r, s in enumerate(streams):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                work(r)
+        for s in streams:
+            main.wait_stream(s)
+
+    for i in range(min(sets, 3)):
+        on_ranks(lambda r, i=i: fns[r](i))
+    torch.cuda.synchronize()
+    graphs = []
+    for r in range(world):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fns[r](i % sets)
+        graphs.append(graph)
+    on_ranks(lambda r: graphs[r].replay())
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        on_ranks(lambda r: graphs[r].replay())
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+def run_ranks(fns, streams, sets, outs):
+    main = torch.cuda.current_stream()
+
+    def fn(i):
+        if len(fns) == 1:
+            fns[0](sets[i][0], outs[0])
+            return
+        for r, (f, s) in enumerate(zip(fns, streams)):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                f(sets[i][r], outs[r])
+        for s in streams:
+            main.wait_stream(s)
+
+    return fn
+
+
+def main() -> None:
+    quants = {"none": QuantSpec.none()}
+    for qname, qspec in quants.items():
+        for T in TOKENS:
+            spec = EpilogueSpec(
+                hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=qspec, max_tokens=4096
+            )
+            per_set = T * H * 2 * (K + 6)
+            n = sets_to_rotate(per_set, max_sets=32)
+            sets1 = [
+                make_inputs(spec, T, seed=i, device="cuda", skip_fraction=0.0) for i in range(n)
+            ]
+            qt = quant_tuple(spec)
+
+            def local(i):
+                s = sets1[i]
+                red = fast.finalize_add(
+                    s.gemm2_out,
+                    s.expanded_idx_to_permuted_idx,
+                    s.expert_weights,
+                    s.shared_output,
+                    spec.routed_scaling_factor,
+                )
+                fast.add_rmsnorm_quant(s.residual, red, s.gamma, spec.eps, spec.weight_bias, *qt)
+
+            for _ in range(reps if LOCAL else 0):
+                emit(f"local_2launch_{qname}", T, 1, "graph", time_graph(local, sets=n))
+                emit(f"local_2launch_{qname}", T, 1, "eager", time_eager(local, sets=n))
+            for kind, world in CASES:
+                if qname != "none" and world != 2:
+                    continue
+                if kind == "oneshot" and T > 2048:
+                    continue
+                cap = 2048 if kind == "oneshot" else 4096
+                fns, keep = kernel_group(kind, spec, world, cap)
+                nw = max(1, n // world) if world > 1 else n
+                sets = [
+                    [
+                        sets1[(i * world + r) % n]
+                        if r == 0
+                        else make_inputs(
+                            spec, T, rank=r, seed=100 + i, device="cuda", skip_fraction=0.0
+                        )
+                        for r in range(world)
+                    ]
+                    for i in range(nw)
+                ]
+                outs = [outs_for(spec, T) for _ in range(world)]
+                streams = [torch.cuda.Stream() for _ in range(world)]
+                fn = run_ranks(fns, streams, sets, outs)
+                per_rank = [(lambda i, r=r: fns[r](sets[i][r], outs[r])) for r in range(world)]
+                for _ in range(reps):
+                    g = time_graph(fn, sets=nw) if world == 1 else time_ranks(per_rank, sets=nw)
+                    emit(f"symm_{kind}_{qname}", T, world, "graph", g)
+                    emit(f"symm_{kind}_{qname}", T, world, "eager", time_eager(fn, sets=nw))
+                torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, f"ab_{label}.jsonl"), "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

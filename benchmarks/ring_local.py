@@ -1,0 +1,158 @@
+"""The large-T path's local work on ONE GPU: the two-shot ring kernel (`kernels/symm_ring.py`) with
+a world of 1 (no peers: every row is its own, no link traffic) beside our finalize kernel alone and
+our add+RMSNorm kernel alone, measured in the same run. Target: ring <= finalize + add_rmsnorm.
+
+    python benchmarks/ring_local.py [--tokens 1024 4096 8192] [--hidden 7168 4096] [--csv PATH]
+        [--variants default|sweep] [--emulate 2 8]
+
+CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds W ranks emulated on
+this one GPU (each rank on its own stream with SMs / W programs; all ranks' work in one time: not
+a two-GPU prediction). Every ring row is first checked against the two standalone kernels' outputs
+(residual_out bitwise equal: the same roundings; norm_out close: the ring norms the rounded
+residual_out) and its error word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fusion_bridge.cli.bench import write_csv  # noqa: E402
+from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+
+SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupancy)
+    "default": dict(),
+    "p2_w8_f1024_r2x1024": dict(f_cols=1024, r_rows=2, r_cols=1024),
+    "p4_w4_f1024_r2x1024": dict(programs_per_sm=4, warps=4, f_cols=1024, r_rows=2, r_cols=1024),
+    "p4_w4_f2048_r1x2048": dict(programs_per_sm=4, warps=4),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
+    ap.add_argument("--variants", default="default", choices=["default", "sweep"])
+    ap.add_argument("--emulate", type=int, nargs="*", default=[])
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    from fusion_bridge.kernels import symm_ring
+    from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
+    from fusion_bridge.kernels.finalize_add import finalize_add_into
+    from fusion_bridge.kernels.symm_testing import call_tensors, ring_layers_on_one_gpu
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    variants = SWEEP if args.variants == "sweep" else {"default": {}}
+    rows = [dict(path="hbm_copy_gbs", H=0, T=0, us=round(copy_bandwidth_gbs(1 << 30), 1))]
+    none = torch.empty(0, dtype=torch.uint8, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    keep = []
+
+    def record(name, hidden, tokens, us):
+        rows.append(dict(path=name, H=hidden, T=tokens, us=round(us, 2)))
+        print(f"{name:36s} H={hidden} T={tokens:5d} {us:9.2f} us", flush=True)
+
+    for hidden in args.hidden:
+        spec = EpilogueSpec(hidden_size=hidden, top_k=8, routed_scaling_factor=2.5)
+        for tokens in args.tokens:
+            n = sets_to_rotate(tokens * hidden * 2 * 14, max_sets=16)
+            sets = [
+                make_inputs(spec, tokens, seed=i, device="cuda", skip_fraction=0.0)
+                for i in range(n)
+            ]
+            part = torch.empty(tokens, hidden, dtype=spec.dtype, device="cuda")
+            ro, no = torch.empty_like(part), torch.empty_like(part)
+
+            def fin(i):
+                s = sets[i]
+                finalize_add_into(
+                    part, s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
+                    s.shared_output, spec.routed_scaling_factor,
+                )  # fmt: skip
+
+            def norm(i):
+                add_rmsnorm_into(
+                    ro, no, none, none, sets[i].residual, part, sets[i].gamma, eps=spec.eps,
+                    weight_bias=spec.weight_bias, quant=0, quant_scale=1.0, swizzled=False,
+                )  # fmt: skip
+
+            t_fin, t_norm = time_graph(fin, sets=n), time_graph(norm, sets=n)
+            record("finalize_alone", hidden, tokens, t_fin)
+            record("add_rmsnorm_alone", hidden, tokens, t_norm)
+            record("standalone_sum", hidden, tokens, t_fin + t_norm)
+            fin(0)
+            norm(0)
+            ref_ro, ref_no = ro.clone(), no.clone()
+            for label, fields in variants.items():
+                shape = symm_ring.RingShape(**fields)
+                group = ring_layers_on_one_gpu(1, hidden, spec, timeout_s=5.0)
+                keep.append(group)  # the layer holds raw pointers into its buffer
+                layer, err = _with_sms(group.layers[0], sms), group.errs[0]
+                out = (torch.empty_like(part), torch.empty_like(part), none, none)
+
+                def ring(i, layer=layer, shape=shape, out=out):
+                    symm_ring.launch(layer, shape=shape, **call_tensors(sets[i], out))
+
+                ring(0)
+                torch.cuda.synchronize()
+                same = torch.equal(out[0].view(torch.int16), ref_ro.view(torch.int16))
+                dn = (out[1].float() - ref_no.float()).abs().max().item()
+                print(f"  check {label}: residual_out bitwise {same}, norm max diff {dn:.3g}, "
+                      f"err {int(err[0])}")  # fmt: skip
+                if not same or int(err[0]) or not dn < 0.1:
+                    record(f"ring_{label}_WRONG", hidden, tokens, float("nan"))
+                    continue
+                record(f"ring_{label}", hidden, tokens, time_graph(ring, sets=n))
+                assert int(err[0]) == 0, hex(int(err[0]))
+            for world in args.emulate:
+                _emulated(record, spec, sets, n, tokens, hidden, world)
+    if args.csv:
+        write_csv(args.csv, rows)
+    print(f"HBM copy {rows[0]['us']} GB/s")
+
+
+def _with_sms(layer, sms):
+    import dataclasses
+
+    return dataclasses.replace(layer, num_sms=sms)
+
+
+def _emulated(record, spec, sets, n, tokens, hidden, world):
+    """W ranks on one GPU, each on its own stream (the same inputs on every rank: timing only)."""
+    from fusion_bridge.kernels import symm_ring
+    from fusion_bridge.kernels.symm_testing import call_tensors, ring_layers_on_one_gpu
+
+    group = ring_layers_on_one_gpu(world, hidden, spec, timeout_s=5.0)
+    layers, errs = group.layers, group.errs
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    none = torch.empty(0, dtype=torch.uint8, device="cuda")
+    outs = [
+        (torch.empty_like(sets[0].residual), torch.empty_like(sets[0].residual), none, none)
+        for _ in layers
+    ]
+
+    def call(i):
+        main = torch.cuda.current_stream()
+        for layer, st, out in zip(layers, streams, outs):
+            st.wait_stream(main)
+            with torch.cuda.stream(st):
+                symm_ring.launch(layer, **call_tensors(sets[i], out))
+        for st in streams:
+            main.wait_stream(st)
+
+    try:
+        us = time_graph(call, sets=n)
+        bad = any(int(e[0]) for e in errs)
+        record(f"ring_emulated_W{world}_all_ranks" + ("_ERR" if bad else ""), hidden, tokens, us)
+    except Exception as exc:  # report and go on: the single-rank rows are the target
+        print(f"emulated W={world} failed: {type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""World size 1 on ONE GPU: our one-launch kernel (`fused_tp1`: the one-shot kernel with the
+exchange left out) per T beside the byte floor and beside today's two-launch path
+(`local_fused_nccl` at world size 1: our finalize kernel, then our add+RMSNorm kernel), in one
+run; the one-shot kernel with W=2 ranks emulated on this GPU as a measure of the protocol's cost
+(arrival checks, slot rotation, clears: the emulated ranks share SMs and L2, so it is no two-GPU
+prediction); eager cost at T=1.
+
+    python benchmarks/tp1_local.py [--tokens 1 16 64 ...] [--hidden 7168 4096] [--sweep] [--csv P]
+
+CUDA graphs, inputs rotated past L2, median us per call. Byte floor of a one-launch call:
+(K + 4) * T * H * 2 bytes (K gathered rows, the shared output and the residual in, residual_out and
+norm_out out) plus the quantized output, over the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fusion_bridge.cli.bench import write_csv  # noqa: E402
+from fusion_bridge.timing import (  # noqa: E402
+    copy_bandwidth_gbs,
+    sets_to_rotate,
+    time_eager,
+    time_graph,
+)
+
+QUANT_BYTES = {"none": 0.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}  # per element of norm_out
+
+
+def _spec(hidden, top_k, quant, max_tokens):
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+
+    q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
+    return EpilogueSpec(
+        hidden_size=hidden,
+        top_k=top_k,
+        routed_scaling_factor=2.5,
+        quant=q[quant],
+        max_tokens=max_tokens,
+    )
+
+
+def time_ranks(fns, sets: int, calls: int = 20, repeats: int = 15) -> float:
+    """Median us per call of W emulated ranks, each replaying its own CUDA graph of `calls` calls on
+    its own stream, all at once (as W GPUs would: one graph holding every rank would not guarantee
+    that its branches run concurrently, and a rank waiting alone for a peer times out)."""
+    import statistics
+
+    world = len(fns)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    main = torch.cuda.current_stream()
+
+    def on_ranks(work):
+        for r, s in enumerate(streams):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                work(r)
+        for s in streams:
+            main.wait_stream(s)
+
+    for i in range(min(sets, 3)):
+        on_ranks(lambda r, i=i: fns[r](i))
+    torch.cuda.synchronize()
+    graphs = []
+    for r in range(world):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fns[r](i % sets)
+        graphs.append(graph)
+    on_ranks(lambda r: graphs[r].replay())
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        on_ranks(lambda r: graphs[r].replay())
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+def _strategy(name, spec):
+    from fusion_bridge.environment import detect
+    from fusion_bridge.registry import strategy_class
+
+    dev = torch.device("cuda", 0)
+    strat = strategy_class(name)(spec, detect(device=dev, probe_flashinfer=False), None, dev)
+    strat.prepare()
+    return strat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 8192])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--quant", nargs="+", default=["none", "fp8", "nvfp4"])
+    ap.add_argument("--sweep", action="store_true", help="also sweep the warps per row program")
+    ap.add_argument("--emulated", type=int, nargs="*", default=[1, 16, 64, 256])
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    from fusion_bridge.kernels import symm_oneshot
+    from fusion_bridge.kernels.quant import row_block
+    from fusion_bridge.kernels.symm_oneshot import OneshotShape
+    from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
+    from fusion_bridge.synthetic import make_inputs
+
+    bw = copy_bandwidth_gbs(1 << 30)
+    rows = [dict(path="copy_gbs", quant="", H=0, T=0, us=round(bw, 1), floor_us=0, x_floor=0)]
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    top_k, cap = args.top_k, max(args.tokens)
+
+    def emit(path, quant, hidden, tokens, us, floor):
+        x = us / floor if floor else 0
+        rows.append(
+            dict(
+                path=path,
+                quant=quant,
+                H=hidden,
+                T=tokens,
+                us=round(us, 2),
+                floor_us=round(floor, 2),
+                x_floor=round(x, 3),
+            )
+        )
+        print(
+            f"{path:26s} {quant:5s} H={hidden} T={tokens:5d} {us:9.2f} us  floor {floor:8.2f}"
+            f"  x{x:5.2f}",
+            flush=True,
+        )
+
+    for hidden in args.hidden:
+        for quant in args.quant:
+            spec = _spec(hidden, top_k, quant, cap)
+            one, two = _strategy("fused_tp1", spec), _strategy("local_fused_nccl", spec)
+            rb = row_block(hidden)
+            for tokens in args.tokens:
+                nbytes = (top_k + 4) * tokens * hidden * 2 + QUANT_BYTES[quant] * tokens * hidden
+                floor = nbytes / (bw * 1e3)  # bytes / (GB/s) -> us
+                n = sets_to_rotate(tokens * hidden * 2 * (top_k + 5), max_sets=64)
+                sets = [
+                    make_inputs(spec, tokens, seed=i, device="cuda", skip_fraction=0.0)
+                    for i in range(n)
+                ]
+                emit(
+                    "one_launch",
+                    quant,
+                    hidden,
+                    tokens,
+                    time_graph(lambda i: one.run(sets[i]), sets=n),
+                    floor,
+                )
+                emit(
+                    "two_launch",
+                    quant,
+                    hidden,
+                    tokens,
+                    time_graph(lambda i: two.run(sets[i]), sets=n),
+                    floor,
+                )
+                if args.sweep:
+                    out = one.run(sets[0])
+                    q = out.quant.view(torch.uint8) if out.quant is not None else one._unused
+                    sf = out.scale if out.scale is not None else one._unused
+                    for warps in (4, 8, 16, 32):
+
+                        def fn(i, w=warps):
+                            symm_oneshot.launch(
+                                one._layer,
+                                shape=OneshotShape(rb, rb, w),
+                                **call_tensors(sets[i], (out.residual_out, out.norm_out, q, sf)),
+                            )
+
+                        emit(
+                            f"one_launch_w{warps}",
+                            quant,
+                            hidden,
+                            tokens,
+                            time_graph(fn, sets=n),
+                            floor,
+                        )
+                if tokens == 1 and quant == "none" and hidden == args.hidden[0]:
+                    # eager: the strategy's call vs one bare cached launch of the same kernel
+                    out = one.run(sets[0])
+                    call = symm_oneshot.local_call(
+                        one._layer,
+                        None,
+                        **call_tensors(
+                            sets[0], (out.residual_out, out.norm_out, one._unused, one._unused)
+                        ),
+                    )
+
+                    def bare(i):
+                        symm_oneshot._LOCAL(*call)
+
+                    emit(
+                        "eager_one_launch",
+                        quant,
+                        hidden,
+                        1,
+                        time_eager(lambda i: one.run(sets[i]), sets=n),
+                        0,
+                    )
+                    emit("eager_bare_cached_launch", quant, hidden, 1, time_eager(bare, sets=n), 0)
+                    emit(
+                        "eager_two_launch",
+                        quant,
+                        hidden,
+                        1,
+                        time_eager(lambda i: two.run(sets[i]), sets=n),
+                        0,
+                    )
+                del sets
+            torch.cuda.empty_cache()
+    # the protocol's cost: the one-shot kernel with W=2 ranks emulated on this GPU (own streams)
+    hidden = args.hidden[0]
+    spec = _spec(hidden, top_k, "none", 2048)
+    for tokens in args.emulated:
+        world = 2
+        group = emulated_group("oneshot", spec, world, 2048, device="cuda", timeout=10_000_000)
+        n = sets_to_rotate(world * tokens * hidden * 2 * (top_k + 5), max_sets=32)
+        sets = [
+            [
+                make_inputs(spec, tokens, rank=r, seed=i, device="cuda", skip_fraction=0.0)
+                for r in range(world)
+            ]
+            for i in range(n)
+        ]
+        none = torch.empty(0, dtype=torch.uint8, device="cuda")
+        outs = [
+            (
+                torch.empty(tokens, hidden, dtype=spec.dtype, device="cuda"),
+                torch.empty(tokens, hidden, dtype=spec.dtype, device="cuda"),
+                none,
+                none,
+            )
+            for _ in range(world)
+        ]
+
+        def rank_fn(r):
+            return lambda i: symm_oneshot.launch(
+                group.layers[r], **call_tensors(sets[i][r], outs[r])
+            )
+
+        us = time_ranks([rank_fn(r) for r in range(world)], sets=n)
+        emit("emulated_w2_oneshot", "none", hidden, tokens, us, 0)
+        torch.cuda.synchronize()
+        assert not group.errs.any(), group.errs
+    if args.csv:
+        write_csv(args.csv, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""`fused_tp1`: one Triton launch at world size 1: finalize + shared add + residual add + RMSNorm
+(+ FP8 / NVFP4), the path for MoE models on one GPU and for layers whose TP group is one rank.
+
+It is the one-shot symmetric-memory kernel (kernels/symm_oneshot.py) specialised for a world of one:
+the same building blocks (top-k finalize of a row, rounding, RMSNorm, quant), with the exchange left
+out. Each program takes whole rows and keeps the row's partial in registers (no round trip through
+memory, no workspace, no device state). The partial is rounded once to the activation dtype, as the
+two-launch path stores it, so residual_out is that path's bit for bit; norm_out follows from it.
+Error against the fp32 oracle: the partial's rounding + the output's rounding (+ the oracle's).
+
+A strategy of its own rather than a variant of `symm_fused_oneshot`: at world size 1 it needs none
+of that strategy's capability (symmetric memory, multicast settings, a workspace, peers), and it
+runs under the Triton interpreter, so the CPU parity tests cover it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
+from ..reasons import Reason, collect, require_sm_at_least, require_triton
+from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
+from .local_common import needs_device
+
+MAX_HIDDEN = 16384  # a whole row (next power of two) in registers, as the one-shot kernel holds it
+
+
+class FusedTp1Strategy(Strategy):
+    name = "fused_tp1"
+    summary = (
+        "world size 1: one Triton launch, finalize+shared in registers, residual+RMSNorm "
+        "(+fp8/nvfp4)"
+    )
+    self_tested = True
+
+    @classmethod
+    def not_supported_reasons(cls, spec, env):
+        world = None
+        if env.world_size != 1:
+            world = Reason(
+                "world_size_unsupported",
+                f"{cls.name} runs at world size 1 only (no exchange), but the group has "
+                f"{env.world_size} ranks",
+                "use symm_fused_oneshot or an NCCL-based strategy",
+            )
+        wide = None
+        if spec.hidden_size > MAX_HIDDEN:
+            wide = Reason(
+                "hidden_too_large",
+                f"{cls.name} holds a whole row in registers: hidden_size <= {MAX_HIDDEN} "
+                f"required, got {spec.hidden_size}",
+                "use local_fused_nccl",
+            )
+        return collect(
+            world,
+            require_triton(env, cls.name),
+            needs_device(env, cls.name),
+            require_sm_at_least(env, cls.name, 80, why=" (Triton 3 targets SM80+)"),
+            wide,
+        )
+
+    @classmethod
+    def is_auto_selectable(cls, spec, env):
+        return env.device_type == "cuda"
+
+    @classmethod
+    def steps(cls, spec, env):
+        return [Step("triton.fused_tp1_epilogue", required_stages(spec, env.world_size))]
+
+    @classmethod
+    def roundings(cls, spec, env):
+        return 2  # the partial (as the two-launch path stores it) and each output
+
+    def prepare(self) -> None:
+        from ..kernels import symm_oneshot
+        from ..kernels.symm_protocol import SymmLayer
+
+        self._kernel = symm_oneshot  # bound once: no import on the call path
+        self._layer = SymmLayer.local(self.spec, self.device)
+        self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._kind = self.spec.quant.kind
+
+    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+        """variant: the declared "default" (the per-T launch shape)."""
+        spec = self.spec
+        residual = inputs.residual
+        tokens, hidden = residual.shape
+        residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
+        q, sf = quant_buffers(tokens, hidden, self._kind, spec.quant.sf_layout, residual.device)
+        q = self._unused if q is None else q
+        sf = self._unused if sf is None else sf
+        self._kernel.launch(
+            self._layer,
+            residual_out=residual_out,
+            norm_out=norm_out,
+            q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,
+            sf=sf,
+            gemm2_out=inputs.gemm2_out,
+            perm=inputs.expanded_idx_to_permuted_idx,
+            weights=inputs.expert_weights,
+            shared=inputs.shared_output,
+            residual=residual,
+            gamma=inputs.gamma,
+        )
+        return EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf)

@@ -1,0 +1,106 @@
+"""The ring two-shot's device-side protocol pieces (see `symm_ring` for the design and the
+ordering argument; the layout and sizes are `symm_protocol`'s, the pieces it shares with the
+one-shot (the error word, the bounded poll, the error report, the publish rounding)
+`symm_device`'s).
+
+Every helper also runs under TRITON_INTERPRET=1 (peer pointers are table entries the interpreter
+follows as host addresses); EMULATED swaps only the GPU timer for a poll count.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .symm_device import _globaltimer, _poll_status, peer_ptr, report_error
+from . import symm_protocol as P
+
+SLOTS = P.RING_SLOTS
+CHUNK = P.RING_CHUNK
+FREED_BYTE = P.RING_FREED_BYTE
+STATE_WORDS = P.RING_STATE_WORDS
+_SLOTS = tl.constexpr(P.RING_SLOTS)
+_FREED_BYTE = tl.constexpr(P.RING_FREED_BYTE)
+_HEAD_ELEMS = tl.constexpr(P.HEADER_BYTES // 2)
+_UNIT = tl.constexpr(P.RING_UNIT)
+
+
+def buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = CHUNK) -> int:
+    return P.ring_buffer_bytes(world, hidden, elem_size, chunk)
+
+
+@triton.jit
+def _counter(ptrs_ptr, q, slot):
+    """Rank q's release counter of `slot` (int64, in its header)."""
+    return (tl.load(ptrs_ptr + q) + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
+
+
+@triton.jit
+def _wait_tile(ptrs, mask, abort_ptr, start, timeout, EMULATED: tl.constexpr):
+    """Poll a 2-D tile of int16 bits until no element is the sentinel (or time / abort): (bits,
+    1 if the wait failed). Its status is a block reduction: when it returns, every thread's load of
+    the final bits has completed, so the tile may be cleared right after."""
+    v = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    polls = 1
+    status = _poll_status(v, abort_ptr, start, timeout, polls, EMULATED)
+    while status == 1:
+        v = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        polls += 1
+        status = _poll_status(v, abort_ptr, start, timeout, polls, EMULATED)
+    return v, ((status & 5) != 0).to(tl.int32)
+
+
+@triton.jit
+def _read_counter(cnt):
+    """One lane's system-scope acquire read (an atomic add of 0), broadcast to the program."""
+    lane = tl.arange(0, 32)
+    got = tl.atomic_add(cnt + lane * 0, lane * 0, mask=lane == 0, sem="acquire", scope="sys")
+    return tl.max(tl.where(lane == 0, got, -(1 << 62)), axis=0)
+
+
+@triton.jit
+def _wait_slot_free(
+    ptrs_ptr, slot, need, abort_ptr, start, timeout, WORLD: tl.constexpr, EMULATED: tl.constexpr
+):  # fmt: skip
+    """Until every rank's counter of `slot` reaches `need`; returns the ranks that never did."""
+    missing = 0
+    for q in tl.static_range(WORLD):
+        cnt = _counter(ptrs_ptr, q, slot)
+        seen = _read_counter(cnt)
+        polls = 1
+        waiting = ((seen - need) < 0).to(tl.int32)
+        while waiting != 0:
+            seen = _read_counter(cnt)
+            polls += 1
+            if EMULATED:
+                late = polls >= timeout
+            else:
+                late = (_globaltimer() - start) > timeout
+            ab = tl.load(abort_ptr, volatile=True)
+            waiting = ((seen - need) < 0).to(tl.int32) * (1 - late.to(tl.int32))
+            waiting = waiting * (ab == 0).to(tl.int32)
+        missing = missing | tl.where((seen - need) >= 0, 0, 1 << q)
+    tl.debug_barrier()  # the acquire was one thread's: order the whole program's stores after it
+    return missing
+
+
+@triton.jit
+def _release(ptrs_ptr, rank, slot, pid, nprog):
+    """This program is done with `slot` (its reads and clears): its share of _UNIT on its rank's
+    counter, one lane's system-scope release after a block barrier."""
+    share = tl.where(pid == 0, _UNIT - nprog + 1, 1).to(tl.int64)
+    tl.debug_barrier()  # every thread's clears precede the release
+    lane = tl.arange(0, 32)
+    cnt = _counter(ptrs_ptr, rank, slot)
+    tl.atomic_add(cnt + lane * 0, lane * 0 + share, mask=lane == 0, sem="release", scope="sys")
+
+
+@triton.jit
+def _rank_buf(ptrs_ptr, q):
+    """Rank q's buffer base (int16 elements, header included)."""
+    return peer_ptr(ptrs_ptr, q, tl.int16)
+
+
+@triton.jit
+def _fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD: tl.constexpr):
+    report_error(who, ptrs_ptr, state_ptr, abort_ptr, rank, WORLD)

@@ -1,0 +1,158 @@
+"""`fused_tp1` (world size 1, one launch: the one-shot kernel with the exchange left out) on CPU,
+under TRITON_INTERPRET=1 (GPU: tests/test_gpu_fused_tp1.py): against the float64 oracle, bit for
+bit against the two-launch path's residual_out and against the quantizers applied to its own
+norm_out, awkward shapes included; its capability checks and declarations."""
+
+import math
+
+import pytest
+import torch
+
+from fusion_bridge.environment import Environment
+from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
+from fusion_bridge.kernels.finalize_add import finalize_add_into
+from fusion_bridge.numerics import rel_err
+from fusion_bridge.spec import EpilogueSpec, QuantKind, QuantSpec, SFLayout, Stage
+from fusion_bridge.strategies.base import UNIT_ROUNDOFF
+from fusion_bridge.strategies.fused_tp1 import FusedTp1Strategy
+from fusion_bridge.synthetic import make_inputs
+
+from tests.oracle64 import epilogue64_from, quantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ENV = Environment(device_type="cpu", world_size=1, triton_interpret=True, triton_version="3.6.0")
+QUANTS = [
+    QuantSpec.none(),
+    QuantSpec.fp8(0.02),
+    QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+    QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
+]
+
+
+def two_launch(spec, inp):
+    """The two-launch path's residual_out: our finalize kernel, then our add+RMSNorm kernel."""
+    tokens, hidden = inp.residual.shape
+    partial = torch.empty_like(inp.residual)
+    finalize_add_into(
+        partial,
+        inp.gemm2_out,
+        inp.expanded_idx_to_permuted_idx,
+        inp.expert_weights,
+        inp.shared_output,
+        spec.routed_scaling_factor,
+    )
+    residual_out, norm_out = torch.empty_like(partial), torch.empty_like(partial)
+    none = torch.empty(0, dtype=torch.uint8, device=partial.device)
+    add_rmsnorm_into(
+        residual_out,
+        norm_out,
+        none,
+        none,
+        inp.residual,
+        partial,
+        inp.gamma,
+        eps=spec.eps,
+        weight_bias=spec.weight_bias,
+        quant=0,
+        quant_scale=1.0,
+        swizzled=False,
+    )
+    return residual_out
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,top_k", [(1, 96, 8), (3, 160, 1), (5, 2880, 8), (2, 320, 4), (129, 64, 2)]
+)
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"{q.kind.value}-{q.sf_layout.value}")
+def test_matches_the_oracle_and_the_two_launch_path(tokens, hidden, top_k, quant):
+    spec = EpilogueSpec(
+        hidden_size=hidden,
+        top_k=top_k,
+        routed_scaling_factor=2.5,
+        weight_bias=0.5,
+        has_shared_output=(top_k != 4),
+        quant=quant,
+    )
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+    strat.prepare()
+    inp = make_inputs(spec, tokens, seed=tokens + hidden, device=DEVICE, skip_fraction=0.3)
+    before = [t.clone() for t in inp if t is not None]
+    out = strat.run(inp)
+    after = [t for t in inp if t is not None]  # the caller's tensors untouched (bits: NaN weights)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
+    x64, norm64 = epilogue64_from(spec, [inp])
+    u = UNIT_ROUNDOFF[spec.dtype]
+    # the partial's rounding, the output's and the oracle's, independent: in quadrature
+    bound = FusedTp1Strategy.error_bound(spec, ENV)
+    assert bound == pytest.approx(math.sqrt(3) * u)
+    for got, ref in ((out.residual_out, x64), (out.norm_out, norm64)):
+        assert torch.isfinite(got).all()
+        assert rel_err(got, ref) <= bound
+    # the partial is rounded as the two-launch path stores it: residual_out is that path's
+    assert torch.equal(out.residual_out, two_launch(spec, inp))
+    # quantization reads the kernel's own rounded norm_out: bit-exact, scale padding included
+    if quant.kind is QuantKind.FP8:
+        ref = quantize(out.norm_out, "fp8", quant.scale)[0]
+        assert torch.equal(out.quant.view(torch.uint8), ref.view(torch.uint8))
+        assert out.scale is None
+    elif quant.kind is QuantKind.NVFP4:
+        swizzled = quant.sf_layout is SFLayout.SWIZZLED_128x4
+        ref_q, ref_sf = quantize(out.norm_out, "nvfp4", quant.global_scale, swizzled)
+        assert torch.equal(out.quant, ref_q.view(torch.uint8))
+        assert torch.equal(out.scale, ref_sf.view(torch.uint8))
+    else:
+        assert out.quant is None and out.scale is None
+
+
+def test_a_row_whose_sum_of_squares_overflows_fp32_is_normalized():
+    """|x| ~ 1e25: the fp32 sum of squares overflows; the norm is scaled (as the two-launch path's
+    kernel does), not zeroed."""
+    spec = EpilogueSpec(hidden_size=96, top_k=2, has_shared_output=False)
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+    strat.prepare()
+    inp = make_inputs(spec, 2, seed=4, device=DEVICE, skip_fraction=0.0)
+    inp.residual[0].mul_(1e25)
+    out = strat.run(inp)
+    x64, norm64 = epilogue64_from(spec, [inp])
+    assert torch.isfinite(out.norm_out).all()
+    assert rel_err(out.norm_out, norm64) <= FusedTp1Strategy.error_bound(spec, ENV)
+
+
+def test_zero_tokens_launch_nothing():
+    from fusion_bridge.kernels import symm_oneshot
+    from fusion_bridge.kernels.symm_protocol import SymmLayer
+
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    inp = make_inputs(spec, 0, device=DEVICE)
+    none = torch.empty(0, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(0, 64, dtype=spec.dtype, device=DEVICE)
+    symm_oneshot.launch(
+        SymmLayer.local(spec, torch.device(DEVICE)),
+        residual_out=out,
+        norm_out=out,
+        q=none,
+        sf=none,
+        gemm2_out=inp.gemm2_out,
+        perm=inp.expanded_idx_to_permuted_idx,
+        weights=inp.expert_weights,
+        shared=inp.shared_output,
+        residual=inp.residual,
+        gamma=inp.gamma,
+    )
+
+
+def test_capability_and_declarations():
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(0.1))
+    gpu = Environment(device_type="cuda", sm=90, world_size=1, triton_version="3.6.0")
+    assert FusedTp1Strategy.not_supported_reasons(spec, gpu) == []
+    codes = {
+        r.code for r in FusedTp1Strategy.not_supported_reasons(spec, gpu.replace(world_size=2))
+    }
+    assert codes == {"world_size_unsupported"}
+    wide = EpilogueSpec(hidden_size=20000, top_k=8)
+    codes = {r.code for r in FusedTp1Strategy.not_supported_reasons(wide, gpu)}
+    assert codes == {"hidden_too_large"}
+    (step,) = FusedTp1Strategy.steps(spec, gpu)
+    assert step.stages == (Stage.FINALIZE, Stage.SHARED_ADD, Stage.RESIDUAL_NORM, Stage.QUANT)
+    assert FusedTp1Strategy.is_auto_selectable(spec, gpu)
+    assert not FusedTp1Strategy.is_auto_selectable(spec, ENV)

@@ -1,0 +1,121 @@
+"""`fused_tp1` (world size 1, one launch) on one GPU: parity against the oracle over T in {1, 3, 16,
+64, 129, 256, 1000, 4096}, H in {7168, 4096, 2880}, K in {1, 8}, none / fp8 / nvfp4 in both scale
+layouts; residual_out bit for bit the two-launch path's; quant codes bit for bit on the kernel's own
+norm_out; CUDA-graph replays on new inputs."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+TOKENS = (1, 3, 16, 64, 129, 256, 1000, 4096)
+
+
+def needs_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `pytest -m gpu` on the device machine)")
+
+
+def _strategy(spec, name="fused_tp1"):
+    from fusion_bridge.environment import detect
+    from fusion_bridge.registry import strategy_class
+
+    dev = torch.device("cuda", 0)
+    env = detect(device=dev)
+    cls = strategy_class(name)
+    assert cls.not_supported_reasons(spec, env) == []
+    strat = cls(spec, env, None, dev)
+    strat.prepare()
+    return strat, env
+
+
+def _problems(spec, strat, env, inp, out, tag):
+    from fusion_bridge.numerics import rel_err
+    from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4
+    from fusion_bridge.spec import QuantKind
+    from fusion_bridge.strategies.reference import reference_epilogue
+
+    found = []
+    ref = reference_epilogue(spec, inp)  # the fp32 oracle, rounded once
+    bound = strat.error_bound(spec, env)
+    for name, got, want in (
+        ("residual_out", out.residual_out, ref.residual_out),
+        ("norm_out", out.norm_out, ref.norm_out),
+    ):
+        err = rel_err(got, want)
+        if not (torch.isfinite(got).all() and err <= bound):
+            found.append(f"{tag}: {name} rel err {err:.3g} > {bound:.3g}")
+    if spec.quant.kind is QuantKind.FP8:
+        want = quantize_fp8(out.norm_out, spec.quant.scale)
+        if not torch.equal(out.quant.view(torch.uint8), want.view(torch.uint8)):
+            found.append(f"{tag}: fp8 codes differ from the quantized norm_out")
+    if spec.quant.kind is QuantKind.NVFP4:
+        q, sf = quantize_nvfp4(out.norm_out, spec.quant.global_scale, spec.quant.sf_layout)
+        if not (torch.equal(out.quant, q) and torch.equal(out.scale, sf)):
+            found.append(f"{tag}: nvfp4 codes or scales differ from the quantized norm_out")
+    return found
+
+
+def test_fused_tp1_parity_grid():
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
+    from fusion_bridge.synthetic import make_inputs
+
+    quants = [
+        QuantSpec.none(),
+        QuantSpec.fp8(0.05),
+        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
+    ]
+    problems = []
+    for hidden in (7168, 4096, 2880):
+        for top_k in (1, 8):
+            for quant in quants:
+                spec = EpilogueSpec(
+                    hidden_size=hidden,
+                    top_k=top_k,
+                    routed_scaling_factor=2.5,
+                    weight_bias=0.5,
+                    quant=quant,
+                    max_tokens=4096,
+                )
+                strat, env = _strategy(spec)
+                two, _ = _strategy(spec, "local_fused_nccl")
+                for tokens in TOKENS:
+                    inp = make_inputs(
+                        spec, tokens, seed=tokens + hidden + top_k, device="cuda", skip_fraction=0.2
+                    )
+                    out = strat.run(inp)
+                    layout = quant.sf_layout.value
+                    tag = f"H={hidden} K={top_k} {quant.kind.value}/{layout} T={tokens}"
+                    problems += _problems(spec, strat, env, inp, out, tag)
+                    if not torch.equal(out.residual_out, two.run(inp).residual_out):
+                        problems.append(f"{tag}: residual_out differs from the two-launch path's")
+    assert not problems, "\n".join(problems[:30])
+
+
+def test_fused_tp1_graph_replays_on_new_inputs():
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    problems = []
+    for quant in (QuantSpec.none(), QuantSpec.nvfp4(336.0)):
+        spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=quant, max_tokens=256)
+        strat, env = _strategy(spec)
+        for tokens in (1, 129):
+            static = make_inputs(spec, tokens, seed=1, device="cuda")
+            strat.run(static)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = strat.run(static)
+            for seed in (2, 3, 4):
+                fresh = make_inputs(spec, tokens, seed=seed, device="cuda")
+                for dst, src in zip(static, fresh):
+                    if dst is not None:
+                        dst.copy_(src)
+                graph.replay()
+                torch.cuda.synchronize()
+                tag = f"graph {quant.kind.value} T={tokens} replay seed {seed}"
+                problems += _problems(spec, strat, env, fresh, got, tag)
+    assert not problems, "\n".join(problems)
