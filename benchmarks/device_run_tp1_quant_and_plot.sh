@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU: the quantized TP1 tables (fp8, nvfp4) and the one-GPU plot (issue 26). Writes to $OUT:
+# One GPU: the TP1 tables (none, fp8, nvfp4; re-tuned with fused_tp1 and the recorded spread) and the
+# one-GPU plot (issue 26). Writes to $OUT:
 #   cache/*.json            tables written by `tune`/`bench` (install with benchmarks/install_default_table.py)
 #   tune_tp1_<quant>.txt    the plan per bucket, with the measured spread
 #   epilogue_h200_tp1.csv/.png   `bench` at TP1, T=1..4096 (the README's one-GPU plot)
@@ -8,7 +9,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/cache"
 export CUDA_VISIBLE_DEVICES=0 FUSION_BRIDGE_CACHE_DIR="$OUT/cache"
-for quant in fp8 nvfp4; do
+for quant in none fp8 nvfp4; do
   timeout ${TUNE_TIMEOUT:-240} python3 -m fusion_bridge tune --world-size 1 --quant "$quant" \
     > "$OUT/tune_tp1_$quant.txt" 2> "$OUT/tune_tp1_$quant.err"
   echo "tune $quant rc=$?"; cat "$OUT/tune_tp1_$quant.txt"; tail -3 "$OUT/tune_tp1_$quant.err"

@@ -282,6 +282,7 @@ def test_matrix_json_uses_keys_not_display_titles():
         "strategy",
         "stages",
         "launches_sm90_tp2",
+        "launches_at_world_size",
         "cpu",
         "sm",
         "world_sizes",
