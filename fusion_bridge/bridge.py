@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import custom_op, log, registry
+from . import call_protocol, custom_op, env_vars, log, registry, table_format
 from . import tuning as tuning_tables
 from . import rank_agreement
 from .admission import admit
@@ -39,7 +38,7 @@ from .planner import AUTO, Plan, check_exclusions, select_for_modes
 from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
-from .strategies.base import Strategy
+from .strategies.base import CallStage, Strategy
 from .validation import (
     EpilogueInputError,
     check_token_limit,
@@ -52,11 +51,32 @@ _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    return (
-        default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
-    )
+def _check_group_membership(group) -> None:
+    """A rank outside `group` cannot take part in its collectives (torch would answer -100)."""
+    if group is None or not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
+        return
+    if torch.distributed.get_rank(group) < 0:
+        raise ValueError(
+            f"FusionBridge: group must be a process group this process belongs to; global rank "
+            f"{torch.distributed.get_rank()} is not one of its ranks "
+            f"{torch.distributed.get_process_group_ranks(group)}"
+        )
+
+
+def _checked_device(device) -> torch.device:
+    """default_device(device), refusing a CUDA device this torch build or machine does not have."""
+    if device is not None:
+        requested = torch.device(device)
+        if requested.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"FusionBridge: device must be one this process can use, got {str(device)!r} but "
+                f"torch {torch.__version__} sees no CUDA device (a CPU build, or no GPU visible)"
+            )
+        if requested.type not in ("cuda", "cpu"):
+            raise ValueError(f"FusionBridge: device must be 'cuda[:N]' or 'cpu', got {device!r}")
+    return default_device(device)
 
 
 class FusionBridge:
@@ -99,7 +119,15 @@ class FusionBridge:
             raise TypeError(
                 f"FusionBridge: spec must be an EpilogueSpec, got {type(spec).__name__}"
             )
-        env_strategy = os.environ.get("FUSION_BRIDGE_STRATEGY")
+        # everything this rank can check alone, before the first collective (the check-in)
+        env_vars.check_all()
+        log.configure_once()
+        _check_group_membership(group)
+        for name, given in (("measured_us", measured_us), ("eager_us", eager_us)):
+            problem = None if given is None else table_format.measurements_problem(given, name)
+            if problem:
+                raise ValueError(f"FusionBridge: {problem}")
+        env_strategy = env_vars.read("FUSION_BRIDGE_STRATEGY")
         requested = env_strategy or strategy
         if requested != AUTO and requested not in registry.REGISTRY:
             source = "FUSION_BRIDGE_STRATEGY" if env_strategy else "strategy"
@@ -110,19 +138,20 @@ class FusionBridge:
         excluded = _exclusions(exclude, requested)
         if tuning not in ("auto", "off"):
             raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
-        shadow = shadow if shadow is not None else os.environ.get("FUSION_BRIDGE_SHADOW") or None
+        shadow = shadow if shadow is not None else env_vars.read("FUSION_BRIDGE_SHADOW")
         self._shadow = Shadow.parse(shadow, list(registry.REGISTRY)) if shadow else None
         self.spec, self.group, self.requested = spec, group, requested
-        self.debug = _env_flag("FUSION_BRIDGE_DEBUG", False) if debug is None else debug
-        run_self_test = (
-            _env_flag("FUSION_BRIDGE_SELF_TEST", True) if self_test is None else self_test
-        )
-        self.device = default_device(device)
+        self.debug = env_vars.read("FUSION_BRIDGE_DEBUG") if debug is None else debug
+        run_self_test = env_vars.read("FUSION_BRIDGE_SELF_TEST") if self_test is None else self_test
+        self.device = _checked_device(device)
+        rank_agreement.build_timeout_s(
+            build_timeout_s
+        )  # raises naming the argument or the variable
         check_process_group(group)  # before anything collective: a forgotten init_process_group
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.
-        rank_agreement.check_in(group, timeout_s=build_timeout_s)
+        self.build_index = rank_agreement.check_in(group, timeout_s=build_timeout_s)
         rank_agreement.agree_on_settings(
             {
                 "spec": spec.to_dict(),
@@ -133,6 +162,7 @@ class FusionBridge:
                 "tuning": tuning,
                 "measured_us_given": measured_us is not None,
                 "excluded": ",".join(excluded),
+                "eager_us_given": eager_us is not None,
             },
             group,
         )
@@ -152,6 +182,7 @@ class FusionBridge:
         # calls per (strategy, variant, captured?): counted on the host, so a replayed CUDA graph
         # (which never reaches the host) is not counted; its capture is
         self._calls: dict[tuple[str, str, bool], int] = {}
+        self.calls = 0  # calls that reached dispatch on this rank (debug mode agrees on it)
         self._closed = False
         self._broken: Optional[str] = None
         admitted = admit(
@@ -165,6 +196,10 @@ class FusionBridge:
             excluded=excluded,
         )
         self.statuses, self._instances = admitted.statuses, admitted.instances
+        if self.env.world_size > 1:  # the NaN payload a failing call takes part with
+            call_protocol.reserve(
+                self.device, spec.dtype, spec.hidden_size, spec.top_k, spec.max_tokens
+            )
         _LIVE_BRIDGES.add(self)
         try:
             if self._shadow and self._shadow.strategy not in self._instances:
@@ -269,18 +304,19 @@ class FusionBridge:
         )
         if self._broken is not None:
             raise EpilogueInputError(self._broken)
+        self.calls += 1
         if self._agree_each_call:
             return self._agreed_call(inputs)
         try:
             if not self._looks_valid(inputs):
                 validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
-            tokens = expanded_idx_to_permuted_idx.shape[0]
+            tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
             if self._check_values:
                 validate_index_values(inputs)
             if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
                 return allocate_outputs(self.spec, 0, self.device)
             strategy, variant = self._route(inputs, tokens)
-        except EpilogueInputError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure here comes before the collective
             self._take_part_then_raise(inputs, exc)
         return self._run(inputs, strategy, variant)
 
@@ -289,92 +325,91 @@ class FusionBridge:
     def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
         key = (strategy.name, variant, bool(self._capturing()))
         self._calls[key] = self._calls.get(key, 0) + 1
-        out = strategy.run(inputs, variant)
+        strategy.call_stage = CallStage.BEFORE_COLLECTIVE
+        try:
+            out = strategy.run(inputs, variant)
+        except Exception as exc:  # noqa: BLE001 - where it failed decides what keeps the group in step
+            stage = strategy.call_stage if strategy.marks_collective else CallStage.IN_COLLECTIVE
+            if self.env.world_size == 1 or stage is CallStage.AFTER_COLLECTIVE:
+                raise  # the group is in step: this rank's collective ran
+            if stage is CallStage.BEFORE_COLLECTIVE:
+                self._take_part_then_raise(inputs, exc)
+            self._break(exc, f"inside the collective of {strategy.name}")
+            raise
         if self._shadow is not None and self._shadow.due():
             self._run_shadow(inputs, out, strategy.name)
         return out
 
-    def _take_part_then_raise(self, inputs: EpilogueInputs, error: EpilogueInputError) -> None:
-        """This rank's inputs failed its checks, but its peers are already in (or on their way to)
-        the
-        call's collectives. Run the same launches and collectives they run for this T, on NaN
-        partial
-        rows, so the group stays in step and the peers get NaN outputs (loud, never plausible
-        values);
-        then raise. If T is unknown or has no route, this rank cannot take part: the bridge refuses
-        every
-        later call, so no call of this rank ever pairs with a peer's later call."""
-        tokens = _tokens_of(inputs.expanded_idx_to_permuted_idx)
+    def _take_part_then_raise(self, inputs: EpilogueInputs, error: BaseException) -> None:
+        """This rank's call failed before its collective, but its peers are already in (or on their
+        way to) the call's collectives. Run the launches and collectives they run for the group's T,
+        on a NaN payload, so the group stays in step and the peers get NaN outputs; then raise the
+        original error. If T is unreadable or has no route, this rank cannot take part: the bridge
+        refuses every later call (call_protocol.broken_message says what recovers)."""
+        tokens = call_protocol.group_tokens(inputs)
         if self.env.world_size == 1 or tokens == 0:
             raise error
         route = self._planned_route(tokens) if tokens is not None else None
-        if route is not None:
-            try:
-                poison = self._poison_inputs(tokens)
-                route[0].run(poison, route[1])
-                if (
-                    self._shadow is not None and self._shadow.due()
-                ):  # the peers sample this call too
-                    self._instances[self._shadow.strategy].run(poison)
-            except Exception as exc:  # noqa: BLE001 - reported below, with the original error
-                route, error = (
-                    None,
-                    EpilogueInputError(
-                        f"{error} (and taking part with a NaN payload failed: "
-                        f"{type(exc).__name__}: {exc})"
-                    ),
-                )
         if route is None:
-            self._broken = (
-                "finalize_epilogue: this FusionBridge is unusable: an earlier call failed on this "
-                "rank "
-                f"({error}) and could not take part in its peers' collectives, so the group is out "
-                "of "
-                "step; rebuild the bridge on every rank (the peers are blocked in that call)"
+            where = (
+                "before its collective, and none of its [T, ...] inputs is a 2-D tensor, so it "
+                "cannot tell the group's T"
+                if tokens is None
+                else f"before its collective, and T={tokens} has no route"
+            )
+            self._break(error, where)
+            raise EpilogueInputError(self._broken) from error
+        spec = self.spec
+        try:
+            poison = call_protocol.nan_payload(
+                self.device,
+                spec.dtype,
+                spec.hidden_size,
+                spec.top_k,
+                tokens,
+                spec.has_shared_output,
+            )
+            route[0].call_stage = CallStage.BEFORE_COLLECTIVE
+            route[0].run(poison, route[1])
+            if self._shadow is not None and self._shadow.due():  # the peers sample this call too
+                self._instances[self._shadow.strategy].run(poison)
+        except Exception as exc:  # noqa: BLE001 - reported with the original error
+            self._break(
+                error, f"before its collective; taking part with a NaN payload failed too ({exc!r})"
             )
             raise EpilogueInputError(self._broken) from error
+        call_protocol.add_note(
+            error,
+            f"fusion_bridge: this rank took part in call {self.calls} with a NaN payload of "
+            f"T={tokens}, so its peers got NaN outputs and the next call is in step",
+        )
         raise error
 
-    def _poison_inputs(self, tokens: int) -> EpilogueInputs:
-        """Valid inputs for T tokens whose partial sums are NaN on every row."""
-        spec, dev = self.spec, self.device
-        nan_rows = torch.full((1, spec.hidden_size), float("nan"), dtype=spec.dtype, device=dev)
-        perm = torch.zeros(tokens, spec.top_k, dtype=torch.int32, device=dev)
-        shared = (
-            torch.full((tokens, spec.hidden_size), float("nan"), dtype=spec.dtype, device=dev)
-            if spec.has_shared_output
-            else None
-        )
-        return EpilogueInputs(
-            nan_rows,
-            perm,
-            torch.ones(tokens, spec.top_k, device=dev),
-            shared,
-            torch.zeros(tokens, spec.hidden_size, dtype=spec.dtype, device=dev),
-            torch.ones(spec.hidden_size, dtype=spec.dtype, device=dev),
-        )
+    def _break(self, error: BaseException, where: str) -> None:
+        self._broken = call_protocol.broken_message(self.calls, error, where)
 
     def _agreed_call(self, inputs: EpilogueInputs) -> EpilogueOutputs:
         """Debug mode over several ranks: local checks (index range included), then one small
-        collective
-        on (ok, T) before the epilogue's collectives; if any rank failed or T differs, every rank
-        raises
-        the same error naming the failing rank and its reason."""
-        tokens = _tokens_of(inputs.expanded_idx_to_permuted_idx)
+        collective on (ok, T, call number) before the epilogue's collectives; if any rank failed,
+        T differs or a rank is on another call, every rank raises the same error."""
+        tokens = call_protocol.group_tokens(inputs)
         error, route = None, None
         try:
             validate_inputs(self.spec, inputs, self.device)
             validate_index_values(inputs)
             if tokens:
                 route = self._route(inputs, tokens)
-        except EpilogueInputError as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
             error = exc
         rank_agreement.agree_call(
             error is None,
             -1 if tokens is None else tokens,
-            None if error is None else str(error),
+            None if error is None else f"{type(error).__name__}: {error}",
             self.group,
             collective_device(self.group, self.device),
+            call=self.calls,
+            bridge=self.build_index,
+            fingerprint=call_protocol.replicated_fingerprint(inputs) if error is None else 0,
         )
         if not tokens:
             return allocate_outputs(self.spec, 0, self.device)
@@ -626,24 +661,16 @@ EXCLUDE_ENV = "FUSION_BRIDGE_EXCLUDE"
 
 def _exclusions(exclude: Sequence[str], requested: str) -> dict[str, str]:
     """{strategy to keep out of auto: where the request came from}, validated: the `exclude`
-    argument and FUSION_BRIDGE_EXCLUDE (comma-separated) together."""
+    argument and FUSION_BRIDGE_EXCLUDE (comma-separated, read through env_vars) together."""
     if isinstance(exclude, str):
         raise ValueError(f"FusionBridge: exclude must be a list of strategy names, got {exclude!r}")
-    raw = os.environ.get(EXCLUDE_ENV, "")
-    from_env = [n.strip() for n in raw.split(",") if n.strip()]
+    from_env = list(env_vars.read(EXCLUDE_ENV))
     known = list(registry.REGISTRY)
     out = dict.fromkeys(check_exclusions(from_env, known, requested, EXCLUDE_ENV), EXCLUDE_ENV)
     out.update(
         dict.fromkeys(check_exclusions(list(exclude), known, requested, "exclude"), "exclude")
     )
     return dict(sorted(out.items()))
-
-
-def _tokens_of(index_map: object) -> Optional[int]:
-    """T from the index map when it is a 2-D tensor (what every rank agrees on), else None."""
-    if isinstance(index_map, torch.Tensor) and index_map.dim() == 2:
-        return index_map.shape[0]
-    return None
 
 
 @atexit.register

@@ -65,7 +65,8 @@ def _application_configured_logging() -> bool:
 def configure(
     environ: Optional[Mapping[str, str]] = None, stream=None
 ) -> Optional[logging.Handler]:
-    """Apply FUSION_BRIDGE_LOG_LEVEL (runs once at import; call again after changing the variable).
+    """Apply FUSION_BRIDGE_LOG_LEVEL (configure_once() runs it at the first bridge build; call it
+    again after changing the variable).
 
     Returns the stderr handler it installed, or None. Idempotent: a second call replaces, never
     duplicates, the handler of the first. An unset or empty variable leaves the logger to the
@@ -236,4 +237,13 @@ def build_summary(
     return f"fusion_bridge: {label} {shape} TP{world_size} -> {plan}; rejected: {rej}"
 
 
-configure()
+_configured_from_environment = False
+
+
+def configure_once() -> None:
+    """Apply FUSION_BRIDGE_LOG_LEVEL the first time a bridge is built (or the CLI starts); the
+    variable is never read at import. Later calls do nothing (call configure() to re-apply)."""
+    global _configured_from_environment
+    if not _configured_from_environment:
+        _configured_from_environment = True
+        configure()

@@ -19,7 +19,6 @@ Each is a plain function of its arguments and the process group; none knows abou
 from __future__ import annotations
 
 import math
-import os
 import threading
 from datetime import timedelta
 from typing import Any, Optional
@@ -27,6 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import env_vars
 from .process_group import (
     collective_device,
     group_active,
@@ -112,29 +112,25 @@ def other_rank_reason(stage: str) -> Reason:
 
 # ---------------------------------------------------------------- check-in
 def build_timeout_s(timeout_s: Optional[float] = None) -> float:
-    """The check-in timeout: `timeout_s` if given, else $FUSION_BRIDGE_BUILD_TIMEOUT_S, else
-    DEFAULT_BUILD_TIMEOUT_S (ten minutes, see there why). Must be a positive finite number of
-    seconds."""
-    source = "timeout_s"
+    """The check-in timeout in seconds, a whole number of milliseconds: `timeout_s` if given, else
+    $FUSION_BRIDGE_BUILD_TIMEOUT_S, else DEFAULT_BUILD_TIMEOUT_S (ten minutes, see there why).
+    Raises ValueError naming the argument or the variable outside [0.001 s, one day]
+    (env_vars.timeout_ms says why those limits)."""
     if timeout_s is None:
-        raw = os.environ.get(BUILD_TIMEOUT_ENV)
-        if raw is None or not raw.strip():
-            return DEFAULT_BUILD_TIMEOUT_S
-        source = BUILD_TIMEOUT_ENV
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ValueError(
-                f"{BUILD_TIMEOUT_ENV} must be a number of seconds, got {raw!r}"
-            ) from None
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, (int, float))
-        or not math.isfinite(timeout_s)
-        or timeout_s <= 0
-    ):
-        raise ValueError(f"{source} must be a positive finite number of seconds, got {timeout_s!r}")
-    return float(timeout_s)
+        timeout_s = env_vars.read(BUILD_TIMEOUT_ENV)
+        return DEFAULT_BUILD_TIMEOUT_S if timeout_s is None else timeout_s
+    return env_vars.timeout_ms(timeout_s, "build_timeout_s") / 1000
+
+
+def _store_timeout(store, timeout_s: float) -> timedelta:
+    """What to hand the store's wait: a FileStore counts whole seconds (a shorter timeout would
+    become 0, which it reads as "forever"), so round up to at least one second there."""
+    inner = store
+    while hasattr(inner, "underlying_store"):  # PrefixStore around the real store
+        inner = inner.underlying_store
+    if type(inner).__name__ == "FileStore":
+        return timedelta(seconds=max(1, math.ceil(timeout_s)))
+    return timedelta(milliseconds=max(1, round(timeout_s * 1000)))
 
 
 _builds: dict[str, int] = {}  # group name -> number of check-ins that succeeded on this rank
@@ -169,12 +165,19 @@ def check_in(
         build = _builds.get(name, 0)
     prefix = f"fusion_bridge/check_in/{name}/{build}/"
     keys = [f"{prefix}{r}" for r in range(world)]
+    gave_up = [f"{prefix}gave_up/{r}" for r in range(world)]
+    if store.check([gave_up[rank]]):  # this rank gave up on this build before and now retries
+        store.delete_key(gave_up[rank])
     store.set(keys[rank], label)
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
+        store.wait(keys, _store_timeout(store, timeout_s))
     except RuntimeError as exc:  # DistStoreError on timeout (a RuntimeError subclass)
         try:
-            missing = [r for r in range(world) if not store.check([keys[r]])]
+            # a rank that arrived but gave up first withdrew its key: it is not missing, but this
+            # build cannot go on without it either
+            absent = [r for r in range(world) if not store.check([keys[r]])]
+            left = [r for r in absent if store.check([gave_up[r]])]
+            missing = [r for r in absent if r not in left]
         except RuntimeError as store_exc:
             raise RankAgreementError(
                 f"{label}: rank {ranks_text([rank], group)} of the {world}-rank group lost the "
@@ -184,20 +187,27 @@ def check_in(
                 "default "
                 "group, or the launcher under torchrun) has probably exited or crashed."
             ) from exc
-        if missing:
+        if absent:
             try:
+                store.set(gave_up[rank], "1")
                 store.delete_key(keys[rank])
             except RuntimeError:  # a store without delete: the late rank then proceeds alone
                 pass
+            waited = (
+                f"for rank(s) {ranks_text(missing, group)} to check in, in vain"
+                if missing
+                else "for the other ranks"
+            )
+            if left:
+                waited += (
+                    f"; rank(s) {ranks_text(left, group)} had checked in but gave up waiting "
+                    "before this rank arrived"
+                )
             raise RankAgreementError(
                 f"{label}: rank {ranks_text([rank], group)} of the {world}-rank group waited "
-                f"{timeout_s:g} s for rank(s) {ranks_text(missing, group)} to check in, in vain "
-                "(build "
-                f"{build} of group {name!r}). Every rank must build its bridges, in the same "
-                "order; is "
-                "a rank stuck, crashed or on another code path? If ranks legitimately start this "
-                "far "
-                f"apart, raise {BUILD_TIMEOUT_ENV}.",
+                f"{timeout_s:g} s {waited} (build {build} of group {name!r}). Every rank must "
+                "build its bridges, in the same order; is a rank stuck, crashed or on another code "
+                f"path? If ranks legitimately start this far apart, raise {BUILD_TIMEOUT_ENV}.",
                 missing_ranks=tuple(missing),
             ) from exc
     with _builds_lock:
@@ -329,15 +339,19 @@ def agree_call(
     error: Optional[str],
     group=None,
     device: torch.device = _CPU,
+    *,
+    call: int = 0,
+    bridge: int = 0,
+    fingerprint: int = 0,
 ) -> int:
     """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
     the
-    same T. Returns T when so.
+    same T and is on the same call of the bridge (`call`, counted per bridge). Returns T when so.
 
     ok: this rank's local checks passed. tokens: this rank's T (-1 when it could not be read).
     error: this rank's reason when not ok. device: the bridge's device (the flags travel on the GPU
     for
-    NCCL, on the CPU for gloo). Collective: one all_gather of 2 int64 per rank; only when some rank
+    NCCL, on the CPU for gloo). Collective: one all_gather of 3 int64 per rank; only when some rank
     failed, one all_gather_object of the reasons. Every rank must call it once per call, whatever
     its
     own checks said.
@@ -351,7 +365,7 @@ def agree_call(
             raise _call_error({0: error or "no reason given"}, [tokens], group)
         return tokens
     flags = torch.tensor(
-        [int(bool(ok)), int(tokens)],
+        [int(bool(ok)), int(tokens), int(call), int(bridge), int(fingerprint)],
         dtype=torch.int64,
         device=collective_device(group, torch.device(device)),
     )
@@ -359,6 +373,29 @@ def agree_call(
     dist.all_gather(gathered, flags, group=group)
     table = torch.stack(gathered).tolist()  # one device-to-host copy
     oks, token_counts = [bool(row[0]) for row in table], [int(row[1]) for row in table]
+    calls = [(int(row[3]), int(row[2])) for row in table]  # (bridge, call number)
+    prints = [int(row[4]) for row in table]
+    same_t = len(set(token_counts)) == 1  # else the T message below says more
+    if all(oks) and same_t and (len(set(calls)) > 1 or len(set(prints)) > 1):
+        # A rank skipped a call or made an extra one: its calls would pair with the peers' other
+        # calls from here on. The replicated inputs tell steps apart where call numbers cannot (a
+        # rank that skipped one call of a bridge is on the same count at its next one).
+        raise GroupInputError(
+            "finalize_epilogue (debug mode): the ranks of the group are on different calls: "
+            + ", ".join(f"bridge {b} call {c} on rank {r}" for r, (b, c) in enumerate(calls))
+            + (
+                "; their replicated inputs (residual, index map, expert weights) differ, so they "
+                "are not the same step"
+                if len(set(prints)) > 1
+                else ""
+            )
+            + ". A rank skipped a call or made an extra one, or passed inputs that are not "
+            "replicated across the group; every rank must call every bridge the same number of "
+            "times, in the same order, with the same residual and routing. None of the epilogue's "
+            "collectives ran for this call; every rank raises this error.",
+            {},
+            token_counts,
+        )
     if all(oks) and len(set(token_counts)) == 1:
         return token_counts[0]
     failed: dict[int, str] = {}

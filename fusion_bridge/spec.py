@@ -16,6 +16,13 @@ NVFP4_BLOCK = 16
 FP8_E4M3_MAX = 448.0
 
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number
+INT32_MAX = 2**31 - 1
+MAX_TOP_K = 1024
+MAX_HIDDEN_SIZE = 1 << 20
+
+
 class QuantKind(str, enum.Enum):
     NONE = "none"
     FP8 = "fp8"
@@ -81,8 +88,10 @@ class QuantSpec:
                 value = _real_field(
                     f"quant.{name}",
                     value,
-                    f"a positive finite float for {kind.value}",
+                    f"a positive float in [{FP32_TINY:.3g}, {FP32_MAX:.3g}] (a normal fp32 "
+                    f"number) for {kind.value}",
                     positive=True,
+                    low=FP32_TINY,
                 )
             # a scale the kind does not use is a mistake, and would differ silently across ranks
             else:
@@ -126,11 +135,23 @@ class EpilogueSpec:
             "torch.bfloat16 or torch.float16",
             self.dtype,
         )
-        set_("eps", _real_field("eps", self.eps, "a positive float (finite)", positive=True))
-        set_("weight_bias", _real_field("weight_bias", self.weight_bias, "a finite float"))
+        # the kernels compute in fp32: a value fp32 rounds to 0 or inf would change the result
+        set_(
+            "eps",
+            _real_field(
+                "eps",
+                self.eps,
+                f"a positive float in [{FP32_TINY:.3g}, {FP32_MAX:.3g}] (a normal fp32 number; an "
+                "eps that is 0 in fp32 turns an all-zero row into NaN)",
+                positive=True,
+                low=FP32_TINY,
+            ),
+        )
+        finite32 = f"a float of magnitude <= {FP32_MAX:.3g} (finite in fp32)"
+        set_("weight_bias", _real_field("weight_bias", self.weight_bias, finite32))
         set_(
             "routed_scaling_factor",
-            _real_field("routed_scaling_factor", self.routed_scaling_factor, "a finite float"),
+            _real_field("routed_scaling_factor", self.routed_scaling_factor, finite32),
         )
         _require(
             isinstance(self.has_shared_output, bool),
@@ -140,6 +161,22 @@ class EpilogueSpec:
             show_type=True,
         )
         set_("max_tokens", _int_field("max_tokens", self.max_tokens))
+        _require(self.top_k <= MAX_TOP_K, "top_k", f"<= {MAX_TOP_K}", self.top_k)
+        _require(
+            self.hidden_size <= MAX_HIDDEN_SIZE,
+            "hidden_size",
+            f"<= {MAX_HIDDEN_SIZE}",
+            self.hidden_size,
+        )
+        # the kernels index [T, H] rows and [T, K] maps with 32-bit offsets
+        for name, width in (("hidden_size", self.hidden_size), ("top_k", self.top_k)):
+            _require(
+                self.max_tokens * width <= INT32_MAX,
+                "max_tokens",
+                f"<= {INT32_MAX // width} so that max_tokens * {name} ({width}) fits the kernels' "
+                f"32-bit offsets ({INT32_MAX})",
+                self.max_tokens,
+            )
         _require(
             isinstance(self.quant, QuantSpec), "quant", "a QuantSpec", type(self.quant).__name__
         )
@@ -195,11 +232,17 @@ def _int_field(name: str, value: object) -> int:
     return int(value)
 
 
-def _real_field(name: str, value: object, expected: str, positive: bool = False) -> float:
-    """A finite real number (int or float, not bool, not str), as float; > 0 when `positive`."""
+def _real_field(
+    name: str, value: object, expected: str, positive: bool = False, low: float = 0.0
+) -> float:
+    """A real number (int or float, not bool, not str) finite in fp32, as float; >= `low` and > 0
+    when `positive`."""
     is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
     _require(
-        is_real and math.isfinite(value) and (value > 0 or not positive),
+        is_real
+        and math.isfinite(value)
+        and abs(value) <= FP32_MAX
+        and (not positive or (value > 0 and value >= low)),
         name,
         expected,
         value,

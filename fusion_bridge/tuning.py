@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,6 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import env_vars, table_format
 from .process_group import my_rank
 from .environment import Environment
 from .spec import EpilogueSpec
@@ -42,13 +42,13 @@ from .strategy_status import StrategyStatus
 from .synthetic import make_inputs
 from .timing import sets_to_rotate, time_eager, time_graph
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = table_format.SCHEMA_VERSION
 TABLES_DIR = Path(__file__).with_name("tables")
 
 
 def cache_dir() -> Path:
     return Path(
-        os.environ.get("FUSION_BRIDGE_CACHE_DIR") or Path.home() / ".cache" / "fusion_bridge"
+        env_vars.read("FUSION_BRIDGE_CACHE_DIR") or Path.home() / ".cache" / "fusion_bridge"
     )
 
 
@@ -159,55 +159,30 @@ def margin_of(table: Optional[dict]):
     )
 
 
-def format_problem(table: object) -> Optional[str]:
-    """Why `table` cannot be used (None: it can)."""
-    if not isinstance(table, dict):
-        return f"not a JSON object but {type(table).__name__}"
-    version = table.get("schema_version")
-    if version != SCHEMA_VERSION:
-        return (
-            f"schema_version {version!r}, this fusion_bridge reads {SCHEMA_VERSION} "
-            "(re-run `python -m fusion_bridge tune`)"
-        )
-    for key in ("measured_us", "eager_us"):
-        measured = table.get(key, {} if key == "eager_us" else None)
-        if not isinstance(measured, dict) or not all(
-            isinstance(v, dict) and all(isinstance(p, dict) for p in v.values())
-            for v in measured.values()
-        ):
-            return f"{key} is not {{strategy: {{variant: {{bucket: us}}}}}}"
-        for name, variants in measured.items():
-            for variant, per in variants.items():
-                for bucket, us in per.items():
-                    if not (isinstance(bucket, str) and bucket.isdigit() and int(bucket) >= 1):
-                        return (
-                            f"{key}.{name}.{variant} has bucket {bucket!r}, not a token count >= 1"
-                        )
-                    if (
-                        isinstance(us, bool)
-                        or not isinstance(us, (int, float))
-                        or not math.isfinite(us)
-                    ):
-                        return (
-                            f"{key}.{name}.{variant}.{bucket} is {us!r}, not a finite number "
-                            "of microseconds"
-                        )
-    return None
+def table_expectation(spec: EpilogueSpec, env: Environment) -> dict:
+    """What a table must have been measured for to be used by this bridge."""
+    return {"gpu": env.gpu_name, "world_size": env.world_size, "spec": spec_key(spec)}
 
 
-def read_table(path: Path) -> Optional[dict]:
-    """The table at `path`, or None with a warning saying why it is ignored."""
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        warnings.warn(f"fusion_bridge: tuning table {path} ignored: {exc}", stacklevel=2)
-        return None
-    problem = format_problem(table)
+def read_table(path: Path, expect: Optional[dict] = None) -> Optional[dict]:
+    """The table at `path`, or None with a warning naming the file and why it is ignored. Never
+    raises (the limits: fusion_bridge.table_format)."""
+    table, problem = table_format.read_table(Path(path), expect)
     if problem:
-        warnings.warn(f"fusion_bridge: tuning table {path} ignored: {problem}", stacklevel=2)
-        return None
-    table["path"] = str(path)
+        warnings.warn(f"fusion_bridge: {problem}", stacklevel=2)
     return table
+
+
+def _first_usable_table(spec: EpilogueSpec, env: Environment) -> Optional[dict]:
+    expect = table_expectation(spec, env)
+    for path in (cache_path(spec, env), default_table_path(spec, env)):
+        if path.is_file():
+            table = read_table(path, expect)
+            if table is not None:
+                if path == default_table_path(spec, env):
+                    table.pop("eager_us", None)  # another host's CPU: its eager times do not apply
+                return table
+    return None
 
 
 def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
@@ -215,15 +190,11 @@ def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
     Collective."""
     table = None
     if my_rank(group) == 0:
-        for path in (cache_path(spec, env), default_table_path(spec, env)):
-            if path.is_file():
-                table = read_table(path)
-                if table is not None:
-                    if path == default_table_path(spec, env):
-                        table.pop(
-                            "eager_us", None
-                        )  # another host's CPU: its eager times do not apply
-                    break
+        try:  # rank 0's peers wait in the broadcast below: nothing here may raise
+            table = _first_usable_table(spec, env)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"fusion_bridge: tuning tables ignored: {exc!r}"[:500], stacklevel=2)
+            table = None
     if env.world_size > 1:
         box = [table]
         dist.broadcast_object_list(

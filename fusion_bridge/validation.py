@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .call_protocol import group_tokens
 from .epilogue_tensors import EpilogueInputs
 from .spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
 
@@ -27,6 +28,7 @@ def _fail(name: str, expected: str, actual: object) -> None:
 def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
+    _require_dense(name, t)
     if t.dtype not in dtypes:
         _fail(f"{name}.dtype", " or ".join(str(d) for d in dtypes), t.dtype)
     if tuple(t.shape) != shape:
@@ -37,18 +39,36 @@ def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: tor
         _fail(name, "contiguous (call .contiguous())", f"strides {t.stride()}")
 
 
+def _require_dense(name: str, t: torch.Tensor) -> None:
+    """Sparse and nested tensors: their other metadata (shape, strides) may not even be readable."""
+    if t.is_nested or t.layout is not torch.strided:
+        _fail(name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else t.layout)
+
+
 def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.device) -> None:
-    """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe."""
+    """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe.
+
+    The call's T is the first dimension most of the [T, ...] inputs agree on
+    (call_protocol.group_tokens), so a rank with one malformed tensor still knows the T its peers
+    run; every tensor is checked against it."""
+    tokens, hidden = group_tokens(inputs), spec.hidden_size
+    if tokens is None:
+        _fail(
+            "residual",
+            "a dense 2-D tensor [T, hidden_size] (T is the first dimension the [T, ...] inputs "
+            "agree on, and none of them is a 2-D tensor)",
+            type(inputs.residual).__name__,
+        )
     perm = inputs.expanded_idx_to_permuted_idx
     if not isinstance(perm, torch.Tensor):
         _fail("expanded_idx_to_permuted_idx", "a torch.Tensor", type(perm).__name__)
+    _require_dense("expanded_idx_to_permuted_idx", perm)
     if perm.dim() != 2:
         _fail(
             "expanded_idx_to_permuted_idx",
             "2-D [T, top_k]",
             f"{perm.dim()}-D shape {list(perm.shape)}",
         )
-    tokens, hidden = perm.shape[0], spec.hidden_size
     if perm.shape[1] != spec.top_k:
         _fail(
             "expanded_idx_to_permuted_idx.shape[1] (top_k)",
@@ -56,20 +76,34 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
             perm.shape[1],
         )
     _check_tensor(
-        "expanded_idx_to_permuted_idx", perm, (tokens, spec.top_k), (torch.int32,), device
+        "expanded_idx_to_permuted_idx",
+        perm,
+        (tokens, spec.top_k),
+        (torch.int32,),
+        device,
     )
     g = inputs.gemm2_out
+    if isinstance(g, torch.Tensor):
+        _require_dense("gemm2_out", g)
     if not isinstance(g, torch.Tensor) or g.dim() != 2:
         _fail("gemm2_out", "a 2-D tensor [P, hidden_size]", getattr(g, "shape", type(g).__name__))
     _check_tensor("gemm2_out", g, (g.shape[0], hidden), (spec.dtype,), device)
     _check_tensor(
-        "expert_weights", inputs.expert_weights, (tokens, spec.top_k), EXPERT_WEIGHT_DTYPES, device
+        "expert_weights",
+        inputs.expert_weights,
+        (tokens, spec.top_k),
+        EXPERT_WEIGHT_DTYPES,
+        device,
     )
     if spec.has_shared_output:
         if inputs.shared_output is None:
             _fail("shared_output", "a tensor (spec.has_shared_output=True)", None)
         _check_tensor(
-            "shared_output", inputs.shared_output, (tokens, hidden), (spec.dtype,), device
+            "shared_output",
+            inputs.shared_output,
+            (tokens, hidden),
+            (spec.dtype,),
+            device,
         )
     elif inputs.shared_output is not None:
         _fail("shared_output", "None (spec.has_shared_output=False)", "a tensor")
@@ -134,11 +168,7 @@ def input_check(spec: EpilogueSpec, device: torch.device) -> Callable[[EpilogueI
                 and gamma.device == device
                 and (s is None or s.device == device)
             )
-        except (
-            AttributeError,
-            TypeError,
-            IndexError,
-        ):  # not a tensor somewhere, or a 0-D index map
+        except Exception:  # noqa: BLE001 - not a tensor, a 0-D map, an exotic layout: say what
             return False
 
     return check

@@ -93,8 +93,10 @@ def triton_version() -> Optional[tuple[int, int]]:
 
 def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
     """(the installed Triton's runtime, None) or (None, why the fast path is off)."""
-    if os.environ.get(ENV_VAR, "1").strip() == "0":
-        return None, f"{ENV_VAR}=0"
+    from .. import env_vars
+
+    if not env_vars.read(ENV_VAR):
+        return None, f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
     version = triton_version()
     if version not in TESTED_TRITON:
         tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON)

@@ -478,7 +478,7 @@ def _oneshot_kernel(
                     SWIZZLED,
                     ROW_BLOCK,
                     HW_CVT,
-                    False,  # as before: the one-shot's norm was never overflow-safe
+                    True,  # overflow-safe, as every norm of ours (a branch taken only on overflow)
                 )
     if NORM & PHASES:
         if QUANT == 2:

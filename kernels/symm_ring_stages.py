@@ -183,6 +183,6 @@ def _stage_gather(
             norm_quant_row(
                 tl.where(in_row, xr.to(tl.float32), 0.0), g, t, 0, ROW_BLOCK, tokens,
                 norm_out_ptr, q_ptr, sf_ptr, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED,
-                ROW_BLOCK, HW_CVT,
+                ROW_BLOCK, HW_CVT, True,  # overflow-safe, as every norm of ours
             )  # fmt: skip
     _release(ptrs_ptr, rank, slot, pid, nprog)

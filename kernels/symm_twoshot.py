@@ -444,7 +444,7 @@ def _gather_block(
                 SWIZZLED,
                 ROW_BLOCK,
                 HW_CVT,
-                False,  # the two-shot's norm was never overflow-safe; its cost is measured
+                True,  # overflow-safe, as every norm of ours (a branch taken only on overflow)
             )
 
 

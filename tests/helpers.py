@@ -7,6 +7,49 @@ import torch
 from fusion_bridge.epilogue_tensors import EpilogueInputs
 
 
+def garbage_weights_where_skipped(inputs: EpilogueInputs) -> EpilogueInputs:
+    """The same call with NaN weights in the skipped slots (perm == -1), +inf in every third one:
+    the spec allows garbage there, so a kernel that multiplies a skipped slot's weight in (x * w
+    with x = 0 is NaN) shows NaN. The caller's tensors are left alone."""
+    perm, weights = inputs.expanded_idx_to_permuted_idx, inputs.expert_weights.clone()
+    skipped = perm < 0
+    weights[skipped] = float("nan")
+    every_third = torch.zeros_like(skipped).view(-1)
+    every_third[::3] = True
+    weights[skipped & every_third.view(skipped.shape)] = float("inf")
+    return inputs._replace(expert_weights=weights)
+
+
+def small_rows_and_a_zero_row(spec, world: int, tokens: int, seed: int, device="cpu") -> list:
+    """Per-rank inputs for `world` ranks (one residual and gamma, as in a TP group) whose rows have
+    an rms of ~0.01-0.03 (then eps = 1e-2 shrinks norm_out about 3x) and whose row 1 is exactly
+    zero on every rank: residual 0, every slot skipped, shared output 0. There x = 0, so norm_out
+    is 0 with eps > 0 and NaN (0 * rsqrt(0)) without it. NaN / inf weights in skipped slots."""
+    from fusion_bridge.synthetic import make_inputs
+
+    out = []
+    for r in range(world):
+        inp = make_inputs(spec, tokens, rank=r, seed=seed, device=device, skip_fraction=0.3)
+        perm = inp.expanded_idx_to_permuted_idx.clone()
+        perm[1] = -1
+        shared = inp.shared_output
+        if shared is not None:
+            shared = shared * 0.01
+            shared[1] = 0.0
+        out.append(
+            garbage_weights_where_skipped(
+                inp._replace(
+                    gemm2_out=inp.gemm2_out * 0.01,
+                    expanded_idx_to_permuted_idx=perm,
+                    shared_output=shared,
+                )
+            )
+        )
+    residual = out[0].residual * 0.01
+    residual[1] = 0.0
+    return [inp._replace(residual=residual, gamma=out[0].gamma) for inp in out]
+
+
 def clone_inputs(inputs: EpilogueInputs) -> EpilogueInputs:
     return EpilogueInputs(
         *(

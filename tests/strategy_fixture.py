@@ -82,3 +82,23 @@ class ProbedSeparate(SeparateStrategy):
         if flag == "ok":
             return super().not_supported_reasons(spec, env)
         return [Reason("fixture_flag_not_ok", f"{cls.name}: fixture_flag is {flag!r}", "")]
+
+
+class PrepareFailsOnRankOne(SeparateStrategy):
+    """The separate path whose prepare() raises on rank 1 of the default group only (a collective
+    setup that fails on one rank); counts the closes of its instances in this process."""
+
+    name = "prepare_fails_on_rank_one"
+    summary = "the separate path, whose prepare fails on rank 1"
+    closed = 0
+
+    def prepare(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("prepare failed on rank 1 (test fixture)")
+        super().prepare()
+
+    def close(self) -> None:
+        PrepareFailsOnRankOne.closed += 1
+        super().close()

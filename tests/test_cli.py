@@ -1,11 +1,23 @@
 """The CLI as users run it: a subprocess, JSON on stdout only, the documented fields."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+# `explain` and the shipped table's preview describe the strategies this process can run; without
+# the flashinfer package the FlashInfer strategies are off (reason `flashinfer_missing`), so the
+# selections those tests assert on differ (parity checks either case). The README's setup installs
+# the `flashinfer` extra; with `pip install -e ".[test]"` alone these tests skip.
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+needs_flashinfer = pytest.mark.skipif(
+    not HAS_FLASHINFER,
+    reason="flashinfer is not installed (pip install -e '.[flashinfer,test]'): the expected "
+    "selections include FlashInfer strategies",
+)
 
 
 def cli(*args, check=True, env_vars=None):
@@ -146,6 +158,7 @@ def test_info_json_has_every_strategy_with_reasons_steps_and_self_test():
         assert all(set(r) == {"code", "message", "hint"} for r in s["reasons"]) and s["steps"]
 
 
+@needs_flashinfer
 @pytest.mark.parametrize("sm", ["90", "100"])
 def test_explain_nvfp4_never_uses_flashinfer_fused_fp4(sm):
     doc = json.loads(
@@ -179,6 +192,7 @@ def test_explain_nvfp4_never_uses_flashinfer_fused_fp4(sm):
     assert "flashinfer_fused_fp4_broken" in codes and (("fp4_needs_sm100" in codes) == (sm == "90"))
 
 
+@needs_flashinfer
 def test_explain_routes_gpt_oss_hidden_size_away_from_the_fused_kernel():
     doc = json.loads(
         cli(
@@ -239,7 +253,8 @@ def test_parity_world_size_two_json():
     import torch
 
     if not torch.cuda.is_available():
-        assert doc["skipped"]["flashinfer_fused"] == ["needs_cuda"]
+        missing = [] if HAS_FLASHINFER else ["flashinfer_missing"]
+        assert doc["skipped"]["flashinfer_fused"] == missing + ["needs_cuda"]
         assert doc["skipped"]["flashinfer_fused_fp4"] == ["quant_not_nvfp4"]
         # our Triton kernels ran under the interpreter, all-reducing over 2 gloo ranks
         assert doc["triton_interpret"] is True
@@ -310,8 +325,8 @@ def _parity_rank_limit() -> tuple[int, str]:
 
 BAD_ARGUMENTS = [
     (("parity", "--world-size", "0"), "argument --world-size: must be >= 1, got 0"),
-    (("parity", "--tokens", "-1"), "argument --tokens: must be >= 1, got -1"),
-    (("parity", "--tokens", "0"), "argument --tokens: must be >= 1, got 0"),
+    (("parity", "--tokens", "-1"), "argument --tokens: must be in 1..16384, got -1"),
+    (("parity", "--tokens", "0"), "argument --tokens: must be in 1..16384, got 0"),
     (("parity", "--world-size", "1000"), "argument --world-size: must be at most"),
     (("explain", "--world-size", "0"), "argument --world-size: must be >= 1, got 0"),
     (("explain", "--world-size", "-2"), "argument --world-size: must be >= 1, got -2"),
@@ -423,6 +438,7 @@ def test_info_diagnoses_an_env_strategy_that_cannot_run():
     ]
 
 
+@needs_flashinfer
 def test_explain_previews_the_shipped_h200_table():
     from fusion_bridge import EpilogueSpec
     from fusion_bridge.environment import Environment

@@ -48,6 +48,8 @@ def _disagreement(rank, world_size, explicit):
             SPEC, strategy="local_fused_nccl" if explicit else "auto", environment=env
         ) as bridge:
             status = {s.name: s for s in bridge.statuses}["local_fused_nccl"]
+            prepared = bridge.prepared
+            assert "local_fused_nccl" not in prepared, (rank, prepared)  # turned off everywhere
             return "built", bridge.strategy_for(8), [r.code for r in status.reasons]
     except NoStrategyAvailable as exc:
         return "raised", None, [r.code for st in exc.statuses for r in st.reasons]

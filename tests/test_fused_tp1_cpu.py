@@ -156,3 +156,24 @@ def test_capability_and_declarations():
     assert step.stages == (Stage.FINALIZE, Stage.SHARED_ADD, Stage.RESIDUAL_NORM, Stage.QUANT)
     assert FusedTp1Strategy.is_auto_selectable(spec, gpu)
     assert not FusedTp1Strategy.is_auto_selectable(spec, ENV)
+
+
+def test_eps_is_applied_and_an_all_zero_row_stays_zero():
+    """Rows of rms ~0.01-0.03, where eps = 1e-2 shrinks norm_out about 3x, and an all-zero row (0
+    with eps, NaN without), NaN / inf weights in skipped slots. Mutants killed: the world-size-1
+    launch passing another eps than the spec's; a skipped slot's weight multiplied in."""
+    import dataclasses
+
+    from tests.helpers import small_rows_and_a_zero_row
+
+    spec = EpilogueSpec(hidden_size=96, top_k=4, eps=1e-2, weight_bias=0.5)
+    inp = small_rows_and_a_zero_row(spec, 1, 5, seed=24, device=DEVICE)[0]
+    _, norm = epilogue64_from(spec, [inp])
+    _, without_eps = epilogue64_from(dataclasses.replace(spec, eps=1e-9), [inp])
+    rows = [0, 2, 3, 4]
+    assert rel_err(without_eps[rows], norm[rows]) > 0.5  # the case observes eps
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+    strat.prepare()
+    out = strat.run(inp)
+    assert (out.residual_out[1] == 0).all() and (out.norm_out[1] == 0).all()
+    assert rel_err(out.norm_out, norm) <= FusedTp1Strategy.error_bound(spec, ENV)

@@ -165,3 +165,127 @@ def test_emulated_ranks_on_one_gpu(kind, world):
     errors = [int(e) for e in group.errs[:, 0]]
     assert errors == [0] * world, f"kernel error words {errors}"
     assert not problems, "\n".join(problems[:20])
+
+
+def _sentinel(group, rank, slot, kind, spec):
+    """Whether every element of `rank`'s slot `slot` is the sentinel (int16 -0.0)."""
+    from fusion_bridge.kernels import symm_protocol as P
+
+    world, cap = len(group.layers), group.layers[0].cap
+    n = P.slot_elems(kind, world, cap, spec.hidden_size)
+    data = group.data(rank, torch.int16)[slot * n : (slot + 1) * n]
+    return bool((data == P.SENTINEL_BITS).all())
+
+
+def test_twoshot_clears_the_tail_of_a_larger_previous_call():
+    """The compiled two-shot, 3 ranks concurrent: a call at T = cap, then small ones. Each call
+    clears what the previous call wrote into its slot, however many more rows that was than its own
+    T, so after every call the previous slot is all sentinel on every rank (a stale row would read
+    as arrived when the slot comes round again). Mutant killed: blocks_to_walk ignoring the
+    previous call's larger T."""
+    needs_gpu()
+    from fusion_bridge.kernels import symm_twoshot
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    world, cap = 3, 96
+    spec = EpilogueSpec(hidden_size=2880, top_k=4, max_tokens=cap)
+    group = _group("twoshot", spec, world, cap, timeout_s=2.0)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    problems = []
+    for call, tokens in enumerate((cap, 1, 2, 1, cap, 4)):
+        inputs = [make_inputs(spec, tokens, rank=r, seed=call, device="cuda") for r in range(world)]
+        outs = _call(symm_twoshot, group, streams, spec, inputs)
+        torch.cuda.synchronize()
+        problems += _problems(spec, outs, inputs, math.sqrt(3) * U_BF16, f"call {call} T={tokens}")
+        if call > 0:
+            previous = (call - 1) % 3
+            for r in range(world):
+                if not _sentinel(group, r, previous, "twoshot", spec):
+                    problems.append(
+                        f"call {call} (T={tokens}): rank {r}'s slot {previous} not clear"
+                    )
+    assert [int(e) for e in group.errs[:, 0]] == [0] * world
+    assert not problems, "\n".join(problems)
+
+
+def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
+    """The compiled one-shot, part by part (kernels/symm_testing hooks, EMULATED off: the GPU timer
+    and fence are in): rank 1 finishes call A and publishes call B before rank 0 clears for A.
+    Rank 0's clear must leave rank 1's B partial alone: both ranks finish B within the timeout.
+    Mutant killed: the one-shot (also) clearing the slot a faster peer is writing."""
+    needs_gpu()
+    from fusion_bridge.kernels import symm_protocol as P
+    from fusion_bridge.kernels.symm_testing import call_tensors, launch_with_hooks
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    spec = EpilogueSpec(hidden_size=2880, top_k=4, max_tokens=8)
+    group = _group("oneshot", spec, 2, 8, timeout_s=0.5)
+    calls = []
+    for seed in (1, 2):
+        inputs = [make_inputs(spec, 5, rank=r, seed=seed, device="cuda") for r in range(2)]
+        inputs = [i._replace(residual=inputs[0].residual, gamma=inputs[0].gamma) for i in inputs]
+        outs = [
+            tuple(torch.full_like(inputs[0].residual, float("nan")) for _ in range(2))
+            + (torch.empty(0, dtype=torch.uint8, device="cuda"),) * 2
+            for _ in range(2)
+        ]
+        calls.append((inputs, outs))
+
+    def part(call, rank, phases):
+        inputs, outs = calls[call]
+        launch_with_hooks(
+            "oneshot", group.layers[rank], phases=phases, **call_tensors(inputs[rank], outs[rank])
+        )
+
+    publish, clear, reduce, epoch = P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH
+    order = [(0, 0, publish), (0, 1, publish), (0, 1, clear), (0, 1, reduce), (0, 1, epoch)]
+    order += [(1, 1, publish)]  # rank 1 is one call ahead
+    order += [(0, 0, clear), (0, 0, reduce), (0, 0, epoch)]
+    order += [(1, 0, publish), (1, 0, clear), (1, 0, reduce), (1, 0, epoch)]
+    order += [(1, 1, clear), (1, 1, reduce), (1, 1, epoch)]
+    for call, rank, phases in order:
+        part(call, rank, phases)
+    torch.cuda.synchronize()
+    assert [int(e) for e in group.errs[:, 0]] == [0, 0]
+    problems = []
+    for call, (inputs, outs) in enumerate(calls):
+        problems += _problems(spec, outs, inputs, math.sqrt(2) * U_BF16, f"call {call}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("kind", ["oneshot", "twoshot"])
+def test_compiled_symmetric_memory_kernels_normalize_huge_rows(kind):
+    """The compiled kernels' norm on rows scaled by 2e19, 1e25 and 1e36 (their fp32 sum of squares
+    overflows): within one rounding of the float64 oracle, never an all-zero row (the interpreter
+    version is in tests/test_overflow.py)."""
+    needs_gpu()
+    from fusion_bridge.kernels import symm_oneshot, symm_twoshot
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+    from tests import oracle64
+
+    kernel = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
+    spec = EpilogueSpec(hidden_size=2880, top_k=4, weight_bias=0.5, max_tokens=8)
+    world, tokens = 2, 4
+    inputs = [make_inputs(spec, tokens, rank=r, seed=6, device="cuda") for r in range(world)]
+    residual = inputs[0].residual.clone()
+    for row, scale in zip((1, 2, 3), (2e19, 1e25, 1e36)):
+        residual[row] = (residual[row].float() * scale).to(torch.bfloat16)
+    inputs = [i._replace(residual=residual, gamma=inputs[0].gamma) for i in inputs]
+    group = _group(kind, spec, world, 8)
+    outs = _call(kernel, group, [torch.cuda.Stream() for _ in range(world)], spec, inputs)
+    torch.cuda.synchronize()
+    assert [int(e) for e in group.errs[:, 0]] == [0] * world
+    cpu = [
+        i._replace(**{f: getattr(i, f).cpu() for f in i._fields if getattr(i, f) is not None})
+        for i in inputs
+    ]
+    residual_exact, norm_exact = oracle64.epilogue64_from(spec, cpu)
+    for residual_out, norm_out, _, _ in outs:
+        norm_out = norm_out.cpu()
+        assert (norm_out[1:].abs().sum(1) > 0).all()
+        # a GPU rounds once too, but FMA contraction may move the fp32 value: 2^-20 slack as on CPU
+        oracle64.check_rounded_once(residual_out.cpu()[1:], residual_exact[1:], 2.0**-20)
+        oracle64.check_rounded_once(norm_out[1:], norm_exact[1:], 2.0**-20)

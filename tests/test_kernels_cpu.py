@@ -25,6 +25,7 @@ from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.finalize_add import finalize_add_into
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, quantize_into
 from tests import oracle64
+from tests.helpers import garbage_weights_where_skipped
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = 0xFF
@@ -84,6 +85,9 @@ def test_finalize_add_rounds_once_from_fp32(tokens, hidden, top_k, dtype, weight
         routed_scaling_factor=scaling,
     )
     inp = make_inputs(spec, tokens, seed=tokens + hidden, device=DEVICE, weight_dtype=weight_dtype)
+    # NaN / inf weights in the skipped slots (allowed there): mutant killed, a skipped slot's
+    # weight multiplied in instead of dropped
+    inp = garbage_weights_where_skipped(inp)
     out = poisoned((tokens, hidden), dtype)
     finalize_add_into(
         out,

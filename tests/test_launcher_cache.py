@@ -313,6 +313,23 @@ def test_debug_knob_is_part_of_the_key():
     assert len(kernel.normal) == 2
 
 
+def test_instrumentation_mode_is_part_of_the_key():
+    """Triton's compile options include knobs.compilation.instrumentation_mode; a launch after it
+    changes must compile/launch normally, never reuse the launcher of the other mode (mutant
+    killed: the key ignoring it)."""
+    rt = fake_runtime()
+    kernel, launch = make(runtime=rt)
+    x, y = tensors()
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    assert len(kernel.normal) == 1  # cached
+    rt.compilation_knobs.instrumentation_mode = "consan"
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    assert len(kernel.normal) == 2
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    assert len(kernel.normal) == 2  # the new mode's launcher is cached in turn
+
+
 @pytest.mark.parametrize("missing", ["packed_metadata", "function", "run"])
 def test_a_missing_internal_means_normal_launches_forever_without_error(missing):
     kernel, launch = make(FakeKernel(lambda i: FakeCompiled(i, drop=(missing,))))

@@ -1,9 +1,10 @@
 """The package's layers, read from the source (ast), so they stay true: no import circle, and no
 module imports a layer above its own.
 
-    values      spec, environment, reasons, registry, log: plain values and the strategy registry
+    values      spec, environment, reasons, registry, log, env_vars, table_format: plain values,
+                the strategy registry, the environment variables and the tuning-table format
     math, io    the fp32 math, quant references, kernels, the epilogue's tensors, input checks,
-                process-group facts, timing
+                process-group facts, timing, the call's failure protocol
     strategies  fusion_bridge.strategies and every strategy module
     planner     token buckets, the strategies' statuses, the pure selection
     bridge      admission, rank agreement, self-test, shadow, tuning, report, custom op, the bridge
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "fusion_bridge"
 
 LAYERS = {
-    "values": {"spec", "environment", "reasons", "registry", "log"},
+    "values": {"spec", "environment", "reasons", "registry", "log", "env_vars", "table_format"},
     "math, io": {
         "torch_math",
         "quant_ref",
@@ -42,6 +43,7 @@ LAYERS = {
         "synthetic",
         "timing",
         "process_group",
+        "call_protocol",
         "kernels",
     },
     "strategies": {"strategies"},
@@ -61,7 +63,18 @@ LAYERS = {
     "cli": {"cli", "__main__"},
 }
 ORDER = list(LAYERS)
-CLI_TOOL_MODULES = {"environment", "spec", "planner", "report", "tuning", "numerics", "synthetic"}
+# env_vars and log: the CLI validates the FUSION_BRIDGE_* variables and applies the log level first
+CLI_TOOL_MODULES = {
+    "environment",
+    "spec",
+    "planner",
+    "report",
+    "tuning",
+    "numerics",
+    "synthetic",
+    "env_vars",
+    "log",
+}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

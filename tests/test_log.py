@@ -105,9 +105,13 @@ def test_parse_level(value, level):
     assert fblog.parse_level(value) == level
 
 
-def test_import_with_the_env_var_prints_to_stderr_and_without_it_prints_nothing():
+def test_first_build_with_the_env_var_prints_to_stderr_and_without_it_prints_nothing():
+    """The variable is read when the first bridge is built (never at import): a malformed value then
+    fails the build naming the variable (tests/test_env_vars.py)."""
     code = (
-        "import logging; from fusion_bridge.log import logger; "
+        "import logging; from fusion_bridge import FusionBridge, EpilogueSpec; "
+        "from fusion_bridge.log import logger; "
+        "FusionBridge(EpilogueSpec(hidden_size=64, top_k=2)).close(); "
         "logger.info('hello info'); logger.warning('hello warning')"
     )
     env = dict(os.environ, FUSION_BRIDGE_LOG_LEVEL="INFO")

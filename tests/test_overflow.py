@@ -1,9 +1,12 @@
 """Overflow-safe RMSNorm. bf16 holds values up to ~3.4e38, but the fp32 sum of squares of a row
-overflows once |x| >~ 1.8e19; rsqrt(inf) = 0 then turns a finite row into a norm_out of zeros. Every
-path we own (torch math for `reference` and `separate`, our add+RMSNorm kernel for `local_fused`)
-scales such a row by a power of two first. Checked against the float64 oracle (which squares in
-float64: no overflow below ~1e154), and normal rows checked bit for bit against the previous
-formula.
+overflows once |x| >~ 1.8e19; rsqrt(inf) = 0 then turns a finite row into a norm_out of zeros.
+Every path we own that computes RMSNorm scales such a row by a power of two first: torch math for
+`reference` and `separate`, our add+RMSNorm kernel for `local_fused`, the world-size-1 kernel
+(`fused_tp1`, among the CPU strategies below), the one-shot and two-shot symmetric-memory kernels
+(here with emulated ranks under the interpreter; compiled, in tests/test_gpu_symm_one_device.py)
+and the ring two-shot (tests/test_symm_ring_cpu.py, its own emulation). Checked against the
+float64 oracle (which squares in float64: no overflow below ~1e154), and normal rows checked bit
+for bit against the previous formula.
 """
 
 import pytest
@@ -175,3 +178,43 @@ def test_every_cpu_strategy_normalizes_a_huge_row(strategy):
     # the routed/shared terms (~1) vanish below one ulp of the row, so one rounding bounds it
     oracle64.check_rounded_once(out.residual_out[1:2], residual_exact[1:2], SLACK)
     oracle64.check_rounded_once(out.norm_out[1:2], norm_exact[1:2], SLACK)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="interpreter emulation; tests/test_gpu_symm_one_device.py covers the compiled kernels",
+)
+@pytest.mark.parametrize("kind", ["oneshot", "twoshot"])
+def test_symmetric_memory_kernels_normalize_huge_rows(kind):
+    """The symmetric-memory kernels' norm on rows scaled by 1e18 (control), 2e19, 1e25 and 1e36,
+    two emulated ranks (kernels/symm_testing runs the production kernel body). Mutant killed: the
+    norm building block without its overflow-safe scaling (an all-zero norm_out)."""
+    from fusion_bridge.kernels.symm_testing import emulated_group
+
+    spec = EpilogueSpec(hidden_size=96, top_k=2, weight_bias=0.5)
+    world, tokens = 2, 5
+    inputs = [make_inputs(spec, tokens, rank=r, seed=6) for r in range(world)]
+    residual = inputs[0].residual.clone()
+    for row, scale in zip((1, 2, 3, 4), (1e18, 2e19, 1e25, 1e36)):
+        residual[row] = (residual[row].float() * scale).to(torch.bfloat16)
+    inputs = [i._replace(residual=residual, gamma=inputs[0].gamma) for i in inputs]
+    group = emulated_group(kind, spec, world, tokens)
+    none = torch.empty(0, dtype=torch.uint8)
+    outs = [
+        (
+            torch.full_like(residual, float("nan")),
+            torch.full_like(residual, float("nan")),
+            none,
+            none,
+        )
+        for _ in range(world)
+    ]
+    group.call(inputs, outs, programs=2)
+    assert group.errs[:, 0].tolist() == [0] * world
+    residual_exact, norm_exact = oracle64.epilogue64_from(spec, inputs)
+    for residual_out, norm_out, _, _ in outs:
+        assert (norm_out[2:].abs().sum(1) > 0).all()
+        # rows 2..4: the routed/shared terms (~1) vanish below one ulp of the row, so one rounding
+        # bounds both outputs (as for the strategies above)
+        oracle64.check_rounded_once(residual_out[2:], residual_exact[2:], SLACK)
+        oracle64.check_rounded_once(norm_out[2:], norm_exact[2:], SLACK)

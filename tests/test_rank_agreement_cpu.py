@@ -3,6 +3,7 @@ settings agreement, debug-mode per-call agreement. Every rank function returns w
 the parent asserts per rank; every collective runs on a subgroup with a short timeout, and every
 group run has a hard timeout, so a regression fails fast instead of hanging CI."""
 
+import re
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -208,8 +209,11 @@ def test_a_rank_that_never_checks_in_gives_a_clear_error_within_the_timeout():
     assert "FUSION_BRIDGE_BUILD_TIMEOUT_S" in message
     assert 2.5 < r0["first_s"] < 10, r0["first_s"]
     kind, message, missing, _ = r1["first"]
-    assert kind == "RankAgreementError" and missing == (0,), r1
-    assert "rank 1 of the 2-rank group waited 2 s for rank(s) 0" in message
+    assert kind == "RankAgreementError" and not missing, r1  # rank 0 came, then gave up
+    assert (
+        "rank 1 of the 2-rank group waited 2 s for the other ranks; rank(s) 0 had checked in but "
+        "gave up waiting before this rank arrived"
+    ) in message
     for out in (r0, r1):  # failed check-ins do not count: both ranks retry build 0, then go on to 1
         assert (out["retry"], out["next"], out["world"]) == (("ok", 0), ("ok", 1), ("ok", 0)), out
 
@@ -242,12 +246,27 @@ def test_build_timeout_comes_from_the_argument_then_the_environment(monkeypatch)
     assert build_timeout_s() == 45.0 and build_timeout_s(7) == 7.0
     monkeypatch.setenv("FUSION_BRIDGE_BUILD_TIMEOUT_S", "soon")
     with pytest.raises(
-        ValueError, match="FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds, got 'soon'"
+        ValueError,
+        match=re.escape(
+            "FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds in [0.001, 86400], "
+            "got 'soon'"
+        ),
     ):
         build_timeout_s()
-    for bad in (0, -1, float("inf"), float("nan"), True, "5"):
+    # whole milliseconds, at least 1 (a timeout that rounds to 0 would mean "wait forever"), and a
+    # ceiling far below what timedelta or an int32 of milliseconds holds
+    assert build_timeout_s(0.0004 + 0.0006) == 0.001 and build_timeout_s(1.0001) == 1.001
+    for raw in ("0.0004", "1e14", "-1", "0", "nan", "inf", ""):
+        monkeypatch.setenv("FUSION_BRIDGE_BUILD_TIMEOUT_S", raw)
+        if raw:
+            with pytest.raises(ValueError, match="FUSION_BRIDGE_BUILD_TIMEOUT_S must be"):
+                build_timeout_s()
+        else:  # blank: the default
+            assert build_timeout_s() == DEFAULT_BUILD_TIMEOUT_S
+    for bad in (0, -1, 0.0004, 1e14, float("inf"), float("nan"), True, "5"):
         with pytest.raises(
-            ValueError, match="timeout_s must be a positive finite number of seconds"
+            ValueError,
+            match=re.escape("build_timeout_s must be a number of seconds in [0.001, 86400]"),
         ):
             build_timeout_s(bad)
 
@@ -345,6 +364,73 @@ def test_plan_settings_names_each_bucket_with_its_variant():
         "route_by_bucket": {"T<=1": "separate:default", "T<=2": "local_fused_flashinfer:twoshot"},
         "overflow": "separate:default",
     }
+
+
+def test_plan_settings_carry_the_eager_routes_when_the_plan_has_them():
+    """Mutant killed: eager routes left out of the plan agreement (ranks with different eager times
+    would run different collectives outside CUDA graphs without any error)."""
+    plan = SimpleNamespace(
+        bounds=(1, 2),
+        choice=("separate", "separate"),
+        variants=("default", "default"),
+        overflow=None,
+        overflow_variant="default",
+        eager_choice=("local_fused_nccl", "separate"),
+        eager_variants=("default", "default"),
+    )
+    assert plan_settings(plan)["eager_route_by_bucket"] == {
+        "T<=1": "local_fused_nccl:default",
+        "T<=2": "separate:default",
+    }
+
+
+def _eager_times_and_prepare_on_one_rank(rank, world_size):
+    """Two builds on 2 gloo ranks: (1) the same graph times but eager times that pick another eager
+    route on each rank; (2) a strategy whose prepare() fails on rank 1 only."""
+    from fusion_bridge import FusionBridge
+    from fusion_bridge.registry import register
+    from tests.strategy_fixture import PrepareFailsOnRankOne
+
+    group = _short_group(world_size)
+    spec = EpilogueSpec(hidden_size=64, top_k=2, max_tokens=2)
+    register("two_variants", "tests.strategy_fixture:TwoVariants")
+    register("prepare_fails_on_rank_one", "tests.strategy_fixture:PrepareFailsOnRankOne")
+    args = dict(tuning="off", self_test=False, build_timeout_s=30, device=torch.device("cpu"))
+    graph = {"two_variants": {"a": {1: 10.0, 2: 10.0}, "b": {1: 20.0, 2: 20.0}}}
+    fast, slow = (5.0, 50.0) if rank == 0 else (50.0, 5.0)
+    eager = {"two_variants": {"a": {1: fast, 2: fast}, "b": {1: slow, 2: slow}}}
+    out = {
+        "eager": _caught(
+            lambda: FusionBridge(spec, group, measured_us=graph, eager_us=eager, **args).close()
+        )
+    }
+    closed_before = PrepareFailsOnRankOne.closed
+    with FusionBridge(spec, group, **args) as bridge:
+        status = {s.name: s for s in bridge.statuses}["prepare_fails_on_rank_one"]
+        out["prepared"] = bridge.prepared
+        out["codes"] = [r.code for r in status.reasons]
+        out["closed"] = PrepareFailsOnRankOne.closed - closed_before  # during the build
+    _finish(group)
+    return out
+
+
+def test_rank_disagreements_in_eager_routes_and_prepare_are_caught_on_both_ranks():
+    """Mutants killed: (1) eager routes left out of the plan agreement: ranks whose eager times pick
+    different eager routes must raise, naming the field, not build silently; (2) an instance that
+    the agreement turned off staying prepared on the rank where it succeeded: both ranks must list
+    the same prepared strategies, and the turned-off instance is closed there."""
+    r0, r1 = run_distributed(
+        _eager_times_and_prepare_on_one_rank, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S
+    )
+    for out in (r0, r1):
+        kind, message, fields, _ = out["eager"]
+        assert kind == "RankAgreementError", out["eager"]
+        assert "disagree on the plan" in message and "eager_route_by_bucket.T<=1" in message
+        assert fields["eager_route_by_bucket.T<=1"] == ["two_variants:a", "two_variants:b"]
+    assert r0["prepared"] == r1["prepared"] and "prepare_fails_on_rank_one" not in r0["prepared"]
+    assert "separate" in r0["prepared"]
+    assert r0["codes"] == ["unavailable_on_another_rank"] and r1["codes"] == ["prepare_failed"]
+    assert r0["closed"] == 1 and r1["closed"] == 1  # each rank closed the instance it built
 
 
 def test_a_single_process_needs_no_collective():

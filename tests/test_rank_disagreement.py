@@ -132,16 +132,40 @@ def _bad(inputs, how):
         return inputs._replace(expanded_idx_to_permuted_idx=perm[:, :-1].contiguous())
     if how == "residual_shape":
         return inputs._replace(residual=inputs.residual[:-1].contiguous())
-    if how == "index_1d":  # T unusable: the rank cannot take part
+    if how == "index_extra_row":  # [T+1, K]: the other [T, ...] inputs still say T
+        return inputs._replace(expanded_idx_to_permuted_idx=torch.cat([perm, perm[:1]]))
+    if how == "index_transposed":  # [K, T]
+        return inputs._replace(expanded_idx_to_permuted_idx=perm.t().contiguous())
+    if how == "index_1d":  # T still readable from the weights, shared output and residual
         return inputs._replace(expanded_idx_to_permuted_idx=perm.reshape(-1))
-    if how == "index_list":  # T unusable: not even a tensor
+    if how == "index_list":  # not even a tensor: T still readable from the others
         return inputs._replace(expanded_idx_to_permuted_idx=perm.tolist())
+    t_bearing = ("expanded_idx_to_permuted_idx", "expert_weights", "shared_output", "residual")
+    if how == "no_t_1d":  # T unusable: no [T, ...] input is 2-D, the rank cannot take part
+        return inputs._replace(
+            **{
+                k: getattr(inputs, k).reshape(-1)
+                for k in t_bearing
+                if getattr(inputs, k) is not None
+            }
+        )
+    if how == "no_t_list":  # T unusable: none is even a tensor
+        return inputs._replace(
+            **{k: getattr(inputs, k).tolist() for k in t_bearing if getattr(inputs, k) is not None}
+        )
     raise AssertionError(how)
+
+
+def _dense(x):
+    """A strided copy of a sparse or nested tensor (what it holds), for comparisons."""
+    if x.is_nested:
+        return torch.cat([t.reshape(-1) for t in x.unbind()])
+    return x.to_dense() if x.layout is not torch.strided else x
 
 
 def _snapshot(inputs):
     return [
-        x.clone() if isinstance(x, torch.Tensor) else (None if x is None else repr(x))
+        _dense(x).clone() if isinstance(x, torch.Tensor) else (None if x is None else repr(x))
         for x in inputs
     ]
 
@@ -156,7 +180,9 @@ def _same_tensor(a, b):
 
 def _unchanged(before, inputs):
     return all(
-        _same_tensor(b, x) if isinstance(x, torch.Tensor) else b == (None if x is None else repr(x))
+        _same_tensor(b, _dense(x))
+        if isinstance(x, torch.Tensor)
+        else b == (None if x is None else repr(x))
         for b, x in zip(before, inputs)
     )
 
@@ -251,6 +277,10 @@ BAD_MESSAGES = {
     "index_top_k": "expanded_idx_to_permuted_idx.shape[1] (top_k) must be",
     "index_1d": "expanded_idx_to_permuted_idx must be 2-D [T, top_k], got 1-D",
     "index_list": "expanded_idx_to_permuted_idx must be a torch.Tensor, got list",
+    "index_extra_row": ("expanded_idx_to_permuted_idx.shape must be [", "got [5, "),
+    "index_transposed": "expanded_idx_to_permuted_idx.shape",
+    "no_t_1d": "residual must be a dense 2-D tensor [T, hidden_size]",
+    "no_t_list": "residual must be a dense 2-D tensor [T, hidden_size]",
 }
 
 
@@ -285,8 +315,20 @@ def _one_bad_rank(rank, world_size, faults, specs):
 @pytest.mark.parametrize(
     "world_size,faults,specs",
     [
-        (2, ({1: "gamma_dtype"}, {1: "index_range"}, {1: "index_top_k"}), (SPEC, SPEC_NO_SHARED)),
-        (4, ({2: "gamma_dtype"}, {1: "index_range", 3: "residual_shape"}), (SPEC,)),
+        (
+            2,
+            ({1: "gamma_dtype"}, {1: "index_range"}, {1: "index_top_k"}, {1: "index_extra_row"}),
+            (SPEC, SPEC_NO_SHARED),
+        ),
+        (
+            4,
+            (
+                {2: "gamma_dtype"},
+                {1: "index_range", 3: "residual_shape"},
+                {0: "index_transposed", 2: "index_list"},
+            ),
+            (SPEC,),
+        ),
     ],
     ids=["world2", "world4"],
 )
@@ -320,22 +362,20 @@ def test_1_bad_input_on_one_rank_raises_there_gives_peers_nan_and_the_group_stay
 # ================================================================ case 2: T unusable on one rank,
 # no debug
 def _unusable_t(rank, world_size):
-    """Rank 1 passes an index map that gives no T (1-D, then a list, each on its own bridge). It
-    cannot
-    take part in its peers' collectives, so its bridge refuses every later call; rank 0 does NOT
-    call at
-    those points. Were it to call, its collective would wait for a partner that never comes: gloo
-    gives
-    up after GROUP_TIMEOUT here (30 min by default), NCCL/FlashInfer on GPU not at all. That hang is
-    the documented cost of running without debug mode; this test checks the erring rank's side."""
+    """Rank 1 passes inputs none of whose [T, ...] tensors gives a T (all 1-D, then all lists, each
+    on its own bridge). It cannot take part in its peers' collectives, so its bridge refuses every
+    later call; rank 0 does NOT call at those points. Were it to call, its collective would wait for
+    a partner that never comes: gloo gives up after GROUP_TIMEOUT here (30 min by default), NCCL on
+    GPU after the process group's timeout. That wait is the documented cost of running without
+    debug mode; this test checks the erring rank's side."""
     group = _group(world_size)
     out = {}
-    for how in ("index_1d", "index_list"):
+    for how in ("no_t_1d", "no_t_list"):
         with _build(group) as bridge:
             if rank == 1:
                 inputs, _ = _good(world_size, rank, 4, seed=30)
                 counts = (
-                    _count_collectives() if how == "index_1d" else {"n": 0}
+                    _count_collectives() if how == "no_t_1d" else {"n": 0}
                 )  # wraps once per process
                 first = _call(bridge, _bad(inputs, how))
                 later = []
@@ -353,25 +393,25 @@ def _unusable_t(rank, world_size):
 def test_2_unusable_t_on_one_rank_marks_its_bridge_broken_until_rebuilt():
     results = run_distributed(_unusable_t, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S)
     erring = results[1]
-    for how in ("index_1d", "index_list"):
+    for how in ("no_t_1d", "no_t_list"):
         first, later = erring[how]["first"], erring[how]["later"]
         assert first["kind"] == "EpilogueInputError" and first["input_error"], (how, first)
         assert _names(first["msg"], how) and "rebuild" in first["msg"], (how, first["msg"])
         assert first["unchanged"], (how, "inputs modified")
         for r in later:  # good inputs, refused at once, naming the first error
             assert r["kind"] == "EpilogueInputError", (how, r)
-            assert _names(r["msg"], how) and "rebuild the bridge on every rank" in r["msg"], (
+            assert _names(r["msg"], how) and "rebuild every FusionBridge" in r["msg"], (
                 how,
                 r["msg"],
             )
-            assert "out of step" in r["msg"], (how, r["msg"])
+            assert "destroy_process_group" in r["msg"], (how, "says what recovers", r["msg"])
             assert r["seconds"] < 2.0, (
                 how,
                 "must raise at once, not wait in a collective",
                 r["seconds"],
             )
             assert r["unchanged"], (how, "inputs modified")
-    assert erring["index_1d"]["collectives"] == 0, "a broken bridge must not enter any collective"
+    assert erring["no_t_1d"]["collectives"] == 0, "a broken bridge must not enter any collective"
     for rank, out in enumerate(results):
         _assert_correct(out["rebuilt"], (rank, "after rebuilding"))
 
@@ -628,28 +668,55 @@ def test_7_unequal_t_and_t0_on_one_rank_under_debug_raise_the_same_error_everywh
         (
             "routed_scaling_factor",
             "2",
-            "routed_scaling_factor must be a finite float, got '2' (a str)",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "'2' (a str)",
         ),
         (
             "routed_scaling_factor",
             float("nan"),
-            "routed_scaling_factor must be a finite float, got nan",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "nan",
         ),
         (
             "routed_scaling_factor",
             float("inf"),
-            "routed_scaling_factor must be a finite float, got inf",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "inf",
         ),
         (
             "routed_scaling_factor",
             True,
-            "routed_scaling_factor must be a finite float, got True (a bool)",
+            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
+            "True (a bool)",
         ),
-        ("eps", float("inf"), "eps must be a positive float (finite), got inf"),
-        ("eps", 0.0, "eps must be a positive float (finite), got 0.0"),
-        ("eps", -1e-6, "eps must be a positive float (finite), got -1e-06"),
-        ("weight_bias", float("inf"), "weight_bias must be a finite float, got inf"),
-        ("weight_bias", float("-inf"), "weight_bias must be a finite float, got -inf"),
+        (
+            "eps",
+            float("inf"),
+            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
+            "that is 0 in fp32 turns an all-zero row into NaN), got inf",
+        ),
+        (
+            "eps",
+            0.0,
+            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
+            "that is 0 in fp32 turns an all-zero row into NaN), got 0.0",
+        ),
+        (
+            "eps",
+            -1e-6,
+            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
+            "that is 0 in fp32 turns an all-zero row into NaN), got -1e-06",
+        ),
+        (
+            "weight_bias",
+            float("inf"),
+            "weight_bias must be a float of magnitude <= 3.4e+38 (finite in fp32), got inf",
+        ),
+        (
+            "weight_bias",
+            float("-inf"),
+            "weight_bias must be a float of magnitude <= 3.4e+38 (finite in fp32), got -inf",
+        ),
         ("hidden_size", True, "hidden_size must be a positive int, got True (a bool)"),
         ("hidden_size", 128.0, "hidden_size must be a positive int, got 128.0 (a float)"),
         ("top_k", False, "top_k must be a positive int, got False (a bool)"),

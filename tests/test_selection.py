@@ -291,6 +291,26 @@ def test_measurements_pick_fastest_strategy_and_variant_per_bucket_static_order_
     assert plan.route_for(16) == (LF, "twoshot") and plan.route_for(9) == (LF, "twoshot")
 
 
+def test_equal_times_go_to_the_static_order():
+    """Documented rule (planner._fastest): ties go to the static order (registry order), whatever
+    order the measurements come in. Mutant killed: ties going to the last strategy instead."""
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=2)
+    statuses = static_statuses(spec, H200)
+    order = [s.name for s in statuses]
+    assert order.index(LF) < order.index("flashinfer_fused") < order.index("separate")
+    tied = {
+        "separate": {"default": {1: 5.0, 2: 9.0}},
+        "flashinfer_fused": {"default": {1: 5.0, 2: 7.0}},
+        LF: {"oneshot": {1: 5.0, 2: 7.0}},
+    }
+    plan = select(statuses, spec, measured_us=tied)
+    assert plan.route_for(1) == (LF, "oneshot") and plan.route_for(2) == (LF, "oneshot")
+    # without the first one, the tie goes to the next in static order (not the last)
+    del tied[LF]
+    plan = select(statuses, spec, measured_us=tied)
+    assert plan.strategy_for(1) == "flashinfer_fused" and plan.strategy_for(2) == "flashinfer_fused"
+
+
 def test_unmeasured_buckets_take_the_strategy_s_own_variant_heuristic():
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=8192)
     plan = select(static_statuses(spec, H200.replace(world_size=8)), spec)

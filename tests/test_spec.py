@@ -15,27 +15,56 @@ OK = dict(hidden_size=64, top_k=2)
 BAD_SPECS = [
     (
         dict(routed_scaling_factor="2"),
-        "routed_scaling_factor must be a finite float, got '2' (a str)",
+        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got '2' "
+        "(a str)",
     ),
     (
         dict(routed_scaling_factor=float("nan")),
-        "routed_scaling_factor must be a finite float, got nan",
+        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got nan",
     ),
     (
         dict(routed_scaling_factor=float("-inf")),
-        "routed_scaling_factor must be a finite float, got -inf",
+        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got -inf",
     ),
     (
         dict(routed_scaling_factor=True),
-        "routed_scaling_factor must be a finite float, got True (a bool)",
+        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got True "
+        "(a bool)",
     ),
-    (dict(eps=float("inf")), "eps must be a positive float (finite), got inf"),
-    (dict(eps=float("nan")), "eps must be a positive float (finite), got nan"),
-    (dict(eps=0.0), "eps must be a positive float (finite), got 0.0"),
-    (dict(eps=-1e-6), "eps must be a positive float (finite), got -1e-06"),
-    (dict(eps="1e-6"), "eps must be a positive float (finite), got '1e-6' (a str)"),
-    (dict(weight_bias=float("inf")), "weight_bias must be a finite float, got inf"),
-    (dict(weight_bias=None), "weight_bias must be a finite float, got None (a NoneType)"),
+    (
+        dict(eps=float("inf")),
+        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
+        "0 in fp32 turns an all-zero row into NaN), got inf",
+    ),
+    (
+        dict(eps=float("nan")),
+        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
+        "0 in fp32 turns an all-zero row into NaN), got nan",
+    ),
+    (
+        dict(eps=0.0),
+        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
+        "0 in fp32 turns an all-zero row into NaN), got 0.0",
+    ),
+    (
+        dict(eps=-1e-6),
+        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
+        "0 in fp32 turns an all-zero row into NaN), got -1e-06",
+    ),
+    (
+        dict(eps="1e-6"),
+        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
+        "0 in fp32 turns an all-zero row into NaN), got '1e-6' (a str)",
+    ),
+    (
+        dict(weight_bias=float("inf")),
+        "weight_bias must be a float of magnitude <= 3.4e+38 (finite in fp32), got inf",
+    ),
+    (
+        dict(weight_bias=None),
+        "weight_bias must be a float of magnitude <= 3.4e+38 (finite in fp32), got None (a "
+        "NoneType)",
+    ),
     (dict(hidden_size=True), "hidden_size must be a positive int, got True (a bool)"),
     (dict(hidden_size=64.0), "hidden_size must be a positive int, got 64.0 (a float)"),
     (dict(hidden_size="64"), "hidden_size must be a positive int, got '64' (a str)"),
@@ -61,28 +90,38 @@ def test_a_bad_spec_value_names_the_field_expected_and_actual(change, message):
 BAD_QUANTS = [
     (
         lambda: QuantSpec.fp8("2"),
-        "quant.scale must be a positive finite float for fp8, got '2' (a str)",
+        "quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) for "
+        "fp8, got '2' (a str)",
     ),
     (
         lambda: QuantSpec.fp8(float("inf")),
-        "quant.scale must be a positive finite float for fp8, got inf",
+        "quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) for "
+        "fp8, got inf",
     ),
     (
         lambda: QuantSpec.fp8(float("nan")),
-        "quant.scale must be a positive finite float for fp8, got nan",
+        "quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) for "
+        "fp8, got nan",
     ),
-    (lambda: QuantSpec.fp8(0.0), "quant.scale must be a positive finite float for fp8, got 0.0"),
+    (
+        lambda: QuantSpec.fp8(0.0),
+        "quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) for "
+        "fp8, got 0.0",
+    ),
     (
         lambda: QuantSpec.fp8(True),
-        "quant.scale must be a positive finite float for fp8, got True (a bool)",
+        "quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) for "
+        "fp8, got True (a bool)",
     ),
     (
         lambda: QuantSpec.nvfp4(-448.0),
-        "quant.global_scale must be a positive finite float for nvfp4, got -448.0",
+        "quant.global_scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) "
+        "for nvfp4, got -448.0",
     ),
     (
         lambda: QuantSpec.nvfp4(float("inf")),
-        "quant.global_scale must be a positive finite float for nvfp4, got inf",
+        "quant.global_scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) "
+        "for nvfp4, got inf",
     ),
     (
         lambda: QuantSpec.nvfp4(448.0, "rowwise"),

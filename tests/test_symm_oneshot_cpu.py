@@ -3,6 +3,7 @@ emulated in one process (kernels/symm_testing: publish, clear, reduce + norm and
 run part by part on every rank; only the GPU timer and fence are left out), its capability checks on
 Environment values, and the symmetric-memory API it calls (drift)."""
 
+import dataclasses
 import inspect
 import math
 
@@ -18,7 +19,7 @@ from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
 from fusion_bridge.kernels.rounding import round_to
 from fusion_bridge.kernels.symm_oneshot import OneshotShape, default_shape
 from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS
-from fusion_bridge.kernels.symm_testing import emulated_group
+from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group, launch_with_hooks
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
 from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout, Stage
@@ -26,6 +27,7 @@ from fusion_bridge.strategies import symm_workspace as sw
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy, describe_error
 from fusion_bridge.synthetic import make_inputs
+from tests.helpers import garbage_weights_where_skipped, small_rows_and_a_zero_row
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GOOD_ENV = Environment(
@@ -102,8 +104,12 @@ class Group:
             for r in range(self.world)
         ]
         # one TP group: every rank holds the same residual and gamma
+        # NaN / inf weights in the skipped slots (allowed there; mutant killed: a skipped slot's
+        # weight multiplied in instead of dropped)
         self.inputs = [
-            inp._replace(residual=self.inputs[0].residual, gamma=self.inputs[0].gamma)
+            garbage_weights_where_skipped(inp)._replace(
+                residual=self.inputs[0].residual, gamma=self.inputs[0].gamma
+            )
             for inp in self.inputs
         ]
         self.outs = [outputs(self.spec, tokens, self.quant, self.layout) for _ in range(self.world)]
@@ -255,17 +261,137 @@ def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
 
 @emulation
 def test_negative_zero_payload_is_published_as_positive_zero():
-    """A partial of -0.0 (weight 0 times a negative value, no shared) would read as "not arrived";
-    it is published as +0.0, which changes no sum."""
-    spec = EpilogueSpec(hidden_size=64, top_k=1, has_shared_output=False)
-    grp = Group(spec, 2, 2)
-    inp = make_inputs(spec, 2, device=DEVICE, skip_fraction=0.0)
-    inp.gemm2_out[:2].copy_(-inp.gemm2_out[:2].abs() - 1.0)  # every referenced value negative
-    inp.expert_weights.zero_()
+    """A partial that rounds to -0.0 would read as "not arrived": it is published as +0.0, which
+    changes no sum. fp16: weight 1e-4 times -1e-4 is -1e-8 in fp32 (nonzero, so the accumulator
+    really is negative) and rounds to fp16 -0.0 (below half the smallest subnormal, 6e-8).
+    Mutant killed: the -0.0 -> +0.0 mapping removed (then the slot holds the sentinel)."""
+    spec = EpilogueSpec(
+        hidden_size=64,
+        top_k=1,
+        dtype=torch.float16,
+        routed_scaling_factor=1.0,
+        has_shared_output=False,
+    )
+    inputs = [make_inputs(spec, 2, rank=r, device=DEVICE, skip_fraction=0.0) for r in range(2)]
+    for inp in inputs:
+        inp.gemm2_out.fill_(-1e-4)
+        inp.expert_weights.fill_(1e-4)
+        inp.residual.fill_(1.0)
+        inp.gamma.fill_(1.0)
+    partial = inputs[0].gemm2_out[0, 0].float() * inputs[0].expert_weights[0, 0].float()
+    assert partial < 0 and partial.half().view(torch.int16) == SENTINEL_BITS  # really -0.0
+    inputs = [inp._replace(residual=inputs[0].residual, gamma=inputs[0].gamma) for inp in inputs]
+    grp = Group(spec, 2, 2, max_polls=3)
     outs = [outputs(spec, 2, QUANT_NONE, SFLayout.LINEAR) for _ in range(2)]
-    grp.g.call([inp, inp], outs, (P.PUBLISH | P.FINALIZE,))
-    for r in range(2):  # every rank's copy of both sources: +0.0, never the sentinel
-        assert (grp.slot(r, 0).view(torch.int16) == 0).all()
+    grp.g.call(inputs, outs, (P.PUBLISH | P.FINALIZE,))
+    for r in range(2):
+        assert (grp.slot(r, 0).view(torch.int16)[:, :2] == 0).all()  # +0.0, never the sentinel
+    grp.g.call(inputs, outs, (P.CLEAR, P.REDUCE | P.NORM, P.EPOCH))
+    assert [grp.error(r) for r in range(2)] == [0, 0]  # nobody waited for a sentinel
+    for residual_out, norm_out, _, _ in outs:
+        assert (residual_out == 1.0).all() and (norm_out == 1.0).all()
+
+
+def _exact_inputs(spec, world, tokens, partial_values, residual_value):
+    """Inputs whose rank-r partial is exactly partial_values[r] in every element (K=1, weight 1,
+    routed scaling 1, no shared output) and whose residual is residual_value."""
+    out = []
+    for r in range(world):
+        inp = make_inputs(
+            spec, tokens, rank=r, device=DEVICE, skip_fraction=0.0, weight_dtype=torch.float32
+        )
+        inp.expanded_idx_to_permuted_idx.copy_(
+            torch.arange(tokens, dtype=torch.int32).view(tokens, 1)
+        )
+        inp.expert_weights.fill_(1.0)
+        inp.gemm2_out.fill_(partial_values[r])
+        out.append(inp)
+    out[0].residual.fill_(residual_value)
+    return [inp._replace(residual=out[0].residual, gamma=out[0].gamma) for inp in out]
+
+
+@emulation
+def test_partials_are_summed_in_rank_order():
+    """Partials 1, 2^-24, 2^-24 and residual 2^-8: in rank order the fp32 sum stays 1 and 1 + 2^-8
+    is a bf16 tie that rounds to 1.0; any other order reaches 1 + 2^-23 first and rounds to
+    1 + 2^-7. Every rank must give 1.0. Mutant killed: the partials summed in reverse rank order."""
+    spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
+    grp = Group(spec, 3, 2)
+    inputs = _exact_inputs(spec, 3, 2, [1.0, 2.0**-24, 2.0**-24], 2.0**-8)
+    outs = [outputs(spec, 2, QUANT_NONE, SFLayout.LINEAR) for _ in range(3)]
+    grp.g.call(inputs, outs, programs=2)
+    assert [grp.error(r) for r in range(3)] == [0] * 3
+    for residual_out, _, _, _ in outs:
+        assert (residual_out == 1.0).all(), residual_out[:, 0]
+
+
+@emulation
+def test_eps_is_applied_and_an_all_zero_row_stays_zero():
+    """Rows of rms ~0.01-0.03, where eps = 1e-2 shrinks norm_out about 3x, and an all-zero row (0
+    with eps, NaN without). Mutants killed: the norm ignoring eps (in the building block, or the
+    one-shot launch passing another eps)."""
+    spec = EpilogueSpec(hidden_size=96, top_k=4, eps=1e-2, weight_bias=0.5)
+    inputs = small_rows_and_a_zero_row(spec, 2, 4, seed=21, device=DEVICE)
+    _, x, norm = oracle64(inputs, spec)
+    _, _, without_eps = oracle64(inputs, dataclasses.replace(spec, eps=1e-9))
+    assert rel_err(without_eps[[0, 2, 3]], norm[[0, 2, 3]]) > 0.5  # the case observes eps
+    grp = Group(spec, 2, 4)
+    outs = [outputs(spec, 4, QUANT_NONE, SFLayout.LINEAR) for _ in range(2)]
+    grp.g.call(inputs, outs, shape=OneshotShape(64, 64, 4), programs=2)
+    assert [grp.error(r) for r in range(2)] == [0, 0]
+    for residual_out, norm_out, _, _ in outs:
+        assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
+        assert rel_err(norm_out, norm) <= math.sqrt(2) * UNIT_ROUNDOFF[spec.dtype]
+
+
+@emulation
+def test_a_clear_never_touches_what_a_rank_one_call_ahead_published():
+    """Rank 1 finishes call A and publishes call B (into every rank's next slot) before rank 0 has
+    even cleared for A: the protocol allows a rank to run one call ahead. Rank 0's clear must leave
+    rank 1's B partial alone, so both ranks finish B without a timeout, with the oracle's values.
+    Mutant killed: the one-shot (also) clearing the next call's slot, a no-op when ranks run in
+    step."""
+    spec = EpilogueSpec(hidden_size=96, top_k=4)
+    grp = Group(spec, 2, 3, max_polls=3)
+    calls = []
+    for seed in (1, 2):
+        inputs = [
+            garbage_weights_where_skipped(make_inputs(spec, 3, rank=r, seed=seed, device=DEVICE))
+            for r in range(2)
+        ]
+        inputs = [i._replace(residual=inputs[0].residual, gamma=inputs[0].gamma) for i in inputs]
+        calls.append((inputs, [outputs(spec, 3, QUANT_NONE, SFLayout.LINEAR) for _ in range(2)]))
+
+    def part(call, rank, phases):
+        inputs, outs = calls[call]
+        launch_with_hooks(
+            "oneshot",
+            grp.g.layers[rank],
+            shape=OneshotShape(64, 64, 4),
+            phases=phases,
+            emulated=True,
+            programs=2,
+            **call_tensors(inputs[rank], outs[rank]),
+        )
+
+    publish, clear, reduce, epoch = P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH
+    part(0, 0, publish)
+    part(0, 1, publish)
+    for phases in (clear, reduce, epoch, publish):  # rank 1: the rest of A, then B's publish
+        part(0 if phases != publish else 1, 1, phases)
+    for call, phases in [(0, clear), (0, reduce), (0, epoch)] + [(1, p) for p in (publish, clear)]:
+        part(call, 0, phases)
+    for phases in (reduce, epoch):
+        part(1, 0, phases)
+    for phases in (clear, reduce, epoch):
+        part(1, 1, phases)
+    assert [grp.error(r) for r in range(2)] == [0, 0]
+    assert grp.g.states[:, P.STATE_SLOT].tolist() == [2, 2]
+    for inputs, outs in calls:
+        _, x, norm = oracle64(inputs, spec)
+        for residual_out, norm_out, _, _ in outs:
+            assert rel_err(residual_out, x) <= math.sqrt(2) * UNIT_ROUNDOFF[spec.dtype]
+            assert rel_err(norm_out, norm) <= math.sqrt(2) * UNIT_ROUNDOFF[spec.dtype]
 
 
 @emulation
@@ -398,6 +524,12 @@ def test_error_words_name_the_missing_rank():
     assert "rank 0 timed out" in msg and "[1]" in msg and "rebuild the bridge" in msg.lower()
     msg = describe_error(int(ERR_ABORTED) | (0 << 20) | 0b10, rank=1)
     assert "rank 1 stopped because rank 0 timed out" in msg and "[1]" in msg
+    # rank 0 missing (bit 0), alone and with others; mutant killed: the mask read from bit 1 up
+    assert "timed out waiting for rank(s) [0]," in describe_error(int(ERR_TIMEOUT) | 0b1, rank=1)
+    msg = describe_error(int(ERR_TIMEOUT) | 0b1001, rank=2)
+    assert "timed out waiting for rank(s) [0, 3]," in msg
+    msg = describe_error(int(ERR_ABORTED) | (2 << 20) | 0b1, rank=1)
+    assert "rank 1 stopped because rank 2 timed out waiting for rank(s) [0] " in msg
 
 
 # ---- API drift: what we call in torch's private symmetric-memory module ----

@@ -72,6 +72,37 @@ def test_sizes_follow_the_layouts():
     assert symm_protocol.buffer_bytes("twoshot", 3, 7, 64, 2) == 256 + 3 * (3 * 3 + 7) * 64 * 2
 
 
+def test_capacity_at_every_world_size():
+    """Tokens per call for DeepSeek-V3's H=7168 in bf16, at every supported world size, from the
+    layouts in bytes: one-shot holds 3 slots of W x cap rows (at most 2048 tokens), two-shot 3 slots
+    of ~2 x cap rows (at most 4096), both within 512 MiB. Mutant killed: two-shot capacity computed
+    with the one-shot's layout (3120 tokens at TP4, 1560 at TP8)."""
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.strategies import symm_workspace as sw
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=8192)
+    row = 7168 * 2
+    budget = 512 << 20
+    for world in range(2, 9):
+        oneshot = min(2048, budget // (3 * world * row))  # 2048 up to W=6, 1783 at 7, 1560 at 8
+        assert sw.capacity(spec, world, "oneshot") == oneshot, world
+        assert sw.capacity(spec, world, "twoshot") == 4096, world
+    assert [sw.capacity(spec, w, "oneshot") for w in (7, 8)] == [1783, 1560]
+    # a max_tokens below the layout's bound is the capacity, and a wider row lowers it
+    small = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=100)
+    assert sw.capacity(small, 8, "twoshot") == sw.capacity(small, 8, "oneshot") == 100
+    # H=16384: the two-shot layout's bound, W * ceil(cap / W) + cap rows per slot, binds first
+    wide = EpilogueSpec(hidden_size=16384, top_k=8, max_tokens=8192)
+    for world in range(2, 9):
+        cap = max(
+            c
+            for c in range(2600, 2800)
+            if 256 + 3 * (world * -(-c // world) + c) * 16384 * 2 <= budget
+        )
+        assert sw.capacity(wide, world, "twoshot") == cap, world
+    assert [sw.capacity(wide, w, "twoshot") for w in (2, 4, 8)] == [2730, 2729, 2728]
+
+
 def test_the_world_size_one_kernel_can_take_the_launch_cache():
     """The cached launcher (kernels/launcher.py) refuses a kernel whose source reaches module-level
     values (Triton re-checks them per launch); the local kernel reaches none, the exchange kernel

@@ -307,3 +307,21 @@ def test_a_missing_partial_is_reported_by_the_reduce_itself():
     outs = _run(emu, spec, _inputs(spec, 1, 2, seed=4), skip_rank=1)
     assert torch.isnan(outs[0][0]).all() and torch.isnan(outs[0][1]).all()
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10, hex(int(emu.states[0, 2]))
+
+
+def test_eps_is_applied_and_an_all_zero_row_stays_zero():
+    """Rows of rms ~0.01-0.03, where eps = 1e-2 shrinks norm_out about 3x, and an all-zero row (0
+    with eps, NaN without), NaN / inf weights in skipped slots. Mutant killed: the ring's launch
+    passing another eps than the spec's."""
+    from tests.helpers import small_rows_and_a_zero_row
+
+    spec = EpilogueSpec(hidden_size=96, top_k=4, eps=1e-2, weight_bias=0.5)
+    inputs = small_rows_and_a_zero_row(spec, 2, 5, seed=23)
+    _, norm = epilogue64_from(spec, inputs)
+    _, without_eps = epilogue64_from(EpilogueSpec(hidden_size=96, top_k=4, eps=1e-9), inputs)
+    rows = [0, 2, 3, 4]
+    assert rel_err(without_eps[rows], norm[rows]) > 0.5  # the case observes eps
+    outs = _run(EmulatedRing(2, 4, 96), spec, inputs)
+    for residual_out, norm_out, _, _ in outs:
+        assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
+        assert rel_err(norm_out, norm) <= math.sqrt(3) * U

@@ -3,6 +3,7 @@ body under TRITON_INTERPRET=1 (kernels/symm_testing), W ranks' buffers in host m
 the GPU, one part of a call per launch (clear, push, reduce, gather, epoch; each on every rank), so
 every wait finds what the earlier launches wrote. Only the GPU timer and fence are left out."""
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from fusion_bridge.spec import EpilogueSpec, SFLayout
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF
 from fusion_bridge.strategies.symm_fused_oneshot import describe_error
 from fusion_bridge.synthetic import make_inputs
+from tests.helpers import garbage_weights_where_skipped, small_rows_and_a_zero_row
 
 from tests.oracle64 import epilogue64_from, finalize64, quantize  # float64, imports nothing of ours
 
@@ -74,8 +76,13 @@ class Emulated:
                 for r in range(self.world)
             ]
             # one TP group: every rank holds the same residual and gamma
+            # NaN / inf weights in the skipped slots (allowed there; mutant killed: a skipped
+            # slot's weight multiplied in instead of dropped)
             inputs = [
-                inp._replace(residual=inputs[0].residual, gamma=inputs[0].gamma) for inp in inputs
+                garbage_weights_where_skipped(inp)._replace(
+                    residual=inputs[0].residual, gamma=inputs[0].gamma
+                )
+                for inp in inputs
             ]
         self.inputs = inputs
         q_shape = {
@@ -301,3 +308,21 @@ def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
     assert [emu.error(r) for r in range(2)] == [0, 0]  # nobody waited for a "missing" -0.0
     for ro, _ in outs:
         assert (ro.view(torch.int16) == 0).all()  # +0.0 everywhere, identical on both ranks
+
+
+def test_eps_is_applied_and_an_all_zero_row_stays_zero():
+    """Rows of rms ~0.01-0.03, where eps = 1e-2 shrinks norm_out about 3x, and an all-zero row (0
+    with eps, NaN without). Mutants killed: the norm ignoring eps (in the building block, or the
+    two-shot launch passing another eps)."""
+    spec = EpilogueSpec(hidden_size=96, top_k=4, eps=1e-2, weight_bias=0.5)
+    inputs = small_rows_and_a_zero_row(spec, 3, 5, seed=22, device=DEVICE)
+    _, norm = epilogue64_from(spec, inputs)
+    _, without_eps = epilogue64_from(dataclasses.replace(spec, eps=1e-9), inputs)
+    rows = [0, 2, 3, 4]
+    assert rel_err(without_eps[rows], norm[rows]) > 0.5  # the case observes eps
+    emu = Emulated(spec, 3, cap=5, programs=2)
+    outs = emu.call(5, inputs=inputs)
+    assert [emu.error(r) for r in range(3)] == [0] * 3
+    for residual_out, norm_out, _, _ in outs:
+        assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
+        assert rel_err(norm_out, norm) <= math.sqrt(3) * UNIT_ROUNDOFF[spec.dtype]

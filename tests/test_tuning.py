@@ -117,7 +117,10 @@ def test_tables_round_trip_strategy_variant_bucket(tmp_path):
     [
         ({"measured_us": {"local_fused/nccl_local_norm": {"1": 5.0}}}, "schema_version None"),
         ({"schema_version": 1, "measured_us": {}}, "schema_version 1"),
-        ({"schema_version": 2, "measured_us": {"separate": {"1": 5.0}}}, "measured_us is not"),
+        (
+            {"schema_version": 2, "measured_us": {"separate": {"1": 5.0}}},
+            r"measured_us\['separate'\]\['1'\] is not",
+        ),
         ([1, 2], "not a JSON object"),
     ],
 )
@@ -128,6 +131,32 @@ def test_a_table_in_another_format_is_ignored_with_a_warning_that_says_why(tmp_p
         assert read_table(path) is None
     path.write_text("{not json")
     with pytest.warns(UserWarning, match="ignored"):
+        assert read_table(path) is None
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ({"measured_us": {"separate": {"default": {"1": float("nan")}}}}, "1 is nan, not a finite"),
+        ({"measured_us": {"separate": {"default": {"1": float("inf")}}}}, "1 is inf, not a finite"),
+        ({"measured_us": {}, "eager_us": {"separate": {"1": 5.0}}}, "eager_us is not"),
+        (
+            {"measured_us": {}, "eager_us": {"separate": {"default": {"1": float("-inf")}}}},
+            "eager_us.separate.default.1 is -inf",
+        ),
+        ({"measured_us": {}, "eager_us": {"separate": {"default": {"0": 5.0}}}}, "bucket '0'"),
+    ],
+    ids=["nan", "infinity", "eager_shape", "eager_infinity", "eager_bucket"],
+)
+def test_non_finite_times_and_a_malformed_eager_section_make_the_table_ignored(
+    tmp_path, content, why
+):
+    """Mutants killed: NaN / Infinity times accepted (json writes and reads them: a NaN time never
+    loses a comparison, so the planner's choice would be arbitrary), and the eager_us section left
+    unvalidated (a malformed one crashes the build instead of being ignored with a warning)."""
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, **content}))
+    with pytest.warns(UserWarning, match=why):
         assert read_table(path) is None
 
 

@@ -1,6 +1,7 @@
 """Bad inputs get a clear error naming the argument, the expected and the actual value, and the
 caller's tensors are left unchanged."""
 
+import re
 import dataclasses
 
 import pytest
@@ -21,6 +22,11 @@ def _perm_with(value):
         return {"expanded_idx_to_permuted_idx": p}
 
     return change
+
+
+def _strided(t):
+    """The same values, every other element of a twice-as-wide last dimension."""
+    return torch.stack([t, t], -1).flatten(-2)[..., ::2]
 
 
 BAD_INPUTS = [
@@ -64,6 +70,24 @@ BAD_INPUTS = [
         lambda i: {"expert_weights": i.expert_weights.to(torch.int32)},
         "expert_weights.dtype",
     ),
+    # strided tensors: the kernels index every input as contiguous (mutants killed: the hot-path
+    # check forgetting one tensor's contiguity, which would read the wrong elements)
+    ("gemm2_out strided", lambda i: {"gemm2_out": _strided(i.gemm2_out)}, "contiguous"),
+    (
+        "index map strided",
+        lambda i: {"expanded_idx_to_permuted_idx": _strided(i.expanded_idx_to_permuted_idx)},
+        "contiguous",
+    ),
+    ("weights strided", lambda i: {"expert_weights": _strided(i.expert_weights)}, "contiguous"),
+    (
+        "weights transposed layout",
+        lambda i: {"expert_weights": i.expert_weights.t().contiguous().t()},
+        "contiguous",
+    ),
+    ("shared strided", lambda i: {"shared_output": _strided(i.shared_output)}, "contiguous"),
+    ("shared fp32", lambda i: {"shared_output": i.shared_output.float()}, "shared_output.dtype"),
+    ("gamma strided", lambda i: {"gamma": _strided(i.gamma)}, "contiguous"),
+    ("gamma fp32", lambda i: {"gamma": i.gamma.float()}, "gamma.dtype"),
     ("shared missing", lambda i: {"shared_output": None}, "shared_output must be a tensor"),
     (
         "shared wrong T",
@@ -73,10 +97,14 @@ BAD_INPUTS = [
     ("residual fp16", lambda i: {"residual": i.residual.half()}, "residual.dtype"),
     (
         "residual strided",
-        lambda i: {"residual": torch.cat([i.residual, i.residual], 1)[:, ::2]},
+        lambda i: {"residual": _strided(i.residual)},
         "contiguous",
     ),
-    ("residual wrong T", lambda i: {"residual": i.residual[:4].contiguous()}, "residual.shape"),
+    (  # T is what most [T, ...] inputs agree on: the one odd tensor is named
+        "residual wrong T",
+        lambda i: {"residual": i.residual[:4].contiguous()},
+        "residual.shape must be [5,",
+    ),
     (
         "residual on another device",
         lambda i: {"residual": i.residual.to("meta")},
@@ -125,7 +153,10 @@ def test_the_hot_path_check_rejects_every_bad_metadata_case(case):
     good = make_inputs(SPEC, 5, padding_rows=3)
     check = input_check(SPEC, torch.device("cpu"))
     assert check(good)
-    assert not check(good._replace(**case[1](good)))
+    bad = good._replace(**case[1](good))
+    if "strided" in case[0]:
+        assert inputs_equal(bad, good)  # the same values: only the layout is wrong
+    assert not check(bad)
 
 
 def test_shared_output_given_when_spec_has_none():
@@ -184,7 +215,11 @@ def test_bad_spec_names_the_field(kwargs, message):
 
 def test_bad_quant_scales_and_strategy_names():
     with pytest.raises(
-        ValueError, match="quant.scale must be a positive finite float for fp8, got -1.0"
+        ValueError,
+        match=re.escape(
+            "quant.scale must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number) "
+            "for fp8, got -1.0"
+        ),
     ):
         QuantSpec.fp8(-1.0)
     with pytest.raises(ValueError, match="quant.global_scale"):

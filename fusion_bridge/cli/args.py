@@ -12,6 +12,9 @@ import sys
 from .. import __version__
 
 SCHEMA_VERSION = 1  # of every JSON document the CLI prints
+# parity materialises K+5 [T, H] tensors per rank and the fp32 oracle: 16384 tokens at H=7168, K=8
+# is about 3.5 GB per rank on CPU, the most a developer machine should be asked for
+PARITY_MAX_TOKENS = 16384
 STRATEGY_ENV = "FUSION_BRIDGE_STRATEGY"
 DEEPSEEK_V3 = {"hidden": 7168, "top_k": 8}
 DTYPES = ("bf16", "fp16")  # fusion_bridge.spec.DTYPE_BY_NAME (a test keeps them equal)
@@ -110,6 +113,7 @@ def _spec_args(
     tokens_default: int | None,
     min_tokens: int = 0,
     max_tokens_default: int = 8192,
+    tokens_limit: int | None = None,
 ) -> None:
     p.add_argument("--hidden", type=_int_in(1), default=DEEPSEEK_V3["hidden"], help="hidden size H")
     p.add_argument(
@@ -118,9 +122,11 @@ def _spec_args(
     if tokens_default is not None:
         p.add_argument(
             "--tokens",
-            type=_int_in(min_tokens),
+            type=_int_in(min_tokens, tokens_limit),
             default=tokens_default,
-            help=f"tokens T of the call to describe (>= {min_tokens})",
+            help=f"tokens T of the call (>= {min_tokens}"
+            + (f", <= {tokens_limit}: the inputs are materialised" if tokens_limit else "")
+            + ")",
         )
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="activation dtype")
     p.add_argument(
@@ -214,7 +220,7 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         "strategies "
         "it skipped, with their reason codes.",
     )
-    _spec_args(p, 16, min_tokens=1)
+    _spec_args(p, 16, min_tokens=1, tokens_limit=PARITY_MAX_TOKENS)
     p.add_argument(
         "--world-size",
         type=_parity_world_size,
@@ -223,7 +229,12 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         "gloo, "
         f"at most min({MAX_GLOO_RANKS}, CPU cores)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument(
+        "--seed",
+        type=_int_in(0, 2**63 - 1, "a seed (an integer)"),
+        default=0,
+        help="seed of the random inputs (0 .. 2**63-1)",
+    )
     p.add_argument(
         "--weights", choices=["fp32", "bf16"], default="fp32", help="expert weight dtype"
     )

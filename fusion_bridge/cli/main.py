@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "json", False):
         _stdout_to_stderr()
     try:
+        from .. import env_vars, log
+
+        env_vars.check_all()  # a malformed FUSION_BRIDGE_* variable: one line naming it
+        log.configure_once()
         return args.fn(args)
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ planner and the golden tests need no hardware; an instance holds what `prepare()
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Optional
@@ -59,6 +60,16 @@ def rounding_error_bound(dtype: torch.dtype, roundings: int) -> float:
     Inputs are random in every parity test, which is what makes the roundings independent.
     """
     return math.sqrt(max(roundings, 1)) * UNIT_ROUNDOFF[dtype]
+
+
+class CallStage(enum.Enum):
+    """Where a call of a strategy's `run` is relative to its collective (what the bridge needs to
+    know when `run` raises: before, this rank can still take part; inside, it cannot tell whether
+    the peers finished; after, the group is in step)."""
+
+    BEFORE_COLLECTIVE = "before the collective"
+    IN_COLLECTIVE = "inside the collective"
+    AFTER_COLLECTIVE = "after the collective"
 
 
 class Strategy:
@@ -164,8 +175,35 @@ class Strategy:
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         """One call on validated inputs with 0 < T <= max_tokens_per_call. `variant` is one of
         `variants()`, as the plan chose it for this T (within its variant_tokens); run() never
-        launches another variant than the one it is given. Collective when the world size is > 1."""
+        launches another variant than the one it is given. Collective when the world size is > 1:
+        the call's one collective (an all-reduce, or the launch of a kernel that exchanges with
+        peers) goes inside `with self.collective():`, everything that can fail locally before it."""
         raise NotImplementedError
+
+    #: the strategy's run() wraps its one collective in `self.collective()`; a strategy that does
+    #: not is treated as "inside" whenever its run raises (the bridge cannot tell where it failed)
+    marks_collective: ClassVar[bool] = False
+    call_stage: CallStage = CallStage.BEFORE_COLLECTIVE
+
+    def collective(self) -> "_CollectiveMark":
+        """Mark the call's one collective (`with self.collective(): ...`): a failure before it lets
+        this rank still take part with a NaN payload; a failure inside it breaks the bridge; after
+        it, the group is in step. A plain object, not a generator: it sits on every call's path."""
+        return _CollectiveMark(self)
 
     def close(self) -> None:
         """Free what prepare() built. Idempotent."""
+
+
+class _CollectiveMark:
+    __slots__ = ("strategy",)
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def __enter__(self) -> None:
+        self.strategy.call_stage = CallStage.IN_COLLECTIVE
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.strategy.call_stage = CallStage.AFTER_COLLECTIVE

@@ -26,6 +26,7 @@ INT32_LIMIT = 2**31
 
 
 class FlashInferFusedStrategy(Strategy):
+    marks_collective = True
     name = "flashinfer_fused"
     summary = (
         "FlashInfer trtllm_moe_finalize_allreduce_fusion: finalize+shared+AR+residual+RMSNorm in "
@@ -122,18 +123,19 @@ class FlashInferFusedStrategy(Strategy):
         weights = inputs.expert_weights
         if weights.dtype != spec.dtype:  # FlashInfer reads them as the activation dtype, unchecked
             weights = weights.to(spec.dtype)
-        self._moe(
-            inputs.gemm2_out,
-            inputs.residual,
-            inputs.gamma,
-            inputs.expanded_idx_to_permuted_idx,
-            norm_out,
-            residual_out,
-            quant_out,
-            scale_out,
-            inputs.shared_output,
-            weights,
-        )
+        with self.collective():
+            self._moe(
+                inputs.gemm2_out,
+                inputs.residual,
+                inputs.gamma,
+                inputs.expanded_idx_to_permuted_idx,
+                norm_out,
+                residual_out,
+                quant_out,
+                scale_out,
+                inputs.shared_output,
+                weights,
+            )
         kind = spec.quant.kind
         if quant_out is None and kind is not QuantKind.NONE:
             quant_out, scale_out = self._ops.quantize(norm_out, *kernel_quant_args(spec))

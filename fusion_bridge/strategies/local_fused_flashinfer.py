@@ -43,6 +43,7 @@ def _fused_fp4(spec, env) -> bool:
 
 
 class LocalFusedFlashInferStrategy(Strategy):
+    marks_collective = True
     name = "local_fused_flashinfer"
     summary = (
         "our Triton finalize+shared-add kernel, then FlashInfer all-reduce+residual+RMSNorm(+FP8)"
@@ -185,17 +186,18 @@ class LocalFusedFlashInferStrategy(Strategy):
                 scale_out is not None
             ):  # swizzled padding must read 0; not verified that FlashInfer writes it
                 scale_out.zero_()
-        self._ar(
-            partial,
-            tokens,
-            _USE_ONESHOT[variant],  # the call refuses a T outside the variant's range
-            inputs.residual,
-            residual_out,
-            norm_out,
-            quant_out,
-            scale_out,
-            inputs.gamma,
-        )
+        with self.collective():
+            self._ar(
+                partial,
+                tokens,
+                _USE_ONESHOT[variant],  # the call refuses a T outside the variant's range
+                inputs.residual,
+                residual_out,
+                norm_out,
+                quant_out,
+                scale_out,
+                inputs.gamma,
+            )
         if spec.quant.kind is QuantKind.NVFP4 and not self._fused_fp4:
             quant_out, scale_out = self._ops.quantize(norm_out, *self._quant)
         return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out)

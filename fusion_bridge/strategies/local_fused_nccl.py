@@ -19,6 +19,7 @@ from .local_common import finalize_partial, finalize_step, hidden_fits, needs_de
 
 
 class LocalFusedNcclStrategy(Strategy):
+    marks_collective = True
     name = "local_fused_nccl"
     summary = (
         "our Triton finalize+shared-add kernel, NCCL all-reduce, our add+RMSNorm(+quant) kernel"
@@ -70,7 +71,8 @@ class LocalFusedNcclStrategy(Strategy):
         spec = self.spec
         partial = finalize_partial(self._ops, spec, inputs)
         if self.env.world_size > 1:
-            dist.all_reduce(partial, group=self.group)
+            with self.collective():
+                dist.all_reduce(partial, group=self.group)
         residual_out, norm_out, q, sf = self._ops.add_rmsnorm_quant(
             inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, *self._quant
         )

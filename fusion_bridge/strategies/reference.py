@@ -13,6 +13,7 @@ from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class ReferenceStrategy(Strategy):
+    marks_collective = True
     name = "reference"
     summary = "pure torch, fp32 throughout, one rounding per output (the oracle)"
     auto_selectable = False
@@ -53,7 +54,8 @@ class ReferenceStrategy(Strategy):
         if inputs.shared_output is not None:
             partial = partial + inputs.shared_output.float()
         if self.env.world_size > 1:
-            dist.all_reduce(partial, group=self.group)
+            with self.collective():
+                dist.all_reduce(partial, group=self.group)
         return residual_norm_outputs(inputs.residual.float() + partial, inputs.gamma, self.spec)
 
 

@@ -16,6 +16,7 @@ from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class SeparateStrategy(Strategy):
+    marks_collective = True
     name = "separate"
     summary = "torch ops and torch.distributed all_reduce, one launch per stage"
 
@@ -52,7 +53,8 @@ class SeparateStrategy(Strategy):
         if inputs.shared_output is not None:
             partial = partial + inputs.shared_output
         if self.env.world_size > 1:
-            dist.all_reduce(partial, group=self.group)
+            with self.collective():
+                dist.all_reduce(partial, group=self.group)
         return residual_norm_outputs(
             inputs.residual.float() + partial.float(), inputs.gamma, self.spec
         )

@@ -15,10 +15,11 @@ and every later call on every rank raises: the bridge must be rebuilt.
 
 from __future__ import annotations
 
-import os
+from typing import Optional
 
 import torch
 
+from .. import env_vars
 from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
 from ..kernels.symm_protocol import SymmLayer, describe_error
 from ..reasons import collect
@@ -27,6 +28,7 @@ from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class SymmFusedOneshotStrategy(Strategy):
+    marks_collective = True
     name = "symm_fused_oneshot"
     summary = (
         "one Triton launch over symmetric memory: finalize+shared, push to peers, rank-ordered "
@@ -36,9 +38,9 @@ class SymmFusedOneshotStrategy(Strategy):
     self_tested = True
     probes = (sw.SYMM_MEM_PROBE, sw.MULTICAST_PROBE)
     workspace_kind = "oneshot"  # the kernel's buffer layout (symm_workspace)
-    # : seconds a rank waits for its peers before the call fails (override before prepare(); tests
-    # use less)
-    timeout_s: float = float(os.environ.get("FUSION_BRIDGE_SYMM_TIMEOUT_S", sw.DEFAULT_TIMEOUT_S))
+    # seconds a rank waits for its peers before the call fails; None: $FUSION_BRIDGE_SYMM_TIMEOUT_S
+    # read at prepare() (tests set less on the class or the instance before prepare())
+    timeout_s: Optional[float] = None
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
@@ -73,7 +75,12 @@ class SymmFusedOneshotStrategy(Strategy):
         self._unused = torch.empty(
             0, dtype=torch.uint8, device=self.device
         )  # q / sf the kernel never writes
-        self._ws_timeout_s = self.timeout_s  # the sharing key at acquire time, for the release
+        # the sharing key at acquire time, for the release
+        self._ws_timeout_s = (
+            self.timeout_s
+            if self.timeout_s is not None
+            else env_vars.read("FUSION_BRIDGE_SYMM_TIMEOUT_S")
+        )
         self._ws = sw.acquire(
             self.group,
             self.spec,
@@ -120,19 +127,20 @@ class SymmFusedOneshotStrategy(Strategy):
         )
         q = q if q is not None else self._unused
         sf = sf if sf is not None else self._unused
-        self._kernel.launch(
-            self._layer,
-            residual_out=residual_out,
-            norm_out=norm_out,
-            q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,
-            sf=sf,
-            gemm2_out=inputs.gemm2_out,
-            perm=inputs.expanded_idx_to_permuted_idx,
-            weights=inputs.expert_weights,
-            shared=inputs.shared_output,
-            residual=inputs.residual,
-            gamma=inputs.gamma,
-        )
+        with self.collective():
+            self._kernel.launch(
+                self._layer,
+                residual_out=residual_out,
+                norm_out=norm_out,
+                q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,
+                sf=sf,
+                gemm2_out=inputs.gemm2_out,
+                perm=inputs.expanded_idx_to_permuted_idx,
+                weights=inputs.expert_weights,
+                shared=inputs.shared_output,
+                residual=inputs.residual,
+                gamma=inputs.gamma,
+            )
         return EpilogueOutputs.for_quant(spec.quant.kind, residual_out, norm_out, q, sf)
 
     def close(self) -> None:
@@ -142,6 +150,6 @@ class SymmFusedOneshotStrategy(Strategy):
             self.group,
             self.spec,
             self.env.world_size,
-            getattr(self, "_ws_timeout_s", self.timeout_s),
+            getattr(self, "_ws_timeout_s", self.timeout_s or sw.DEFAULT_TIMEOUT_S),
             self.workspace_kind,
         )

@@ -1,0 +1,231 @@
+"""Every ``FUSION_BRIDGE_*`` environment variable: read, validated and documented here, only here.
+
+Nothing reads a variable at import time. A bridge validates all of them when it is built, before its
+first collective (`check_all`), so a malformed value is reported on the rank that has it, naming the
+variable, the accepted values and what was found; its peers then stop at the bounded check-in.
+
+The README's table of variables is generated from `VARIABLES` and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+PREFIX = "FUSION_BRIDGE_"
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+# Timeouts are whole milliseconds, at least 1. The ceiling keeps them far below what a store wait
+# (timedelta) or an int32 count of milliseconds can hold, and a day is longer than any real wait.
+MIN_TIMEOUT_S = 0.001
+MAX_TIMEOUT_S = 86400.0
+
+
+class EnvVarError(ValueError):
+    """A FUSION_BRIDGE_* variable holds a value the library cannot use. `name` is the variable."""
+
+    def __init__(self, name: str, expected: str, raw: str) -> None:
+        super().__init__(f"environment variable {name} must be {expected}, got {raw!r}")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    expected: str  # what a valid value looks like, as shown in errors and in the README
+    default: str  # shown in the README; the parser's own default when unset or empty
+    doc: str
+    parse: Callable[[str, "Variable"], object]
+
+
+def _flag(raw: str, var: Variable) -> bool:
+    text = raw.strip().lower()
+    if text in TRUE_WORDS:
+        return True
+    if text in FALSE_WORDS:
+        return False
+    raise EnvVarError(var.name, var.expected, raw)
+
+
+def timeout_ms(seconds: float, what: str) -> int:
+    """Seconds -> whole milliseconds (rounded up, so a positive timeout never becomes 0, which the
+    stores read as "wait forever"). Raises ValueError naming `what` outside
+    [MIN_TIMEOUT_S, MAX_TIMEOUT_S] or when not a finite number."""
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S
+    ):
+        raise ValueError(
+            f"{what} must be a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], "
+            f"got {seconds!r}"
+        )
+    return max(1, math.ceil(seconds * 1000 - 1e-9))
+
+
+def _seconds(raw: str, var: Variable) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise EnvVarError(var.name, var.expected, raw) from None
+    try:
+        return timeout_ms(value, var.name) / 1000
+    except ValueError:
+        raise EnvVarError(var.name, var.expected, raw) from None
+
+
+def _log_level(raw: str, var: Variable) -> int:
+    text = raw.strip()
+    if text.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        return getattr(logging, text.upper())
+    if text.isascii() and text.isdigit() and int(text) <= 50:
+        return int(text)
+    raise EnvVarError(var.name, var.expected, raw)
+
+
+def _text(raw: str, var: Variable) -> str:
+    text = raw.strip()
+    if not text.isprintable() or len(text) > 4096:
+        raise EnvVarError(var.name, var.expected, raw)
+    return text
+
+
+def _names(raw: str, var: Variable) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    if not all(n.isidentifier() for n in names):
+        raise EnvVarError(var.name, var.expected, raw)
+    return names
+
+
+_SECONDS = f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]"
+_FLAG = f"one of {', '.join(TRUE_WORDS + FALSE_WORDS)} (any case)"
+
+VARIABLES: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable(
+            "FUSION_BRIDGE_STRATEGY",
+            "'auto' or a registered strategy name",
+            "auto",
+            "Overrides the `strategy` argument of every bridge (an explicit request: raises if "
+            "that strategy cannot run, never falls back).",
+            _text,
+        ),
+        Variable(
+            "FUSION_BRIDGE_EXCLUDE",
+            "a comma-separated list of strategy names",
+            "",
+            "Keeps these strategies out of `auto` (reported as excluded by request).",
+            _names,
+        ),
+        Variable(
+            "FUSION_BRIDGE_DEBUG",
+            _FLAG,
+            "0",
+            "Value checks at every call and one small collective agreeing on (ok, T, call number); "
+            "syncs, so keep it off on the hot path and under CUDA graphs.",
+            _flag,
+        ),
+        Variable(
+            "FUSION_BRIDGE_SELF_TEST",
+            _FLAG,
+            "1",
+            "Run each GPU strategy once against the oracle when a bridge is built.",
+            _flag,
+        ),
+        Variable(
+            "FUSION_BRIDGE_SHADOW",
+            "'name' or 'name:N' (a strategy, every N-th call)",
+            "",
+            "Shadow mode: run `name` beside the selected strategy and record the divergence.",
+            _text,
+        ),
+        Variable(
+            "FUSION_BRIDGE_BUILD_TIMEOUT_S",
+            _SECONDS,
+            "600",
+            "How long a bridge build waits for every rank to check in.",
+            _seconds,
+        ),
+        Variable(
+            "FUSION_BRIDGE_SYMM_TIMEOUT_S",
+            _SECONDS,
+            "60",
+            "How long our symmetric-memory kernels wait for a peer before they give up with an "
+            "error (the bridge must then be rebuilt).",
+            _seconds,
+        ),
+        Variable(
+            "FUSION_BRIDGE_LOG_LEVEL",
+            "DEBUG, INFO, WARNING, ERROR, CRITICAL or a number 0-50",
+            "(application's logging)",
+            "Level of the `fusion_bridge` logger; adds a stderr handler if the application has "
+            "configured no logging.",
+            _log_level,
+        ),
+        Variable(
+            "FUSION_BRIDGE_CACHE_DIR",
+            "a directory path",
+            "~/.cache/fusion_bridge",
+            "Where `tune` writes measured tables and bridges look for them.",
+            _text,
+        ),
+        Variable(
+            "FUSION_BRIDGE_LAUNCH_CACHE",
+            _FLAG,
+            "1",
+            "0 switches off the cached Triton launch path (every launch goes through Triton's own "
+            "`kernel[grid]`).",
+            _flag,
+        ),
+    )
+}
+
+_PARSED_DEFAULTS: dict[str, object] = {
+    "FUSION_BRIDGE_STRATEGY": None,
+    "FUSION_BRIDGE_EXCLUDE": (),
+    "FUSION_BRIDGE_DEBUG": False,
+    "FUSION_BRIDGE_SELF_TEST": True,
+    "FUSION_BRIDGE_SHADOW": None,
+    "FUSION_BRIDGE_BUILD_TIMEOUT_S": 600.0,
+    "FUSION_BRIDGE_SYMM_TIMEOUT_S": 60.0,
+    "FUSION_BRIDGE_LOG_LEVEL": None,
+    "FUSION_BRIDGE_CACHE_DIR": None,
+    "FUSION_BRIDGE_LAUNCH_CACHE": True,
+}
+
+
+def read(name: str, environ: Optional[Mapping[str, str]] = None):
+    """The parsed value of variable `name` (its default when unset or blank). Raises EnvVarError
+    naming the variable when the value is malformed, KeyError for a name not in VARIABLES."""
+    var = VARIABLES[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or not raw.strip():
+        return _PARSED_DEFAULTS[name]
+    return var.parse(raw, var)
+
+
+def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Validate every FUSION_BRIDGE_* variable that is set, and refuse unknown ones (a typo such as
+    FUSION_BRIDGE_DEBG would otherwise be ignored silently). Raises EnvVarError on the first bad
+    one."""
+    environ = os.environ if environ is None else environ
+    for key in sorted(environ):
+        if key.startswith(PREFIX) and key not in VARIABLES:
+            raise EnvVarError(key, f"one of the known variables {sorted(VARIABLES)}", environ[key])
+    for name in VARIABLES:
+        read(name, environ)
+
+
+def markdown_table() -> str:
+    """The README's table of variables (a test keeps the README equal to this)."""
+    rows = ["| variable | accepted values | default | what it does |", "|---|---|---|---|"]
+    for v in VARIABLES.values():
+        rows.append(f"| `{v.name}` | {v.expected} | {v.default} | {v.doc} |")
+    return "\n".join(rows)
