@@ -18,8 +18,9 @@ from migration.examples.hf_moe import SMALL, build_model, run_rank, tainted_posi
 NEW_TOKENS = 16
 
 
-def check_summary(r: dict) -> None:
-    """The assertions every (family, rank) result must pass; below-bound steps are only printed."""
+def check_summary(r: dict, config: dict = SMALL) -> None:
+    """The assertions every (family, rank) result must pass; below-bound steps are only printed.
+    config: the model size the result was built with (SMALL on CPU, LARGE on the GPU)."""
     where = f"{r['family']} rank {r['rank']}"
     # the first MoE layer sees identical inputs in both models, so it must route identically
     assert r["first_moe_layer_routing_equal"], where
@@ -39,7 +40,7 @@ def check_summary(r: dict) -> None:
     assert sorted(r["strategies"]) == r["moe_layers"], r["strategies"]
     for layer, strategy in r["strategies"].items():  # each layer's report names its plan
         section = r["explain"].split(f"layer {layer} (")[1].split("\nlayer ")[0]
-        assert f"spec: H={SMALL['hidden']} K={SMALL['top_k']} bf16" in section
+        assert f"spec: H={config['hidden']} K={config['top_k']} bf16" in section
         assert isinstance(strategy, str) and strategy in section
 
 
