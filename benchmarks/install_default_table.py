@@ -22,8 +22,12 @@ def main(paths: list[str]) -> int:
         table = json.load(open(path))
         s = table["spec"]
         q = s["quant"]
+        # the table key leaves the quant scales out (tuning.spec_key): any valid value will do
         quant = QuantSpec(
-            q["kind"], scale=q["scale"], global_scale=q["global_scale"], sf_layout=q["sf_layout"]
+            q["kind"],
+            scale=1.0 if q["kind"] == "fp8" else None,
+            global_scale=1.0 if q["kind"] == "nvfp4" else None,
+            sf_layout=q["sf_layout"],
         )
         spec = EpilogueSpec(
             hidden_size=s["hidden_size"],

@@ -9,18 +9,19 @@ on any rank, is off on every rank, with the reasons kept for the report.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import registry
+from . import log, registry
 from .process_group import collective_device, my_rank
 from .rank_agreement import agree_flags, other_rank_reason
 from .environment import Environment
 from .planner import AUTO
 from .strategy_status import StrategyStatus
-from .reasons import Reason
+from .reasons import Reason, excluded_by_request
 from .selftest import self_test
 from .spec import EpilogueSpec
 from .strategies.base import Strategy
@@ -41,14 +42,18 @@ def admit(
     requested: str,
     also_prepare: tuple[str, ...] = (),
     run_self_test: bool = True,
+    excluded: Optional[dict[str, str]] = None,
 ) -> Admission:
     """Collective. Prepares everything auto may pick (or only the requested strategy), the oracle,
     and
-    `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name."""
+    `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name.
+    `excluded`: {strategy: where the request came from}, kept out (never prepared)."""
     classes = registry.strategy_classes()
     reasons: dict[str, list[Reason]] = {
         c.name: list(c.not_supported_reasons(spec, env)) for c in classes
     }
+    for name, source in (excluded or {}).items():  # kept out of auto by the caller: not prepared
+        reasons[name].append(excluded_by_request(name, source))
     wanted = [
         c
         for c in classes
@@ -66,6 +71,11 @@ def admit(
                 instances[cls.name] = inst
     flag_device = collective_device(group, device) if env.world_size > 1 else device
     _agree(classes, reasons, instances, "capability or resources", env, group, flag_device)
+    slow = slow_build_notice(
+        [n for n, i in instances.items() if i.self_tested], device, run_self_test, my_rank(group)
+    )
+    if slow:
+        log.once("slow build", logging.WARNING, slow)
     for name, inst in list(instances.items()):  # same order on every rank: registry order
         try:
             inst.prepare()
@@ -100,6 +110,24 @@ def admit(
             )
         )
     return Admission(statuses, instances)
+
+
+def slow_build_notice(
+    gpu_strategies: list[str], device: torch.device, run_self_test: bool, rank: int
+) -> Optional[str]:
+    """The line logged (once per process, at WARNING so a script without logging set up shows it)
+    before the build steps that can take minutes the first time: FlashInfer JIT-compiling its
+    communication kernels while preparing, and Triton compiling our kernels on the self-test's
+    first calls (a cold Triton cache measured 72 s for the symmetric-memory kernels). None on CPU
+    or when no GPU strategy is prepared."""
+    if device.type != "cuda" or not gpu_strategies:
+        return None
+    steps = "preparing" + (" and self-testing" if run_self_test else "")
+    return (
+        f"fusion_bridge: rank {rank}: {steps} {', '.join(gpu_strategies)}. The first build in a "
+        "process compiles kernels (FlashInfer's communication kernels, our Triton kernels) unless "
+        "they are cached: with cold caches this can take minutes; later builds reuse them."
+    )
 
 
 def _not_run_why(cls, run_self_test: bool, device: torch.device, prepared: bool = True) -> str:

@@ -12,8 +12,9 @@ Environment variables:
                                   they sync, so keep it off on the hot path and under CUDA graphs
   FUSION_BRIDGE_SELF_TEST=0       skip the self-test at build time
   FUSION_BRIDGE_SHADOW=name[:N]   shadow mode: run `name` beside the selected strategy every N-th
-  call
-                                  and record divergence in explain() (see shadow.py for the cost)
+                                  call and record divergence in explain() (see shadow.py for the
+                                  cost)
+  FUSION_BRIDGE_EXCLUDE=a,b       keep these strategies out of auto (as the `exclude` argument)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -31,9 +32,9 @@ from . import rank_agreement
 from .admission import admit
 from .environment import Environment, default_device, detect
 from .epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
-from .process_group import collective_device
+from .process_group import check_process_group, collective_device
 from .buckets import bucket_index, tokens_text
-from .planner import AUTO, Plan, select_for_modes
+from .planner import AUTO, Plan, check_exclusions, select_for_modes
 from .report import Report
 from .shadow import Shadow
 from .spec import EpilogueSpec
@@ -91,7 +92,10 @@ class FusionBridge:
     CUDA-graph measurements directly ({strategy: {variant: {bucket bound: us}}}) and eager_us eager
     wall times per call (then eager calls may take other routes). shadow: "name" or "name:N".
     build_timeout_s: how long the build waits for every rank to arrive
-    (FUSION_BRIDGE_BUILD_TIMEOUT_S).
+    (FUSION_BRIDGE_BUILD_TIMEOUT_S). exclude: strategy names kept out of `auto` (with
+    FUSION_BRIDGE_EXCLUDE, comma-separated; compared across ranks at build; the report says
+    "excluded by request"). Which route a call takes: route_for(T); how many calls each route took:
+    route_calls() (also in explain()).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class FusionBridge:
         eager_us: Optional[dict] = None,
         shadow: Optional[str] = None,
         build_timeout_s: Optional[float] = None,
+        exclude: Sequence[str] = (),
     ) -> None:
         if not isinstance(spec, EpilogueSpec):
             raise TypeError(
@@ -130,6 +135,7 @@ class FusionBridge:
                 f"FusionBridge: {source} must be 'auto' or one of {list(registry.REGISTRY)}, "
                 f"got {requested!r}"
             )
+        excluded = _exclusions(exclude, requested)
         if tuning not in ("auto", "off"):
             raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
         shadow = shadow if shadow is not None else env_vars.read("FUSION_BRIDGE_SHADOW")
@@ -141,6 +147,7 @@ class FusionBridge:
         rank_agreement.build_timeout_s(
             build_timeout_s
         )  # raises naming the argument or the variable
+        check_process_group(group)  # before anything collective: a forgotten init_process_group
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.
@@ -154,6 +161,7 @@ class FusionBridge:
                 "shadow": self._shadow.to_dict_settings() if self._shadow else None,
                 "tuning": tuning,
                 "measured_us_given": measured_us is not None,
+                "excluded": ",".join(excluded),
                 "eager_us_given": eager_us is not None,
             },
             group,
@@ -171,6 +179,9 @@ class FusionBridge:
             self.debug and self.env.world_size > 1
         )  # one small collective per call
         self.reroutes = 0
+        # calls per (strategy, variant, captured?): counted on the host, so a replayed CUDA graph
+        # (which never reaches the host) is not counted; its capture is
+        self._calls: dict[tuple[str, str, bool], int] = {}
         self.calls = 0  # calls that reached dispatch on this rank (debug mode agrees on it)
         self._closed = False
         self._broken: Optional[str] = None
@@ -182,6 +193,7 @@ class FusionBridge:
             requested=requested,
             also_prepare=(self._shadow.strategy,) if self._shadow else (),
             run_self_test=run_self_test,
+            excluded=excluded,
         )
         self.statuses, self._instances = admitted.statuses, admitted.instances
         if self.env.world_size > 1:  # the NaN payload a failing call takes part with
@@ -204,7 +216,16 @@ class FusionBridge:
                 if self.table is not None:
                     measured_us = tuning_tables.as_measurements(self.table)
                     eager_us = tuning_tables.as_measurements(self.table, "eager_us")
-            self._use_plan(select_for_modes(self.statuses, spec, requested, measured_us, eager_us))
+            self._use_plan(
+                select_for_modes(
+                    self.statuses,
+                    spec,
+                    requested,
+                    measured_us,
+                    eager_us,
+                    tuning_tables.margin_of(self.table),
+                )
+            )
         except Exception:
             self.close()
             raise
@@ -302,6 +323,8 @@ class FusionBridge:
     __call__ = finalize_epilogue
 
     def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
+        key = (strategy.name, variant, bool(self._capturing()))
+        self._calls[key] = self._calls.get(key, 0) + 1
         strategy.call_stage = CallStage.BEFORE_COLLECTIVE
         try:
             out = strategy.run(inputs, variant)
@@ -529,6 +552,7 @@ class FusionBridge:
                 f"{self.device.type}"
             )
         eager: dict = {}
+        differences: list = []
         measured = tuning_tables.measure(
             self.spec,
             self.env,
@@ -539,14 +563,19 @@ class FusionBridge:
             progress=progress,
             eager_out=eager,
             token_ranges=tuning_tables.token_ranges(self.statuses),
+            spread_out=differences,
         )
-        table = tuning_tables.make_table(self.spec, self.env, measured, eager)
+        spread = tuning_tables.spread_summary(differences)
+        table = tuning_tables.make_table(self.spec, self.env, measured, eager, spread)
         if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):
             path = tuning_tables.cache_path(self.spec, self.env)
             tuning_tables.save_table(table, path)
             table["path"] = str(path)
         self.table = table
-        self._use_plan(select_for_modes(self.statuses, self.spec, self.requested, measured, eager))
+        margin = tuning_tables.margin_of(table)
+        self._use_plan(
+            select_for_modes(self.statuses, self.spec, self.requested, measured, eager, margin)
+        )
         return table
 
     def _summary(self) -> str:
@@ -589,7 +618,20 @@ class FusionBridge:
             reroutes=self.reroutes,
             shadow=self._shadow.to_dict() if self._shadow else None,
             table=(self.table or {}).get("path"),
+            calls=self.route_calls(),
         )
+
+    def route_calls(self) -> list[dict]:
+        """Calls per route so far: [{strategy, variant, eager, captured}], eager = calls outside
+        CUDA-graph capture, captured = calls made while a graph was being captured. A replay of a
+        captured graph runs on the GPU without reaching the host, so replays are not counted."""
+        routes: dict[tuple[str, str], dict] = {}
+        for (name, variant, captured), n in sorted(self._calls.items()):
+            row = routes.setdefault(
+                (name, variant), {"strategy": name, "variant": variant, "eager": 0, "captured": 0}
+            )
+            row["captured" if captured else "eager"] += n
+        return list(routes.values())
 
     @property
     def prepared(self) -> list[str]:
@@ -612,6 +654,23 @@ class FusionBridge:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+EXCLUDE_ENV = "FUSION_BRIDGE_EXCLUDE"
+
+
+def _exclusions(exclude: Sequence[str], requested: str) -> dict[str, str]:
+    """{strategy to keep out of auto: where the request came from}, validated: the `exclude`
+    argument and FUSION_BRIDGE_EXCLUDE (comma-separated, read through env_vars) together."""
+    if isinstance(exclude, str):
+        raise ValueError(f"FusionBridge: exclude must be a list of strategy names, got {exclude!r}")
+    from_env = list(env_vars.read(EXCLUDE_ENV))
+    known = list(registry.REGISTRY)
+    out = dict.fromkeys(check_exclusions(from_env, known, requested, EXCLUDE_ENV), EXCLUDE_ENV)
+    out.update(
+        dict.fromkeys(check_exclusions(list(exclude), known, requested, "exclude"), "exclude")
+    )
+    return dict(sorted(out.items()))
 
 
 @atexit.register

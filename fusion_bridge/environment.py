@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 # NVLink multicast (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS) can take the GPUs of a
 # shared host out of service; nothing in this library uses it, and these variables keep every
-# library off it. The one home of this list: the launcher sets it, the symmetric-memory strategies
-# check it.
+# library off it. The one home of this list: our tools and tests set it in every process they start
+# (the library itself never requires it); `info` reports whether this process has it.
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -1,11 +1,11 @@
 """Logging for fusion-bridge, the way libraries in this field do it (vLLM, PyTorch).
 
 - Everything goes to the ``fusion_bridge`` logger (children: ``fusion_bridge.<module>``). The
-library
-  adds only a ``NullHandler`` to it, so the application's logging configuration decides what is
-  shown:
-  ``logging.getLogger("fusion_bridge").setLevel(logging.INFO)`` or a root handler at INFO shows the
-  one summary line per bridge. Without any configuration, Python's default threshold is WARNING.
+  library adds no handler of its own, so the application's logging configuration decides what is
+  shown: ``logging.getLogger("fusion_bridge").setLevel(logging.INFO)`` or a root handler at INFO
+  shows the one summary line per bridge. Without any configuration Python's defaults apply:
+  WARNING and above reach stderr (its last-resort handler), INFO does not. That is how the one
+  "this build step can take minutes" line per process (``once``) stays visible in a plain script.
 - ``FUSION_BRIDGE_LOG_LEVEL=DEBUG|INFO|WARNING|ERROR|CRITICAL`` (or a number) sets the level of the
   ``fusion_bridge`` logger. If the application has not configured logging (no handler on the root
   logger nor on ``fusion_bridge``), it also adds one stderr handler to ``fusion_bridge`` (and stops
@@ -33,8 +33,6 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 logger = logging.getLogger(LOGGER_NAME)
-if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
-    logger.addHandler(logging.NullHandler())
 
 _stderr_handler: Optional[logging.Handler] = None
 
@@ -143,10 +141,24 @@ def log_every(
     return True
 
 
+_said: set = set()
+
+
+def once(key: object, level: int, msg: str, *args: object) -> bool:
+    """Log `msg % args` the first time `key` is seen in this process; True when it was emitted."""
+    with _lock:
+        if key in _said:
+            return False
+        _said.add(key)
+    logger.log(level, msg, *args)
+    return True
+
+
 def reset_rate_limits() -> None:
     """Forget every key's history (tests)."""
     with _lock:
         _last.clear()
+        _said.clear()
 
 
 # ---------------------------------------------------------------- the per-bridge summary line

@@ -10,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from .reasons import excluded_by_request
 from .buckets import bucket_bounds, bucket_index, bucket_ranges, tokens_text
+from .route_rule import DEFAULT_MARGIN, Margin, choose  # noqa: F401 (DEFAULT_MARGIN re-exported)
 from .spec import EpilogueSpec
 from .strategies.base import DEFAULT_VARIANT
 from .strategy_status import StrategyStatus
@@ -49,6 +51,33 @@ def static_statuses(spec: EpilogueSpec, env) -> list[StrategyStatus]:
     ]
 
 
+def check_exclusions(names, known: list[str], requested: str, source: str) -> tuple[str, ...]:
+    """The strategies to keep out of auto, validated: a list of registered names (not the oracle
+    `reference`, which the self-test needs, nor a strategy requested by name). Sorted, no
+    duplicates: every rank compares them at build."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{source} must be a list of strategy names, got {names!r}")
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"{source} names unknown strategies {unknown}; known: {known}")
+    if "reference" in names:
+        raise ValueError(f"{source} cannot exclude 'reference': it is the self-test's oracle")
+    if requested in names:
+        raise ValueError(f"{source} excludes {requested!r}, which is requested by name")
+    return tuple(sorted(set(names)))
+
+
+def exclude(statuses: list[StrategyStatus], names, source: str) -> list[StrategyStatus]:
+    """`statuses` with each strategy in `names` marked excluded by request (so auto never picks it
+    and the report says why)."""
+    return [
+        dataclasses.replace(s, reasons=s.reasons + (excluded_by_request(s.name, source),))
+        if s.name in names
+        else s
+        for s in statuses
+    ]
+
+
 @dataclass(frozen=True)
 class Plan:
     """The whole decision: a (strategy, variant) route per token bucket, and the route above
@@ -69,6 +98,10 @@ class Plan:
     eager_choice: tuple[str, ...] = ()
     eager_variants: tuple[str, ...] = ()
     eager_measured_us: tuple[Optional[float], ...] = ()
+    #: per bucket, every measured (strategy, variant, us) that could take it, fastest first
+    candidates: tuple[tuple[tuple[str, str, float], ...], ...] = ()
+    why: tuple[str, ...] = ()  # per bucket, why its route was chosen
+    margin: Optional[Margin] = None  # the rule's margin, when measurements were used
 
     @property
     def mode_dependent(self) -> bool:
@@ -104,9 +137,14 @@ class Plan:
                     "strategy": s,
                     "variant": v,
                     "measured_us": self.measured_us[i] if i < len(self.measured_us) else None,
+                    "why": self.why[i] if i < len(self.why) else None,
+                    "candidates": _candidates_dict(
+                        self.candidates[i] if i < len(self.candidates) else (), s, v
+                    ),
                 }
                 for i, (b, s, v) in enumerate(zip(self.bounds, self.choice, self.variants))
             ],
+            "margin": self.margin.to_dict() if self.margin else None,
             "notes": list(self.notes),
             "eager_buckets": [
                 {
@@ -124,6 +162,20 @@ class Plan:
         }
 
 
+def _candidates_dict(timed, strategy: str, variant: str) -> list[dict]:
+    """Each measured candidate with its time and how far it is behind the chosen route."""
+    chosen = next((us for s, v, us in timed if (s, v) == (strategy, variant)), None)
+    return [
+        {
+            "strategy": s,
+            "variant": v,
+            "measured_us": us,
+            "vs_chosen_pct": None if chosen is None else round(100.0 * (us / chosen - 1.0), 1),
+        }
+        for s, v, us in timed
+    ]
+
+
 Measurements = Mapping[
     str, Mapping[str, Mapping[int, float]]
 ]  # strategy -> variant -> bucket bound -> us
@@ -134,16 +186,19 @@ def select(
     spec: EpilogueSpec,
     requested: str = AUTO,
     measured_us: Optional[Measurements] = None,
+    margin: Optional[Margin] = None,
 ) -> Plan:
     """Pick a (strategy, variant) per token bucket.
 
     requested: "auto" or a strategy name. An explicit name that cannot run raises
     NoStrategyAvailable with its reasons; it never falls back. Under auto, among available
     auto-selectable strategies with a variant that can take every T of the bucket
-    (max_tokens_per_call and variant_tokens), the fastest measured such (strategy, variant) wins; a
-    bucket nobody measured takes the first fitting strategy in the static order (the order of
-    `statuses`) with its default variant. Measurements naming a strategy or variant that is not
-    registered, or a token count the variant cannot take, are ignored, with a note. T above
+    (max_tokens_per_call and variant_tokens), the first in the static order (the order of
+    `statuses`) with its default variant is chosen, unless a measured (strategy, variant) is faster
+    than it by more than `margin` (default: Margin(), see DEFAULT_MARGIN); then the fastest wins.
+    A requested strategy follows the same rule among its variants. Measurements naming a strategy
+    or variant that is not registered, or a token count the variant cannot take, are ignored, with a
+    note. T above
     spec.max_tokens goes to the first candidate without a per-call limit, or raises. What the plan
     names is what runs: no strategy overrides it.
     """
@@ -151,6 +206,7 @@ def select(
     bounds = bucket_bounds(spec.max_tokens)
     ranges = bucket_ranges(spec.max_tokens)
     measured, notes = _known_measurements(measured_us or {}, by_name)
+    margin = margin or Margin()
     if requested != AUTO:
         if requested not in by_name:
             raise ValueError(
@@ -159,32 +215,33 @@ def select(
         st = by_name[requested]
         if not st.available:
             raise NoStrategyAvailable(requested, [st])
-        picks = [_fastest(i, rng, [st], measured) for i, rng in enumerate(ranges)]
+        picks = [choose(i, rng, [st], measured, margin.fraction) for i, rng in enumerate(ranges)]
         overflow = requested if st.max_tokens_per_call is None else None
         return Plan(
             requested,
             bounds,
             tuple(requested for _ in bounds),
-            tuple(v for _, _, v in picks),
+            tuple(p.variant for p in picks),
             overflow,
             st.overflow_variant,
-            tuple(t for t, _, _ in picks),
+            tuple(p.us for p in picks),
             "requested",
             tuple(notes),
+            candidates=tuple(p.timed for p in picks),
+            why=tuple(p.why for p in picks),
+            margin=margin if measured else None,
         )
 
     candidates = [s for s in statuses if s.available and s.auto_selectable]
     if not candidates:
         raise NoStrategyAvailable(AUTO, statuses)
-    choice, variants, times = [], [], []
+    picks = []
     for i, (low, high) in enumerate(ranges):
         fits = [s for s in candidates if s.variants_for(low, high)]
         if not fits:
             raise NoStrategyAvailable(AUTO, statuses)
-        best_time, best, variant = _fastest(i, (low, high), fits, measured)
-        choice.append(best)
-        variants.append(variant)
-        times.append(best_time)
+        picks.append(choose(i, (low, high), fits, measured, margin.fraction))
+    times = [p.us for p in picks]
     unlimited = [s for s in candidates if s.max_tokens_per_call is None]
     overflow = unlimited[0] if unlimited else None
     if overflow is None:
@@ -195,33 +252,17 @@ def select(
     return Plan(
         AUTO,
         bounds,
-        tuple(choice),
-        tuple(variants),
+        tuple(p.strategy for p in picks),
+        tuple(p.variant for p in picks),
         overflow.name if overflow else None,
         overflow.overflow_variant if overflow else DEFAULT_VARIANT,
         tuple(times),
         source,
         tuple(notes),
+        candidates=tuple(p.timed for p in picks),
+        why=tuple(p.why for p in picks),
+        margin=margin if source == "measured" else None,
     )
-
-
-def _fastest(
-    bucket: int, tokens: tuple[int, int], fits: list[StrategyStatus], measured: Measurements
-) -> tuple[Optional[float], str, str]:
-    """(time, strategy, variant): the fastest measured (strategy, variant) that can take every T in
-    the bucket's range `tokens`, timed at its largest T; ties go to the static order; unmeasured,
-    the first strategy with its default variant."""
-    low, bound = tokens
-    timed = [
-        (per[bound], order, s.name, v)
-        for order, s in enumerate(fits)
-        for v, per in measured.get(s.name, {}).items()
-        if bound in per and v in s.variants_for(low, bound)
-    ]
-    if timed:
-        best_time, _, best, variant = min(timed)
-        return best_time, best, variant
-    return None, fits[0].name, fits[0].variant_for(bucket)
 
 
 def _known_measurements(
@@ -262,15 +303,16 @@ def select_for_modes(
     requested: str = AUTO,
     measured_us: Optional[Measurements] = None,
     eager_us: Optional[Measurements] = None,
+    margin: Optional[Margin] = None,
 ) -> Plan:
     """The graph plan from CUDA-graph times (`measured_us`) and, when eager wall times per call were
     measured on this host (`eager_us`), an eager plan from them: eager calls are host-bound at small
     T,
     so one launch can beat two there even when two win under graphs. Both are pure functions."""
-    plan = select(statuses, spec, requested, measured_us)
+    plan = select(statuses, spec, requested, measured_us, margin)
     if not eager_us:
         return plan
-    eager = select(statuses, spec, requested, eager_us)
+    eager = select(statuses, spec, requested, eager_us, margin)
     # a bucket without an eager time keeps the graph plan's measured route, not the static order
     keep = [t is None for t in eager.measured_us]
     eager = dataclasses.replace(

@@ -5,6 +5,8 @@ take, and how to name its ranks in a message. The one home of these helpers; non
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -58,3 +60,28 @@ def ranks_text(ranks, group) -> str:
         if glob != ranks:
             text += f" (global ranks {', '.join(str(g) for g in glob)})"
     return text
+
+
+def check_process_group(group) -> None:
+    """Refuse a bridge that would silently run alone on one rank of a multi-process launch.
+
+    Under torchrun (or any launcher that sets WORLD_SIZE > 1) with no explicit group and no
+    initialised default process group, each rank would build its own world-size-1 bridge and skip
+    the all-reduce: the ranks' outputs would differ with no error. A single process (WORLD_SIZE
+    unset or 1) keeps working without a group."""
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        return
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    try:
+        launched = int(raw) if raw else 1
+    except ValueError:
+        return  # not a launcher's value: nothing to infer from it
+    if launched > 1:
+        raise RuntimeError(
+            f"FusionBridge: WORLD_SIZE={launched} in the environment (a multi-process launch, e.g. "
+            "torchrun), but torch.distributed has no initialised default process group and no "
+            "`group` was given, so this rank would all-reduce with nobody. Call "
+            "torch.distributed.init_process_group() on every rank before building the bridge "
+            "(torchrun sets the rendezvous variables; it does not create the group), or pass "
+            "group=<your tensor-parallel group>."
+        )

@@ -132,3 +132,15 @@ def require_hidden_multiple(
             "another strategy handles this hidden size",
         )
     return None
+
+
+EXCLUDED = "excluded_by_request"
+
+
+def excluded_by_request(who: str, source: str) -> Reason:
+    """The caller keeps `who` out of auto (`exclude=[...]` or FUSION_BRIDGE_EXCLUDE: `source`)."""
+    return Reason(
+        EXCLUDED,
+        f"{who} excluded by request ({source})",
+        "drop it from `exclude` / FUSION_BRIDGE_EXCLUDE to let auto consider it again",
+    )

@@ -11,7 +11,10 @@ Limits (what a table written by `tune` always meets):
   measured on another machine or for another layer says nothing about this one);
 - measured_us (and the optional eager_us) is {strategy: {variant: {bucket: us}}}; a bucket is an
   ASCII decimal power of two in [1, MAX_BUCKET]; a time is a number of microseconds in
-  (0, MAX_US], finite.
+  (0, MAX_US], finite;
+- the optional `spread` ({"fraction": ..., "cases": ..., "how": ...}, what `tune` measured between
+  its two passes) is read by tuning.margin_of: a fraction outside [0, 1) is ignored (the planner's
+  default margin applies).
 """
 
 from __future__ import annotations

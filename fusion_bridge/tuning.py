@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
@@ -52,11 +53,16 @@ def cache_dir() -> Path:
 
 
 def spec_key(spec: EpilogueSpec) -> dict:
+    """The spec as far as it can change a timing: the table key. Values, not shapes, are left out:
+    eps, weight_bias, routed_scaling_factor and the quant scales (FP8 `scale`, NVFP4 `global_scale`:
+    calibrated per layer, so keying on them would give every layer of a quantized model its own
+    table and none would ever be found); max_tokens only adds buckets (unmeasured ones take the
+    static order). The quant kind and scale layout stay: they change the work."""
     d = spec.to_dict()
-    # these do not change the timing; max_tokens only adds buckets (unmeasured ones use the static
-    # order)
     for field in ("eps", "weight_bias", "routed_scaling_factor", "max_tokens"):
         d.pop(field)
+    # None, not removed: an unquantized spec (scales None) keeps the key its shipped tables have
+    d["quant"] = dict(d["quant"], scale=None, global_scale=None)
     return d
 
 
@@ -93,7 +99,10 @@ def make_table(
     env: Environment,
     measured: dict[str, dict[str, dict[int, float]]],
     eager: Optional[dict[str, dict[str, dict[int, float]]]] = None,
+    spread: Optional[dict] = None,
 ) -> dict:
+    """The table `tune` saves; `spread`: spread_summary() of its two passes (the planner's
+    margin)."""
     table = {
         "schema_version": SCHEMA_VERSION,
         "gpu": env.gpu_name,
@@ -108,7 +117,46 @@ def make_table(
     }
     if eager:
         table["eager_us"] = _jsonable(eager)
+    if spread is not None:
+        table["spread"] = spread
     return table
+
+
+SPREAD_QUANTILE = 0.9
+
+
+def spread_summary(differences: list[float]) -> Optional[dict]:
+    """The spread a table records: of the relative differences |a - b| / mean between the two
+    passes that timed each (strategy, variant, bucket), the 90th percentile (most cases differ
+    less; a high quantile rather than the maximum, which one disturbed case would set). None
+    without cases."""
+    if not differences:
+        return None
+    ordered = sorted(differences)
+    value = ordered[max(0, math.ceil(SPREAD_QUANTILE * len(ordered)) - 1)]
+    return {
+        "fraction": round(value, 4),
+        "cases": len(ordered),
+        "how": "90th percentile over every (strategy, variant, bucket) of |a - b| / mean, a and b "
+        "the CUDA-graph times of two passes (the second in reverse order), max over ranks",
+    }
+
+
+def margin_of(table: Optional[dict]):
+    """The planner's Margin from a table's recorded spread; None (the planner's default) when the
+    table has none (tables tuned before `tune` recorded it)."""
+    from .planner import Margin
+
+    spread = (table or {}).get("spread")
+    fraction = spread.get("fraction") if isinstance(spread, dict) else None
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        return None
+    if not math.isfinite(fraction) or not 0.0 <= fraction < 1.0:
+        return None
+    return Margin(
+        float(fraction),
+        f"spread between tune's two passes (90th percentile of {spread.get('cases', '?')} cases)",
+    )
 
 
 def table_expectation(spec: EpilogueSpec, env: Environment) -> dict:
@@ -198,9 +246,12 @@ def measure(
     seed: int = 0,
     eager_out: Optional[dict] = None,
     token_ranges: Optional[dict[tuple[str, str], tuple[int, Optional[int]]]] = None,
+    spread_out: Optional[list] = None,
 ) -> dict[str, dict[str, dict[int, float]]]:
     """Time each candidate at each bucket's largest T under CUDA graphs. Collective; max over ranks.
     With `eager_out` (a dict), also the eager wall time per call of back-to-back calls, into it.
+    With `spread_out` (a list), every case is timed in two passes (the second in reverse order,
+    so drift shows), the mean is kept and |a - b| / mean of each case is appended to the list.
     `token_ranges`: (strategy, variant) -> the (fewest, most) T it can take (planner.token_ranges);
     a T outside is not measured for it (every rank holds the same ranges, so every rank skips the
     same cases). A candidate without an entry is measured at every T."""
@@ -227,18 +278,27 @@ def measure(
             make_inputs(spec, tokens, rank=rank, seed=seed + i, device=device, skip_fraction=0.0)
             for i in range(1, count)
         ]
-        times, walls = [], []
-        for name, variant, run in fits:
-            call = lambda i, run=run, variant=variant: run(sets[i], variant)  # noqa: F821 (bound before, deleted after)
+        times, walls, again = [], [], []
+        calls = [
+            lambda i, run=run, variant=variant: run(sets[i], variant)  # noqa: F821 (bound before, deleted after)
+            for _, variant, run in fits
+        ]
+        for (name, variant, _), call in zip(fits, calls):
             times.append(time_graph(call, sets=count, calls=max(count, 20)))
             if eager_out is not None:
                 walls.append(time_eager(call, sets=count))
             bar.set_postfix_str(f"T={tokens} {name}:{variant}", refresh=False)
             bar.update()
-        t = torch.tensor(times + walls, dtype=torch.float64, device=device)
+        if spread_out is not None:  # the second pass, in reverse order
+            again = [time_graph(c, sets=count, calls=max(count, 20)) for c in reversed(calls)][::-1]
+        t = torch.tensor(times + walls + again, dtype=torch.float64, device=device)
         if env.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         values = t.tolist()
+        if spread_out is not None:
+            first, second = values[: len(fits)], values[len(fits) + len(walls) :]
+            values[: len(fits)] = [(a + b) / 2 for a, b in zip(first, second)]
+            spread_out += [abs(a - b) / ((a + b) / 2) for a, b in zip(first, second) if a + b > 0]
         for i, (name, variant, _) in enumerate(fits):
             out.setdefault(name, {}).setdefault(variant, {})[tokens] = values[i]
             if eager_out is not None:

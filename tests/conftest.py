@@ -26,7 +26,7 @@ os.environ.update(NO_MULTICAST_ENV)
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the device machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (on a GPU machine: `python -m pytest -m gpu`)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

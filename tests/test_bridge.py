@@ -204,3 +204,88 @@ def test_an_opt_in_strategy_is_neither_prepared_nor_picked_by_auto_but_runs_when
             assert torch.isfinite(out.norm_out).all()
     finally:
         unregister("opt_in_separate")
+
+
+@pytest.mark.parametrize("world_size_var", ["2", "8"])
+def test_a_multi_process_launch_without_a_process_group_is_refused_naming_the_fix(
+    monkeypatch, world_size_var
+):
+    # under torchrun with init_process_group forgotten, each rank would otherwise build a silent
+    # one-rank bridge and skip the all-reduce
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", world_size_var)
+    with pytest.raises(RuntimeError, match=f"WORLD_SIZE={world_size_var}") as info:
+        FusionBridge(SPEC)
+    assert "init_process_group" in str(info.value) and "group=" in str(info.value)
+
+
+@pytest.mark.parametrize("world_size_var", [None, "1", ""])
+def test_a_single_process_needs_no_process_group(monkeypatch, world_size_var):
+    if world_size_var is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size_var)
+    with FusionBridge(SPEC) as bridge:
+        assert bridge.env.world_size == 1
+        assert call(bridge, make_inputs(SPEC, 3)).norm_out.shape == (3, 64)
+
+
+def test_exclude_keeps_a_strategy_out_of_auto_and_the_report_says_so(monkeypatch):
+    monkeypatch.delenv("FUSION_BRIDGE_EXCLUDE", raising=False)
+    with FusionBridge(SPEC, exclude=["flashinfer_fused"]) as bridge:
+        status = {s.name: s for s in bridge.statuses}["flashinfer_fused"]
+        assert "excluded_by_request" in [r.code for r in status.reasons]
+        assert "flashinfer_fused" not in bridge.prepared
+        doc = bridge.explain().to_dict()
+        fi = {s["name"]: s for s in doc["strategies"]}["flashinfer_fused"]
+        assert fi["available"] is False
+        assert any("excluded by request (exclude)" in r["message"] for r in fi["reasons"])
+    # the variable, comma-separated, adds to the argument; 'separate' is then out of auto too
+    monkeypatch.setenv("FUSION_BRIDGE_EXCLUDE", "local_fused_nccl, separate")
+    with pytest.raises(NoStrategyAvailable, match="excluded_by_request"):
+        FusionBridge(SPEC)  # on CPU nothing else may run
+    monkeypatch.setenv("FUSION_BRIDGE_EXCLUDE", "local_fused_nccl")
+    with FusionBridge(SPEC, exclude=["flashinfer_fused"]) as bridge:
+        text = str(bridge.explain())
+        # (the test session runs our kernels under the interpreter: local_fused_nccl could run)
+        assert "local_fused_nccl       excluded by request, self-test" in text
+        assert "local_fused_nccl excluded by request (FUSION_BRIDGE_EXCLUDE)" in text
+        assert "flashinfer_fused excluded by request (exclude)" in text
+        assert bridge.strategy_for(4) == "separate"
+
+
+@pytest.mark.parametrize(
+    "exclude, env, match",
+    [
+        (["bogus"], None, r"exclude names unknown strategies \['bogus'\]"),
+        ([], "bogus", r"FUSION_BRIDGE_EXCLUDE names unknown strategies \['bogus'\]"),
+        (["reference"], None, "cannot exclude 'reference'"),
+        ("separate", None, "exclude must be a list of strategy names"),
+    ],
+)
+def test_a_bad_exclusion_is_an_error_naming_its_source(monkeypatch, exclude, env, match):
+    monkeypatch.delenv("FUSION_BRIDGE_EXCLUDE", raising=False)
+    if env is not None:
+        monkeypatch.setenv("FUSION_BRIDGE_EXCLUDE", env)
+    with pytest.raises(ValueError, match=match):
+        FusionBridge(SPEC, exclude=exclude)
+    monkeypatch.delenv("FUSION_BRIDGE_EXCLUDE", raising=False)
+    with pytest.raises(ValueError, match="excludes 'separate', which is requested by name"):
+        FusionBridge(SPEC, strategy="separate", exclude=["separate"])
+
+
+def test_explain_counts_calls_per_route_eager_and_captured(monkeypatch):
+    with FusionBridge(SPEC) as bridge:
+        assert bridge.route_calls() == [] and "calls so far: none" in str(bridge.explain())
+        for tokens in (1, 3, 3, 11):  # 11 > max_tokens=8: the overflow route, also counted
+            call(bridge, make_inputs(SPEC, tokens))
+        call(bridge, make_inputs(SPEC, 0))  # T == 0 runs nothing: not counted
+        calls = bridge.route_calls()
+        assert calls == [{"strategy": "separate", "variant": "default", "eager": 4, "captured": 0}]
+        assert bridge.route_for(3) == ("separate", "default")
+        doc = bridge.explain().to_dict()
+        assert doc["calls"] == calls
+        assert (
+            "calls so far: separate 4 eager, 0 in CUDA-graph captures (graph replays never"
+            in str(bridge.explain())
+        )

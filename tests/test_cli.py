@@ -42,10 +42,25 @@ def test_no_arguments_explains_the_deepseek_v3_shape():
     assert "H=7168 K=8" in out and "SELECTED" in out and "selected for T=16: separate" in out
     # this machine was not described: no "described machine" footer
     assert "described machine" not in out, out.splitlines()[-1]
-    # each strategy's row states its self-test once, with why it did not run
-    rows = [line for line in out.splitlines() if "self-test:" in line]
-    assert len(rows) == 9 and all(line.count("self-test") == 1 for line in rows), rows
+    lines = out.splitlines()
+    # the answer first: the strategy for T, then the plan per token range, before any strategy
+    assert lines[3] == "selected for T=16: separate" and lines[4].startswith("plan (")
+    assert lines.index("strategies:") < 10, out
+    # a strategy that can run here states its self-test once, with why it did not run
+    rows = [line for line in lines if "self-test:" in line]
+    assert all(line.count("self-test") == 1 for line in rows), rows
     assert all(line.endswith(("not run (static checks only)", "not needed")) for line in rows), rows
+    # without a GPU, a GPU strategy is one line: no GPU-machine advice (multicast, world sizes)
+    import torch
+
+    if not torch.cuda.is_available():
+        fi = [line for line in lines if line.startswith("flashinfer_fused ")]
+        assert fi == [
+            "flashinfer_fused       rejected: needs a CUDA GPU [needs_cuda] "
+            "(+1 more for GPU machines: --json lists them)"
+        ]
+        assert "hint:" not in out.split("strategies:")[1].split("flashinfer_fused_fp4")[0]
+        assert "MULTICAST" not in out and "world sizes" not in out
 
 
 def test_explain_text_of_a_described_gpu():
@@ -56,9 +71,22 @@ def test_explain_text_of_a_described_gpu():
     # flashinfer_fused_fp4 does not apply to quant=none: that one reason, not the FP4 gate's too
     fp4 = out.split("flashinfer_fused_fp4", 1)[1].split("\nseparate", 1)[0]
     assert "[quant_not_nvfp4]" in fp4 and fp4.count("[") == 1, fp4
-    assert out.rstrip().endswith(
-        "(a described machine: static checks only, no self-test, no workspace)"
+    tail = out.split("(a described machine: static checks only, no self-test, no workspace)")[1]
+    # it says what it took for granted about that machine; multicast is not among the needs
+    assert tail.startswith("\nassumed for it:\n  world size 2, every rank on one node\n")
+    assert "multicast: not needed by any strategy" in tail
+
+
+def test_explain_of_a_described_machine_lists_its_assumptions_in_json_too():
+    doc = json.loads(cli("explain", "--gpu", "H200", "--world-size", "2", "--json").stdout)
+    assert doc["assumed"][0] == "world size 2, every rank on one node"
+    # the shipped table was measured with NVLS and multicast off: said with the table's versions
+    assert any(
+        a.startswith("the tuning table's times: measured with NCCL NVLS and NVLink multicast off")
+        for a in doc["assumed"]
     )
+    here = json.loads(cli("explain", "--json").stdout)
+    assert here["assumed"] == []  # this machine is probed, not assumed
 
 
 def test_report_names_the_gpu_once_and_carries_a_schema_version():
@@ -188,11 +216,28 @@ def test_explain_routes_gpt_oss_hidden_size_away_from_the_fused_kernel():
 
 
 def test_parity_world_size_two_json():
+    # TRITON_INTERPRET unset, as a user runs it: on CPU parity sets it for local_fused_nccl
     proc = cli(
-        "parity", "--world-size", "2", "--hidden", "512", "--top-k", "4", "--tokens", "5", "--json"
+        "parity",
+        "--world-size",
+        "2",
+        "--hidden",
+        "512",
+        "--top-k",
+        "4",
+        "--tokens",
+        "5",
+        "--seed",
+        "3",
+        "--json",
+        env_vars={"TRITON_INTERPRET": None},
     )
     doc = json.loads(proc.stdout)  # stdout is only the JSON document
     assert doc["schema_version"] == 1 and doc["command"] == "parity"
+    # what was checked, with what: the spec, the seed and the versions
+    assert doc["spec"]["hidden_size"] == 512 and doc["spec"]["top_k"] == 4 and doc["seed"] == 3
+    assert set(doc["versions"]) == {"fusion_bridge", "torch", "triton", "flashinfer", "cuda"}
+    assert doc["versions"]["torch"] and doc["tokens"] == 5 and doc["world_size"] == 2
     rows = doc["results"]
     assert {r["strategy"] for r in rows} >= {"separate"}
     for r in rows:
@@ -211,6 +256,56 @@ def test_parity_world_size_two_json():
         missing = [] if HAS_FLASHINFER else ["flashinfer_missing"]
         assert doc["skipped"]["flashinfer_fused"] == missing + ["needs_cuda"]
         assert doc["skipped"]["flashinfer_fused_fp4"] == ["quant_not_nvfp4"]
+        # our Triton kernels ran under the interpreter, all-reducing over 2 gloo ranks
+        assert doc["triton_interpret"] is True
+        assert {r["strategy"] for r in rows} == {"separate", "local_fused_nccl"}
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_tune_and_bench_refuse_a_machine_without_gpus_before_importing_torch(command):
+    code = (
+        "import sys; from fusion_bridge.cli.main import main; "
+        f"rc = main([{command!r}, '--world-size', '2']); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
+    assert "--world-size 2 needs 2 CUDA GPU(s)" in proc.stderr
+
+
+def test_info_describes_the_machine_and_explain_the_plan():
+    info, explain = cli("info").stdout, cli("explain").stdout
+    # info: this machine and what a bridge built here prepared, the plan in one line
+    assert "this machine:" in info and "steps:" not in info and "plan: separate for" in info
+    # explain: the plan per token range and every strategy's steps and reasons
+    assert "this machine:" not in explain and "steps:" in explain
+    assert "plan (static order):" in explain
+
+
+def test_a_requested_strategy_is_named_once_in_the_plan_header():
+    out = cli("explain", env_vars={"FUSION_BRIDGE_STRATEGY": "separate"}).stdout
+    assert "plan (requested: separate):" in out and "requested, requested" not in out
+
+
+def test_matrix_json_uses_keys_not_display_titles():
+    doc = json.loads(cli("matrix", "--json").stdout)
+    row = {r["strategy"]: r for r in doc["matrix"]}["symm_fused_oneshot"]
+    assert set(row) == {
+        "strategy",
+        "stages",
+        "launches_sm90_tp2",
+        "launches_at_world_size",
+        "cpu",
+        "sm",
+        "world_sizes",
+        "quant",
+        "flashinfer",
+    }
+    assert row["world_sizes"] == [2, 3, 4, 5, 6, 7, 8] and row["sm"] == [90, 100]
+    assert row["quant"] == ["none", "fp8", "nvfp4"]
 
 
 def test_bad_arguments_exit_2_with_a_message():
@@ -431,3 +526,39 @@ def test_the_cli_package_uses_only_the_public_api():
                     if a.name.startswith("_")
                 ]
     assert not offenders, offenders
+
+
+def test_bench_draws_its_png_with_the_plot_extra(tmp_path):
+    # matplotlib comes with the `plot` extra, which the README's setup installs: no silent skip
+    from fusion_bridge.cli.bench import plot
+
+    rows = [
+        {"candidate": c, "tokens": t, "us_rotated": us * t**0.5, "us_same_inputs": us * t**0.4}
+        for c, us in (("auto", 7.0), ("separate:default", 80.0), ("local_fused_nccl:default", 14.0))
+        for t in (1, 2, 4, 8)
+    ]
+    path = plot(rows, str(tmp_path / "bench.png"), "test TP2")
+    assert path == str(tmp_path / "bench.png")
+    data = (tmp_path / "bench.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_measuring_tools_set_the_multicast_variables_in_their_processes_and_say_so():
+    # tune, bench and parity (on GPUs) call this before anything starts NCCL; spawned ranks set the
+    # same variables again (cli/launch.py) before init_process_group
+    code = (
+        "import os; from fusion_bridge.cli.main import set_multicast_off; "
+        "set_multicast_off('tune'); "
+        "print(os.environ['NCCL_NVLS_ENABLE'], os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'],"
+        " os.environ['NVSHMEM_DISABLE_NVLS'])"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.stdout.split() == ["0", "1", "1"], proc.stderr
+    assert proc.stderr.startswith("tune: every process it starts runs with NCCL_NVLS_ENABLE=0")

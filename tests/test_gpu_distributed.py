@@ -1,4 +1,4 @@
-"""GPU tests over 2 ranks with NCCL and the real FlashInfer (run on the 2x H200 device machine).
+"""GPU tests over 2 ranks with NCCL and the real FlashInfer (2 GPUs of one host; run on 2x H200).
 
 One spawned process group runs the whole grid (a spawn plus workspace creation costs seconds), and
 returns its failures; the test asserts there are none."""

@@ -1,5 +1,4 @@
-"""GPU tests of our kernels and the local_fused_nccl strategy on one GPU (run on the device
-machine).
+"""GPU tests of our kernels and the local_fused_nccl strategy on one GPU.
 
 test_kernels_cpu.py also runs on the GPU when one is present (same parity grid, poisoned
 outputs)."""

@@ -25,7 +25,7 @@ U_BF16 = 2.0**-8
 
 def needs_gpu():
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run `pytest -m gpu` on the device machine)")
+        pytest.skip("needs a CUDA GPU (on a GPU machine: `python -m pytest -m gpu`)")
 
 
 def _group(kind, spec, world, cap, timeout_s=10.0):

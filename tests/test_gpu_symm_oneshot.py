@@ -1,7 +1,6 @@
-"""GPU tests of `symm_fused_oneshot` over 2 ranks (NCCL + symmetric memory, multicast off), on the
-2x H200
-device machine. One spawned process group runs every case (a spawn costs seconds) and returns its
-problems; the test asserts there are none.
+"""GPU tests of `symm_fused_oneshot` over 2 ranks (NCCL + symmetric memory, multicast off), on 2
+GPUs of one host (run on 2x H200). One spawned process group runs every case (a spawn costs seconds)
+and returns its problems; the test asserts there are none.
 
 Covered: parity against a float64 oracle built here (T in 1,3,16,64,129,256; H in 7168,4096,2880; K
 in 1,8;

@@ -1,7 +1,6 @@
 """GPU tests of `symm_fused_twoshot` (the bandwidth path) over 2 ranks (NCCL + symmetric memory,
-multicast
-off), on the 2x H200 device machine. One spawned process group runs every case and returns its
-problems.
+multicast off), on 2 GPUs of one host (run on 2x H200). One spawned process group runs every case
+and returns its problems.
 
 Covered: parity against the float64 oracle (T in 1,3,129,1000,1024,4096; H in 7168,4096,2880; K in
 1,8;

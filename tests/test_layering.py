@@ -47,7 +47,7 @@ LAYERS = {
         "kernels",
     },
     "strategies": {"strategies"},
-    "planner": {"buckets", "strategy_status", "planner"},
+    "planner": {"buckets", "strategy_status", "route_rule", "planner"},
     "bridge": {
         "admission",
         "rank_agreement",

@@ -37,8 +37,9 @@ def stream_handlers(lg):
     return [h for h in lg.handlers if not isinstance(h, logging.NullHandler)]
 
 
-def test_library_logger_has_only_a_null_handler_by_default(clean_logger):
-    assert [type(h) for h in clean_logger.handlers] == [logging.NullHandler]
+def test_library_logger_has_no_handler_of_its_own_by_default(clean_logger):
+    # no NullHandler either: with no configuration, Python's last-resort handler shows WARNING+
+    assert clean_logger.handlers == []
     assert (
         clean_logger.name == "fusion_bridge"
         and fblog.get_logger("bridge").name == "fusion_bridge.bridge"
@@ -124,7 +125,33 @@ def test_first_build_with_the_env_var_prints_to_stderr_and_without_it_prints_not
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert off.returncode == 0, off.stderr
-    assert "hello" not in off.stderr  # a library with a NullHandler stays silent until configured
+    # unconfigured: Python's defaults, WARNING and above on stderr, INFO hidden
+    assert "hello warning" in off.stderr and "hello info" not in off.stderr
+
+
+def test_once_logs_a_key_the_first_time_only(clean_logger, caplog):
+    fblog.reset_rate_limits()
+    with caplog.at_level(logging.WARNING, logger="fusion_bridge"):
+        assert fblog.once("slow build", logging.WARNING, "compiling %s", "kernels")
+        assert not fblog.once("slow build", logging.WARNING, "compiling %s", "again")
+        assert fblog.once("other", logging.WARNING, "other step")
+    assert [r.getMessage() for r in caplog.records if r.name == "fusion_bridge"] == [
+        "compiling kernels",
+        "other step",
+    ]
+
+
+def test_the_slow_build_notice_comes_before_gpu_builds_only():
+    import torch
+
+    from fusion_bridge.admission import slow_build_notice
+
+    line = slow_build_notice(["local_fused_nccl"], torch.device("cuda", 0), True, 1)
+    assert line.startswith("fusion_bridge: rank 1: preparing and self-testing local_fused_nccl.")
+    assert "minutes" in line
+    assert "self-testing" not in slow_build_notice(["x"], torch.device("cuda", 0), False, 0)
+    assert slow_build_notice(["local_fused_nccl"], torch.device("cpu"), True, 0) is None
+    assert slow_build_notice([], torch.device("cuda", 0), True, 0) is None
 
 
 class Clock:

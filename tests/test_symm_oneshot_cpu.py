@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_bridge.environment import NO_MULTICAST_ENV, Environment
+from fusion_bridge.environment import Environment
 from fusion_bridge.kernels import symm_protocol as P
 from fusion_bridge.kernels.quant import row_block
 from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, QuantArgs
@@ -33,7 +33,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GOOD_ENV = Environment(
     device_type="cuda", sm=90, gpu_name="H200", world_size=2, triton_version="3.6.0"
 )
-SAFE = dict(NO_MULTICAST_ENV)
 SCALE = {QUANT_NONE: 1.0, QUANT_FP8: 0.02, QUANT_NVFP4: 448 * 6 / 8.0}
 # the emulation runs the production kernel body part by part under the interpreter; on a GPU
 # machine the compiled kernel is tested by test_gpu_symm_one_device.py and test_gpu_symm_oneshot.py
@@ -458,10 +457,8 @@ def test_an_abort_word_stops_the_call_with_nan_even_when_the_data_is_there():
 
 
 # ---- capability checks (pure: Environment values, injected probe and process environment) ----
-def codes(spec, env, probe=lambda: None, environ=SAFE):
-    return {
-        r.code for r in sw.reasons(spec, env, "symm_fused_oneshot", probe=probe, environ=environ)
-    }
+def codes(spec, env, probe=lambda: None):
+    return {r.code for r in sw.reasons(spec, env, "symm_fused_oneshot", probe=probe)}
 
 
 def test_supported_on_h200_tp2():
@@ -473,33 +470,19 @@ def test_supported_on_h200_tp2():
 
 def test_missing_symmetric_memory_is_a_coded_reason():
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
-    reasons = sw.reasons(
-        spec, GOOD_ENV, "symm_fused_oneshot", probe=lambda: "no module named x", environ=SAFE
-    )
+    reasons = sw.reasons(spec, GOOD_ENV, "symm_fused_oneshot", probe=lambda: "no module named x")
     assert [r.code for r in reasons] == ["symm_mem_unavailable"]
     assert "no module named x" in reasons[0].message
-
-
-@pytest.mark.parametrize("missing", list(NO_MULTICAST_ENV))
-def test_multicast_variables_are_required(missing):
-    spec = EpilogueSpec(hidden_size=7168, top_k=8)
-    environ = {k: v for k, v in SAFE.items() if k != missing}
-    reasons = sw.reasons(spec, GOOD_ENV, "symm_fused_oneshot", probe=lambda: None, environ=environ)
-    assert [r.code for r in reasons] == ["multicast_not_disabled"]
-    assert missing in reasons[0].message
-    wrong = dict(SAFE, **{missing: "0" if SAFE[missing] == "1" else "1"})
-    assert codes(spec, GOOD_ENV, environ=wrong) == {"multicast_not_disabled"}
 
 
 def test_every_reason_is_collected():
     spec = EpilogueSpec(hidden_size=20000, top_k=8)
     env = Environment(device_type="cpu", world_size=1, single_node=False, triton_interpret=True)
-    got = codes(spec, env, probe=lambda: "absent", environ={})
+    got = codes(spec, env, probe=lambda: "absent")
     assert got == {
         "needs_cuda",
         "triton_missing",
         "multi_node_group",
-        "multicast_not_disabled",
         "triton_interpreter",
         "symm_mem_unavailable",
         "world_size_unsupported",

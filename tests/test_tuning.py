@@ -62,6 +62,46 @@ def test_keys_follow_gpu_world_spec_and_versions_but_not_numerics_or_max_tokens(
     )
 
 
+@pytest.mark.parametrize(
+    "layer_a, layer_b",
+    [
+        (QuantSpec.fp8(0.05), QuantSpec.fp8(0.73)),
+        (QuantSpec.nvfp4(448 * 6 / 8.0), QuantSpec.nvfp4(448 * 6 / 3.1)),
+    ],
+)
+def test_two_layers_with_different_quant_scales_share_one_table(
+    tmp_path, monkeypatch, layer_a, layer_b
+):
+    # the scales are calibrated per layer; the table key must not see them, or no layer of a
+    # quantized model would ever find a tuned (or shipped) table
+    a = EpilogueSpec(hidden_size=7168, top_k=8, quant=layer_a)
+    b = EpilogueSpec(hidden_size=7168, top_k=8, quant=layer_b)
+    for versions in (True, False):
+        assert table_key(a, H200_TP2, versions) == table_key(b, H200_TP2, versions)
+    assert default_table_path(a, H200_TP2) == default_table_path(b, H200_TP2)
+    # a table `tune` saved while building layer a is the one layer b loads
+    monkeypatch.setenv("FUSION_BRIDGE_CACHE_DIR", str(tmp_path))
+    measured = {"local_fused_nccl": {"default": {1: 6.0, 8192: 400.0}}}
+    save_table(make_table(a, H200_TP2.replace(world_size=1), measured), cache_path(a, H200_TP1))
+    loaded = load_table(b, H200_TP1, None)
+    assert loaded is not None and as_measurements(loaded) == measured
+    # the kind and the scale layout still count: they change the work
+    assert table_key(a, H200_TP2, False) != table_key(DSV3, H200_TP2, False)
+    if layer_a.kind.value == "nvfp4":
+        linear = EpilogueSpec(
+            hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(layer_a.global_scale, "linear")
+        )
+        assert table_key(linear, H200_TP2, False) != table_key(a, H200_TP2, False)
+
+
+def test_the_unquantized_key_is_unchanged_so_the_shipped_tables_are_found():
+    assert default_table_path(DSV3, H200_TP2).is_file()
+    assert default_table_path(DSV3, H200_TP2.replace(world_size=1)).is_file()
+
+
+H200_TP1 = H200_TP2.replace(world_size=1)
+
+
 def test_tables_round_trip_strategy_variant_bucket(tmp_path):
     measured = {
         "local_fused_flashinfer": {"oneshot": {1: 7.0, 4096: 430.0}, "twoshot": {4096: 420.0}}

@@ -98,7 +98,8 @@ def test_explain_names_the_variant_that_runs():
     measured = {LF: {"oneshot": {1: 5.0, 2: 5.0, 64: 30.0}, "twoshot": {1: 1.0, 64: 20.0}}}
     plan = select(statuses, spec, measured_us=measured)
     text = str(Report(H200, spec, statuses, plan, tokens=1))
-    assert f"1 <= T <=      1: {LF}:oneshot  5.0 us" in text
+    assert f"1 <= T <=      2: {LF}:oneshot  5.0 us" in text  # neighbours with one route merged
+    assert f"3 <= T <=     32: {LF}:oneshot\n" in text  # unmeasured: the static order's variant
     assert f"33 <= T <=     64: {LF}:twoshot  20.0 us" in text
     assert f"selected for T=1: {LF}:oneshot" in text
     doc = Report(H200, spec, statuses, plan, tokens=64).to_dict()

@@ -2,8 +2,8 @@
 strategy
 and `auto` against each other, in one run, on this machine's GPUs (one rank per GPU, NCCL).
 
-bench writes a long-format CSV (candidate, tokens, us_rotated, us_same_inputs, ...) and, when
-matplotlib is importable, a log-log PNG of time vs T with `auto` highlighted.
+bench writes a long-format CSV (candidate, tokens, us_rotated, us_same_inputs, ...) and a log-log
+PNG of time vs T with `auto` highlighted (matplotlib: the `plot` extra).
 """
 
 from __future__ import annotations

@@ -93,6 +93,24 @@ def _env_request_text(req: dict | None) -> list[str]:
     ]
 
 
+def versions() -> dict:
+    """The versions a result was produced with (torch, triton, flashinfer, this package)."""
+    import importlib.metadata
+
+    import torch
+
+    from .. import __version__
+
+    found = {"fusion_bridge": __version__, "torch": torch.__version__}
+    for dist_name, key in (("triton", "triton"), ("flashinfer-python", "flashinfer")):
+        try:
+            found[key] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            found[key] = None
+    found["cuda"] = torch.version.cuda
+    return found
+
+
 # ------------------------------------------------------------------ commands
 def cmd_info(args) -> int:
     from .. import FusionBridge
@@ -110,8 +128,8 @@ def cmd_info(args) -> int:
     req = _env_request(report.strategies)
     _emit(
         args,
-        {**report.to_dict(), "env_strategy": req},
-        "\n".join([str(report), *_env_request_text(req)]),
+        {**report.to_dict(), "env_strategy": req, "assumed": []},  # this machine: probed
+        "\n".join([report.machine_text(), *_env_request_text(req)]),
     )
     return 0
 
@@ -134,7 +152,14 @@ def _static_self_test(statuses) -> list:
 
 def cmd_explain(args) -> int:
     from ..environment import detect
-    from ..planner import AUTO, NoStrategyAvailable, select, static_statuses
+    from ..planner import (
+        AUTO,
+        NoStrategyAvailable,
+        check_exclusions,
+        exclude,
+        select,
+        static_statuses,
+    )
     from ..report import Report
     from .. import tuning
 
@@ -154,6 +179,13 @@ def cmd_explain(args) -> int:
     env = env.replace(**changes)
     spec = _spec(args)
     statuses = _static_self_test(static_statuses(spec, env))
+    raw_exclude = os.environ.get("FUSION_BRIDGE_EXCLUDE", "")
+    names = [n.strip() for n in raw_exclude.split(",") if n.strip()]
+    if names:  # as a bridge would: kept out of auto, reported as excluded by request
+        requested_here = os.environ.get(STRATEGY_ENV) or AUTO
+        known = [st.name for st in statuses]
+        names = check_exclusions(names, known, requested_here, "FUSION_BRIDGE_EXCLUDE")
+        statuses = exclude(statuses, names, "FUSION_BRIDGE_EXCLUDE")
     table, table_line = None, None
     if env.device_type == "cuda":
         path = tuning.default_table_path(spec, env)
@@ -167,7 +199,13 @@ def cmd_explain(args) -> int:
             )
     requested = os.environ.get(STRATEGY_ENV) or AUTO
     try:
-        plan = select(statuses, spec, requested, tuning.as_measurements(table) if table else None)
+        plan = select(
+            statuses,
+            spec,
+            requested,
+            tuning.as_measurements(table) if table else None,
+            tuning.margin_of(table),
+        )
     except NoStrategyAvailable as exc:
         print(str(exc), file=sys.stderr)
         plan = None
@@ -175,22 +213,52 @@ def cmd_explain(args) -> int:
         env, spec, statuses, plan, tokens=args.tokens, table=table["path"] if table else None
     )
     req = _env_request(statuses)
+    assumed = _assumptions(env, table) if described else []
     lines = [str(report)] + ([table_line] if table_line else []) + _env_request_text(req)
     if described:
         lines.append("(a described machine: static checks only, no self-test, no workspace)")
-    _emit(args, {**report.to_dict(), "env_strategy": req}, "\n".join(lines))
+        lines += ["assumed for it:"] + [f"  {a}" for a in assumed]
+    _emit(args, {**report.to_dict(), "env_strategy": req, "assumed": assumed}, "\n".join(lines))
     return 0 if plan else 1
+
+
+def _assumptions(env, table) -> list[str]:
+    """What `explain` takes for granted about a described machine (it cannot probe it)."""
+    out = [f"world size {env.world_size}, every rank on one node"]
+    if env.device_type == "cuda":
+        torch_version = env.torch_version.split("+")[0]
+        triton, flashinfer = env.triton_version or "missing", env.flashinfer_version or "missing"
+        out += [
+            f"a CUDA build of torch {torch_version} whose symmetric memory works, triton {triton} "
+            f"and flashinfer {flashinfer} (the versions installed here)",
+            "multicast: not needed by any strategy (our kernels never use it), so not assumed "
+            "either way",
+        ]
+        if table is not None:
+            versions = table.get("versions", {})
+            out.append(
+                "the tuning table's times: measured with NCCL NVLS and NVLink multicast off, "
+                f"torch {versions.get('torch')}, flashinfer {versions.get('flashinfer')}"
+            )
+    return out
 
 
 def cmd_parity(args) -> int:
     import torch
+
+    if torch.cuda.is_available():
+        set_multicast_off("parity")
+    interpreted = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+    if interpreted:  # our Triton kernels (local_fused_nccl) then run on CPU too, in every rank
+        os.environ["TRITON_INTERPRET"] = "1"
     from .parity import run_parity_report
 
     spec = _spec(args)
     if not args.json:
         print(
             f"parity: {args.world_size} rank(s), T={args.tokens}, H={spec.hidden_size}, "
-            f"K={spec.top_k}",
+            f"K={spec.top_k}"
+            + (", our Triton kernels under the interpreter (CPU; slower)" if interpreted else ""),
             file=sys.stderr,
         )
     rows, skipped = run_parity_report(
@@ -211,13 +279,43 @@ def cmd_parity(args) -> int:
         text += [f"  {name:22s} {', '.join(codes)}" for name, codes in skipped.items()]
     _emit(
         args,
-        {"results": rows, "skipped": skipped, "world_size": args.world_size, "tokens": args.tokens},
+        {
+            "results": rows,
+            "skipped": skipped,
+            "world_size": args.world_size,
+            "tokens": args.tokens,
+            "seed": args.seed,
+            "weights": args.weights,
+            "spec": spec.to_dict(),
+            "versions": versions(),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        },
         "\n".join(text),
     )
     return 0 if rows and all(r["passed"] for r in rows) else 1
 
 
+def visible_nvidia_gpus_without_torch() -> int:
+    """GPUs this process could see, from the driver's device files and CUDA_VISIBLE_DEVICES, without
+    importing torch (seconds on a cold start): lets `tune` and `bench` refuse a GPU-less machine at
+    once. An upper bound; torch's own count decides when this finds enough."""
+    import glob
+
+    devices = len(glob.glob("/dev/nvidia[0-9]*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        listed = [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+        devices = min(devices, len(listed))
+    return devices
+
+
 def _require_gpus(world_size: int) -> None:
+    if visible_nvidia_gpus_without_torch() < world_size:
+        raise ValueError(
+            f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
+            f"found {visible_nvidia_gpus_without_torch()} (no NVIDIA device files or "
+            "CUDA_VISIBLE_DEVICES hides them)"
+        )
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
@@ -226,6 +324,21 @@ def _require_gpus(world_size: int) -> None:
             f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
             f"found {found}"
         )
+
+
+def set_multicast_off(command: str) -> None:
+    """Our measuring tools run with NCCL NVLS and NVLink multicast off in every process they start
+    (this one, and each spawned rank before it initialises NCCL): multicast can take a shared
+    host's GPUs out of service. The library itself neither needs nor sets these variables."""
+    from ..environment import NO_MULTICAST_ENV
+
+    os.environ.update(NO_MULTICAST_ENV)
+    print(
+        f"{command}: every process it starts runs with "
+        + " ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())
+        + " (NVLink multicast and NCCL NVLS off; results are measured that way)",
+        file=sys.stderr,
+    )
 
 
 def _on_ranks(fn, world_size: int, *fn_args):
@@ -237,24 +350,33 @@ def _on_ranks(fn, world_size: int, *fn_args):
 
 
 def cmd_tune(args) -> int:
+    _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
+    set_multicast_off("tune")
     from .bench import tune_rank
 
-    _require_gpus(args.world_size)
     table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
     lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
+    spread = table.get("spread") or {}
+    if spread:
+        lines.append(
+            f"spread between two passes: {100 * spread['fraction']:.1f}% (90th percentile of "
+            f"{spread['cases']} cases): a route replaces the static-order choice only when "
+            "faster by more"
+        )
     for b in table["plan"]["buckets"]:
         lines.append(
             f"  T <= {b['max_tokens']:6d}: {b['strategy']}:{b['variant']:10s} "
-            f"{b['measured_us']:.1f} us"
+            f"{b['measured_us']:.1f} us  ({b['why']})"
         )
     _emit(args, {"table": table}, "\n".join(lines))
     return 0
 
 
 def cmd_bench(args) -> int:
+    _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
+    set_multicast_off("bench")
     from .bench import bench_rank, plot, rows_from, summary, write_csv
 
-    _require_gpus(args.world_size)
     tokens = [2**i for i in range(args.max_tokens.bit_length()) if 2**i <= args.max_tokens]
     spec = _spec(args)
     result = _on_ranks(bench_rank, args.world_size, spec, tokens, not args.json)
@@ -271,7 +393,14 @@ def cmd_bench(args) -> int:
     # hand-written tables (here, in parity and in matrix): tabulate comes only with the optional
     # flashinfer
     # extra, not with torch/triton, and parity and matrix run on CPU installs without it
-    text = [f"wrote {args.csv}" + (f" and {png}" if png else " (no matplotlib: no PNG)")]
+    text = [
+        f"wrote {args.csv}"
+        + (
+            f" and {png}"
+            if png
+            else " (no PNG: matplotlib is missing; pip install 'fusion-bridge[plot]')"
+        )
+    ]
     keys = list(table[0])
     text.append(" ".join(f"{k:>14s}" for k in keys))
     text += [" ".join(f"{str(line.get(k, '')):>14s}" for k in keys) for line in table]

@@ -10,7 +10,7 @@ from ..spec import EpilogueSpec, QuantSpec, Stage
 from ..strategies import Environment, required_stages, strategy_classes
 
 SMS = (80, 90, 100)
-WORLD_SIZES = (1, 2, 3, 4, 8, 16)
+WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 FLASHINFER_VERSIONS = (
     "0.7.2.post1",
     "0.7.4",
@@ -74,7 +74,21 @@ def _probe_world(cls) -> int:
     return 2
 
 
+# JSON key -> the README table's column title
+TITLES = {
+    "strategy": "strategy",
+    "stages": "stages covered",
+    "launches_sm90_tp2": "launches at SM90, TP2",
+    "cpu": "CPU",
+    "sm": "SM",
+    "world_sizes": "world sizes",
+    "quant": "quant",
+    "flashinfer": "flashinfer",
+}
+
+
 def rows() -> list[dict]:
+    """One row per strategy, keyed as `matrix --json` prints it (lists where there are several)."""
     out = []
     for cls in strategy_classes():
         pw = _probe_world(cls)
@@ -96,37 +110,59 @@ def rows() -> list[dict]:
         else:
             before = FLASHINFER_VERSIONS[FLASHINFER_VERSIONS.index(versions[0]) - 1]
             fi = f"> {before} (self-test gated)"
+        if _ok(cls, probe, _cpu_at(pw)):
+            cpu = "yes"
+        elif _ok(cls, probe, _cpu_at(pw).replace(triton_interpret=True)):
+            cpu = "interpreter only"
+        else:
+            cpu = "no"
         out.append(
             {
                 "strategy": cls.name,
-                "stages covered": " + ".join(STAGE_ABBREV[s] for s in required_stages(probe, pw)),
-                "launches at SM90, TP2": " → ".join(with_fi) + ("" if pw == 2 else f" (TP{pw})"),
-                "CPU": "yes"
-                if _ok(cls, probe, _cpu_at(pw))
-                else (
-                    "interpreter only"
-                    if _ok(cls, probe, _cpu_at(pw).replace(triton_interpret=True))
-                    else "no"
-                ),
-                "SM": ", ".join(
-                    str(sm) for sm in SMS if _runs(cls, quants, [sm], [pw], FLASHINFER_VERSIONS)
-                )
-                or "none",
-                "world sizes": ", ".join(
-                    str(w) for w in WORLD_SIZES if _runs(cls, quants, SMS, [w], FLASHINFER_VERSIONS)
-                ),
-                "quant": ", ".join(quants) or "none",
+                "stages": [STAGE_ABBREV[s] for s in required_stages(probe, pw)],
+                "launches_sm90_tp2": with_fi,
+                "launches_at_world_size": pw,  # 2, or the first world size it runs at
+                "cpu": cpu,
+                "sm": [sm for sm in SMS if _runs(cls, quants, [sm], [pw], FLASHINFER_VERSIONS)],
+                "world_sizes": [
+                    w for w in WORLD_SIZES if _runs(cls, quants, SMS, [w], FLASHINFER_VERSIONS)
+                ],
+                "quant": quants,
                 "flashinfer": fi,
             }
         )
     return out
 
 
+def _ranges(values: list[int]) -> str:
+    """[1, 2, 3, 4, 8] -> '1-4, 8'."""
+    parts: list[list[int]] = []
+    for v in values:
+        if parts and v == parts[-1][-1] + 1:
+            parts[-1].append(v)
+        else:
+            parts.append([v])
+    return ", ".join(
+        f"{p[0]}-{p[-1]}" if len(p) > 2 else ", ".join(str(v) for v in p) for p in parts
+    )
+
+
+def _cell(key: str, value, row: dict) -> str:
+    if key == "world_sizes":
+        return _ranges(value)
+    if key == "launches_sm90_tp2":
+        world = row["launches_at_world_size"]
+        return " → ".join(value) + ("" if world == 2 else f" (TP{world})")
+    if isinstance(value, list):
+        sep = {"stages": " + ", "launches_sm90_tp2": " → "}.get(key, ", ")
+        return sep.join(str(v) for v in value) or "none"
+    return str(value)
+
+
 def markdown() -> str:
     table = rows()
-    keys = list(table[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in table]
+    lines = ["| " + " | ".join(TITLES.values()) + " |", "|" + "---|" * len(TITLES)]
+    lines += ["| " + " | ".join(_cell(k, r[k], r) for k in TITLES) + " |" for r in table]
     return "\n".join(lines)
 
 

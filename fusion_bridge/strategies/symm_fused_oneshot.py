@@ -1,4 +1,4 @@
-"""`symm_fused_oneshot`: our own single launch over PyTorch symmetric memory (multicast off):
+"""`symm_fused_oneshot`: our own single launch over PyTorch symmetric memory (no NVLink multicast):
 finalize + shared add + all-reduce + residual add + RMSNorm (+ FP8 / NVFP4) for small T.
 
 Each rank finalizes its partial (fp32 accumulate, routed scaling, shared add), rounds it ONCE to the

@@ -1,7 +1,6 @@
-"""`symm_fused_twoshot`: our own single launch over PyTorch symmetric memory (multicast off) for
-large T,
-the bandwidth path: finalize + shared add, reduce-scatter by token, residual add, all-gather of the
-reduced rows, RMSNorm (+ FP8 / NVFP4).
+"""`symm_fused_twoshot`: our own single launch over PyTorch symmetric memory (no NVLink multicast)
+for large T, the bandwidth path: finalize + shared add, reduce-scatter by token, residual add,
+all-gather of the reduced rows, RMSNorm (+ FP8 / NVFP4).
 
 Rows are dealt to ranks in blocks of W (row t belongs to rank t % W). Each rank finalizes every row,
 pushes the rows other ranks own to their owners as soon as they are finalized (rounded once to the

@@ -4,23 +4,24 @@ sizing, collective creation and release. `kind` ("oneshot" / "twoshot") picks th
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
 buffer into every peer's address space over NVLink. We use only `empty`, `rendezvous` and the
-handle's `buffer_ptrs` / `multicast_ptr`. NVLink multicast must stay off: multicast objects can take
-shared GPUs out of service, so the variables below must hold these values before the rendezvous, the
-handle must expose no multicast pointer, and our kernel uses no multimem instruction.
+handle's `buffer_ptrs` (and `multicast_ptr`, only to check it). Our kernels never use NVLink
+multicast: they address peers through `buffer_ptrs` alone and contain no multimem instruction.
+Whether the process allows multicast (NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_DISABLE_MULTICAST,
+NVSHMEM_DISABLE_NVLS) is the application's choice, not a requirement of these strategies; when the
+process asked for multicast off, a handle that still exposes a multicast pointer is refused.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..environment import NO_MULTICAST_ENV, Environment, Probe, multicast_is_off
+from ..environment import Environment, Probe, multicast_is_off
 from ..reasons import (
     Reason,
     collect,
@@ -67,27 +68,11 @@ def probe_symm_mem() -> Optional[str]:
     return f"torch.distributed._symmetric_memory lacks {missing}" if missing else None
 
 
-#: the environment facts the symmetric-memory strategies declare (Strategy.probes): on a machine set
-#: up as documented, symmetric memory imports and every multicast variable is set
+#: the environment facts the symmetric-memory strategies declare (Strategy.probes): whether
+#: symmetric memory imports (a capability), and whether this process set the three multicast
+#: variables (reported by `info`; no capability depends on it)
 SYMM_MEM_PROBE = Probe("symm_mem_error", probe_symm_mem, documented=None)
-MULTICAST_PROBE = Probe("multicast_off", multicast_is_off, documented=True)
-
-
-def multicast_reason(who: str, environ: Optional[Mapping[str, str]] = None) -> Optional[Reason]:
-    """The multicast-disabling variables must be set (to exactly these values) in this process."""
-    environ = os.environ if environ is None else environ
-    wrong = {k: environ.get(k) for k, v in NO_MULTICAST_ENV.items() if environ.get(k) != v}
-    if wrong:
-        return Reason(
-            "multicast_not_disabled",
-            f"{who} requires {NO_MULTICAST_ENV} before the symmetric-memory rendezvous (NVLink "
-            "multicast "
-            f"can take shared GPUs out of service), but found {wrong}",
-            "export "
-            + " ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())
-            + " in every rank before torch.distributed is initialized",
-        )
-    return None
+MULTICAST_PROBE = Probe("multicast_off", multicast_is_off, documented=None)
 
 
 def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
@@ -124,20 +109,11 @@ def reasons(
     env: Environment,
     who: str,
     probe: Optional[Callable[[], Optional[str]]] = None,
-    environ: Optional[Mapping[str, str]] = None,
     kind: str = "oneshot",
 ) -> list[Reason]:
-    """Every static reason the symmetric-memory one-shot cannot run: a pure function of (spec, env),
-    whose probes (MULTICAST_PROBE, SYMM_MEM_PROBE) detect() reads from the process (tests may
-    instead pass a probe and an environ mapping). prepare() checks the real process environment
-    again."""
-    multicast = (
-        multicast_reason(who, environ)
-        if environ is not None
-        else None
-        if MULTICAST_PROBE.value_in(env)
-        else multicast_reason(who, {})
-    )
+    """Every static reason the symmetric-memory strategies cannot run: a pure function of (spec,
+    env), whose SYMM_MEM_PROBE detect() reads from the process (tests may pass `probe` instead).
+    The multicast variables are not among them: our kernels never use multicast."""
     out = collect(
         require_cuda(env, who),
         require_triton(env, who),
@@ -145,7 +121,6 @@ def reasons(
             env, who, 90, why=" (system-scope acquire/release over NVLink; validated on H200)"
         ),
         require_single_node(env, who),
-        multicast,
     )
     if env.triton_interpret:
         out.append(
@@ -240,20 +215,18 @@ def create(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     kind: str = "oneshot",
 ) -> SymmWorkspace:
-    """Collective: every rank of `group` calls it. Raises RuntimeError if multicast could be
-    used."""
+    """Collective: every rank of `group` calls it. Raises RuntimeError when this process asked for
+    multicast off and the handle still exposes a multicast pointer. The kernels receive only the
+    peers' `buffer_ptrs`, whatever the process allows."""
     import torch.distributed._symmetric_memory as symm_mem
 
     who = f"symm_fused_{kind}"
-    bad = multicast_reason(who)
-    if bad is not None:
-        raise RuntimeError(f"[{bad.code}] {bad.message}. {bad.hint}")
     group = group if group is not None else dist.group.WORLD
     cap = capacity(spec, world_size, kind)
     nbytes = buffer_bytes(spec, world_size, kind)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group.group_name)
-    if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
+    if multicast_is_off() and int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
         raise RuntimeError(
             f"[multicast_present] {who}: the symmetric-memory handle exposes a multicast "
             "pointer although multicast is disabled; refusing to run"
