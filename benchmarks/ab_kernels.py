@@ -109,6 +109,8 @@ def kernel_group(kind, spec, world, cap):
 
 
 def time_ranks(fns, sets: int, calls: int = 20, repeats: int = 15) -> float:
+    # a copy of fusion_bridge.timing.time_graphs_per_rank: this script also runs against trees
+    # from before it existed (the A/B's "before" side)
     """Median us per call of W emulated ranks, each replaying its own CUDA graph of `calls` calls on
     its own stream, all at once (as W GPUs would: one graph holding every rank would not guarantee
     that its branches run concurrently, and a rank waiting alone for a peer times out)."""

@@ -23,7 +23,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fusion_bridge.cli.bench import write_csv  # noqa: E402
-from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+from fusion_bridge.timing import (  # noqa: E402
+    copy_bandwidth_gbs,
+    sets_to_rotate,
+    time_graph,
+    time_graphs_per_rank,
+)
 
 SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupancy)
     "default": dict(),
@@ -130,24 +135,19 @@ def _emulated(record, spec, sets, n, tokens, hidden, world):
 
     group = ring_layers_on_one_gpu(world, hidden, spec, timeout_s=5.0)
     layers, errs = group.layers, group.errs
-    streams = [torch.cuda.Stream() for _ in range(world)]
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
     outs = [
         (torch.empty_like(sets[0].residual), torch.empty_like(sets[0].residual), none, none)
         for _ in layers
     ]
 
-    def call(i):
-        main = torch.cuda.current_stream()
-        for layer, st, out in zip(layers, streams, outs):
-            st.wait_stream(main)
-            with torch.cuda.stream(st):
-                symm_ring.launch(layer, **call_tensors(sets[i], out))
-        for st in streams:
-            main.wait_stream(st)
+    def rank_fn(layer, out):
+        return lambda i: symm_ring.launch(layer, **call_tensors(sets[i], out))
 
     try:
-        us = time_graph(call, sets=n)
+        # one graph per rank on its own stream: one graph holding every rank does not guarantee
+        # that its branches run concurrently, and a rank waiting alone for a peer times out
+        us = time_graphs_per_rank([rank_fn(la, o) for la, o in zip(layers, outs)], sets=n)
         bad = any(int(e[0]) for e in errs)
         record(f"ring_emulated_W{world}_all_ranks" + ("_ERR" if bad else ""), hidden, tokens, us)
     except Exception as exc:  # report and go on: the single-rank rows are the target

@@ -28,6 +28,7 @@ from fusion_bridge.timing import (  # noqa: E402
     sets_to_rotate,
     time_eager,
     time_graph,
+    time_graphs_per_rank,
 )
 
 QUANT_BYTES = {"none": 0.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}  # per element of norm_out
@@ -44,46 +45,6 @@ def _spec(hidden, top_k, quant, max_tokens):
         quant=q[quant],
         max_tokens=max_tokens,
     )
-
-
-def time_ranks(fns, sets: int, calls: int = 20, repeats: int = 15) -> float:
-    """Median us per call of W emulated ranks, each replaying its own CUDA graph of `calls` calls on
-    its own stream, all at once (as W GPUs would: one graph holding every rank would not guarantee
-    that its branches run concurrently, and a rank waiting alone for a peer times out)."""
-    import statistics
-
-    world = len(fns)
-    streams = [torch.cuda.Stream() for _ in range(world)]
-    main = torch.cuda.current_stream()
-
-    def on_ranks(work):
-        for r, s in enumerate(streams):
-            s.wait_stream(main)
-            with torch.cuda.stream(s):
-                work(r)
-        for s in streams:
-            main.wait_stream(s)
-
-    for i in range(min(sets, 3)):
-        on_ranks(lambda r, i=i: fns[r](i))
-    torch.cuda.synchronize()
-    graphs = []
-    for r in range(world):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fns[r](i % sets)
-        graphs.append(graph)
-    on_ranks(lambda r: graphs[r].replay())
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        on_ranks(lambda r: graphs[r].replay())
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
 
 
 def _strategy(name, spec):
@@ -249,7 +210,7 @@ def main() -> None:
                 group.layers[r], **call_tensors(sets[i][r], outs[r])
             )
 
-        us = time_ranks([rank_fn(r) for r in range(world)], sets=n)
+        us = time_graphs_per_rank([rank_fn(r) for r in range(world)], sets=n)
         emit("emulated_w2_oneshot", "none", hidden, tokens, us, 0)
         torch.cuda.synchronize()
         assert not group.errs.any(), group.errs

@@ -66,6 +66,46 @@ def time_graph(
     return statistics.median(times)
 
 
+def time_graphs_per_rank(
+    fns: list[Callable[[int], object]], sets: int, calls: int = 20, repeats: int = 15
+) -> float:
+    """Median us per call of W emulated ranks, each replaying its own CUDA graph of `calls` calls on
+    its own stream, all at once (as W GPUs would: one graph holding every rank would not guarantee
+    that its branches run concurrently, and a rank waiting alone for a peer times out)."""
+    world = len(fns)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    main = torch.cuda.current_stream()
+
+    def on_ranks(work):
+        for r, s in enumerate(streams):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                work(r)
+        for s in streams:
+            main.wait_stream(s)
+
+    for i in range(min(sets, 3)):
+        on_ranks(lambda r, i=i: fns[r](i))
+    torch.cuda.synchronize()
+    graphs = []
+    for r in range(world):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fns[r](i % sets)
+        graphs.append(graph)
+    on_ranks(lambda r: graphs[r].replay())
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        on_ranks(lambda r: graphs[r].replay())
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus written (GB/s): the better of the
     copy
