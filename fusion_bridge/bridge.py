@@ -65,20 +65,6 @@ def _check_group_membership(group) -> None:
         )
 
 
-def _checked_device(device) -> torch.device:
-    """default_device(device), refusing a CUDA device this torch build or machine does not have."""
-    if device is not None:
-        requested = torch.device(device)
-        if requested.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"FusionBridge: device must be one this process can use, got {str(device)!r} but "
-                f"torch {torch.__version__} sees no CUDA device (a CPU build, or no GPU visible)"
-            )
-        if requested.type not in ("cuda", "cpu"):
-            raise ValueError(f"FusionBridge: device must be 'cuda[:N]' or 'cpu', got {device!r}")
-    return default_device(device)
-
-
 class FusionBridge:
     """The MoE epilogue for one layer.
 
@@ -143,7 +129,7 @@ class FusionBridge:
         self.spec, self.group, self.requested = spec, group, requested
         self.debug = env_vars.read("FUSION_BRIDGE_DEBUG") if debug is None else debug
         run_self_test = env_vars.read("FUSION_BRIDGE_SELF_TEST") if self_test is None else self_test
-        self.device = _checked_device(device)
+        self.device = default_device(device)
         rank_agreement.build_timeout_s(
             build_timeout_s
         )  # raises naming the argument or the variable

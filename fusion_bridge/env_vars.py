@@ -38,9 +38,10 @@ class EnvVarError(ValueError):
 class Variable:
     name: str
     expected: str  # what a valid value looks like, as shown in errors and in the README
-    default: str  # shown in the README; the parser's own default when unset or empty
+    default: str  # shown in the README
     doc: str
     parse: Callable[[str, "Variable"], object]
+    unset: object  # what read() returns when unset or blank (None: the reader applies its default)
 
 
 def _flag(raw: str, var: Variable) -> bool:
@@ -116,6 +117,7 @@ VARIABLES: dict[str, Variable] = {
             "Overrides the `strategy` argument of every bridge (an explicit request: raises if "
             "that strategy cannot run, never falls back).",
             _text,
+            None,
         ),
         Variable(
             "FUSION_BRIDGE_EXCLUDE",
@@ -123,6 +125,7 @@ VARIABLES: dict[str, Variable] = {
             "",
             "Keeps these strategies out of `auto` (reported as excluded by request).",
             _names,
+            (),
         ),
         Variable(
             "FUSION_BRIDGE_DEBUG",
@@ -131,6 +134,7 @@ VARIABLES: dict[str, Variable] = {
             "Value checks at every call and one small collective agreeing on (ok, T, call number); "
             "syncs, so keep it off on the hot path and under CUDA graphs.",
             _flag,
+            False,
         ),
         Variable(
             "FUSION_BRIDGE_SELF_TEST",
@@ -138,6 +142,7 @@ VARIABLES: dict[str, Variable] = {
             "1",
             "Run each GPU strategy once against the oracle when a bridge is built.",
             _flag,
+            True,
         ),
         Variable(
             "FUSION_BRIDGE_SHADOW",
@@ -145,6 +150,7 @@ VARIABLES: dict[str, Variable] = {
             "",
             "Shadow mode: run `name` beside the selected strategy and record the divergence.",
             _text,
+            None,
         ),
         Variable(
             "FUSION_BRIDGE_BUILD_TIMEOUT_S",
@@ -152,6 +158,7 @@ VARIABLES: dict[str, Variable] = {
             "600",
             "How long a bridge build waits for every rank to check in.",
             _seconds,
+            None,
         ),
         Variable(
             "FUSION_BRIDGE_SYMM_TIMEOUT_S",
@@ -160,6 +167,7 @@ VARIABLES: dict[str, Variable] = {
             "How long our symmetric-memory kernels wait for a peer before they give up with an "
             "error (the bridge must then be rebuilt).",
             _seconds,
+            None,
         ),
         Variable(
             "FUSION_BRIDGE_LOG_LEVEL",
@@ -168,6 +176,7 @@ VARIABLES: dict[str, Variable] = {
             "Level of the `fusion_bridge` logger; adds a stderr handler if the application has "
             "configured no logging.",
             _log_level,
+            None,
         ),
         Variable(
             "FUSION_BRIDGE_CACHE_DIR",
@@ -175,6 +184,7 @@ VARIABLES: dict[str, Variable] = {
             "~/.cache/fusion_bridge",
             "Where `tune` writes measured tables and bridges look for them.",
             _text,
+            None,
         ),
         Variable(
             "FUSION_BRIDGE_LAUNCH_CACHE",
@@ -183,21 +193,9 @@ VARIABLES: dict[str, Variable] = {
             "0 switches off the cached Triton launch path (every launch goes through Triton's own "
             "`kernel[grid]`).",
             _flag,
+            True,
         ),
     )
-}
-
-_PARSED_DEFAULTS: dict[str, object] = {
-    "FUSION_BRIDGE_STRATEGY": None,
-    "FUSION_BRIDGE_EXCLUDE": (),
-    "FUSION_BRIDGE_DEBUG": False,
-    "FUSION_BRIDGE_SELF_TEST": True,
-    "FUSION_BRIDGE_SHADOW": None,
-    "FUSION_BRIDGE_BUILD_TIMEOUT_S": 600.0,
-    "FUSION_BRIDGE_SYMM_TIMEOUT_S": 60.0,
-    "FUSION_BRIDGE_LOG_LEVEL": None,
-    "FUSION_BRIDGE_CACHE_DIR": None,
-    "FUSION_BRIDGE_LAUNCH_CACHE": True,
 }
 
 
@@ -207,7 +205,7 @@ def read(name: str, environ: Optional[Mapping[str, str]] = None):
     var = VARIABLES[name]
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None or not raw.strip():
-        return _PARSED_DEFAULTS[name]
+        return var.unset
     return var.parse(raw, var)
 
 

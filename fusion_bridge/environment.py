@@ -137,15 +137,23 @@ def _group_is_single_node(group) -> bool:
 
 def default_device(device: Optional[torch.device | str] = None) -> torch.device:
     """The device a bridge works on: `device` if given (a bare "cuda" becomes the current cuda:N, so
-    it
-    compares equal to the tensors' devices), else the current CUDA device, else the CPU."""
+    it compares equal to the tensors' devices), else the current CUDA device, else the CPU. Raises
+    ValueError for a device this process cannot use (a CUDA device on a CPU build, or another
+    kind)."""
     if device is None:
         return (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-    device = torch.device(device)
+    given, device = device, torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda[:N]' or 'cpu', got {given!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device must be one this process can use, got {str(given)!r} but torch "
+            f"{torch.__version__} sees no CUDA device (a CPU build, or no GPU visible)"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

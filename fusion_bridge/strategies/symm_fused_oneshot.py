@@ -77,9 +77,7 @@ class SymmFusedOneshotStrategy(Strategy):
         )  # q / sf the kernel never writes
         # the sharing key at acquire time, for the release
         self._ws_timeout_s = (
-            self.timeout_s
-            if self.timeout_s is not None
-            else env_vars.read("FUSION_BRIDGE_SYMM_TIMEOUT_S")
+            self.timeout_s or env_vars.read("FUSION_BRIDGE_SYMM_TIMEOUT_S") or sw.DEFAULT_TIMEOUT_S
         )
         self._ws = sw.acquire(
             self.group,
