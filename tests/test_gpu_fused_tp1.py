@@ -12,7 +12,7 @@ TOKENS = (1, 3, 16, 64, 129, 256, 1000, 4096)
 
 def needs_gpu():
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run `pytest -m gpu` on the device machine)")
+        pytest.skip("needs a CUDA GPU (on a GPU machine: `python -m pytest -m gpu`)")
 
 
 def _strategy(spec, name="fused_tp1"):
