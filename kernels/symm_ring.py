@@ -60,7 +60,7 @@ from .quant import row_block, sf_padding_item, sf_padding_items
 from .quant_codes import QUANT_NVFP4
 from .symm_device import abort_word_ptr, start_clock
 from .symm_protocol import SymmLayer
-from .symm_ring_device import CHUNK, SLOTS, STATE_WORDS, buffer_bytes
+from .symm_ring_device import _SLOTS, CHUNK, SLOTS, STATE_WORDS, _release, buffer_bytes
 from .symm_ring_stages import _stage_finalize, _stage_gather, _stage_reduce
 
 __all__ = ["CHUNK", "SLOTS", "STATE_WORDS", "buffer_bytes", "RingShape", "DEFAULT_SHAPE", "launch"]
@@ -73,14 +73,16 @@ def _ring_kernel(
     residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, routed_scaling,
     eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_COLS: tl.constexpr,
-    R_ROWS: tl.constexpr, R_COLS: tl.constexpr,
+    SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_ROWS: tl.constexpr,
+    F_COLS: tl.constexpr, R_ROWS: tl.constexpr, R_COLS: tl.constexpr,
     EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
     EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
+    PHASES: tl.constexpr = 7,
 ):  # fmt: skip
     """EMU* (set only by symm_testing, the CPU emulation): run one stage (EMU_STAGE) of one chunk
     for one program, time counted in polls, no end-of-call ticket. Everything else, peer pointers,
-    counters and error reports included, is the GPU code."""
+    counters and error reports included, is the GPU code. PHASES (set only by symm_testing, the
+    benchmark ablations; symm_protocol.RING_*): the stages the GPU loop runs."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     if EMU:
         pid = EMU_PID
@@ -109,7 +111,7 @@ def _ring_kernel(
             _stage_finalize(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_COLS, EMU, EMU_ITEMS,
+                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 1:
             _stage_reduce(
@@ -132,25 +134,27 @@ def _ring_kernel(
                             sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
     else:
         for it in range(0, nchunks + 2):
-            if it < nchunks:
+            if (it < nchunks) & ((PHASES & 1) != 0):
                 _stage_finalize(
                     it, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_COLS, EMU, 0,
+                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
                 )  # fmt: skip
-            if (it >= 1) & (it <= nchunks):
+            if (it >= 1) & (it <= nchunks) & ((PHASES & 2) != 0):
                 _stage_reduce(
                     it - 1, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     residual_ptr, tokens, hidden, chunk, rank, dtype, WORLD, R_ROWS, R_COLS, EMU,
                     0,
                 )  # fmt: skip
-            if it >= 2:
+            if (it >= 2) & ((PHASES & 4) != 0):
                 _stage_gather(
                     it - 2, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens,
                     hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED,
                     ROW_BLOCK, HW_CVT, EMU, 0,
                 )  # fmt: skip
+            if (it >= 2) & ((PHASES & 4) == 0):  # ablation: the slot goes back unread
+                _release(ptrs_ptr, rank, (base + it - 2) % _SLOTS, pid, nprog)
         if QUANT == 2:
             if SWIZZLED:
                 for item in range(pid, sf_pad_items, nprog):
@@ -167,12 +171,13 @@ def _ring_kernel(
 @dataclass(frozen=True)
 class RingShape:
     """A launch variant: programs per SM (capped by the compiled kernel's occupancy: every program
-    must be resident), warps, the finalize column block and the reduce tile [rows, columns]. The
-    default is the fastest shape of the candidate sweep that the emulated-ranks GPU test passed
-    with (benchmarks/results/ring_local_h200_*.csv)."""
+    must be resident), warps, the finalize tile [rows, columns] and the reduce tile [rows,
+    columns]. The default is the fastest shape of the candidate sweep that the emulated-ranks GPU
+    test passed with (benchmarks/results/ring_local_h200_*.csv)."""
 
     programs_per_sm: int = 2
     warps: int = 8
+    f_rows: int = 1
     f_cols: int = 2048
     r_rows: int = 1
     r_cols: int = 2048
@@ -180,6 +185,7 @@ class RingShape:
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
         return dict(
+            F_ROWS=self.f_rows,
             F_COLS=min(self.f_cols, cap),
             R_ROWS=self.r_rows,
             R_COLS=min(self.r_cols, cap),

@@ -47,12 +47,13 @@ def _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD: tl.constexpr):
 def _stage_finalize(
     c, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout, pid, nprog, gemm2_ptr, perm_ptr,
     weight_ptr, shared_ptr, tokens, hidden, chunk, rank, routed_scaling, dtype: tl.constexpr,
-    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_COLS: tl.constexpr,
-    EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
+    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
+    F_COLS: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
 ):  # fmt: skip
     """Wait until every rank released the slot this chunk reuses; then rank `rank`'s partial of
-    the chunk's rows (one rounding, -0.0 -> +0.0), items (owner, owner row, column block), into
-    each owner's reduce-scatter rows [rank][i]. Never waits for data."""
+    the chunk's rows (one rounding, -0.0 -> +0.0), items (owner, F_ROWS of its rows, column block),
+    into each owner's reduce-scatter rows [rank][i]. Never waits for data. Several rows per item:
+    their routing loads and gathers are independent, so they are in flight together."""
     seq = base + c
     slot = seq % _SLOTS
     # the chunk that used this slot before (SLOTS chunks ago) is released by every program
@@ -62,7 +63,7 @@ def _stage_finalize(
     if missing != 0:
         _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
     n_c = _chunk_rows(c, tokens, chunk)
-    groups = tl.cdiv(n_c, WORLD)  # owner rows per owner (the last ones may be past the chunk)
+    groups = tl.cdiv(tl.cdiv(n_c, WORLD), F_ROWS)  # row groups per owner (may reach past n_c)
     col_blocks = tl.cdiv(hidden, F_COLS)
     n_items = WORLD * groups * col_blocks
     cw = tl.cdiv(chunk, WORLD)
@@ -74,16 +75,20 @@ def _stage_finalize(
         if i < n_items:
             q = i % WORLD  # the owner
             rest = i // WORLD
-            ii = rest % groups
+            ii = (rest % groups) * F_ROWS + tl.arange(0, F_ROWS)[:, None]  # owner rows [F_ROWS, 1]
             j = q + WORLD * ii
-            if j < n_c:
-                cols = (rest // groups) * F_COLS + tl.arange(0, F_COLS)
-                acc = finalize_row(
-                    gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, (c * chunk + j).to(tl.int64),
-                    cols, hidden, routed_scaling, TOP_K, HAS_SHARED,
-                )  # fmt: skip
-                dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + rank * src_stride
-                tl.store(dst + ii * row_elems + cols, payload_bits(acc, dtype), mask=cols < hidden)
+            live = j < n_c
+            cols = (rest // groups) * F_COLS + tl.arange(0, F_COLS)[None, :] + ii * 0  # 2-D
+            # rows past the chunk read the chunk's last row (in bounds) and store nothing
+            row = c * chunk + tl.where(live, j, n_c - 1)
+            acc = finalize_row(
+                gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row.to(tl.int64), cols, hidden,
+                routed_scaling, TOP_K, HAS_SHARED,
+            )  # fmt: skip
+            dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + rank * src_stride
+            tl.store(
+                dst + ii * row_elems + cols, payload_bits(acc, dtype), mask=live & (cols < hidden)
+            )
 
 
 @triton.jit
