@@ -32,11 +32,10 @@ from fusion_bridge.timing import (  # noqa: E402
 
 SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupancy)
     "default": dict(),
-    "w8_f1x2048_r1x2048": dict(warps=8, f_rows=1, f_cols=2048, r_rows=1, r_cols=2048),
-    "w16_f1x4096_r1x4096": dict(warps=16, f_rows=1, f_cols=4096, r_rows=1, r_cols=4096),
-    "w16_f2x4096_r1x4096": dict(warps=16, f_rows=2, f_cols=4096, r_rows=1, r_cols=4096),
-    "w16_f4x1024_r2x2048": dict(warps=16, f_rows=4, f_cols=1024, r_rows=2, r_cols=2048),
-    "w16_f2x2048_r1x4096": dict(warps=16, f_rows=2, f_cols=2048, r_rows=1, r_cols=4096),
+    "w16_f1x4096_noprefetch": dict(warps=16, f_rows=1, f_cols=4096, prefetch=False),
+    "w16_f2x4096": dict(warps=16, f_rows=2, f_cols=4096),
+    "w8_f1x2048": dict(warps=8, f_rows=1, f_cols=2048),
+    "w8_f1x2048_noprefetch": dict(warps=8, f_rows=1, f_cols=2048, prefetch=False),
 }
 
 
@@ -46,9 +45,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
     ap.add_argument("--variants", nargs="+", default=["default"], help="SWEEP labels or 'sweep'")
     ap.add_argument("--emulate", type=int, nargs="*", default=[])
-    ap.add_argument(
-        "--ablate", action="store_true", help="also time the finalize stage alone, + the reduce"
-    )
+    ap.add_argument("--ablate", action="store_true", help="also time the finalize stage alone")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     from fusion_bridge.kernels import symm_ring
@@ -139,15 +136,12 @@ def main() -> None:
                 assert int(err[0]) == 0, hex(int(err[0]))
                 rows.append(row(f"ring_{label}", us))
                 if args.ablate:  # the stages' shares (results wrong by design)
-                    for tag, phases in (
-                        ("F", P.RING_FINALIZE),
-                        ("FR", P.RING_FINALIZE | P.RING_REDUCE),
-                    ):
+                    for tag, phases in (("F", P.RING_FINALIZE),):
 
-                        def part(i, layer=layer, shape=shape, out=out, phases=phases):
+                        def ablated(i, layer=layer, shape=shape, out=out, phases=phases):
                             ring_launch_ablated(layer, phases, shape, **call_tensors(sets[i], out))
 
-                        us = time_graph(part, sets=n)
+                        us = time_graph(ablated, sets=n)
                         record(f"ring_{label}_only_{tag}", hidden, tokens, us)
                         rows.append(row(f"ring_{label}_only_{tag}", us))
             for world in args.emulate:

@@ -74,7 +74,7 @@ def _ring_kernel(
     eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, R_ROWS: tl.constexpr, R_COLS: tl.constexpr,
+    F_COLS: tl.constexpr, PREFETCH: tl.constexpr,
     EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
     EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
     PHASES: tl.constexpr = 7,
@@ -111,13 +111,15 @@ def _ring_kernel(
             _stage_finalize(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
+                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, PREFETCH, EMU,
+                EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 1:
             _stage_reduce(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
-                residual_ptr, tokens, hidden, chunk, rank, dtype, WORLD, R_ROWS, R_COLS, EMU,
-                EMU_ITEMS,
+                residual_ptr, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
+                sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT,
+                SWIZZLED, ROW_BLOCK, HW_CVT, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 2:
             _stage_gather(
@@ -138,13 +140,15 @@ def _ring_kernel(
                 _stage_finalize(
                     it, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
+                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, PREFETCH,
+                    EMU, 0,
                 )  # fmt: skip
             if (it >= 1) & (it <= nchunks) & ((PHASES & 2) != 0):
                 _stage_reduce(
                     it - 1, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
-                    residual_ptr, tokens, hidden, chunk, rank, dtype, WORLD, R_ROWS, R_COLS, EMU,
-                    0,
+                    residual_ptr, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
+                    sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT,
+                    SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 0,
                 )  # fmt: skip
             if (it >= 2) & ((PHASES & 4) != 0):
                 _stage_gather(
@@ -171,24 +175,22 @@ def _ring_kernel(
 @dataclass(frozen=True)
 class RingShape:
     """A launch variant: programs per SM (capped by the compiled kernel's occupancy: every program
-    must be resident), warps, the finalize tile [rows, columns] and the reduce tile [rows,
-    columns]. The default is the fastest shape of the candidate sweep that the emulated-ranks GPU
-    test passed with (benchmarks/results/ring_local_h200_*.csv)."""
+    must be resident), warps, the finalize tile [rows, columns] (reduce and gather take whole
+    rows) and whether the finalize loads the next item's routing ahead. The default is the
+    fastest shape of the sweep in benchmarks/results/ring_local_h200.csv."""
 
     programs_per_sm: int = 2
-    warps: int = 8
+    warps: int = 16
     f_rows: int = 1
-    f_cols: int = 2048
-    r_rows: int = 1
-    r_cols: int = 2048
+    f_cols: int = 4096
+    prefetch: bool = True
 
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
         return dict(
             F_ROWS=self.f_rows,
             F_COLS=min(self.f_cols, cap),
-            R_ROWS=self.r_rows,
-            R_COLS=min(self.r_cols, cap),
+            PREFETCH=self.prefetch,
             ROW_BLOCK=row_block(hidden),
         )
 

@@ -280,7 +280,6 @@ class EmulatedRing:
         consts = shape.constexprs(hidden)
         bound = max(  # loop bounds only: the kernel's own formulas decide which items run
             world * cw * -(-hidden // consts["F_COLS"]),
-            -(-cw // shape.r_rows) * -(-hidden // consts["R_COLS"]),
             chunk,
             (tokens + 255) // 32 * -(-hidden // 2048) + 8,  # swizzled scale padding items
         )
