@@ -32,10 +32,9 @@ from fusion_bridge.timing import (  # noqa: E402
 
 SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupancy)
     "default": dict(),
-    "w16_f1x4096_noprefetch": dict(warps=16, f_rows=1, f_cols=4096, prefetch=False),
     "w16_f2x4096": dict(warps=16, f_rows=2, f_cols=4096),
+    "w16_f2x2048": dict(warps=16, f_rows=2, f_cols=2048),
     "w8_f1x2048": dict(warps=8, f_rows=1, f_cols=2048),
-    "w8_f1x2048_noprefetch": dict(warps=8, f_rows=1, f_cols=2048, prefetch=False),
 }
 
 
@@ -96,6 +95,17 @@ def main() -> None:
                 )  # fmt: skip
 
             t_fin, t_norm = time_graph(fin, sets=n), time_graph(norm, sets=n)
+            if args.ablate:  # our finalize in the ring's program shape: one 16-warp CTA per SM
+
+                def fin16(i):
+                    s = sets[i]
+                    finalize_add_into(
+                        part, s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
+                        s.shared_output, spec.routed_scaling_factor, block_h=4096, num_warps=16,
+                    )  # fmt: skip
+
+                t_fin16 = time_graph(fin16, sets=n)
+                record("finalize_alone_w16_b4096", hidden, tokens, t_fin16)
             record("finalize_alone", hidden, tokens, t_fin)
             record("add_rmsnorm_alone", hidden, tokens, t_norm)
             record("standalone_sum", hidden, tokens, t_fin + t_norm)
@@ -109,6 +119,8 @@ def main() -> None:
                     workspace_mb=round(workspace_mb, 1),
                 )  # fmt: skip
 
+            if args.ablate:
+                rows.append(row("finalize_alone_w16_b4096", t_fin16))
             fin(0)
             norm(0)
             ref_ro, ref_no = ro.clone(), no.clone()

@@ -8,24 +8,33 @@ three stages in flight, one chunk apart:
 
   finalize(c): tiles of [F_ROWS owner rows, F_COLS columns] of rank r's partial (fp32 sum of the K
                routed rows, routed scaling, shared add, ONE rounding, -0.0 -> +0.0), stored into the
-               owner's reduce-scatter region [source r][row i] of slot s. Never waits for data.
-  reduce(c-1): the owned rows' tiles: wait until the W sources are no longer the sentinel, sum them
-               in rank order in fp32, add the residual, round once (-0.0 -> +0.0): residual_out's
-               bits, pushed into every rank's all-gather region [owner r][row i]; the sources go
-               back to the sentinel.
-  gather(c-2): whole rows: wait for the owner's row, store it as residual_out, norm it (+ FP8 /
-               NVFP4), put the row back to the sentinel; then the program releases slot s (a
-               counter in its rank's header; the P programs' shares add up to one unit).
+               owner's reduce-scatter region [source r][row i] of slot s. Never waits for data;
+               the next tile's routing is loaded before this tile's gathers.
+  reduce(c-1): the rows rank r owns, whole: wait until the W sources are no longer the sentinel,
+               sum them in rank order in fp32, add the residual, round once (-0.0 -> +0.0):
+               residual_out's bits, pushed into every OTHER rank's all-gather region [owner r]
+               [row i]; the sources go back to the sentinel; the owner stores its own outputs of
+               the row right away (residual_out, norm, FP8 / NVFP4), with no round trip through
+               its own slot.
+  gather(c-2): the rows other ranks own, whole: wait for the owner's row, store it as
+               residual_out, norm it (+ FP8 / NVFP4), put the row back to the sentinel; then the
+               program releases slot s (a counter in its rank's header; the P programs' shares add
+               up to one unit). At W = 1 there is nothing to gather.
 
-Before finalize(c) writes into slot s of any rank, the program waits until every rank's counter of
-slot s shows that all programs released the chunk that used s before (SLOTS chunks earlier). All
-ranks launch the same P programs with the same T, and every program is resident (P is capped by the
-compiled kernel's occupancy), so every wait is for an earlier stage: no deadlock, by induction over
-(chunk, stage). Waits are bounded (time, or the abort word a peer that timed out sets): a missing
-peer gives NaN rows and the error word, never a hang.
+Before finalize(c) writes into slot s of any rank, the program waits (one system-scope acquire per
+rank, all in flight together) until every rank's counter of slot s shows that all programs
+released the chunk that used s before (SLOTS chunks earlier). All ranks launch the same P programs
+with the same T, and every program is resident (P is capped by the compiled kernel's occupancy),
+so every wait is for an earlier stage: no deadlock, by induction over (chunk, stage). A kernel
+that occupies SMs alongside only delays programs until it ends; one that itself waits for this
+call (another rank's ring on the same GPU, as the emulated-ranks test has, beside other processes'
+kernels) can starve it, and the bounded waits then end the call with the error word. Waits are
+bounded (time, or the abort word a peer that timed out sets): a missing peer gives NaN rows and the
+error word, never a hang.
 
-Every rank norms every row from the same rounded residual_out bits with the same code, so every
-output is bitwise identical on every rank. Error against the fp32 oracle: the partial's rounding,
+Every rank norms every row from the same rounded residual_out bits with the same code (the owner in
+reduce, the others in gather: one helper, `symm_ring_stages._row_outputs`), so every output is
+bitwise identical on every rank. Error against the fp32 oracle: the partial's rounding,
 residual_out's (the norm reads it) and norm_out's: 3 roundings.
 
 Link bytes per rank: (W - 1) / W of the partial rows out and as many reduced rows: 2 (W - 1) / W *
@@ -74,7 +83,7 @@ def _ring_kernel(
     eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, PREFETCH: tl.constexpr,
+    F_COLS: tl.constexpr,
     EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
     EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
     PHASES: tl.constexpr = 7,
@@ -111,8 +120,7 @@ def _ring_kernel(
             _stage_finalize(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, PREFETCH, EMU,
-                EMU_ITEMS,
+                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 1:
             _stage_reduce(
@@ -140,8 +148,7 @@ def _ring_kernel(
                 _stage_finalize(
                     it, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, PREFETCH,
-                    EMU, 0,
+                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
                 )  # fmt: skip
             if (it >= 1) & (it <= nchunks) & ((PHASES & 2) != 0):
                 _stage_reduce(
@@ -175,22 +182,21 @@ def _ring_kernel(
 @dataclass(frozen=True)
 class RingShape:
     """A launch variant: programs per SM (capped by the compiled kernel's occupancy: every program
-    must be resident), warps, the finalize tile [rows, columns] (reduce and gather take whole
-    rows) and whether the finalize loads the next item's routing ahead. The default is the
-    fastest shape of the sweep in benchmarks/results/ring_local_h200.csv."""
+    must be resident), warps and the finalize tile [rows, columns] (reduce and gather take whole
+    rows). The default is the fastest shape of the sweep in
+    benchmarks/results/ring_local_h200_sweep.csv (16 warps hold a whole H=7168 row in 128
+    registers, so one program per SM; 8 warps need 167 and were slower)."""
 
     programs_per_sm: int = 2
     warps: int = 16
     f_rows: int = 1
     f_cols: int = 4096
-    prefetch: bool = True
 
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
         return dict(
             F_ROWS=self.f_rows,
             F_COLS=min(self.f_cols, cap),
-            PREFETCH=self.prefetch,
             ROW_BLOCK=row_block(hidden),
         )
 

@@ -67,12 +67,13 @@ def _stage_finalize(
     c, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout, pid, nprog, gemm2_ptr, perm_ptr,
     weight_ptr, shared_ptr, tokens, hidden, chunk, rank, routed_scaling, dtype: tl.constexpr,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, PREFETCH: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
+    F_COLS: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
 ):  # fmt: skip
     """Wait until every rank released the slot this chunk reuses; then rank `rank`'s partial of
     the chunk's rows (one rounding, -0.0 -> +0.0), items (owner, F_ROWS of its rows, column block),
-    into each owner's reduce-scatter rows [rank][i]. Never waits for data. PREFETCH: the next
-    item's routing is loaded before this item's gathers (one memory latency per item, not two)."""
+    into each owner's reduce-scatter rows [rank][i]. Never waits for data. The next item's routing
+    is loaded before this item's gathers: one memory latency per item, not two (measured on the
+    H200, H=7168, T=4096, world size 1: 322 us against 347 us without it)."""
     seq = base + c
     slot = seq % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -91,16 +92,10 @@ def _stage_finalize(
     src_stride = cw.to(tl.int64) * row_elems
     for k in range(0, EMU_ITEMS if EMU else n_items, 1 if EMU else nprog):
         i = first + k * nprog if EMU else k + first
-        if PREFETCH:
-            q, ii, live, row, cb, src, w = nxt
-            nxt = _f_item(
-                i + nprog, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K,
-                F_ROWS,
-            )  # fmt: skip
-        else:
-            q, ii, live, row, cb, src, w = _f_item(
-                i, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS
-            )
+        q, ii, live, row, cb, src, w = nxt
+        nxt = _f_item(
+            i + nprog, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS
+        )
         if i < n_items:
             cols = cb * F_COLS + tl.arange(0, F_COLS)[None, :] + ii * 0  # [F_ROWS, F_COLS]
             acc = finalize_routed(
