@@ -3,9 +3,12 @@ a world of 1 (no peers: every row is its own, no link traffic) beside our finali
 our add+RMSNorm kernel alone, measured in the same run. Target: ring <= finalize + add_rmsnorm.
 
     python benchmarks/ring_local.py [--tokens 1024 4096 8192] [--hidden 7168 4096] [--csv PATH]
-        [--variants default | sweep | LABEL...] [--emulate 2 8]
+        [--variants default | sweep | LABEL...] [--ablate] [--emulate 2 8]
 
-CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds W ranks emulated on
+Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
+sum, each ring row's time, its ratio to the sum and the ring's workspace per rank (MB). `--ablate`
+adds the ring's finalize stage alone (PHASES hook; its outputs are wrong) and our finalize in the
+ring's tile shape. CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds W ranks emulated on
 this one GPU (each rank on its own stream with SMs / W programs; all ranks' work in one time: not
 a two-GPU prediction). Every ring row is first checked against the two standalone kernels' outputs
 (residual_out bitwise equal: the same roundings; norm_out close: the ring norms the rounded
@@ -95,7 +98,7 @@ def main() -> None:
                 )  # fmt: skip
 
             t_fin, t_norm = time_graph(fin, sets=n), time_graph(norm, sets=n)
-            if args.ablate:  # our finalize in the ring's program shape: one 16-warp CTA per SM
+            if args.ablate:  # our finalize in the ring's tile: 16 warps, 4096 columns (3 CTAs/SM)
 
                 def fin16(i):
                     s = sets[i]
