@@ -9,10 +9,10 @@ Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMS
 sum, each ring row's time, its ratio to the sum and the ring's workspace per rank (MB). `--ablate`
 adds the ring's finalize stage alone (PHASES hook; its outputs are wrong) and our finalize in the
 ring's tile shape. CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds
-W ranks emulated on this one GPU (each rank on its own stream with SMs / W programs; all ranks' work in one time: not
-a two-GPU prediction). Every ring row is first checked against the two standalone kernels' outputs
-(residual_out bitwise equal: the same roundings; norm_out close: the ring norms the rounded
-residual_out) and its error word.
+W ranks emulated on this one GPU (each rank on its own stream with SMs / W programs; all ranks'
+work in one time: not a two-GPU prediction). Every ring row is first checked against the two
+standalone kernels' outputs (residual_out bitwise equal: the same roundings; norm_out close: the
+ring norms the rounded residual_out) and its error word.
 """
 
 from __future__ import annotations
