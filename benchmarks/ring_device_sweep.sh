@@ -13,7 +13,7 @@ if [ "${RING_TESTS:-0}" = 1 ]; then
         tests/test_gpu_symm_ring_one_device.py 2>&1 | tail -30 | tee "$OUT/gpu_ring_tests.txt"
 fi
 timeout "${RING_BENCH_TIMEOUT:-280}" python3 benchmarks/ring_local.py \
-    --hidden ${RING_HIDDEN:-7168 4096} --tokens 1024 4096 8192 --variants ${RING_VARIANTS:-default} \
+    --hidden ${RING_HIDDEN:-7168 4096} --tokens ${RING_TOKENS:-1024 4096 8192} --variants ${RING_VARIANTS:-default} \
     ${RING_ABLATE:-} --emulate ${RING_EMULATE:-} --csv "$OUT/ring_local.csv" 2>&1 \
     | grep -v "^  check" | tee "$OUT/ring_local.txt"
 if [ "${RING_TWOSHOT:-0}" = 1 ]; then
