@@ -193,32 +193,3 @@ def finalize_routed(
     if HAS_SHARED:
         acc += tl.load(shared_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
     return acc
-
-
-@triton.jit
-def finalize_tile(
-    gemm2_ptr,
-    src,
-    weight,
-    shared_ptr,
-    row,
-    cols,
-    hidden,
-    routed_scaling,
-    HAS_SHARED: tl.constexpr,
-):
-    """`finalize_row` as one [KP, C] gather: src int64 and weight fp32 [KP] (entries past top-k:
-    src -1), row int64, cols [C] -> fp32 [C]. Written for a persistent loop under
-    `tl.range(num_stages=...)`, whose pipeliner turns the single gather into asynchronous copies
-    into shared memory, several tiles ahead. The K products are summed as a tree, not in
-    finalize_row's order: the same sum up to fp32 rounding (the partial's one rounding to the
-    activation dtype may then differ in its last bit)."""
-    valid = src[:, None] >= 0
-    in_row = cols[None, :] < hidden
-    x = tl.load(gemm2_ptr + src[:, None] * hidden + cols[None, :], mask=valid & in_row, other=0.0)
-    acc = tl.sum(tl.where(valid, x.to(tl.float32) * weight[:, None], 0.0), axis=0) * routed_scaling
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + row * hidden + cols, mask=cols < hidden, other=0.0).to(
-            tl.float32
-        )
-    return acc

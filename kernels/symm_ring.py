@@ -83,7 +83,7 @@ def _ring_kernel(
     eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, F_STAGES: tl.constexpr,
+    F_COLS: tl.constexpr,
     EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
     EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
     PHASES: tl.constexpr = 7,
@@ -120,8 +120,7 @@ def _ring_kernel(
             _stage_finalize(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, F_STAGES, EMU,
-                EMU_ITEMS,
+                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 1:
             _stage_reduce(
@@ -149,8 +148,7 @@ def _ring_kernel(
                 _stage_finalize(
                     it, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, F_STAGES,
-                    EMU, 0,
+                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
                 )  # fmt: skip
             if (it >= 1) & (it <= nchunks) & ((PHASES & 2) != 0):
                 _stage_reduce(
@@ -193,14 +191,12 @@ class RingShape:
     warps: int = 16
     f_rows: int = 1
     f_cols: int = 4096
-    f_stages: int = 0
 
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
         return dict(
             F_ROWS=self.f_rows,
             F_COLS=min(self.f_cols, cap),
-            F_STAGES=self.f_stages,
             ROW_BLOCK=row_block(hidden),
         )
 

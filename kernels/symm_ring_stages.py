@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .add_rmsnorm import norm_quant_row
-from .finalize_add import finalize_routed, finalize_tile
+from .finalize_add import finalize_routed
 from .symm_device import SENTINEL, payload_bits
 from .symm_ring_device import (
     _HEAD_ELEMS,
@@ -67,7 +67,7 @@ def _stage_finalize(
     c, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout, pid, nprog, gemm2_ptr, perm_ptr,
     weight_ptr, shared_ptr, tokens, hidden, chunk, rank, routed_scaling, dtype: tl.constexpr,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, F_STAGES: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
+    F_COLS: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
 ):  # fmt: skip
     """Wait until every rank released the slot this chunk reuses; then rank `rank`'s partial of
     the chunk's rows (one rounding, -0.0 -> +0.0), items (owner, F_ROWS of its rows, column block),
@@ -77,8 +77,7 @@ def _stage_finalize(
     seq = base + c
     slot = seq % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
-    tile_rows: tl.constexpr = 1 if F_STAGES > 0 else F_ROWS
-    groups = tl.cdiv(tl.cdiv(n_c, WORLD), tile_rows)  # row groups per owner (may reach past n_c)
+    groups = tl.cdiv(tl.cdiv(n_c, WORLD), F_ROWS)  # row groups per owner (may reach past n_c)
     n_items = WORLD * groups * tl.cdiv(hidden, F_COLS)
     first = _items(c, n_items, pid, nprog)
     nxt = _f_item(first, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS)
@@ -91,70 +90,21 @@ def _stage_finalize(
     cw = tl.cdiv(chunk, WORLD)
     row_elems = tl.full([], 0, tl.int64) + hidden
     src_stride = cw.to(tl.int64) * row_elems
-    if F_STAGES > 0:  # one [K, F_COLS] gather per tile, pipelined F_STAGES tiles deep
-        if EMU:
-            for k in range(0, EMU_ITEMS):
-                _f_tile(
-                    first + k * nprog, n_items, c, n_c, groups, chunk, rank, slot, ptrs_ptr,
-                    gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, hidden, routed_scaling, dtype,
-                    WORLD, TOP_K, HAS_SHARED, F_COLS,
-                )  # fmt: skip
-        else:
-            for i in tl.range(first, n_items, nprog, num_stages=F_STAGES):
-                _f_tile(
-                    i, n_items, c, n_c, groups, chunk, rank, slot, ptrs_ptr, gemm2_ptr, perm_ptr,
-                    weight_ptr, shared_ptr, hidden, routed_scaling, dtype, WORLD, TOP_K,
-                    HAS_SHARED, F_COLS,
-                )  # fmt: skip
-    else:
-        for k in range(0, EMU_ITEMS if EMU else n_items, 1 if EMU else nprog):
-            i = first + k * nprog if EMU else k + first
-            q, ii, live, row, cb, src, w = nxt
-            nxt = _f_item(
-                i + nprog, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K,
-                F_ROWS,
-            )  # fmt: skip
-            if i < n_items:
-                cols = cb * F_COLS + tl.arange(0, F_COLS)[None, :] + ii * 0  # [F_ROWS, F_COLS]
-                acc = finalize_routed(
-                    gemm2_ptr, src, w, shared_ptr, row, cols, hidden, routed_scaling, TOP_K,
-                    HAS_SHARED,
-                )  # fmt: skip
-                dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + rank * src_stride
-                tl.store(
-                    dst + ii * row_elems + cols,
-                    payload_bits(acc, dtype),
-                    mask=live & (cols < hidden),
-                )
-
-
-@triton.jit
-def _f_tile(
-    i, n_items, c, n_c, groups, chunk, rank, slot, ptrs_ptr, gemm2_ptr, perm_ptr, weight_ptr,
-    shared_ptr, hidden, routed_scaling, dtype: tl.constexpr, WORLD: tl.constexpr,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_COLS: tl.constexpr,
-):  # fmt: skip
-    """Finalize tile i (one owner row, F_COLS columns; nothing past n_items) into the owner's
-    reduce-scatter row [rank][i] of `slot`: masks, not branches, so the loop pipeliner can issue
-    the next tiles' gathers while this one sums."""
-    ok = i < n_items
-    i = tl.minimum(i, n_items - 1)
-    q = i % WORLD
-    rest = i // WORLD
-    ii = rest % groups
-    j = q + WORLD * ii
-    live = ok & (j < n_c)
-    row = (c * chunk + tl.where(live, j, n_c - 1)).to(tl.int64)
-    kk = tl.arange(0, triton.next_power_of_2(TOP_K))
-    src = tl.load(perm_ptr + row * TOP_K + kk, mask=kk < TOP_K, other=-1).to(tl.int64)
-    w = tl.load(weight_ptr + row * TOP_K + kk, mask=kk < TOP_K, other=0.0).to(tl.float32)
-    cols = (rest // groups) * F_COLS + tl.arange(0, F_COLS)
-    acc = finalize_tile(
-        gemm2_ptr, src, w, shared_ptr, row, cols, hidden, routed_scaling, HAS_SHARED
-    )
-    src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * hidden
-    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + rank * src_stride + ii * hidden
-    tl.store(dst + cols, payload_bits(acc, dtype), mask=(cols < hidden) & live)
+    for k in range(0, EMU_ITEMS if EMU else n_items, 1 if EMU else nprog):
+        i = first + k * nprog if EMU else k + first
+        q, ii, live, row, cb, src, w = nxt
+        nxt = _f_item(
+            i + nprog, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS
+        )
+        if i < n_items:
+            cols = cb * F_COLS + tl.arange(0, F_COLS)[None, :] + ii * 0  # [F_ROWS, F_COLS]
+            acc = finalize_routed(
+                gemm2_ptr, src, w, shared_ptr, row, cols, hidden, routed_scaling, TOP_K, HAS_SHARED
+            )
+            dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + rank * src_stride
+            tl.store(
+                dst + ii * row_elems + cols, payload_bits(acc, dtype), mask=live & (cols < hidden)
+            )
 
 
 @triton.jit

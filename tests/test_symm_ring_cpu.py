@@ -37,12 +37,9 @@ QUANTS = {
 
 
 SHAPE = RingShape(f_rows=2, f_cols=64)  # narrow finalize tiles: several per row
-# the finalize as one [K, columns] gather per tile under the loop pipeliner (its candidate shape)
-PIPELINED = RingShape(f_cols=64, f_stages=2)
-SHAPES = {"prefetch": SHAPE, "pipelined": PIPELINED}
 
 
-def _run(emu, spec, inputs, programs=2, skip_rank=None, max_polls=3, shape=SHAPE):
+def _run(emu, spec, inputs, programs=2, skip_rank=None, max_polls=3):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first."""
     tokens, hidden = inputs[0].residual.shape
     per_rank, outs = [], []
@@ -71,7 +68,7 @@ def _run(emu, spec, inputs, programs=2, skip_rank=None, max_polls=3, shape=SHAPE
         )
     emu.call(
         per_rank, spec_scalars=(spec.routed_scaling_factor, spec.eps, spec.weight_bias),
-        quant=kernel_quant_args(spec), shape=shape, programs=programs, max_polls=max_polls,
+        quant=kernel_quant_args(spec), shape=SHAPE, programs=programs, max_polls=max_polls,
         skip_rank=skip_rank,
     )  # fmt: skip
     return outs
@@ -98,12 +95,11 @@ LONG = {(21, 4), (3, 2)}  # run without quantization only (interpreter time)
 
 
 @pytest.mark.parametrize(
-    "tokens,hidden,top_k,world,chunk,programs,quant,shape",
-    [c + (q, "prefetch") for c in CASES for q in QUANTS if q == "none" or (c[0], c[3]) not in LONG]
-    + [c + ("none", "pipelined") for c in CASES],
+    "tokens,hidden,top_k,world,chunk,programs,quant",
+    [c + (q,) for c in CASES for q in QUANTS if q == "none" or (c[0], c[3]) not in LONG],
 )
 def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
-    tokens, hidden, top_k, world, chunk, programs, quant, shape
+    tokens, hidden, top_k, world, chunk, programs, quant
 ):
     spec = EpilogueSpec(
         hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
@@ -111,7 +107,7 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     )  # fmt: skip
     emu = EmulatedRing(world, chunk, hidden)
     inputs = _inputs(spec, tokens, world, seed=tokens * 31 + hidden + world)
-    outs = _run(emu, spec, inputs, programs=programs, shape=SHAPES[shape])
+    outs = _run(emu, spec, inputs, programs=programs)
     assert not emu.states[:, 2].any(), emu.states  # no wait failed
     for r in range(1, world):  # bitwise identical on every rank
         for mine, theirs in zip(outs[r], outs[0]):
@@ -257,8 +253,7 @@ def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
         assert (ro.view(torch.int16) == 0).all()
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_skipped_slot_weight_is_never_used(shape):
+def test_a_skipped_slot_weight_is_never_used():
     """perm == -1 slots carry NaN weights: they are dropped, not multiplied in."""
     spec = EpilogueSpec(hidden_size=64, top_k=4, routed_scaling_factor=2.5)
     emu = EmulatedRing(2, 4, 64)
@@ -267,7 +262,7 @@ def test_a_skipped_slot_weight_is_never_used(shape):
         perm, w = inp.expanded_idx_to_permuted_idx, inp.expert_weights
         perm[:, -1] = -1
         w[:, -1] = float("nan")
-    outs = _run(emu, spec, inputs, shape=SHAPES[shape])
+    outs = _run(emu, spec, inputs)
     x64, _ = epilogue64_from(spec, inputs)
     assert not torch.isnan(outs[0][0]).any() and rel_err(outs[0][0], x64) <= math.sqrt(2) * U
 
