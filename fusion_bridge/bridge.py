@@ -29,7 +29,7 @@ import torch
 
 from . import call_protocol, custom_op, env_vars, log, registry
 from . import tuning as tuning_tables
-from . import rank_agreement
+from . import rank_agreement, rank_check_in
 from .admission import admit
 from .bridge_arguments import (
     check_group_membership,
@@ -114,14 +114,14 @@ class FusionBridge(CallFailures, BridgeTools):
         self.debug = env_vars.read("FUSION_BRIDGE_DEBUG") if debug is None else debug
         run_self_test = env_vars.read("FUSION_BRIDGE_SELF_TEST") if self_test is None else self_test
         self.device = default_device(device)
-        rank_agreement.build_timeout_s(
+        rank_check_in.build_timeout_s(
             build_timeout_s
         )  # raises naming the argument or the variable
         check_process_group(group)  # before anything collective: a forgotten init_process_group
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.
-        self.build_index = rank_agreement.check_in(group, timeout_s=build_timeout_s)
+        self.build_index = rank_check_in.check_in(group, timeout_s=build_timeout_s)
         rank_agreement.agree_on_settings(
             {
                 "spec": spec.to_dict(),

@@ -51,6 +51,7 @@ LAYERS = {
     "bridge": {
         "admission",
         "rank_agreement",
+        "rank_check_in",
         "selftest",
         "shadow",
         "tuning",
