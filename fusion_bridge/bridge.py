@@ -114,9 +114,7 @@ class FusionBridge(CallFailures, BridgeTools):
         self.debug = env_vars.read("FUSION_BRIDGE_DEBUG") if debug is None else debug
         run_self_test = env_vars.read("FUSION_BRIDGE_SELF_TEST") if self_test is None else self_test
         self.device = default_device(device)
-        rank_check_in.build_timeout_s(
-            build_timeout_s
-        )  # raises naming the argument or the variable
+        rank_check_in.build_timeout_s(build_timeout_s)  # raises naming the argument or the variable
         check_process_group(group)  # before anything collective: a forgotten init_process_group
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
