@@ -24,8 +24,7 @@ from .validation import check_token_limit, validate_inputs
 class BridgeTools:
     """FusionBridge's tool and report methods (see the module docstring)."""
 
-    # ---------------------------------------------------------------- tools (parity, tuning,
-    # benchmarks)
+    # ------------------------------------------------ tools (parity, tuning, benchmarks)
     def run_strategy(
         self, name: str, inputs: EpilogueInputs, variant: Optional[str] = None
     ) -> EpilogueOutputs:
@@ -138,7 +137,7 @@ class BridgeTools:
             source=plan.source,
         )
 
-    # ---------------------------------------------------------------- report
+    # ------------------------------------------------ report
     def strategy_for(self, tokens: int) -> Optional[str]:
         return self.plan.strategy_for(tokens) if tokens > 0 else None
 
