@@ -7,7 +7,8 @@ ordering under real concurrency, the ring reused many times within one call (T u
 256-token chunks and 4 slots), the chunk base carried across calls in device state, CUDA graphs
 replayed between eager calls, bitwise identity across ranks, and a rank that skips a call (NaN and
 the error word on the others, no hang). Not the NVLink test (peers here share one L2) and times
-nothing.
+nothing. W >= 2 needs the GPU to itself (under pytest-xdist those cases skip):
+`python -m pytest -n 0 tests/test_gpu_symm_ring_one_device.py`.
 """
 
 import math
