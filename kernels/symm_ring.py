@@ -83,7 +83,7 @@ def _ring_kernel(
     eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr,
+    F_COLS: tl.constexpr, R_COLS: tl.constexpr,
     EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
     EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
     PHASES: tl.constexpr = 7,
@@ -127,14 +127,14 @@ def _ring_kernel(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 residual_ptr, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
                 sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT,
-                SWIZZLED, ROW_BLOCK, HW_CVT, EMU, EMU_ITEMS,
+                SWIZZLED, ROW_BLOCK, HW_CVT, EMU, EMU_ITEMS, R_COLS,
             )  # fmt: skip
         if EMU_STAGE == 2:
             _stage_gather(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens,
                 hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK,
-                HW_CVT, EMU, EMU_ITEMS,
+                HW_CVT, EMU, EMU_ITEMS, R_COLS,
             )  # fmt: skip
         if EMU_STAGE == 3:
             if QUANT == 2:
@@ -155,14 +155,14 @@ def _ring_kernel(
                     it - 1, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     residual_ptr, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
                     sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT,
-                    SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 0,
+                    SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 0, R_COLS,
                 )  # fmt: skip
             if (it >= 2) & ((PHASES & 4) != 0):
                 _stage_gather(
                     it - 2, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens,
                     hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED,
-                    ROW_BLOCK, HW_CVT, EMU, 0,
+                    ROW_BLOCK, HW_CVT, EMU, 0, R_COLS,
                 )  # fmt: skip
             if (it >= 2) & ((PHASES & 4) == 0):  # ablation: the slot goes back unread
                 _release(ptrs_ptr, rank, (base + it - 2) % _SLOTS, pid, nprog)
@@ -185,12 +185,22 @@ class RingShape:
     must be resident), warps and the finalize tile [rows, columns] (reduce and gather take whole
     rows). The default is the fastest shape of the sweep in
     benchmarks/results/ring_local_h200_sweep.csv (16 warps hold a whole H=7168 row in 128
-    registers, so one program per SM; 8 warps need 167 and were slower)."""
+    registers, so one program per SM; 8 warps need 167 and were slower).
+
+    row_cols: 0 = reduce and gather hold a whole row in registers (the default); a power of two
+    >= 64 = they stream each row in chunks of that many columns (`symm_ring_rows`), so the
+    registers no longer grow with H and more programs fit on an SM (not yet measured on a GPU)."""
 
     programs_per_sm: int = 2
     warps: int = 16
     f_rows: int = 1
     f_cols: int = 4096
+    row_cols: int = 0
+
+    def __post_init__(self):
+        rc = self.row_cols
+        if rc != 0 and (rc < 64 or rc & (rc - 1)):
+            raise ValueError(f"row_cols: expected 0 or a power of two >= 64, got {rc}")
 
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
@@ -198,6 +208,7 @@ class RingShape:
             F_ROWS=self.f_rows,
             F_COLS=min(self.f_cols, cap),
             ROW_BLOCK=row_block(hidden),
+            R_COLS=min(self.row_cols, row_block(hidden)),
         )
 
 

@@ -106,3 +106,11 @@ def _rank_buf(ptrs_ptr, q):
 @triton.jit
 def _fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD: tl.constexpr):
     report_error(who, ptrs_ptr, state_ptr, abort_ptr, rank, WORLD)
+
+
+@triton.jit
+def _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD: tl.constexpr):
+    """Rank q's slot `slot`: (its reduce-scatter region, [source][CW][H] rows apart; int16)."""
+    cw = tl.cdiv(chunk, WORLD)
+    src_stride = cw.to(tl.int64) * hidden
+    return _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + slot * 2 * WORLD * src_stride

@@ -11,13 +11,13 @@ import triton.language as tl
 from .add_rmsnorm import norm_quant_row
 from .finalize_add import finalize_routed
 from .symm_device import SENTINEL, payload_bits
+from .symm_ring_rows import gather_row_streamed, reduce_row_streamed, row_norm_streamed
 from .symm_ring_device import (
-    _HEAD_ELEMS,
     _SLOTS,
     _UNIT,
     _fail,
-    _rank_buf,
     _release,
+    _slot_base,
     _wait_slot_free,
     _wait_tile,
 )
@@ -33,14 +33,6 @@ def _items(c, n_items, pid, nprog):
 @triton.jit
 def _chunk_rows(c, tokens, chunk):
     return tl.minimum(chunk, tokens - c * chunk)
-
-
-@triton.jit
-def _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD: tl.constexpr):
-    """Rank q's slot `slot`: (its reduce-scatter region, [source][CW][H] rows apart; int16)."""
-    cw = tl.cdiv(chunk, WORLD)
-    src_stride = cw.to(tl.int64) * hidden
-    return _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + slot * 2 * WORLD * src_stride
 
 
 @triton.jit
@@ -133,11 +125,13 @@ def _stage_reduce(
     weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps,
     quant_scale, sf_cols, WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
+    R_COLS: tl.constexpr = 0,
 ):  # fmt: skip
-    """The rows rank `rank` owns in the chunk, whole: wait for the W partials, sum them in rank
-    order in fp32, add the residual, round once (-0.0 -> +0.0), clear the partials, push the bits
-    into every other rank's all-gather rows [rank][i], and (the owner needs no copy of its own)
-    store this rank's outputs of the row right here."""
+    """The rows rank `rank` owns in the chunk (whole, or in chunks of R_COLS columns:
+    `symm_ring_rows`): wait for the W partials, sum them in rank order in fp32, add the
+    residual, round once (-0.0 -> +0.0), clear the partials, push the bits into every other
+    rank's all-gather rows [rank][i], and (the owner needs no copy of its own) store this rank's
+    outputs of the row right here."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     slot = (base + c) % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -153,35 +147,47 @@ def _stage_reduce(
         ii = first + k * nprog if EMU else k + first
         if ii < n_own:
             t = (c * chunk + rank + WORLD * ii).to(tl.int64)
-            res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
-            row = ii * row_elems + cols[None, :]
-            s = tl.zeros([ROW_BLOCK], dtype=tl.float32)
-            bad = 0
-            who = 0
-            for q in range(WORLD):  # rank order (a loop, not unrolled: fewer live pointers)
-                v, b = _wait_tile(here + q * src_stride + row, in_row[None, :], abort_ptr, start,
-                                  timeout, EMU)  # fmt: skip
-                s += tl.sum(v.to(dtype, bitcast=True).to(tl.float32), axis=0)  # [1, RB]: exact
-                bad = bad | b
-                who = who | (b << q)
-            if bad != 0:
-                _fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
-            x = res.to(tl.float32) + s
-            x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
-            bits = payload_bits(x, dtype)
-            for q in range(WORLD):  # read above (the polls' block reductions): clear
-                tl.store(here + q * src_stride + row, tl.full(row.shape, SENTINEL, tl.int16),
-                         mask=in_row[None, :])  # fmt: skip
-            for q in range(WORLD):  # every other rank's all-gather region
-                if q != rank:
-                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD)
-                    tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
-                             mask=in_row)  # fmt: skip
-            _row_outputs(
-                bits.to(dtype, bitcast=True).to(tl.float32), bad, t, cols, in_row, gamma_ptr,
-                weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
-                quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
-            )  # fmt: skip
+            if R_COLS != 0:
+                sum_sq = reduce_row_streamed(
+                    t, ii, here, src_stride, slot, chunk, residual_ptr, residual_out_ptr,
+                    abort_ptr, ptrs_ptr, state_ptr, start, timeout, rank, hidden, WORLD, R_COLS,
+                    EMU,
+                )  # fmt: skip
+                row_norm_streamed(
+                    t, sum_sq, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
+                    sf_ptr, tokens, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, R_COLS,
+                    HW_CVT,
+                )  # fmt: skip
+            else:
+                res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
+                row = ii * row_elems + cols[None, :]
+                s = tl.zeros([ROW_BLOCK], dtype=tl.float32)
+                bad = 0
+                who = 0
+                for q in range(WORLD):  # rank order (a loop, not unrolled: fewer live pointers)
+                    v, b = _wait_tile(here + q * src_stride + row, in_row[None, :], abort_ptr,
+                                      start, timeout, EMU)  # fmt: skip
+                    s += tl.sum(v.to(dtype, bitcast=True).to(tl.float32), axis=0)  # [1, RB]: exact
+                    bad = bad | b
+                    who = who | (b << q)
+                if bad != 0:
+                    _fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
+                x = res.to(tl.float32) + s
+                x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
+                bits = payload_bits(x, dtype)
+                for q in range(WORLD):  # read above (the polls' block reductions): clear
+                    tl.store(here + q * src_stride + row, tl.full(row.shape, SENTINEL, tl.int16),
+                             mask=in_row[None, :])  # fmt: skip
+                for q in range(WORLD):  # every other rank's all-gather region
+                    if q != rank:
+                        dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD)
+                        tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
+                                 mask=in_row)  # fmt: skip
+                _row_outputs(
+                    bits.to(dtype, bitcast=True).to(tl.float32), bad, t, cols, in_row, gamma_ptr,
+                    weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
+                    quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -190,11 +196,12 @@ def _stage_gather(
     residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale,
     sf_cols, WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
+    R_COLS: tl.constexpr = 0,
 ):  # fmt: skip
-    """The chunk's rows other ranks own, whole: wait for the owner's reduced bits, clear them,
-    store them as residual_out and norm them (+ FP8 / NVFP4), with the code the owner ran on its
-    own rows, so every output is bitwise identical on every rank. Then this program releases the
-    slot."""
+    """The chunk's rows other ranks own (whole, or in chunks of R_COLS columns): wait for the
+    owner's reduced bits, clear them, store them as residual_out and norm them (+ FP8 / NVFP4),
+    with the code the owner ran on its own rows, so every output is bitwise identical on every
+    rank. Then this program releases the slot."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     slot = (base + c) % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -216,15 +223,30 @@ def _stage_gather(
             p = m % per
             j = (m // per) * WORLD + p + (p >= rank).to(tl.int32)
             owner = j % WORLD
-            row = ag + owner * src_stride + (j // WORLD) * row_elems + cols[None, :]
-            v, bad = _wait_tile(row, in_row[None, :], abort_ptr, start, timeout, EMU)
-            if bad != 0:
-                _fail(1 << owner, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
-            tl.store(row, tl.full(row.shape, SENTINEL, tl.int16), mask=in_row[None, :])
-            x = tl.sum(v.to(dtype, bitcast=True).to(tl.float32), axis=0)  # [1, RB] -> [RB], exact
-            _row_outputs(
-                x, bad, (c * chunk + j).to(tl.int64), cols, in_row, gamma_ptr, weight_bias,
-                residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps, quant_scale,
-                sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
-            )  # fmt: skip
+            if R_COLS != 0:
+                t = (c * chunk + j).to(tl.int64)
+                src = ag + owner * src_stride + (j // WORLD) * row_elems
+                sum_sq = gather_row_streamed(
+                    t, src, owner, residual_out_ptr, abort_ptr, ptrs_ptr, state_ptr, start,
+                    timeout, rank, hidden, WORLD, R_COLS, EMU,
+                )  # fmt: skip
+                row_norm_streamed(
+                    t, sum_sq, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
+                    sf_ptr, tokens, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, R_COLS,
+                    HW_CVT,
+                )  # fmt: skip
+            else:
+                row = ag + owner * src_stride + (j // WORLD) * row_elems + cols[None, :]
+                v, bad = _wait_tile(row, in_row[None, :], abort_ptr, start, timeout, EMU)
+                if bad != 0:
+                    _fail(1 << owner, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
+                tl.store(row, tl.full(row.shape, SENTINEL, tl.int16), mask=in_row[None, :])
+                x = tl.sum(
+                    v.to(dtype, bitcast=True).to(tl.float32), axis=0
+                )  # [1, RB] -> [RB], exact
+                _row_outputs(
+                    x, bad, (c * chunk + j).to(tl.int64), cols, in_row, gamma_ptr, weight_bias,
+                    residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps, quant_scale,
+                    sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
+                )  # fmt: skip
     _release(ptrs_ptr, rank, slot, pid, nprog)

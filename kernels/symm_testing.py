@@ -275,6 +275,7 @@ class EmulatedRing:
         tokens = per_rank[0]["perm"].shape[0]
         if tokens == 0:
             return
+        _interpreter_loop_bounds()  # the streamed row stages loop over columns up to H
         nchunks = -(-tokens // chunk)
         cw = -(-chunk // world)
         consts = shape.constexprs(hidden)

@@ -37,9 +37,13 @@ QUANTS = {
 
 
 SHAPE = RingShape(f_rows=2, f_cols=64)  # narrow finalize tiles: several per row
+# the row stages streamed in 64-column chunks (symm_ring_rows): H = 96 / 160 / 2880 end in a
+# partial chunk, H = 64 is one chunk
+STREAMED = RingShape(f_rows=2, f_cols=64, row_cols=64)
+ROWS = {"whole": SHAPE, "streamed": STREAMED}
 
 
-def _run(emu, spec, inputs, programs=2, skip_rank=None, max_polls=3):
+def _run(emu, spec, inputs, programs=2, skip_rank=None, max_polls=3, shape=SHAPE):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first."""
     tokens, hidden = inputs[0].residual.shape
     per_rank, outs = [], []
@@ -68,7 +72,7 @@ def _run(emu, spec, inputs, programs=2, skip_rank=None, max_polls=3):
         )
     emu.call(
         per_rank, spec_scalars=(spec.routed_scaling_factor, spec.eps, spec.weight_bias),
-        quant=kernel_quant_args(spec), shape=SHAPE, programs=programs, max_polls=max_polls,
+        quant=kernel_quant_args(spec), shape=shape, programs=programs, max_polls=max_polls,
         skip_rank=skip_rank,
     )  # fmt: skip
     return outs
