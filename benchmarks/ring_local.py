@@ -38,6 +38,18 @@ SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupa
     "w16_f2x4096": dict(warps=16, f_rows=2, f_cols=4096),
     "w16_f2x2048": dict(warps=16, f_rows=2, f_cols=2048),
     "w8_f1x2048": dict(warps=8, f_rows=1, f_cols=2048),
+    # rows streamed in column chunks (RingShape.row_cols), routing loaded in the finalize tile,
+    # a register cap: several programs per SM (benchmarks/ring_offline_regs.py: the registers)
+    "lean_w8_r512_m40": dict(
+        programs_per_sm=6, warps=8, f_cols=1024, row_cols=512, f_prefetch=False, max_regs=40
+    ),
+    "lean_w8_r512_m32": dict(
+        programs_per_sm=8, warps=8, f_cols=1024, row_cols=512, f_prefetch=False, max_regs=32
+    ),
+    "lean_w4_r256_m40": dict(
+        programs_per_sm=12, warps=4, f_cols=512, row_cols=256, f_prefetch=False, max_regs=40
+    ),
+    "lean_w8_r512": dict(programs_per_sm=8, warps=8, f_cols=1024, row_cols=512, f_prefetch=False),
 }
 
 

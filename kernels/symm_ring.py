@@ -83,7 +83,7 @@ def _ring_kernel(
     eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, R_COLS: tl.constexpr,
+    F_COLS: tl.constexpr, R_COLS: tl.constexpr, F_PREFETCH: tl.constexpr,
     EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
     EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
     PHASES: tl.constexpr = 7,
@@ -121,6 +121,7 @@ def _ring_kernel(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
                 routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
+                F_PREFETCH,
             )  # fmt: skip
         if EMU_STAGE == 1:
             _stage_reduce(
@@ -149,6 +150,7 @@ def _ring_kernel(
                     it, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
                     routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
+                    F_PREFETCH,
                 )  # fmt: skip
             if (it >= 1) & (it <= nchunks) & ((PHASES & 2) != 0):
                 _stage_reduce(
@@ -189,18 +191,29 @@ class RingShape:
 
     row_cols: 0 = reduce and gather hold a whole row in registers (the default); a power of two
     >= 64 = they stream each row in chunks of that many columns (`symm_ring_rows`), so the
-    registers no longer grow with H and more programs fit on an SM (not yet measured on a GPU)."""
+    registers no longer grow with H and more programs fit on an SM (not yet measured on a GPU).
+    f_prefetch: the finalize loads the next tile's routing before this tile's gathers (True, the
+    default) or in the tile, as our standalone finalize (fewer registers).
+    max_regs: 0 = the compiler's register count; else a cap (ptxas maxnreg), so that more
+    programs fit on an SM: the values it then spills are mostly the kernel's loop-invariant
+    pointers and scalars, which every stage keeps live across the chunk loop."""
 
     programs_per_sm: int = 2
     warps: int = 16
     f_rows: int = 1
     f_cols: int = 4096
     row_cols: int = 0
+    f_prefetch: bool = True
+    max_regs: int = 0
 
     def __post_init__(self):
         rc = self.row_cols
         if rc != 0 and (rc < 64 or rc & (rc - 1)):
             raise ValueError(f"row_cols: expected 0 or a power of two >= 64, got {rc}")
+
+    def options(self) -> dict:
+        """Triton launch options: warps, and the register cap (maxnreg) when one is set."""
+        return dict(num_warps=self.warps, **({"maxnreg": self.max_regs} if self.max_regs else {}))
 
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
@@ -209,6 +222,7 @@ class RingShape:
             F_COLS=min(self.f_cols, cap),
             ROW_BLOCK=row_block(hidden),
             R_COLS=min(self.row_cols, row_block(hidden)),
+            F_PREFETCH=self.f_prefetch,
         )
 
 
@@ -226,6 +240,10 @@ def resident_per_sm(compiled, warps: int) -> int:
 
 
 _OCCUPANCY: dict = {}
+
+
+def occupancy_key(constexprs: dict, shape: RingShape, device) -> tuple:
+    return (tuple(sorted(constexprs.items())), shape.warps, shape.max_regs, device)
 
 
 def call_args(
@@ -278,11 +296,11 @@ def launch(layer: SymmLayer, *, shape: Optional[RingShape] = None, **tensors) ->
         return
     shape = shape or DEFAULT_SHAPE
     args, constexprs = call_args(layer, shape, **tensors)
-    key = (tuple(sorted(constexprs.items())), shape.warps, tensors["residual"].device)
+    key = occupancy_key(constexprs, shape, tensors["residual"].device)
     per_sm = _OCCUPANCY.get(key)
     if per_sm is None:  # compile first: the grid must fit on the GPU at once
-        compiled = _ring_kernel.warmup(*args, grid=(1,), num_warps=shape.warps, **constexprs)
+        compiled = _ring_kernel.warmup(*args, grid=(1,), **shape.options(), **constexprs)
         compiled._init_handles()  # loads it: n_regs is known from here on
         per_sm = _OCCUPANCY[key] = resident_per_sm(compiled, shape.warps)
     programs = layer.num_sms * min(shape.programs_per_sm, per_sm)
-    _ring_kernel[(programs,)](*args, num_warps=shape.warps, **constexprs)
+    _ring_kernel[(programs,)](*args, **shape.options(), **constexprs)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .add_rmsnorm import norm_quant_row
-from .finalize_add import finalize_routed
+from .finalize_add import finalize_routed, finalize_row
 from .symm_device import SENTINEL, payload_bits
 from .symm_ring_rows import gather_row_streamed, reduce_row_streamed, row_norm_streamed
 from .symm_ring_device import (
@@ -40,6 +40,17 @@ def _f_item(i, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD: tl.c
             TOP_K: tl.constexpr, F_ROWS: tl.constexpr):  # fmt: skip
     """Finalize item i (clamped into range): (owner, owner rows [F_ROWS, 1], live rows, token rows
     [F_ROWS, 1] int64, column block, routing src int64 / weights fp32 [F_ROWS, KP])."""
+    q, ii, live, row, cb = _f_place(i, n_items, c, n_c, groups, chunk, WORLD, F_ROWS)
+    kk = tl.arange(0, triton.next_power_of_2(TOP_K))[None, :]
+    src = tl.load(perm_ptr + row * TOP_K + kk, mask=kk < TOP_K, other=-1).to(tl.int64)
+    w = tl.load(weight_ptr + row * TOP_K + kk, mask=kk < TOP_K, other=0.0).to(tl.float32)
+    return q, ii, live, row, cb, src, w
+
+
+@triton.jit
+def _f_place(i, n_items, c, n_c, groups, chunk, WORLD: tl.constexpr, F_ROWS: tl.constexpr):
+    """Finalize item i (clamped into range): (owner, owner rows [F_ROWS, 1], live rows, token rows
+    [F_ROWS, 1] int64, column block)."""
     i = tl.minimum(i, n_items - 1)
     q = i % WORLD  # the owner
     rest = i // WORLD
@@ -48,10 +59,7 @@ def _f_item(i, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD: tl.c
     live = j < n_c
     # rows past the chunk read the chunk's last row (in bounds) and store nothing
     row = (c * chunk + tl.where(live, j, n_c - 1)).to(tl.int64)
-    kk = tl.arange(0, triton.next_power_of_2(TOP_K))[None, :]
-    src = tl.load(perm_ptr + row * TOP_K + kk, mask=kk < TOP_K, other=-1).to(tl.int64)
-    w = tl.load(weight_ptr + row * TOP_K + kk, mask=kk < TOP_K, other=0.0).to(tl.float32)
-    return q, ii, live, row, rest // groups, src, w
+    return q, ii, live, row, rest // groups
 
 
 @triton.jit
@@ -60,19 +68,26 @@ def _stage_finalize(
     weight_ptr, shared_ptr, tokens, hidden, chunk, rank, routed_scaling, dtype: tl.constexpr,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
     F_COLS: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
+    F_PREFETCH: tl.constexpr = True,
 ):  # fmt: skip
     """Wait until every rank released the slot this chunk reuses; then rank `rank`'s partial of
     the chunk's rows (one rounding, -0.0 -> +0.0), items (owner, F_ROWS of its rows, column block),
     into each owner's reduce-scatter rows [rank][i]. Never waits for data. The next item's routing
     is loaded before this item's gathers: one memory latency per item, not two (measured on the
-    H200, H=7168, T=4096, world size 1: 322 us against 347 us without it)."""
+    H200, H=7168, T=4096, world size 1: 322 us against 347 us without it, at one program per SM).
+    F_PREFETCH False: the routing is loaded in the item, as our standalone finalize does (the
+    prefetched [F_ROWS, K] tiles and their per-k extraction cost registers; with several programs
+    per SM the latency is hidden by the others)."""
     seq = base + c
     slot = seq % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
     groups = tl.cdiv(tl.cdiv(n_c, WORLD), F_ROWS)  # row groups per owner (may reach past n_c)
     n_items = WORLD * groups * tl.cdiv(hidden, F_COLS)
     first = _items(c, n_items, pid, nprog)
-    nxt = _f_item(first, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS)
+    if F_PREFETCH:
+        nxt = _f_item(
+            first, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS
+        )
     # the chunk that used this slot before (SLOTS chunks ago) is released by every program
     missing = _wait_slot_free(
         ptrs_ptr, slot, (seq // _SLOTS) * _UNIT, abort_ptr, start, timeout, WORLD, EMU
@@ -84,15 +99,26 @@ def _stage_finalize(
     src_stride = cw.to(tl.int64) * row_elems
     for k in range(0, EMU_ITEMS if EMU else n_items, 1 if EMU else nprog):
         i = first + k * nprog if EMU else k + first
-        q, ii, live, row, cb, src, w = nxt
-        nxt = _f_item(
-            i + nprog, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS
-        )
+        if F_PREFETCH:
+            q, ii, live, row, cb, src, w = nxt
+            nxt = _f_item(
+                i + nprog, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K,
+                F_ROWS,
+            )  # fmt: skip
+        else:
+            q, ii, live, row, cb = _f_place(i, n_items, c, n_c, groups, chunk, WORLD, F_ROWS)
         if i < n_items:
             cols = cb * F_COLS + tl.arange(0, F_COLS)[None, :] + ii * 0  # [F_ROWS, F_COLS]
-            acc = finalize_routed(
-                gemm2_ptr, src, w, shared_ptr, row, cols, hidden, routed_scaling, TOP_K, HAS_SHARED
-            )
+            if F_PREFETCH:
+                acc = finalize_routed(
+                    gemm2_ptr, src, w, shared_ptr, row, cols, hidden, routed_scaling, TOP_K,
+                    HAS_SHARED,
+                )  # fmt: skip
+            else:  # the same sum in the same order
+                acc = finalize_row(
+                    gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden,
+                    routed_scaling, TOP_K, HAS_SHARED,
+                )  # fmt: skip
             dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + rank * src_stride
             tl.store(
                 dst + ii * row_elems + cols, payload_bits(acc, dtype), mask=live & (cols < hidden)

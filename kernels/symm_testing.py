@@ -324,14 +324,14 @@ class EmulatedRing:
 def ring_launch_ablated(layer: P.SymmLayer, phases: int, shape: RingShape, **tensors) -> None:
     """Benchmarks only: the GPU ring kernel with its PHASES hook (symm_protocol.RING_*; results
     are wrong unless phases == RING_ALL), the production grid."""
-    from .symm_ring import _OCCUPANCY, launch
+    from .symm_ring import _OCCUPANCY, launch, occupancy_key
 
     args, constexprs = ring_call_args(layer, shape, **tensors)
-    key = (tuple(sorted(constexprs.items())), shape.warps, tensors["residual"].device)
+    key = occupancy_key(constexprs, shape, tensors["residual"].device)
     if key not in _OCCUPANCY:  # once, eager: compiles the production variant, fills _OCCUPANCY
         launch(layer, shape=shape, **tensors)
     programs = layer.num_sms * min(shape.programs_per_sm, _OCCUPANCY[key])
-    _ring_kernel[(programs,)](*args, num_warps=shape.warps, PHASES=phases, **constexprs)
+    _ring_kernel[(programs,)](*args, PHASES=phases, **shape.options(), **constexprs)
 
 
 def ring_layers_on_one_gpu(world: int, hidden: int, spec, timeout_s: float = 10.0, device=None):
