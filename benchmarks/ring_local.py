@@ -49,6 +49,9 @@ SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupa
     "lean_w4_r256_m40": dict(
         programs_per_sm=12, warps=4, f_cols=512, row_cols=256, f_prefetch=False, max_regs=40
     ),
+    "lean_w8_r1024_m48": dict(
+        programs_per_sm=5, warps=8, f_cols=1024, row_cols=1024, f_prefetch=False, max_regs=48
+    ),
     "lean_w8_r512": dict(programs_per_sm=8, warps=8, f_cols=1024, row_cols=512, f_prefetch=False),
 }
 

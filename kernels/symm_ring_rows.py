@@ -47,16 +47,16 @@ def row_norm_streamed(
     `add_rmsnorm.rms_norm_row` does (two more passes, taken only then)."""
     tl.debug_barrier()  # residual_out's chunks were stored by other threads of this program
     ssq = tl.sum(sum_sq, axis=0)
-    s = ssq * 0.0 + 1.0
+    s = tl.full([], 1.0, tl.float32)
     base = residual_out_ptr + t * hidden
     if ssq == float("inf"):
-        amax = ssq * 0.0
+        amax = tl.full([], 0.0, tl.float32)
         for c0 in range(0, hidden, R_COLS):
             cols = c0 + tl.arange(0, R_COLS)
             x = tl.load(base + cols, mask=cols < hidden, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
         s = overflow_scale((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
-        ssq = ssq * 0.0
+        ssq = tl.full([], 0.0, tl.float32)
         for c0 in range(0, hidden, R_COLS):
             cols = c0 + tl.arange(0, R_COLS)
             x = tl.load(base + cols, mask=cols < hidden, other=0.0).to(tl.float32) * s

@@ -38,8 +38,9 @@ _KEEP: list = []  # the emulated groups' buffers, alive for the whole module
 BOUND = math.sqrt(3) * U_BF16
 
 
-def _call(layers, streams, spec, inputs, skip_rank=None):
-    """One epilogue call on every emulated rank (each on its own stream); outputs poisoned first."""
+def _call(layers, streams, spec, inputs, skip_rank=None, shape=None):
+    """One epilogue call on every emulated rank (each on its own stream); outputs poisoned first.
+    shape: a symm_ring.RingShape (None: the default)."""
     from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.kernels import symm_ring
     from fusion_bridge.kernels.symm_testing import call_tensors
@@ -63,7 +64,7 @@ def _call(layers, streams, spec, inputs, skip_rank=None):
             continue
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            symm_ring.launch(layer, **call_tensors(inp, (ro, no, q, sf)))
+            symm_ring.launch(layer, shape=shape, **call_tensors(inp, (ro, no, q, sf)))
     for stream in streams:
         main.wait_stream(stream)
     return outs
@@ -150,6 +151,66 @@ def test_ring_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quant)
     torch.cuda.synchronize()
     assert [int(e[0]) for e in errs] == [0] * world, [hex(int(e[0])) for e in errs]
     assert not problems, "\n".join(problems[:20])
+
+
+def _lean_shape():
+    """Rows streamed in 512-column chunks, routing loaded in the finalize tile, 40 registers: six
+    8-warp programs per SM (benchmarks/ring_local.py's `lean_w8_r512_m40`)."""
+    from fusion_bridge.kernels.symm_ring import RingShape
+
+    return RingShape(
+        programs_per_sm=6, warps=8, f_cols=1024, row_cols=512, f_prefetch=False, max_regs=40
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2, 8], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("quant", ("none", "fp8", "nvfp4_swizzled"))
+def test_ring_lean_rows_parity_and_identity_on_emulated_ranks(world, quant):
+    """The streamed-row shape (RingShape.row_cols, f_prefetch off, max_regs): one ring through
+    T = 1, 3, 257, 1000, 4096 (and 16384 at W = 1: the ring turns 16 times in one call) at
+    H = 7168 (14 column chunks a row)."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec
+
+    spec = EpilogueSpec(
+        hidden_size=7168, top_k=8, routed_scaling_factor=2.5, weight_bias=0.5,
+        quant=_quant_spec(quant),
+    )  # fmt: skip
+    layers, errs, streams = _setup(world, spec)
+    problems = []
+    for tokens in (1, 3, 257, 1000, 4096) + ((16384,) if world == 1 else ()):
+        inputs = _inputs(spec, tokens, world, seed=tokens + world)
+        outs = _call(layers, streams, spec, inputs, shape=_lean_shape())
+        tag = f"lean W={world} {quant} T={tokens}"
+        problems += _problems(spec, outs, inputs, BOUND, tag)
+        if tokens <= 1000:
+            problems += _quant_problems(spec, outs, tag)
+    torch.cuda.synchronize()
+    assert [int(e[0]) for e in errs] == [0] * world, [hex(int(e[0])) for e in errs]
+    assert not problems, "\n".join(problems[:20])
+
+
+def test_ring_lean_rows_a_rank_that_skips_a_call_gives_nan_and_the_error_word():
+    needs_gpu()
+    from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT
+    from fusion_bridge.spec import EpilogueSpec
+
+    world, skip = 2, 1
+    spec = EpilogueSpec(hidden_size=7168, top_k=8)
+    wss, errs, streams = _setup(world, spec, timeout_s=1.0)
+    first = _inputs(spec, 600, world, seed=1)
+    got = _call(wss, streams, spec, first, shape=_lean_shape())
+    assert not _problems(spec, got, first, BOUND, "before the skip")
+    torch.cuda.synchronize()
+    outs = _call(
+        wss, streams, spec, _inputs(spec, 1500, world, seed=2), skip_rank=skip,
+        shape=_lean_shape(),
+    )  # fmt: skip
+    torch.cuda.synchronize()  # returns: every wait is bounded
+    ro, no, _, _ = outs[0]
+    err = int(errs[0][0])
+    assert err & (int(ERR_TIMEOUT) | int(ERR_ABORTED)), hex(err)
+    assert torch.isnan(ro).any() and torch.isnan(no).any()
 
 
 @pytest.mark.parametrize("world", [1, 8], ids=lambda w: f"W{w}")

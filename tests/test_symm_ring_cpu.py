@@ -37,9 +37,9 @@ QUANTS = {
 
 
 SHAPE = RingShape(f_rows=2, f_cols=64)  # narrow finalize tiles: several per row
-# the row stages streamed in 64-column chunks (symm_ring_rows): H = 96 / 160 / 2880 end in a
-# partial chunk, H = 64 is one chunk
-STREAMED = RingShape(f_rows=2, f_cols=64, row_cols=64)
+# the row stages streamed in 64-column chunks (symm_ring_rows) and the routing loaded in the
+# finalize tile: H = 96 / 160 / 2880 end in a partial column chunk, H = 64 is one chunk
+STREAMED = RingShape(f_rows=2, f_cols=64, row_cols=64, f_prefetch=False)
 ROWS = {"whole": SHAPE, "streamed": STREAMED}
 
 
@@ -98,12 +98,13 @@ CASES = [  # tokens, hidden, top_k, world, chunk, programs
 LONG = {(21, 4), (3, 2)}  # run without quantization only (interpreter time)
 
 
+@pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize(
     "tokens,hidden,top_k,world,chunk,programs,quant",
     [c + (q,) for c in CASES for q in QUANTS if q == "none" or (c[0], c[3]) not in LONG],
 )
 def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
-    tokens, hidden, top_k, world, chunk, programs, quant
+    tokens, hidden, top_k, world, chunk, programs, quant, rows
 ):
     spec = EpilogueSpec(
         hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
@@ -111,7 +112,7 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     )  # fmt: skip
     emu = EmulatedRing(world, chunk, hidden)
     inputs = _inputs(spec, tokens, world, seed=tokens * 31 + hidden + world)
-    outs = _run(emu, spec, inputs, programs=programs)
+    outs = _run(emu, spec, inputs, programs=programs, shape=ROWS[rows])
     assert not emu.states[:, 2].any(), emu.states  # no wait failed
     for r in range(1, world):  # bitwise identical on every rank
         for mine, theirs in zip(outs[r], outs[0]):
@@ -159,14 +160,16 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
 
 def test_calls_at_changing_t_and_program_counts_share_one_ring():
     """The chunk base carries over calls and a chunk's releases add one unit whatever the program
-    count, so calls with different launch shapes can follow each other through one ring."""
+    count, so calls with different launch shapes (whole and streamed rows alternating) can follow
+    each other through one ring."""
     spec = EpilogueSpec(hidden_size=64, top_k=4, routed_scaling_factor=2.5)
     world, chunk = 3, 4
     emu = EmulatedRing(world, chunk, 64)
     total = 0
-    for tokens, programs in ((9, 2), (2, 3), (17, 1), (1, 2), (6, 3)):
+    for n, (tokens, programs) in enumerate(((9, 2), (2, 3), (17, 1), (1, 2), (6, 3))):
+        shape = (SHAPE, STREAMED)[n % 2]
         inputs = _inputs(spec, tokens, world, seed=tokens)
-        outs = _run(emu, spec, inputs, programs=programs)
+        outs = _run(emu, spec, inputs, programs=programs, shape=shape)
         x64, norm64 = epilogue64_from(spec, inputs)
         assert not emu.states[:, 2].any(), (tokens, emu.states)
         assert rel_err(outs[1][1], norm64) <= math.sqrt(3) * U, tokens
@@ -176,11 +179,13 @@ def test_calls_at_changing_t_and_program_counts_share_one_ring():
         assert emu.data_all_sentinel()
 
 
+@pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("world,skip", [(2, 1), (3, 0), (4, 2)])
-def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip):
-    spec = EpilogueSpec(hidden_size=64, top_k=2, quant=QUANTS["nvfp4_swizzled"])
-    emu = EmulatedRing(world, 8, 64)
-    outs = _run(emu, spec, _inputs(spec, 6, world, seed=1), skip_rank=skip)
+def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip, rows):
+    hidden = 160  # streamed: three column chunks, each wait fails
+    spec = EpilogueSpec(hidden_size=hidden, top_k=2, quant=QUANTS["nvfp4_swizzled"])
+    emu = EmulatedRing(world, 8, hidden)
+    outs = _run(emu, spec, _inputs(spec, 6, world, seed=1), skip_rank=skip, shape=ROWS[rows])
     for r in range(world):
         if r == skip:
             continue
@@ -203,12 +208,13 @@ def test_a_missing_rank_stops_the_ring_too():
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10
 
 
-def test_an_abort_word_stops_the_call_with_nan():
-    spec = EpilogueSpec(hidden_size=64, top_k=2)
-    emu = EmulatedRing(2, 4, 64)
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_an_abort_word_stops_the_call_with_nan(rows):
+    spec = EpilogueSpec(hidden_size=160, top_k=2)
+    emu = EmulatedRing(2, 4, 160)
     word = int(ERR_ABORTED) | (1 << 20) | 0b1
     emu.aborts.fill_(word)
-    outs = _run(emu, spec, _inputs(spec, 3, 2, seed=3))
+    outs = _run(emu, spec, _inputs(spec, 3, 2, seed=3), shape=ROWS[rows])
     for residual_out, norm_out, *_ in outs:
         assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
     # rank 0 reports rank 1's abort; rank 1 finds its own (a sibling program's) timeout in it
@@ -231,19 +237,23 @@ def _exact_inputs(spec, world, tokens, partial_values, residual_value):
     return out
 
 
-def test_partials_are_summed_in_rank_order():
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_partials_are_summed_in_rank_order(rows):
     """Partials 1, 2^-24, 2^-24 and residual 2^-8: in rank order the fp32 sum stays 1 and 1 + 2^-8
     is a bf16 tie that rounds to 1.0; any other order reaches 1 + 2^-23 first and rounds to
     1 + 2^-7. Every owner (T = 3: one row each) must give 1.0."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
     emu = EmulatedRing(3, 4, 64)
-    outs = _run(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0**-24, 2.0**-24], 2.0**-8))
+    outs = _run(
+        emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0**-24, 2.0**-24], 2.0**-8), shape=ROWS[rows]
+    )
     assert not emu.states[:, 2].any()
     for ro, *_ in outs:
         assert (ro == 1.0).all(), ro[:, 0]
 
 
-def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_negative_zero_never_leaves_a_rank_as_the_sentinel(rows):
     """A partial that rounds to -0.0 would read as "not arrived": it is published as +0.0, so the
     call completes, and residual_out (residual -0.0 plus +0.0) is +0.0 on every rank."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
@@ -251,7 +261,7 @@ def test_negative_zero_never_leaves_a_rank_as_the_sentinel():
     inputs = _exact_inputs(spec, 2, 2, [-1e-20, -1e-20], -0.0)
     for inp in inputs:
         inp.expert_weights.fill_(1e-21)  # the partial -1e-41 rounds to bf16 -0.0
-    outs = _run(emu, spec, inputs)
+    outs = _run(emu, spec, inputs, shape=ROWS[rows])
     assert not emu.states[:, 2].any(), emu.states
     for ro, *_ in outs:
         assert (ro.view(torch.int16) == 0).all()
@@ -271,14 +281,24 @@ def test_a_skipped_slot_weight_is_never_used():
     assert not torch.isnan(outs[0][0]).any() and rel_err(outs[0][0], x64) <= math.sqrt(2) * U
 
 
-def test_a_row_whose_squares_overflow_is_normalized_not_zeroed():
-    """|x| ~ 1e25: the fp32 sum of squares overflows; the norm must still be x / rms * gamma."""
-    spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
-    emu = EmulatedRing(2, 4, 64)
+@pytest.mark.parametrize("rows,hidden", [("whole", 64), ("streamed", 160)])
+def test_a_row_whose_squares_overflow_is_normalized_not_zeroed(rows, hidden):
+    """|x| ~ 1e25: the fp32 sum of squares overflows; the norm must still be x / rms * gamma.
+    Streamed: three column chunks, a different magnitude in each (the rescale's largest
+    magnitude is the row's, not the last chunk's)."""
+    spec = EpilogueSpec(
+        hidden_size=hidden, top_k=1, routed_scaling_factor=1.0, has_shared_output=False
+    )
+    emu = EmulatedRing(2, 4, hidden)
     inputs = _exact_inputs(spec, 2, 2, [0.0, 0.0], 1e25)
-    outs = _run(emu, spec, inputs)
+    for inp in inputs:
+        inp.residual[:, 64:128] = 3e30
+        inp.residual[:, 128:] = -1e20
+    outs = _run(emu, spec, inputs, shape=ROWS[rows])
     _, norm64 = epilogue64_from(spec, inputs)
-    assert rel_err(outs[0][1], norm64) <= math.sqrt(3) * U
+    for _, norm_out, *_ in outs:
+        assert not torch.isnan(norm_out).any() and (norm_out != 0).all()
+        assert rel_err(norm_out, norm64) <= math.sqrt(3) * U
 
 
 def test_the_ring_buffer_does_not_grow_with_t_and_stays_under_64_mb():
@@ -303,12 +323,13 @@ def test_the_ring_launch_exposes_no_test_hooks():
     assert params["EMU"].default is False and params["EMU_STAGE"].default == 0
 
 
-def test_a_missing_partial_is_reported_by_the_reduce_itself():
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_a_missing_partial_is_reported_by_the_reduce_itself(rows):
     """T = 1 at W = 2: the only row belongs to rank 0, so only rank 0's reduce waits on the missing
     rank 1 (its gather then receives the NaN row in time): the reduce must write the error word."""
     spec = EpilogueSpec(hidden_size=64, top_k=2)
     emu = EmulatedRing(2, 4, 64)
-    outs = _run(emu, spec, _inputs(spec, 1, 2, seed=4), skip_rank=1)
+    outs = _run(emu, spec, _inputs(spec, 1, 2, seed=4), skip_rank=1, shape=ROWS[rows])
     assert torch.isnan(outs[0][0]).all() and torch.isnan(outs[0][1]).all()
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10, hex(int(emu.states[0, 2]))
 
@@ -325,7 +346,8 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
     _, without_eps = epilogue64_from(EpilogueSpec(hidden_size=96, top_k=4, eps=1e-9), inputs)
     rows = [0, 2, 3, 4]
     assert rel_err(without_eps[rows], norm[rows]) > 0.5  # the case observes eps
-    outs = _run(EmulatedRing(2, 4, 96), spec, inputs)
-    for residual_out, norm_out, _, _ in outs:
-        assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
-        assert rel_err(norm_out, norm) <= math.sqrt(3) * U
+    for shape in ROWS.values():
+        outs = _run(EmulatedRing(2, 4, 96), spec, inputs, shape=shape)
+        for residual_out, norm_out, _, _ in outs:
+            assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
+            assert rel_err(norm_out, norm) <= math.sqrt(3) * U
