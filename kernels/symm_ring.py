@@ -210,6 +210,8 @@ class RingShape:
         rc = self.row_cols
         if rc != 0 and (rc < 64 or rc & (rc - 1)):
             raise ValueError(f"row_cols: expected 0 or a power of two >= 64, got {rc}")
+        if self.max_regs != 0 and not 24 <= self.max_regs <= 255:
+            raise ValueError(f"max_regs: expected 0 or 24..255, got {self.max_regs}")
 
     def options(self) -> dict:
         """Triton launch options: warps, and the register cap (maxnreg) when one is set."""

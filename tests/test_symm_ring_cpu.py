@@ -351,3 +351,9 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
         for residual_out, norm_out, _, _ in outs:
             assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
             assert rel_err(norm_out, norm) <= math.sqrt(3) * U
+
+
+@pytest.mark.parametrize("field,value", [("row_cols", 100), ("row_cols", 32), ("max_regs", 8)])
+def test_a_bad_ring_shape_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"{field}: expected .* got {value}"):
+        RingShape(**{field: value})
