@@ -12,7 +12,9 @@ ring's tile shape. CUDA graphs, inputs rotated past L2, median us per call. `--e
 W ranks emulated on this one GPU (each rank on its own stream with SMs / W programs; all ranks'
 work in one time: not a two-GPU prediction). Every ring row is first checked against the two
 standalone kernels' outputs (residual_out bitwise equal: the same roundings; norm_out close: the
-ring norms the rounded residual_out) and its error word.
+ring norms the rounded residual_out) and its error word. The `lean_*` labels stream the row stages
+in column chunks with a register cap (RingShape.row_cols / f_prefetch / max_regs), so several
+programs share an SM; benchmarks/ring_offline_regs.py gives their registers without a GPU.
 """
 
 from __future__ import annotations

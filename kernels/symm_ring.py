@@ -21,6 +21,12 @@ three stages in flight, one chunk apart:
                program releases slot s (a counter in its rank's header; the P programs' shares add
                up to one unit). At W = 1 there is nothing to gather.
 
+RingShape.row_cols streams reduce and gather in column chunks instead of whole rows
+(`symm_ring_rows`: pass 1 stores residual_out chunk by chunk and sums its squares, pass 2 re-reads
+it for the norm and the quantization), so the registers no longer grow with H; with the finalize's
+routing loaded in its tile (f_prefetch off) and a register cap (max_regs) several programs fit on
+an SM. The default shape keeps whole rows until a GPU run has measured the streamed ones.
+
 Before finalize(c) writes into slot s of any rank, the program waits (one system-scope acquire per
 rank, all in flight together) until every rank's counter of slot s shows that all programs
 released the chunk that used s before (SLOTS chunks earlier). All ranks launch the same P programs
