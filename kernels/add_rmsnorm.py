@@ -22,6 +22,20 @@ from .rounding import round_to
 
 
 @triton.jit
+def rms_apply(x, g, sum_sq, hidden, eps):
+    """x * rsqrt(sum_sq / hidden + eps) * g in fp32: the norm of a row (or of a part of it) whose
+    sum of squares is known. The one formula `rms_norm_row` and the split-row kernel share."""
+    return x * tl.rsqrt(sum_sq / hidden + eps) * g
+
+
+@triton.jit
+def overflow_scale(amax_exp):
+    """The power of two s bringing a row whose largest magnitude has the biased fp32 exponent
+    amax_exp into [2^31, 2^32) (see `rms_norm_row`)."""
+    return ((tl.minimum(tl.maximum(285 - amax_exp, 1), 254)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def rms_norm_row(x, g, hidden, eps, OVERFLOW_SAFE: tl.constexpr):
     """The building block (the symmetric-memory kernels call it too): fp32 x [BLOCK] (0 past H),
     g = gamma + weight_bias (0 past H) -> x * rsqrt(mean(x^2) + eps) * g in fp32, not rounded.
@@ -34,15 +48,12 @@ def rms_norm_row(x, g, hidden, eps, OVERFLOW_SAFE: tl.constexpr):
     one-launch world-size-1 kernel 8% at T=4096). Every kernel of ours passes True; off is the
     plain formula."""
     sum_sq = tl.sum(x * x, axis=0)
-    y = x * tl.rsqrt(sum_sq / hidden + eps) * g
+    y = rms_apply(x, g, sum_sq, hidden, eps)
     if OVERFLOW_SAFE:
         if sum_sq == float("inf"):
-            amax_exp = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-            s = ((tl.minimum(tl.maximum(285 - amax_exp, 1), 254)) << 23).to(
-                tl.float32, bitcast=True
-            )
+            s = overflow_scale((tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
             x_s = x * s
-            y = x_s * tl.rsqrt(tl.sum(x_s * x_s, axis=0) / hidden + eps * s * s) * g
+            y = rms_apply(x_s, g, tl.sum(x_s * x_s, axis=0), hidden, eps * s * s)
     return y
 
 

@@ -93,7 +93,49 @@ def quantize_row(
     the swizzled padding columns, written 0) of a row below `tokens`.
     HW_CVT: use the GPU's round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it
     takes the software one)."""
-    cols = tl.arange(0, BLOCK)
+    quantize_span(
+        y,
+        row,
+        0,
+        lo,
+        hi,
+        tokens,
+        hidden,
+        q_ptr,
+        sf_ptr,
+        quant_scale,
+        sf_cols,
+        QUANT,
+        SWIZZLED,
+        BLOCK,
+        HW_CVT,
+        WINDOW,
+    )
+
+
+@triton.jit
+def quantize_span(
+    y,
+    row,
+    col0,
+    lo,
+    hi,
+    tokens,
+    hidden,
+    q_ptr,
+    sf_ptr,
+    quant_scale,
+    sf_cols,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """`quantize_row` for y [BLOCK] holding columns col0 .. col0 + BLOCK of the row (col0 a
+    multiple of 64; 0 past H): a program that owns only a part of a row quantizes only that part
+    (WINDOW True, [lo, hi) within it). col0 = 0 is `quantize_row`."""
+    cols = col0 + tl.arange(0, BLOCK)
     if WINDOW:
         keep = (cols < hidden) & (cols >= lo) & (cols < hi)
     else:
@@ -116,8 +158,8 @@ def quantize_row(
         scaled = yb * quant_scale
         codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
         lo4, hi4 = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
-        packed = tl.arange(0, BLOCK // 2)
-        kb = tl.arange(0, BLOCK // 16)
+        packed = col0 // 2 + tl.arange(0, BLOCK // 2)
+        kb = col0 // 16 + tl.arange(0, BLOCK // 16)
         if WINDOW:
             keep_q = (packed < hidden // 2) & (packed * 2 >= lo) & (packed * 2 < hi)
             keep_sf = (kb * 16 >= lo) & (kb * 16 < hi)
