@@ -294,6 +294,8 @@ def _tp1_split_kernel(
             HAS_SHARED,
             dtype,
         )
+        # gamma before the exchange: no memory access of its own after the wait
+        g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
         if PHASES & 1:
             # one lane of a tensor atomic: its result waits in a register until it is used
             ticket = tl.atomic_add(
@@ -321,7 +323,6 @@ def _tp1_split_kernel(
                 polls += 1
             sums = tl.where(mine, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
             total = tl.sum(sums, axis=0)
-            g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
             y = rms_apply(x, g, total, hidden, eps)
             if total == float("inf"):  # uniform over the row's programs: they read the same sums
                 s = overflow_scale(tl.max(tl.where(mine, (w >> 32) & 0xFF, 0), axis=0).to(tl.int32))

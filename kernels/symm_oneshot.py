@@ -93,8 +93,13 @@ from . import tp1_launch
 from . import symm_protocol as P
 from .finalize_add import finalize_row
 from .oneshot_local import row_outputs
-from .tp1_launch import OneshotShape, local_shape
-from .quant import QUANT_NONE, QUANT_NVFP4, row_block, sf_padding_item
+from .oneshot_shapes import (  # noqa: F401 (SHAPE_VARIANTS, variant_shape: re-exported)
+    SHAPE_VARIANTS,
+    OneshotShape,
+    default_shape,
+    variant_shape,
+)
+from .quant import QUANT_NVFP4, row_block, sf_padding_item
 from .symm_device import (
     abort_word_ptr,
     advance_epoch,
@@ -286,27 +291,6 @@ def _oneshot_kernel(
     # D. the last ticket advances the epoch, records this slot's rows for the next clear
     if EPOCH & PHASES:
         advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
-
-
-def default_shape(
-    tokens: int, hidden: int, num_sms: int = 132, world: int = 2, quant: int = QUANT_NONE
-) -> OneshotShape:
-    """World size 1: whole rows (the partial stays in registers), one program per row; only the
-    warps vary (`local_warps`).
-
-    Otherwise: BLOCK1 1024 while T * chunks stays within two waves of programs (T=1 spreads the K
-    gathers of a row over 7 SMs at H=7168), else whole rows (more bytes in flight per program at
-    large T); two values, so few compiles. block2: whole rows at T <= 2, else the row split over as
-    many programs as one wave allows. Every program of a row reads the whole row's partials (local)
-    for its sum of squares. Measured on 2x H200, H=7168 (us, graph): T=1 (512, 512) 6.35, (1024,
-    512) 6.12, (512, row) 5.72; T=16 (512, 896) 8.70, (1024, 896) 7.82, (512, row) 8.97."""
-    rb = row_block(hidden)
-    if world == 1:
-        return local_shape(tokens, hidden, quant)
-    block1 = 1024 if rb > 1024 and tokens * triton.cdiv(hidden, 1024) <= 2 * num_sms else rb
-    per_row = max(1, num_sms // max(tokens, 1))
-    block2 = rb if tokens <= 2 else min(rb, max(512, -(-triton.cdiv(hidden, per_row) // 64) * 64))
-    return OneshotShape(block1, block2, 8 if rb >= 4096 else 4)
 
 
 def call_args(

@@ -5,69 +5,26 @@ launcher (kernels/launcher.py), so an eager call is the argument tuple and one l
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 
 from .launcher import KernelLauncher
 from .oneshot_local import _tp1_kernel, _tp1_split_kernel
-from .quant import QUANT_NONE, QUANT_NVFP4, row_block, sf_padding_items
+from .oneshot_shapes import (
+    MAX_CHUNKS,
+    MAX_POLLS,
+    SYNC_ROWS,
+    SYNC_WORDS,
+    OneshotShape,
+    local_shape,
+    split_ok,
+)
+from .quant import QUANT_NVFP4, row_block, sf_padding_items
 
-MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set per count)
-SYNC_ROWS = 256  # rows the split kernel serves (T * chunks <= the SM count)
-SYNC_WORDS = SYNC_ROWS * (MAX_CHUNKS + 1 + MAX_CHUNKS * (MAX_CHUNKS + 1) // 2)
-MAX_POLLS = 1 << 22  # ~1 s of polls: a partner that never arrives shows as NaN, not a hang
 PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
 BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
-
-
-class OneshotShape(NamedTuple):
-    """A launch shape: BLOCK1 (finalize + publish chunk, compiled in), block2 (the columns a
-    program stores in phase C, a multiple of 64), warps. World size 1: block1 is the columns a
-    program owns (a whole row block: one program per row; less: the split kernel), block2 unused."""
-
-    block1: int
-    block2: int
-    warps: int
-
-
-def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
-    """Warps per row program at world size 1. Measured on one H200, H=7168, K=8, graph, rotated
-    inputs (benchmarks/tp1_local.py --sweep, us, 8 / 16 / 32 warps): none T=16 6.39 / 6.01 / 5.84,
-    T=64 7.15 / 6.74 / 6.52, T=1024 49.9 / 48.7 / 55.7, T=4096 173.9 / 170.0 / 198.2; fp8 T=64
-    10.8 / 9.75 / 7.87, T=4096 220 / 201 / 234; nvfp4 T=16 9.50 / 8.54 / 8.05, T=4096 311 / 205 /
-    259. Few rows: the most threads in flight per row; many rows: 16 warps (quant or not). Half as
-    many for rows of half the width."""
-    per_row = 32 if tokens <= 64 else 16
-    return max(4, per_row * row_block(hidden) // 8192)
-
-
-def local_shape(
-    tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0
-) -> OneshotShape:
-    """World size 1. Without the SM count (num_sms 0): whole rows, one program per row; only the
-    warps vary (`local_warps`). With it: split rows while T is small (PROVISIONAL, re-swept)."""
-    rb = row_block(hidden)
-    whole = OneshotShape(rb, rb, local_warps(tokens, hidden, quant))
-    for chunk in (1024, 2048, 4096):
-        shape = OneshotShape(chunk, chunk, max(4, min(8, chunk // 256)))
-        if tokens <= 64 and split_ok(shape, tokens, hidden, num_sms):
-            return shape
-    return whole
-
-
-def split_ok(shape: OneshotShape, tokens: int, hidden: int, num_sms: int) -> bool:
-    """The split kernel serves this call: chunks < whole rows, T * chunks programs resident."""
-    rb = row_block(hidden)
-    chunks = triton.cdiv(hidden, shape.block1)
-    return (
-        shape.block1 < rb
-        and 1 < chunks <= MAX_CHUNKS
-        and tokens <= SYNC_ROWS
-        and tokens * chunks <= num_sms
-    )
-
 
 _LOCAL = KernelLauncher(
     _tp1_kernel, ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT")
@@ -132,7 +89,8 @@ class LocalLauncher:
         chunks = triton.cdiv(hidden, shape.block1)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
         fixed = (top_k, has_shared, quant.code, quant.swizzled, shape.block1, is_cuda)
-        fixed += (SYNC_ROWS, MAX_CHUNKS, MAX_POLLS)
+        # the interpreter publishes every chunk before any wait: a few polls suffice there
+        fixed += (SYNC_ROWS, MAX_CHUNKS, MAX_POLLS if is_cuda else 4)
         return _SPLIT, (tokens * chunks + padding,), fixed, shape.warps, chunks, sf_rows, sf_cols
 
     def __call__(

@@ -12,7 +12,8 @@ Error against the fp32 oracle: the partial's rounding + the output's rounding (+
 
 A strategy of its own rather than a variant of `symm_fused_oneshot`: at world size 1 it needs none
 of that strategy's capability (symmetric memory, multicast settings, peers; its only device state is
-the split rows' arrival words, one set per CUDA stream), and it runs under the Triton interpreter, so the CPU parity tests cover it.
+the split rows' arrival words, one set per CUDA stream), and it runs under the Triton interpreter,
+so the CPU parity tests cover it.
 """
 
 from __future__ import annotations
