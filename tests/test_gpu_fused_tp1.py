@@ -171,3 +171,46 @@ def test_fused_tp1_graph_replays_on_new_inputs():
                 tag = f"graph {quant.kind.value} T={tokens} replay seed {seed}"
                 problems += _problems(spec, strat, env, fresh, got, tag)
     assert not problems, "\n".join(problems)
+
+
+def test_split_rows_in_one_graph_and_on_two_streams():
+    """One CUDA graph holding calls of several T (chunk counts 14, 7 and 2 at H=7168) replayed on
+    fresh inputs: the arrival counters and tags carry over replays with no reset. Then two streams
+    calling at once: each stream has its own set of words, so neither reads the other's sums."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(0.05), max_tokens=64)
+    strat, env = _strategy(spec)
+    statics = {t: make_inputs(spec, t, seed=t, device="cuda") for t in (1, 3, 64)}
+    for inp in statics.values():
+        strat.run(inp)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = {t: strat.run(inp) for t, inp in statics.items()}
+    problems = []
+    for seed in (11, 12, 13):
+        fresh = {t: make_inputs(spec, t, seed=seed + t, device="cuda") for t in statics}
+        for t, inp in fresh.items():
+            for dst, src in zip(statics[t], inp):
+                if dst is not None:
+                    dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for t in statics:
+            problems += _problems(spec, strat, env, fresh[t], outs[t], f"graph T={t} seed {seed}")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    inputs = [make_inputs(spec, 16, seed=40 + i, device="cuda") for i in range(2)]
+    got = [None, None]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                got[i] = strat.run(inputs[i])
+    torch.cuda.synchronize()
+    for i in range(2):
+        problems += _problems(spec, strat, env, inputs[i], got[i], f"stream {i}")
+    assert len(strat._launch._sync) >= 3  # the graph's capture stream and the two streams
+    assert not problems, "\n".join(problems)
