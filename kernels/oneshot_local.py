@@ -280,6 +280,14 @@ def _tp1_split_kernel(
             + chunks * (chunks - 1) // 2
         )
         lane = tl.arange(0, MAX_CHUNKS)
+        if PHASES & 1:
+            # the ticket first, so its round trip overlaps the gathers: one lane of a tensor
+            # atomic laid out as the row data (no replicated lanes, so no broadcast through
+            # shared memory and no barrier here); its result waits in a register until used
+            first = tl.arange(0, CHUNK) == 0
+            ticket = tl.atomic_add(
+                counter + cols * 0, first.to(tl.int64), mask=first, sem="relaxed", scope="gpu"
+            )
         x = _chunk_x(
             gemm2_ptr,
             perm_ptr,
@@ -297,17 +305,15 @@ def _tp1_split_kernel(
         # gamma before the exchange: no memory access of its own after the wait
         g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
         if PHASES & 1:
-            # one lane of a tensor atomic: its result waits in a register until it is used
-            ticket = tl.atomic_add(
-                counter + lane * 0, lane * 0 + 1, mask=lane == 0, sem="relaxed", scope="gpu"
-            )
             tl.store(residual_out_ptr + row * hidden + cols, round_to(x, dtype), mask=in_row)
             sum_sq = tl.sum(x * x, axis=0)
             amax_exp = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-            epoch = tl.sum(tl.where(lane == 0, ticket, 0), axis=0) // chunks + 1
-            head = ((epoch & 0xFFFFFF) << 8) | amax_exp.to(tl.int64)
+            # the word is packed where the ticket landed (lane 0), with no reduction before the
+            # store: partners wait for it; this program's own epoch is reduced after it
+            head = (((ticket // chunks + 1) & 0xFFFFFF) << 8) | amax_exp.to(tl.int64)
             word = (head << 32) | (sum_sq.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-            tl.store(words + c + lane * 0, lane.to(tl.int64) * 0 + word, mask=lane == 0)
+            tl.store(words + c + cols * 0, word, mask=first)
+            epoch = tl.sum(tl.where(first, ticket, 0), axis=0) // chunks + 1
         else:  # the interpreter's second launch: the publish launch advanced the counter
             epoch = tl.load(counter) // chunks
         if PHASES & 2:
