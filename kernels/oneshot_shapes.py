@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import triton
 
-from .quant import QUANT_NONE, row_block
+from .quant import QUANT_NONE, QUANT_NVFP4, row_block
 
 MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set per count)
 SYNC_ROWS = 256  # rows the split kernel serves (T * chunks <= the SM count)
@@ -43,16 +43,18 @@ def local_shape(
 ) -> OneshotShape:
     """World size 1. Split rows while T * chunks fits the SMs (num_sms; 0: never): T = 1 in
     512-column chunks (4 warps), else the smallest of 1024 / 2048 / 4096 columns that fits (8
-    columns per thread); whole rows above (`local_warps`). Measured on one H200, H=7168, K=8,
-    graph (benchmarks/tp1_sweep.py, us, none / fp8 / nvfp4): T=1 whole rows 5.03 / 6.42 / 7.10,
-    split 512 3.37 / 3.57 / 3.74, 1024 3.44 / 3.79 / 3.72, 256 (1 warp) 3.33 / 3.86 / 3.77, 4096
-    4.56 / 5.64 / 5.71; T=16 whole 5.94 / 7.26 / 8.24, 1024 4.77 / 5.29 / 5.20, 2048 4.92 / 6.02 /
-    5.57; T=32 (none) whole 6.11, 2048 5.34; T=64 whole 6.70 / 7.97 / 9.15, 4096 6.80 / 8.08 /
-    8.17."""
+    columns per thread), but two chunks only for NVFP4; whole rows otherwise (`local_warps`).
+    Measured on one H200, H=7168, K=8, graph (benchmarks/tp1_sweep.py, us, none / fp8 / nvfp4):
+    T=1 whole rows 5.03 / 6.42 / 7.10, split 512 3.37 / 3.57 / 3.74, 1024 3.44 / 3.79 / 3.72,
+    4096 4.56 / 5.64 / 5.71; T=16 whole 5.94 / 7.26 / 8.24, 1024 4.77 / 5.29 / 5.20, 2048 4.92 /
+    6.02 / 5.57; T=32 (none) whole 6.11, 2048 5.34; T=64 whole 6.70 / 7.97 / 9.15, two chunks of
+    4096 6.80 / 8.08 / 8.17 (again, none: whole 6.67, split 7.05). The ticket-first kernel, none:
+    T=1 512 3.10, 256 (1 or 2 warps) 3.04; T=16 1024 4.61."""
     rb = row_block(hidden)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
         shape = OneshotShape(chunk, chunk, max(1, chunk // 256) if tokens > 1 else chunk // 128)
-        if split_ok(shape, tokens, hidden, num_sms):
+        two = triton.cdiv(hidden, chunk) == 2
+        if split_ok(shape, tokens, hidden, num_sms) and (quant == QUANT_NVFP4 or not two):
             return shape
     return OneshotShape(rb, rb, local_warps(tokens, hidden, quant))
 
