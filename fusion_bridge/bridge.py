@@ -4,6 +4,7 @@ Building it is collective over `group` (every rank builds its bridge in the same
 (capabilities, resources, workspaces, self-test, each agreed across ranks; admission.py), then the
 plan (planner.select over the agreed statuses and rank 0's measurements). A call validates metadata
 (no sync) and dispatches by token bucket in O(1) to the planned (strategy, launch variant).
+The failure path is in bridge_failures.py, the tool and report methods in bridge_tools.py.
 
 Environment variables:
   FUSION_BRIDGE_STRATEGY=<name>   overrides the `strategy` argument (an explicit request: raises if
@@ -22,20 +23,27 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from . import call_protocol, custom_op, env_vars, log, registry, table_format
+from . import call_protocol, custom_op, env_vars, log, registry
 from . import tuning as tuning_tables
-from . import rank_agreement
+from . import rank_agreement, rank_check_in
 from .admission import admit
+from .bridge_arguments import (
+    check_group_membership,
+    check_measurements,
+    requested_exclusions,
+    requested_strategy,
+)
+from .bridge_failures import CallFailures
+from .bridge_tools import BridgeTools
 from .environment import Environment, default_device, detect
 from .epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
-from .process_group import check_process_group, collective_device
-from .buckets import bucket_index, tokens_text
-from .planner import AUTO, Plan, check_exclusions, select_for_modes
-from .report import Report
+from .buckets import bucket_index
+from .process_group import check_process_group
+from .planner import AUTO, Plan, select_for_modes
 from .shadow import Shadow
 from .spec import EpilogueSpec
 from .strategies.base import CallStage, Strategy
@@ -51,21 +59,7 @@ _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
 
 
-def _check_group_membership(group) -> None:
-    """A rank outside `group` cannot take part in its collectives (torch would answer -100)."""
-    if group is None or not (
-        torch.distributed.is_available() and torch.distributed.is_initialized()
-    ):
-        return
-    if torch.distributed.get_rank(group) < 0:
-        raise ValueError(
-            f"FusionBridge: group must be a process group this process belongs to; global rank "
-            f"{torch.distributed.get_rank()} is not one of its ranks "
-            f"{torch.distributed.get_process_group_ranks(group)}"
-        )
-
-
-class FusionBridge:
+class FusionBridge(CallFailures, BridgeTools):
     """The MoE epilogue for one layer.
 
     spec: the layer's static EpilogueSpec. group: the TP process group (None: the default group if
@@ -108,20 +102,10 @@ class FusionBridge:
         # everything this rank can check alone, before the first collective (the check-in)
         env_vars.check_all()
         log.configure_once()
-        _check_group_membership(group)
-        for name, given in (("measured_us", measured_us), ("eager_us", eager_us)):
-            problem = None if given is None else table_format.measurements_problem(given, name)
-            if problem:
-                raise ValueError(f"FusionBridge: {problem}")
-        env_strategy = env_vars.read("FUSION_BRIDGE_STRATEGY")
-        requested = env_strategy or strategy
-        if requested != AUTO and requested not in registry.REGISTRY:
-            source = "FUSION_BRIDGE_STRATEGY" if env_strategy else "strategy"
-            raise ValueError(
-                f"FusionBridge: {source} must be 'auto' or one of {list(registry.REGISTRY)}, "
-                f"got {requested!r}"
-            )
-        excluded = _exclusions(exclude, requested)
+        check_group_membership(group)
+        check_measurements(measured_us=measured_us, eager_us=eager_us)
+        requested = requested_strategy(strategy)
+        excluded = requested_exclusions(exclude, requested)
         if tuning not in ("auto", "off"):
             raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
         shadow = shadow if shadow is not None else env_vars.read("FUSION_BRIDGE_SHADOW")
@@ -130,14 +114,12 @@ class FusionBridge:
         self.debug = env_vars.read("FUSION_BRIDGE_DEBUG") if debug is None else debug
         run_self_test = env_vars.read("FUSION_BRIDGE_SELF_TEST") if self_test is None else self_test
         self.device = default_device(device)
-        rank_agreement.build_timeout_s(
-            build_timeout_s
-        )  # raises naming the argument or the variable
+        rank_check_in.build_timeout_s(build_timeout_s)  # raises naming the argument or the variable
         check_process_group(group)  # before anything collective: a forgotten init_process_group
         # Ranks check in through the store (no collective, bounded), then agree on every setting
         # that
         # must be equal, before any other collective of the build.
-        self.build_index = rank_agreement.check_in(group, timeout_s=build_timeout_s)
+        self.build_index = rank_check_in.check_in(group, timeout_s=build_timeout_s)
         rank_agreement.agree_on_settings(
             {
                 "spec": spec.to_dict(),
@@ -326,81 +308,6 @@ class FusionBridge:
             self._run_shadow(inputs, out, strategy.name)
         return out
 
-    def _take_part_then_raise(self, inputs: EpilogueInputs, error: BaseException) -> None:
-        """This rank's call failed before its collective, but its peers are already in (or on their
-        way to) the call's collectives. Run the launches and collectives they run for the group's T,
-        on a NaN payload, so the group stays in step and the peers get NaN outputs; then raise the
-        original error. If T is unreadable or has no route, this rank cannot take part: the bridge
-        refuses every later call (call_protocol.broken_message says what recovers)."""
-        tokens = call_protocol.group_tokens(inputs)
-        if self.env.world_size == 1 or tokens == 0:
-            raise error
-        route = self._planned_route(tokens) if tokens is not None else None
-        if route is None:
-            where = (
-                "before its collective, and none of its [T, ...] inputs is a 2-D tensor, so it "
-                "cannot tell the group's T"
-                if tokens is None
-                else f"before its collective, and T={tokens} has no route"
-            )
-            self._break(error, where)
-            raise EpilogueInputError(self._broken) from error
-        spec = self.spec
-        try:
-            poison = call_protocol.nan_payload(
-                self.device,
-                spec.dtype,
-                spec.hidden_size,
-                spec.top_k,
-                tokens,
-                spec.has_shared_output,
-            )
-            route[0].call_stage = CallStage.BEFORE_COLLECTIVE
-            route[0].run(poison, route[1])
-            if self._shadow is not None and self._shadow.due():  # the peers sample this call too
-                self._instances[self._shadow.strategy].run(poison)
-        except Exception as exc:  # noqa: BLE001 - reported with the original error
-            self._break(
-                error, f"before its collective; taking part with a NaN payload failed too ({exc!r})"
-            )
-            raise EpilogueInputError(self._broken) from error
-        call_protocol.add_note(
-            error,
-            f"fusion_bridge: this rank took part in call {self.calls} with a NaN payload of "
-            f"T={tokens}, so its peers got NaN outputs and the next call is in step",
-        )
-        raise error
-
-    def _break(self, error: BaseException, where: str) -> None:
-        self._broken = call_protocol.broken_message(self.calls, error, where)
-
-    def _agreed_call(self, inputs: EpilogueInputs) -> EpilogueOutputs:
-        """Debug mode over several ranks: local checks (index range included), then one small
-        collective on (ok, T, call number) before the epilogue's collectives; if any rank failed,
-        T differs or a rank is on another call, every rank raises the same error."""
-        tokens = call_protocol.group_tokens(inputs)
-        error, route = None, None
-        try:
-            validate_inputs(self.spec, inputs, self.device)
-            validate_index_values(inputs)
-            if tokens:
-                route = self._route(inputs, tokens)
-        except Exception as exc:  # noqa: BLE001 - every rank learns it below
-            error = exc
-        rank_agreement.agree_call(
-            error is None,
-            -1 if tokens is None else tokens,
-            None if error is None else f"{type(error).__name__}: {error}",
-            self.group,
-            collective_device(self.group, self.device),
-            call=self.calls,
-            bridge=self.build_index,
-            fingerprint=call_protocol.replicated_fingerprint(inputs) if error is None else 0,
-        )
-        if not tokens:
-            return allocate_outputs(self.spec, 0, self.device)
-        return self._run(inputs, *route)
-
     def _run_shadow(self, inputs: EpilogueInputs, out: EpilogueOutputs, selected: str) -> None:
         errors = self._shadow.record(
             self.spec, out, self._instances[self._shadow.strategy].run(inputs)
@@ -466,167 +373,6 @@ class FusionBridge:
         )
         return self._overflow
 
-    # ---------------------------------------------------------------- tools (parity, tuning,
-    # benchmarks)
-    def run_strategy(
-        self, name: str, inputs: EpilogueInputs, variant: Optional[str] = None
-    ) -> EpilogueOutputs:
-        """Run one prepared strategy by name (its planned variant for this T unless given), whatever
-        the
-        plan says. Validates the inputs. Collective when world > 1: every rank calls it with the
-        same name."""
-        if name not in self._instances:
-            raise ValueError(
-                f"run_strategy: strategy must be one of the prepared {list(self._instances)}, "
-                f"got {name!r}"
-            )
-        validate_inputs(self.spec, inputs, self.device)
-        if inputs.tokens == 0:
-            return allocate_outputs(self.spec, 0, self.device)
-        inst = self._instances[name]
-        check_token_limit(inputs.tokens, inst.max_tokens_per_call(self.spec, self.env), name)
-        status = next(s for s in self.statuses if s.name == name)
-        if variant is None:
-            variant = status.variant_for(bucket_index(inputs.tokens))
-        elif variant not in status.variants:
-            raise ValueError(
-                f"run_strategy: variant of {name!r} must be one of {list(status.variants)}, "
-                f"got {variant!r}"
-            )
-        low, high = status.token_range(variant)
-        if inputs.tokens < low or (high is not None and inputs.tokens > high):
-            raise ValueError(
-                f"run_strategy: {name}:{variant} takes {tokens_text(low, high)}, "
-                f"got T={inputs.tokens}"
-            )
-        return inst.run(inputs, variant)
-
-    def selected_run(
-        self, tokens: int, eager: bool = False
-    ) -> Callable[[EpilogueInputs], EpilogueOutputs]:
-        """The planned strategy's own run for T tokens (eager=True: the eager plan's), without the
-        bridge's validation and dispatch (what host-overhead benchmarks compare finalize_epilogue
-        with)."""
-        route = self.route_for(tokens, eager)
-        if route is None:
-            raise ValueError(
-                f"selected_run: no route for T={tokens} (max_tokens={self.spec.max_tokens})"
-            )
-        inst, variant = self._instances[route[0]], route[1]
-        return lambda inputs: inst.run(inputs, variant)
-
-    def tuning_candidates(self) -> list[tuple[str, str, Callable]]:
-        """(strategy, variant, run(inputs, variant)) for every available auto-selectable strategy
-        and
-        each of its launch variants: what `tune` measures."""
-        return [
-            (st.name, variant, self._instances[st.name].run)
-            for st in self.statuses
-            if st.available and st.auto_selectable and st.name in self._instances
-            for variant in st.variants
-        ]
-
-    def tune(
-        self, buckets: Optional[list[int]] = None, progress: bool = True, save: bool = True
-    ) -> dict:
-        """Measure every (strategy, variant) per token bucket (CUDA graphs, inputs rotated beyond
-        L2, max
-        over ranks), re-plan from the measurements and cache the table (rank 0). Collective."""
-        if self.device.type != "cuda":
-            raise RuntimeError(
-                "tune: needs a CUDA device (it times CUDA graphs); this bridge is on "
-                f"{self.device.type}"
-            )
-        eager: dict = {}
-        differences: list = []
-        measured = tuning_tables.measure(
-            self.spec,
-            self.env,
-            self.group,
-            self.device,
-            self.tuning_candidates(),
-            list(buckets or self.plan.bounds),
-            progress=progress,
-            eager_out=eager,
-            token_ranges=tuning_tables.token_ranges(self.statuses),
-            spread_out=differences,
-        )
-        spread = tuning_tables.spread_summary(differences)
-        table = tuning_tables.make_table(self.spec, self.env, measured, eager, spread)
-        if save and (self.env.world_size == 1 or torch.distributed.get_rank(self.group) == 0):
-            path = tuning_tables.cache_path(self.spec, self.env)
-            tuning_tables.save_table(table, path)
-            table["path"] = str(path)
-        self.table = table
-        margin = tuning_tables.margin_of(table)
-        self._use_plan(
-            select_for_modes(self.statuses, self.spec, self.requested, measured, eager, margin)
-        )
-        return table
-
-    def _summary(self) -> str:
-        plan, spec = self.plan, self.spec
-        rejected = {s.name: [r.code for r in s.reasons] for s in self.statuses if s.reasons}
-        return log.build_summary(
-            spec.hidden_size,
-            spec.top_k,
-            self.env.world_size,
-            list(zip(plan.bounds, plan.choice)),
-            rejected,
-            overflow=plan.overflow,
-            dtype=spec.dtype_name,
-            quant=spec.quant.kind.value,
-            requested=None if plan.requested == AUTO else plan.requested,
-            source=plan.source,
-        )
-
-    # ---------------------------------------------------------------- report & lifecycle
-    def strategy_for(self, tokens: int) -> Optional[str]:
-        return self.plan.strategy_for(tokens) if tokens > 0 else None
-
-    def route_for(self, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
-        """(strategy, variant) a call with T tokens runs under CUDA graphs (eager=True: outside
-        capture),
-        or None (T == 0, or no route above max_tokens)."""
-        return self.plan.route_for(tokens, eager) if tokens > 0 else None
-
-    def explain(self, tokens: Optional[int] = None) -> Report:
-        """The structured report: environment, every strategy (selected or rejected, with all
-        reasons),
-        the plan per token bucket, workspace bytes and reroutes. `.to_dict()`, `.to_json()`,
-        `str()`."""
-        return Report(
-            self.env,
-            self.spec,
-            self.statuses,
-            self.plan,
-            tokens=tokens,
-            reroutes=self.reroutes,
-            shadow=self._shadow.to_dict() if self._shadow else None,
-            table=(self.table or {}).get("path"),
-            calls=self.route_calls(),
-        )
-
-    def route_calls(self) -> list[dict]:
-        """Calls per route so far: [{strategy, variant, eager, captured}], eager = calls outside
-        CUDA-graph capture, captured = calls made while a graph was being captured. A replay of a
-        captured graph runs on the GPU without reaching the host, so replays are not counted."""
-        routes: dict[tuple[str, str], dict] = {}
-        for (name, variant, captured), n in sorted(self._calls.items()):
-            row = routes.setdefault(
-                (name, variant), {"strategy": name, "variant": variant, "eager": 0, "captured": 0}
-            )
-            row["captured" if captured else "eager"] += n
-        return list(routes.values())
-
-    @property
-    def prepared(self) -> list[str]:
-        return list(self._instances)
-
-    @property
-    def workspace_bytes(self) -> int:
-        return sum(i.workspace_bytes for i in self._instances.values())
-
     def close(self) -> None:
         """Free workspaces. Idempotent; also runs on leaving `with` and at interpreter exit."""
         if self._closed:
@@ -640,23 +386,6 @@ class FusionBridge:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-EXCLUDE_ENV = "FUSION_BRIDGE_EXCLUDE"
-
-
-def _exclusions(exclude: Sequence[str], requested: str) -> dict[str, str]:
-    """{strategy to keep out of auto: where the request came from}, validated: the `exclude`
-    argument and FUSION_BRIDGE_EXCLUDE (comma-separated, read through env_vars) together."""
-    if isinstance(exclude, str):
-        raise ValueError(f"FusionBridge: exclude must be a list of strategy names, got {exclude!r}")
-    from_env = list(env_vars.read(EXCLUDE_ENV))
-    known = list(registry.REGISTRY)
-    out = dict.fromkeys(check_exclusions(from_env, known, requested, EXCLUDE_ENV), EXCLUDE_ENV)
-    out.update(
-        dict.fromkeys(check_exclusions(list(exclude), known, requested, "exclude"), "exclude")
-    )
-    return dict(sorted(out.items()))
 
 
 @atexit.register

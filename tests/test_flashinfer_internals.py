@@ -1,4 +1,5 @@
-"""The FlashInfer internals fusion_bridge/strategies/flashinfer_calls.py relies on, pinned against
+"""The FlashInfer internals fusion_bridge/strategies/flashinfer_calls.py relies on (bound in
+flashinfer_internals.py), pinned against
 the
 installed flashinfer (0.7.2.post1), and the pre-bound calls checked against the public wrappers: for
 the same call, the direct path hands the compiled function exactly what the wrapper would hand it,
@@ -24,6 +25,7 @@ import flashinfer.comm as fi_comm  # noqa: E402  (a broken install fails here, l
 from flashinfer.comm import trtllm_ar  # noqa: E402
 
 from fusion_bridge.strategies import flashinfer_calls as fc  # noqa: E402
+from fusion_bridge.strategies import flashinfer_internals as fint  # noqa: E402
 
 H, WORLD, MAX_TOKENS = 7168, 2, 16384
 pytestmark = pytest.mark.filterwarnings("ignore:use the unified API:DeprecationWarning")
@@ -53,7 +55,7 @@ def test_public_wrappers_are_the_verified_ones():
         assert fc.wrapper_fingerprint(name) == fingerprint, (
             f"flashinfer's {name} changed: re-read it, replicate its per-call checks in "
             "flashinfer_calls.py, "
-            "then update VERIFIED_WRAPPERS"
+            "then update VERIFIED_WRAPPERS in flashinfer_internals.py"
         )
     assert fi_comm.trtllm_allreduce_fusion is trtllm_ar.trtllm_allreduce_fusion
     assert (
@@ -77,17 +79,17 @@ def test_the_helpers_the_direct_path_uses_exist():
 
 def test_fingerprint_changes_with_a_statement_but_not_with_the_docstring(monkeypatch):
     name = "trtllm_moe_finalize_allreduce_fusion"
-    _, source, _ = fc._module_source()
-    node = fc._top_level_def(name)
+    _, source, _ = fint._module_source()
+    node = fint._top_level_def(name)
     lines = source.splitlines()
     doc = node.body[0]
 
     def fingerprint_of(new_lines):
         text = "\n".join(new_lines)
         monkeypatch.setattr(
-            fc, "_module_source", lambda: (trtllm_ar, text, __import__("ast").parse(text))
+            fint, "_module_source", lambda: (trtllm_ar, text, __import__("ast").parse(text))
         )
-        return fc.wrapper_fingerprint(name)
+        return fint.wrapper_fingerprint(name)
 
     redoc = lines[: doc.lineno - 1] + ['    """Another docstring."""'] + lines[doc.end_lineno :]
     assert fingerprint_of(redoc) == fc.VERIFIED_WRAPPERS[name]

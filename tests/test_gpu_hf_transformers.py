@@ -1,6 +1,6 @@
 """One GPU: transformers MoE models (hidden 2048, bf16, transformers' default grouped_mm experts)
 on the bridge against the unmodified model, eager (forward + greedy generate, the bound of
-migration/examples/hf_moe.py) and under CUDA graphs (a captured forward replayed on a new
+migration/examples/hf_moe_bound.py) and under CUDA graphs (a captured forward replayed on a new
 prompt)."""
 
 import pytest

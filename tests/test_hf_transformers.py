@@ -1,6 +1,7 @@
 """fusion_bridge.integrations.transformers on real transformers models (small random configs, bf16,
 CPU): the patched model against the unmodified one on 1 and 2 gloo ranks (real processes), the way
-back, and the refusals. The bound is derived in migration/examples/hf_moe.py (logits_bound)."""
+back, and the refusals. The bound is derived in migration/examples/hf_moe_bound.py
+(logits_bound)."""
 
 import pytest
 import torch

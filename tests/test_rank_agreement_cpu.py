@@ -1,7 +1,7 @@
-"""fusion_bridge.rank_agreement over real gloo process groups on CPU: check-in with a timeout,
-settings agreement, debug-mode per-call agreement. Every rank function returns what it caught, so
-the parent asserts per rank; every collective runs on a subgroup with a short timeout, and every
-group run has a hard timeout, so a regression fails fast instead of hanging CI."""
+"""fusion_bridge.rank_agreement and rank_check_in over real gloo process groups on CPU: check-in
+with a timeout, settings agreement, debug-mode per-call agreement. Every rank function returns what
+it caught, so the parent asserts per rank; every collective runs on a subgroup with a short timeout,
+and every group run has a hard timeout, so a regression fails fast instead of hanging CI."""
 
 import re
 import time
@@ -13,15 +13,13 @@ import torch
 
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
 from fusion_bridge.rank_agreement import (
-    DEFAULT_BUILD_TIMEOUT_S,
     GroupInputError,
     agree_call,
     agree_on_settings,
-    build_timeout_s,
-    check_in,
     differing_fields,
     plan_settings,
 )
+from fusion_bridge.rank_check_in import DEFAULT_BUILD_TIMEOUT_S, build_timeout_s, check_in
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.validation import EpilogueInputError
 

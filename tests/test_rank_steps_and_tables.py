@@ -174,7 +174,7 @@ def test_a_malformed_tuning_table_is_ignored_not_a_crash(tmp_path, measured):
         table = read_table(path)
     if table is None:
         return  # ignored with a warning: what the docstring promises
-    # what FusionBridge.__init__ does with a table load_table returned (bridge.py:113-115)
+    # what FusionBridge.__init__ does with a table load_table returned
     select_for_modes(
         static_statuses(SPEC, CUDA_ENV),
         SPEC,

@@ -6,66 +6,20 @@ With --json, stdout carries only the JSON document; logs and progress go to stde
 
 Every argument is checked by the parser (a one-line error, exit status 2). torch and the rest of the
 library are imported only when a command runs, so `--help` and `--version` stay fast.
+tune and bench live in timing_commands.py; what every command shares (spec, output) in common.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from .args import (
-    DEFAULT_FP8_SCALE,
-    DEFAULT_NVFP4_GLOBAL_SCALE,
-    SCHEMA_VERSION,
-    STRATEGY_ENV,
-    check_combinations,
-    build_parser,
-    sm_of_gpu,
-)
+from .args import STRATEGY_ENV, build_parser, check_combinations, sm_of_gpu
 
 # re-exported: what the parser accepts
 from .args import DTYPES, QUANTS, gloo_rank_limit  # noqa: F401
-
-
-# ------------------------------------------------------------------ output
-_JSON_FD: list[
-    int
-] = []  # the real stdout while --json sends everything else (C++ logs too) to stderr
-
-
-def _emit(args, doc: dict, text: str) -> None:
-    if args.json:
-        doc = {"schema_version": SCHEMA_VERSION, "command": args.command, **doc}
-        sys.stdout.flush()
-        os.write(_JSON_FD[0] if _JSON_FD else 1, (json.dumps(doc, indent=2) + "\n").encode())
-    else:
-        print(text)
-
-
-def _stdout_to_stderr() -> None:
-    """Keep stdout for the JSON document alone: FlashInfer's kernels print warnings to fd 1."""
-    sys.stdout.flush()
-    _JSON_FD.append(os.dup(1))
-    os.dup2(2, 1)
-
-
-def _spec(args):
-    from ..spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
-
-    quant = {
-        "none": QuantSpec.none(),
-        "fp8": QuantSpec.fp8(DEFAULT_FP8_SCALE),
-        "nvfp4": QuantSpec.nvfp4(DEFAULT_NVFP4_GLOBAL_SCALE),
-    }[args.quant]
-    return EpilogueSpec(
-        hidden_size=args.hidden,
-        top_k=args.top_k,
-        dtype=DTYPE_BY_NAME[args.dtype],
-        has_shared_output=not args.no_shared,
-        quant=quant,
-        max_tokens=args.max_tokens,
-    )
+from .common import emit, set_multicast_off, spec_from_args, stdout_to_stderr, versions
+from .timing_commands import cmd_bench, cmd_tune
 
 
 def _env_request(statuses) -> dict | None:
@@ -93,29 +47,11 @@ def _env_request_text(req: dict | None) -> list[str]:
     ]
 
 
-def versions() -> dict:
-    """The versions a result was produced with (torch, triton, flashinfer, this package)."""
-    import importlib.metadata
-
-    import torch
-
-    from .. import __version__
-
-    found = {"fusion_bridge": __version__, "torch": torch.__version__}
-    for dist_name, key in (("triton", "triton"), ("flashinfer-python", "flashinfer")):
-        try:
-            found[key] = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            found[key] = None
-    found["cuda"] = torch.version.cuda
-    return found
-
-
 # ------------------------------------------------------------------ commands
 def cmd_info(args) -> int:
     from .. import FusionBridge
 
-    spec = _spec(args)
+    spec = spec_from_args(args)
     # info diagnoses: build with "auto" whatever the variable asks, and report the request
     # separately
     raw = os.environ.pop(STRATEGY_ENV, None)
@@ -126,7 +62,7 @@ def cmd_info(args) -> int:
         if raw is not None:
             os.environ[STRATEGY_ENV] = raw
     req = _env_request(report.strategies)
-    _emit(
+    emit(
         args,
         {**report.to_dict(), "env_strategy": req, "assumed": []},  # this machine: probed
         "\n".join([report.machine_text(), *_env_request_text(req)]),
@@ -177,7 +113,7 @@ def cmd_explain(args) -> int:
             triton_interpret=False,
         )
     env = env.replace(**changes)
-    spec = _spec(args)
+    spec = spec_from_args(args)
     statuses = _static_self_test(static_statuses(spec, env))
     raw_exclude = os.environ.get("FUSION_BRIDGE_EXCLUDE", "")
     names = [n.strip() for n in raw_exclude.split(",") if n.strip()]
@@ -218,7 +154,7 @@ def cmd_explain(args) -> int:
     if described:
         lines.append("(a described machine: static checks only, no self-test, no workspace)")
         lines += ["assumed for it:"] + [f"  {a}" for a in assumed]
-    _emit(args, {**report.to_dict(), "env_strategy": req, "assumed": assumed}, "\n".join(lines))
+    emit(args, {**report.to_dict(), "env_strategy": req, "assumed": assumed}, "\n".join(lines))
     return 0 if plan else 1
 
 
@@ -253,7 +189,7 @@ def cmd_parity(args) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     from .parity import run_parity_report
 
-    spec = _spec(args)
+    spec = spec_from_args(args)
     if not args.json:
         print(
             f"parity: {args.world_size} rank(s), T={args.tokens}, H={spec.hidden_size}, "
@@ -277,7 +213,7 @@ def cmd_parity(args) -> int:
     if skipped:
         text.append("skipped (cannot run here):")
         text += [f"  {name:22s} {', '.join(codes)}" for name, codes in skipped.items()]
-    _emit(
+    emit(
         args,
         {
             "results": rows,
@@ -295,134 +231,10 @@ def cmd_parity(args) -> int:
     return 0 if rows and all(r["passed"] for r in rows) else 1
 
 
-def visible_nvidia_gpus_without_torch() -> int:
-    """GPUs this process could see, from the driver's device files and CUDA_VISIBLE_DEVICES, without
-    importing torch (seconds on a cold start): lets `tune` and `bench` refuse a GPU-less machine at
-    once. An upper bound; torch's own count decides when this finds enough."""
-    import glob
-
-    devices = len(glob.glob("/dev/nvidia[0-9]*"))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        listed = [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-        devices = min(devices, len(listed))
-    return devices
-
-
-def _require_gpus(world_size: int) -> None:
-    if visible_nvidia_gpus_without_torch() < world_size:
-        raise ValueError(
-            f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
-            f"found {visible_nvidia_gpus_without_torch()} (no NVIDIA device files or "
-            "CUDA_VISIBLE_DEVICES hides them)"
-        )
-    import torch
-
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(
-            f"--world-size {world_size} needs {world_size} CUDA GPU(s) (it times CUDA graphs), "
-            f"found {found}"
-        )
-
-
-def set_multicast_off(command: str) -> None:
-    """Our measuring tools run with NCCL NVLS and NVLink multicast off in every process they start
-    (this one, and each spawned rank before it initialises NCCL): multicast can take a shared
-    host's GPUs out of service. The library itself neither needs nor sets these variables."""
-    from ..environment import NO_MULTICAST_ENV
-
-    os.environ.update(NO_MULTICAST_ENV)
-    print(
-        f"{command}: every process it starts runs with "
-        + " ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())
-        + " (NVLink multicast and NCCL NVLS off; results are measured that way)",
-        file=sys.stderr,
-    )
-
-
-def _on_ranks(fn, world_size: int, *fn_args):
-    from .launch import run_distributed
-
-    if world_size == 1:
-        return fn(0, 1, *fn_args)
-    return run_distributed(fn, world_size, *fn_args, backend="nccl", timeout_s=3000)[0]
-
-
-def cmd_tune(args) -> int:
-    _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
-    set_multicast_off("tune")
-    from .bench import tune_rank
-
-    table = _on_ranks(tune_rank, args.world_size, _spec(args), not args.json)
-    lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
-    spread = table.get("spread") or {}
-    if spread:
-        lines.append(
-            f"spread between two passes: {100 * spread['fraction']:.1f}% (90th percentile of "
-            f"{spread['cases']} cases): a route replaces the static-order choice only when "
-            "faster by more"
-        )
-    for b in table["plan"]["buckets"]:
-        lines.append(
-            f"  T <= {b['max_tokens']:6d}: {b['strategy']}:{b['variant']:10s} "
-            f"{b['measured_us']:.1f} us  ({b['why']})"
-        )
-    _emit(args, {"table": table}, "\n".join(lines))
-    return 0
-
-
-def cmd_bench(args) -> int:
-    _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
-    set_multicast_off("bench")
-    from .bench import bench_rank, plot, rows_from, summary, write_csv
-
-    tokens = [2**i for i in range(args.max_tokens.bit_length()) if 2**i <= args.max_tokens]
-    spec = _spec(args)
-    result = _on_ranks(bench_rank, args.world_size, spec, tokens, not args.json)
-    rows = rows_from(result, args.world_size)
-    write_csv(args.csv, rows)
-    png = plot(
-        rows,
-        args.csv.rsplit(".", 1)[0] + ".png",
-        f"{result['gpu']} TP{args.world_size} H={spec.hidden_size} K={spec.top_k} "
-        f"{spec.dtype_name} "
-        f"quant={spec.quant.kind.value}",
-    )
-    table = summary(rows)
-    # hand-written tables (here, in parity and in matrix): tabulate comes only with the optional
-    # flashinfer
-    # extra, not with torch/triton, and parity and matrix run on CPU installs without it
-    text = [
-        f"wrote {args.csv}"
-        + (
-            f" and {png}"
-            if png
-            else " (no PNG: matplotlib is missing; pip install 'fusion-bridge[plot]')"
-        )
-    ]
-    keys = list(table[0])
-    text.append(" ".join(f"{k:>14s}" for k in keys))
-    text += [" ".join(f"{str(line.get(k, '')):>14s}" for k in keys) for line in table]
-    text.append(f"host overhead (eager, us per call): {result['overhead']}")
-    _emit(
-        args,
-        {
-            "csv": args.csv,
-            "png": png,
-            "summary": table,
-            "overhead": result["overhead"],
-            "rows": rows,
-        },
-        "\n".join(text),
-    )
-    return 0
-
-
 def cmd_matrix(args) -> int:
     from .matrix import markdown, rows
 
-    _emit(args, {"matrix": rows()}, markdown())
+    emit(args, {"matrix": rows()}, markdown())
     return 0
 
 
@@ -443,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_combinations(args.subparser, args)
     if getattr(args, "json", False):
-        _stdout_to_stderr()
+        stdout_to_stderr()
     try:
         from .. import env_vars, log
 

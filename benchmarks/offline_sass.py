@@ -1,0 +1,180 @@
+"""Compile our kernels for the H200 (sm_90) on a machine without a GPU, exactly as the production
+launcher would specialize them, and print registers, spills and SASS instruction counts.
+
+    cd <tree> && PYTHONPATH=$PWD python <this file> OUTDIR [CASE ...]
+
+Run it from the root of the tree to compile (PYTHONPATH selects it; it adapts to the two-shot's
+launch API before the kernel restructure, commit 5a52f1a). Each case calls the real launcher with
+CPU tensors (H=7168, K=8), records the launch instead of running it, binds the arguments with
+Triton's own CUDA specialization (alignment, divisibility, constexprs), compiles, and writes
+OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: twoshot_w1_none (the
+default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add; `all` for every one.
+The SASS carries line info (nvdisasm -g), so instructions can be attributed to source lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from fusion_bridge.kernels import add_rmsnorm, finalize_add, symm_oneshot, symm_twoshot
+from fusion_bridge.spec import EpilogueSpec, QuantSpec
+from fusion_bridge.synthetic import make_inputs
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+H, K, T = 7168, 8, 64  # T is not specialized (do_not_specialize), any T > 1 compiles the same
+SPEC = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=QuantSpec.none())
+
+
+def recorded_launch(kernel, launch) -> tuple:
+    """(args, kwargs) of the first launch of `kernel` that `launch()` makes; nothing runs."""
+    calls = []
+    kernel.run = lambda *args, grid, warmup, **kwargs: calls.append((args, kwargs))
+    try:
+        launch()
+    finally:
+        del kernel.run
+    return calls[0]
+
+
+def compile_for_sm90(kernel, args, kwargs):
+    backend = make_backend(TARGET)
+    kwargs = {"debug": False, "instrumentation_mode": "", **kwargs}
+    if "HW_CVT" in kernel.arg_names:
+        kwargs["HW_CVT"] = True
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=TARGET, options=options.__dict__)
+
+
+def summary(compiled, base: str) -> dict:
+    with open(base + ".cubin", "wb") as f:
+        f.write(compiled.asm["cubin"])
+    for kind in ("ptx", "ttgir"):
+        with open(f"{base}.{kind}", "w") as f:
+            f.write(compiled.asm[kind])
+    tool = [f"{BIN}/cuobjdump", "--dump-resource-usage", base + ".cubin"]
+    usage = subprocess.run(tool, capture_output=True, text=True, check=True).stdout
+    tool = [f"{BIN}/nvdisasm", "-c", "-g", base + ".cubin"]
+    sass = subprocess.run(tool, capture_output=True, text=True, check=True).stdout
+    with open(base + ".sass", "w") as f:
+        f.write(sass)
+    regs = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    ops = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass, re.M))
+    return {
+        "registers": int(regs[1]),
+        "stack": int(regs[2]),
+        "local": int(regs[4]),
+        "spill_stores": ops["STL"] + ops["STL.64"] + ops["STL.128"],
+        "spill_loads": ops["LDL"] + ops["LDL.64"] + ops["LDL.128"],
+        "instructions": sum(ops.values()),
+        "num_warps": compiled.metadata.num_warps,
+        "ops": dict(ops.most_common()),
+    }
+
+
+def _outputs():
+    """residual_out, norm_out and the (unused, quant none) q and sf."""
+    ro = torch.empty(T, H, dtype=SPEC.dtype)
+    empty = torch.empty(0, dtype=torch.uint8)
+    return ro, torch.empty_like(ro), empty, empty
+
+
+def _symm_launch(module, world: int, inp, out):
+    if not hasattr(module, "launch"):  # before the restructure (two-shot only, world 1)
+        if world != 1:
+            raise TypeError("this tree's launcher is adapted at world size 1 only")
+        from types import SimpleNamespace
+
+        from fusion_bridge.kernels.symm_common import HEADER_BYTES
+
+        ws = SimpleNamespace(ptrs=torch.zeros(2, dtype=torch.int64), world=1, rank=0, cap=4096)
+        ws.state, ws.data_off = torch.zeros(8, dtype=torch.int32), HEADER_BYTES // 2
+        ws.num_sms, ws.timeout_ns = 132, 10**10
+        args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights)
+        args += (inp.shared_output, inp.residual, inp.gamma, 2.5, SPEC.eps, 0.0, 0, 1.0, False)
+        return lambda: module.fused_into(ws, *out, *args)
+    from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
+
+    cap = 2048 if module is symm_oneshot else 4096
+    kind = "oneshot" if module is symm_oneshot else "twoshot"
+    group = emulated_group(kind, SPEC, world, cap, device="cpu", num_sms=132 // world)
+    return lambda: module.launch(group.layers[0], **call_tensors(inp, out))
+
+
+def cases(inp, out) -> dict:
+    """name -> (kernel module, kernel name, launch): resolved only when the case runs, so a tree
+    without one of them (the tree before the restructure) skips that case alone."""
+    ro, no, q, sf = out
+    reduced = torch.empty_like(ro)
+    norm = dict(eps=SPEC.eps, weight_bias=0.0, quant=0, quant_scale=1.0, swizzled=False)
+    perm, weights = inp.expanded_idx_to_permuted_idx, inp.expert_weights
+    return {
+        "twoshot_w1_none": (
+            symm_twoshot,
+            "_twoshot_kernel",
+            lambda: _symm_launch(symm_twoshot, 1, inp, out)(),
+        ),
+        "twoshot_w2_none": (
+            symm_twoshot,
+            "_twoshot_kernel",
+            lambda: _symm_launch(symm_twoshot, 2, inp, out)(),
+        ),
+        "oneshot_w2_none": (
+            symm_oneshot,
+            "_oneshot_kernel",
+            lambda: _symm_launch(symm_oneshot, 2, inp, out)(),
+        ),
+        "add_rmsnorm_none": (
+            add_rmsnorm,
+            "_add_rmsnorm_kernel",
+            lambda: add_rmsnorm.add_rmsnorm_into(ro, no, q, sf, ro, ro, inp.gamma, **norm),
+        ),
+        "finalize_add": (
+            finalize_add,
+            "_finalize_add_kernel",
+            lambda: finalize_add.finalize_add_into(
+                reduced, inp.gemm2_out, perm, weights, inp.shared_output, 2.5
+            ),
+        ),
+    }
+
+
+def main() -> int:
+    outdir, wanted = sys.argv[1], sys.argv[2:] or ["twoshot_w1_none"]
+    os.makedirs(outdir, exist_ok=True)
+    inp = make_inputs(SPEC, T, seed=0, device="cpu", skip_fraction=0.0)
+    table = cases(inp, _outputs())
+    for name in list(table) if wanted == ["all"] else wanted:
+        module, kernel_name, launch = table[name]
+        try:
+            kernel = getattr(module, kernel_name)
+            args, kwargs = recorded_launch(kernel, launch)
+        except (AttributeError, ImportError, TypeError) as exc:  # a case this tree does not have
+            print(f"{name}: skipped ({type(exc).__name__}: {exc})")
+            continue
+        found = summary(compile_for_sm90(kernel, args, kwargs), os.path.join(outdir, name))
+        with open(os.path.join(outdir, name + ".json"), "w") as f:
+            json.dump(found, f, indent=1)
+        shown = {k: v for k, v in found.items() if k != "ops"}
+        print(name, json.dumps(shown), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
