@@ -12,23 +12,25 @@ add_rmsnorm.rms_apply / norm_quant_row, quant.quantize_span):
   sums (the only exchange, inside the launch) and normalizes and quantizes its own columns.
 
 The split rows' exchange (no host state, so CUDA graphs replay it; no reset): per row and chunk
-count a 64-bit arrival counter, to which each program of the row adds 1 (relaxed; one call adds
-exactly `chunks`, so epoch = ticket // chunks + 1 is the same for the row's programs and one more
-than the previous call's with this chunk count), and one 64-bit word per chunk holding
-(epoch tag << 40 | largest-magnitude exponent << 32 | fp32 sum of squares). A word is written with
-one naturally aligned 64-bit store (single-copy atomic), so a reader sees a whole word or the old
-one; a word whose tag is not this call's epoch is "not yet" (the previous writer of that word is
-the previous call with this chunk count, whose tag is one less). The tag keeps 24 bits: an older
-value would need 2^24 calls without a write, which the word's counter rules out. Zeroed words
-(tag 0) never match: epochs start at 1. Launches on one stream do not overlap, so one call's
-tickets are consecutive; calls on several streams at once get a set of words per stream (the
-strategy keeps them). The grid is at most the SM count, so every program waited on is resident; a
-wait is bounded (polls), and a row whose partners never arrived is written NaN, not hung.
+count a 64-bit arrival counter, to which each program of the row adds (relaxed, issued before
+its gathers so the round trip overlaps them) 1, the first chunk's 2 * MAX_CHUNKS - chunks + 1: one
+call adds exactly 2 * MAX_CHUNKS (a power of two), so epoch = ticket // (2 * MAX_CHUNKS) + 1 (a
+shift) is the same for the row's programs and one more than the previous call's with this chunk
+count), and one 64-bit word per chunk holding (epoch mod 2^32 << 32 | fp32 sum of squares).
+A word is written with one naturally aligned 64-bit store (single-copy atomic), so a reader sees a
+whole word or the old one; a word whose tag is not this call's epoch is "not yet": its previous
+writer is the previous call with this chunk count, whose tag is one less, since every call with a
+count writes all of that count's words of its rows. Zeroed words (tag 0) never match before every
+word was written: epochs start at 1. Launches on one stream do not overlap, so one call's tickets
+are consecutive; calls on several streams at once get a set of words per stream (the launcher
+keeps them). The grid is at most the SM count, so every program waited on is resident; a wait is
+bounded (polls), and a row whose partners never arrived is written NaN, not hung.
 
 Every program of a row sums the chunks' sums in chunk order with the same reduction, so they all
 use the same rsqrt. A row whose sum overflows fp32 (|x| >~ 1.8e19) is rescaled as
-`rms_norm_row` does, from the row's largest exponent (exchanged with the sums), each program
-recomputing the row's chunks in order (rare: no second exchange).
+`rms_norm_row` does (by a power of two from the row's largest magnitude): each program of the row
+recomputes the row's chunks in order, for the largest magnitude and then the scaled sum (rare: no
+second exchange, nothing more exchanged on the common path).
 
 Under TRITON_INTERPRET=1 programs run one after another, so a program cannot wait for a later one:
 the interpreter launches the split kernel twice (PHASES = publish, then wait + outputs), the same
@@ -286,7 +288,11 @@ def _tp1_split_kernel(
             # shared memory and no barrier here); its result waits in a register until used
             first = tl.arange(0, CHUNK) == 0
             ticket = tl.atomic_add(
-                counter + cols * 0, first.to(tl.int64), mask=first, sem="relaxed", scope="gpu"
+                counter + cols * 0,
+                tl.where(first, tl.where(c == 0, 2 * MAX_CHUNKS - chunks + 1, 1), 0).to(tl.int64),
+                mask=first,
+                sem="relaxed",
+                scope="gpu",
             )
         x = _chunk_x(
             gemm2_ptr,
@@ -307,37 +313,35 @@ def _tp1_split_kernel(
         if PHASES & 1:
             tl.store(residual_out_ptr + row * hidden + cols, round_to(x, dtype), mask=in_row)
             sum_sq = tl.sum(x * x, axis=0)
-            amax_exp = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
             # the word is packed where the ticket landed (lane 0), with no reduction before the
             # store: partners wait for it; this program's own epoch is reduced after it
-            head = (((ticket // chunks + 1) & 0xFFFFFF) << 8) | amax_exp.to(tl.int64)
-            word = (head << 32) | (sum_sq.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+            tag = (ticket // (2 * MAX_CHUNKS) + 1) & 0xFFFFFFFF  # a shift: no division
+            word = (tag << 32) | (sum_sq.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
             tl.store(words + c + cols * 0, word, mask=first)
-            epoch = tl.sum(tl.where(first, ticket, 0), axis=0) // chunks + 1
+            epoch = tl.sum(tl.where(first, ticket, 0), axis=0) // (2 * MAX_CHUNKS) + 1
         else:  # the interpreter's second launch: the publish launch advanced the counter
-            epoch = tl.load(counter) // chunks
+            epoch = tl.load(counter) // (2 * MAX_CHUNKS)
         if PHASES & 2:
             mine = lane < chunks
             w = tl.load(words + lane, mask=mine, other=0, volatile=True)
-            pending = tl.sum((mine & (((w >> 40) & 0xFFFFFF) != (epoch & 0xFFFFFF))).to(tl.int32))
+            tag = epoch & 0xFFFFFFFF
+            pending = tl.sum((mine & (((w >> 32) & 0xFFFFFFFF) != tag)).to(tl.int32))
             polls = 0
             while (pending > 0) & (polls < MAX_POLLS):
                 w = tl.load(words + lane, mask=mine, other=0, volatile=True)
-                pending = tl.sum(
-                    (mine & (((w >> 40) & 0xFFFFFF) != (epoch & 0xFFFFFF))).to(tl.int32)
-                )
+                pending = tl.sum((mine & (((w >> 32) & 0xFFFFFFFF) != tag)).to(tl.int32))
                 polls += 1
             sums = tl.where(mine, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
             total = tl.sum(sums, axis=0)
             y = rms_apply(x, g, total, hidden, eps)
             if total == float("inf"):  # uniform over the row's programs: they read the same sums
-                s = overflow_scale(tl.max(tl.where(mine, (w >> 32) & 0xFF, 0), axis=0).to(tl.int32))
+                amax = 0.0
                 sum_s = 0.0
-                j = 0
-                while j < chunks:  # the row's chunks in order, as every partner does (a while:
-                    # the interpreter's range() cannot take a kernel argument as its bound)
-                    x_j = (
-                        _chunk_x(
+                for scaled in tl.static_range(2):  # the row's largest magnitude, then its sum
+                    j = 0
+                    while j < chunks:  # the row's chunks in order, as every partner does (a
+                        # while: the interpreter's range() cannot take a kernel argument)
+                        x_j = _chunk_x(
                             gemm2_ptr,
                             perm_ptr,
                             weight_ptr,
@@ -351,10 +355,15 @@ def _tp1_split_kernel(
                             HAS_SHARED,
                             dtype,
                         )
-                        * s
-                    )
-                    sum_s += tl.sum(x_j * x_j, axis=0)
-                    j += 1
+                        if scaled:
+                            x_j = x_j * overflow_scale(
+                                (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                            )
+                            sum_s += tl.sum(x_j * x_j, axis=0)
+                        else:
+                            amax = tl.maximum(amax, tl.max(tl.abs(x_j), axis=0))
+                        j += 1
+                s = overflow_scale((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
                 y = rms_apply(x * s, g, sum_s, hidden, eps * s * s)
             y = tl.where((cols * 0 + pending) != 0, float("nan"), y)  # a partner never arrived
             y = round_to(y, dtype)

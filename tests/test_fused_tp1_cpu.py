@@ -282,8 +282,8 @@ def test_a_split_row_whose_partner_never_arrives_is_nan_not_a_hang():
     args += (strat._launch.sync_words(), 1, 320, 1.0, spec.eps, 0.0, 1.0, sf_rows, sf_cols, chunks)
     words = strat._launch.sync_words()
     counter = words[0 * (L.MAX_CHUNKS + 1) + chunks]
-    assert counter.item() == chunks  # one call advanced this count's counter by its programs
-    words[0 * (L.MAX_CHUNKS + 1) + chunks] += chunks  # as if a publish ran: epoch 2, tags still 1
+    assert counter.item() == 2 * L.MAX_CHUNKS  # what one call adds to its chunk count's counter
+    words[0 * (L.MAX_CHUNKS + 1) + chunks] += 2 * L.MAX_CHUNKS  # as after a publish: tags stay 1
     fixed = fixed[:-1] + (3, L.OUTPUT_PHASE)  # MAX_POLLS = 3
     launcher(grid, args, fixed, warps)
     assert torch.isnan(out.norm_out).all()
