@@ -3,13 +3,16 @@ a world of 1 (no peers: every row is its own, no link traffic) beside our finali
 our add+RMSNorm kernel alone, measured in the same run. Target: ring <= finalize + add_rmsnorm.
 
     python benchmarks/ring_local.py [--tokens 1024 4096 8192] [--hidden 7168 4096] [--csv PATH]
-        [--variants default|sweep] [--emulate 2 8]
+        [--variants default | sweep | LABEL...] [--ablate] [--emulate 2 8]
 
-CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds W ranks emulated on
-this one GPU (each rank on its own stream with SMs / W programs; all ranks' work in one time: not
-a two-GPU prediction). Every ring row is first checked against the two standalone kernels' outputs
-(residual_out bitwise equal: the same roundings; norm_out close: the ring norms the rounded
-residual_out) and its error word.
+Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
+sum, each ring row's time, its ratio to the sum and the ring's workspace per rank (MB). `--ablate`
+adds the ring's finalize stage alone (PHASES hook; its outputs are wrong) and our finalize in the
+ring's tile shape. CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds
+W ranks emulated on this one GPU (each rank on its own stream with SMs / W programs; all ranks'
+work in one time: not a two-GPU prediction). Every ring row is first checked against the two
+standalone kernels' outputs (residual_out bitwise equal: the same roundings; norm_out close: the
+ring norms the rounded residual_out) and its error word.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from fusion_bridge.timing import (  # noqa: E402
 
 SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupancy)
     "default": dict(),
-    "p2_w8_f1024_r2x1024": dict(f_cols=1024, r_rows=2, r_cols=1024),
-    "p4_w4_f1024_r2x1024": dict(programs_per_sm=4, warps=4, f_cols=1024, r_rows=2, r_cols=1024),
-    "p4_w4_f2048_r1x2048": dict(programs_per_sm=4, warps=4),
+    "w16_f2x4096": dict(warps=16, f_rows=2, f_cols=4096),
+    "w16_f2x2048": dict(warps=16, f_rows=2, f_cols=2048),
+    "w8_f1x2048": dict(warps=8, f_rows=1, f_cols=2048),
 }
 
 
@@ -42,25 +45,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
-    ap.add_argument("--variants", default="default", choices=["default", "sweep"])
+    ap.add_argument("--variants", nargs="+", default=["default"], help="SWEEP labels or 'sweep'")
     ap.add_argument("--emulate", type=int, nargs="*", default=[])
+    ap.add_argument("--ablate", action="store_true", help="also time the finalize stage alone")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     from fusion_bridge.kernels import symm_ring
     from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
     from fusion_bridge.kernels.finalize_add import finalize_add_into
-    from fusion_bridge.kernels.symm_testing import call_tensors, ring_layers_on_one_gpu
+    from fusion_bridge.kernels import symm_protocol as P
+    from fusion_bridge.kernels.symm_testing import (
+        call_tensors,
+        ring_launch_ablated,
+        ring_layers_on_one_gpu,
+    )
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
 
-    variants = SWEEP if args.variants == "sweep" else {"default": {}}
-    rows = [dict(path="hbm_copy_gbs", H=0, T=0, us=round(copy_bandwidth_gbs(1 << 30), 1))]
+    names = list(SWEEP) if args.variants == ["sweep"] else args.variants
+    variants = {name: SWEEP[name] for name in names}
+    copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
+    rows = []  # one per (H, T, variant): the table the target reads
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     keep = []
 
     def record(name, hidden, tokens, us):
-        rows.append(dict(path=name, H=hidden, T=tokens, us=round(us, 2)))
         print(f"{name:36s} H={hidden} T={tokens:5d} {us:9.2f} us", flush=True)
 
     for hidden in args.hidden:
@@ -88,9 +98,32 @@ def main() -> None:
                 )  # fmt: skip
 
             t_fin, t_norm = time_graph(fin, sets=n), time_graph(norm, sets=n)
+            if args.ablate:  # our finalize in the ring's tile: 16 warps, 4096 columns (3 CTAs/SM)
+
+                def fin16(i):
+                    s = sets[i]
+                    finalize_add_into(
+                        part, s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
+                        s.shared_output, spec.routed_scaling_factor, block_h=4096, num_warps=16,
+                    )  # fmt: skip
+
+                t_fin16 = time_graph(fin16, sets=n)
+                record("finalize_alone_w16_b4096", hidden, tokens, t_fin16)
             record("finalize_alone", hidden, tokens, t_fin)
             record("add_rmsnorm_alone", hidden, tokens, t_norm)
             record("standalone_sum", hidden, tokens, t_fin + t_norm)
+            workspace_mb = symm_ring.buffer_bytes(1, hidden, 2) / 1e6
+
+            def row(label, us):
+                return dict(
+                    H=hidden, T=tokens, finalize_alone_us=round(t_fin, 2),
+                    add_rmsnorm_alone_us=round(t_norm, 2), sum_us=round(t_fin + t_norm, 2),
+                    path=label, us=round(us, 2), ratio=round(us / (t_fin + t_norm), 3),
+                    workspace_mb=round(workspace_mb, 1),
+                )  # fmt: skip
+
+            if args.ablate:
+                rows.append(row("finalize_alone_w16_b4096", t_fin16))
             fin(0)
             norm(0)
             ref_ro, ref_no = ro.clone(), no.clone()
@@ -111,15 +144,33 @@ def main() -> None:
                 print(f"  check {label}: residual_out bitwise {same}, norm max diff {dn:.3g}, "
                       f"err {int(err[0])}")  # fmt: skip
                 if not same or int(err[0]) or not dn < 0.1:
-                    record(f"ring_{label}_WRONG", hidden, tokens, float("nan"))
+                    rows.append(row(f"ring_{label}_WRONG", float("nan")))
                     continue
-                record(f"ring_{label}", hidden, tokens, time_graph(ring, sets=n))
+                us = time_graph(ring, sets=n)
+                record(f"ring_{label}", hidden, tokens, us)
                 assert int(err[0]) == 0, hex(int(err[0]))
+                rows.append(row(f"ring_{label}", us))
+                if args.ablate:  # the stages' shares (results wrong by design)
+                    for tag, phases in (("F", P.RING_FINALIZE),):
+
+                        def ablated(i, layer=layer, shape=shape, out=out, phases=phases):
+                            ring_launch_ablated(layer, phases, shape, **call_tensors(sets[i], out))
+
+                        us = time_graph(ablated, sets=n)
+                        record(f"ring_{label}_only_{tag}", hidden, tokens, us)
+                        rows.append(row(f"ring_{label}_only_{tag}", us))
             for world in args.emulate:
-                _emulated(record, spec, sets, n, tokens, hidden, world)
+                us = _emulated(record, spec, sets, n, tokens, hidden, world)
+                rows.append(row(f"ring_emulated_W{world}_all_ranks", us))
+    print(f"\nHBM copy {copy_gbs} GB/s; W=1 local work vs our two standalone kernels (us, graph)")
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
     if args.csv:
-        write_csv(args.csv, rows)
-    print(f"HBM copy {rows[0]['us']} GB/s")
+        write_csv(
+            args.csv, rows + [dict.fromkeys(cols, "") | dict(path="hbm_copy_gbs", us=copy_gbs)]
+        )
 
 
 def _with_sms(layer, sms):
@@ -150,8 +201,10 @@ def _emulated(record, spec, sets, n, tokens, hidden, world):
         us = time_graphs_per_rank([rank_fn(la, o) for la, o in zip(layers, outs)], sets=n)
         bad = any(int(e[0]) for e in errs)
         record(f"ring_emulated_W{world}_all_ranks" + ("_ERR" if bad else ""), hidden, tokens, us)
+        return float("nan") if bad else us
     except Exception as exc:  # report and go on: the single-rank rows are the target
         print(f"emulated W={world} failed: {type(exc).__name__}: {exc}")
+        return float("nan")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ RING_STATE_WORDS = 4
 # one chunk's releases add exactly this to its slot's counter, whatever the program count P
 # (program 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
 RING_UNIT = 1 << 20
+# the ring kernel's PHASES hook (benchmark ablations only; results are then wrong): its stages
+RING_FINALIZE = 1  # finalize(c) into the owners' reduce-scatter rows (with the slot-free wait)
+RING_REDUCE = 2  # reduce(c - 1) and the push to every rank's all-gather rows (needs FINALIZE)
+RING_GATHER = 4  # gather(c - 2): the outputs (needs REDUCE); off, the slot is released anyway
+RING_ALL = RING_FINALIZE | RING_REDUCE | RING_GATHER
 
 
 def ring_buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = RING_CHUNK) -> int:

@@ -8,24 +8,33 @@ three stages in flight, one chunk apart:
 
   finalize(c): tiles of [F_ROWS owner rows, F_COLS columns] of rank r's partial (fp32 sum of the K
                routed rows, routed scaling, shared add, ONE rounding, -0.0 -> +0.0), stored into the
-               owner's reduce-scatter region [source r][row i] of slot s. Never waits for data.
-  reduce(c-1): the owned rows' tiles: wait until the W sources are no longer the sentinel, sum them
-               in rank order in fp32, add the residual, round once (-0.0 -> +0.0): residual_out's
-               bits, pushed into every rank's all-gather region [owner r][row i]; the sources go
-               back to the sentinel.
-  gather(c-2): whole rows: wait for the owner's row, store it as residual_out, norm it (+ FP8 /
-               NVFP4), put the row back to the sentinel; then the program releases slot s (a
-               counter in its rank's header; the P programs' shares add up to one unit).
+               owner's reduce-scatter region [source r][row i] of slot s. Never waits for data;
+               the next tile's routing is loaded before this tile's gathers.
+  reduce(c-1): the rows rank r owns, whole: wait until the W sources are no longer the sentinel,
+               sum them in rank order in fp32, add the residual, round once (-0.0 -> +0.0):
+               residual_out's bits, pushed into every OTHER rank's all-gather region [owner r]
+               [row i]; the sources go back to the sentinel; the owner stores its own outputs of
+               the row right away (residual_out, norm, FP8 / NVFP4), with no round trip through
+               its own slot.
+  gather(c-2): the rows other ranks own, whole: wait for the owner's row, store it as
+               residual_out, norm it (+ FP8 / NVFP4), put the row back to the sentinel; then the
+               program releases slot s (a counter in its rank's header; the P programs' shares add
+               up to one unit). At W = 1 there is nothing to gather.
 
-Before finalize(c) writes into slot s of any rank, the program waits until every rank's counter of
-slot s shows that all programs released the chunk that used s before (SLOTS chunks earlier). All
-ranks launch the same P programs with the same T, and every program is resident (P is capped by the
-compiled kernel's occupancy), so every wait is for an earlier stage: no deadlock, by induction over
-(chunk, stage). Waits are bounded (time, or the abort word a peer that timed out sets): a missing
-peer gives NaN rows and the error word, never a hang.
+Before finalize(c) writes into slot s of any rank, the program waits (one system-scope acquire per
+rank, all in flight together) until every rank's counter of slot s shows that all programs
+released the chunk that used s before (SLOTS chunks earlier). All ranks launch the same P programs
+with the same T, and every program is resident (P is capped by the compiled kernel's occupancy),
+so every wait is for an earlier stage: no deadlock, by induction over (chunk, stage). A kernel
+that occupies SMs alongside only delays programs until it ends; one that itself waits for this
+call (another rank's ring on the same GPU, as the emulated-ranks test has, beside other processes'
+kernels) can starve it, and the bounded waits then end the call with the error word. Waits are
+bounded (time, or the abort word a peer that timed out sets): a missing peer gives NaN rows and the
+error word, never a hang.
 
-Every rank norms every row from the same rounded residual_out bits with the same code, so every
-output is bitwise identical on every rank. Error against the fp32 oracle: the partial's rounding,
+Every rank norms every row from the same rounded residual_out bits with the same code (the owner in
+reduce, the others in gather: one helper, `symm_ring_stages._row_outputs`), so every output is
+bitwise identical on every rank. Error against the fp32 oracle: the partial's rounding,
 residual_out's (the norm reads it) and norm_out's: 3 roundings.
 
 Link bytes per rank: (W - 1) / W of the partial rows out and as many reduced rows: 2 (W - 1) / W *
@@ -60,7 +69,7 @@ from .quant import row_block, sf_padding_item, sf_padding_items
 from .quant_codes import QUANT_NVFP4
 from .symm_device import abort_word_ptr, start_clock
 from .symm_protocol import SymmLayer
-from .symm_ring_device import CHUNK, SLOTS, STATE_WORDS, buffer_bytes
+from .symm_ring_device import _SLOTS, CHUNK, SLOTS, STATE_WORDS, _release, buffer_bytes
 from .symm_ring_stages import _stage_finalize, _stage_gather, _stage_reduce
 
 __all__ = ["CHUNK", "SLOTS", "STATE_WORDS", "buffer_bytes", "RingShape", "DEFAULT_SHAPE", "launch"]
@@ -73,14 +82,16 @@ def _ring_kernel(
     residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, routed_scaling,
     eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_COLS: tl.constexpr,
-    R_ROWS: tl.constexpr, R_COLS: tl.constexpr,
+    SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, F_ROWS: tl.constexpr,
+    F_COLS: tl.constexpr,
     EMU: tl.constexpr = False, EMU_PID: tl.constexpr = 0, EMU_NPROG: tl.constexpr = 1,
     EMU_STAGE: tl.constexpr = 0, EMU_CHUNK: tl.constexpr = 0, EMU_ITEMS: tl.constexpr = 0,
+    PHASES: tl.constexpr = 7,
 ):  # fmt: skip
     """EMU* (set only by symm_testing, the CPU emulation): run one stage (EMU_STAGE) of one chunk
     for one program, time counted in polls, no end-of-call ticket. Everything else, peer pointers,
-    counters and error reports included, is the GPU code."""
+    counters and error reports included, is the GPU code. PHASES (set only by symm_testing, the
+    benchmark ablations; symm_protocol.RING_*): the stages the GPU loop runs."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     if EMU:
         pid = EMU_PID
@@ -109,13 +120,14 @@ def _ring_kernel(
             _stage_finalize(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                 gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_COLS, EMU, EMU_ITEMS,
+                routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 1:
             _stage_reduce(
                 EMU_CHUNK, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
-                residual_ptr, tokens, hidden, chunk, rank, dtype, WORLD, R_ROWS, R_COLS, EMU,
-                EMU_ITEMS,
+                residual_ptr, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
+                sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT,
+                SWIZZLED, ROW_BLOCK, HW_CVT, EMU, EMU_ITEMS,
             )  # fmt: skip
         if EMU_STAGE == 2:
             _stage_gather(
@@ -132,25 +144,28 @@ def _ring_kernel(
                             sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
     else:
         for it in range(0, nchunks + 2):
-            if it < nchunks:
+            if (it < nchunks) & ((PHASES & 1) != 0):
                 _stage_finalize(
                     it, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
-                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_COLS, EMU, 0,
+                    routed_scaling, dtype, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU, 0,
                 )  # fmt: skip
-            if (it >= 1) & (it <= nchunks):
+            if (it >= 1) & (it <= nchunks) & ((PHASES & 2) != 0):
                 _stage_reduce(
                     it - 1, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
-                    residual_ptr, tokens, hidden, chunk, rank, dtype, WORLD, R_ROWS, R_COLS, EMU,
-                    0,
+                    residual_ptr, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr,
+                    sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT,
+                    SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 0,
                 )  # fmt: skip
-            if it >= 2:
+            if (it >= 2) & ((PHASES & 4) != 0):
                 _stage_gather(
                     it - 2, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog,
                     gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens,
                     hidden, chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED,
                     ROW_BLOCK, HW_CVT, EMU, 0,
                 )  # fmt: skip
+            if (it >= 2) & ((PHASES & 4) == 0):  # ablation: the slot goes back unread
+                _release(ptrs_ptr, rank, (base + it - 2) % _SLOTS, pid, nprog)
         if QUANT == 2:
             if SWIZZLED:
                 for item in range(pid, sf_pad_items, nprog):
@@ -167,22 +182,21 @@ def _ring_kernel(
 @dataclass(frozen=True)
 class RingShape:
     """A launch variant: programs per SM (capped by the compiled kernel's occupancy: every program
-    must be resident), warps, the finalize column block and the reduce tile [rows, columns]. The
-    default is the fastest shape of the candidate sweep that the emulated-ranks GPU test passed
-    with (benchmarks/results/ring_local_h200_*.csv)."""
+    must be resident), warps and the finalize tile [rows, columns] (reduce and gather take whole
+    rows). The default is the fastest shape of the sweep in
+    benchmarks/results/ring_local_h200_sweep.csv (16 warps hold a whole H=7168 row in 128
+    registers, so one program per SM; 8 warps need 167 and were slower)."""
 
     programs_per_sm: int = 2
-    warps: int = 8
-    f_cols: int = 2048
-    r_rows: int = 1
-    r_cols: int = 2048
+    warps: int = 16
+    f_rows: int = 1
+    f_cols: int = 4096
 
     def constexprs(self, hidden: int) -> dict:
         cap = triton.next_power_of_2(hidden)
         return dict(
+            F_ROWS=self.f_rows,
             F_COLS=min(self.f_cols, cap),
-            R_ROWS=self.r_rows,
-            R_COLS=min(self.r_cols, cap),
             ROW_BLOCK=row_block(hidden),
         )
 

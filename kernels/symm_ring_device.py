@@ -51,11 +51,15 @@ def _wait_tile(ptrs, mask, abort_ptr, start, timeout, EMULATED: tl.constexpr):
 
 
 @triton.jit
-def _read_counter(cnt):
-    """One lane's system-scope acquire read (an atomic add of 0), broadcast to the program."""
+def _read_counters(ptrs_ptr, slot, WORLD: tl.constexpr):
+    """Every rank's release counter of `slot`, one lane each (system-scope acquire reads, an atomic
+    add of 0, all in flight together), broadcast to the program: int64 [32], lanes past W huge."""
     lane = tl.arange(0, 32)
-    got = tl.atomic_add(cnt + lane * 0, lane * 0, mask=lane == 0, sem="acquire", scope="sys")
-    return tl.max(tl.where(lane == 0, got, -(1 << 62)), axis=0)
+    on = lane < WORLD
+    base = tl.load(ptrs_ptr + tl.where(on, lane, 0), mask=on, other=0)
+    cnt = (base + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
+    got = tl.atomic_add(cnt, lane * 0, mask=on, sem="acquire", scope="sys")
+    return tl.where(on, got, 1 << 62)
 
 
 @triton.jit
@@ -63,24 +67,22 @@ def _wait_slot_free(
     ptrs_ptr, slot, need, abort_ptr, start, timeout, WORLD: tl.constexpr, EMULATED: tl.constexpr
 ):  # fmt: skip
     """Until every rank's counter of `slot` reaches `need`; returns the ranks that never did."""
-    missing = 0
-    for q in tl.static_range(WORLD):
-        cnt = _counter(ptrs_ptr, q, slot)
-        seen = _read_counter(cnt)
-        polls = 1
-        waiting = ((seen - need) < 0).to(tl.int32)
-        while waiting != 0:
-            seen = _read_counter(cnt)
-            polls += 1
-            if EMULATED:
-                late = polls >= timeout
-            else:
-                late = (_globaltimer() - start) > timeout
-            ab = tl.load(abort_ptr, volatile=True)
-            waiting = ((seen - need) < 0).to(tl.int32) * (1 - late.to(tl.int32))
-            waiting = waiting * (ab == 0).to(tl.int32)
-        missing = missing | tl.where((seen - need) >= 0, 0, 1 << q)
-    tl.debug_barrier()  # the acquire was one thread's: order the whole program's stores after it
+    lane = tl.arange(0, 32)
+    seen = _read_counters(ptrs_ptr, slot, WORLD)
+    polls = 1
+    waiting = (tl.min(seen, axis=0) - need < 0).to(tl.int32)
+    while waiting != 0:
+        seen = _read_counters(ptrs_ptr, slot, WORLD)
+        polls += 1
+        if EMULATED:
+            late = polls >= timeout
+        else:
+            late = (_globaltimer() - start) > timeout
+        ab = tl.load(abort_ptr, volatile=True)
+        waiting = (tl.min(seen, axis=0) - need < 0).to(tl.int32) * (1 - late.to(tl.int32))
+        waiting = waiting * (ab == 0).to(tl.int32)
+    missing = tl.sum(tl.where((lane < WORLD) & (seen - need < 0), 1 << lane, 0), axis=0)
+    tl.debug_barrier()  # the acquires were some threads': order the whole program's stores after
     return missing
 
 

@@ -280,7 +280,6 @@ class EmulatedRing:
         consts = shape.constexprs(hidden)
         bound = max(  # loop bounds only: the kernel's own formulas decide which items run
             world * cw * -(-hidden // consts["F_COLS"]),
-            -(-cw // shape.r_rows) * -(-hidden // consts["R_COLS"]),
             chunk,
             (tokens + 255) // 32 * -(-hidden // 2048) + 8,  # swizzled scale padding items
         )
@@ -319,6 +318,19 @@ class EmulatedRing:
         for rank in range(world):
             if rank != skip_rank:  # what the GPU's last ticket does
                 self.states[rank, 0] += nchunks
+
+
+def ring_launch_ablated(layer: P.SymmLayer, phases: int, shape: RingShape, **tensors) -> None:
+    """Benchmarks only: the GPU ring kernel with its PHASES hook (symm_protocol.RING_*; results
+    are wrong unless phases == RING_ALL), the production grid."""
+    from .symm_ring import _OCCUPANCY, launch
+
+    args, constexprs = ring_call_args(layer, shape, **tensors)
+    key = (tuple(sorted(constexprs.items())), shape.warps, tensors["residual"].device)
+    if key not in _OCCUPANCY:  # once, eager: compiles the production variant, fills _OCCUPANCY
+        launch(layer, shape=shape, **tensors)
+    programs = layer.num_sms * min(shape.programs_per_sm, _OCCUPANCY[key])
+    _ring_kernel[(programs,)](*args, num_warps=shape.warps, PHASES=phases, **constexprs)
 
 
 def ring_layers_on_one_gpu(world: int, hidden: int, spec, timeout_s: float = 10.0, device=None):

@@ -36,7 +36,7 @@ QUANTS = {
 }
 
 
-SHAPE = RingShape(f_cols=64, r_rows=2, r_cols=64)  # narrow tiles: several per row
+SHAPE = RingShape(f_rows=2, f_cols=64)  # narrow finalize tiles: several per row
 
 
 def _run(emu, spec, inputs, programs=2, skip_rank=None, max_polls=3):
