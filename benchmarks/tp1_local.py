@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     from fusion_bridge.kernels import symm_oneshot
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.symm_oneshot import OneshotShape
+    from fusion_bridge.kernels.tp1_launch import OneshotShape
     from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
     from fusion_bridge.synthetic import make_inputs
 
@@ -133,10 +133,9 @@ def main() -> None:
                     for warps in (4, 8, 16, 32):
 
                         def fn(i, w=warps):
-                            symm_oneshot.launch(
-                                one._layer,
-                                shape=OneshotShape(rb, rb, w),
+                            one._launch(
                                 **call_tensors(sets[i], (out.residual_out, out.norm_out, q, sf)),
+                                shape=OneshotShape(rb, rb, w),
                             )
 
                         emit(
@@ -150,16 +149,14 @@ def main() -> None:
                 if tokens == 1 and quant == "none" and hidden == args.hidden[0]:
                     # eager: the strategy's call vs one bare cached launch of the same kernel
                     out = one.run(sets[0])
-                    call = symm_oneshot.local_call(
-                        one._layer,
-                        None,
-                        **call_tensors(
+                    launch = one._launch.bound(
+                        *call_tensors(
                             sets[0], (out.residual_out, out.norm_out, one._unused, one._unused)
-                        ),
+                        ).values()
                     )
 
                     def bare(i):
-                        symm_oneshot._LOCAL(*call)
+                        launch()
 
                     emit(
                         "eager_one_launch",

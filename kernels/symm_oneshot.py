@@ -83,18 +83,23 @@ The CPU tests and the benchmarks' ablations run this very kernel body through th
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from . import tp1_launch
 from . import symm_protocol as P
-from .add_rmsnorm import norm_quant_row
 from .finalize_add import finalize_row
-from .launcher import KernelLauncher
-from .quant import QUANT_NONE, QUANT_NVFP4, launch_rows, quantize_row, row_block, sf_padding_item
-from .rounding import round_to
+from .oneshot_local import row_outputs
+from .oneshot_shapes import (  # noqa: F401 (SHAPE_VARIANTS, variant_shape: re-exported)
+    SHAPE_VARIANTS,
+    OneshotShape,
+    default_shape,
+    variant_shape,
+)
+from .quant import QUANT_NVFP4, row_block, sf_padding_item
 from .symm_device import (
     abort_word_ptr,
     advance_epoch,
@@ -128,211 +133,6 @@ def _rank_ordered_sum(v, dtype: tl.constexpr, WORLD: tl.constexpr, WP: tl.conste
     for q in tl.static_range(1, WORLD):  # rank order
         s += tl.sum(tl.where(qi == q, vf, 0.0), axis=0)
     return s
-
-
-@triton.jit
-def _row_outputs(
-    s,
-    row,
-    lo,
-    hi,
-    bad,
-    tokens,
-    residual_ptr,
-    gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
-    hidden,
-    eps,
-    weight_bias,
-    quant_scale,
-    sf_cols,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    OVERFLOW_SAFE: tl.constexpr,
-):
-    """From the row's summed partials s (fp32 [ROW_BLOCK]): the whole row's x = residual + s and
-    its norm (each program of the row computes them identically), stored for columns [lo, hi) only
-    (multiples of 64, so the masks stay constant over whole 16-byte vectors). bad != 0 writes
-    NaN."""
-    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-    cols = tl.arange(0, ROW_BLOCK)
-    in_row = cols < hidden
-    offs = row * hidden + cols
-    x = tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32) + s
-    x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
-    tl.store(residual_out_ptr + offs, round_to(x, dtype), mask=in_row & (cols >= lo) & (cols < hi))
-    g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
-    norm_quant_row(
-        x,
-        g,
-        row,
-        lo,
-        hi,
-        tokens,
-        norm_out_ptr,
-        q_ptr,
-        sf_ptr,
-        hidden,
-        eps,
-        quant_scale,
-        sf_cols,
-        QUANT,
-        SWIZZLED,
-        ROW_BLOCK,
-        HW_CVT,
-        OVERFLOW_SAFE,
-    )
-
-
-@triton.jit
-def _local_rows(
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
-    residual_ptr,
-    gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
-    tokens,
-    hidden,
-    routed_scaling,
-    eps,
-    weight_bias,
-    quant_scale,
-    sf_cols,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-):
-    """World size 1: the one-shot's local work with the exchange left out. One program per row: the
-    top-k finalize of the row stays in registers, rounded once as a published partial would be (so
-    residual_out is the two-launch path's bit for bit), then residual, norm and quant from the same
-    building blocks. No slot, no wait, no device state. Programs past T (swizzled NVFP4 only) write
-    their scale row's padding (zeros), as the standalone norm kernel does."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, ROW_BLOCK)
-    if row < tokens:
-        acc = finalize_row(
-            gemm2_ptr,
-            perm_ptr,
-            weight_ptr,
-            shared_ptr,
-            row,
-            cols,
-            hidden,
-            routed_scaling,
-            TOP_K,
-            HAS_SHARED,
-        )
-        _row_outputs(
-            round_to(acc, residual_out_ptr.dtype.element_ty).to(tl.float32),
-            row,
-            0,
-            ROW_BLOCK,
-            0,
-            tokens,
-            residual_ptr,
-            gamma_ptr,
-            residual_out_ptr,
-            norm_out_ptr,
-            q_ptr,
-            sf_ptr,
-            hidden,
-            eps,
-            weight_bias,
-            quant_scale,
-            sf_cols,
-            QUANT,
-            SWIZZLED,
-            ROW_BLOCK,
-            HW_CVT,
-            True,  # as the two-launch path's norm kernel
-        )
-    else:
-        quantize_row(
-            tl.zeros([ROW_BLOCK], dtype=tl.float32),
-            row,
-            0,
-            ROW_BLOCK,
-            tokens,
-            hidden,
-            q_ptr,
-            sf_ptr,
-            quant_scale,
-            sf_cols,
-            QUANT,
-            SWIZZLED,
-            ROW_BLOCK,
-            HW_CVT,
-            False,
-        )
-
-
-@triton.jit
-def _tp1_kernel(
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
-    residual_ptr,
-    gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
-    tokens,
-    hidden,
-    routed_scaling,
-    eps,
-    weight_bias,
-    quant_scale,
-    sf_cols,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-):
-    """World size 1: the entry point of `_local_rows`. Its own entry (not a WORLD == 1 branch of
-    the exchange kernel) because its source reaches no module-level value, which is what lets the
-    cached launcher (kernels/launcher.py) launch it: an eager call is one cheap launch."""
-    _local_rows(
-        gemm2_ptr,
-        perm_ptr,
-        weight_ptr,
-        shared_ptr,
-        residual_ptr,
-        gamma_ptr,
-        residual_out_ptr,
-        norm_out_ptr,
-        q_ptr,
-        sf_ptr,
-        tokens,
-        hidden,
-        routed_scaling,
-        eps,
-        weight_bias,
-        quant_scale,
-        sf_cols,
-        TOP_K,
-        HAS_SHARED,
-        QUANT,
-        SWIZZLED,
-        ROW_BLOCK,
-        HW_CVT,
-    )
 
 
 @triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout"])  # one compile per BLOCK1
@@ -456,7 +256,7 @@ def _oneshot_kernel(
                     missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
                 )
             if NORM & PHASES:
-                _row_outputs(
+                row_outputs(
                     _rank_ordered_sum(v, dtype, WORLD, WP),
                     row,
                     lo,
@@ -491,47 +291,6 @@ def _oneshot_kernel(
     # D. the last ticket advances the epoch, records this slot's rows for the next clear
     if EPOCH & PHASES:
         advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
-
-
-class OneshotShape(NamedTuple):
-    """A launch shape: BLOCK1 (finalize + publish chunk, compiled in), block2 (the columns a
-    program stores in phase C, a multiple of 64), warps."""
-
-    block1: int
-    block2: int
-    warps: int
-
-
-def default_shape(
-    tokens: int, hidden: int, num_sms: int = 132, world: int = 2, quant: int = QUANT_NONE
-) -> OneshotShape:
-    """World size 1: whole rows (the partial stays in registers), one program per row; only the
-    warps vary (`local_warps`).
-
-    Otherwise: BLOCK1 1024 while T * chunks stays within two waves of programs (T=1 spreads the K
-    gathers of a row over 7 SMs at H=7168), else whole rows (more bytes in flight per program at
-    large T); two values, so few compiles. block2: whole rows at T <= 2, else the row split over as
-    many programs as one wave allows. Every program of a row reads the whole row's partials (local)
-    for its sum of squares. Measured on 2x H200, H=7168 (us, graph): T=1 (512, 512) 6.35, (1024,
-    512) 6.12, (512, row) 5.72; T=16 (512, 896) 8.70, (1024, 896) 7.82, (512, row) 8.97."""
-    rb = row_block(hidden)
-    if world == 1:
-        return OneshotShape(rb, rb, local_warps(tokens, hidden, quant))
-    block1 = 1024 if rb > 1024 and tokens * triton.cdiv(hidden, 1024) <= 2 * num_sms else rb
-    per_row = max(1, num_sms // max(tokens, 1))
-    block2 = rb if tokens <= 2 else min(rb, max(512, -(-triton.cdiv(hidden, per_row) // 64) * 64))
-    return OneshotShape(block1, block2, 8 if rb >= 4096 else 4)
-
-
-def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
-    """Warps per row program at world size 1. Measured on one H200, H=7168, K=8, graph, rotated
-    inputs (benchmarks/tp1_local.py --sweep, us, 8 / 16 / 32 warps): none T=16 6.39 / 6.01 / 5.84,
-    T=64 7.15 / 6.74 / 6.52, T=1024 49.9 / 48.7 / 55.7, T=4096 173.9 / 170.0 / 198.2; fp8 T=64
-    10.8 / 9.75 / 7.87, T=4096 220 / 201 / 234; nvfp4 T=16 9.50 / 8.54 / 8.05, T=4096 311 / 205 /
-    259. Few rows: the most threads in flight per row; many rows: 16 warps (quant or not). Half as
-    many for rows of half the width."""
-    per_row = 32 if tokens <= 64 else 16
-    return max(4, per_row * row_block(hidden) // 8192)
 
 
 def call_args(
@@ -606,74 +365,17 @@ def call_args(
 
 
 KERNEL = _oneshot_kernel  # the exchange kernel (world size >= 2), for kernels/symm_testing
-_LOCAL = KernelLauncher(
-    _tp1_kernel, ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT")
-)
 
 
 def launch(layer: SymmLayer, *, shape: Optional[OneshotShape] = None, **tensors) -> None:
     """One call: `tensors` are call_args's keywords (residual_out, norm_out, q, sf as uint8: [T, H]
     fp8 codes / [T, H/2] packed fp4, gemm2_out, perm, weights, shared or None, residual, gamma).
     T == 0 launches nothing (on every rank); T must be <= layer.cap. shape: None = default_shape.
-    World size 1 launches the local kernel through the cached launcher: an eager call is one
-    cheap launch."""
+    World size 1 runs the local work only (`tp1_launch.launch`, whole rows here)."""
     if tensors["perm"].shape[0] == 0:
         return
     if layer.world == 1:
-        _LOCAL(*local_call(layer, shape, **tensors))
+        tp1_launch.launch(layer, shape, **tensors)
         return
     programs, args, constexprs = call_args(layer, shape, **tensors)
     _oneshot_kernel[(programs,)](*args, **constexprs)
-
-
-def local_call(
-    layer: SymmLayer,
-    shape: Optional[OneshotShape],
-    *,
-    residual_out: torch.Tensor,
-    norm_out: torch.Tensor,
-    q: torch.Tensor,
-    sf: torch.Tensor,
-    gemm2_out: torch.Tensor,
-    perm: torch.Tensor,
-    weights: torch.Tensor,
-    shared: Optional[torch.Tensor],
-    residual: torch.Tensor,
-    gamma: torch.Tensor,
-) -> tuple[tuple, tuple, tuple, int]:
-    """World size 1: (grid, args, constexprs, warps) of the local kernel, one program per row (and
-    per swizzled scale padding row); only the warps of `shape` apply (whole rows). T > 0."""
-    tokens, top_k = perm.shape
-    quant = layer.quant
-    warps = shape.warps if shape is not None else local_warps(tokens, layer.hidden, quant.code)
-    return (
-        (launch_rows(quant.code, quant.swizzled, tokens, sf),),
-        (
-            gemm2_out,
-            perm,
-            weights,
-            shared if shared is not None else residual,
-            residual,
-            gamma,
-            residual_out,
-            norm_out,
-            q,
-            sf,
-            tokens,
-            layer.hidden,
-            layer.routed_scaling,
-            layer.eps,
-            layer.weight_bias,
-            quant.scale,
-            sf.shape[1] if quant.code == QUANT_NVFP4 else 0,
-        ),
-        (
-            top_k,
-            shared is not None,
-            quant.code,
-            quant.swizzled,
-            row_block(layer.hidden),
-            residual.is_cuda,
-        ),
-        warps,
-    )

@@ -177,3 +177,113 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
     out = strat.run(inp)
     assert (out.residual_out[1] == 0).all() and (out.norm_out[1] == 0).all()
     assert rel_err(out.norm_out, norm) <= FusedTp1Strategy.error_bound(spec, ENV)
+
+
+def _launch_with(strat, inp, shape):
+    """The strategy's launcher with an explicit launch shape, into NaN-poisoned outputs."""
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    out = strat.run(inp)
+    for t in (out.residual_out, out.norm_out):
+        t.fill_(float("nan"))
+    q = out.quant.view(torch.uint8) if out.quant is not None else strat._unused
+    sf = out.scale if out.scale is not None else strat._unused
+    if out.quant is not None:
+        q.fill_(0xFF)
+        if out.scale is not None:
+            sf.fill_(0xFF)
+    strat._launch(**call_tensors(inp, (out.residual_out, out.norm_out, q, sf)), shape=shape)
+    return out
+
+
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"{q.kind.value}-{q.sf_layout.value}")
+def test_split_rows_under_the_interpreter(quant):
+    """Rows split over programs that exchange their sums of squares (the small-T kernel), both
+    phases run one after the other: residual_out bit for bit the whole rows' (and so the two-launch
+    path's), norm_out against the float64 oracle, quant codes and scales (padding included) those
+    of its own norm_out. Calls alternate chunk counts and T, so each count's arrival counter and
+    tags must stay in step while the others run; H=160 ends in a partial chunk."""
+    from fusion_bridge.kernels.tp1_launch import OneshotShape, split_ok
+
+    problems = []
+    for hidden, chunks_of in ((320, (64, 128)), (160, (64,))):
+        spec = EpilogueSpec(
+            hidden_size=hidden, top_k=3, routed_scaling_factor=2.5, weight_bias=0.5, quant=quant
+        )
+        strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+        strat.prepare()
+        strat._launch.num_sms = 16
+        for rep in range(2):
+            for tokens in (1, 3):
+                inp = make_inputs(spec, tokens, seed=rep * 10 + tokens, device=DEVICE)
+                whole = strat.run(inp)
+                x64, norm64 = epilogue64_from(spec, [inp])
+                for chunk in chunks_of:
+                    shape = OneshotShape(chunk, chunk, 2)
+                    assert split_ok(shape, tokens, hidden, 16)
+                    got = _launch_with(strat, inp, shape)
+                    tag = f"H={hidden} T={tokens} chunk={chunk} rep={rep}"
+                    if not torch.equal(got.residual_out, whole.residual_out):
+                        problems.append(f"{tag}: residual_out")
+                    bound = FusedTp1Strategy.error_bound(spec, ENV)
+                    if not rel_err(got.norm_out, norm64) <= bound:
+                        problems.append(f"{tag}: norm_out err {rel_err(got.norm_out, norm64)}")
+                    if quant.kind is QuantKind.FP8:
+                        ref = quantize(got.norm_out, "fp8", quant.scale)[0]
+                        if not torch.equal(got.quant.view(torch.uint8), ref.view(torch.uint8)):
+                            problems.append(f"{tag}: fp8 codes")
+                    if quant.kind is QuantKind.NVFP4:
+                        swz = quant.sf_layout is SFLayout.SWIZZLED_128x4
+                        ref_q, ref_sf = quantize(got.norm_out, "nvfp4", quant.global_scale, swz)
+                        if not torch.equal(got.quant, ref_q.view(torch.uint8)):
+                            problems.append(f"{tag}: nvfp4 codes")
+                        if not torch.equal(got.scale, ref_sf.view(torch.uint8)):
+                            problems.append(f"{tag}: nvfp4 scales")
+    assert not problems, problems
+
+
+def test_split_rows_overflowing_the_sum_of_squares_are_normalized():
+    """|x| ~ 1e25 in one row: its chunks' fp32 sum overflows; every program of the row rescales
+    from the row's largest exponent (exchanged with the sums), as whole rows do."""
+    from fusion_bridge.kernels.tp1_launch import OneshotShape
+
+    spec = EpilogueSpec(hidden_size=320, top_k=2, has_shared_output=False)
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+    strat.prepare()
+    strat._launch.num_sms = 16
+    inp = make_inputs(spec, 2, seed=4, device=DEVICE, skip_fraction=0.0)
+    inp.residual[0, :70].mul_(1e25)  # the largest values in the first two chunks only
+    got = _launch_with(strat, inp, OneshotShape(64, 64, 2))
+    _, norm64 = epilogue64_from(spec, [inp])
+    assert torch.isfinite(got.norm_out).all()
+    assert rel_err(got.norm_out, norm64) <= FusedTp1Strategy.error_bound(spec, ENV)
+
+
+def test_a_split_row_whose_partner_never_arrives_is_nan_not_a_hang():
+    """The wait phase alone, with no publish before it and a bound of 3 polls: the row's words
+    carry an older tag, so the wait gives up and the row's norm_out is NaN."""
+    from fusion_bridge.kernels import tp1_launch as L
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    spec = EpilogueSpec(hidden_size=320, top_k=2)
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+    strat.prepare()
+    strat._launch.num_sms = 16
+    shape = L.OneshotShape(64, 64, 2)
+    inp = make_inputs(spec, 1, seed=5, device=DEVICE)
+    out = _launch_with(strat, inp, shape)  # one full call: tags of epoch 1
+    assert torch.isfinite(out.norm_out).all()
+    launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = strat._launch.plan(
+        1, 2, True, False, (0,), shape
+    )
+    t = call_tensors(inp, (out.residual_out, out.norm_out, strat._unused, strat._unused))
+    args = (t["gemm2_out"], t["perm"], t["weights"], t["shared"], t["residual"], t["gamma"])
+    args += (out.residual_out, out.norm_out, strat._unused, strat._unused)
+    args += (strat._launch.sync_words(), 1, 320, 1.0, spec.eps, 0.0, 1.0, sf_rows, sf_cols, chunks)
+    words = strat._launch.sync_words()
+    counter = words[0 * (L.MAX_CHUNKS + 1) + chunks]
+    assert counter.item() == 2 * L.MAX_CHUNKS  # what one call adds to its chunk count's counter
+    words[0 * (L.MAX_CHUNKS + 1) + chunks] += 2 * L.MAX_CHUNKS  # as after a publish: tags stay 1
+    fixed = fixed[:-1] + (3, L.OUTPUT_PHASE)  # MAX_POLLS = 3
+    launcher(grid, args, fixed, warps)
+    assert torch.isnan(out.norm_out).all()

@@ -55,41 +55,93 @@ def _problems(spec, strat, env, inp, out, tag):
     return found
 
 
-def test_fused_tp1_parity_grid():
+def _quant(name):
+    from fusion_bridge.spec import QuantSpec, SFLayout
+
+    return {
+        "none": QuantSpec.none(),
+        "fp8": QuantSpec.fp8(0.05),
+        "nvfp4-swizzled": QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+        "nvfp4-linear": QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
+    }[name]
+
+
+QUANTS = ("none", "fp8", "nvfp4-swizzled", "nvfp4-linear")
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("top_k", (1, 8))
+@pytest.mark.parametrize("hidden", (7168, 4096, 2880))
+def test_fused_tp1_parity_grid(hidden, top_k, quant):
+    """The strategy's default shapes (split rows for small T, whole rows above)."""
     needs_gpu()
-    from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
+    from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
 
-    quants = [
-        QuantSpec.none(),
-        QuantSpec.fp8(0.05),
-        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
-        QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
-    ]
+    spec = EpilogueSpec(
+        hidden_size=hidden,
+        top_k=top_k,
+        routed_scaling_factor=2.5,
+        weight_bias=0.5,
+        quant=_quant(quant),
+        max_tokens=4096,
+    )
+    strat, env = _strategy(spec)
+    two, _ = _strategy(spec, "local_fused_nccl")
     problems = []
-    for hidden in (7168, 4096, 2880):
-        for top_k in (1, 8):
-            for quant in quants:
-                spec = EpilogueSpec(
-                    hidden_size=hidden,
-                    top_k=top_k,
-                    routed_scaling_factor=2.5,
-                    weight_bias=0.5,
-                    quant=quant,
-                    max_tokens=4096,
+    for tokens in TOKENS:
+        inp = make_inputs(
+            spec, tokens, seed=tokens + hidden + top_k, device="cuda", skip_fraction=0.2
+        )
+        out = strat.run(inp)
+        tag = f"H={hidden} K={top_k} {quant} T={tokens}"
+        problems += _problems(spec, strat, env, inp, out, tag)
+        if not torch.equal(out.residual_out, two.run(inp).residual_out):
+            problems.append(f"{tag}: residual_out differs from the two-launch path's")
+    assert not problems, "\n".join(problems[:30])
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_split_rows_match_whole_rows_at_every_chunk(quant):
+    """Every split shape that fits against whole rows on the same inputs: residual_out bit for bit,
+    norm_out within one rounding (the sum of squares is added in another order), the quant codes
+    those of the kernel's own norm_out; calls alternate chunk counts and T (the arrival counters
+    of one chunk count must stay in step while other counts run)."""
+    needs_gpu()
+    from fusion_bridge.kernels import tp1_launch as L
+    from fusion_bridge.kernels.symm_testing import call_tensors
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=_quant(quant), max_tokens=256)
+    strat, env = _strategy(spec)
+    problems = []
+    for rep in range(3):
+        for tokens in (1, 3, 16, 64):
+            inp = make_inputs(spec, tokens, seed=rep * 100 + tokens, device="cuda")
+            whole = strat.run(inp)
+            for chunk, warps in ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8)):
+                shape = L.OneshotShape(chunk, chunk, warps)
+                if not L.split_ok(shape, tokens, 7168, strat._launch.num_sms):
+                    continue
+                got = strat.run(inp)
+                for t in (got.residual_out, got.norm_out):
+                    t.fill_(float("nan"))
+                q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
+                sf = got.scale if got.scale is not None else strat._unused
+                if got.quant is not None:
+                    q.fill_(0xFF)
+                strat._launch(
+                    **call_tensors(inp, (got.residual_out, got.norm_out, q, sf)), shape=shape
                 )
-                strat, env = _strategy(spec)
-                two, _ = _strategy(spec, "local_fused_nccl")
-                for tokens in TOKENS:
-                    inp = make_inputs(
-                        spec, tokens, seed=tokens + hidden + top_k, device="cuda", skip_fraction=0.2
-                    )
-                    out = strat.run(inp)
-                    layout = quant.sf_layout.value
-                    tag = f"H={hidden} K={top_k} {quant.kind.value}/{layout} T={tokens}"
-                    problems += _problems(spec, strat, env, inp, out, tag)
-                    if not torch.equal(out.residual_out, two.run(inp).residual_out):
-                        problems.append(f"{tag}: residual_out differs from the two-launch path's")
+                tag = f"{quant} T={tokens} chunk={chunk} rep={rep}"
+                problems += _problems(spec, strat, env, inp, got, tag)
+                if not torch.equal(got.residual_out, whole.residual_out):
+                    problems.append(f"{tag}: residual_out differs from whole rows")
+                diff = (got.norm_out.float() - whole.norm_out.float()).abs()
+                ulp = whole.norm_out.float().abs() * 2**-7 + 1e-30
+                if not bool((diff <= ulp).all()):
+                    problems.append(f"{tag}: norm_out more than one rounding from whole rows")
     assert not problems, "\n".join(problems[:30])
 
 
@@ -118,4 +170,47 @@ def test_fused_tp1_graph_replays_on_new_inputs():
                 torch.cuda.synchronize()
                 tag = f"graph {quant.kind.value} T={tokens} replay seed {seed}"
                 problems += _problems(spec, strat, env, fresh, got, tag)
+    assert not problems, "\n".join(problems)
+
+
+def test_split_rows_in_one_graph_and_on_two_streams():
+    """One CUDA graph holding calls of several T (chunk counts 14, 7 and 2 at H=7168) replayed on
+    fresh inputs: the arrival counters and tags carry over replays with no reset. Then two streams
+    calling at once: each stream has its own set of words, so neither reads the other's sums."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8(0.05), max_tokens=64)
+    strat, env = _strategy(spec)
+    statics = {t: make_inputs(spec, t, seed=t, device="cuda") for t in (1, 3, 64)}
+    for inp in statics.values():
+        strat.run(inp)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = {t: strat.run(inp) for t, inp in statics.items()}
+    problems = []
+    for seed in (11, 12, 13):
+        fresh = {t: make_inputs(spec, t, seed=seed + t, device="cuda") for t in statics}
+        for t, inp in fresh.items():
+            for dst, src in zip(statics[t], inp):
+                if dst is not None:
+                    dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for t in statics:
+            problems += _problems(spec, strat, env, fresh[t], outs[t], f"graph T={t} seed {seed}")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    inputs = [make_inputs(spec, 16, seed=40 + i, device="cuda") for i in range(2)]
+    got = [None, None]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                got[i] = strat.run(inputs[i])
+    torch.cuda.synchronize()
+    for i in range(2):
+        problems += _problems(spec, strat, env, inputs[i], got[i], f"stream {i}")
+    assert len(strat._launch._sync) >= 3  # the graph's capture stream and the two streams
     assert not problems, "\n".join(problems)

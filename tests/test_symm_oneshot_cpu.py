@@ -561,3 +561,27 @@ def test_rounding_keeps_the_gpus_canonical_nan():
         and y[2].item() == 1.0
         and y.view(torch.int16)[3].item() == SENTINEL_BITS
     )
+
+
+def test_launch_shape_variants_for_tune():
+    """The exchange kernel's launch shapes are variants `tune` measures: declared by the strategy
+    (the twoshot subclass keeps only its default), each a valid shape (64-column multiples within
+    the row block), "default" is the per-T rule, an unknown name is refused."""
+    from fusion_bridge.kernels.oneshot_shapes import SHAPE_VARIANTS, variant_shape
+    from fusion_bridge.strategies import symm_fused_oneshot as so
+    from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8)
+    env = Environment(device_type="cuda", sm=90, world_size=2, triton_version="3.6.0")
+    assert so.SHAPE_VARIANTS == SHAPE_VARIANTS
+    assert so.SymmFusedOneshotStrategy.variants(spec, env) == ("default",) + SHAPE_VARIANTS
+    assert SymmFusedTwoshotStrategy.variants(spec, env) == ("default",)
+    for tokens in (1, 16, 64, 256):
+        assert variant_shape("default", tokens, 7168, 132, 2) is None
+        shapes = {v: variant_shape(v, tokens, 7168, 132, 2) for v in SHAPE_VARIANTS}
+        assert shapes["rows"][:2] == (8192, 8192)
+        assert shapes["pub512"][:2] == (512, 8192)
+        assert shapes["pub1024"][:2] == (1024, default_shape(tokens, 7168, 132, 2).block2)
+        assert all(s.block1 % 64 == 0 and s.block2 % 64 == 0 for s in shapes.values())
+    with pytest.raises(ValueError, match="unknown launch variant 'wide'"):
+        variant_shape("wide", 1, 7168, 132, 2)

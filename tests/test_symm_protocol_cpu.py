@@ -103,18 +103,19 @@ def test_capacity_at_every_world_size():
     assert [sw.capacity(wide, w, "twoshot") for w in (2, 4, 8)] == [2730, 2729, 2728]
 
 
-def test_the_world_size_one_kernel_can_take_the_launch_cache():
+def test_the_world_size_one_kernels_can_take_the_launch_cache():
     """The cached launcher (kernels/launcher.py) refuses a kernel whose source reaches module-level
-    values (Triton re-checks them per launch); the local kernel reaches none, the exchange kernel
-    does (the protocol's constants). Compiled-mode JIT objects: a subprocess without the
-    interpreter."""
+    values (Triton re-checks them per launch); the local kernels (whole rows, split rows) reach
+    none, the exchange kernel does (the protocol's constants). Compiled-mode JIT objects: a
+    subprocess without the interpreter."""
     code = (
-        "from fusion_bridge.kernels import symm_oneshot as m; "
-        "m._tp1_kernel.cache_key; m._oneshot_kernel.cache_key; "
-        "print(len(m._tp1_kernel.used_global_vals), len(m._oneshot_kernel.used_global_vals) > 0)"
+        "from fusion_bridge.kernels import oneshot_local as l, symm_oneshot as m; "
+        "l._tp1_kernel.cache_key; l._tp1_split_kernel.cache_key; m._oneshot_kernel.cache_key; "
+        "print(len(l._tp1_kernel.used_global_vals), len(l._tp1_split_kernel.used_global_vals), "
+        "len(m._oneshot_kernel.used_global_vals) > 0)"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
     )
-    assert out.stdout.split() == ["0", "True"], out
+    assert out.stdout.split() == ["0", "0", "True"], out

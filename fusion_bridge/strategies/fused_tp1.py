@@ -3,14 +3,17 @@
 
 It is the one-shot symmetric-memory kernel (kernels/symm_oneshot.py) specialised for a world of one:
 the same building blocks (top-k finalize of a row, rounding, RMSNorm, quant), with the exchange left
-out. Each program takes whole rows and keeps the row's partial in registers (no round trip through
-memory, no workspace, no device state). The partial is rounded once to the activation dtype, as the
-two-launch path stores it, so residual_out is that path's bit for bit; norm_out follows from it.
+out. Each program keeps its part of the row's partial in registers (no round trip through memory):
+whole rows, one program per row, or for few rows the row's columns split over several programs
+that exchange only their sums of squares inside the launch (kernels/oneshot_local.py). The partial
+is rounded once to the activation dtype, as the two-launch path stores it, so residual_out is that
+path's bit for bit; norm_out follows from it (its sum of squares, for split rows, in another order).
 Error against the fp32 oracle: the partial's rounding + the output's rounding (+ the oracle's).
 
 A strategy of its own rather than a variant of `symm_fused_oneshot`: at world size 1 it needs none
-of that strategy's capability (symmetric memory, multicast settings, a workspace, peers), and it
-runs under the Triton interpreter, so the CPU parity tests cover it.
+of that strategy's capability (symmetric memory, multicast settings, peers; its only device state is
+the split rows' arrival words, one set per CUDA stream), and it runs under the Triton interpreter,
+so the CPU parity tests cover it.
 """
 
 from __future__ import annotations
@@ -72,11 +75,15 @@ class FusedTp1Strategy(Strategy):
         return 2  # the partial (as the two-launch path stores it) and each output
 
     def prepare(self) -> None:
-        from ..kernels import symm_oneshot
         from ..kernels.symm_protocol import SymmLayer
+        from ..kernels.tp1_launch import LocalLauncher
 
-        self._kernel = symm_oneshot  # bound once: no import on the call path
-        self._layer = SymmLayer.local(self.spec, self.device)
+        num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 0  # the interpreter: whole rows (tests/test_fused_tp1_cpu.py runs the split)
+        )
+        self._launch = LocalLauncher(SymmLayer.local(self.spec, self.device), num_sms, self.device)
         self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._kind = self.spec.quant.kind
 
@@ -89,17 +96,16 @@ class FusedTp1Strategy(Strategy):
         q, sf = quant_buffers(tokens, hidden, self._kind, spec.quant.sf_layout, residual.device)
         q = self._unused if q is None else q
         sf = self._unused if sf is None else sf
-        self._kernel.launch(
-            self._layer,
-            residual_out=residual_out,
-            norm_out=norm_out,
-            q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,
-            sf=sf,
-            gemm2_out=inputs.gemm2_out,
-            perm=inputs.expanded_idx_to_permuted_idx,
-            weights=inputs.expert_weights,
-            shared=inputs.shared_output,
-            residual=residual,
-            gamma=inputs.gamma,
+        self._launch(
+            residual_out,
+            norm_out,
+            q.view(torch.uint8) if q.dtype != torch.uint8 else q,
+            sf,
+            inputs.gemm2_out,
+            inputs.expanded_idx_to_permuted_idx,
+            inputs.expert_weights,
+            inputs.shared_output,
+            residual,
+            inputs.gamma,
         )
         return EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf)

@@ -26,6 +26,9 @@ from ..reasons import collect
 from . import symm_workspace as sw
 from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
+# kernels/symm_oneshot.SHAPE_VARIANTS (named here: the class-level declarations import no kernel)
+SHAPE_VARIANTS = ("rows", "pub512", "pub1024")
+
 
 class SymmFusedOneshotStrategy(Strategy):
     marks_collective = True
@@ -49,6 +52,14 @@ class SymmFusedOneshotStrategy(Strategy):
     @classmethod
     def steps(cls, spec, env):
         return [Step("triton.symm_oneshot_epilogue", required_stages(spec, env.world_size))]
+
+    @classmethod
+    def variants(cls, spec, env):
+        """The exchange kernel's launch shapes (kernels/symm_oneshot.variant_shape), measured by
+        `tune` per bucket; "default" (the per-T rule) until a measured table says otherwise."""
+        if cls.workspace_kind != "oneshot":  # a subclass with another kernel has its own shapes
+            return (DEFAULT_VARIANT,)
+        return (DEFAULT_VARIANT,) + SHAPE_VARIANTS
 
     @classmethod
     def roundings(cls, spec, env):
@@ -106,7 +117,7 @@ class SymmFusedOneshotStrategy(Strategy):
             raise RuntimeError(describe_error(word, self._ws.rank, self.name))
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
-        """variant: the declared "default" (the per-T launch shape)."""
+        """variant: "default" (the per-T launch shape) or one of SHAPE_VARIANTS."""
         ws = self._ws
         self.check_error()
         tokens, hidden = inputs.residual.shape
@@ -125,9 +136,16 @@ class SymmFusedOneshotStrategy(Strategy):
         )
         q = q if q is not None else self._unused
         sf = sf if sf is not None else self._unused
+        shape = None
+        if variant != DEFAULT_VARIANT:
+            layer = self._layer
+            shape = self._kernel.variant_shape(
+                variant, tokens, hidden, layer.num_sms, layer.world, layer.quant.code
+            )
         with self.collective():
             self._kernel.launch(
                 self._layer,
+                shape=shape,
                 residual_out=residual_out,
                 norm_out=norm_out,
                 q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,

@@ -1,0 +1,154 @@
+"""World size 1 on ONE GPU: the launch shapes of `fused_tp1`'s kernel per T (whole rows, one program
+per row, vs rows split over several programs that exchange their sums of squares), beside the
+graph time of an empty one-program launch (what no kernel can go below) and the default shape.
+
+    python benchmarks/tp1_sweep.py [--tokens 1 16 64] [--hidden 7168] [--quant none fp8 nvfp4]
+        [--csv P] [--jobs 12]
+
+Variants are compiled first in `--jobs` processes (Triton's on-disk cache), then timed in this one.
+CUDA graphs, rotated inputs (as benchmarks/tp1_local.py), median us per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.tp1_local import _spec, _strategy  # noqa: E402
+from fusion_bridge.timing import sets_to_rotate, time_graph  # noqa: E402
+
+
+QUANT_CODE = {"none": 0, "fp8": 1, "nvfp4": 2}
+
+
+@triton.jit
+def _empty_kernel(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1)
+
+
+def shapes(tokens: int, hidden: int, quant: str, num_sms: int) -> list:
+    """The shapes to time at T: whole rows at 3 warp counts, split rows at each chunk that fits."""
+    from fusion_bridge.kernels.tp1_launch import OneshotShape, local_shape, split_ok
+
+    out = [local_shape(tokens, hidden, QUANT_CODE[quant])]
+    for chunk in (256, 512, 1024, 2048, 4096):
+        for warps in (1, 2, 4, 8, 16):
+            per_thread = chunk // (warps * 32)
+            shape = OneshotShape(chunk, chunk, warps)
+            wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
+            if wanted and split_ok(shape, tokens, hidden, num_sms):
+                out.append(shape)
+    return out
+
+
+def _run_one(strat, inp, out, shape):
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    strat._launch(**call_tensors(inp, out), shape=shape)
+
+
+def _outputs(strat, inp):
+    got = strat.run(inp)
+    q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
+    sf = got.scale if got.scale is not None else strat._unused
+    return (got.residual_out, got.norm_out, q, sf)
+
+
+def _warm(task) -> str:
+    """Compile one variant (in a worker process)."""
+    hidden, top_k, quant, tokens, shape = task
+    from fusion_bridge.kernels.tp1_launch import OneshotShape
+    from fusion_bridge.synthetic import make_inputs
+
+    spec = _spec(hidden, top_k, quant, max(tokens, 1))
+    strat = _strategy("fused_tp1", spec)
+    inp = make_inputs(spec, tokens, seed=0, device="cuda")
+    _run_one(strat, inp, _outputs(strat, inp), OneshotShape(*shape))
+    torch.cuda.synchronize()
+    return "ok"
+
+
+def tokens_for(args, quant: str) -> list:
+    return args.tokens if quant == "none" else [t for t in args.tokens if t in args.quant_tokens]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[7168])
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--quant", nargs="+", default=["none", "fp8", "nvfp4"])
+    ap.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    from fusion_bridge.cli.bench import write_csv
+    from fusion_bridge.kernels.tp1_launch import local_shape
+    from fusion_bridge.synthetic import make_inputs
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flag = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    empty = time_graph(lambda i: _empty_kernel[(1,)](flag), sets=1, calls=100)
+    print(f"empty one-program launch (graph) {empty:.2f} us", flush=True)
+    rows = [dict(quant="", H=0, T=0, shape="empty_launch", us=round(empty, 2), default=0)]
+    plan = [
+        (hidden, quant, tokens, shape)
+        for hidden in args.hidden
+        for quant in args.quant
+        for tokens in tokens_for(args, quant)
+        for shape in shapes(tokens, hidden, quant, num_sms)
+    ]
+    # one compile per Triton specialization of T (1, a multiple of 16, other)
+    tasks = {(h, q, t if t == 1 else 16 * (t % 16 == 0), tuple(s)): t for h, q, t, s in plan}
+    tasks = sorted(((h, args.top_k, q, t, s) for (h, q, _, s), t in tasks.items()), key=str)
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        list(pool.map(_warm, tasks))
+    print(f"compiled {len(tasks)} variants", flush=True)
+    for hidden in args.hidden:
+        for quant in args.quant:
+            spec = _spec(hidden, args.top_k, quant, max(args.tokens))
+            strat = _strategy("fused_tp1", spec)
+            for tokens in tokens_for(args, quant):
+                n = sets_to_rotate(tokens * hidden * 2 * (args.top_k + 5), max_sets=64)
+                inputs = [
+                    make_inputs(spec, tokens, seed=i, device="cuda", skip_fraction=0.0)
+                    for i in range(n)
+                ]
+                out = _outputs(strat, inputs[0])
+                default = tuple(
+                    local_shape(tokens, hidden, strat._launch.layer.quant.code, num_sms)
+                )
+                for shape in shapes(tokens, hidden, quant, num_sms):
+                    us = time_graph(lambda i, s=shape: _run_one(strat, inputs[i], out, s), sets=n)
+                    mark = " (default)" if tuple(shape) == default else ""
+                    print(
+                        f"{quant:5s} H={hidden} T={tokens:3d} chunk={shape.block1:5d} "
+                        f"warps={shape.warps:2d} {us:7.2f} us{mark}",
+                        flush=True,
+                    )
+                    rows.append(
+                        dict(
+                            quant=quant,
+                            H=hidden,
+                            T=tokens,
+                            shape=f"{shape.block1}x{shape.warps}",
+                            us=round(us, 2),
+                            default=int(bool(mark)),
+                        )
+                    )
+                inputs = None  # free before the next T
+    if args.csv:
+        write_csv(args.csv, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Host side of the world-size-1 kernels (kernels/oneshot_local.py): the launch shape per T, and
+`LocalLauncher`, which decides a call's launch once per T and then launches with the cached
+launcher (kernels/launcher.py), so an eager call is the argument tuple and one launch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import triton
+
+from .launcher import KernelLauncher
+from .oneshot_local import _tp1_kernel, _tp1_split_kernel
+from .oneshot_shapes import (
+    MAX_CHUNKS,
+    MAX_POLLS,
+    SYNC_ROWS,
+    SYNC_WORDS,
+    OneshotShape,
+    local_shape,
+    split_ok,
+)
+from .quant import QUANT_NVFP4, row_block, sf_padding_items
+
+PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
+BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
+
+_LOCAL = KernelLauncher(
+    _tp1_kernel, ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT")
+)
+_SPLIT = KernelLauncher(
+    _tp1_split_kernel,
+    (
+        "TOP_K",
+        "HAS_SHARED",
+        "QUANT",
+        "SWIZZLED",
+        "CHUNK",
+        "HW_CVT",
+        "SYNC_ROWS",
+        "MAX_CHUNKS",
+        "MAX_POLLS",
+        "PHASES",
+    ),
+)
+
+
+class LocalLauncher:
+    """World-size-1 calls of one layer (`layer`: a `SymmLayer.local`): the launch per T (shape,
+    grid, constants) is decided once and kept, so an eager call is the argument tuple and one
+    cached launch. The split kernel's counters and tagged words: one zeroed set per CUDA stream
+    (calls on one stream never overlap; calls on two streams must not share a set)."""
+
+    def __init__(self, layer, num_sms: int, device: torch.device):
+        self.layer, self.num_sms, self.device = layer, num_sms, device
+        self._sync: dict[int, torch.Tensor] = {}
+        self._plans: dict[tuple, tuple] = {}
+
+    def sync_words(self) -> torch.Tensor:
+        """The current stream's set of split-kernel words (allocated zeroed on first use)."""
+        key = 0
+        if self.device.type == "cuda":
+            key = torch._C._cuda_getCurrentRawStream(self.device.index or 0)
+        got = self._sync.get(key)
+        if got is None:
+            got = torch.zeros(SYNC_WORDS, dtype=torch.int64, device=self.device)
+            self._sync[key] = got
+        return got
+
+    def plan(self, tokens: int, top_k: int, has_shared: bool, is_cuda: bool, sf_shape, shape):
+        """(launcher, grid, constexprs, warps, split) of a call; shape None = `local_shape`."""
+        key = (tokens, top_k, has_shared, is_cuda, sf_shape, shape)
+        got = self._plans.get(key)
+        if got is None:
+            got = self._plans[key] = self._make_plan(*key)
+        return got
+
+    def _make_plan(self, tokens, top_k, has_shared, is_cuda, sf_shape, shape):
+        layer, quant = self.layer, self.layer.quant
+        hidden = layer.hidden
+        shape = shape or local_shape(tokens, hidden, quant.code, self.num_sms)
+        nvfp4 = quant.code == QUANT_NVFP4
+        sf_rows, sf_cols = sf_shape if nvfp4 else (tokens, 0)
+        if not split_ok(shape, tokens, hidden, self.num_sms):
+            rows = sf_rows if nvfp4 and quant.swizzled else tokens
+            fixed = (top_k, has_shared, quant.code, quant.swizzled, row_block(hidden), is_cuda)
+            return _LOCAL, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
+        chunks = triton.cdiv(hidden, shape.block1)
+        padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
+        fixed = (top_k, has_shared, quant.code, quant.swizzled, shape.block1, is_cuda)
+        # the interpreter publishes every chunk before any wait: a few polls suffice there
+        fixed += (SYNC_ROWS, MAX_CHUNKS, MAX_POLLS if is_cuda else 4)
+        return _SPLIT, (tokens * chunks + padding,), fixed, shape.warps, chunks, sf_rows, sf_cols
+
+    def __call__(
+        self,
+        residual_out: torch.Tensor,
+        norm_out: torch.Tensor,
+        q: torch.Tensor,
+        sf: torch.Tensor,
+        gemm2_out: torch.Tensor,
+        perm: torch.Tensor,
+        weights: torch.Tensor,
+        shared: Optional[torch.Tensor],
+        residual: torch.Tensor,
+        gamma: torch.Tensor,
+        *,
+        shape: Optional[OneshotShape] = None,
+    ) -> None:
+        """One call: residual_out, norm_out [T, H] (activation dtype); q, sf uint8 ([T, H] fp8
+        codes / [T, H/2] packed fp4 and the nvfp4 scales; any tensor when unused); gemm2_out
+        [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H], gamma
+        [H]. T == 0 launches nothing."""
+        tokens, top_k = perm.shape
+        if tokens == 0:
+            return
+        layer = self.layer
+        is_cuda = residual.is_cuda
+        launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
+            tokens, top_k, shared is not None, is_cuda, tuple(sf.shape), shape
+        )
+        head = (gemm2_out, perm, weights, residual if shared is None else shared, residual, gamma)
+        head += (residual_out, norm_out, q, sf)
+        scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
+        if not chunks:
+            launcher(grid, head + (tokens, layer.hidden) + scalars + (sf_cols,), fixed, warps)
+            return
+        args = head + (self.sync_words(), tokens, layer.hidden) + scalars
+        args += (sf_rows, sf_cols, chunks)
+        if is_cuda:
+            launcher(grid, args, fixed + (BOTH_PHASES,), warps)
+        else:  # the interpreter runs programs one after another: publish all, then wait
+            for phase in (PUBLISH_PHASE, OUTPUT_PHASE):
+                launcher(grid, args, fixed + (phase,), warps)
+
+    def bound(self, *tensors: torch.Tensor, shape: Optional[OneshotShape] = None) -> Callable:
+        """The call's bare launch with everything precomputed (`__call__`'s tensors, in its order):
+        what an eager call is measured against (benchmarks). GPU only."""
+        tokens, top_k = tensors[5].shape
+        launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
+            tokens, top_k, tensors[7] is not None, True, tuple(tensors[3].shape), shape
+        )
+        layer = self.layer
+        head = tensors[4:7] + (tensors[8] if tensors[7] is None else tensors[7],) + tensors[8:]
+        head += tensors[:4]
+        scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
+        if not chunks:
+            args = head + (tokens, layer.hidden) + scalars + (sf_cols,)
+        else:
+            args = head + (self.sync_words(), tokens, layer.hidden) + scalars
+            args += (sf_rows, sf_cols, chunks)
+            fixed = fixed + (BOTH_PHASES,)
+        return lambda: launcher(grid, args, fixed, warps)
+
+
+def launch(layer, shape: Optional[OneshotShape] = None, **tensors) -> None:
+    """One world-size-1 call in whole rows (`tensors`: `local_call`'s keywords), through a
+    launcher made for it; the strategy keeps its `LocalLauncher` instead."""
+    LocalLauncher(layer, 0, tensors["residual"].device)(**tensors, shape=shape)
