@@ -287,3 +287,36 @@ def test_a_split_row_whose_partner_never_arrives_is_nan_not_a_hang():
     fixed = fixed[:-1] + (3, L.OUTPUT_PHASE)  # MAX_POLLS = 3
     launcher(grid, args, fixed, warps)
     assert torch.isnan(out.norm_out).all()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review s2: a split row's timed-out wait is reported nowhere (the multi-rank one-shot "
+    "leaves an error word that its next call raises from); the caller gets NaN silently",
+)
+def test_a_split_row_whose_partner_never_arrives_is_reported_not_silent():
+    """As the test above (the wait phase alone, no partner published, 3 polls): the row's norm_out
+    is NaN. Then the caller must learn of it, as `symm_fused_oneshot` reports a failed wait (its
+    next call raises a RuntimeError naming the strategy), not keep getting NaN it cannot see."""
+    from fusion_bridge.kernels import tp1_launch as L
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    spec = EpilogueSpec(hidden_size=320, top_k=2)
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
+    strat.prepare()
+    strat._launch.num_sms = 16
+    shape = L.OneshotShape(64, 64, 2)
+    inp = make_inputs(spec, 1, seed=5, device=DEVICE)
+    out = _launch_with(strat, inp, shape)
+    launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = strat._launch.plan(
+        1, 2, True, False, (0,), shape
+    )
+    t = call_tensors(inp, (out.residual_out, out.norm_out, strat._unused, strat._unused))
+    args = (t["gemm2_out"], t["perm"], t["weights"], t["shared"], t["residual"], t["gamma"])
+    args += (out.residual_out, out.norm_out, strat._unused, strat._unused)
+    args += (strat._launch.sync_words(), 1, 320, 1.0, spec.eps, 0.0, 1.0, sf_rows, sf_cols, chunks)
+    strat._launch.sync_words()[chunks] += 2 * L.MAX_CHUNKS  # as after a publish: tags stay 1
+    launcher(grid, args, fixed[:-1] + (3, L.OUTPUT_PHASE), warps)
+    assert torch.isnan(out.norm_out).all()  # the failed wait happened
+    with pytest.raises(RuntimeError, match="fused_tp1"):
+        strat.run(inp)
