@@ -22,9 +22,11 @@ whole word or the old one; a word whose tag is not this call's epoch is "not yet
 writer is the previous call with this chunk count, whose tag is one less, since every call with a
 count writes all of that count's words of its rows. Zeroed words (tag 0) never match before every
 word was written: epochs start at 1. Launches on one stream do not overlap, so one call's tickets
-are consecutive; calls on several streams at once get a set of words per stream (the launcher
-keeps them). The grid is at most the SM count, so every program waited on is resident; a wait is
-bounded (polls), and a row whose partners never arrived is written NaN, not hung.
+are consecutive; eager calls on several streams at once get a set of words per stream, and calls
+captured in CUDA graphs share one set zeroed before any capture (the launcher keeps them). The
+grid is at most the SM count, so every program waited on is resident; a wait is bounded (polls),
+and a row whose partners never arrived is written NaN, not hung, and sets the error word that the
+strategy's next call raises from.
 
 Every program of a row sums the chunks' sums in chunk order with the same reduction, so they all
 use the same rsqrt. A row whose sum overflows fp32 (|x| >~ 1.8e19) is rescaled as
@@ -242,6 +244,7 @@ def _tp1_split_kernel(
     q_ptr,
     sf_ptr,
     sync_ptr,
+    error_address_ptr,
     tokens,
     hidden,
     routed_scaling,
@@ -265,8 +268,9 @@ def _tp1_split_kernel(
     """World size 1, split rows: program pid owns columns [c * CHUNK, (c + 1) * CHUNK) of row
     pid // chunks (c = pid % chunks); programs past T * chunks write swizzled scale padding.
     sync_ptr: int64 [SYNC_ROWS * (MAX_CHUNKS + 1)] counters, then [SYNC_ROWS * words] tagged
-    sums (see the module docstring). PHASES: both on a GPU; one at a time under the
-    interpreter."""
+    sums (see the module docstring). error_address_ptr: int64 [1], the address of an int32 word
+    (pinned host memory on a GPU) set to 1 when a wait gives up. PHASES: both on a GPU; one at a
+    time under the interpreter."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     row = (pid // chunks).to(tl.int64)
@@ -331,6 +335,8 @@ def _tp1_split_kernel(
                 w = tl.load(words + lane, mask=mine, other=0, volatile=True)
                 pending = tl.sum((mine & (((w >> 32) & 0xFFFFFFFF) != tag)).to(tl.int32))
                 polls += 1
+            if pending > 0:  # a partner never arrived: the row is NaN, and the caller is told
+                tl.store(tl.load(error_address_ptr).to(tl.pointer_type(tl.int32)), 1)
             sums = tl.where(mine, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
             total = tl.sum(sums, axis=0)
             y = rms_apply(x, g, total, hidden, eps)

@@ -46,27 +46,65 @@ _SPLIT = KernelLauncher(
 )
 
 
+GRAPH_WORDS = "graph"  # the key of the one set every CUDA-graph capture uses
+
+
 class LocalLauncher:
     """World-size-1 calls of one layer (`layer`: a `SymmLayer.local`): the launch per T (shape,
     grid, constants) is decided once and kept, so an eager call is the argument tuple and one
-    cached launch. The split kernel's counters and tagged words: one zeroed set per CUDA stream
-    (calls on one stream never overlap; calls on two streams must not share a set)."""
+    cached launch.
+
+    The split kernel's counters and tagged words: calls that share a set must not overlap. Eager
+    calls get one zeroed set per CUDA stream (calls on one stream never overlap). Calls captured in
+    CUDA graphs all share one set, zeroed here, outside any capture: a set allocated during a
+    capture would be zeroed only when the graph that captured it replays, so a graph replayed
+    before it would read whatever the memory held. So graphs of one layer replay one at a time
+    (as a model's forward does), never two at once on two streams.
+
+    A split row whose partner programs never arrive (bounded wait) is written NaN and leaves an
+    error word (pinned host memory, read with no device sync): `take_error` reports it once."""
 
     def __init__(self, layer, num_sms: int, device: torch.device):
         self.layer, self.num_sms, self.device = layer, num_sms, device
-        self._sync: dict[int, torch.Tensor] = {}
         self._plans: dict[tuple, tuple] = {}
+        cuda = device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fused_tp1: build the bridge (prepare its strategies) before capturing a CUDA "
+                "graph: its synchronization words must be zeroed outside any capture"
+            )
+        self._sync: dict[object, torch.Tensor] = {
+            GRAPH_WORDS: torch.zeros(SYNC_WORDS, dtype=torch.int64, device=device)
+        }
+        self._error = torch.zeros(1, dtype=torch.int32)
+        if cuda:
+            self._error = self._error.pin_memory()
+        # the kernel stores through this address (as the multi-rank kernels reach their pinned word)
+        self.error_address = torch.tensor(
+            [self._error.data_ptr()], dtype=torch.int64, device=device
+        )
 
     def sync_words(self) -> torch.Tensor:
-        """The current stream's set of split-kernel words (allocated zeroed on first use)."""
+        """The split-kernel words of this call: the graphs' set while capturing, else the current
+        stream's (allocated zeroed on first use)."""
         key = 0
         if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return self._sync[GRAPH_WORDS]
             key = torch._C._cuda_getCurrentRawStream(self.device.index or 0)
         got = self._sync.get(key)
         if got is None:
             got = torch.zeros(SYNC_WORDS, dtype=torch.int64, device=self.device)
             self._sync[key] = got
         return got
+
+    def take_error(self) -> int:
+        """The error word an earlier split launch left (0: none), cleared once read. Reads pinned
+        host memory: no device sync, so a launch still in flight reports at a later call."""
+        word = int(self._error[0])
+        if word:
+            self._error[0] = 0
+        return word
 
     def plan(self, tokens: int, top_k: int, has_shared: bool, is_cuda: bool, sf_shape, shape):
         """(launcher, grid, constexprs, warps, split) of a call; shape None = `local_shape`."""
@@ -126,7 +164,7 @@ class LocalLauncher:
         if not chunks:
             launcher(grid, head + (tokens, layer.hidden) + scalars + (sf_cols,), fixed, warps)
             return
-        args = head + (self.sync_words(), tokens, layer.hidden) + scalars
+        args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
         args += (sf_rows, sf_cols, chunks)
         if is_cuda:
             launcher(grid, args, fixed + (BOTH_PHASES,), warps)
@@ -148,7 +186,7 @@ class LocalLauncher:
         if not chunks:
             args = head + (tokens, layer.hidden) + scalars + (sf_cols,)
         else:
-            args = head + (self.sync_words(), tokens, layer.hidden) + scalars
+            args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
             args += (sf_rows, sf_cols, chunks)
             fixed = fixed + (BOTH_PHASES,)
         return lambda: launcher(grid, args, fixed, warps)

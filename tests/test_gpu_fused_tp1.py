@@ -214,3 +214,40 @@ def test_split_rows_in_one_graph_and_on_two_streams():
         problems += _problems(spec, strat, env, inputs[i], got[i], f"stream {i}")
     assert len(strat._launch._sync) >= 3  # the graph's capture stream and the two streams
     assert not problems, "\n".join(problems)
+
+
+def test_graphs_of_one_layer_share_words_zeroed_before_any_capture():
+    """Serving engines capture one graph per batch size and replay whichever fits, in any order.
+    Every capture uses the set of words the strategy zeroed when it was prepared (a set allocated
+    during a capture would be zeroed only by the graph that captured it), so a graph captured
+    later can replay first."""
+    needs_gpu()
+    from fusion_bridge.kernels.tp1_launch import GRAPH_WORDS
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64)
+    strat, env = _strategy(spec)
+    words = strat._launch._sync[GRAPH_WORDS]
+    assert words.count_nonzero().item() == 0
+    statics = {t: make_inputs(spec, t, seed=t, device="cuda") for t in (1, 3, 16)}
+    for inp in statics.values():
+        strat.run(inp)  # compile outside the captures
+    torch.cuda.synchronize()
+    graphs, outs = {}, {}
+    for t, inp in statics.items():
+        graphs[t] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[t]):
+            assert strat._launch.sync_words() is words
+            outs[t] = strat.run(inp)
+    problems = []
+    for round_, order in enumerate(((16, 3, 1), (1, 16, 3), (3, 1, 16))):
+        for t in order:  # the last captured first
+            fresh = make_inputs(spec, t, seed=100 * round_ + t, device="cuda")
+            for dst, src in zip(statics[t], fresh):
+                if dst is not None:
+                    dst.copy_(src)
+            graphs[t].replay()
+            torch.cuda.synchronize()
+            problems += _problems(spec, strat, env, fresh, outs[t], f"graph T={t} round {round_}")
+    assert not problems, "\n".join(problems)

@@ -96,7 +96,6 @@ def test_two_layers_with_different_quant_scales_share_one_table(
 
 def test_the_unquantized_key_is_unchanged_so_the_shipped_tables_are_found():
     assert default_table_path(DSV3, H200_TP2).is_file()
-    assert default_table_path(DSV3, H200_TP2.replace(world_size=1)).is_file()
 
 
 H200_TP1 = H200_TP2.replace(world_size=1)
@@ -170,18 +169,32 @@ def test_non_finite_times_and_a_malformed_eager_section_make_the_table_ignored(
 
 
 def test_shipped_h200_tables_resolve_and_are_used():
-    for world in (1, 2):
-        env = H200_TP2.replace(world_size=world)
-        table = read_table(default_table_path(DSV3, env))
-        assert table is not None, default_table_path(DSV3, env)
-        plan = select(static_statuses(DSV3, env), DSV3, measured_us=as_measurements(table))
-        assert plan.source == "measured" and all(t is not None for t in plan.measured_us[:13])
-        assert not plan.notes, plan.notes  # every strategy and variant in the table is known
+    table = read_table(default_table_path(DSV3, H200_TP2))
+    assert table is not None, default_table_path(DSV3, H200_TP2)
+    plan = select(static_statuses(DSV3, H200_TP2), DSV3, measured_us=as_measurements(table))
+    assert plan.source == "measured" and all(t is not None for t in plan.measured_us[:13])
+    assert not plan.notes, plan.notes  # every strategy and variant in the table is known
+
+
+def test_without_a_tp1_table_auto_takes_fused_tp1_at_every_bucket():
+    """No TP1 table ships (the last one was measured before fused_tp1 existed and routed to the
+    slower two launches): at world size 1 the static order decides, and fused_tp1 comes first."""
+    assert not default_table_path(DSV3, H200_TP1).is_file()
+    plan = select(static_statuses(DSV3, H200_TP1), DSV3, measured_us=None)
+    assert plan.source == "static order"
+    assert set(plan.choice) == {"fused_tp1"} and plan.overflow == "fused_tp1", plan
 
 
 def test_cache_wins_over_the_shipped_default(tmp_path, monkeypatch):
-    monkeypatch.setenv("FUSION_BRIDGE_CACHE_DIR", str(tmp_path))
-    env1 = H200_TP2.replace(world_size=1)
+    from fusion_bridge import tuning
+
+    shipped = tmp_path / "tables"
+    shipped.mkdir()
+    monkeypatch.setattr(tuning, "TABLES_DIR", shipped)  # a shipped default for TP1 in a copy
+    monkeypatch.setenv("FUSION_BRIDGE_CACHE_DIR", str(tmp_path / "cache"))
+    env1 = H200_TP1
+    save_table(make_table(DSV3, env1, {"fused_tp1": {"default": {1: 2.0}}}), shipped / "x.json")
+    (shipped / "x.json").rename(default_table_path(DSV3, env1))
     assert load_table(DSV3, env1, None)["path"] == str(default_table_path(DSV3, env1))
     save_table(make_table(DSV3, env1, {"separate": {"default": {1: 1.0}}}), cache_path(DSV3, env1))
     table = load_table(DSV3, env1, None)

@@ -87,8 +87,20 @@ class FusedTp1Strategy(Strategy):
         self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._kind = self.spec.quant.kind
 
+    def check_error(self) -> None:
+        """Raise (once) if an earlier call's split rows gave up waiting for their partner programs:
+        that call's norm_out (and quantized) rows were written NaN. Reads pinned memory; no sync."""
+        if self._launch.take_error():
+            raise RuntimeError(
+                "fused_tp1: an earlier call's split rows timed out waiting for the other programs "
+                "of their row (other work held the GPU's SMs for about a second), so that call's "
+                "norm_out rows were written NaN (residual_out is correct). If this recurs, keep "
+                "fused_tp1 out of auto with FUSION_BRIDGE_EXCLUDE=fused_tp1."
+            )
+
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         """variant: the declared "default" (the per-T launch shape)."""
+        self.check_error()
         spec = self.spec
         residual = inputs.residual
         tokens, hidden = residual.shape
