@@ -18,9 +18,13 @@ def round_to(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
-        # NaN stays NaN (made quiet): the GPU's NaN 0x7FFFFFFF would carry into the sign bit and
-        # give -0.0. `x + x` rather than a NaN constant: the select then reuses x's register, which
-        # measured offline as 16 fewer registers in the symmetric-memory kernels (no spills left in
-        # the W <= 2 ones) and the gather schedule they had before the building blocks were shared.
-        x = tl.where(x != x, x + x, bits.to(tl.float32, bitcast=True))
+        # NaN stays NaN: the GPU's NaN 0x7FFFFFFF would carry into the sign bit and give -0.0.
+        # The NaN case is `x * 1.0`, which the compiler folds to x: ptxas then writes the rounded
+        # bits into x's own register under a predicate, no select and no extra instruction (the
+        # machine code the symmetric-memory kernels had before the building blocks were shared,
+        # the fastest measured; benchmarks/results/oneshot_w2_regression_diagnosis.md). A NaN
+        # constant costs a select and a register per element, `x + x` an add per element. Plain
+        # `x` would let the interpreter's truncating cast turn a low-payload NaN into inf; its
+        # unfolded multiply makes the NaN quiet first.
+        x = tl.where(x != x, x * 1.0, bits.to(tl.float32, bitcast=True))
     return x.to(dtype)
