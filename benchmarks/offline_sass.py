@@ -156,6 +156,9 @@ def cases(inp, out) -> dict:
 
 
 def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if len(sys.argv) > 1 else 2
     outdir, wanted = sys.argv[1], sys.argv[2:] or ["twoshot_w1_none"]
     os.makedirs(outdir, exist_ok=True)
     inp = make_inputs(SPEC, T, seed=0, device="cpu", skip_fraction=0.0)
