@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call that re-checks the final tree on one GPU: the one-GPU test files (xdist: the Triton
+# compiles are the cost), the emulated-ranks ring tests alone (they need the GPU to themselves), and a
+# same-run A/B of the symmetric-memory kernels against older trees. Logs go to $OUT.
+#
+#   here:    git archive 5a52f1a | (mkdir -p .wt/pre && tar -C .wt/pre -xf -)   # .wt is git-excluded
+#   device:  run with carry [".device", ".wt/pre"] and the command
+#            source .device/fi-env.sh; bash benchmarks/device_verify_one_gpu.sh .wt/pre
+#
+# Arguments: older tree roots to A/B against this one (none: no A/B). About 5-6 minutes in all.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+root=$PWD; t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+el "one-GPU tests"
+timeout 260 python3 -m pytest -q -n 14 -m gpu -p no:cacheprovider --timeout 200 \
+  tests/test_gpu_symm_one_device.py tests/test_gpu_fused_tp1.py tests/test_gpu_local.py \
+  tests/test_gpu_launcher.py tests/test_gpu_hf_transformers.py > "$OUT/gpu_tests.log" 2>&1
+tail -3 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+el "emulated-ranks ring tests, alone on the GPU"
+timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu_symm_ring_one_device.py \
+  > "$OUT/ring_tests.log" 2>&1
+tail -3 "$OUT/ring_tests.log"
+[ $# -gt 0 ] || { el "no older trees given: no A/B"; exit 0; }
+el "A/B: two-shot W=1 and one-shot W=2 emulated, H=7168 K=8, graph"
+export AB_CASES=${AB_CASES:-twoshot:1,oneshot:2} AB_LOCAL=0 AB_TOKENS=${AB_TOKENS:-1,64,1024,4096}
+for tree in "$@" . "$@" .; do  # each tree twice, interleaved
+  [ "$tree" = . ] || ln -sfn ../kernels "$tree/fusion_bridge/kernels"
+  label=$(basename "$(cd "$tree" && pwd)")
+  (cd "$tree" && PYTHONPATH=/tmp/fi-site:$PWD timeout 60 python3 "$root/benchmarks/ab_kernels.py" \
+    "$label" 2>&1 | grep '"graph"') >> "$OUT/ab.jsonl"
+done
+python3 - "$OUT/ab.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+by = {}
+for r in rows:
+    by.setdefault((r["path"], r["W"], r["T"]), {}).setdefault(r["tree"], []).append(r["us"])
+for key, trees in sorted(by.items()):
+    print(*key, {t: round(statistics.median(v), 2) for t, v in trees.items()})
+PY
+el done
