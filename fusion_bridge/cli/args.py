@@ -79,22 +79,30 @@ def _parity_world_size(text: str) -> int:
     return value
 
 
+def _model_pattern(model: str) -> str:
+    return rf"(?<![A-Za-z0-9]){model}(?![A-Za-z0-9])"
+
+
 def sm_of_gpu(name: str) -> int | None:
     for model, sm in KNOWN_GPUS.items():
-        if re.search(rf"(?<![A-Za-z0-9]){model}(?![A-Za-z0-9])", name, re.IGNORECASE):
+        if re.search(_model_pattern(model), name, re.IGNORECASE):
             return sm
     return None
 
 
 def _gpu_name(text: str) -> str:
-    """The name as torch.cuda.get_device_name() reports it; 'H200' is read as 'NVIDIA H200'."""
+    """The name as torch.cuda.get_device_name() reports it: 'H200' and 'nvidia h200' are read as
+    'NVIDIA H200' (tuning tables are keyed by the exact name, so the spelling must be torch's)."""
     name = " ".join(text.split())
     if not name:
         raise argparse.ArgumentTypeError(
             "expected a GPU name such as 'NVIDIA H200', got an empty string"
         )
-    if sm_of_gpu(name) is not None and not name.upper().startswith("NVIDIA "):
-        name = f"NVIDIA {name}"
+    for model in KNOWN_GPUS:
+        if re.search(_model_pattern(model), name, re.IGNORECASE):
+            name = re.sub(_model_pattern(model), model, name, flags=re.IGNORECASE)
+            name = re.sub(r"^nvidia ", "", name, flags=re.IGNORECASE)
+            return f"NVIDIA {name}"
     return name
 
 
