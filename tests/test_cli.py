@@ -348,6 +348,10 @@ BAD_ARGUMENTS = [
     ),  # accepted-and-ignored no more
     (("bench", "--tokens", "4"), "unrecognized arguments: --tokens 4"),
     (("--tokens", "-3"), "argument --tokens: must be >= 0, got -3"),  # no command: explain
+    # the spec's own limits, named by their flag
+    (("explain", "--hidden", "72", "--quant", "nvfp4"), "argument --hidden: hidden_size must be a"),
+    (("explain", "--hidden", "100000000"), "argument --hidden: hidden_size must be <= 1048576"),
+    (("parity", "--max-tokens", "100000000"), "argument --max-tokens: max_tokens must be <="),
 ]
 
 
