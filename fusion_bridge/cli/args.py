@@ -284,31 +284,8 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     return parser
 
 
-SPEC_FIELD_FLAGS = {  # EpilogueSpec's field -> the flag that sets it, for the parser's errors
-    "hidden_size": "--hidden",
-    "top_k": "--top-k",
-    "max_tokens": "--max-tokens",
-    "dtype": "--dtype",
-}
-
-
-def _check_spec(parser: argparse.ArgumentParser, args) -> None:
-    """The spec's own limits (e.g. H a multiple of 16 for NVFP4, T up to what int32 offsets allow),
-    reported like the parser's errors, naming the flag."""
-    from .common import spec_from_args
-
-    try:
-        spec_from_args(args)
-    except ValueError as exc:
-        message = str(exc).removeprefix("EpilogueSpec: ")
-        flags = [flag for field, flag in SPEC_FIELD_FLAGS.items() if message.startswith(field)]
-        parser.error(f"argument {flags[0]}: {message}" if flags else message)
-
-
 def check_combinations(parser: argparse.ArgumentParser, args) -> None:
     """Checks that involve two arguments, with the parser's one-line errors."""
-    if getattr(args, "hidden", None) is not None:
-        _check_spec(parser, args)
     if getattr(args, "gpu", None) is not None:
         known = sm_of_gpu(args.gpu)
         if args.sm is None and known is None:

@@ -4,6 +4,7 @@ JSON document on stdout)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -85,3 +86,23 @@ def set_multicast_off(command: str) -> None:
         + " (NVLink multicast and NCCL NVLS off; results are measured that way)",
         file=sys.stderr,
     )
+
+
+SPEC_FIELD_FLAGS = {  # EpilogueSpec's field -> the flag that sets it, for the parser's errors
+    "hidden_size": "--hidden",
+    "top_k": "--top-k",
+    "max_tokens": "--max-tokens",
+    "dtype": "--dtype",
+}
+
+
+def check_spec(parser: argparse.ArgumentParser, args) -> None:
+    """The spec's own limits (e.g. H a multiple of 16 for NVFP4, T up to what int32 offsets allow),
+    reported like the parser's errors, naming the flag. Not for tune/bench: they refuse a machine
+    without GPUs before importing torch, which the spec needs."""
+    try:
+        spec_from_args(args)
+    except ValueError as exc:
+        message = str(exc).removeprefix("EpilogueSpec: ")
+        flags = [flag for field, flag in SPEC_FIELD_FLAGS.items() if message.startswith(field)]
+        parser.error(f"argument {flags[0]}: {message}" if flags else message)

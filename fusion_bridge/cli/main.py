@@ -18,7 +18,7 @@ from .args import STRATEGY_ENV, build_parser, check_combinations, sm_of_gpu
 
 # re-exported: what the parser accepts
 from .args import DTYPES, QUANTS, gloo_rank_limit  # noqa: F401
-from .common import emit, set_multicast_off, spec_from_args, stdout_to_stderr, versions
+from .common import check_spec, emit, set_multicast_off, spec_from_args, stdout_to_stderr, versions
 from .timing_commands import cmd_bench, cmd_tune
 
 
@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["explain", *argv]  # no command: explain (with any options given)
     args = parser.parse_args(argv)
     check_combinations(args.subparser, args)
+    if args.command in ("explain", "parity"):
+        check_spec(args.subparser, args)
     if getattr(args, "json", False):
         stdout_to_stderr()
     try:
