@@ -117,8 +117,7 @@ def test_the_twoshot_workspace_is_fixed_whatever_t():
             at_world = env.replace(world_size=world)
             assert SymmFusedTwoshotStrategy.max_tokens_per_call(spec, at_world) == max_tokens
             codes = [
-                r.code
-                for r in sw.reasons(spec, at_world, "t", probe=lambda: None, kind="twoshot")
+                r.code for r in sw.reasons(spec, at_world, "t", probe=lambda: None, kind="twoshot")
             ]
             assert codes == [], (world, max_tokens, codes)
         assert len(sizes) == 1, (world, sizes)

@@ -3,15 +3,15 @@ for large T, the bandwidth path: finalize + shared add, reduce-scatter by token,
 all-gather of the reduced rows, RMSNorm (+ FP8 / NVFP4), as a chunked pipeline (kernels/symm_ring).
 
 Rows are cut into chunks of 256 tokens that take the slots of a small ring in turn, so the
-workspace has a fixed size whatever T is (29.4 MB per rank at H=7168 in bf16, any world size) and
+workspace has a fixed size whatever T is (about 29.4 MB per rank at H=7168 in bf16, any W) and
 no T takes the overflow route. Inside a chunk, row j belongs to rank j % W. Each rank finalizes its
 partial of chunk c into the owners' slots (rounded once to the activation dtype) while it reduces
-chunk c - 1 (the W partials of its own rows summed in rank order in fp32, plus the residual, rounded:
-residual_out, pushed to every peer) and norms chunk c - 2 from the rows the peers pushed. Every rank
-norms every row from the same rounded residual_out bits with the same code, so all outputs are
-bitwise identical on every rank. Link bytes per rank: 2 (W - 1) / W of T * H * elem (at W = 8 a
-quarter of a one-shot's). Error against the fp32 oracle: 3 roundings (the partial, residual_out,
-norm_out).
+chunk c - 1 (the W partials of its own rows summed in rank order in fp32, plus the residual,
+rounded: residual_out, pushed to every peer) and norms chunk c - 2 from the rows the peers pushed.
+Every rank norms every row from the same rounded residual_out bits with the same code, so all
+outputs are bitwise identical on every rank. Link bytes per rank: 2 (W - 1) / W of T * H * elem (at
+W = 8 a quarter of a one-shot's). Error against the fp32 oracle: 3 roundings (the partial,
+residual_out, norm_out).
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
 buffer pointers, the pinned error word, one workspace shared by every layer) and its safety rules:
@@ -33,9 +33,9 @@ from .symm_fused_oneshot import SymmFusedOneshotStrategy
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
     name = "symm_fused_twoshot"
     summary = (
-        "one Triton launch over symmetric memory for large T: a chunked pipeline of finalize+shared, "
-        "reduce-scatter by token, residual, all-gather of the rounded rows, RMSNorm (+fp8/nvfp4) "
-        "in a fixed ring workspace"
+        "one Triton launch over symmetric memory for large T: a chunked pipeline of "
+        "finalize+shared, reduce-scatter by token, residual, all-gather of the rounded rows, "
+        "RMSNorm (+fp8/nvfp4) in a fixed ring workspace"
     )
     workspace_kind = "twoshot"  # the ring's layout (symm_workspace, kernels/symm_protocol)
     # Opt-in until it is measured on two GPUs: auto neither prepares it (no self-test at every
