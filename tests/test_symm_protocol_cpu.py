@@ -145,3 +145,52 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
     )
     assert out.stdout.split() == ["0", "0", "True"], out
+
+
+def test_the_twoshot_strategy_binds_its_workspace_to_the_ring_kernel():
+    """symm_fused_twoshot launches kernels/symm_ring: its workspace's device state has the ring's
+    shape (int64 [RING_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare()
+    does) with the keywords the strategy's run() passes gives the ring's launch arguments (pointers
+    and state as bound, this group's world size). Nothing is launched (the strategy's kernel uses
+    inline PTX, which the interpreter cannot run; tests/test_gpu_symm_twoshot.py launches it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    assert SymmFusedTwoshotStrategy._kernel_module(None) is symm_ring
+    words, dtype = symm_protocol.state_words(SymmFusedTwoshotStrategy.workspace_kind)
+    assert (words, dtype) == (symm_ring.STATE_WORDS, torch.int64)
+    spec = EpilogueSpec(hidden_size=96, top_k=2)
+    ws = SimpleNamespace(
+        ptrs=torch.zeros(3, dtype=torch.int64),
+        state=torch.zeros(words, dtype=dtype),
+        world=2,
+        rank=1,
+        cap=spec.max_tokens,
+        data_off=symm_protocol.HEADER_BYTES // 2,
+        num_sms=132,
+        timeout_ns=5_000_000_000,
+    )
+    layer = symm_protocol.SymmLayer.bind(ws, spec)
+    inp = make_inputs(spec, 5, rank=1, seed=3)
+    none = torch.empty(0, dtype=torch.uint8)
+    args, constexprs = symm_ring.call_args(
+        layer,
+        None,
+        residual_out=torch.empty_like(inp.residual),
+        norm_out=torch.empty_like(inp.residual),
+        q=none,
+        sf=none,
+        gemm2_out=inp.gemm2_out,
+        perm=inp.expanded_idx_to_permuted_idx,
+        weights=inp.expert_weights,
+        shared=inp.shared_output,
+        residual=inp.residual,
+        gamma=inp.gamma,
+    )
+    assert args[0] is ws.ptrs and args[1] is ws.state
+    assert constexprs["WORLD"] == 2 and constexprs["TOP_K"] == 2
+    assert layer.rank == 1 and layer.timeout_us == 5_000_000
