@@ -186,8 +186,8 @@ class SymmWorkspace:
     """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
     buffer, then the pinned error word); state: device, `symm_protocol.state_words(kind)` (one-shot
     int32 [STATE_WORDS], the ring int64 [RING_STATE_WORDS]); err: int32 [4] pinned host. cap: tokens
-    one call may carry (the ring: spec.max_tokens). A layer binds it with
-    kernels.symm_protocol.SymmLayer.bind."""
+    one call may carry (the ring: its first user's max_tokens; each strategy checks its own). A
+    layer binds it with kernels.symm_protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
     handle: object
