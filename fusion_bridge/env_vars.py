@@ -9,6 +9,8 @@ The README's table of variables is generated from `VARIABLES` and a test keeps t
 
 from __future__ import annotations
 
+import difflib
+
 import logging
 import math
 import os
@@ -29,8 +31,14 @@ MAX_TIMEOUT_S = 86400.0
 class EnvVarError(ValueError):
     """A FUSION_BRIDGE_* variable holds a value the library cannot use. `name` is the variable."""
 
-    def __init__(self, name: str, expected: str, raw: str) -> None:
-        super().__init__(f"environment variable {name} must be {expected}, got {raw!r}")
+    def __init__(self, name: str, expected: str, raw: str, unknown: bool = False) -> None:
+        if unknown:  # the name is what is wrong, not the value
+            message = (
+                f"unknown environment variable {name} (set to {raw!r}): the name must be {expected}"
+            )
+        else:
+            message = f"environment variable {name} must be {expected}, got {raw!r}"
+        super().__init__(message)
         self.name = name
 
 
@@ -216,7 +224,14 @@ def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
     environ = os.environ if environ is None else environ
     for key in sorted(environ):
         if key.startswith(PREFIX) and key not in VARIABLES:
-            raise EnvVarError(key, f"one of the known variables {sorted(VARIABLES)}", environ[key])
+            close = difflib.get_close_matches(key, sorted(VARIABLES), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise EnvVarError(
+                key,
+                f"one of the known variables {sorted(VARIABLES)}{hint}",
+                environ[key],
+                unknown=True,
+            )
     for name in VARIABLES:
         read(name, environ)
 

@@ -348,6 +348,10 @@ BAD_ARGUMENTS = [
     ),  # accepted-and-ignored no more
     (("bench", "--tokens", "4"), "unrecognized arguments: --tokens 4"),
     (("--tokens", "-3"), "argument --tokens: must be >= 0, got -3"),  # no command: explain
+    # the spec's own limits, named by their flag
+    (("explain", "--hidden", "72", "--quant", "nvfp4"), "argument --hidden: hidden_size must be a"),
+    (("explain", "--hidden", "100000000"), "argument --hidden: hidden_size must be <= 1048576"),
+    (("parity", "--max-tokens", "100000000"), "argument --max-tokens: max_tokens must be <="),
 ]
 
 
@@ -562,3 +566,25 @@ def test_the_measuring_tools_set_the_multicast_variables_in_their_processes_and_
     )
     assert proc.stdout.split() == ["0", "1", "1"], proc.stderr
     assert proc.stderr.startswith("tune: every process it starts runs with NCCL_NVLS_ENABLE=0")
+
+
+@pytest.mark.parametrize("typed", ["H200", "h200", "nvidia h200", "NVIDIA  H200", "Nvidia H200"])
+def test_a_known_gpu_name_is_read_in_torchs_spelling(typed):
+    """Tuning tables are keyed by the exact device name, so `--gpu h200` must find the H200 table
+    (it once showed the static order, silently)."""
+    from fusion_bridge.cli.args import _gpu_name
+
+    assert _gpu_name(typed) == "NVIDIA H200"
+    assert _gpu_name("nvidia h100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
+    assert _gpu_name("gh200") == "NVIDIA GH200"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`python -m fusion_bridge explain | head -1`: the pipe closes before the report is written;
+    the command ends quietly with exit code 0 (it once printed a BrokenPipeError traceback)."""
+    cmd = [sys.executable, "-m", "fusion_bridge", "explain", "--gpu", "H200", "--world-size", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -79,22 +79,30 @@ def _parity_world_size(text: str) -> int:
     return value
 
 
+def _model_pattern(model: str) -> str:
+    return rf"(?<![A-Za-z0-9]){model}(?![A-Za-z0-9])"
+
+
 def sm_of_gpu(name: str) -> int | None:
     for model, sm in KNOWN_GPUS.items():
-        if re.search(rf"(?<![A-Za-z0-9]){model}(?![A-Za-z0-9])", name, re.IGNORECASE):
+        if re.search(_model_pattern(model), name, re.IGNORECASE):
             return sm
     return None
 
 
 def _gpu_name(text: str) -> str:
-    """The name as torch.cuda.get_device_name() reports it; 'H200' is read as 'NVIDIA H200'."""
+    """The name as torch.cuda.get_device_name() reports it: 'H200' and 'nvidia h200' are read as
+    'NVIDIA H200' (tuning tables are keyed by the exact name, so the spelling must be torch's)."""
     name = " ".join(text.split())
     if not name:
         raise argparse.ArgumentTypeError(
             "expected a GPU name such as 'NVIDIA H200', got an empty string"
         )
-    if sm_of_gpu(name) is not None and not name.upper().startswith("NVIDIA "):
-        name = f"NVIDIA {name}"
+    for model in KNOWN_GPUS:
+        if re.search(_model_pattern(model), name, re.IGNORECASE):
+            name = re.sub(_model_pattern(model), model, name, flags=re.IGNORECASE)
+            name = re.sub(r"^nvidia ", "", name, flags=re.IGNORECASE)
+            return f"NVIDIA {name}"
     return name
 
 
@@ -276,8 +284,31 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     return parser
 
 
+SPEC_FIELD_FLAGS = {  # EpilogueSpec's field -> the flag that sets it, for the parser's errors
+    "hidden_size": "--hidden",
+    "top_k": "--top-k",
+    "max_tokens": "--max-tokens",
+    "dtype": "--dtype",
+}
+
+
+def _check_spec(parser: argparse.ArgumentParser, args) -> None:
+    """The spec's own limits (e.g. H a multiple of 16 for NVFP4, T up to what int32 offsets allow),
+    reported like the parser's errors, naming the flag."""
+    from .common import spec_from_args
+
+    try:
+        spec_from_args(args)
+    except ValueError as exc:
+        message = str(exc).removeprefix("EpilogueSpec: ")
+        flags = [flag for field, flag in SPEC_FIELD_FLAGS.items() if message.startswith(field)]
+        parser.error(f"argument {flags[0]}: {message}" if flags else message)
+
+
 def check_combinations(parser: argparse.ArgumentParser, args) -> None:
     """Checks that involve two arguments, with the parser's one-line errors."""
+    if getattr(args, "hidden", None) is not None:
+        _check_spec(parser, args)
     if getattr(args, "gpu", None) is not None:
         known = sm_of_gpu(args.gpu)
         if args.sm is None and known is None:

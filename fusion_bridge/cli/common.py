@@ -22,7 +22,10 @@ def emit(args, doc: dict, text: str) -> None:
         sys.stdout.flush()
         os.write(_JSON_FD[0] if _JSON_FD else 1, (json.dumps(doc, indent=2) + "\n").encode())
     else:
-        print(text)
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # `| head`: the reader left; nothing more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def stdout_to_stderr() -> None:
