@@ -2,7 +2,8 @@
 that tree's root (PYTHONPATH selects the tree; it adapts to the launch API before and after the
 kernel restructure). H=7168, K=8; T from AB_TOKENS (1,64,1024,4096); the two-launch local path and
 the symmetric-memory kernels from AB_CASES (kind:world, W ranks emulated on one GPU, one CUDA graph
-per rank); graph and eager; inputs rotated past L2. JSON rows on stdout and in
+per rank; a tree without kernels/symm_twoshot.py, which the ring replaced, skips the twoshot
+cases); graph and eager; inputs rotated past L2. JSON rows on stdout and in
 $OUT/ab_<label>.jsonl.
 
     cd <tree> && PYTHONPATH=$PWD OUT=... python <this file> <label> [reps]
@@ -18,7 +19,12 @@ import torch
 from fusion_bridge.timing import sets_to_rotate, time_eager, time_graph
 from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
 from fusion_bridge.synthetic import make_inputs
-from fusion_bridge.kernels import ops, symm_oneshot, symm_twoshot
+from fusion_bridge.kernels import ops, symm_oneshot
+
+try:  # the persistent two-shot kernel: trees before the ring replaced it
+    from fusion_bridge.kernels import symm_twoshot
+except ImportError:
+    symm_twoshot = None
 
 label = sys.argv[1]
 CASES = [
@@ -196,6 +202,9 @@ def main() -> None:
                 emit(f"local_2launch_{qname}", T, 1, "eager", time_eager(local, sets=n))
             for kind, world in CASES:
                 if qname != "none" and world != 2:
+                    continue
+                if kind == "twoshot" and symm_twoshot is None:
+                    print("symm_twoshot: skipped (this tree has no kernels/symm_twoshot.py)")
                     continue
                 if kind == "oneshot" and T > 2048:
                     continue

@@ -12,8 +12,8 @@ one-shot/two-shot
 all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize kernel (weights
 pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and without programmatic
 dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations) and
-`symm_fused_twoshot` (none, nvfp4; a (programs, warps) sweep), with the two-shot composition (our
-finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
+`symm_fused_twoshot` (none, nvfp4; the ring kernel, default shape), with the two-shot composition
+(our finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
 
 Floors: `sig` is our kernel with everything but the exchange left out (one launch, constant rows
@@ -93,7 +93,7 @@ def rank_main(
     from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
-    from fusion_bridge.kernels import symm_oneshot, symm_testing, symm_twoshot
+    from fusion_bridge.kernels import symm_oneshot, symm_testing
     from fusion_bridge.kernels import symm_protocol as P
 
     # the exchange alone: constant partials published and awaited, no gathers, no outputs
@@ -251,17 +251,6 @@ def rank_main(
                 ]
             if tokens <= world:  # FlashInfer's two-shot needs T > world size
                 paths = [p for p in paths if p[0] != "compose_fin_fi_ar_norm_twoshot"]
-            if sweep and tokens >= 129 and hidden == 7168:
-                sms = two._ws.num_sms
-                for programs, warps in ((sms, 4), (sms, 16), (sms // 2, 8), (sms // 2, 16)):
-                    paths.append(
-                        (
-                            f"symm2_v{programs}p_w{warps}",
-                            symm_run(two, symm_twoshot.TwoshotShape(programs, warps)),
-                            hbm_all,
-                            link_b,
-                        )
-                    )
             if sweep and tokens <= 16 and hidden == 7168:
                 rb = row_block(hidden)
                 b1d, b2d, _ = symm_oneshot.default_shape(tokens, hidden, symm._ws.num_sms)

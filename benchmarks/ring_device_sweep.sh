@@ -3,8 +3,8 @@
 # tests first, alone on the GPU (W >= 2 need every program resident: no xdist workers beside them);
 # then its W=1 local work against our standalone kernels (RING_HIDDEN, RING_VARIANTS,
 # RING_ABLATE=--ablate: the finalize stage alone and our finalize in the ring's program shape,
-# RING_EMULATE="2": emulated ranks), and RING_TWOSHOT=1 the old two-shot kernel's local work in the
-# same run.
+# RING_EMULATE="2": emulated ranks). (The old two-shot kernel's local work, RING_TWOSHOT=1, went
+# with that kernel: its measured rows stay in benchmarks/results/.)
 #   source .device/fi-env.sh; RING_TESTS=1 RING_ABLATE=--ablate bash benchmarks/ring_device_sweep.sh
 set -u
 OUT="${OUT:-/tmp/ring_out}"; mkdir -p "$OUT"
@@ -16,7 +16,3 @@ timeout "${RING_BENCH_TIMEOUT:-280}" python3 benchmarks/ring_local.py \
     --hidden ${RING_HIDDEN:-7168 4096} --tokens ${RING_TOKENS:-1024 4096 8192} --variants ${RING_VARIANTS:-default} \
     ${RING_ABLATE:-} --emulate ${RING_EMULATE:-} --csv "$OUT/ring_local.csv" 2>&1 \
     | grep -v "^  check" | tee "$OUT/ring_local.txt"
-if [ "${RING_TWOSHOT:-0}" = 1 ]; then
-    timeout 60 python3 benchmarks/twoshot_local.py --tokens 1024 4096 --hidden 7168 4096 \
-        --csv "$OUT/twoshot_local.csv" 2>&1 | grep -E "twoshot|finalize_alone" | tee "$OUT/twoshot.txt"
-fi

@@ -1,5 +1,6 @@
-"""The symmetric-memory protocol of our one-launch kernels (`symm_oneshot`, `symm_twoshot`): buffer
-layout, device state, error words, sizes and the launch arguments fixed for a layer.
+"""The symmetric-memory protocol of our one-launch kernels (`symm_oneshot`, the two-shot ring
+`symm_ring`): buffer layout, device state, error words, sizes and the launch arguments fixed for a
+layer.
 
 Imports no Triton: capability and sizing code (strategies/symm_workspace.py) read it without loading
 a kernel. The device side of the protocol (tickets, epochs, waits, error reports) is
@@ -9,11 +10,10 @@ The data carries its own arrival (Lamport-style): a slot element holds the senti
 0x8000 in bf16 and fp16) until a peer writes it, a published value never holds -0.0 (it is mapped to
 +0.0), and a reader polls the data itself. Three slots rotate, each cleared one call behind.
 
-Buffer of one rank (bytes): a HEADER_BYTES header (int32 abort word at 0), then SLOTS data slots of
-the activation dtype, all the sentinel at creation:
-    one-shot: [SLOTS][W][cap][H]              (source rank, token)
-    two-shot: [SLOTS][W * cap_blocks + cap][H] (reduce-scatter rows [W][cap_blocks], then all-gather
-              rows [cap])
+Buffer of one rank (bytes): a HEADER_BYTES header (int32 abort word at 0), then data slots of the
+activation dtype, all the sentinel at creation:
+    one-shot ("oneshot"): [SLOTS][W][cap][H] (source rank, token)
+    two-shot ("twoshot", the ring): see the ring section below; its size does not depend on T
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ EPOCH = 16  # the end-of-call ticket: record this slot's rows, advance the slot
 FINALIZE = 32  # partials from the top-k gathers (off: a constant partial; the exchange alone)
 ALL_PHASES = PUBLISH | REDUCE | NORM | CLEAR | EPOCH | FINALIZE
 
-KINDS = ("oneshot", "twoshot")
+KINDS = ("oneshot", "twoshot")  # the workspace layouts: one-shot, and the two-shot ring
 
-# ---- the two-shot ring (kernels/symm_ring.py; not yet behind a strategy) ------------------------
+# ---- the two-shot ring (kernels/symm_ring.py, behind `symm_fused_twoshot`) ----------------------
 # Per rank: the HEADER_BYTES header (int32 abort word at 0, int64 release counters [RING_SLOTS] at
 # RING_FREED_BYTE), then RING_SLOTS slots, each [2][W][CW][H], CW = ceil(RING_CHUNK / W): the
 # reduce-scatter rows (source, owner row) then the all-gather rows (owner, owner row) of one chunk.
@@ -87,22 +87,23 @@ def ring_buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = RING
     return HEADER_BYTES + RING_SLOTS * 2 * world * rows_per_source * hidden * elem_size
 
 
-def cap_blocks(world: int, cap: int) -> int:
-    """Two-shot: blocks of W rows that `cap` tokens fill (rows t = b * W + q, owner q)."""
-    return -(-cap // world)
-
-
-def slot_elems(kind: str, world: int, cap: int, hidden: int) -> int:
-    """Elements of one slot."""
-    if kind == "oneshot":
-        return world * cap * hidden
-    if kind == "twoshot":
-        return (world * cap_blocks(world, cap) + cap) * hidden
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+def slot_elems(world: int, cap: int, hidden: int) -> int:
+    """Elements of one one-shot slot."""
+    return world * cap * hidden
 
 
 def buffer_bytes(kind: str, world: int, cap: int, hidden: int, elem_size: int) -> int:
-    return HEADER_BYTES + SLOTS * slot_elems(kind, world, cap, hidden) * elem_size
+    """One rank's buffer: one-shot's grows with `cap`; the two-shot ring's ignores it."""
+    if kind == "oneshot":
+        return HEADER_BYTES + SLOTS * slot_elems(world, cap, hidden) * elem_size
+    if kind == "twoshot":
+        return ring_buffer_bytes(world, hidden, elem_size)
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def state_words(kind: str) -> tuple[int, torch.dtype]:
+    """One rank's device state: one-shot int32 [STATE_WORDS], the ring int64 [RING_STATE_WORDS]."""
+    return (RING_STATE_WORDS, torch.int64) if kind == "twoshot" else (STATE_WORDS, torch.int32)
 
 
 def fill_sentinel(t: torch.Tensor) -> None:
@@ -113,7 +114,7 @@ def fill_sentinel(t: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class SymmLayer:
     """What every launch of one layer shares, bound once in prepare(): the workspace (ptrs: int64
-    [W + 1] device, every rank's buffer then the error word; state: int32 [STATE_WORDS]), the
+    [W + 1] device, every rank's buffer then the error word; state: `state_words(kind)`), the
     group's shape and the spec's scalars. Per-call tensors are passed by keyword to `launch`."""
 
     ptrs: torch.Tensor

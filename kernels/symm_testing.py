@@ -1,6 +1,7 @@
 """Entry points for tests and benchmarks only (never imported by the product): the symmetric-memory
-kernels with their hooks set, and W ranks emulated in one process (the two-shot ring's, which runs
-stage by stage, is `EmulatedRing` at the end).
+kernels with their hooks set, and W ranks emulated in one process: the one-shot's (`kind`
+"oneshot", the only kind `emulated_group` builds) and the two-shot ring's, which runs stage by
+stage (`EmulatedRing`, `ring_layers_on_one_gpu` at the end).
 
 The hooks are the two constexprs `symm_protocol` documents: PHASES (which parts of a call run) and
 EMULATED (interpreter: the timeout counts polls, no inline PTX). Everything else a test reaches here
@@ -23,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import symm_oneshot, symm_twoshot
+from . import symm_oneshot
 from . import symm_protocol as P
 from .quant_codes import QuantArgs, quant_args
 from .symm_ring import (
@@ -37,14 +38,23 @@ from .symm_ring import (
 from .symm_ring import call_args as ring_call_args
 from .symm_ring_device import FREED_BYTE, SLOTS, STATE_WORDS, buffer_bytes
 
-KERNELS = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}
+# the kernels that take the PHASES / EMULATED hooks (the ring has its own: EmulatedRing below)
+KERNELS = {"oneshot": symm_oneshot}
+
+
+def _kernel(kind: str):
+    if kind not in KERNELS:
+        raise ValueError(
+            f"kind: expected one of {sorted(KERNELS)}, got {kind!r} (the two-shot ring: "
+            "EmulatedRing, ring_layers_on_one_gpu)"
+        )
+    return KERNELS[kind]
 
 
 def call_parts(kind: str) -> tuple[int, ...]:
     """The parts of one call in the order the CPU emulation runs them (each on every rank)."""
-    if kind == "oneshot":
-        return (P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH)
-    return (P.CLEAR, P.PUBLISH, P.REDUCE, P.NORM, P.EPOCH)
+    _kernel(kind)
+    return (P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH)
 
 
 def launch_with_hooks(
@@ -61,8 +71,8 @@ def launch_with_hooks(
     CPU emulation: emulated). programs: the grid (default: the production launch's)."""
     if tensors["perm"].shape[0] == 0:
         return
-    kernel = KERNELS[kind]
-    if kind == "oneshot" and layer.world == 1:  # the local kernel: no exchange, no hooks
+    kernel = _kernel(kind)
+    if layer.world == 1:  # the local kernel: no exchange, no hooks
         kernel.launch(layer, shape=shape, **tensors)
         return
     grid, args, constexprs = kernel.call_args(layer, shape, **tensors)
@@ -87,11 +97,10 @@ class EmulatedGroup:
         return self.bufs[rank][P.HEADER_BYTES :].view(dtype)
 
     def slot(self, rank: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rank `rank`'s slot `slot`: one-shot [W, cap, H] (source, token); two-shot flat."""
+        """Rank `rank`'s slot `slot`: [W, cap, H] (source, token)."""
         world, cap, hidden = len(self.bufs), self.layers[0].cap, self.layers[0].hidden
-        n = P.slot_elems(self.kind, world, cap, hidden)
-        flat = self.data(rank, dtype)[slot * n : (slot + 1) * n]
-        return flat.view(world, cap, hidden) if self.kind == "oneshot" else flat
+        n = P.slot_elems(world, cap, hidden)
+        return self.data(rank, dtype)[slot * n : (slot + 1) * n].view(world, cap, hidden)
 
     def abort_word(self, rank: int) -> torch.Tensor:
         return self.bufs[rank][:4].view(torch.int32)
@@ -144,6 +153,7 @@ def emulated_group(
     """W ranks' buffers and layers for `spec`. timeout: polls (CPU emulation) or microseconds (a
     GPU). num_sms: each rank's share of the SMs on a GPU (every program of every rank resident).
     quant: overrides the spec's (tests pick scales that exercise the codes)."""
+    _kernel(kind)
     device = torch.device(device)
     elem = torch.finfo(spec.dtype).bits // 8
     nbytes = P.buffer_bytes(kind, world, cap, spec.hidden_size, elem)

@@ -96,8 +96,8 @@ def test_every_strategy_matches_the_oracle_over_the_grid():
     results = run_distributed(_grid, WORLD, backend="nccl", timeout_s=540)
     for problems, ran in results:
         assert not problems, "\n".join(problems[:20])
-        # symm_fused_twoshot is opt-in: auto does not prepare it (tests/test_gpu_symm_twoshot.py
-        # runs it)
+        # symm_fused_twoshot (the ring) is opt-in: auto does not prepare it
+        # (tests/test_gpu_symm_twoshot.py runs it; the rank-disagreement test below by name)
         assert ran == [
             "flashinfer_fused",
             "local_fused_flashinfer",

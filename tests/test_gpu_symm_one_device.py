@@ -1,16 +1,14 @@
-"""Our symmetric-memory kernels (`symm_oneshot`, `symm_twoshot`) with W ranks emulated on ONE GPU:
-each
-rank's buffer is its own allocation, each rank's launch runs on its own CUDA stream with at most SMs
-/ W
-programs, so every program of every rank is resident at once and the ranks really wait for each
-other.
+"""Our one-shot symmetric-memory kernel (`symm_oneshot`) with W ranks emulated on ONE GPU: each
+rank's buffer is its own allocation, each rank's launch runs on its own CUDA stream with at most
+SMs / W programs, so every program of every rank is resident at once and the ranks really wait for
+each other.
 
-This checks, on any single GPU, what the interpreter cannot: the compiled kernels, their waits and
-device-side epochs under real concurrency, slot rotation and clearing over many calls at changing T,
-and
-bitwise identity across ranks. It is not the NVLink test (peers here share one L2) and times
-nothing:
-tests/test_gpu_symm_oneshot.py and tests/test_gpu_symm_twoshot.py run the real thing on 2 GPUs.
+This checks, on any single GPU, what the interpreter cannot: the compiled kernel, its waits and
+device-side epochs under real concurrency, slot rotation and clearing over many calls at changing
+T, and bitwise identity across ranks. It is not the NVLink test (peers here share one L2) and times
+nothing: tests/test_gpu_symm_oneshot.py runs the real thing on 2 GPUs. The two-shot ring (behind
+`symm_fused_twoshot`) has its own: tests/test_gpu_symm_ring_one_device.py (emulated ranks) and
+tests/test_gpu_symm_twoshot.py (2 GPUs).
 """
 
 import math
@@ -101,17 +99,15 @@ def _problems(spec, outs, inputs, bound, tag):
     return found
 
 
-@pytest.mark.parametrize(
-    "kind,world", [("twoshot", 2), ("twoshot", 3), ("twoshot", 4), ("oneshot", 2)]
-)
+@pytest.mark.parametrize("kind,world", [("oneshot", 2)])
 def test_emulated_ranks_on_one_gpu(kind, world):
     needs_gpu()
-    from fusion_bridge.kernels import symm_oneshot, symm_twoshot
+    from fusion_bridge.kernels import symm_oneshot
     from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
     from fusion_bridge.synthetic import make_inputs
 
-    kernel = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
-    bound = math.sqrt(3 if kind == "twoshot" else 2) * U_BF16
+    kernel = symm_oneshot
+    bound = math.sqrt(2) * U_BF16
     problems = []
     streams = [torch.cuda.Stream() for _ in range(world)]
     quants = [
@@ -119,7 +115,7 @@ def test_emulated_ranks_on_one_gpu(kind, world):
         QuantSpec.fp8(0.05),
         QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
     ]
-    cap = 1024 if kind == "twoshot" else 256
+    cap = 256
     for hidden, top_k in ((7168, 8), (2880, 1)):
         for quant in quants:
             spec = EpilogueSpec(
@@ -165,48 +161,6 @@ def test_emulated_ranks_on_one_gpu(kind, world):
     errors = [int(e) for e in group.errs[:, 0]]
     assert errors == [0] * world, f"kernel error words {errors}"
     assert not problems, "\n".join(problems[:20])
-
-
-def _sentinel(group, rank, slot, kind, spec):
-    """Whether every element of `rank`'s slot `slot` is the sentinel (int16 -0.0)."""
-    from fusion_bridge.kernels import symm_protocol as P
-
-    world, cap = len(group.layers), group.layers[0].cap
-    n = P.slot_elems(kind, world, cap, spec.hidden_size)
-    data = group.data(rank, torch.int16)[slot * n : (slot + 1) * n]
-    return bool((data == P.SENTINEL_BITS).all())
-
-
-def test_twoshot_clears_the_tail_of_a_larger_previous_call():
-    """The compiled two-shot, 3 ranks concurrent: a call at T = cap, then small ones. Each call
-    clears what the previous call wrote into its slot, however many more rows that was than its own
-    T, so after every call the previous slot is all sentinel on every rank (a stale row would read
-    as arrived when the slot comes round again). Mutant killed: blocks_to_walk ignoring the
-    previous call's larger T."""
-    needs_gpu()
-    from fusion_bridge.kernels import symm_twoshot
-    from fusion_bridge.spec import EpilogueSpec
-    from fusion_bridge.synthetic import make_inputs
-
-    world, cap = 3, 96
-    spec = EpilogueSpec(hidden_size=2880, top_k=4, max_tokens=cap)
-    group = _group("twoshot", spec, world, cap, timeout_s=2.0)
-    streams = [torch.cuda.Stream() for _ in range(world)]
-    problems = []
-    for call, tokens in enumerate((cap, 1, 2, 1, cap, 4)):
-        inputs = [make_inputs(spec, tokens, rank=r, seed=call, device="cuda") for r in range(world)]
-        outs = _call(symm_twoshot, group, streams, spec, inputs)
-        torch.cuda.synchronize()
-        problems += _problems(spec, outs, inputs, math.sqrt(3) * U_BF16, f"call {call} T={tokens}")
-        if call > 0:
-            previous = (call - 1) % 3
-            for r in range(world):
-                if not _sentinel(group, r, previous, "twoshot", spec):
-                    problems.append(
-                        f"call {call} (T={tokens}): rank {r}'s slot {previous} not clear"
-                    )
-    assert [int(e) for e in group.errs[:, 0]] == [0] * world
-    assert not problems, "\n".join(problems)
 
 
 def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
@@ -255,18 +209,18 @@ def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("kind", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("kind", ["oneshot"])
 def test_compiled_symmetric_memory_kernels_normalize_huge_rows(kind):
-    """The compiled kernels' norm on rows scaled by 2e19, 1e25 and 1e36 (their fp32 sum of squares
+    """The compiled one-shot's norm on rows scaled by 2e19, 1e25 and 1e36 (their fp32 sum of squares
     overflows): within one rounding of the float64 oracle, never an all-zero row (the interpreter
-    version is in tests/test_overflow.py)."""
+    version is in tests/test_overflow.py; the ring's in tests/test_symm_ring_cpu.py)."""
     needs_gpu()
-    from fusion_bridge.kernels import symm_oneshot, symm_twoshot
+    from fusion_bridge.kernels import symm_oneshot
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
     from tests import oracle64
 
-    kernel = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
+    kernel = symm_oneshot
     spec = EpilogueSpec(hidden_size=2880, top_k=4, weight_bias=0.5, max_tokens=8)
     world, tokens = 2, 4
     inputs = [make_inputs(spec, tokens, rank=r, seed=6, device="cuda") for r in range(world)]

@@ -1,7 +1,8 @@
 """GPU tests of the two-shot ring kernel (`kernels/symm_ring.py`) over 2 ranks (NCCL + PyTorch
 symmetric memory, multicast off), for the two-GPU run: one spawned process group runs every case and
-returns its problems. The ring is not behind a strategy yet, so the kernel is launched directly on a
-buffer made here (`ring_over_symmetric_memory`) as strategies/symm_workspace makes the others'.
+returns its problems. The kernel is launched directly (no bridge, no strategy) on the workspace
+`symm_fused_twoshot` uses: strategies/symm_workspace.create(kind="twoshot"), bound as its layer.
+tests/test_gpu_symm_twoshot.py runs the same kernel through the strategy.
 
 Covered: parity against the float64 oracle (T in 1, 3, 255, 257 (chunk edges), 1000, 4096, 16384
 (the ring turns 16 times in one call); H in 7168, 2880; K in 8, 1; inputs different per rank with
@@ -26,54 +27,22 @@ BOUND = 3**0.5 * U_BF16  # the partial's rounding, residual_out's (the norm read
 
 
 def ring_over_symmetric_memory(group, spec, device, timeout_s: float = 20.0):
-    """Collective (every rank of `group`): a ring buffer in PyTorch symmetric memory (multicast
-    off, as strategies/symm_workspace.create does for the other kernels) and this rank's layer.
-    Returns a namespace (layer, err: pinned int32 [4], buffer, handle); keep it alive while the
-    layer is used. For the two-GPU ring test until the ring is behind a strategy."""
+    """Collective (every rank of `group`): the ring's workspace in PyTorch symmetric memory, made
+    as `symm_fused_twoshot` makes it (strategies/symm_workspace.create, kind "twoshot"), and this
+    rank's layer. Returns a namespace (layer, err: pinned int32 [4], buffer, handle, ws); keep it
+    alive while the layer is used."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
 
-    from fusion_bridge.kernels import symm_protocol as P
-    from fusion_bridge.kernels.quant_codes import quant_args
-    from fusion_bridge.kernels.symm_ring_device import STATE_WORDS, buffer_bytes
-    from fusion_bridge.kernels.symm_testing import _ring_layer
-    from fusion_bridge.strategies.symm_workspace import multicast_reason
+    from fusion_bridge.kernels.symm_protocol import SymmLayer
+    from fusion_bridge.strategies import symm_workspace as sw
 
-    bad = multicast_reason("symm_ring")
-    if bad is not None:
-        raise RuntimeError(f"[{bad.code}] {bad.message}. {bad.hint}")
     group = group if group is not None else dist.group.WORLD
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nbytes = buffer_bytes(world, spec.hidden_size, torch.finfo(spec.dtype).bits // 8)
-    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(buffer, group.group_name)
-    if int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
-        raise RuntimeError("symm_ring: the symmetric-memory handle exposes a multicast pointer")
-    buffer[: P.HEADER_BYTES].zero_()
-    P.fill_sentinel(buffer[P.HEADER_BYTES :].view(torch.int16))
-    torch.cuda.synchronize(device)
-    dist.barrier(group)
-    torch.cuda.synchronize(device)
-    bases = [int(p) for p in handle.buffer_ptrs]
-    offset = buffer.data_ptr() - bases[rank]
-    seen: list = [None] * world
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    dist.all_gather_object(seen, (offset, sms), group=group)
-    if len({o for o, _ in seen}) != 1 or offset % 256:
-        raise RuntimeError(f"symm_ring: buffer offsets differ or are misaligned: {seen}")
-    err = torch.zeros(4, dtype=torch.int32).pin_memory()
-    ptrs = torch.tensor(
-        [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
-    )
-    state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
-    scalars = (float(spec.routed_scaling_factor), float(spec.eps), float(spec.weight_bias))
-    layer = _ring_layer(
-        ptrs, state, world, rank, min(n for _, n in seen), int(timeout_s * 1e6),
-        spec.hidden_size, scalars, quant_args(spec),
-    )  # fmt: skip
-    return SimpleNamespace(layer=layer, err=err, buffer=buffer, handle=handle)
+    world = dist.get_world_size(group)
+    ws = sw.create(group, spec, world, device, timeout_s, kind="twoshot")
+    layer = SymmLayer.bind(ws, spec)
+    return SimpleNamespace(layer=layer, err=ws.err, buffer=ws.buffer, handle=ws.handle, ws=ws)
 
 
 def _runner(spec, dev, timeout_s=20.0):
@@ -218,11 +187,6 @@ def _all(rank, world_size, stress_calls):
     return problems, cases
 
 
-@pytest.mark.xfail(
-    reason="ring kernel, W >= 2: a rank timed out on a peer in the one-GPU emulated-ranks test "
-    "(open; see tests/test_gpu_symm_ring_one_device.py)",
-    strict=False,
-)
 def test_symm_ring_on_two_gpus():
     needs_two_gpus()
     results = run_distributed(_all, WORLD, 4000, backend="nccl", timeout_s=480)

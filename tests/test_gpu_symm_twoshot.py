@@ -1,17 +1,15 @@
-"""GPU tests of `symm_fused_twoshot` (the bandwidth path) over 2 ranks (NCCL + symmetric memory,
-multicast off), on 2 GPUs of one host (run on 2x H200). One spawned process group runs every case
-and returns its problems.
+"""GPU tests of `symm_fused_twoshot` (the bandwidth path: the chunked ring kernel,
+kernels/symm_ring) over 2 ranks (NCCL + symmetric memory, multicast off), on 2 GPUs of one host
+(run on 2x H200), through the strategy: its workspace comes from the symmetric-memory rendezvous.
+One spawned process group runs every case and returns its problems.
 
-Covered: parity against the float64 oracle (T in 1,3,129,1000,1024,4096; H in 7168,4096,2880; K in
-1,8;
-inputs different per rank with -1 slots and NaN in unreferenced rows; none/fp8/nvfp4 in both scale
-layouts), quant bit-exact on the kernel's own norm_out, bitwise identity of every output across
-ranks,
-T=8192 through the bridge (above the workspace: the overflow route), CUDA graphs replayed on new
-inputs
-mixed with eager calls, a stress loop of 10,000 calls at random T up to 4096, and a rank that skips
-a call
-(NaN and a clear error on both ranks, no hang).
+Covered: parity against the float64 oracle (T in 1, 3, 129, 255, 256, 257, 1000, 4096, 8192; H in
+7168, 4096, 2880; K in 1, 8; inputs different per rank with -1 slots and NaN in unreferenced rows;
+none/fp8/nvfp4 in both scale layouts), quant bit-exact on the kernel's own norm_out, bitwise
+identity of every output across ranks, T up to 16384 through the bridge with no overflow route (the
+ring's workspace does not limit T), CUDA graphs replayed on new inputs mixed with eager calls, a
+stress loop of 10,000 calls at random T up to 8192, and a rank that skips a call (NaN and a clear
+error on both ranks, no hang).
 """
 
 import math
@@ -29,16 +27,16 @@ from tests.test_gpu_symm_oneshot import (
     _strategy,
     needs_two_gpus,
     progress_printer,
-    skip_one_call_and_check,
 )
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
 NAME = "symm_fused_twoshot"
 # the partial's rounding, residual_out's (norm_out is computed from it) and norm_out's, independent,
-# in
-# quadrature, against the exact (float64) oracle
+# in quadrature, against the exact (float64) oracle
 BOUND = math.sqrt(3) * U_BF16
+# chunk boundaries of the ring (256 tokens) and many chunks
+TOKENS = (1, 3, 129, 255, 256, 257, 1000, 4096, 8192)
 
 
 def _parity(rank, dev, problems):
@@ -61,11 +59,11 @@ def _parity(rank, dev, problems):
                     routed_scaling_factor=2.5,
                     weight_bias=0.5,
                     quant=quant,
-                    max_tokens=4096,
+                    max_tokens=8192,
                     has_shared_output=(top_k == 8 or qi % 2 == 0),
                 )
                 strat = _strategy(spec, dev, name=NAME)
-                for tokens in (1, 3, 129, 1000, 1024, 4096):
+                for tokens in TOKENS:
                     wdt = torch.float32 if tokens % 2 else torch.bfloat16
                     inp = make_inputs(
                         spec,
@@ -92,21 +90,19 @@ def _parity(rank, dev, problems):
     return cases
 
 
-def _overflow_through_the_bridge(rank, dev, problems):
-    """max_tokens 8192 > the workspace's 4096: T=8192 takes the overflow route, T=4096 the
-    two-shot."""
+def _large_t_through_the_bridge(rank, dev, problems):
+    """max_tokens 16384: the ring's fixed workspace takes every T, so the bridge routes T=4096,
+    8192 and 16384 to the two-shot (no overflow route)."""
     from fusion_bridge import EpilogueSpec, FusionBridge
     from fusion_bridge.synthetic import make_inputs
 
-    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=8192)
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=16384)
     with FusionBridge(spec, strategy=NAME, debug=False) as bridge:
-        routes = {t: bridge.route_for(t) for t in (4096, 8192)}
-        if routes[4096][0] != NAME or routes[8192][0] == NAME:
-            problems.append(
-                f"routes {routes}: expected {NAME} at 4096 and the overflow route at 8192"
-            )
-        bound = max(s.error_bound for s in bridge.statuses if s.name in (NAME, routes[8192][0]))
-        for tokens in (4096, 8192):
+        routes = {t: bridge.route_for(t) for t in (4096, 8192, 16384)}
+        if any(route[0] != NAME for route in routes.values()):
+            problems.append(f"routes {routes}: expected {NAME} at every T")
+        bound = max(s.error_bound for s in bridge.statuses if s.name == NAME)
+        for tokens in (4096, 16384):
             inp = make_inputs(spec, tokens, rank=rank, seed=tokens, device=dev)
             out = bridge.finalize_epilogue(
                 inp.gemm2_out,
@@ -129,7 +125,7 @@ def _graphs_and_stress(rank, dev, problems, stress_calls):
         top_k=8,
         routed_scaling_factor=2.5,
         quant=QuantSpec.nvfp4(448.0),
-        max_tokens=4096,
+        max_tokens=8192,
     )
     strat = _strategy(spec, dev, name=NAME)
     graphs = {}
@@ -159,12 +155,11 @@ def _graphs_and_stress(rank, dev, problems, stress_calls):
                 problems,
                 BOUND,
             )
-    rng = random.Random(
-        4321
-    )  # random T (the same on both ranks), graph replays and eager calls mixed
+    # random T (the same on both ranks), graph replays and eager calls mixed
+    rng = random.Random(4321)
     pool = {
         t: make_inputs(spec, t, rank=rank, seed=t, device=dev)
-        for t in (1, 2, 7, 130, 500, 1000, 2048, 4095)
+        for t in (1, 2, 7, 130, 257, 1000, 2048, 4095, 8192)
     }
     for call in range(stress_calls):
         if rng.random() < 0.5:
@@ -184,11 +179,15 @@ def _graphs_and_stress(rank, dev, problems, stress_calls):
 
 
 def _skipped_call(rank, dev, problems):
-    """Rank 1 skips one call: rank 0's call times out (NaN outputs, then a clear error); rank 1's
-    next call
-    is aborted at once, then raises too. Nothing hangs."""
+    """Rank 1 skips one call (timeout 1 s): rank 0's call comes back after about the timeout with
+    NaN rows and the error word; rank 1's next call is aborted (NaN rows); the call after that
+    raises on both ranks, naming the strategy, the missing or timed-out rank and the rebuild.
+    Nothing hangs."""
+    import time
+
     import torch.distributed as dist
 
+    from fusion_bridge.kernels.symm_protocol import RING_CHUNK
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
 
@@ -197,11 +196,36 @@ def _skipped_call(rank, dev, problems):
     inp = make_inputs(spec, 600, rank=rank, device=dev)
     strat.run(inp)
     torch.cuda.synchronize()
+    # the ring's device state: (chunks of every earlier call, ticket, error word, -)
     state = strat._ws.state.tolist()
-    if state[0] != 1 or state[4] != 600 or state[1] != 0 or state[2] != 0:
+    if state[:3] != [-(-600 // RING_CHUNK), 0, 0]:
         problems.append(f"rank {rank}: after one call state {state}")
     dist.barrier()
-    skip_one_call_and_check(rank, strat, inp, problems)
+    start = time.monotonic()
+    out = strat.run(inp) if rank == 0 else None
+    torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    dist.barrier()
+    if rank == 1:
+        out = strat.run(inp)  # a peer timed out: its waits end on the abort word
+        torch.cuda.synchronize()
+    for name, t in (("residual_out", out.residual_out), ("norm_out", out.norm_out)):
+        if not torch.isnan(t).any():
+            problems.append(f"rank {rank}: the failed call's {name} holds no NaN")
+    try:
+        strat.run(inp)
+        problems.append(f"rank {rank}: no error after the skipped call")
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        want = (
+            "timed out waiting for rank(s) [1]" if rank == 0 else "stopped because rank 0 timed out"
+        )
+        text = str(exc)
+        if want not in text or NAME not in text or "rebuild the bridge" not in text.lower():
+            problems.append(f"rank {rank}: unclear error: {exc}")
+    if rank == 0 and not 0.9 < waited < 10:
+        problems.append(f"rank 0 waited {waited:.1f} s for a 1 s timeout")
+    strat.close()
 
 
 def _all(rank, world_size, stress_calls):
@@ -213,8 +237,8 @@ def _all(rank, world_size, stress_calls):
     progress("skipped call")
     cases = _parity(rank, dev, problems)
     progress(f"parity ({cases} cases)")
-    routes = _overflow_through_the_bridge(rank, dev, problems)
-    progress(f"bridge overflow {routes}")
+    routes = _large_t_through_the_bridge(rank, dev, problems)
+    progress(f"bridge large T {routes}")
     _graphs_and_stress(rank, dev, problems, stress_calls)
     progress(f"graphs + {stress_calls} stress calls")
     return problems, cases
@@ -222,7 +246,7 @@ def _all(rank, world_size, stress_calls):
 
 def test_symm_twoshot_on_two_gpus():
     needs_two_gpus()
-    results = run_distributed(_all, WORLD, 10_000, backend="nccl", timeout_s=480)
+    results = run_distributed(_all, WORLD, 10_000, backend="nccl", timeout_s=540)
     for problems, cases in results:
-        assert cases == 3 * 2 * 4 * 6
+        assert cases == 3 * 2 * 4 * len(TOKENS)
         assert not problems, "\n".join(problems[:30])

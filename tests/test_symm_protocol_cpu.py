@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import sys
 
-from fusion_bridge.kernels import symm_oneshot, symm_protocol, symm_twoshot
+from fusion_bridge.kernels import symm_oneshot, symm_protocol, symm_ring
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
 from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
 
@@ -46,14 +46,19 @@ def test_no_function_in_the_product_takes_more_than_12_positional_parameters():
 
 
 def test_hooks_stay_out_of_production_launchers_and_strategies():
-    for module in (symm_oneshot, symm_twoshot):
-        assert not HOOKS & set(inspect.signature(module.launch).parameters)
-        assert not HOOKS & set(inspect.signature(module.call_args).parameters)
-        # the kernel's hooks default to production
-        kernel = module.KERNEL
-        params = inspect.signature(kernel.fn).parameters
-        assert params["PHASES"].default == symm_protocol.ALL_PHASES
-        assert params["EMULATED"].default is False
+    assert not HOOKS & set(inspect.signature(symm_oneshot.launch).parameters)
+    assert not HOOKS & set(inspect.signature(symm_oneshot.call_args).parameters)
+    # the kernel's hooks default to production
+    params = inspect.signature(symm_oneshot.KERNEL.fn).parameters
+    assert params["PHASES"].default == symm_protocol.ALL_PHASES
+    assert params["EMULATED"].default is False
+    # the ring (behind symm_fused_twoshot): its hooks are PHASES and EMU*, off by default
+    ring_hooks = {"PHASES", "EMU", "EMU_PID", "EMU_NPROG", "EMU_STAGE", "EMU_CHUNK", "EMU_ITEMS"}
+    for fn in (symm_ring.launch, symm_ring.call_args):
+        assert not (HOOKS | ring_hooks) & set(inspect.signature(fn).parameters)
+    params = inspect.signature(symm_ring._ring_kernel.fn).parameters
+    assert params["PHASES"].default == symm_protocol.RING_ALL
+    assert params["EMU"].default is False
     for cls in (SymmFusedOneshotStrategy, SymmFusedTwoshotStrategy):
         assert list(inspect.signature(cls.run).parameters) == ["self", "inputs", "variant"]
     # no production module imports the testing module
@@ -68,15 +73,15 @@ def test_hooks_stay_out_of_production_launchers_and_strategies():
 
 def test_sizes_follow_the_layouts():
     assert symm_protocol.buffer_bytes("oneshot", 2, 16, 64, 2) == 256 + 3 * 2 * 16 * 64 * 2
-    # two-shot: W * ceil(cap / W) reduce-scatter rows, then cap all-gather rows, per slot
-    assert symm_protocol.buffer_bytes("twoshot", 3, 7, 64, 2) == 256 + 3 * (3 * 3 + 7) * 64 * 2
+    # the two-shot ring: 4 slots of [2][W][ceil(256 / W)][H] (reduce-scatter, all-gather), any cap
+    for cap in (1, 7, 4096, 100_000):
+        assert symm_protocol.buffer_bytes("twoshot", 3, cap, 64, 2) == 256 + 4 * 2 * 3 * 86 * 64 * 2
 
 
 def test_capacity_at_every_world_size():
     """Tokens per call for DeepSeek-V3's H=7168 in bf16, at every supported world size, from the
-    layouts in bytes: one-shot holds 3 slots of W x cap rows (at most 2048 tokens), two-shot 3 slots
-    of ~2 x cap rows (at most 4096), both within 512 MiB. Mutant killed: two-shot capacity computed
-    with the one-shot's layout (3120 tokens at TP4, 1560 at TP8)."""
+    layouts in bytes: one-shot holds 3 slots of W x cap rows (at most 2048 tokens, within 512 MiB);
+    the two-shot ring turns its fixed slots within a call, so it carries any T up to max_tokens."""
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.strategies import symm_workspace as sw
 
@@ -86,21 +91,42 @@ def test_capacity_at_every_world_size():
     for world in range(2, 9):
         oneshot = min(2048, budget // (3 * world * row))  # 2048 up to W=6, 1783 at 7, 1560 at 8
         assert sw.capacity(spec, world, "oneshot") == oneshot, world
-        assert sw.capacity(spec, world, "twoshot") == 4096, world
+        assert sw.capacity(spec, world, "twoshot") == 8192, world
     assert [sw.capacity(spec, w, "oneshot") for w in (7, 8)] == [1783, 1560]
-    # a max_tokens below the layout's bound is the capacity, and a wider row lowers it
+    # a max_tokens below the layout's bound is the capacity
     small = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=100)
     assert sw.capacity(small, 8, "twoshot") == sw.capacity(small, 8, "oneshot") == 100
-    # H=16384: the two-shot layout's bound, W * ceil(cap / W) + cap rows per slot, binds first
-    wide = EpilogueSpec(hidden_size=16384, top_k=8, max_tokens=8192)
+    big = EpilogueSpec(hidden_size=16384, top_k=8, max_tokens=65536)
+    assert [sw.capacity(big, w, "twoshot") for w in (2, 4, 8)] == [65536] * 3
+
+
+def test_the_twoshot_workspace_is_fixed_whatever_t():
+    """symm_fused_twoshot's workspace (the ring's buffer) does not depend on the tokens a call may
+    carry, stays within 64 MB per rank at H=7168 in bf16 at every world size, and never makes the
+    strategy refuse a T: no `workspace_too_small`, max_tokens_per_call == max_tokens."""
+    from fusion_bridge.environment import Environment
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.strategies import symm_workspace as sw
+
+    env = Environment(device_type="cuda", sm=90, gpu_name="NVIDIA H200", triton_version="3.6.0")
     for world in range(2, 9):
-        cap = max(
-            c
-            for c in range(2600, 2800)
-            if 256 + 3 * (world * -(-c // world) + c) * 16384 * 2 <= budget
-        )
-        assert sw.capacity(wide, world, "twoshot") == cap, world
-    assert [sw.capacity(wide, w, "twoshot") for w in (2, 4, 8)] == [2730, 2729, 2728]
+        sizes = set()
+        for max_tokens in (1, 256, 4096, 8192, 65536):
+            spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=max_tokens)
+            sizes.add(sw.buffer_bytes(spec, world, "twoshot"))
+            at_world = env.replace(world_size=world)
+            assert SymmFusedTwoshotStrategy.max_tokens_per_call(spec, at_world) == max_tokens
+            codes = [
+                r.code for r in sw.reasons(spec, at_world, "t", probe=lambda: None, kind="twoshot")
+            ]
+            assert codes == [], (world, max_tokens, codes)
+        assert len(sizes) == 1, (world, sizes)
+        (size,) = sizes
+        assert size <= 64_000_000, (world, size)
+        assert size == symm_protocol.ring_buffer_bytes(world, 7168, 2), world
+    # about 29.4 MB at W=2 (4 slots x 2 regions x 256 rows of 7168 bf16 values)
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=4096)
+    assert sw.buffer_bytes(spec, 2, "twoshot") == 256 + 4 * 2 * 256 * 7168 * 2
 
 
 def test_the_world_size_one_kernels_can_take_the_launch_cache():
@@ -119,3 +145,52 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
     )
     assert out.stdout.split() == ["0", "0", "True"], out
+
+
+def test_the_twoshot_strategy_binds_its_workspace_to_the_ring_kernel():
+    """symm_fused_twoshot launches kernels/symm_ring: its workspace's device state has the ring's
+    shape (int64 [RING_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare()
+    does) with the keywords the strategy's run() passes gives the ring's launch arguments (pointers
+    and state as bound, this group's world size). Nothing is launched (the strategy's kernel uses
+    inline PTX, which the interpreter cannot run; tests/test_gpu_symm_twoshot.py launches it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    assert SymmFusedTwoshotStrategy._kernel_module(None) is symm_ring
+    words, dtype = symm_protocol.state_words(SymmFusedTwoshotStrategy.workspace_kind)
+    assert (words, dtype) == (symm_ring.STATE_WORDS, torch.int64)
+    spec = EpilogueSpec(hidden_size=96, top_k=2)
+    ws = SimpleNamespace(
+        ptrs=torch.zeros(3, dtype=torch.int64),
+        state=torch.zeros(words, dtype=dtype),
+        world=2,
+        rank=1,
+        cap=spec.max_tokens,
+        data_off=symm_protocol.HEADER_BYTES // 2,
+        num_sms=132,
+        timeout_ns=5_000_000_000,
+    )
+    layer = symm_protocol.SymmLayer.bind(ws, spec)
+    inp = make_inputs(spec, 5, rank=1, seed=3)
+    none = torch.empty(0, dtype=torch.uint8)
+    args, constexprs = symm_ring.call_args(
+        layer,
+        None,
+        residual_out=torch.empty_like(inp.residual),
+        norm_out=torch.empty_like(inp.residual),
+        q=none,
+        sf=none,
+        gemm2_out=inp.gemm2_out,
+        perm=inp.expanded_idx_to_permuted_idx,
+        weights=inp.expert_weights,
+        shared=inp.shared_output,
+        residual=inp.residual,
+        gamma=inp.gamma,
+    )
+    assert args[0] is ws.ptrs and args[1] is ws.state
+    assert constexprs["WORLD"] == 2 and constexprs["TOP_K"] == 2
+    assert layer.rank == 1 and layer.timeout_us == 5_000_000

@@ -100,6 +100,8 @@ class SymmFusedOneshotStrategy(Strategy):
         )
         # what every launch of this layer shares: pointers, sizes, eps, scales, world, rank
         self._layer = SymmLayer.bind(self._ws, self.spec)
+        # tokens one call may carry (a shared ring workspace may have been sized for another spec)
+        self._cap = self.max_tokens_per_call(self.spec, self.env)
 
     @property
     def workspace_bytes(self) -> int:
@@ -108,7 +110,7 @@ class SymmFusedOneshotStrategy(Strategy):
 
     def accepts(self, inputs: EpilogueInputs) -> bool:
         ws = getattr(self, "_ws", None)
-        return ws is not None and inputs.expanded_idx_to_permuted_idx.shape[0] <= ws.cap
+        return ws is not None and inputs.expanded_idx_to_permuted_idx.shape[0] <= self._cap
 
     def check_error(self) -> None:
         """Raise if an earlier launch timed out or was aborted (reads pinned memory; no sync)."""
@@ -118,12 +120,11 @@ class SymmFusedOneshotStrategy(Strategy):
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         """variant: "default" (the per-T launch shape) or one of SHAPE_VARIANTS."""
-        ws = self._ws
         self.check_error()
         tokens, hidden = inputs.residual.shape
-        if tokens > ws.cap:
+        if tokens > self._cap:
             raise ValueError(
-                f"{self.name}: T={tokens} exceeds the workspace's {ws.cap} tokens (the planner "
+                f"{self.name}: T={tokens} exceeds the workspace's {self._cap} tokens (the planner "
                 "routes such calls elsewhere)"
             )
         spec = self.spec

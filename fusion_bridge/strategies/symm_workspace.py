@@ -1,6 +1,7 @@
 """The symmetric-memory workspaces of `symm_fused_oneshot` and `symm_fused_twoshot`: capability
-checks,
-sizing, collective creation and release. `kind` ("oneshot" / "twoshot") picks the kernel's layout.
+checks, sizing, collective creation and release. `kind` picks the kernel's layout: "oneshot" (slots
+of W x cap rows, so a token cap) or "twoshot" (the ring of chunk slots of kernels/symm_ring: a
+fixed size whatever T is, so no token cap beyond the spec's max_tokens).
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
 buffer into every peer's address space over NVLink. We use only `empty`, `rendezvous` and the
@@ -39,9 +40,9 @@ SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a 
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
 WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
 MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in registers
-# tokens per call: one-shot is the small-T path; two-shot the bandwidth path; larger T takes the
-# overflow route
-MAX_CAP_TOKENS = {"oneshot": 2048, "twoshot": 4096}
+# tokens per call of the one-shot (the small-T path; larger T takes the overflow route). The
+# two-shot ring (the bandwidth path) turns its fixed slots within a call: any T up to max_tokens.
+MAX_CAP_TOKENS = {"oneshot": 2048}
 KINDS = protocol.KINDS
 MAX_BUFFER_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = (
@@ -76,21 +77,19 @@ MULTICAST_PROBE = Probe("multicast_off", multicast_is_off, documented=None)
 
 
 def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol)."""
+    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol).
+    The ring ("twoshot"): spec.max_tokens when its fixed buffer fits MAX_BUFFER_BYTES, else 0."""
     elem = torch.finfo(spec.dtype).bits // 8
     world = max(world_size, 1)
-    # one-shot: [3][W][cap][H]; two-shot: [3][W * cap/W + cap][H], about 2 rows per token
-    rows_per_token = protocol.SLOTS * (world if kind == "oneshot" else 2)
+    if kind == "twoshot":
+        fits = protocol.ring_buffer_bytes(world, spec.hidden_size, elem) <= MAX_BUFFER_BYTES
+        return spec.max_tokens if fits else 0
+    # one-shot: [3][W][cap][H]
     cap = min(
         spec.max_tokens,
         MAX_CAP_TOKENS[kind],
-        MAX_BUFFER_BYTES // (rows_per_token * spec.hidden_size * elem),
+        MAX_BUFFER_BYTES // (protocol.SLOTS * world * spec.hidden_size * elem),
     )
-    while (
-        cap > 0
-        and protocol.buffer_bytes(kind, world, cap, spec.hidden_size, elem) > MAX_BUFFER_BYTES
-    ):
-        cap -= 1  # two-shot rounds its reduce-scatter rows up to whole blocks of W
     return max(0, cap)
 
 
@@ -174,15 +173,21 @@ def memory_reason(
     spec: EpilogueSpec, world_size: int, device: torch.device, who: str, kind: str = "oneshot"
 ) -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
-    what = f"the symmetric buffer for {capacity(spec, world_size, kind)} tokens"
+    what = (
+        "the symmetric ring buffer (any T)"
+        if kind == "twoshot"
+        else f"the symmetric buffer for {capacity(spec, world_size, kind)} tokens"
+    )
     return workspace_memory_reason(who, what, buffer_bytes(spec, world_size, kind), device)
 
 
 @dataclass
 class SymmWorkspace:
     """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
-    buffer, then the pinned error word); state: int32 [STATE_WORDS] device (kernels/symm_protocol);
-    err: int32 [4] pinned host. A layer binds it with kernels.symm_protocol.SymmLayer.bind."""
+    buffer, then the pinned error word); state: device, `symm_protocol.state_words(kind)` (one-shot
+    int32 [STATE_WORDS], the ring int64 [RING_STATE_WORDS]); err: int32 [4] pinned host. cap: tokens
+    one call may carry (the ring: its first user's max_tokens; each strategy checks its own). A
+    layer binds it with kernels.symm_protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
     handle: object
@@ -232,7 +237,7 @@ def create(
             "pointer although multicast is disabled; refusing to run"
         )
     head = protocol.HEADER_BYTES
-    buffer[:head].zero_()  # the abort word
+    buffer[:head].zero_()  # the abort word (and the ring's release counters)
     protocol.fill_sentinel(buffer[head:].view(torch.int16))  # every data slot "not arrived"
     torch.cuda.synchronize(device)
     dist.barrier(group)  # no rank publishes before every rank's slots hold the sentinel
@@ -257,7 +262,8 @@ def create(
     ptrs = torch.tensor(
         [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
     )
-    state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int32, device=device)
+    words, state_dtype = protocol.state_words(kind)
+    state = torch.zeros(words, dtype=state_dtype, device=device)
     return SymmWorkspace(
         buffer,
         handle,
@@ -313,7 +319,8 @@ def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str
         world_size,
         spec.hidden_size,
         spec.dtype,
-        capacity(spec, world_size, kind),
+        # the ring's buffer does not depend on max_tokens: layers that differ only there share it
+        capacity(spec, world_size, kind) if kind == "oneshot" else 0,
         float(timeout_s),
     )
 
