@@ -23,7 +23,8 @@ timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu_symm_ri
 tail -3 "$OUT/ring_tests.log"
 [ $# -gt 0 ] || { el "no older trees given: no A/B"; exit 0; }
 el "A/B: one-shot W=2 emulated (AB_CASES), H=7168 K=8, graph"
-export AB_CASES=${AB_CASES:-oneshot:2}  # the old two-shot kernel is gone from this tree AB_LOCAL=0 AB_TOKENS=${AB_TOKENS:-1,64,1024,4096}
+# the old two-shot kernel is gone from this tree: the A/B times the one-shot
+export AB_CASES=${AB_CASES:-oneshot:2} AB_LOCAL=0 AB_TOKENS=${AB_TOKENS:-1,64,1024,4096}
 for tree in "$@" . "$@" .; do  # each tree twice, interleaved
   [ "$tree" = . ] || ln -sfn ../kernels "$tree/fusion_bridge/kernels"
   label=$(basename "$(cd "$tree" && pwd)")
