@@ -131,6 +131,37 @@ class LocalLauncher:
         fixed += (SYNC_ROWS, MAX_CHUNKS, MAX_POLLS if is_cuda else 4)
         return _SPLIT, (tokens * chunks + padding,), fixed, shape.warps, chunks, sf_rows, sf_cols
 
+    def _launch_args(
+        self,
+        residual_out,
+        norm_out,
+        q,
+        sf,
+        gemm2_out,
+        perm,
+        weights,
+        shared,
+        residual,
+        gamma,
+        shape,
+    ):
+        """(launcher, grid, args, constexprs without PHASES, warps, chunks) of one call."""
+        tokens, top_k = perm.shape
+        layer = self.layer
+        is_cuda = residual.is_cuda
+        launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
+            tokens, top_k, shared is not None, is_cuda, tuple(sf.shape), shape
+        )
+        head = (gemm2_out, perm, weights, residual if shared is None else shared, residual, gamma)
+        head += (residual_out, norm_out, q, sf)
+        scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
+        if not chunks:
+            args = head + (tokens, layer.hidden) + scalars + (sf_cols,)
+        else:
+            args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
+            args += (sf_rows, sf_cols, chunks)
+        return launcher, grid, args, fixed, warps, chunks
+
     def __call__(
         self,
         residual_out: torch.Tensor,
@@ -150,23 +181,14 @@ class LocalLauncher:
         codes / [T, H/2] packed fp4 and the nvfp4 scales; any tensor when unused); gemm2_out
         [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H], gamma
         [H]. T == 0 launches nothing."""
-        tokens, top_k = perm.shape
-        if tokens == 0:
+        if perm.shape[0] == 0:
             return
-        layer = self.layer
-        is_cuda = residual.is_cuda
-        launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
-            tokens, top_k, shared is not None, is_cuda, tuple(sf.shape), shape
+        launcher, grid, args, fixed, warps, chunks = self._launch_args(
+            residual_out, norm_out, q, sf, gemm2_out, perm, weights, shared, residual, gamma, shape
         )
-        head = (gemm2_out, perm, weights, residual if shared is None else shared, residual, gamma)
-        head += (residual_out, norm_out, q, sf)
-        scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
         if not chunks:
-            launcher(grid, head + (tokens, layer.hidden) + scalars + (sf_cols,), fixed, warps)
-            return
-        args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
-        args += (sf_rows, sf_cols, chunks)
-        if is_cuda:
+            launcher(grid, args, fixed, warps)
+        elif residual.is_cuda:
             launcher(grid, args, fixed + (BOTH_PHASES,), warps)
         else:  # the interpreter runs programs one after another: publish all, then wait
             for phase in (PUBLISH_PHASE, OUTPUT_PHASE):
@@ -175,19 +197,8 @@ class LocalLauncher:
     def bound(self, *tensors: torch.Tensor, shape: Optional[OneshotShape] = None) -> Callable:
         """The call's bare launch with everything precomputed (`__call__`'s tensors, in its order):
         what an eager call is measured against (benchmarks). GPU only."""
-        tokens, top_k = tensors[5].shape
-        launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
-            tokens, top_k, tensors[7] is not None, True, tuple(tensors[3].shape), shape
-        )
-        layer = self.layer
-        head = tensors[4:7] + (tensors[8] if tensors[7] is None else tensors[7],) + tensors[8:]
-        head += tensors[:4]
-        scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
-        if not chunks:
-            args = head + (tokens, layer.hidden) + scalars + (sf_cols,)
-        else:
-            args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
-            args += (sf_rows, sf_cols, chunks)
+        launcher, grid, args, fixed, warps, chunks = self._launch_args(*tensors, shape)
+        if chunks:
             fixed = fixed + (BOTH_PHASES,)
         return lambda: launcher(grid, args, fixed, warps)
 
