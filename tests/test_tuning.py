@@ -193,8 +193,8 @@ def test_cache_wins_over_the_shipped_default(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "TABLES_DIR", shipped)  # a shipped default for TP1 in a copy
     monkeypatch.setenv("FUSION_BRIDGE_CACHE_DIR", str(tmp_path / "cache"))
     env1 = H200_TP1
-    save_table(make_table(DSV3, env1, {"fused_tp1": {"default": {1: 2.0}}}), shipped / "x.json")
-    (shipped / "x.json").rename(default_table_path(DSV3, env1))
+    shipped_table = make_table(DSV3, env1, {"fused_tp1": {"default": {1: 2.0}}})
+    save_table(shipped_table, default_table_path(DSV3, env1))
     assert load_table(DSV3, env1, None)["path"] == str(default_table_path(DSV3, env1))
     save_table(make_table(DSV3, env1, {"separate": {"default": {1: 1.0}}}), cache_path(DSV3, env1))
     table = load_table(DSV3, env1, None)
