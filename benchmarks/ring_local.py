@@ -56,6 +56,15 @@ SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupa
     ),
     "lean_w8_r512": dict(programs_per_sm=8, warps=8, f_cols=1024, row_cols=512, f_prefetch=False),
 }
+# the staged pipeline (kernels/symm_staged.py): label -> StagedShape fields
+STAGED = {
+    "c256": dict(chunk=256),
+    "c512": dict(chunk=512),
+    "c256_one_stream": dict(chunk=256, stream_mode="one"),
+    "c512_one_stream": dict(chunk=512, stream_mode="one"),
+    "c256_rc1024_w8": dict(chunk=256, row_cols=1024, row_warps=8),
+    "c512_rc1024_w8": dict(chunk=512, row_cols=1024, row_warps=8),
+}
 
 
 def main() -> None:
@@ -63,6 +72,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
     ap.add_argument("--variants", nargs="+", default=["default"], help="SWEEP labels or 'sweep'")
+    ap.add_argument("--staged", nargs="*", default=[], help="STAGED labels or 'all'")
     ap.add_argument("--emulate", type=int, nargs="*", default=[])
     ap.add_argument("--ablate", action="store_true", help="also time the finalize stage alone")
     ap.add_argument("--csv", default=None)
@@ -80,6 +90,7 @@ def main() -> None:
     from fusion_bridge.synthetic import make_inputs
 
     names = list(SWEEP) if args.variants == ["sweep"] else args.variants
+    staged = list(STAGED) if args.staged == ["all"] else args.staged
     variants = {name: SWEEP[name] for name in names}
     copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
     rows = []  # one per (H, T, variant): the table the target reads
@@ -176,6 +187,11 @@ def main() -> None:
                         us = time_graph(ablated, sets=n)
                         record(f"ring_{label}_only_{tag}", hidden, tokens, us)
                         rows.append(row(f"ring_{label}_only_{tag}", us))
+            for label in staged:
+                rows.extend(
+                    _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep,
+                                 args.ablate)
+                )  # fmt: skip
             for world in args.emulate:
                 us = _emulated(record, spec, sets, n, tokens, hidden, world)
                 rows.append(row(f"ring_emulated_W{world}_all_ranks", us))
@@ -188,6 +204,55 @@ def main() -> None:
         write_csv(
             args.csv, rows + [dict.fromkeys(cols, "") | dict(path="hbm_copy_gbs", us=copy_gbs)]
         )
+
+
+def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, ablate):
+    """The staged pipeline (kernels/symm_staged.py) at world size 1 in shape STAGED[label]:
+    checked against the standalone kernels' outputs, then timed; `ablate` adds its finalize
+    launches alone (the slot counters preset so no wait holds them; outputs not written)."""
+    from fusion_bridge.kernels import symm_staged
+    from fusion_bridge.kernels.symm_ring_device import FREED_BYTE, SLOTS
+    from fusion_bridge.kernels.symm_testing import call_tensors, ring_layers_on_one_gpu
+
+    shape = symm_staged.StagedShape(**STAGED[label])
+    hidden, tokens = part.shape[1], part.shape[0]
+    none = torch.empty(0, dtype=torch.uint8, device="cuda")
+    group = ring_layers_on_one_gpu(1, hidden, spec, timeout_s=5.0, chunk=shape.chunk)
+    keep.append(group)
+    layer, err = group.layers[0], group.errs[0]
+    out = (torch.full_like(part, float("nan")), torch.full_like(part, float("nan")), none, none)
+    mb = group.buffers[0].numel() / 1e6
+
+    def staged(i):
+        symm_staged.launch(layer, shape=shape, **call_tensors(sets[i], out))
+
+    staged(0)
+    torch.cuda.synchronize()
+    same = torch.equal(out[0].view(torch.int16), ref_ro.view(torch.int16))
+    dn = (out[1].float() - ref_no.float()).abs().max().item()
+    print(f"  check staged_{label}: residual_out bitwise {same}, norm max diff {dn:.3g}, "
+          f"err {int(err[0])}")  # fmt: skip
+    if not same or int(err[0]) or not dn < 0.1:
+        return [dict(row(f"staged_{label}_WRONG", float("nan")), workspace_mb=round(mb, 1))]
+    us = time_graph(staged, sets=n)
+    record(f"staged_{label}", hidden, tokens, us)
+    assert int(err[0]) == 0, hex(int(err[0]))
+    out_rows = [dict(row(f"staged_{label}", us), workspace_mb=round(mb, 1))]
+    if ablate:
+        group_f = ring_layers_on_one_gpu(1, hidden, spec, timeout_s=5.0, chunk=shape.chunk)
+        keep.append(group_f)
+        group_f.buffers[0][FREED_BYTE : FREED_BYTE + 8 * SLOTS].view(torch.int64).fill_(1 << 40)
+
+        def only_f(i):
+            symm_staged.launch(
+                group_f.layers[0], shape=shape, **call_tensors(sets[i], out),
+                launch_order=lambda key, fn: fn() if key[0] == "F" else None,
+            )  # fmt: skip
+
+        us = time_graph(only_f, sets=n)
+        record(f"staged_{label}_only_F", hidden, tokens, us)
+        out_rows.append(dict(row(f"staged_{label}_only_F", us), workspace_mb=round(mb, 1)))
+    return out_rows
 
 
 def _with_sms(layer, sms):

@@ -36,7 +36,7 @@ from .symm_ring import (
     _ring_kernel,
 )
 from .symm_ring import call_args as ring_call_args
-from .symm_ring_device import FREED_BYTE, SLOTS, STATE_WORDS, buffer_bytes
+from .symm_ring_device import CHUNK, FREED_BYTE, SLOTS, STATE_WORDS, buffer_bytes
 
 # the kernels that take the PHASES / EMULATED hooks (the ring has its own: EmulatedRing below)
 KERNELS = {"oneshot": symm_oneshot}
@@ -344,13 +344,16 @@ def ring_launch_ablated(layer: P.SymmLayer, phases: int, shape: RingShape, **ten
     _ring_kernel[(programs,)](*args, PHASES=phases, **shape.options(), **constexprs)
 
 
-def ring_layers_on_one_gpu(world: int, hidden: int, spec, timeout_s: float = 10.0, device=None):
+def ring_layers_on_one_gpu(
+    world: int, hidden: int, spec, timeout_s: float = 10.0, device=None, chunk: int = CHUNK
+):
     """W ranks' layers on ONE GPU: each rank's buffer its own allocation, each rank's programs on
     SMs / W (so all ranks' programs are resident together when each rank launches on its own
-    stream). Returns a namespace of layers, errs (pinned int32 [4] per rank) and buffers: keep it
-    alive while its layers are used (the layers hold raw pointers into the buffers)."""
+    stream). chunk: the buffers' layout (the staged pipeline's StagedShape.chunk). Returns a
+    namespace of layers, errs (pinned int32 [4] per rank) and buffers: keep it alive while its
+    layers are used (the layers hold raw pointers into the buffers)."""
     dev = torch.device("cuda", 0) if device is None else device
-    nbytes = buffer_bytes(world, hidden, 2)
+    nbytes = buffer_bytes(world, hidden, 2, chunk)
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(world)]
     for b in bufs:
         b[: P.HEADER_BYTES].zero_()

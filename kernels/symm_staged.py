@@ -1,0 +1,299 @@
+"""The large-T bandwidth path as a staged pipeline: the ring's chunked two-shot (`symm_ring`: the
+same slot layout, ownership, sentinel arrival, release counters and error word), but every stage
+of every chunk is its own launch with a grid sized to its work, instead of one persistent launch
+that keeps every program resident. A persistent program holds the registers of all three stages,
+so the finalize runs at one 16-warp program per SM; here the finalize launch holds only the
+finalize's registers and fills the GPU as our standalone finalize does.
+
+Per chunk c (slot (base + c) % SLOTS, base in device state):
+
+  F(c): the finalize items of chunk c (`symm_ring_stages._stage_finalize`, one item per program),
+        on the side stream; waits (bounded) for every rank's release of the slot first.
+  R(c): the rows this rank owns (`_stage_reduce`): wait for the W partials via the sentinel,
+        sum in rank order, residual, round, clear, push to the peers, this rank's outputs.
+  G(c): the rows other ranks own (`_stage_gather`): wait, clear, outputs, release the slot.
+        At W = 1 there is none and R(c) releases the slot.
+
+F runs on a side stream, R and G on the caller's stream: F(c + 1) overlaps R(c) / G(c) (and the
+link). The side stream forks from the caller's stream at the start of the call and joins it
+through F(last)'s event, so CUDA-graph capture sees a closed fork / join. F(c + SLOTS) also waits
+(stream event) for this rank's R(c) / G(c): the release counters then only wait for the peers, and
+a finalize launch never spins on SMs that this rank's own reduce needs.
+
+Deadlock freedom: F(c) waits only for the peers' release of chunk c - SLOTS, which needs their
+R / G of that chunk, which need only F(c - SLOTS) of every rank (launched before, never waiting on
+anything later): induction over the chunks. Emulated ranks on one GPU must launch all ranks'
+stages in one global order on one stream (`stream_mode="one"` with `symm_testing`), so that no
+spinning launch holds SMs a peer's earlier stage needs.
+
+The last launch of the call (R or G of the last chunk) takes the ticket (state[1]) after reading
+the base, and the program with the last ticket advances the base by the call's chunk count. Every
+other launch of the call is stream-ordered before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launcher import KernelLauncher
+from .quant import row_block, row_num_warps, sf_padding_item, sf_padding_items
+from .quant_codes import QUANT_NVFP4
+from .symm_device import abort_word_ptr, start_clock
+from .symm_protocol import SymmLayer
+from .symm_ring_device import _SLOTS, CHUNK, SLOTS, _release
+from .symm_ring_stages import _stage_finalize, _stage_gather, _stage_reduce
+
+__all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
+
+
+@triton.jit
+def _call_start(state_ptr, LAST: tl.constexpr, EMU: tl.constexpr):
+    """(base, ticket): the chunk base; the last launch of a call also takes a ticket after the
+    base load returned (its predicate depends on it)."""
+    base = tl.load(state_ptr)
+    lane = tl.arange(0, 32)
+    ticket = lane * 0 - 1
+    if LAST:
+        ticket = tl.atomic_add(
+            state_ptr + 1 + lane * 0, lane * 0 + 1, mask=(lane == 0) & (base >= 0),
+            sem="relaxed", scope="gpu",
+        )  # fmt: skip
+    return base, ticket
+
+
+@triton.jit
+def _call_end(state_ptr, base, ticket, nchunks, sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items,
+              pid, nprog, LAST: tl.constexpr, QUANT: tl.constexpr,
+              SWIZZLED: tl.constexpr):  # fmt: skip
+    """The last launch: the swizzled NVFP4 scale padding, then the last ticket advances the base."""
+    if LAST:
+        if QUANT == 2:
+            if SWIZZLED:
+                for item in range(pid, sf_pad_items, nprog):
+                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+        lane = tl.arange(0, 32)
+        done = (lane == 0) & (ticket == nprog - 1)
+        tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=done)
+        tl.store(state_ptr + 1 + lane * 0, lane * 0, mask=done)
+
+
+@triton.jit(do_not_specialize=["tokens", "c", "rank", "timeout"])
+def _finalize_kernel(
+    ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
+    rank, routed_scaling, timeout,
+    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
+    F_COLS: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """F(c): one finalize item per program (the grid is the chunk's item count)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    timeout_ns = timeout if EMU else timeout.to(tl.int64) * 1000
+    start = start_clock(EMU)
+    base = tl.load(state_ptr)
+    _stage_finalize(
+        c, base, ptrs_ptr, abort_word_ptr(ptrs_ptr, rank), state_ptr, start, timeout_ns, pid,
+        nprog, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
+        routed_scaling, gemm2_ptr.dtype.element_ty, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU,
+        1, False,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["tokens", "c", "rank", "timeout", "nchunks", "sf_rows",
+                               "sf_pad_items"])  # fmt: skip
+def _rows_kernel(
+    ptrs_ptr, state_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
+    tokens, hidden, chunk, c, nchunks, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols,
+    sf_pad_items, timeout,
+    WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr, R_COLS: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr,
+    EMU: tl.constexpr,
+):  # fmt: skip
+    """R(c) (GATHER False: the rows this rank owns; at W = 1 it releases the slot) or G(c)
+    (GATHER True: the rows other ranks own, then the release). One row per program."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    timeout_ns = timeout if EMU else timeout.to(tl.int64) * 1000
+    start = start_clock(EMU)
+    abort_ptr = abort_word_ptr(ptrs_ptr, rank)
+    base, ticket = _call_start(state_ptr, LAST, EMU)
+    if GATHER:
+        _stage_gather(
+            c, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog, gamma_ptr,
+            weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk,
+            rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 1,
+            R_COLS,
+        )  # fmt: skip
+    else:
+        _stage_reduce(
+            c, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog, residual_ptr,
+            gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden,
+            chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU,
+            1, R_COLS,
+        )  # fmt: skip
+        if WORLD == 1:
+            _release(ptrs_ptr, rank, (base + c) % _SLOTS, pid, nprog)
+    _call_end(
+        state_ptr, base, ticket, nchunks, sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items, pid,
+        nprog, LAST, QUANT, SWIZZLED,
+    )  # fmt: skip
+
+
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_ROWS", "F_COLS", "EMU")
+_R_CONSTS = ("WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "R_COLS", "GATHER", "LAST", "EMU")
+_LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
+_LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
+
+
+@dataclass(frozen=True)
+class StagedShape:
+    """A launch variant. chunk: tokens per chunk (the workspace's: 4 slots of [2][C][H], 29.4 MB
+    at C=256, 58.7 MB at C=512, H=7168 bf16); f_cols / f_warps: the finalize item (one row
+    segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our add+RMSNorm
+    kernel's choice; row_cols: 0 = R / G hold a whole row, else they stream it in chunks of this
+    many columns (`symm_ring_rows`, a power of two >= 64); stream_mode: "two" (F on a side
+    stream, overlapping R / G) or "one" (every stage in order on the caller's stream)."""
+
+    chunk: int = CHUNK
+    f_cols: int = 1024
+    f_warps: int = 4
+    row_warps: int = 0
+    row_cols: int = 0
+    stream_mode: str = "two"
+
+    def __post_init__(self):
+        if self.stream_mode not in ("one", "two"):
+            raise ValueError(f"stream_mode: expected 'one' or 'two', got {self.stream_mode!r}")
+        rc = self.row_cols
+        if rc != 0 and (rc < 64 or rc & (rc - 1)):
+            raise ValueError(f"row_cols: expected 0 or a power of two >= 64, got {rc}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk: expected >= 1, got {self.chunk}")
+
+
+DEFAULT_SHAPE = StagedShape()
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk's grids: finalize items, owned rows (R), other ranks' rows (G; 0 at W = 1)."""
+
+    index: int
+    f_items: int
+    own_rows: int
+    other_rows: int
+
+
+def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: StagedShape) -> list:
+    """The chunks of a call and their grids (the kernel's own formulas, on the host)."""
+    plans = []
+    f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
+    for c in range(-(-tokens // shape.chunk)):
+        n_c = min(shape.chunk, tokens - c * shape.chunk)
+        own = (n_c - rank + world - 1) // world if n_c > rank else 0
+        items = world * -(-n_c // world) * -(-hidden // f_cols)
+        plans.append(ChunkPlan(c, items, own, n_c - own))
+    return plans
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
+
+
+def launch(
+    layer: SymmLayer,
+    *,
+    shape: Optional[StagedShape] = None,
+    emulated: bool = False,
+    launch_order=None,
+    **tensors,
+) -> None:
+    """One call: `tensors` as `symm_ring.launch` takes them (residual_out, norm_out, q, sf,
+    gemm2_out, perm, weights, shared or None, residual, gamma). The layer's buffer must be laid out
+    for shape.chunk (`symm_ring_device.buffer_bytes(W, H, elem, chunk)`). T == 0 launches nothing.
+    emulated / launch_order: test hooks (the CPU interpreter's poll-count timer; a callback that
+    receives the launches instead of running them, for emulated ranks)."""
+    tokens, top_k = tensors["perm"].shape
+    if tokens == 0:
+        return
+    shape = shape or DEFAULT_SHAPE
+    world, rank, hidden = layer.world, layer.rank, layer.hidden
+    quant = layer.quant
+    sf = tensors["sf"]
+    swz = quant.code == QUANT_NVFP4 and bool(quant.swizzled)
+    sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
+    residual = tensors["residual"]
+    shared = tensors["shared"]
+    rb = row_block(hidden)
+    f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
+    f_args = (
+        layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
+        shared if shared is not None else residual,
+    )  # fmt: skip
+    f_consts = (world, top_k, shared is not None, 1, f_cols, emulated)
+    r_ptrs = (
+        layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
+        tensors["norm_out"], tensors["q"], sf,
+    )  # fmt: skip
+    r_cols = min(shape.row_cols, rb)
+    row_warps = shape.row_warps or row_num_warps(rb, quant.code)
+    pad_items = sf_padding_items(tokens, sf_rows, sf_cols) if swz else 0
+    plans = call_plan(tokens, world, rank, hidden, shape)
+    nchunks = len(plans)
+    timeout = layer.timeout_us
+
+    def f_launch(p):
+        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling, timeout)
+        return lambda: _LAUNCH_F((p.f_items,), args, f_consts, shape.f_warps)
+
+    def r_launch(p, gather):
+        rows = p.other_rows if gather else p.own_rows
+        last = p.index == nchunks - 1 and (gather or world == 1)
+        args = r_ptrs + (
+            tokens, hidden, shape.chunk, p.index, nchunks, rank, layer.eps, layer.weight_bias,
+            quant.scale, sf_rows, sf_cols, pad_items if last else 0, timeout,
+        )  # fmt: skip
+        consts = (world, quant.code, swz, rb, residual.is_cuda, r_cols, gather, last, emulated)
+        return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)
+
+    if launch_order is not None:  # emulated ranks: the caller interleaves every rank's launches
+        for p in plans:
+            launch_order(("F", p.index), f_launch(p))
+            launch_order(("R", p.index), r_launch(p, False))
+            if world > 1:
+                launch_order(("G", p.index), r_launch(p, True))
+        return
+    if shape.stream_mode == "one" or not residual.is_cuda:
+        for p in plans:
+            f_launch(p)()
+            r_launch(p, False)()
+            if world > 1:
+                r_launch(p, True)()
+        return
+    main = torch.cuda.current_stream(residual.device)
+    side = _side_stream(residual.device)
+    side.wait_stream(main)
+    done_rows = []  # per chunk: this rank's R / G of it finished (the slot's local readers)
+    for p in plans:
+        with torch.cuda.stream(side):
+            if p.index >= SLOTS:
+                side.wait_event(done_rows[p.index - SLOTS])
+            f_launch(p)()
+            f_done = torch.cuda.Event()
+            f_done.record(side)
+        main.wait_event(f_done)
+        r_launch(p, False)()
+        if world > 1:
+            r_launch(p, True)()
+        ev = torch.cuda.Event()
+        ev.record(main)
+        done_rows.append(ev)
