@@ -8,7 +8,9 @@ our add+RMSNorm kernel alone, measured in the same run. Target: ring <= finalize
 Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
 sum, each ring row's time, its ratio to the sum and the ring's workspace per rank (MB). `--ablate`
 adds the ring's finalize stage alone (PHASES hook; its outputs are wrong) and our finalize in the
-ring's tile shape. CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds
+ring's tile shape. `--staged LABEL... | all` adds the staged pipeline (kernels/symm_staged.py:
+per-chunk launches, F on a side stream) in the STAGED shapes, checked like the ring, and with
+`--ablate` its finalize launches alone. CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds
 W ranks emulated on this one GPU (each rank on its own stream with SMs / W programs; all ranks'
 work in one time: not a two-GPU prediction). Every ring row is first checked against the two
 standalone kernels' outputs (residual_out bitwise equal: the same roundings; norm_out close: the
@@ -61,9 +63,8 @@ STAGED = {
     "c256": dict(chunk=256),
     "c512": dict(chunk=512),
     "c256_one_stream": dict(chunk=256, stream_mode="one"),
-    "c512_one_stream": dict(chunk=512, stream_mode="one"),
     "c256_rc1024_w8": dict(chunk=256, row_cols=1024, row_warps=8),
-    "c512_rc1024_w8": dict(chunk=512, row_cols=1024, row_warps=8),
+    "c512_w32": dict(chunk=512, row_warps=32),
 }
 
 

@@ -383,3 +383,36 @@ def ring_layers_on_one_gpu(
         errs.append(err)
     torch.cuda.synchronize(dev)
     return SimpleNamespace(layers=layers, errs=errs, buffers=bufs)
+
+
+# ---- the staged pipeline (kernels/symm_staged) ------------------------------------------------
+_STAGE_ORDER = {"F": 0, "R": 1, "G": 2}
+
+
+def staged_call(
+    layers: Sequence[P.SymmLayer],
+    per_rank: Sequence[dict],
+    shape=None,
+    emulated: bool = False,
+    skip_rank: Optional[int] = None,
+) -> None:
+    """One call of the staged pipeline on W emulated ranks (CPU interpreter or one GPU): every
+    rank's launches in ONE global order on the current stream, chunk by chunk, F of every rank,
+    then R of every rank, then G of every rank, so every wait is for a launch made before it and
+    no spinning launch holds SMs that an earlier one of a peer needs. per_rank[r]: rank r's
+    tensors as symm_staged.launch takes them; skip_rank makes none of its launches."""
+    from . import symm_staged
+
+    queue = []
+    for rank, (layer, tensors) in enumerate(zip(layers, per_rank)):
+        if rank == skip_rank:
+            continue
+
+        def take(key, fn, rank=rank):
+            queue.append(((key[1], _STAGE_ORDER[key[0]], rank), fn))
+
+        symm_staged.launch(layer, shape=shape, emulated=emulated, launch_order=take, **tensors)
+    if emulated:
+        _interpreter_loop_bounds()
+    for _, fn in sorted(queue, key=lambda item: item[0]):
+        fn()

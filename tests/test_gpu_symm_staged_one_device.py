@@ -1,0 +1,208 @@
+"""The staged two-shot pipeline (`kernels/symm_staged.py`) with W ranks emulated on ONE GPU: each
+rank's buffer its own allocation, every rank's launches in one global order on one stream
+(`symm_testing.staged_call`: chunk by chunk, F of every rank, then R, then G), so every wait is
+for a launch made before it. At W = 1 the production launch runs (F on a side stream).
+
+Checks what the interpreter cannot: the compiled kernels, their release counters and sentinel
+arrival on the GPU, the ring reused many times within one call (T up to 16384), the chunk base
+carried across calls in device state, CUDA graphs replayed between eager calls, bitwise identity
+across ranks, and a rank that skips a call (NaN and the error word on the others, no hang). Not the
+NVLink test (peers here share one L2) and times nothing. Run alone: `python -m pytest -n 0 <this
+file>`.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from tests.test_gpu_symm_one_device import _problems, needs_gpu
+from tests.test_gpu_symm_ring_one_device import _needs_gpu_alone, _quant_problems, _quant_spec
+
+pytestmark = pytest.mark.gpu
+U_BF16 = 2.0**-8
+# the partial's rounding, residual_out's (the norm reads it) and norm_out's, in quadrature
+BOUND = math.sqrt(3) * U_BF16
+_KEEP: list = []  # the emulated groups' buffers, alive for the whole module
+
+
+def _setup(world, spec, timeout_s=10.0, chunk=256):
+    from fusion_bridge.kernels.symm_testing import ring_layers_on_one_gpu
+
+    _needs_gpu_alone(world)
+    group = ring_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s=timeout_s, chunk=chunk)
+    _KEEP.append(group)  # the layers hold raw pointers into its buffers
+    return group.layers, group.errs
+
+
+def _inputs(spec, tokens, world, seed):
+    from fusion_bridge.synthetic import make_inputs
+
+    return [
+        make_inputs(spec, tokens, rank=r, seed=seed, device="cuda", skip_fraction=0.2)
+        for r in range(world)
+    ]
+
+
+def _outputs(spec, inp):
+    from fusion_bridge.epilogue_tensors import quant_buffers
+
+    tokens, hidden = inp.residual.shape
+    ro = torch.full_like(inp.residual, float("nan"))
+    no = torch.full_like(inp.residual, float("nan"))
+    q, sf = quant_buffers(tokens, hidden, spec.quant.kind, spec.quant.sf_layout, "cuda")
+    empty = torch.empty(0, dtype=torch.uint8, device="cuda")
+    q = empty if q is None else q.view(torch.uint8)
+    sf = empty if sf is None else sf
+    q.fill_(0xFF)
+    sf.fill_(0xFF)
+    return ro, no, q, sf
+
+
+def _call(layers, spec, inputs, shape=None, skip_rank=None, outs=None):
+    """One call on every emulated rank (W = 1: the production launch, two streams); outputs
+    poisoned first (or reused: graph capture)."""
+    from fusion_bridge.kernels import symm_staged
+    from fusion_bridge.kernels.symm_testing import call_tensors, staged_call
+
+    outs = outs or [_outputs(spec, inp) for inp in inputs]
+    per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
+    if len(layers) == 1:
+        symm_staged.launch(layers[0], shape=shape, **per_rank[0])
+    else:
+        staged_call(layers, per_rank, shape=shape, skip_rank=skip_rank)
+    return outs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("hidden,top_k", [(7168, 8), (2880, 1)], ids=["H7168K8", "H2880K1"])
+@pytest.mark.parametrize("quant", ("none", "fp8", "nvfp4_swizzled", "nvfp4_linear"))
+def test_staged_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quant):
+    """One ring through T = 1, 3, 255, 257 (chunk edges), 1000, 4096: the base carries over."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec
+
+    spec = EpilogueSpec(
+        hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
+        quant=_quant_spec(quant),
+    )  # fmt: skip
+    layers, errs = _setup(world, spec)
+    problems = []
+    for tokens in (1, 3, 255, 257, 1000, 4096):
+        inputs = _inputs(spec, tokens, world, seed=tokens + hidden + world)
+        outs = _call(layers, spec, inputs)
+        tag = f"W={world} H={hidden} K={top_k} {quant} T={tokens}"
+        problems += _problems(spec, outs, inputs, BOUND, tag)
+        if tokens <= 1000:
+            problems += _quant_problems(spec, outs, tag)
+    torch.cuda.synchronize()
+    assert [int(e[0]) for e in errs] == [0] * world, [hex(int(e[0])) for e in errs]
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("world", [1, 2, 8], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize(
+    "fields",
+    [dict(chunk=512), dict(chunk=256, row_cols=1024, row_warps=8), dict(stream_mode="one")],
+    ids=["c512", "rows_streamed", "one_stream"],
+)
+def test_staged_other_shapes(world, fields):
+    """Other launch shapes through one ring: chunks of 512 (its own buffer layout), rows streamed
+    in 1024-column chunks, every stage on one stream; T = 1, 700, 5000."""
+    needs_gpu()
+    from fusion_bridge.kernels.symm_staged import StagedShape
+    from fusion_bridge.spec import EpilogueSpec
+
+    shape = StagedShape(**fields)
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5, weight_bias=0.5)
+    layers, errs = _setup(world, spec, chunk=shape.chunk)
+    problems = []
+    for tokens in (1, 700, 5000):
+        inputs = _inputs(spec, tokens, world, seed=tokens + world)
+        outs = _call(layers, spec, inputs, shape=shape)
+        problems += _problems(spec, outs, inputs, BOUND, f"{fields} W={world} T={tokens}")
+    torch.cuda.synchronize()
+    assert [int(e[0]) for e in errs] == [0] * world, [hex(int(e[0])) for e in errs]
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("world", [1, 8], ids=lambda w: f"W{w}")
+def test_staged_t16384_turns_the_ring_within_one_call(world):
+    """4 slots of 256 tokens: T = 16384 turns the ring 16 times in one call."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec
+
+    spec = EpilogueSpec(hidden_size=4096, top_k=8, routed_scaling_factor=2.5)
+    layers, errs = _setup(world, spec)
+    inputs = _inputs(spec, 16384, world, seed=5)
+    problems = _problems(spec, _call(layers, spec, inputs), inputs, BOUND, "T=16384")
+    torch.cuda.synchronize()
+    assert [int(e[0]) for e in errs] == [0] * world
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("world", [1, 4], ids=lambda w: f"W{w}")
+def test_staged_stress_graphs_and_eager_at_random_t(world):
+    """Random T (the same on every rank), CUDA-graph replays of three captured T mixed with eager
+    calls of others, through one ring: the chunk base and the release counters stay in step.
+    W = 1: the production launch's side-stream fork and join inside the capture."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec
+
+    spec = EpilogueSpec(hidden_size=4096, top_k=8)
+    layers, errs = _setup(world, spec)
+    problems = []
+    graphs = {}
+    for tokens in (5, 1024, 3000):
+        static = _inputs(spec, tokens, world, seed=1)
+        got = _call(layers, spec, static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _call(layers, spec, static, outs=got)
+        graphs[tokens] = (graph, static, got)
+    rng = random.Random(11)
+    pool = {t: _inputs(spec, t, world, seed=t) for t in (1, 2, 255, 256, 257, 700, 1300, 5000)}
+    for call in range(300):
+        if rng.random() < 0.5:
+            tokens = rng.choice(list(graphs))
+            graph, static, got = graphs[tokens]
+            for o in got:
+                o[0].fill_(float("nan"))
+                o[1].fill_(float("nan"))
+            graph.replay()
+            if call % 30 == 0:
+                problems += _problems(spec, got, static, BOUND, f"call {call} graph T={tokens}")
+        else:
+            tokens = rng.choice(list(pool))
+            outs = _call(layers, spec, pool[tokens])
+            if call % 30 == 1:
+                problems += _problems(spec, outs, pool[tokens], BOUND, f"call {call} T={tokens}")
+    torch.cuda.synchronize()
+    assert [int(e[0]) for e in errs] == [0] * world
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("world,skip", [(2, 1), (4, 0)])
+def test_staged_a_rank_that_skips_a_call_gives_nan_and_the_error_word(world, skip):
+    needs_gpu()
+    from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT
+    from fusion_bridge.spec import EpilogueSpec
+
+    spec = EpilogueSpec(hidden_size=4096, top_k=8)
+    layers, errs = _setup(world, spec, timeout_s=0.2)
+    first = _inputs(spec, 600, world, seed=1)
+    assert not _problems(spec, _call(layers, spec, first), first, BOUND, "before the skip")
+    torch.cuda.synchronize()
+    outs = _call(layers, spec, _inputs(spec, 1500, world, seed=2), skip_rank=skip)
+    torch.cuda.synchronize()  # returns: every wait is bounded
+    for rank in range(world):
+        if rank == skip:
+            continue
+        ro, no, _, _ = outs[rank]
+        err = int(errs[rank][0])
+        assert err & (int(ERR_TIMEOUT) | int(ERR_ABORTED)), (rank, hex(err))
+        assert torch.isnan(ro).any() and torch.isnan(no).any(), rank
+        if err & int(ERR_TIMEOUT) and not err & int(ERR_ABORTED):
+            assert err & (1 << skip), (rank, hex(err))  # names the rank that never came

@@ -1,0 +1,202 @@
+"""The staged two-shot pipeline (`kernels/symm_staged.py`) on CPU: its very kernels under
+TRITON_INTERPRET=1, with W ranks' buffers laid out as on the GPU (`symm_testing.EmulatedRing`) and
+every rank's launches in one global order (`symm_testing.staged_call`: per chunk F of every rank,
+then R, then G), so every wait finds what earlier launches wrote. Small chunks (4-8 tokens) and
+narrow finalize items make T = 1, one chunk, chunks that do not divide T, a ring turned several
+times within one call and chunks that W does not divide reachable at interpreter speed."""
+
+import math
+
+import pytest
+import torch
+
+from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT
+from fusion_bridge.kernels.symm_ring_device import SLOTS
+from fusion_bridge.kernels.symm_staged import StagedShape, call_plan
+from fusion_bridge.kernels.symm_testing import EmulatedRing, _ring_layer, staged_call
+from fusion_bridge.numerics import rel_err
+from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.strategies.base import UNIT_ROUNDOFF, kernel_quant_args
+
+from tests.oracle64 import epilogue64_from, quantize  # float64, imports nothing of ours
+from tests.test_symm_ring_cpu import QUANTS, _exact_inputs, _inputs
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter emulation; the GPU tests cover a GPU"
+)
+U = UNIT_ROUNDOFF[torch.bfloat16]
+UNIT = 1 << 20  # what one chunk's releases add to its slot's counter (symm_ring_device._UNIT)
+
+
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, row_cols=0):
+    """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first."""
+    from fusion_bridge.epilogue_tensors import quant_buffers
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    tokens, hidden = inputs[0].residual.shape
+    scalars = (spec.routed_scaling_factor, spec.eps, spec.weight_bias)
+    layers = [
+        _ring_layer(
+            emu.ptrs[r],
+            emu.states[r],
+            emu.world,
+            r,
+            1,
+            max_polls,
+            hidden,
+            scalars,
+            kernel_quant_args(spec),
+        )  # fmt: skip
+        for r in range(emu.world)
+    ]
+    outs = []
+    for _ in inputs:
+        ro = torch.full((tokens, hidden), float("nan"), dtype=spec.dtype)
+        no = torch.full((tokens, hidden), float("nan"), dtype=spec.dtype)
+        q, sf = quant_buffers(tokens, hidden, spec.quant.kind, spec.quant.sf_layout, "cpu")
+        q = torch.empty(0, dtype=torch.uint8) if q is None else q.view(torch.uint8)
+        sf = torch.empty(0, dtype=torch.uint8) if sf is None else sf
+        q.fill_(0xFF)
+        sf.fill_(0xFF)
+        outs.append((ro, no, q, sf))
+    per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
+    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols, row_cols=row_cols)
+    staged_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
+    return outs
+
+
+CASES = [  # tokens, hidden, top_k, world, chunk
+    (1, 96, 8, 2, 4),  # T = 1: one partial chunk, rank 1 owns nothing
+    (4, 96, 4, 2, 4),  # exactly one chunk
+    (7, 160, 1, 3, 4),  # W does not divide the chunk; the last chunk partial
+    (21, 96, 8, 4, 4),  # 6 chunks: the 4-slot ring turns within the call
+    (9, 64, 2, 8, 8),  # W = 8, one owner row per chunk and rank
+    (3, 2880, 8, 2, 4),  # H not a power of two, many finalize items per row
+]
+LONG = {(21, 4), (3, 2)}  # run without quantization only (interpreter time)
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,top_k,world,chunk,quant",
+    [c + (q,) for c in CASES for q in QUANTS if q == "none" or (c[0], c[3]) not in LONG],
+)
+def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
+    tokens, hidden, top_k, world, chunk, quant
+):
+    spec = EpilogueSpec(
+        hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
+        quant=QUANTS[quant], has_shared_output=(top_k != 2),
+    )  # fmt: skip
+    emu = EmulatedRing(world, chunk, hidden)
+    inputs = _inputs(spec, tokens, world, seed=tokens * 31 + hidden + world)
+    outs = _run(emu, spec, inputs)
+    assert not emu.states[:, 2].any(), emu.states  # no wait failed
+    for r in range(1, world):  # bitwise identical on every rank
+        for mine, theirs in zip(outs[r], outs[0]):
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), f"rank {r}"
+    residual_out, norm_out, q, sf = outs[0]
+    x64, norm64 = epilogue64_from(spec, inputs)
+    assert rel_err(residual_out, x64) <= math.sqrt(2) * U
+    assert rel_err(norm_out, norm64) <= math.sqrt(3) * U
+    if quant == "fp8":  # quantization reads the kernel's own norm_out: bit-exact
+        assert torch.equal(q, quantize(norm_out, "fp8", spec.quant.scale)[0].view(torch.uint8))
+    if quant.startswith("nvfp4"):
+        swizzled = quant == "nvfp4_swizzled"
+        ref_q, ref_sf = quantize(norm_out, "nvfp4", spec.quant.global_scale, swizzled)
+        assert torch.equal(q, ref_q.view(torch.uint8)) and torch.equal(sf, ref_sf.view(torch.uint8))
+    # every slot element written in the call was read and put back to the sentinel; the base
+    # advanced by the call's chunks; each use of a slot released exactly one unit on every rank
+    assert emu.data_all_sentinel()
+    chunks = -(-tokens // chunk)
+    assert emu.states[:, 0].tolist() == [chunks] * world
+    uses = [len(range(s, chunks, SLOTS)) for s in range(SLOTS)]
+    assert emu.freed.tolist() == [[u * UNIT for u in uses]] * world
+
+
+def test_world_of_one_and_streamed_rows():
+    """W = 1 (R releases the slot itself) over 3 chunks, rows whole and streamed in 64 columns."""
+    spec = EpilogueSpec(hidden_size=160, top_k=4, routed_scaling_factor=2.5)
+    for row_cols in (0, 64):
+        emu = EmulatedRing(1, 4, 160)
+        inputs = _inputs(spec, 11, 1, seed=3)
+        outs = _run(emu, spec, inputs, row_cols=row_cols)
+        x64, norm64 = epilogue64_from(spec, inputs)
+        assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U
+        assert rel_err(outs[0][1], norm64) <= math.sqrt(3) * U
+        assert emu.states[0, 0] == 3 and emu.data_all_sentinel()
+
+
+def test_calls_at_changing_t_share_one_ring():
+    spec = EpilogueSpec(hidden_size=64, top_k=4, routed_scaling_factor=2.5)
+    world, chunk = 3, 4
+    emu = EmulatedRing(world, chunk, 64)
+    total = 0
+    for tokens in (9, 2, 17, 1, 6):
+        inputs = _inputs(spec, tokens, world, seed=tokens)
+        outs = _run(emu, spec, inputs)
+        x64, norm64 = epilogue64_from(spec, inputs)
+        assert not emu.states[:, 2].any(), (tokens, emu.states)
+        assert rel_err(outs[1][1], norm64) <= math.sqrt(3) * U, tokens
+        assert torch.equal(outs[0][0].view(torch.int16), outs[2][0].view(torch.int16)), tokens
+        total += -(-tokens // chunk)
+        assert emu.states[:, 0].tolist() == [total] * world
+        assert emu.data_all_sentinel()
+
+
+@pytest.mark.parametrize("world,skip", [(2, 1), (3, 0), (4, 2)])
+def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip):
+    hidden = 160
+    spec = EpilogueSpec(hidden_size=hidden, top_k=2, quant=QUANTS["nvfp4_swizzled"])
+    emu = EmulatedRing(world, 8, hidden)
+    outs = _run(emu, spec, _inputs(spec, 6, world, seed=1), skip_rank=skip)
+    for r in range(world):
+        if r == skip:
+            continue
+        residual_out, norm_out, *_ = outs[r]
+        assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all(), r
+        err = int(emu.states[r, 2])
+        assert err & (1 << skip) and err & (int(ERR_TIMEOUT) | int(ERR_ABORTED)), hex(err)
+    first = [int(e) for e in emu.states[:, 2] if int(e) & int(ERR_TIMEOUT)]
+    assert first and all(e == int(ERR_TIMEOUT) | (1 << skip) for e in first), first
+
+
+def test_a_missing_rank_stops_the_ring_too():
+    """T spans more chunks than slots: the live rank's finalize waits for the missing rank's
+    release of the slot it is about to reuse, and that wait too ends in the error word."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    emu = EmulatedRing(2, 4, 64)
+    outs = _run(emu, spec, _inputs(spec, 4 * (SLOTS + 1), 2, seed=2), skip_rank=1)
+    assert torch.isnan(outs[0][0][: 4 * SLOTS]).all()
+    assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10
+
+
+def test_partials_are_summed_in_rank_order():
+    """Partials 1, 2^-24, 2^-24 and residual 2^-8: only the rank order gives 1.0 (see the ring's
+    test of the same name)."""
+    spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
+    emu = EmulatedRing(3, 4, 64)
+    outs = _run(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0**-24, 2.0**-24], 2.0**-8))
+    assert not emu.states[:, 2].any()
+    for ro, *_ in outs:
+        assert (ro == 1.0).all(), ro[:, 0]
+
+
+def test_the_plan_covers_every_row_once():
+    """call_plan's grids: finalize items for every owner row and column block, owned + other rows
+    = the chunk's rows, at W = 1 no other rows."""
+    for tokens, world, chunk in ((1, 2, 4), (7, 3, 4), (1000, 8, 256), (5, 1, 2)):
+        shape = StagedShape(chunk=chunk, f_cols=64)
+        for rank in range(world):
+            plans = call_plan(tokens, world, rank, 100, shape)
+            assert len(plans) == -(-tokens // chunk)
+            for p in plans:
+                n_c = min(chunk, tokens - p.index * chunk)
+                assert p.own_rows == len(range(rank, n_c, world))
+                assert p.own_rows + p.other_rows == n_c
+                assert p.f_items == world * -(-n_c // world) * 2
+
+
+@pytest.mark.parametrize("field,value", [("row_cols", 100), ("stream_mode", "three"), ("chunk", 0)])
+def test_a_bad_staged_shape_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"{field}: expected .* got"):
+        StagedShape(**{field: value})
