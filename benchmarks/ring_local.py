@@ -8,15 +8,16 @@ our add+RMSNorm kernel alone, measured in the same run. Target: ring <= finalize
 Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
 sum, each ring row's time, its ratio to the sum and the ring's workspace per rank (MB). `--ablate`
 adds the ring's finalize stage alone (PHASES hook; its outputs are wrong) and our finalize in the
-ring's tile shape. `--staged LABEL... | all` adds the staged pipeline (kernels/symm_staged.py:
-per-chunk launches, F on a side stream) in the STAGED shapes, checked like the ring, and with
-`--ablate` its finalize launches alone. CUDA graphs, inputs rotated past L2, median us per call. `--emulate W...` adds
-W ranks emulated on this one GPU (each rank on its own stream with SMs / W programs; all ranks'
-work in one time: not a two-GPU prediction). Every ring row is first checked against the two
-standalone kernels' outputs (residual_out bitwise equal: the same roundings; norm_out close: the
-ring norms the rounded residual_out) and its error word. The `lean_*` labels stream the row stages
-in column chunks with a register cap (RingShape.row_cols / f_prefetch / max_regs), so several
-programs share an SM; benchmarks/ring_offline_regs.py gives their registers without a GPU.
+ring's tile shape. `--staged LABEL... | all` adds the staged pipeline (kernels/symm_staged.py: per-
+chunk launches, F on a side stream) in the STAGED shapes, checked like the ring, and with
+`--ablate` its finalize launches alone. CUDA graphs, inputs rotated past L2, median us per call.
+`--emulate W...` adds W ranks emulated on this one GPU (each rank on its own stream with SMs / W
+programs; all ranks' work in one time: not a two-GPU prediction). Every ring row is first checked
+against the two standalone kernels' outputs (residual_out bitwise equal: the same roundings;
+norm_out close: the ring norms the rounded residual_out) and its error word. The `lean_*` labels
+stream the row stages in column chunks with a register cap (RingShape.row_cols / f_prefetch /
+max_regs), so several programs share an SM; benchmarks/ring_offline_regs.py gives their registers
+without a GPU.
 """
 
 from __future__ import annotations
