@@ -63,9 +63,13 @@ SWEEP = {  # label -> RingShape fields (programs per SM are capped by the occupa
 STAGED = {
     "c256": dict(chunk=256),
     "c512": dict(chunk=512),
-    "c256_one_stream": dict(chunk=256, stream_mode="one"),
-    "c256_rc1024_w8": dict(chunk=256, row_cols=1024, row_warps=8),
+    "c512_one_stream": dict(chunk=512, stream_mode="one"),
+    "c512_rc1024_w8": dict(chunk=512, row_cols=1024, row_warps=8),
     "c512_w32": dict(chunk=512, row_warps=32),
+    # the first measurement's protocol: every F program waits for the slot (a system-scope atomic
+    # and an L1 invalidation each), every R program releases its share (a system-scope fence)
+    "c256_per_program": dict(chunk=256, protocol="per_program"),
+    "c512_per_program": dict(chunk=512, protocol="per_program"),
 }
 
 

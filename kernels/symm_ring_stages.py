@@ -68,7 +68,7 @@ def _stage_finalize(
     weight_ptr, shared_ptr, tokens, hidden, chunk, rank, routed_scaling, dtype: tl.constexpr,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
     F_COLS: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
-    F_PREFETCH: tl.constexpr = True,
+    F_PREFETCH: tl.constexpr = True, SLOT_WAIT: tl.constexpr = True,
 ):  # fmt: skip
     """Wait until every rank released the slot this chunk reuses; then rank `rank`'s partial of
     the chunk's rows (one rounding, -0.0 -> +0.0), items (owner, F_ROWS of its rows, column block),
@@ -77,7 +77,8 @@ def _stage_finalize(
     H200, H=7168, T=4096, world size 1: 322 us against 347 us without it, at one program per SM).
     F_PREFETCH False: the routing is loaded in the item, as our standalone finalize does (the
     prefetched [F_ROWS, K] tiles and their per-k extraction cost registers; with several programs
-    per SM the latency is hidden by the others)."""
+    per SM the latency is hidden by the others). SLOT_WAIT False: the caller has already waited
+    for the slot (`symm_staged`'s gate launch), so this program makes no system-scope access."""
     seq = base + c
     slot = seq % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -88,12 +89,13 @@ def _stage_finalize(
         nxt = _f_item(
             first, n_items, c, n_c, groups, chunk, perm_ptr, weight_ptr, WORLD, TOP_K, F_ROWS
         )
-    # the chunk that used this slot before (SLOTS chunks ago) is released by every program
-    missing = _wait_slot_free(
-        ptrs_ptr, slot, (seq // _SLOTS) * _UNIT, abort_ptr, start, timeout, WORLD, EMU
-    )
-    if missing != 0:
-        _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
+    if SLOT_WAIT:
+        # the chunk that used this slot before (SLOTS chunks ago) is released by every program
+        missing = _wait_slot_free(
+            ptrs_ptr, slot, (seq // _SLOTS) * _UNIT, abort_ptr, start, timeout, WORLD, EMU
+        )
+        if missing != 0:
+            _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
     cw = tl.cdiv(chunk, WORLD)
     row_elems = tl.full([], 0, tl.int64) + hidden
     src_stride = cw.to(tl.int64) * row_elems
@@ -222,12 +224,13 @@ def _stage_gather(
     residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale,
     sf_cols, WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
-    R_COLS: tl.constexpr = 0,
+    R_COLS: tl.constexpr = 0, RELEASE: tl.constexpr = True,
 ):  # fmt: skip
     """The chunk's rows other ranks own (whole, or in chunks of R_COLS columns): wait for the
     owner's reduced bits, clear them, store them as residual_out and norm them (+ FP8 / NVFP4),
     with the code the owner ran on its own rows, so every output is bitwise identical on every
-    rank. Then this program releases the slot."""
+    rank. Then this program releases the slot (RELEASE False: a later launch releases it for the
+    whole chunk, `symm_staged`)."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     slot = (base + c) % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -275,4 +278,5 @@ def _stage_gather(
                     residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps, quant_scale,
                     sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
                 )  # fmt: skip
-    _release(ptrs_ptr, rank, slot, pid, nprog)
+    if RELEASE:
+        _release(ptrs_ptr, rank, slot, pid, nprog)

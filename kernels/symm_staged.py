@@ -45,20 +45,20 @@ from .quant import row_block, row_num_warps, sf_padding_item, sf_padding_items
 from .quant_codes import QUANT_NVFP4
 from .symm_device import abort_word_ptr, start_clock
 from .symm_protocol import SymmLayer
-from .symm_ring_device import _SLOTS, CHUNK, SLOTS, _release
+from .symm_ring_device import _SLOTS, _UNIT, CHUNK, SLOTS, _fail, _release, _wait_slot_free
 from .symm_ring_stages import _stage_finalize, _stage_gather, _stage_reduce
 
 __all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
 
 @triton.jit
-def _call_start(state_ptr, LAST: tl.constexpr, EMU: tl.constexpr):
-    """(base, ticket): the chunk base; the last launch of a call also takes a ticket after the
-    base load returned (its predicate depends on it)."""
+def _call_start(state_ptr, TICKET: tl.constexpr):
+    """(base, ticket): the chunk base; with TICKET (the call's last launch advances the base) a
+    ticket taken after the base load returned (its predicate depends on it)."""
     base = tl.load(state_ptr)
     lane = tl.arange(0, 32)
     ticket = lane * 0 - 1
-    if LAST:
+    if TICKET:
         ticket = tl.atomic_add(
             state_ptr + 1 + lane * 0, lane * 0 + 1, mask=(lane == 0) & (base >= 0),
             sem="relaxed", scope="gpu",
@@ -68,18 +68,49 @@ def _call_start(state_ptr, LAST: tl.constexpr, EMU: tl.constexpr):
 
 @triton.jit
 def _call_end(state_ptr, base, ticket, nchunks, sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items,
-              pid, nprog, LAST: tl.constexpr, QUANT: tl.constexpr,
+              pid, nprog, LAST: tl.constexpr, TICKET: tl.constexpr, QUANT: tl.constexpr,
               SWIZZLED: tl.constexpr):  # fmt: skip
-    """The last launch: the swizzled NVFP4 scale padding, then the last ticket advances the base."""
+    """The last row launch: the swizzled NVFP4 scale padding; with TICKET the last ticket
+    advances the base (every program of the launch has read it)."""
     if LAST:
         if QUANT == 2:
             if SWIZZLED:
                 for item in range(pid, sf_pad_items, nprog):
                     sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+    if TICKET:
         lane = tl.arange(0, 32)
         done = (lane == 0) & (ticket == nprog - 1)
         tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=done)
         tl.store(state_ptr + 1 + lane * 0, lane * 0, mask=done)
+
+
+@triton.jit(do_not_specialize=["c", "rank", "timeout"])
+def _gate_kernel(ptrs_ptr, state_ptr, c, rank, timeout, WORLD: tl.constexpr, EMU: tl.constexpr):
+    """Q(c), one program: wait (bounded) until every rank released the slot chunk c reuses (the
+    chunk SLOTS before it); the finalize launch F(c) is ordered after this one."""
+    timeout_ns = timeout
+    if not EMU:
+        timeout_ns = timeout.to(tl.int64) * 1000
+    start = start_clock(EMU)
+    abort_ptr = abort_word_ptr(ptrs_ptr, rank)
+    seq = tl.load(state_ptr) + c
+    missing = _wait_slot_free(
+        ptrs_ptr, seq % _SLOTS, (seq // _SLOTS) * _UNIT, abort_ptr, start, timeout_ns, WORLD, EMU
+    )
+    if missing != 0:
+        _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
+
+
+@triton.jit(do_not_specialize=["c", "nchunks", "rank"])
+def _release_kernel(ptrs_ptr, state_ptr, c, nchunks, rank, ADVANCE: tl.constexpr):
+    """P(c), one program: this rank's readers of chunk c (the launches before this one on its
+    stream) are done: one release of the whole chunk's unit on this rank's counter. ADVANCE (the
+    call's last chunk): the base moves on by the call's chunks."""
+    base = tl.load(state_ptr)
+    _release(ptrs_ptr, rank, (base + c) % _SLOTS, 0, 1)
+    if ADVANCE:
+        lane = tl.arange(0, 32)
+        tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=lane == 0)
 
 
 @triton.jit(do_not_specialize=["tokens", "c", "rank", "timeout"])
@@ -87,19 +118,22 @@ def _finalize_kernel(
     ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
     rank, routed_scaling, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, EMU: tl.constexpr,
+    F_COLS: tl.constexpr, SLOT_WAIT: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """F(c): one finalize item per program (the grid is the chunk's item count)."""
+    """F(c): one finalize item per program (the grid is the chunk's item count). SLOT_WAIT: each
+    program waits for the slot itself (else the gate launch Q(c) did)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    timeout_ns = timeout if EMU else timeout.to(tl.int64) * 1000
+    timeout_ns = timeout
+    if not EMU:
+        timeout_ns = timeout.to(tl.int64) * 1000
     start = start_clock(EMU)
     base = tl.load(state_ptr)
     _stage_finalize(
         c, base, ptrs_ptr, abort_word_ptr(ptrs_ptr, rank), state_ptr, start, timeout_ns, pid,
         nprog, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
         routed_scaling, gemm2_ptr.dtype.element_ty, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU,
-        1, False,
+        1, False, SLOT_WAIT,
     )  # fmt: skip
 
 
@@ -111,22 +145,27 @@ def _rows_kernel(
     sf_pad_items, timeout,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr, R_COLS: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr,
-    EMU: tl.constexpr,
+    GATED: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """R(c) (GATHER False: the rows this rank owns; at W = 1 it releases the slot) or G(c)
-    (GATHER True: the rows other ranks own, then the release). One row per program."""
+    """R(c) (GATHER False: the rows this rank owns) or G(c) (GATHER True: the rows other ranks
+    own). One row per program. GATED: the release launch P(c) releases the slot and advances the
+    base; else every program releases its share (G, or R at W = 1) and the call's last launch
+    advances the base (ticket)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    timeout_ns = timeout if EMU else timeout.to(tl.int64) * 1000
+    timeout_ns = timeout
+    if not EMU:
+        timeout_ns = timeout.to(tl.int64) * 1000
     start = start_clock(EMU)
     abort_ptr = abort_word_ptr(ptrs_ptr, rank)
-    base, ticket = _call_start(state_ptr, LAST, EMU)
+    ticket_on: tl.constexpr = LAST and not GATED
+    base, ticket = _call_start(state_ptr, ticket_on)
     if GATHER:
         _stage_gather(
             c, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog, gamma_ptr,
             weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk,
             rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 1,
-            R_COLS,
+            R_COLS, not GATED,
         )  # fmt: skip
     else:
         _stage_reduce(
@@ -136,17 +175,22 @@ def _rows_kernel(
             1, R_COLS,
         )  # fmt: skip
         if WORLD == 1:
-            _release(ptrs_ptr, rank, (base + c) % _SLOTS, pid, nprog)
+            if not GATED:
+                _release(ptrs_ptr, rank, (base + c) % _SLOTS, pid, nprog)
     _call_end(
         state_ptr, base, ticket, nchunks, sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items, pid,
-        nprog, LAST, QUANT, SWIZZLED,
+        nprog, LAST, ticket_on, QUANT, SWIZZLED,
     )  # fmt: skip
 
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_ROWS", "F_COLS", "EMU")
-_R_CONSTS = ("WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "R_COLS", "GATHER", "LAST", "EMU")
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_ROWS", "F_COLS", "SLOT_WAIT", "EMU")
+_R_CONSTS = (
+    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "R_COLS", "GATHER", "LAST", "GATED", "EMU"
+)  # fmt: skip
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
+_LAUNCH_Q = KernelLauncher(_gate_kernel, ("WORLD", "EMU"))
+_LAUNCH_P = KernelLauncher(_release_kernel, ("ADVANCE",))
 
 
 @dataclass(frozen=True)
@@ -156,7 +200,11 @@ class StagedShape:
     segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our add+RMSNorm
     kernel's choice; row_cols: 0 = R / G hold a whole row, else they stream it in chunks of this
     many columns (`symm_ring_rows`, a power of two >= 64); stream_mode: "two" (F on a side
-    stream, overlapping R / G) or "one" (every stage in order on the caller's stream)."""
+    stream, overlapping R / G) or "one" (every stage in order on the caller's stream); protocol:
+    "gate" (one-program launches wait for the slot, Q(c), and release it, P(c): no program of F,
+    R or G makes a system-scope access but the data polls) or "per_program" (every F program
+    waits for the slot and every G program (R at W = 1) releases its share, as the ring's
+    persistent programs do)."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
@@ -164,10 +212,13 @@ class StagedShape:
     row_warps: int = 0
     row_cols: int = 0
     stream_mode: str = "two"
+    protocol: str = "gate"
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two"):
             raise ValueError(f"stream_mode: expected 'one' or 'two', got {self.stream_mode!r}")
+        if self.protocol not in ("gate", "per_program"):
+            raise ValueError(f"protocol: expected 'gate' or 'per_program', got {self.protocol!r}")
         rc = self.row_cols
         if rc != 0 and (rc < 64 or rc & (rc - 1)):
             raise ValueError(f"row_cols: expected 0 or a power of two >= 64, got {rc}")
@@ -221,7 +272,8 @@ def launch(
     gemm2_out, perm, weights, shared or None, residual, gamma). The layer's buffer must be laid out
     for shape.chunk (`symm_ring_device.buffer_bytes(W, H, elem, chunk)`). T == 0 launches nothing.
     emulated / launch_order: test hooks (the CPU interpreter's poll-count timer; a callback that
-    receives the launches instead of running them, for emulated ranks)."""
+    receives each launch as (stage letter, chunk), callable, instead of running it: emulated
+    ranks, `symm_testing.staged_call`)."""
     tokens, top_k = tensors["perm"].shape
     if tokens == 0:
         return
@@ -233,13 +285,14 @@ def launch(
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
     residual = tensors["residual"]
     shared = tensors["shared"]
+    gated = shape.protocol == "gate"
     rb = row_block(hidden)
     f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
     f_args = (
         layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
         shared if shared is not None else residual,
     )  # fmt: skip
-    f_consts = (world, top_k, shared is not None, 1, f_cols, emulated)
+    f_consts = (world, top_k, shared is not None, 1, f_cols, not gated, emulated)
     r_ptrs = (
         layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
         tensors["norm_out"], tensors["q"], sf,
@@ -262,25 +315,76 @@ def launch(
             tokens, hidden, shape.chunk, p.index, nchunks, rank, layer.eps, layer.weight_bias,
             quant.scale, sf_rows, sf_cols, pad_items if last else 0, timeout,
         )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, r_cols, gather, last, emulated)
+        consts = (world, quant.code, swz, rb, residual.is_cuda, r_cols, gather, last, gated,
+                  emulated)  # fmt: skip
         return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)
+
+    def q_launch(c):
+        args = (layer.ptrs, layer.state, c, rank, timeout)
+        return lambda: _LAUNCH_Q((1,), args, (world, emulated), 1)
+
+    def p_launch(c):
+        args = (layer.ptrs, layer.state, c, nchunks, rank)
+        return lambda: _LAUNCH_P((1,), args, (c == nchunks - 1,), 1)
+
+    def chunk_launches(p):  # (stage, launch) in this rank's order
+        out = [("Q", q_launch(p.index))] if gated else []
+        out += [("F", f_launch(p)), ("R", r_launch(p, False))]
+        out += [("G", r_launch(p, True))] if world > 1 else []
+        return out + ([("P", p_launch(p.index))] if gated else [])
 
     if launch_order is not None:  # emulated ranks: the caller interleaves every rank's launches
         for p in plans:
-            launch_order(("F", p.index), f_launch(p))
-            launch_order(("R", p.index), r_launch(p, False))
-            if world > 1:
-                launch_order(("G", p.index), r_launch(p, True))
+            for stage, fn in chunk_launches(p):
+                launch_order((stage, p.index), fn)
         return
     if shape.stream_mode == "one" or not residual.is_cuda:
         for p in plans:
-            f_launch(p)()
-            r_launch(p, False)()
-            if world > 1:
-                r_launch(p, True)()
+            for _, fn in chunk_launches(p):
+                fn()
         return
-    main = torch.cuda.current_stream(residual.device)
-    side = _side_stream(residual.device)
+    if gated:
+        _two_streams_gated(residual.device, plans, f_launch, r_launch, q_launch, p_launch, world)
+    else:
+        _two_streams(residual.device, plans, f_launch, r_launch, world)
+
+
+def _two_streams_gated(device, plans, f_launch, r_launch, q_launch, p_launch, world):
+    """F on the side stream, everything else on the caller's: Q(c) for the first SLOTS chunks at
+    the start, then Q(c + SLOTS) right after P(c) (this rank's release of the slot it reuses);
+    F(c) waits for Q(c)'s event, R(c) for F(c)'s (the join)."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    gates = {}
+
+    def gate(c):
+        q_launch(c)()
+        gates[c] = torch.cuda.Event()
+        gates[c].record(main)
+
+    for c in range(min(SLOTS, len(plans))):
+        gate(c)
+    for p in plans:
+        with torch.cuda.stream(side):
+            side.wait_event(gates.pop(p.index))
+            f_launch(p)()
+            f_done = torch.cuda.Event()
+            f_done.record(side)
+        main.wait_event(f_done)
+        r_launch(p, False)()
+        if world > 1:
+            r_launch(p, True)()
+        p_launch(p.index)()
+        if p.index + SLOTS < len(plans):
+            gate(p.index + SLOTS)
+
+
+def _two_streams(device, plans, f_launch, r_launch, world):
+    """The per-program protocol: F on the side stream, R / G on the caller's; F(c + SLOTS) also
+    waits for this rank's R(c) / G(c), so that its programs' slot waits only wait for the peers."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
     side.wait_stream(main)
     done_rows = []  # per chunk: this rank's R / G of it finished (the slot's local readers)
     for p in plans:

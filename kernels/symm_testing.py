@@ -386,7 +386,7 @@ def ring_layers_on_one_gpu(
 
 
 # ---- the staged pipeline (kernels/symm_staged) ------------------------------------------------
-_STAGE_ORDER = {"F": 0, "R": 1, "G": 2}
+_STAGE_ORDER = {"Q": 0, "F": 1, "R": 2, "G": 3, "P": 4}
 
 
 def staged_call(
@@ -397,8 +397,8 @@ def staged_call(
     skip_rank: Optional[int] = None,
 ) -> None:
     """One call of the staged pipeline on W emulated ranks (CPU interpreter or one GPU): every
-    rank's launches in ONE global order on the current stream, chunk by chunk, F of every rank,
-    then R of every rank, then G of every rank, so every wait is for a launch made before it and
+    rank's launches in ONE global order on the current stream, chunk by chunk, the gates Q of
+    every rank, then F, R, G and the releases P, so every wait is for a launch made before it and
     no spinning launch holds SMs that an earlier one of a peer needs. per_rank[r]: rank r's
     tensors as symm_staged.launch takes them; skip_rank makes none of its launches."""
     from . import symm_staged
