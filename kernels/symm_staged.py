@@ -200,7 +200,9 @@ class StagedShape:
     segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our add+RMSNorm
     kernel's choice; row_cols: 0 = R / G hold a whole row, else they stream it in chunks of this
     many columns (`symm_ring_rows`, a power of two >= 64); stream_mode: "two" (F on a side
-    stream, overlapping R / G) or "one" (every stage in order on the caller's stream); protocol:
+    stream, overlapping R / G), "two_prio" (the same with R / G on a high-priority stream; gate
+    protocol only; not yet measured) or "one" (every stage in order on the caller's stream);
+    protocol:
     "gate" (one-program launches wait for the slot, Q(c), and release it, P(c): no program of F,
     R or G makes a system-scope access but the data polls) or "per_program" (every F program
     waits for the slot and every G program (R at W = 1) releases its share, as the ring's
@@ -215,10 +217,14 @@ class StagedShape:
     protocol: str = "gate"
 
     def __post_init__(self):
-        if self.stream_mode not in ("one", "two"):
-            raise ValueError(f"stream_mode: expected 'one' or 'two', got {self.stream_mode!r}")
+        if self.stream_mode not in ("one", "two", "two_prio"):
+            raise ValueError(
+                f"stream_mode: expected 'one', 'two' or 'two_prio', got {self.stream_mode!r}"
+            )
         if self.protocol not in ("gate", "per_program"):
             raise ValueError(f"protocol: expected 'gate' or 'per_program', got {self.protocol!r}")
+        if self.stream_mode == "two_prio" and self.protocol != "gate":
+            raise ValueError("stream_mode: 'two_prio' needs protocol 'gate'")
         rc = self.row_cols
         if rc != 0 and (rc < 64 or rc & (rc - 1)):
             raise ValueError(f"row_cols: expected 0 or a power of two >= 64, got {rc}")
@@ -254,10 +260,12 @@ def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: StagedShap
 _SIDE: dict = {}
 
 
-def _side_stream(device) -> torch.cuda.Stream:
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device=device)
-    return _SIDE[device]
+def _side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
+    """One side stream per device and priority (-100: the highest the device offers)."""
+    key = (device, high_priority)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)
+    return _SIDE[key]
 
 
 def launch(
@@ -344,40 +352,52 @@ def launch(
                 fn()
         return
     if gated:
-        _two_streams_gated(residual.device, plans, f_launch, r_launch, q_launch, p_launch, world)
+        _two_streams_gated(
+            residual.device, plans, f_launch, r_launch, q_launch, p_launch, world,
+            shape.stream_mode == "two_prio",
+        )  # fmt: skip
     else:
         _two_streams(residual.device, plans, f_launch, r_launch, world)
 
 
-def _two_streams_gated(device, plans, f_launch, r_launch, q_launch, p_launch, world):
-    """F on the side stream, everything else on the caller's: Q(c) for the first SLOTS chunks at
-    the start, then Q(c + SLOTS) right after P(c) (this rank's release of the slot it reuses);
-    F(c) waits for Q(c)'s event, R(c) for F(c)'s (the join)."""
+def _two_streams_gated(device, plans, f_launch, r_launch, q_launch, p_launch, world, prio):
+    """F on the side stream, everything else on the rows stream (the caller's, or with `prio` a
+    high-priority stream forked from it: the block scheduler then gives a ready R / G its SMs
+    before the next finalize's; CUDA graphs keep the priority per kernel node, PyTorch
+    instantiates them with node priorities): Q(c) for the first SLOTS chunks at the start, then
+    Q(c + SLOTS) right after P(c) (this rank's release of the slot it reuses); F(c) waits for
+    Q(c)'s event, R(c) for F(c)'s."""
     main = torch.cuda.current_stream(device)
     side = _side_stream(device)
+    rows = _side_stream(device, high_priority=True) if prio else main
     side.wait_stream(main)
+    rows.wait_stream(main)
     gates = {}
 
     def gate(c):
         q_launch(c)()
         gates[c] = torch.cuda.Event()
-        gates[c].record(main)
+        gates[c].record(rows)
 
-    for c in range(min(SLOTS, len(plans))):
-        gate(c)
+    with torch.cuda.stream(rows):
+        for c in range(min(SLOTS, len(plans))):
+            gate(c)
     for p in plans:
         with torch.cuda.stream(side):
             side.wait_event(gates.pop(p.index))
             f_launch(p)()
             f_done = torch.cuda.Event()
             f_done.record(side)
-        main.wait_event(f_done)
-        r_launch(p, False)()
-        if world > 1:
-            r_launch(p, True)()
-        p_launch(p.index)()
-        if p.index + SLOTS < len(plans):
-            gate(p.index + SLOTS)
+        with torch.cuda.stream(rows):
+            rows.wait_event(f_done)
+            r_launch(p, False)()
+            if world > 1:
+                r_launch(p, True)()
+            p_launch(p.index)()
+            if p.index + SLOTS < len(plans):
+                gate(p.index + SLOTS)
+    main.wait_stream(rows)
+    main.wait_stream(side)
 
 
 def _two_streams(device, plans, f_launch, r_launch, world):
