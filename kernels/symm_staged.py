@@ -1,34 +1,39 @@
-"""The large-T bandwidth path as a staged pipeline: the ring's chunked two-shot (`symm_ring`: the
-same slot layout, ownership, sentinel arrival, release counters and error word), but every stage
-of every chunk is its own launch with a grid sized to its work, instead of one persistent launch
-that keeps every program resident. A persistent program holds the registers of all three stages,
-so the finalize runs at one 16-warp program per SM; here the finalize launch holds only the
-finalize's registers and fills the GPU as our standalone finalize does.
+"""The large-T two-shot as a staged pipeline (measured, not adopted: no strategy launches it): the
+ring's chunked two-shot (`symm_ring`: the same slot layout, ownership, sentinel arrival, release
+counters and error word), but every stage of every chunk is its own launch with a grid sized to
+its work, instead of one persistent launch that keeps every program resident (whose finalize runs
+at one 16-warp program per SM). Local work on one H200 at world size 1 (benchmarks/ring_local.py
+--staged): 1.40-1.59x our two standalone kernels' sum in its better shapes, against the ring's
+1.60-1.77x in the same run; the target is 1.0x (benchmarks/results/README.md says where the time
+goes).
 
-Per chunk c (slot (base + c) % SLOTS, base in device state):
+Per chunk c (slot (base + c) % SLOTS, base in device state), with the default "gate" protocol:
 
-  F(c): the finalize items of chunk c (`symm_ring_stages._stage_finalize`, one item per program),
-        on the side stream; waits (bounded) for every rank's release of the slot first.
+  Q(c): one program waits (bounded) until every rank released the slot (chunk c - SLOTS).
+  F(c): the finalize items of chunk c (`symm_ring_stages._stage_finalize`, one item per program)
+        into the owners' reduce-scatter rows; never waits.
   R(c): the rows this rank owns (`_stage_reduce`): wait for the W partials via the sentinel,
         sum in rank order, residual, round, clear, push to the peers, this rank's outputs.
-  G(c): the rows other ranks own (`_stage_gather`): wait, clear, outputs, release the slot.
-        At W = 1 there is none and R(c) releases the slot.
+  G(c): the rows other ranks own (`_stage_gather`): wait, clear, outputs (none at W = 1).
+  P(c): one program releases the slot on this rank's counter (R and G, earlier on its stream,
+        are done); after the last chunk it also advances the base.
 
-F runs on a side stream, R and G on the caller's stream: F(c + 1) overlaps R(c) / G(c) (and the
-link). The side stream forks from the caller's stream at the start of the call and joins it
-through F(last)'s event, so CUDA-graph capture sees a closed fork / join. F(c + SLOTS) also waits
-(stream event) for this rank's R(c) / G(c): the release counters then only wait for the peers, and
-a finalize launch never spins on SMs that this rank's own reduce needs.
+The "per_program" protocol instead has every F program wait for the slot and every G program (R
+at W = 1) release its share, as the ring's persistent programs do, and the call's last launch
+advance the base through a ticket: measured 6-13% slower (a system-scope atomic and an L1
+invalidation in every finalize program, a system-scope fence in every row program).
 
-Deadlock freedom: F(c) waits only for the peers' release of chunk c - SLOTS, which needs their
-R / G of that chunk, which need only F(c - SLOTS) of every rank (launched before, never waiting on
-anything later): induction over the chunks. Emulated ranks on one GPU must launch all ranks'
-stages in one global order on one stream (`stream_mode="one"` with `symm_testing`), so that no
-spinning launch holds SMs a peer's earlier stage needs.
+F runs on a side stream, everything else on the caller's stream (or, "two_prio", on a
+high-priority stream forked from it): F(c + 1) can overlap R(c) / G(c) (and the link). F(c) waits
+for Q(c)'s event and R(c) for F(c)'s; the side streams fork from the caller's stream at the start
+of the call and join it at the end, so CUDA-graph capture sees a closed fork / join. Q(c + SLOTS)
+is issued right after P(c), so a gate only ever waits for the peers.
 
-The last launch of the call (R or G of the last chunk) takes the ticket (state[1]) after reading
-the base, and the program with the last ticket advances the base by the call's chunk count. Every
-other launch of the call is stream-ordered before it.
+Deadlock freedom: Q(c) waits only for the peers' P(c - SLOTS), which follows their R / G of that
+chunk, which wait only for F(c - SLOTS) of every rank (launched before, never waiting on anything
+later): induction over the chunks. Emulated ranks on one GPU must launch all ranks' stages in one
+global order on one stream (`symm_testing.staged_call`), so that no spinning launch holds SMs a
+peer's earlier stage needs.
 """
 
 from __future__ import annotations
