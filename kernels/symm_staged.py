@@ -3,7 +3,7 @@ ring's chunked two-shot (`symm_ring`: the same slot layout, ownership, sentinel 
 counters and error word), but every stage of every chunk is its own launch with a grid sized to
 its work, instead of one persistent launch that keeps every program resident (whose finalize runs
 at one 16-warp program per SM). Local work on one H200 at world size 1 (benchmarks/ring_local.py
---staged): 1.40-1.59x our two standalone kernels' sum in its better shapes, against the ring's
+--staged, c512 shapes): 1.40-1.59x the sum of our two standalone kernels, against the ring's
 1.60-1.77x in the same run; the target is 1.0x (benchmarks/results/README.md says where the time
 goes).
 
@@ -20,7 +20,7 @@ Per chunk c (slot (base + c) % SLOTS, base in device state), with the default "g
 
 The "per_program" protocol instead has every F program wait for the slot and every G program (R
 at W = 1) release its share, as the ring's persistent programs do, and the call's last launch
-advance the base through a ticket: measured 6-13% slower (a system-scope atomic and an L1
+advance the base through a ticket: measured 5-15% slower (a system-scope atomic and an L1
 invalidation in every finalize program, a system-scope fence in every row program).
 
 F runs on a side stream, everything else on the caller's stream (or, "two_prio", on a
