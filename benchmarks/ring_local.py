@@ -221,7 +221,11 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, 
     launches alone (the slot counters preset so no wait holds them; outputs not written)."""
     from fusion_bridge.kernels import symm_staged
     from fusion_bridge.kernels.symm_ring_device import FREED_BYTE, SLOTS
-    from fusion_bridge.kernels.symm_testing import call_tensors, ring_layers_on_one_gpu
+    from fusion_bridge.kernels.symm_testing import (
+        call_tensors,
+        ring_layers_on_one_gpu,
+        staged_launches,
+    )
 
     shape = symm_staged.StagedShape(**STAGED[label])
     hidden, tokens = part.shape[1], part.shape[0]
@@ -253,10 +257,11 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, 
         group_f.buffers[0][FREED_BYTE : FREED_BYTE + 8 * SLOTS].view(torch.int64).fill_(1 << 40)
 
         def only_f(i):
-            symm_staged.launch(
-                group_f.layers[0], shape=shape, **call_tensors(sets[i], out),
-                launch_order=lambda key, fn: fn() if key[0] == "F" else None,
-            )  # fmt: skip
+            for stage, _, fn in staged_launches(
+                group_f.layers[0], call_tensors(sets[i], out), shape
+            ):
+                if stage == "F":
+                    fn()
 
         us = time_graph(only_f, sets=n)
         record(f"staged_{label}_only_F", hidden, tokens, us)

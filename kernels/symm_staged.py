@@ -39,6 +39,7 @@ peer's earlier stage needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -273,24 +274,31 @@ def _side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
     return _SIDE[key]
 
 
-def launch(
-    layer: SymmLayer,
-    *,
-    shape: Optional[StagedShape] = None,
-    emulated: bool = False,
-    launch_order=None,
-    **tensors,
-) -> None:
+def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) -> None:
     """One call: `tensors` as `symm_ring.launch` takes them (residual_out, norm_out, q, sf,
     gemm2_out, perm, weights, shared or None, residual, gamma). The layer's buffer must be laid out
-    for shape.chunk (`symm_ring_device.buffer_bytes(W, H, elem, chunk)`). T == 0 launches nothing.
-    emulated / launch_order: test hooks (the CPU interpreter's poll-count timer; a callback that
-    receives each launch as (stage letter, chunk), callable, instead of running it: emulated
-    ranks, `symm_testing.staged_call`)."""
-    tokens, top_k = tensors["perm"].shape
-    if tokens == 0:
+    for shape.chunk (`symm_ring_device.buffer_bytes(W, H, elem, chunk)`). T == 0 launches nothing
+    (on every rank)."""
+    if tensors["perm"].shape[0] == 0:
         return
     shape = shape or DEFAULT_SHAPE
+    calls = _call_launches(layer, shape, tensors, emulated=False)
+    residual = tensors["residual"]
+    if shape.stream_mode == "one" or not residual.is_cuda:
+        for p in calls.plans:
+            for _, fn in calls.per_chunk(p):
+                fn()
+    elif shape.protocol == "gate":
+        _two_streams_gated(residual.device, calls, layer.world, shape.stream_mode == "two_prio")
+    else:
+        _two_streams(residual.device, calls, layer.world)
+
+
+def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool):
+    """A call's launches, not yet made: a namespace of the chunk plans and, per chunk, callables
+    f(p), r(p, gather), q(c), p(c) and per_chunk(p) -> [(stage letter, callable)] in this rank's
+    order. emulated: the CPU interpreter's poll-count timer (symm_testing only)."""
+    tokens, top_k = tensors["perm"].shape
     world, rank, hidden = layer.world, layer.rank, layer.hidden
     quant = layer.quant
     sf = tensors["sf"]
@@ -340,32 +348,18 @@ def launch(
         args = (layer.ptrs, layer.state, c, nchunks, rank)
         return lambda: _LAUNCH_P((1,), args, (c == nchunks - 1,), 1)
 
-    def chunk_launches(p):  # (stage, launch) in this rank's order
+    def per_chunk(p):
         out = [("Q", q_launch(p.index))] if gated else []
         out += [("F", f_launch(p)), ("R", r_launch(p, False))]
         out += [("G", r_launch(p, True))] if world > 1 else []
         return out + ([("P", p_launch(p.index))] if gated else [])
 
-    if launch_order is not None:  # emulated ranks: the caller interleaves every rank's launches
-        for p in plans:
-            for stage, fn in chunk_launches(p):
-                launch_order((stage, p.index), fn)
-        return
-    if shape.stream_mode == "one" or not residual.is_cuda:
-        for p in plans:
-            for _, fn in chunk_launches(p):
-                fn()
-        return
-    if gated:
-        _two_streams_gated(
-            residual.device, plans, f_launch, r_launch, q_launch, p_launch, world,
-            shape.stream_mode == "two_prio",
-        )  # fmt: skip
-    else:
-        _two_streams(residual.device, plans, f_launch, r_launch, world)
+    return SimpleNamespace(
+        plans=plans, f=f_launch, r=r_launch, q=q_launch, p=p_launch, per_chunk=per_chunk
+    )
 
 
-def _two_streams_gated(device, plans, f_launch, r_launch, q_launch, p_launch, world, prio):
+def _two_streams_gated(device, calls, world, prio):
     """F on the side stream, everything else on the rows stream (the caller's, or with `prio` a
     high-priority stream forked from it: the block scheduler then gives a ready R / G its SMs
     before the next finalize's; CUDA graphs keep the priority per kernel node, PyTorch
@@ -376,53 +370,54 @@ def _two_streams_gated(device, plans, f_launch, r_launch, q_launch, p_launch, wo
     side = _side_stream(device)
     rows = _side_stream(device, high_priority=True) if prio else main
     side.wait_stream(main)
-    rows.wait_stream(main)
+    if prio:
+        rows.wait_stream(main)
     gates = {}
 
     def gate(c):
-        q_launch(c)()
+        calls.q(c)()
         gates[c] = torch.cuda.Event()
         gates[c].record(rows)
 
     with torch.cuda.stream(rows):
-        for c in range(min(SLOTS, len(plans))):
+        for c in range(min(SLOTS, len(calls.plans))):
             gate(c)
-    for p in plans:
+    for p in calls.plans:
         with torch.cuda.stream(side):
             side.wait_event(gates.pop(p.index))
-            f_launch(p)()
+            calls.f(p)()
             f_done = torch.cuda.Event()
             f_done.record(side)
         with torch.cuda.stream(rows):
             rows.wait_event(f_done)
-            r_launch(p, False)()
+            calls.r(p, False)()
             if world > 1:
-                r_launch(p, True)()
-            p_launch(p.index)()
-            if p.index + SLOTS < len(plans):
+                calls.r(p, True)()
+            calls.p(p.index)()
+            if p.index + SLOTS < len(calls.plans):
                 gate(p.index + SLOTS)
-    main.wait_stream(rows)
-    main.wait_stream(side)
+    if prio:  # the caller's stream joins both (without prio it waited for every F already)
+        main.wait_stream(rows)
 
 
-def _two_streams(device, plans, f_launch, r_launch, world):
+def _two_streams(device, calls, world):
     """The per-program protocol: F on the side stream, R / G on the caller's; F(c + SLOTS) also
     waits for this rank's R(c) / G(c), so that its programs' slot waits only wait for the peers."""
     main = torch.cuda.current_stream(device)
     side = _side_stream(device)
     side.wait_stream(main)
     done_rows = []  # per chunk: this rank's R / G of it finished (the slot's local readers)
-    for p in plans:
+    for p in calls.plans:
         with torch.cuda.stream(side):
             if p.index >= SLOTS:
                 side.wait_event(done_rows[p.index - SLOTS])
-            f_launch(p)()
+            calls.f(p)()
             f_done = torch.cuda.Event()
             f_done.record(side)
         main.wait_event(f_done)
-        r_launch(p, False)()
+        calls.r(p, False)()
         if world > 1:
-            r_launch(p, True)()
+            calls.r(p, True)()
         ev = torch.cuda.Event()
         ev.record(main)
         done_rows.append(ev)

@@ -389,6 +389,16 @@ def ring_layers_on_one_gpu(
 _STAGE_ORDER = {"Q": 0, "F": 1, "R": 2, "G": 3, "P": 4}
 
 
+def staged_launches(layer: P.SymmLayer, tensors: dict, shape=None, emulated: bool = False) -> list:
+    """One rank's launches of one staged call, not made: [(stage letter, chunk, callable)] in the
+    rank's order (Q gate, F finalize, R reduce, G gather, P release per chunk). emulated: the
+    interpreter's poll-count timer."""
+    from . import symm_staged
+
+    calls = symm_staged._call_launches(layer, shape or symm_staged.DEFAULT_SHAPE, tensors, emulated)
+    return [(stage, p.index, fn) for p in calls.plans for stage, fn in calls.per_chunk(p)]
+
+
 def staged_call(
     layers: Sequence[P.SymmLayer],
     per_rank: Sequence[dict],
@@ -401,17 +411,11 @@ def staged_call(
     every rank, then F, R, G and the releases P, so every wait is for a launch made before it and
     no spinning launch holds SMs that an earlier one of a peer needs. per_rank[r]: rank r's
     tensors as symm_staged.launch takes them; skip_rank makes none of its launches."""
-    from . import symm_staged
-
     queue = []
     for rank, (layer, tensors) in enumerate(zip(layers, per_rank)):
-        if rank == skip_rank:
-            continue
-
-        def take(key, fn, rank=rank):
-            queue.append(((key[1], _STAGE_ORDER[key[0]], rank), fn))
-
-        symm_staged.launch(layer, shape=shape, emulated=emulated, launch_order=take, **tensors)
+        if rank != skip_rank:
+            for stage, c, fn in staged_launches(layer, tensors, shape, emulated):
+                queue.append(((c, _STAGE_ORDER[stage], rank), fn))
     if emulated:
         _interpreter_loop_bounds()
     for _, fn in sorted(queue, key=lambda item: item[0]):

@@ -235,3 +235,12 @@ def test_the_gate_waits_for_every_rank_to_release_the_slot():
     emu.freed[:, 0] = UNIT
     symm_staged._gate_kernel[(1,)](emu.ptrs[0], emu.states[0], 4, 0, 3, WORLD=2, EMU=True)
     assert int(emu.states[0, 2]) == 0 and int(emu.aborts[1]) == 0
+
+
+def test_the_staged_launch_exposes_no_test_hooks():
+    import inspect
+
+    from fusion_bridge.kernels import symm_staged
+
+    hooks = {"emulated", "launch_order", "EMU", "phases"}
+    assert not hooks & set(inspect.signature(symm_staged.launch).parameters)
