@@ -69,10 +69,6 @@ STAGED = {
     # R / G on a high-priority stream (not yet measured)
     "c512_prio": dict(chunk=512, stream_mode="two_prio"),
     "c512_rc1024_w8_prio": dict(chunk=512, row_cols=1024, row_warps=8, stream_mode="two_prio"),
-    # the first measurement's protocol: every F program waits for the slot (a system-scope atomic
-    # and an L1 invalidation each), every R program releases its share (a system-scope fence)
-    "c256_per_program": dict(chunk=256, protocol="per_program"),
-    "c512_per_program": dict(chunk=512, protocol="per_program"),
 }
 
 

@@ -7,7 +7,7 @@ at one 16-warp program per SM). Local work on one H200 at world size 1 (benchmar
 1.60-1.77x in the same run; the target is 1.0x (benchmarks/results/README.md says where the time
 goes).
 
-Per chunk c (slot (base + c) % SLOTS, base in device state), with the default "gate" protocol:
+Per chunk c (slot (base + c) % SLOTS, base in device state):
 
   Q(c): one program waits (bounded) until every rank released the slot (chunk c - SLOTS).
   F(c): the finalize items of chunk c (`symm_ring_stages._stage_finalize`, one item per program)
@@ -18,10 +18,10 @@ Per chunk c (slot (base + c) % SLOTS, base in device state), with the default "g
   P(c): one program releases the slot on this rank's counter (R and G, earlier on its stream,
         are done); after the last chunk it also advances the base.
 
-The "per_program" protocol instead has every F program wait for the slot and every G program (R
-at W = 1) release its share, as the ring's persistent programs do, and the call's last launch
-advance the base through a ticket: measured 5-15% slower (a system-scope atomic and an L1
-invalidation in every finalize program, a system-scope fence in every row program).
+A first revision had every F program wait for the slot and every G program (R at W = 1) release
+its share, as the ring's persistent programs do: 5-15% slower (a system-scope atomic and an L1
+invalidation in every finalize program, a system-scope fence in every row program; reverted,
+benchmarks/results/ring_local_h200_staged_v2_rejected.csv's `*_per_program` rows).
 
 F runs on a side stream, everything else on the caller's stream (or, "two_prio", on a
 high-priority stream forked from it): F(c + 1) can overlap R(c) / G(c) (and the link). F(c) waits
@@ -58,36 +58,13 @@ __all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
 
 @triton.jit
-def _call_start(state_ptr, TICKET: tl.constexpr):
-    """(base, ticket): the chunk base; with TICKET (the call's last launch advances the base) a
-    ticket taken after the base load returned (its predicate depends on it)."""
-    base = tl.load(state_ptr)
-    lane = tl.arange(0, 32)
-    ticket = lane * 0 - 1
-    if TICKET:
-        ticket = tl.atomic_add(
-            state_ptr + 1 + lane * 0, lane * 0 + 1, mask=(lane == 0) & (base >= 0),
-            sem="relaxed", scope="gpu",
-        )  # fmt: skip
-    return base, ticket
-
-
-@triton.jit
-def _call_end(state_ptr, base, ticket, nchunks, sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items,
-              pid, nprog, LAST: tl.constexpr, TICKET: tl.constexpr, QUANT: tl.constexpr,
-              SWIZZLED: tl.constexpr):  # fmt: skip
-    """The last row launch: the swizzled NVFP4 scale padding; with TICKET the last ticket
-    advances the base (every program of the launch has read it)."""
-    if LAST:
-        if QUANT == 2:
-            if SWIZZLED:
-                for item in range(pid, sf_pad_items, nprog):
-                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
-    if TICKET:
-        lane = tl.arange(0, 32)
-        done = (lane == 0) & (ticket == nprog - 1)
-        tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=done)
-        tl.store(state_ptr + 1 + lane * 0, lane * 0, mask=done)
+def _sf_padding(sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items, pid, nprog, QUANT: tl.constexpr,
+                SWIZZLED: tl.constexpr):  # fmt: skip
+    """The swizzled NVFP4 scale padding (the call's last row launch)."""
+    if QUANT == 2:
+        if SWIZZLED:
+            for item in range(pid, sf_pad_items, nprog):
+                sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
 
 
 @triton.jit(do_not_specialize=["c", "rank", "timeout"])
@@ -124,10 +101,10 @@ def _finalize_kernel(
     ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
     rank, routed_scaling, timeout,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, SLOT_WAIT: tl.constexpr, EMU: tl.constexpr,
+    F_COLS: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
-    """F(c): one finalize item per program (the grid is the chunk's item count). SLOT_WAIT: each
-    program waits for the slot itself (else the gate launch Q(c) did)."""
+    """F(c): one finalize item per program (the grid is the chunk's item count); the gate launch
+    Q(c) before it waited for the slot."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     timeout_ns = timeout
@@ -139,24 +116,22 @@ def _finalize_kernel(
         c, base, ptrs_ptr, abort_word_ptr(ptrs_ptr, rank), state_ptr, start, timeout_ns, pid,
         nprog, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, rank,
         routed_scaling, gemm2_ptr.dtype.element_ty, WORLD, TOP_K, HAS_SHARED, F_ROWS, F_COLS, EMU,
-        1, False, SLOT_WAIT,
+        1, False, False,
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["tokens", "c", "rank", "timeout", "nchunks", "sf_rows",
-                               "sf_pad_items"])  # fmt: skip
+@triton.jit(do_not_specialize=["tokens", "c", "rank", "timeout", "sf_rows", "sf_pad_items"])
 def _rows_kernel(
     ptrs_ptr, state_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
-    tokens, hidden, chunk, c, nchunks, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols,
-    sf_pad_items, timeout,
+    tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
+    timeout,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr, R_COLS: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr,
-    GATED: tl.constexpr, EMU: tl.constexpr,
+    EMU: tl.constexpr,
 ):  # fmt: skip
     """R(c) (GATHER False: the rows this rank owns) or G(c) (GATHER True: the rows other ranks
-    own). One row per program. GATED: the release launch P(c) releases the slot and advances the
-    base; else every program releases its share (G, or R at W = 1) and the call's last launch
-    advances the base (ticket)."""
+    own). One row per program. The release launch P(c) releases the slot afterwards. LAST: the
+    call's last row launch, which also writes the swizzled NVFP4 scale padding."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     timeout_ns = timeout
@@ -164,14 +139,13 @@ def _rows_kernel(
         timeout_ns = timeout.to(tl.int64) * 1000
     start = start_clock(EMU)
     abort_ptr = abort_word_ptr(ptrs_ptr, rank)
-    ticket_on: tl.constexpr = LAST and not GATED
-    base, ticket = _call_start(state_ptr, ticket_on)
+    base = tl.load(state_ptr)
     if GATHER:
         _stage_gather(
             c, base, ptrs_ptr, abort_ptr, state_ptr, start, timeout_ns, pid, nprog, gamma_ptr,
             weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk,
             rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU, 1,
-            R_COLS, not GATED,
+            R_COLS, False,
         )  # fmt: skip
     else:
         _stage_reduce(
@@ -180,18 +154,13 @@ def _rows_kernel(
             chunk, rank, eps, quant_scale, sf_cols, WORLD, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT, EMU,
             1, R_COLS,
         )  # fmt: skip
-        if WORLD == 1:
-            if not GATED:
-                _release(ptrs_ptr, rank, (base + c) % _SLOTS, pid, nprog)
-    _call_end(
-        state_ptr, base, ticket, nchunks, sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items, pid,
-        nprog, LAST, ticket_on, QUANT, SWIZZLED,
-    )  # fmt: skip
+    if LAST:
+        _sf_padding(sf_ptr, tokens, sf_rows, sf_cols, sf_pad_items, pid, nprog, QUANT, SWIZZLED)
 
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_ROWS", "F_COLS", "SLOT_WAIT", "EMU")
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_ROWS", "F_COLS", "EMU")
 _R_CONSTS = (
-    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "R_COLS", "GATHER", "LAST", "GATED", "EMU"
+    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "R_COLS", "GATHER", "LAST", "EMU"
 )  # fmt: skip
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
@@ -206,13 +175,8 @@ class StagedShape:
     segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our add+RMSNorm
     kernel's choice; row_cols: 0 = R / G hold a whole row, else they stream it in chunks of this
     many columns (`symm_ring_rows`, a power of two >= 64); stream_mode: "two" (F on a side
-    stream, overlapping R / G), "two_prio" (the same with R / G on a high-priority stream; gate
-    protocol only; not yet measured) or "one" (every stage in order on the caller's stream);
-    protocol:
-    "gate" (one-program launches wait for the slot, Q(c), and release it, P(c): no program of F,
-    R or G makes a system-scope access but the data polls) or "per_program" (every F program
-    waits for the slot and every G program (R at W = 1) releases its share, as the ring's
-    persistent programs do)."""
+    stream, overlapping R / G), "two_prio" (the same with R / G on a high-priority stream; not yet
+    measured) or "one" (every stage in order on the caller's stream)."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
@@ -220,17 +184,12 @@ class StagedShape:
     row_warps: int = 0
     row_cols: int = 0
     stream_mode: str = "two"
-    protocol: str = "gate"
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two", "two_prio"):
             raise ValueError(
                 f"stream_mode: expected 'one', 'two' or 'two_prio', got {self.stream_mode!r}"
             )
-        if self.protocol not in ("gate", "per_program"):
-            raise ValueError(f"protocol: expected 'gate' or 'per_program', got {self.protocol!r}")
-        if self.stream_mode == "two_prio" and self.protocol != "gate":
-            raise ValueError("stream_mode: 'two_prio' needs protocol 'gate'")
         rc = self.row_cols
         if rc != 0 and (rc < 64 or rc & (rc - 1)):
             raise ValueError(f"row_cols: expected 0 or a power of two >= 64, got {rc}")
@@ -288,10 +247,8 @@ def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) 
         for p in calls.plans:
             for _, fn in calls.per_chunk(p):
                 fn()
-    elif shape.protocol == "gate":
-        _two_streams_gated(residual.device, calls, layer.world, shape.stream_mode == "two_prio")
     else:
-        _two_streams(residual.device, calls, layer.world)
+        _two_streams(residual.device, calls, layer.world, shape.stream_mode == "two_prio")
 
 
 def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool):
@@ -306,14 +263,13 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
     residual = tensors["residual"]
     shared = tensors["shared"]
-    gated = shape.protocol == "gate"
     rb = row_block(hidden)
     f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
     f_args = (
         layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
         shared if shared is not None else residual,
     )  # fmt: skip
-    f_consts = (world, top_k, shared is not None, 1, f_cols, not gated, emulated)
+    f_consts = (world, top_k, shared is not None, 1, f_cols, emulated)
     r_ptrs = (
         layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
         tensors["norm_out"], tensors["q"], sf,
@@ -333,11 +289,10 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
         rows = p.other_rows if gather else p.own_rows
         last = p.index == nchunks - 1 and (gather or world == 1)
         args = r_ptrs + (
-            tokens, hidden, shape.chunk, p.index, nchunks, rank, layer.eps, layer.weight_bias,
+            tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
             quant.scale, sf_rows, sf_cols, pad_items if last else 0, timeout,
         )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, r_cols, gather, last, gated,
-                  emulated)  # fmt: skip
+        consts = (world, quant.code, swz, rb, residual.is_cuda, r_cols, gather, last, emulated)
         return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)
 
     def q_launch(c):
@@ -349,17 +304,16 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
         return lambda: _LAUNCH_P((1,), args, (c == nchunks - 1,), 1)
 
     def per_chunk(p):
-        out = [("Q", q_launch(p.index))] if gated else []
-        out += [("F", f_launch(p)), ("R", r_launch(p, False))]
+        out = [("Q", q_launch(p.index)), ("F", f_launch(p)), ("R", r_launch(p, False))]
         out += [("G", r_launch(p, True))] if world > 1 else []
-        return out + ([("P", p_launch(p.index))] if gated else [])
+        return out + [("P", p_launch(p.index))]
 
     return SimpleNamespace(
         plans=plans, f=f_launch, r=r_launch, q=q_launch, p=p_launch, per_chunk=per_chunk
     )
 
 
-def _two_streams_gated(device, calls, world, prio):
+def _two_streams(device, calls, world, prio):
     """F on the side stream, everything else on the rows stream (the caller's, or with `prio` a
     high-priority stream forked from it: the block scheduler then gives a ready R / G its SMs
     before the next finalize's; CUDA graphs keep the priority per kernel node, PyTorch
@@ -398,26 +352,3 @@ def _two_streams_gated(device, calls, world, prio):
                 gate(p.index + SLOTS)
     if prio:  # the caller's stream joins both (without prio it waited for every F already)
         main.wait_stream(rows)
-
-
-def _two_streams(device, calls, world):
-    """The per-program protocol: F on the side stream, R / G on the caller's; F(c + SLOTS) also
-    waits for this rank's R(c) / G(c), so that its programs' slot waits only wait for the peers."""
-    main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    side.wait_stream(main)
-    done_rows = []  # per chunk: this rank's R / G of it finished (the slot's local readers)
-    for p in calls.plans:
-        with torch.cuda.stream(side):
-            if p.index >= SLOTS:
-                side.wait_event(done_rows[p.index - SLOTS])
-            calls.f(p)()
-            f_done = torch.cuda.Event()
-            f_done.record(side)
-        main.wait_event(f_done)
-        calls.r(p, False)()
-        if world > 1:
-            calls.r(p, True)()
-        ev = torch.cuda.Event()
-        ev.record(main)
-        done_rows.append(ev)

@@ -108,15 +108,14 @@ def test_staged_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quan
         dict(chunk=512),
         dict(chunk=256, row_cols=1024, row_warps=8),
         dict(stream_mode="one"),
-        dict(protocol="per_program"),
         dict(chunk=512, row_cols=1024, row_warps=8, stream_mode="two_prio"),
     ],
-    ids=["c512", "rows_streamed", "one_stream", "per_program", "two_prio"],
+    ids=["c512", "rows_streamed", "one_stream", "two_prio"],
 )
 def test_staged_other_shapes(world, fields):
-    """Other launch shapes through one ring: chunks of 512 (its own buffer layout), rows streamed
-    in 1024-column chunks, every stage on one stream, the per-program slot protocol, R / G on a
-    high-priority stream (W = 1: emulated ranks use one stream); T = 1, 700, 5000."""
+    """Other launch shapes through one ring: chunks of 512 (its own buffer layout), rows
+    streamed in 1024-column chunks, every stage on one stream, R / G on a high-priority stream
+    (W = 1: emulated ranks use one stream); T = 1, 700, 5000."""
     needs_gpu()
     from fusion_bridge.kernels.symm_staged import StagedShape
     from fusion_bridge.spec import EpilogueSpec

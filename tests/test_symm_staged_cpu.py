@@ -28,7 +28,7 @@ U = UNIT_ROUNDOFF[torch.bfloat16]
 UNIT = 1 << 20  # what one chunk's releases add to its slot's counter (symm_ring_device._UNIT)
 
 
-def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, row_cols=0, protocol="gate"):
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, row_cols=0):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first."""
     from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.kernels.symm_testing import call_tensors
@@ -60,7 +60,7 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, row_cols=0, 
         sf.fill_(0xFF)
         outs.append((ro, no, q, sf))
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
-    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols, row_cols=row_cols, protocol=protocol)
+    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols, row_cols=row_cols)
     staged_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
     return outs
 
@@ -74,25 +74,14 @@ CASES = [  # tokens, hidden, top_k, world, chunk
     (3, 2880, 8, 2, 4),  # H not a power of two, many finalize items per row
 ]
 LONG = {(21, 4), (3, 2), (9, 8)}  # run without quantization only (interpreter time)
-SMALL = {(1, 2), (4, 2), (7, 3)}  # the per-program protocol runs these (interpreter time)
-
-
-PROTOCOLS = ("gate", "per_program")
 
 
 @pytest.mark.parametrize(
-    "tokens,hidden,top_k,world,chunk,quant,protocol",
-    [
-        c + (q, pr)
-        for c in CASES
-        for q in QUANTS
-        for pr in PROTOCOLS
-        if (q == "none" or (c[0], c[3]) not in LONG)
-        and (pr == "gate" or (q == "none" and (c[0], c[3]) in SMALL))
-    ],
+    "tokens,hidden,top_k,world,chunk,quant",
+    [c + (q,) for c in CASES for q in QUANTS if q == "none" or (c[0], c[3]) not in LONG],
 )
 def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
-    tokens, hidden, top_k, world, chunk, quant, protocol
+    tokens, hidden, top_k, world, chunk, quant
 ):
     spec = EpilogueSpec(
         hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
@@ -100,7 +89,7 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     )  # fmt: skip
     emu = EmulatedRing(world, chunk, hidden)
     inputs = _inputs(spec, tokens, world, seed=tokens * 31 + hidden + world)
-    outs = _run(emu, spec, inputs, protocol=protocol)
+    outs = _run(emu, spec, inputs)
     assert not emu.states[:, 2].any(), emu.states  # no wait failed
     for r in range(1, world):  # bitwise identical on every rank
         for mine, theirs in zip(outs[r], outs[0]):
@@ -124,15 +113,14 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     assert emu.freed.tolist() == [[u * UNIT for u in uses]] * world
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_world_of_one_and_streamed_rows(protocol):
-    """W = 1 (no G: the release is R's or P's) over 6 chunks (the 4 slots reused), rows whole and
+def test_world_of_one_and_streamed_rows():
+    """W = 1 (no G) over 6 chunks (the 4 slots reused), rows whole and
     streamed in 64 columns."""
     spec = EpilogueSpec(hidden_size=160, top_k=4, routed_scaling_factor=2.5)
     for row_cols in (0, 64):
         emu = EmulatedRing(1, 4, 160)
         inputs = _inputs(spec, 21, 1, seed=3)
-        outs = _run(emu, spec, inputs, row_cols=row_cols, protocol=protocol)
+        outs = _run(emu, spec, inputs, row_cols=row_cols)
         x64, norm64 = epilogue64_from(spec, inputs)
         assert not emu.states[0, 2], hex(int(emu.states[0, 2]))
         assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U
@@ -158,13 +146,12 @@ def test_calls_at_changing_t_share_one_ring():
         assert emu.data_all_sentinel()
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("world,skip", [(2, 1), (3, 0), (4, 2)])
-def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip, protocol):
+def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip):
     hidden = 160
     spec = EpilogueSpec(hidden_size=hidden, top_k=2, quant=QUANTS["nvfp4_swizzled"])
     emu = EmulatedRing(world, 8, hidden)
-    outs = _run(emu, spec, _inputs(spec, 6, world, seed=1), skip_rank=skip, protocol=protocol)
+    outs = _run(emu, spec, _inputs(spec, 6, world, seed=1), skip_rank=skip)
     for r in range(world):
         if r == skip:
             continue
@@ -176,15 +163,12 @@ def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip, protocol)
     assert first and all(e == int(ERR_TIMEOUT) | (1 << skip) for e in first), first
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_missing_rank_stops_the_ring_too(protocol):
-    """T spans more chunks than slots: the live rank's wait for the missing rank's release of the
-    slot it is about to reuse (the gate, or every finalize program) too ends in the error word."""
+def test_a_missing_rank_stops_the_ring_too():
+    """T spans more chunks than slots: the live rank's gate, waiting for the missing rank's release
+    of the slot it is about to reuse, too ends in the error word."""
     spec = EpilogueSpec(hidden_size=64, top_k=2)
     emu = EmulatedRing(2, 4, 64)
-    outs = _run(
-        emu, spec, _inputs(spec, 4 * (SLOTS + 1), 2, seed=2), skip_rank=1, protocol=protocol
-    )
+    outs = _run(emu, spec, _inputs(spec, 4 * (SLOTS + 1), 2, seed=2), skip_rank=1)
     assert torch.isnan(outs[0][0][: 4 * SLOTS]).all()
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10
 
