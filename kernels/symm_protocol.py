@@ -71,6 +71,11 @@ RING_SLOTS = 4
 RING_CHUNK = 256  # tokens per chunk (measured: 128 slower, 512 no faster; 4 slots fit in L2)
 RING_FREED_BYTE = 64
 RING_STATE_WORDS = 4
+# the staged pipeline (kernels/symm_staged.py) on the same layout, slots never cleared: per rank
+# int64 flags [RING_SLOTS] in the header, "my partials of the slot's chunk arrived everywhere" and
+# "my reduced rows of it did", each holding the chunk's sequence number + 1 (base + c + 1)
+STAGED_ARRIVED_BYTE = 96
+STAGED_REDUCED_BYTE = 128
 # one chunk's releases add exactly this to its slot's counter, whatever the program count P
 # (program 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
 RING_UNIT = 1 << 20

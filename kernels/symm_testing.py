@@ -265,6 +265,10 @@ class EmulatedRing:
         lo = FREED_BYTE // 2
         return self.bufs[:, lo : lo + 4 * SLOTS].view(torch.int64)
 
+    def flags(self, byte: int) -> torch.Tensor:
+        """int64 [W, SLOTS]: each rank's header words at `byte` (the staged pipeline's flags)."""
+        return self.bufs[:, byte // 2 : byte // 2 + 4 * SLOTS].view(torch.int64)
+
     def data_all_sentinel(self) -> bool:
         return bool((self.bufs[:, P.HEADER_BYTES // 2 :] == P.SENTINEL_BITS).all())
 
@@ -386,17 +390,19 @@ def ring_layers_on_one_gpu(
 
 
 # ---- the staged pipeline (kernels/symm_staged) ------------------------------------------------
-_STAGE_ORDER = {"Q": 0, "F": 1, "R": 2, "G": 3, "P": 4}
+_STAGE_ORDER = {s: i for i, s in enumerate(("Q", "F", "A", "WA", "R", "D", "WD", "G", "P"))}
 
 
 def staged_launches(layer: P.SymmLayer, tensors: dict, shape=None, emulated: bool = False) -> list:
-    """One rank's launches of one staged call, not made: [(stage letter, chunk, callable)] in the
-    rank's order (Q gate, F finalize, R reduce, G gather, P release per chunk). emulated: the
-    interpreter's poll-count timer."""
+    """One rank's launches of one staged call, not made, every sync split into its halves:
+    [(stage letter, chunk, callable)] in the rank's order (per chunk: Q gate, F finalize, A / WA
+    signal / wait arrived, R reduce, D / WD signal / wait reduced, G gather, P release).
+    emulated: the interpreter's poll-count timer."""
     from . import symm_staged
 
-    calls = symm_staged._call_launches(layer, shape or symm_staged.DEFAULT_SHAPE, tensors, emulated)
-    return [(stage, p.index, fn) for p in calls.plans for stage, fn in calls.per_chunk(p)]
+    shape = shape or symm_staged.DEFAULT_SHAPE
+    calls = symm_staged._call_launches(layer, shape, tensors, emulated)
+    return [(stage, c, fn) for stage, c, fn, _ in symm_staged._sequence(calls, split=True)]
 
 
 def staged_call(
@@ -407,9 +413,9 @@ def staged_call(
     skip_rank: Optional[int] = None,
 ) -> None:
     """One call of the staged pipeline on W emulated ranks (CPU interpreter or one GPU): every
-    rank's launches in ONE global order on the current stream, chunk by chunk, the gates Q of
-    every rank, then F, R, G and the releases P, so every wait is for a launch made before it and
-    no spinning launch holds SMs that an earlier one of a peer needs. per_rank[r]: rank r's
+    rank's launches in ONE global order on the current stream, chunk by chunk and stage by stage
+    (every rank's signals before any rank's wait), so every wait is for a launch made before it
+    and no spinning launch holds SMs that an earlier one of a peer needs. per_rank[r]: rank r's
     tensors as symm_staged.launch takes them; skip_rank makes none of its launches."""
     queue = []
     for rank, (layer, tensors) in enumerate(zip(layers, per_rank)):

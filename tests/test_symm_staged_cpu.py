@@ -1,16 +1,23 @@
 """The staged two-shot pipeline (`kernels/symm_staged.py`) on CPU: its very kernels under
 TRITON_INTERPRET=1, with W ranks' buffers laid out as on the GPU (`symm_testing.EmulatedRing`) and
-every rank's launches in one global order (`symm_testing.staged_call`: per chunk F of every rank,
-then R, then G), so every wait finds what earlier launches wrote. Small chunks (4-8 tokens) and
-narrow finalize items make T = 1, one chunk, chunks that do not divide T, a ring turned several
-times within one call and chunks that W does not divide reachable at interpreter speed."""
+every rank's launches in one global order (`symm_testing.staged_call`: per chunk the gate, F, the
+arrived signal then wait, R, the reduced signal then wait, G, the release, each stage on every
+rank before the next), so every wait finds what earlier launches wrote. Small chunks (4-8
+tokens) and narrow finalize items make T = 1, one chunk, chunks that do not divide T, a ring
+turned several times within one call and chunks that W does not divide reachable at interpreter
+speed."""
 
 import math
 
 import pytest
 import torch
 
-from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT
+from fusion_bridge.kernels.symm_protocol import (
+    ERR_ABORTED,
+    ERR_TIMEOUT,
+    STAGED_ARRIVED_BYTE,
+    STAGED_REDUCED_BYTE,
+)
 from fusion_bridge.kernels.symm_ring_device import SLOTS
 from fusion_bridge.kernels.symm_staged import StagedShape, call_plan
 from fusion_bridge.kernels.symm_testing import EmulatedRing, _ring_layer, staged_call
@@ -28,7 +35,7 @@ U = UNIT_ROUNDOFF[torch.bfloat16]
 UNIT = 1 << 20  # what one chunk's releases add to its slot's counter (symm_ring_device._UNIT)
 
 
-def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, row_cols=0):
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first."""
     from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.kernels.symm_testing import call_tensors
@@ -60,7 +67,7 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, row_cols=0):
         sf.fill_(0xFF)
         outs.append((ro, no, q, sf))
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
-    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols, row_cols=row_cols)
+    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols)
     staged_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
     return outs
 
@@ -104,29 +111,30 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
         swizzled = quant == "nvfp4_swizzled"
         ref_q, ref_sf = quantize(norm_out, "nvfp4", spec.quant.global_scale, swizzled)
         assert torch.equal(q, ref_q.view(torch.uint8)) and torch.equal(sf, ref_sf.view(torch.uint8))
-    # every slot element written in the call was read and put back to the sentinel; the base
-    # advanced by the call's chunks; each use of a slot released exactly one unit on every rank
-    assert emu.data_all_sentinel()
+    # the base advanced by the call's chunks; each use of a slot released exactly one unit on
+    # every rank; each rank's flags of a slot show the last chunk that used it (sequence + 1)
     chunks = -(-tokens // chunk)
     assert emu.states[:, 0].tolist() == [chunks] * world
     uses = [len(range(s, chunks, SLOTS)) for s in range(SLOTS)]
     assert emu.freed.tolist() == [[u * UNIT for u in uses]] * world
+    last = [max(range(s, chunks, SLOTS), default=-1) + 1 for s in range(SLOTS)]
+    assert emu.flags(STAGED_ARRIVED_BYTE).tolist() == [last] * world
+    assert emu.flags(STAGED_REDUCED_BYTE).tolist() == [last] * world
 
 
-def test_world_of_one_and_streamed_rows():
-    """W = 1 (no G) over 6 chunks (the 4 slots reused), rows whole and
-    streamed in 64 columns."""
+def test_world_of_one_reuses_the_slots():
+    """W = 1 (no G) over 6 chunks (the 4 slots reused)."""
     spec = EpilogueSpec(hidden_size=160, top_k=4, routed_scaling_factor=2.5)
-    for row_cols in (0, 64):
-        emu = EmulatedRing(1, 4, 160)
-        inputs = _inputs(spec, 21, 1, seed=3)
-        outs = _run(emu, spec, inputs, row_cols=row_cols)
-        x64, norm64 = epilogue64_from(spec, inputs)
-        assert not emu.states[0, 2], hex(int(emu.states[0, 2]))
-        assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U
-        assert rel_err(outs[0][1], norm64) <= math.sqrt(3) * U
-        assert emu.states[0, 0] == 6 and emu.data_all_sentinel()
-        assert emu.freed[0].tolist() == [2 * UNIT, 2 * UNIT, UNIT, UNIT]  # 6 chunks, 4 slots
+    emu = EmulatedRing(1, 4, 160)
+    inputs = _inputs(spec, 21, 1, seed=3)
+    outs = _run(emu, spec, inputs)
+    x64, norm64 = epilogue64_from(spec, inputs)
+    assert not emu.states[0, 2], hex(int(emu.states[0, 2]))
+    assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U
+    assert rel_err(outs[0][1], norm64) <= math.sqrt(3) * U
+    assert emu.states[0, 0] == 6
+    assert emu.freed[0].tolist() == [2 * UNIT, 2 * UNIT, UNIT, UNIT]  # 6 chunks, 4 slots
+    assert emu.flags(STAGED_ARRIVED_BYTE)[0].tolist() == [5, 6, 3, 4]  # sequence + 1
 
 
 def test_calls_at_changing_t_share_one_ring():
@@ -143,7 +151,6 @@ def test_calls_at_changing_t_share_one_ring():
         assert torch.equal(outs[0][0].view(torch.int16), outs[2][0].view(torch.int16)), tokens
         total += -(-tokens // chunk)
         assert emu.states[:, 0].tolist() == [total] * world
-        assert emu.data_all_sentinel()
 
 
 @pytest.mark.parametrize("world,skip", [(2, 1), (3, 0), (4, 2)])
@@ -199,26 +206,54 @@ def test_the_plan_covers_every_row_once():
                 assert p.f_items == world * -(-n_c // world) * 2
 
 
-@pytest.mark.parametrize("field,value", [("row_cols", 100), ("stream_mode", "three"), ("chunk", 0)])
+@pytest.mark.parametrize("field,value", [("stream_mode", "three"), ("chunk", 0)])
 def test_a_bad_staged_shape_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}: expected .* got"):
         StagedShape(**{field: value})
 
 
+def _sync(emu, rank, c, timeout=3, **flags):
+    """One sync launch of rank `rank` at chunk c (`symm_staged_kernels._sync_kernel`)."""
+    from fusion_bridge.kernels.symm_staged_kernels import _sync_kernel
+
+    what = dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags
+    gate = (c, 1) if what["GATE"] else (0, 0)
+    args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout)
+    _sync_kernel[(1,)](*args, WORLD=emu.world, EMU=True, **what)
+
+
 def test_the_gate_waits_for_every_rank_to_release_the_slot():
-    """Q(c) alone: chunk 4 of a call at base 0 reuses slot 0, so it needs one unit on slot 0's
+    """The gate alone: chunk 4 of a call at base 0 reuses slot 0, so it needs one unit on slot 0's
     counter of every rank. Rank 1's counter short of it: the gate ends in the error word naming
     rank 1; at one unit: no error."""
-    from fusion_bridge.kernels import symm_staged
-
     emu = EmulatedRing(2, 4, 64)
     emu.freed[0, 0] = UNIT
-    symm_staged._gate_kernel[(1,)](emu.ptrs[0], emu.states[0], 4, 0, 3, WORLD=2, EMU=True)
+    _sync(emu, 0, 4, GATE=True)
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10, hex(int(emu.states[0, 2]))
     emu = EmulatedRing(2, 4, 64)
     emu.freed[:, 0] = UNIT
-    symm_staged._gate_kernel[(1,)](emu.ptrs[0], emu.states[0], 4, 0, 3, WORLD=2, EMU=True)
+    _sync(emu, 0, 4, GATE=True)
     assert int(emu.states[0, 2]) == 0 and int(emu.aborts[1]) == 0
+
+
+@pytest.mark.parametrize("flag,byte", [(1, STAGED_ARRIVED_BYTE), (2, STAGED_REDUCED_BYTE)])
+def test_a_flag_wait_needs_every_rank_at_this_chunk(flag, byte):
+    """The arrival / reduced wait of chunk 5 at base 2 (slot 3) needs every rank's flag of slot 3
+    at 8 (the sequence number 7 + 1): a rank at 4 (its previous use of the slot, chunk 3) is
+    named in the error word; the signal writes 8 on its own rank only; every rank at 8: no
+    error. The waiting rank's later row launches then see the abort word."""
+    emu = EmulatedRing(3, 4, 64)
+    emu.states[:, 0] = 2
+    emu.flags(byte)[:, 3] = 4
+    _sync(emu, 1, 5, SIGNAL=flag, WAIT=flag)
+    assert emu.flags(byte)[:, 3].tolist() == [4, 8, 4]
+    assert int(emu.states[1, 2]) == int(ERR_TIMEOUT) | 0b101, hex(int(emu.states[1, 2]))
+    assert (emu.aborts != 0).all()
+    emu = EmulatedRing(3, 4, 64)
+    emu.states[:, 0] = 2
+    emu.flags(byte)[:, 3] = 8
+    _sync(emu, 2, 5, WAIT=flag)
+    assert int(emu.states[2, 2]) == 0 and not emu.aborts.any()
 
 
 def test_the_staged_launch_exposes_no_test_hooks():

@@ -1,0 +1,207 @@
+"""The staged pipeline's kernels (`symm_staged` has the protocol and the ordering argument): the
+finalize F(c), the row launches R(c) / G(c) that read their slot rows with plain loads, and the
+one-program sync launch that signals and waits on the per-chunk flags and slot counters.
+
+Every kernel also runs under TRITON_INTERPRET=1 (peer pointers are table entries the interpreter
+follows as host addresses); EMU swaps only the GPU timer for a poll count and drops the system
+fence (the interpreter runs one launch at a time).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import symm_protocol as P
+from .quant import sf_padding_item
+from .symm_device import _globaltimer, abort_word_ptr, payload_bits, start_clock
+from .symm_ring_device import _SLOTS, _UNIT, _fail, _release, _slot_base, _wait_slot_free
+from .symm_ring_stages import _chunk_rows, _row_outputs, _stage_finalize
+
+FLAG_ARRIVED = 1  # this rank's partials of the chunk are in every owner's slot
+FLAG_REDUCED = 2  # this rank's reduced rows of the chunk are in every other rank's slot
+_FLAG_BYTE = {FLAG_ARRIVED: P.STAGED_ARRIVED_BYTE, FLAG_REDUCED: P.STAGED_REDUCED_BYTE}
+_ARRIVED_BYTE = tl.constexpr(P.STAGED_ARRIVED_BYTE)
+_REDUCED_BYTE = tl.constexpr(P.STAGED_REDUCED_BYTE)
+
+
+@triton.jit
+def _flag_ptrs(ptrs_ptr, q, slot, FLAG: tl.constexpr):
+    """Rank q's (tensor of ranks) flag of `slot` (int64, in its header)."""
+    off = _ARRIVED_BYTE if FLAG == 1 else _REDUCED_BYTE
+    return (tl.load(ptrs_ptr + q) + off).to(tl.pointer_type(tl.int64)) + slot
+
+
+@triton.jit
+def _fence_sys(EMU: tl.constexpr):
+    """fence.sc.sys (GPU): every write this rank's earlier launches made (ordered before this one
+    by its stream) is visible system-wide before the flag store that follows."""
+    if not EMU:
+        tl.inline_asm_elementwise(
+            "fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _wait_flags(
+    ptrs_ptr, slot, need, abort_ptr, start, timeout, FLAG: tl.constexpr, WORLD: tl.constexpr,
+    EMU: tl.constexpr,
+):  # fmt: skip
+    """Until every rank's flag of `slot` reaches `need` (system-scope acquire reads, one lane per
+    rank, all in flight together); returns the ranks that never did (bit mask)."""
+    lane = tl.arange(0, 32)
+    on = lane < WORLD
+    ptrs = _flag_ptrs(ptrs_ptr, tl.where(on, lane, 0), slot, FLAG)
+    seen = tl.atomic_add(ptrs, lane * 0, mask=on, sem="acquire", scope="sys")
+    seen = tl.where(on, seen, 1 << 62)
+    polls = 1
+    waiting = (tl.min(seen, axis=0) < need).to(tl.int32)
+    while waiting != 0:
+        seen = tl.atomic_add(ptrs, lane * 0, mask=on, sem="acquire", scope="sys")
+        seen = tl.where(on, seen, 1 << 62)
+        polls += 1
+        if EMU:
+            late = polls >= timeout
+        else:
+            late = (_globaltimer() - start) > timeout
+        ab = tl.load(abort_ptr, volatile=True)
+        waiting = (tl.min(seen, axis=0) < need).to(tl.int32) * (1 - late.to(tl.int32))
+        waiting = waiting * (ab == 0).to(tl.int32)
+    return tl.sum(tl.where(on & (seen < need), 1 << lane, 0), axis=0)
+
+
+@triton.jit(do_not_specialize=["c", "rel_c", "gate_lo", "gate_n", "nchunks", "rank", "timeout"])
+def _sync_kernel(
+    ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout,
+    WORLD: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, RELEASE: tl.constexpr,
+    ADVANCE: tl.constexpr, GATE: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """One program, in this order: RELEASE this rank's readers of chunk rel_c are done (one unit
+    on its counter of that chunk's slot); SIGNAL (FLAG_ARRIVED / FLAG_REDUCED, 0 none) this
+    rank's writes of chunk c are done (its flag of the slot := the chunk's sequence number + 1,
+    a system-scope release after a system fence); WAIT (a flag, 0 none) until every rank's flag
+    of the slot shows chunk c; GATE until every rank released the slots that chunks gate_lo ..
+    gate_lo + gate_n - 1 reuse; ADVANCE (the call's last launch) the base moves on by the call's
+    chunks. This rank's own release and signal come before its waits, so a wait only ever waits
+    for the peers. A failed wait: the error word (`report_error`), and every later row launch
+    writes NaN (it sees the abort word)."""
+    timeout_ns = timeout
+    if not EMU:
+        timeout_ns = timeout.to(tl.int64) * 1000
+    start = start_clock(EMU)
+    abort_ptr = abort_word_ptr(ptrs_ptr, rank)
+    base = tl.load(state_ptr)
+    seq = base + c
+    slot = seq % _SLOTS
+    lane = tl.arange(0, 32)
+    if RELEASE:
+        _release(ptrs_ptr, rank, (base + rel_c) % _SLOTS, 0, 1)
+    if SIGNAL != 0:
+        tl.debug_barrier()
+        _fence_sys(EMU)
+        flag = _flag_ptrs(ptrs_ptr, rank + lane * 0, slot, SIGNAL)
+        tl.atomic_xchg(flag, lane * 0 + seq + 1, mask=lane == 0, sem="release", scope="sys")
+    missing = 0
+    if WAIT != 0:
+        missing = _wait_flags(
+            ptrs_ptr, slot, seq + 1, abort_ptr, start, timeout_ns, WAIT, WORLD, EMU
+        )
+    if GATE:
+        for g in range(gate_lo, gate_lo + gate_n):
+            s = base + g
+            missing = missing | _wait_slot_free(
+                ptrs_ptr, s % _SLOTS, (s // _SLOTS) * _UNIT, abort_ptr, start, timeout_ns, WORLD,
+                EMU,
+            )  # fmt: skip
+    if missing != 0:
+        _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
+    if ADVANCE:
+        tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=lane == 0)
+
+
+@triton.jit(do_not_specialize=["tokens", "c", "rank"])
+def _finalize_kernel(
+    ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
+    rank, routed_scaling,
+    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
+    F_COLS: tl.constexpr, EMU: tl.constexpr,
+):  # fmt: skip
+    """F(c): one finalize item per program (the grid is the chunk's item count); the sync launch
+    before it waited for the slot. Never waits, makes no system-scope access."""
+    base = tl.load(state_ptr)
+    _stage_finalize(
+        c, base, ptrs_ptr, abort_word_ptr(ptrs_ptr, rank), state_ptr, 0, 0, tl.program_id(0),
+        tl.num_programs(0), gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk,
+        rank, routed_scaling, gemm2_ptr.dtype.element_ty, WORLD, TOP_K, HAS_SHARED, F_ROWS,
+        F_COLS, EMU, 1, False, False,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["tokens", "c", "rank", "sf_rows", "sf_pad_items"])
+def _rows_kernel(
+    ptrs_ptr, state_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
+    tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
+    WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr,
+):  # fmt: skip
+    """R(c) (GATHER False): the rows this rank owns: the W partials (plain loads) summed in rank
+    order in fp32, the residual added, one rounding (-0.0 -> +0.0): residual_out's bits, pushed
+    into every other rank's all-gather rows [rank][i], and this rank's outputs of the row.
+    G(c) (GATHER True): the rows other ranks own, from this rank's all-gather rows: residual_out
+    and its norm (+ FP8 / NVFP4), with the code the owner ran. One row per program; the sync
+    launch before it waited for the flags. The abort word set (a wait of this call failed, here
+    or on a peer): NaN rows. LAST: the call's last row launch, which also writes the swizzled
+    NVFP4 scale padding."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    bad = (tl.load(abort_word_ptr(ptrs_ptr, rank), volatile=True) != 0).to(tl.int32)
+    slot = (tl.load(state_ptr) + c) % _SLOTS
+    n_c = _chunk_rows(c, tokens, chunk)
+    n_own = tl.where(n_c > rank, (n_c - rank + WORLD - 1) // WORLD, 0)
+    row_elems = tl.full([], 0, tl.int64) + hidden
+    src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * row_elems
+    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD)
+    cols = tl.arange(0, ROW_BLOCK)
+    in_row = cols < hidden
+    if GATHER:
+        ag = here + WORLD * src_stride
+        for m in range(pid, n_c - n_own, nprog):
+            # the m-th row of the chunk another rank owns: rows come in groups of W, and in
+            # each group the W - 1 rows of the other ranks, this rank's own row skipped
+            per: tl.constexpr = WORLD - 1 + (WORLD == 1)
+            p = m % per
+            j = (m // per) * WORLD + p + (p >= rank).to(tl.int32)
+            src = ag + (j % WORLD) * src_stride + (j // WORLD) * row_elems
+            v = tl.load(src + cols, mask=in_row, other=0)
+            _row_outputs(
+                v.to(dtype, bitcast=True).to(tl.float32), bad, (c * chunk + j).to(tl.int64), cols,
+                in_row, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
+                tokens, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
+            )  # fmt: skip
+    else:
+        for ii in range(pid, n_own, nprog):
+            t = (c * chunk + rank + WORLD * ii).to(tl.int64)
+            res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
+            s = tl.zeros([ROW_BLOCK], dtype=tl.float32)
+            for q in range(WORLD):  # rank order (a loop, not unrolled: fewer live pointers)
+                v = tl.load(here + q * src_stride + ii * row_elems + cols, mask=in_row, other=0)
+                s += v.to(dtype, bitcast=True).to(tl.float32)
+            x = res.to(tl.float32) + s
+            x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
+            bits = payload_bits(x, dtype)
+            for q in range(WORLD):  # every other rank's all-gather rows
+                if q != rank:
+                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD)
+                    tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
+                             mask=in_row)  # fmt: skip
+            _row_outputs(
+                bits.to(dtype, bitcast=True).to(tl.float32), bad, t, cols, in_row, gamma_ptr,
+                weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
+                quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
+            )  # fmt: skip
+    if LAST:
+        if QUANT == 2:
+            if SWIZZLED:
+                for item in range(pid, sf_pad_items, nprog):
+                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
