@@ -64,11 +64,9 @@ STAGED = {
     "c256": dict(chunk=256),
     "c512": dict(chunk=512),
     "c512_one_stream": dict(chunk=512, stream_mode="one"),
-    "c512_rc1024_w8": dict(chunk=512, row_cols=1024, row_warps=8),
-    "c512_w32": dict(chunk=512, row_warps=32),
-    # R / G on a high-priority stream (not yet measured)
+    "c512_w8": dict(chunk=512, row_warps=8),
     "c512_prio": dict(chunk=512, stream_mode="two_prio"),
-    "c512_rc1024_w8_prio": dict(chunk=512, row_cols=1024, row_warps=8, stream_mode="two_prio"),
+    "c512_w8_prio": dict(chunk=512, row_warps=8, stream_mode="two_prio"),
 }
 
 

@@ -393,16 +393,19 @@ def ring_layers_on_one_gpu(
 _STAGE_ORDER = {s: i for i, s in enumerate(("Q", "F", "A", "WA", "R", "D", "WD", "G", "P"))}
 
 
-def staged_launches(layer: P.SymmLayer, tensors: dict, shape=None, emulated: bool = False) -> list:
-    """One rank's launches of one staged call, not made, every sync split into its halves:
-    [(stage letter, chunk, callable)] in the rank's order (per chunk: Q gate, F finalize, A / WA
-    signal / wait arrived, R reduce, D / WD signal / wait reduced, G gather, P release).
-    emulated: the interpreter's poll-count timer."""
+def staged_launches(
+    layer: P.SymmLayer, tensors: dict, shape=None, emulated: bool = False, split: bool = True
+) -> list:
+    """One rank's launches of one staged call, not made: [(stage letter, chunk, callable)] in the
+    rank's order; split: every sync as its halves (per chunk: Q gate, F finalize, A / WA signal /
+    wait arrived, R reduce, D / WD signal / wait reduced, G gather, P release), else the
+    production sequence (`symm_staged._sequence`). emulated: the interpreter's poll-count
+    timer."""
     from . import symm_staged
 
     shape = shape or symm_staged.DEFAULT_SHAPE
     calls = symm_staged._call_launches(layer, shape, tensors, emulated)
-    return [(stage, c, fn) for stage, c, fn, _ in symm_staged._sequence(calls, split=True)]
+    return [(stage, c, fn) for stage, c, fn, _ in symm_staged._sequence(calls, split=split)]
 
 
 def staged_call(

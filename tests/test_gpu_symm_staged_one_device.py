@@ -1,14 +1,15 @@
 """The staged two-shot pipeline (`kernels/symm_staged.py`) with W ranks emulated on ONE GPU: each
 rank's buffer its own allocation, every rank's launches in one global order on one stream
-(`symm_testing.staged_call`: chunk by chunk, F of every rank, then R, then G), so every wait is
-for a launch made before it. At W = 1 the production launch runs (F on a side stream).
+(`symm_testing.staged_call`: chunk by chunk and stage by stage, the syncs split into their signal
+and wait halves), so every wait is for a launch made before it. At W = 1 the production launch
+runs (F on a side stream, the merged sync launches).
 
-Checks what the interpreter cannot: the compiled kernels, their release counters and sentinel
-arrival on the GPU, the ring reused many times within one call (T up to 16384), the chunk base
-carried across calls in device state, CUDA graphs replayed between eager calls, bitwise identity
-across ranks, and a rank that skips a call (NaN and the error word on the others, no hang). Not the
-NVLink test (peers here share one L2) and times nothing. Run alone: `python -m pytest -n 0 <this
-file>`.
+Checks what the interpreter cannot: the compiled kernels, their release counters and arrival /
+reduced flags on the GPU (rows read with plain loads after the sync launch), the ring reused many
+times within one call (T up to 16384), the chunk base carried across calls in device state, CUDA
+graphs replayed between eager calls, bitwise identity across ranks, and a rank that skips a call
+(NaN and the error word on the others, no hang). Not the NVLink test (peers here share one L2)
+and times nothing. Run alone: `python -m pytest -n 0 <this file>`.
 """
 
 import math
@@ -106,15 +107,15 @@ def test_staged_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quan
     "fields",
     [
         dict(chunk=512),
-        dict(chunk=256, row_cols=1024, row_warps=8),
+        dict(chunk=256, row_warps=8),
         dict(stream_mode="one"),
-        dict(chunk=512, row_cols=1024, row_warps=8, stream_mode="two_prio"),
+        dict(chunk=512, stream_mode="two_prio"),
     ],
-    ids=["c512", "rows_streamed", "one_stream", "two_prio"],
+    ids=["c512", "rows_w8", "one_stream", "two_prio"],
 )
 def test_staged_other_shapes(world, fields):
-    """Other launch shapes through one ring: chunks of 512 (its own buffer layout), rows
-    streamed in 1024-column chunks, every stage on one stream, R / G on a high-priority stream
+    """Other launch shapes through one ring: chunks of 512 (its own buffer layout), row
+    launches of 8 warps, every stage on one stream, R / G on a high-priority stream
     (W = 1: emulated ranks use one stream); T = 1, 700, 5000."""
     needs_gpu()
     from fusion_bridge.kernels.symm_staged import StagedShape

@@ -20,7 +20,13 @@ from fusion_bridge.kernels.symm_protocol import (
 )
 from fusion_bridge.kernels.symm_ring_device import SLOTS
 from fusion_bridge.kernels.symm_staged import StagedShape, call_plan
-from fusion_bridge.kernels.symm_testing import EmulatedRing, _ring_layer, staged_call
+from fusion_bridge.kernels.symm_testing import (
+    EmulatedRing,
+    _interpreter_loop_bounds,
+    _ring_layer,
+    staged_call,
+    staged_launches,
+)
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF, kernel_quant_args
@@ -35,8 +41,9 @@ U = UNIT_ROUNDOFF[torch.bfloat16]
 UNIT = 1 << 20  # what one chunk's releases add to its slot's counter (symm_ring_device._UNIT)
 
 
-def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64):
-    """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first."""
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False):
+    """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first. merged (W = 1):
+    the production sequence, the syncs not split."""
     from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.kernels.symm_testing import call_tensors
 
@@ -68,7 +75,12 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64):
         outs.append((ro, no, q, sf))
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
     shape = StagedShape(chunk=emu.chunk, f_cols=f_cols)
-    staged_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
+    if merged:
+        _interpreter_loop_bounds()
+        for _, _, fn in staged_launches(layers[0], per_rank[0], shape, emulated=True, split=False):
+            fn()
+    else:
+        staged_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
     return outs
 
 
@@ -122,12 +134,15 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     assert emu.flags(STAGED_REDUCED_BYTE).tolist() == [last] * world
 
 
-def test_world_of_one_reuses_the_slots():
-    """W = 1 (no G) over 6 chunks (the 4 slots reused)."""
+@pytest.mark.parametrize("merged", [False, True], ids=["split", "production"])
+def test_world_of_one_reuses_the_slots(merged):
+    """W = 1 (no G) over 6 chunks (the 4 slots reused), the syncs split and as the production
+    sequence merges them (one gate for the first 4 chunks, X(c) releasing chunk c - 1 and gating
+    chunk c + 3, one final release)."""
     spec = EpilogueSpec(hidden_size=160, top_k=4, routed_scaling_factor=2.5)
     emu = EmulatedRing(1, 4, 160)
     inputs = _inputs(spec, 21, 1, seed=3)
-    outs = _run(emu, spec, inputs)
+    outs = _run(emu, spec, inputs, merged=merged)
     x64, norm64 = epilogue64_from(spec, inputs)
     assert not emu.states[0, 2], hex(int(emu.states[0, 2]))
     assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U
