@@ -71,9 +71,13 @@ RING_SLOTS = 4
 RING_CHUNK = 256  # tokens per chunk (measured: 128 slower, 512 no faster; 4 slots fit in L2)
 RING_FREED_BYTE = 64
 RING_STATE_WORDS = 4
-# the staged pipeline (kernels/symm_staged.py) on the same layout, slots never cleared: per rank
-# int64 flags [RING_SLOTS] in the header, "my partials of the slot's chunk arrived everywhere" and
-# "my reduced rows of it did", each holding the chunk's sequence number + 1 (base + c + 1)
+# the staged pipeline (kernels/symm_staged.py, the two-shot's default launch): the same slot layout
+# at STAGED_CHUNK tokens per chunk, in its own region right after the ring's slots (the ring needs
+# its slots at the sentinel; the staged pipeline never clears its own), sharing the ring's chunk
+# base and release counters; per rank int64 flags [RING_SLOTS] in the header, "my partials of the
+# slot's chunk arrived everywhere" and "my reduced rows of it did", each holding the chunk's
+# sequence number + 1 (base + c + 1)
+STAGED_CHUNK = 512
 STAGED_ARRIVED_BYTE = 96
 STAGED_REDUCED_BYTE = 128
 # one chunk's releases add exactly this to its slot's counter, whatever the program count P
@@ -92,17 +96,28 @@ def ring_buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = RING
     return HEADER_BYTES + RING_SLOTS * 2 * world * rows_per_source * hidden * elem_size
 
 
+def staged_region(world: int, hidden: int, elem_size: int) -> tuple[int, int]:
+    """The staged pipeline's slots in the two-shot workspace: (offset past the header in int16
+    elements, bytes): after the ring's slots; 58.7 MB at H=7168, bf16, any W."""
+    ring = ring_buffer_bytes(world, hidden, elem_size) - HEADER_BYTES
+    staged = ring_buffer_bytes(world, hidden, elem_size, STAGED_CHUNK) - HEADER_BYTES
+    return ring // 2, staged
+
+
 def slot_elems(world: int, cap: int, hidden: int) -> int:
     """Elements of one one-shot slot."""
     return world * cap * hidden
 
 
 def buffer_bytes(kind: str, world: int, cap: int, hidden: int, elem_size: int) -> int:
-    """One rank's buffer: one-shot's grows with `cap`; the two-shot ring's ignores it."""
+    """One rank's buffer: one-shot's grows with `cap`; the two-shot's (the ring's slots, then the
+    staged pipeline's) ignores it."""
     if kind == "oneshot":
         return HEADER_BYTES + SLOTS * slot_elems(world, cap, hidden) * elem_size
     if kind == "twoshot":
-        return ring_buffer_bytes(world, hidden, elem_size)
+        return (
+            ring_buffer_bytes(world, hidden, elem_size) + staged_region(world, hidden, elem_size)[1]
+        )
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 

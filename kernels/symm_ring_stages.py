@@ -68,7 +68,7 @@ def _stage_finalize(
     weight_ptr, shared_ptr, tokens, hidden, chunk, rank, routed_scaling, dtype: tl.constexpr,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
     F_COLS: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
-    F_PREFETCH: tl.constexpr = True, SLOT_WAIT: tl.constexpr = True,
+    F_PREFETCH: tl.constexpr = True, SLOT_WAIT: tl.constexpr = True, region=0,
 ):  # fmt: skip
     """Wait until every rank released the slot this chunk reuses; then rank `rank`'s partial of
     the chunk's rows (one rounding, -0.0 -> +0.0), items (owner, F_ROWS of its rows, column block),
@@ -78,7 +78,8 @@ def _stage_finalize(
     F_PREFETCH False: the routing is loaded in the item, as our standalone finalize does (the
     prefetched [F_ROWS, K] tiles and their per-k extraction cost registers; with several programs
     per SM the latency is hidden by the others). SLOT_WAIT False: the caller has already waited
-    for the slot (`symm_staged`'s gate launch), so this program makes no system-scope access."""
+    for the slot (`symm_staged`'s sync launch), so this program makes no system-scope access.
+    region: int16 elements between the header and slot 0 (`symm_staged`'s own slots)."""
     seq = base + c
     slot = seq % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -121,7 +122,7 @@ def _stage_finalize(
                     gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden,
                     routed_scaling, TOP_K, HAS_SHARED,
                 )  # fmt: skip
-            dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + rank * src_stride
+            dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + region + rank * src_stride
             tl.store(
                 dst + ii * row_elems + cols, payload_bits(acc, dtype), mask=live & (cols < hidden)
             )

@@ -139,15 +139,19 @@ def _side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
     return _SIDE[key]
 
 
-def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) -> None:
+def launch(
+    layer: SymmLayer, *, shape: Optional[StagedShape] = None, region: int = 0, **tensors
+) -> None:
     """One call: `tensors` as `symm_ring.launch` takes them (residual_out, norm_out, q, sf,
-    gemm2_out, perm, weights, shared or None, residual, gamma). The layer's buffer must be laid out
-    for shape.chunk (`symm_ring_device.buffer_bytes(W, H, elem, chunk)`), its header zeroed at
-    creation. T == 0 launches nothing (on every rank)."""
+    gemm2_out, perm, weights, shared or None, residual, gamma). The layer's buffer holds, `region`
+    int16 elements past its header, slots laid out for shape.chunk (`symm_ring_device.buffer_bytes
+    (W, H, elem, chunk)` from the header on; the two-shot workspace: `symm_protocol.staged_region`),
+    its header zeroed at creation. T == 0 launches nothing (on every rank)."""
     if tensors["perm"].shape[0] == 0:
         return
     shape = shape or DEFAULT_SHAPE
-    seq = _sequence(_call_launches(layer, shape, tensors, emulated=False), split=False)
+    calls = _call_launches(layer, shape, tensors, emulated=False, region=region)
+    seq = _sequence(calls, split=False)
     residual = tensors["residual"]
     if shape.stream_mode == "one" or not residual.is_cuda:
         for _, _, fn, _ in seq:
@@ -156,7 +160,9 @@ def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) 
         _two_streams(residual.device, seq, shape.stream_mode == "two_prio")
 
 
-def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool):
+def _call_launches(
+    layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool, region: int = 0
+):
     """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
     f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
     chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
@@ -186,7 +192,7 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
     nchunks = len(plans)
 
     def f_launch(p):
-        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
+        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling, region)
         return lambda: _LAUNCH_F((p.f_items,), args, f_consts, shape.f_warps)
 
     def r_launch(p, gather):
@@ -194,7 +200,7 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
         last = p.index == nchunks - 1 and (gather or world == 1)
         args = r_ptrs + (
             tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
-            quant.scale, sf_rows, sf_cols, pad_items if last else 0,
+            quant.scale, sf_rows, sf_cols, pad_items if last else 0, region,
         )  # fmt: skip
         consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last)
         return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)

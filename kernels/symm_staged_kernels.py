@@ -122,7 +122,7 @@ def _sync_kernel(
 @triton.jit(do_not_specialize=["tokens", "c", "rank"])
 def _finalize_kernel(
     ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
-    rank, routed_scaling,
+    rank, routed_scaling, region,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
     F_COLS: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
@@ -133,7 +133,7 @@ def _finalize_kernel(
         c, base, ptrs_ptr, abort_word_ptr(ptrs_ptr, rank), state_ptr, 0, 0, tl.program_id(0),
         tl.num_programs(0), gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk,
         rank, routed_scaling, gemm2_ptr.dtype.element_ty, WORLD, TOP_K, HAS_SHARED, F_ROWS,
-        F_COLS, EMU, 1, False, False,
+        F_COLS, EMU, 1, False, False, region,
     )  # fmt: skip
 
 
@@ -141,6 +141,7 @@ def _finalize_kernel(
 def _rows_kernel(
     ptrs_ptr, state_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
     tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
+    region,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr,
 ):  # fmt: skip
@@ -151,7 +152,7 @@ def _rows_kernel(
     and its norm (+ FP8 / NVFP4), with the code the owner ran. One row per program; the sync
     launch before it waited for the flags. The abort word set (a wait of this call failed, here
     or on a peer): NaN rows. LAST: the call's last row launch, which also writes the swizzled
-    NVFP4 scale padding."""
+    NVFP4 scale padding. region: int16 elements between the header and slot 0."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
@@ -161,7 +162,7 @@ def _rows_kernel(
     n_own = tl.where(n_c > rank, (n_c - rank + WORLD - 1) // WORLD, 0)
     row_elems = tl.full([], 0, tl.int64) + hidden
     src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * row_elems
-    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD)
+    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD) + region
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     if GATHER:
@@ -192,7 +193,7 @@ def _rows_kernel(
             bits = payload_bits(x, dtype)
             for q in range(WORLD):  # every other rank's all-gather rows
                 if q != rank:
-                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD)
+                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + region
                     tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
                              mask=in_row)  # fmt: skip
             _row_outputs(

@@ -237,10 +237,11 @@ def _ring_layer(
 
 class EmulatedRing:
     """W ranks' buffers (abort words and release counters in their headers), states and error
-    words, on the CPU."""
+    words, on the CPU. region: int16 elements between the header and the slots (the staged
+    pipeline's place in the two-shot workspace)."""
 
-    def __init__(self, world: int, chunk: int, hidden: int):
-        elems = buffer_bytes(world, hidden, 2, chunk) // 2
+    def __init__(self, world: int, chunk: int, hidden: int, region: int = 0):
+        elems = buffer_bytes(world, hidden, 2, chunk) // 2 + region
         self.world, self.chunk, self.hidden = world, chunk, hidden
         self.bufs = torch.full((world, elems), P.SENTINEL_BITS, dtype=torch.int16)
         self.bufs[:, : P.HEADER_BYTES // 2] = 0
@@ -394,17 +395,22 @@ _STAGE_ORDER = {s: i for i, s in enumerate(("Q", "F", "A", "WA", "R", "D", "WD",
 
 
 def staged_launches(
-    layer: P.SymmLayer, tensors: dict, shape=None, emulated: bool = False, split: bool = True
+    layer: P.SymmLayer,
+    tensors: dict,
+    shape=None,
+    emulated: bool = False,
+    split: bool = True,
+    region: int = 0,
 ) -> list:
     """One rank's launches of one staged call, not made: [(stage letter, chunk, callable)] in the
     rank's order; split: every sync as its halves (per chunk: Q gate, F finalize, A / WA signal /
     wait arrived, R reduce, D / WD signal / wait reduced, G gather, P release), else the
     production sequence (`symm_staged._sequence`). emulated: the interpreter's poll-count
-    timer."""
+    timer. region: as `symm_staged.launch` takes it."""
     from . import symm_staged
 
     shape = shape or symm_staged.DEFAULT_SHAPE
-    calls = symm_staged._call_launches(layer, shape, tensors, emulated)
+    calls = symm_staged._call_launches(layer, shape, tensors, emulated, region)
     return [(stage, c, fn) for stage, c, fn, _ in symm_staged._sequence(calls, split=split)]
 
 
@@ -414,6 +420,7 @@ def staged_call(
     shape=None,
     emulated: bool = False,
     skip_rank: Optional[int] = None,
+    region: int = 0,
 ) -> None:
     """One call of the staged pipeline on W emulated ranks (CPU interpreter or one GPU): every
     rank's launches in ONE global order on the current stream, chunk by chunk and stage by stage
@@ -423,7 +430,7 @@ def staged_call(
     queue = []
     for rank, (layer, tensors) in enumerate(zip(layers, per_rank)):
         if rank != skip_rank:
-            for stage, c, fn in staged_launches(layer, tensors, shape, emulated):
+            for stage, c, fn in staged_launches(layer, tensors, shape, emulated, True, region):
                 queue.append(((c, _STAGE_ORDER[stage], rank), fn))
     if emulated:
         _interpreter_loop_bounds()

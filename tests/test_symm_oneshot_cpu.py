@@ -565,8 +565,8 @@ def test_rounding_keeps_the_gpus_canonical_nan():
 
 def test_launch_shape_variants_for_tune():
     """The exchange kernel's launch shapes are variants `tune` measures: declared by the strategy
-    (the twoshot subclass keeps only its default), each a valid shape (64-column multiples within
-    the row block), "default" is the per-T rule, an unknown name is refused."""
+    (the twoshot subclass declares its own: test_symm_staged_cpu), each a valid shape (64-column
+    multiples within the row block), "default" is the per-T rule, an unknown name is refused."""
     from fusion_bridge.kernels.oneshot_shapes import SHAPE_VARIANTS, variant_shape
     from fusion_bridge.strategies import symm_fused_oneshot as so
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
@@ -575,7 +575,7 @@ def test_launch_shape_variants_for_tune():
     env = Environment(device_type="cuda", sm=90, world_size=2, triton_version="3.6.0")
     assert so.SHAPE_VARIANTS == SHAPE_VARIANTS
     assert so.SymmFusedOneshotStrategy.variants(spec, env) == ("default",) + SHAPE_VARIANTS
-    assert SymmFusedTwoshotStrategy.variants(spec, env) == ("default",)
+    assert "pub512" not in SymmFusedTwoshotStrategy.variants(spec, env)
     for tokens in (1, 16, 64, 256):
         assert variant_shape("default", tokens, 7168, 132, 2) is None
         shapes = {v: variant_shape(v, tokens, 7168, 132, 2) for v in SHAPE_VARIANTS}

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from fusion_bridge.kernels import symm_oneshot, symm_protocol, symm_ring
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
 from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
@@ -73,9 +75,12 @@ def test_hooks_stay_out_of_production_launchers_and_strategies():
 
 def test_sizes_follow_the_layouts():
     assert symm_protocol.buffer_bytes("oneshot", 2, 16, 64, 2) == 256 + 3 * 2 * 16 * 64 * 2
-    # the two-shot ring: 4 slots of [2][W][ceil(256 / W)][H] (reduce-scatter, all-gather), any cap
+    # the two-shot: the ring's 4 slots of [2][W][ceil(256 / W)][H] (reduce-scatter, all-gather),
+    # then the staged pipeline's 4 slots of [2][W][ceil(512 / W)][H], any cap
     for cap in (1, 7, 4096, 100_000):
-        assert symm_protocol.buffer_bytes("twoshot", 3, cap, 64, 2) == 256 + 4 * 2 * 3 * 86 * 64 * 2
+        ring, staged = 4 * 2 * 3 * 86 * 64 * 2, 4 * 2 * 3 * 171 * 64 * 2
+        assert symm_protocol.buffer_bytes("twoshot", 3, cap, 64, 2) == 256 + ring + staged
+        assert symm_protocol.staged_region(3, 64, 2) == (ring // 2, staged)
 
 
 def test_capacity_at_every_world_size():
@@ -101,9 +106,11 @@ def test_capacity_at_every_world_size():
 
 
 def test_the_twoshot_workspace_is_fixed_whatever_t():
-    """symm_fused_twoshot's workspace (the ring's buffer) does not depend on the tokens a call may
-    carry, stays within 64 MB per rank at H=7168 in bf16 at every world size, and never makes the
-    strategy refuse a T: no `workspace_too_small`, max_tokens_per_call == max_tokens."""
+    """symm_fused_twoshot's workspace (the ring's slots, then the staged pipeline's) does not
+    depend on the tokens a call may carry and never makes the strategy refuse a T: no
+    `workspace_too_small`, max_tokens_per_call == max_tokens. Each variant's region stays within
+    64 MB per rank at H=7168 in bf16 at every world size; the two together (both variants kept
+    until two GPUs have measured them) do not: 88.1 MB at W=2."""
     from fusion_bridge.environment import Environment
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.strategies import symm_workspace as sw
@@ -122,11 +129,13 @@ def test_the_twoshot_workspace_is_fixed_whatever_t():
             assert codes == [], (world, max_tokens, codes)
         assert len(sizes) == 1, (world, sizes)
         (size,) = sizes
-        assert size <= 64_000_000, (world, size)
-        assert size == symm_protocol.ring_buffer_bytes(world, 7168, 2), world
-    # about 29.4 MB at W=2 (4 slots x 2 regions x 256 rows of 7168 bf16 values)
+        ring = symm_protocol.ring_buffer_bytes(world, 7168, 2)
+        staged = symm_protocol.staged_region(world, 7168, 2)[1]
+        assert ring <= 64_000_000 and staged <= 64_000_000, (world, ring, staged)
+        assert size == ring + staged, world
+    # about 29.4 + 58.7 MB at W=2 (4 slots x 2 regions x 256, then 512 rows of 7168 bf16 values)
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=4096)
-    assert sw.buffer_bytes(spec, 2, "twoshot") == 256 + 4 * 2 * 256 * 7168 * 2
+    assert sw.buffer_bytes(spec, 2, "twoshot") == 256 + 4 * 2 * (256 + 512) * 7168 * 2
 
 
 def test_the_world_size_one_kernels_can_take_the_launch_cache():
@@ -148,11 +157,13 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
 
 
 def test_the_twoshot_strategy_binds_its_workspace_to_the_ring_kernel():
-    """symm_fused_twoshot launches kernels/symm_ring: its workspace's device state has the ring's
-    shape (int64 [RING_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare()
-    does) with the keywords the strategy's run() passes gives the ring's launch arguments (pointers
-    and state as bound, this group's world size). Nothing is launched (the strategy's kernel uses
-    inline PTX, which the interpreter cannot run; tests/test_gpu_symm_twoshot.py launches it)."""
+    """symm_fused_twoshot launches kernels/twoshot_launch (the staged pipeline by default, the
+    ring as its "ring" variant; the names agree with the strategy's): its workspace's device
+    state has the ring's shape (int64 [RING_STATE_WORDS]), and the layer bound from it
+    (SymmLayer.bind, as prepare() does) with the keywords the strategy's run() passes gives the
+    ring's launch arguments (pointers and state as bound, this group's world size). Nothing is
+    launched (the kernels use inline PTX, which the interpreter cannot run;
+    tests/test_gpu_symm_twoshot.py launches them)."""
     from types import SimpleNamespace
 
     import torch
@@ -160,7 +171,14 @@ def test_the_twoshot_strategy_binds_its_workspace_to_the_ring_kernel():
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
 
-    assert SymmFusedTwoshotStrategy._kernel_module(None) is symm_ring
+    from fusion_bridge.kernels import twoshot_launch
+    from fusion_bridge.strategies.symm_fused_twoshot import TWOSHOT_VARIANTS
+
+    assert SymmFusedTwoshotStrategy._kernel_module(None) is twoshot_launch
+    assert twoshot_launch.VARIANTS == TWOSHOT_VARIANTS
+    assert twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0) == "ring"
+    with pytest.raises(ValueError, match="variant: expected one of"):
+        twoshot_launch.variant_shape("rows", 5, 96, 132, 2, 0)
     words, dtype = symm_protocol.state_words(SymmFusedTwoshotStrategy.workspace_kind)
     assert (words, dtype) == (symm_ring.STATE_WORDS, torch.int64)
     spec = EpilogueSpec(hidden_size=96, top_k=2)

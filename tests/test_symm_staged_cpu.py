@@ -15,6 +15,7 @@ import torch
 from fusion_bridge.kernels.symm_protocol import (
     ERR_ABORTED,
     ERR_TIMEOUT,
+    SENTINEL_BITS,
     STAGED_ARRIVED_BYTE,
     STAGED_REDUCED_BYTE,
 )
@@ -41,7 +42,7 @@ U = UNIT_ROUNDOFF[torch.bfloat16]
 UNIT = 1 << 20  # what one chunk's releases add to its slot's counter (symm_ring_device._UNIT)
 
 
-def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False):
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False, region=0):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first. merged (W = 1):
     the production sequence, the syncs not split."""
     from fusion_bridge.epilogue_tensors import quant_buffers
@@ -80,7 +81,9 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
         for _, _, fn in staged_launches(layers[0], per_rank[0], shape, emulated=True, split=False):
             fn()
     else:
-        staged_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
+        staged_call(
+            layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank, region=region
+        )
     return outs
 
 
@@ -150,6 +153,21 @@ def test_world_of_one_reuses_the_slots(merged):
     assert emu.states[0, 0] == 6
     assert emu.freed[0].tolist() == [2 * UNIT, 2 * UNIT, UNIT, UNIT]  # 6 chunks, 4 slots
     assert emu.flags(STAGED_ARRIVED_BYTE)[0].tolist() == [5, 6, 3, 4]  # sequence + 1
+
+
+def test_the_slots_start_past_the_region():
+    """In the two-shot workspace the staged slots follow the ring's (`region` int16 elements past
+    the header): the outputs are right and nothing before the region's end is written."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2, routed_scaling_factor=2.5)
+    region = 3 * 4 * 64 + 8  # not a multiple of the slot size
+    emu = EmulatedRing(2, 4, 64, region=region)
+    inputs = _inputs(spec, 9, 2, seed=4)
+    outs = _run(emu, spec, inputs, region=region)
+    x64, _ = epilogue64_from(spec, inputs)
+    assert not emu.states[:, 2].any()
+    assert rel_err(outs[1][0], x64) <= math.sqrt(2) * U
+    head = 256 // 2
+    assert (emu.bufs[:, head : head + region] == SENTINEL_BITS).all()
 
 
 def test_calls_at_changing_t_share_one_ring():

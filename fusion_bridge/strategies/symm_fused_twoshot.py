@@ -26,8 +26,11 @@ name).
 
 from __future__ import annotations
 
-from .base import Step, required_stages
+from .base import DEFAULT_VARIANT, Step, required_stages
 from .symm_fused_oneshot import SymmFusedOneshotStrategy
+
+# kernels/twoshot_launch.VARIANTS (named here: the class-level declarations import no kernel)
+TWOSHOT_VARIANTS = ("ring", "staged_prio")
 
 
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
@@ -47,10 +50,17 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
         return [Step("triton.symm_ring_epilogue", required_stages(spec, env.world_size))]
 
     @classmethod
+    def variants(cls, spec, env):
+        """ "default" (the staged pipeline), "ring" (the persistent ring kernel), "staged_prio"
+        (the staged pipeline with its row launches on a high-priority stream); `tune` measures
+        them per bucket (kernels/twoshot_launch)."""
+        return (DEFAULT_VARIANT,) + TWOSHOT_VARIANTS
+
+    @classmethod
     def roundings(cls, spec, env):
         return 3  # the partial, residual_out (the norm reads it, on every rank) and each output
 
     def _kernel_module(self):
-        from ..kernels import symm_ring
+        from ..kernels import twoshot_launch
 
-        return symm_ring
+        return twoshot_launch

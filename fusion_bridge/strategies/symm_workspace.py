@@ -82,7 +82,7 @@ def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
     elem = torch.finfo(spec.dtype).bits // 8
     world = max(world_size, 1)
     if kind == "twoshot":
-        fits = protocol.ring_buffer_bytes(world, spec.hidden_size, elem) <= MAX_BUFFER_BYTES
+        fits = protocol.buffer_bytes(kind, world, 0, spec.hidden_size, elem) <= MAX_BUFFER_BYTES
         return spec.max_tokens if fits else 0
     # one-shot: [3][W][cap][H]
     cap = min(
@@ -174,7 +174,7 @@ def memory_reason(
 ) -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
     what = (
-        "the symmetric ring buffer (any T)"
+        "the symmetric two-shot buffer (any T)"
         if kind == "twoshot"
         else f"the symmetric buffer for {capacity(spec, world_size, kind)} tokens"
     )
