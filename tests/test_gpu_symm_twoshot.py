@@ -1,14 +1,18 @@
-"""GPU tests of `symm_fused_twoshot` (the bandwidth path: the chunked ring kernel,
-kernels/symm_ring) over 2 ranks (NCCL + symmetric memory, multicast off), on 2 GPUs of one host
-(run on 2x H200), through the strategy: its workspace comes from the symmetric-memory rendezvous.
-One spawned process group runs every case and returns its problems.
+"""GPU tests of `symm_fused_twoshot` (the bandwidth path: the staged pipeline kernels/symm_staged by
+default, the persistent ring kernel kernels/symm_ring as the "ring" variant, the staged pipeline
+with high-priority row launches as "staged_prio") over 2 ranks (NCCL + symmetric memory,
+multicast off), on 2 GPUs of one host (run on 2x H200), through the strategy: its workspace
+comes from the symmetric-memory rendezvous. One spawned process group runs every case and returns
+its problems.
 
 Covered: parity against the float64 oracle (T in 1, 3, 129, 255, 256, 257, 1000, 4096, 8192; H in
 7168, 4096, 2880; K in 1, 8; inputs different per rank with -1 slots and NaN in unreferenced rows;
-none/fp8/nvfp4 in both scale layouts), quant bit-exact on the kernel's own norm_out, bitwise
+none/fp8/nvfp4 in both scale layouts; every variant at T = 257 and 4096, the default at every T),
+quant bit-exact on the kernel's own norm_out, bitwise
 identity of every output across ranks, T up to 16384 through the bridge with no overflow route (the
 ring's workspace does not limit T), CUDA graphs replayed on new inputs mixed with eager calls, a
-stress loop of 10,000 calls at random T up to 8192, and a rank that skips a call (NaN and a clear
+stress loop of 10,000 calls at random T up to 8192 and a random variant (the variants share one
+workspace, in any order), and a rank that skips a call (NaN and a clear
 error on both ranks, no hang).
 """
 
@@ -35,8 +39,9 @@ NAME = "symm_fused_twoshot"
 # the partial's rounding, residual_out's (norm_out is computed from it) and norm_out's, independent,
 # in quadrature, against the exact (float64) oracle
 BOUND = math.sqrt(3) * U_BF16
-# chunk boundaries of the ring (256 tokens) and many chunks
-TOKENS = (1, 3, 129, 255, 256, 257, 1000, 4096, 8192)
+# chunk boundaries of the ring (256 tokens), of the staged pipeline (512) and many chunks
+TOKENS = (1, 3, 129, 255, 256, 257, 511, 513, 1000, 4096, 8192)
+VARIANTS = ("default", "ring", "staged_prio")
 
 
 def _parity(rank, dev, problems):
@@ -74,17 +79,18 @@ def _parity(rank, dev, problems):
                         weight_dtype=wdt,
                         skip_fraction=0.2,
                     )
-                    out = strat.run(inp)
-                    _check(
-                        spec,
-                        out,
-                        inp,
-                        f"H={hidden} K={top_k} {quant.kind.value}/{quant.sf_layout.value} "
-                        f"T={tokens}",
-                        problems,
-                        BOUND,
-                    )
-                    cases += 1
+                    for variant in VARIANTS if tokens in (257, 4096) else VARIANTS[:1]:
+                        out = strat.run(inp, variant)
+                        _check(
+                            spec,
+                            out,
+                            inp,
+                            f"H={hidden} K={top_k} {quant.kind.value}/{quant.sf_layout.value} "
+                            f"T={tokens} {variant}",
+                            problems,
+                            BOUND,
+                        )
+                        cases += 1
                 strat.check_error()
                 strat.close()
     return cases
@@ -165,10 +171,11 @@ def _graphs_and_stress(rank, dev, problems, stress_calls):
         if rng.random() < 0.5:
             graphs[rng.choice(list(graphs))][0].replay()
         else:
-            tokens = rng.choice(list(pool))
-            out = strat.run(pool[tokens])
+            tokens, variant = rng.choice(list(pool)), rng.choice(VARIANTS)
+            out = strat.run(pool[tokens], variant)
             if call % 997 == 0:
-                _check(spec, out, pool[tokens], f"stress call {call} T={tokens}", problems, BOUND)
+                tag = f"stress call {call} T={tokens} {variant}"
+                _check(spec, out, pool[tokens], tag, problems, BOUND)
     torch.cuda.synchronize()
     for tokens, (graph, static, got) in graphs.items():  # still exact after the loop
         _poison(got)
