@@ -9,8 +9,10 @@ Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMS
 sum, each ring row's time, its ratio to the sum and the ring's workspace per rank (MB). `--ablate`
 adds the ring's finalize stage alone (PHASES hook; its outputs are wrong) and our finalize in the
 ring's tile shape. `--staged LABEL... | all` adds the staged pipeline (kernels/symm_staged.py: per-
-chunk launches, F on a side stream) in the STAGED shapes, checked like the ring, and with
-`--ablate` its finalize launches alone. CUDA graphs, inputs rotated past L2, median us per call.
+chunk launches, F on a side stream) in the STAGED shapes or as the two-shot strategy launches it
+(TWOSHOT labels), checked like the ring, and with `--ablate` its finalize launches alone, its
+row launches (R) alone and everything but F on one stream. CUDA graphs, inputs rotated past
+L2, median us per call.
 `--emulate W...` adds W ranks emulated on this one GPU (each rank on its own stream with SMs / W
 programs; all ranks' work in one time: not a two-GPU prediction). Every ring row is first checked
 against the two standalone kernels' outputs (residual_out bitwise equal: the same roundings;
@@ -67,7 +69,10 @@ STAGED = {
     "c512_w8": dict(chunk=512, row_warps=8),
     "c512_prio": dict(chunk=512, stream_mode="two_prio"),
     "c512_w8_prio": dict(chunk=512, row_warps=8, stream_mode="two_prio"),
+    "c1024": dict(chunk=1024),  # 117 MB of slots at H=7168: to see what fewer launches give
 }
+# the two-shot strategy's launch variants on its whole workspace (kernels/twoshot_launch.py)
+TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}
 
 
 def main() -> None:
@@ -93,7 +98,7 @@ def main() -> None:
     from fusion_bridge.synthetic import make_inputs
 
     names = list(SWEEP) if args.variants == ["sweep"] else args.variants
-    staged = list(STAGED) if args.staged == ["all"] else args.staged
+    staged = list(STAGED) + list(TWOSHOT) if args.staged == ["all"] else args.staged
     variants = {name: SWEEP[name] for name in names}
     copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
     rows = []  # one per (H, T, variant): the table the target reads
@@ -210,10 +215,13 @@ def main() -> None:
 
 
 def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, ablate):
-    """The staged pipeline (kernels/symm_staged.py) at world size 1 in shape STAGED[label]:
-    checked against the standalone kernels' outputs, then timed; `ablate` adds its finalize
-    launches alone (the slot counters preset so no wait holds them; outputs not written)."""
-    from fusion_bridge.kernels import symm_staged
+    """The staged pipeline (kernels/symm_staged.py) at world size 1 in shape STAGED[label], or
+    (TWOSHOT labels) the two-shot strategy's launch of a variant (kernels/twoshot_launch.py) on
+    its whole workspace: checked against the standalone kernels' outputs, then timed; `ablate`
+    adds its finalize launches alone, its R launches alone and every launch but F on one stream
+    (the slot counters preset so no gate holds them; outputs not all written)."""
+    from fusion_bridge.kernels import symm_protocol as P
+    from fusion_bridge.kernels import symm_staged, twoshot_launch
     from fusion_bridge.kernels.symm_ring_device import FREED_BYTE, SLOTS
     from fusion_bridge.kernels.symm_testing import (
         call_tensors,
@@ -221,17 +229,32 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, 
         staged_launches,
     )
 
-    shape = symm_staged.StagedShape(**STAGED[label])
     hidden, tokens = part.shape[1], part.shape[0]
+    variant = TWOSHOT.get(label, False)
+    if variant is False:
+        shape, region = symm_staged.StagedShape(**STAGED[label]), 0
+        nbytes = None
+    else:
+        shape = twoshot_launch._STAGED.get(variant, symm_staged.DEFAULT_SHAPE)
+        region = P.staged_region(1, hidden, 2)[0]
+        nbytes = P.buffer_bytes("twoshot", 1, 0, hidden, 2)
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
-    group = ring_layers_on_one_gpu(1, hidden, spec, timeout_s=5.0, chunk=shape.chunk)
-    keep.append(group)
+
+    def group_for():
+        g = ring_layers_on_one_gpu(1, hidden, spec, 5.0, chunk=shape.chunk, nbytes=nbytes)
+        keep.append(g)
+        return g
+
+    group = group_for()
     layer, err = group.layers[0], group.errs[0]
     out = (torch.full_like(part, float("nan")), torch.full_like(part, float("nan")), none, none)
     mb = group.buffers[0].numel() / 1e6
 
     def staged(i):
-        symm_staged.launch(layer, shape=shape, **call_tensors(sets[i], out))
+        if variant is False:
+            symm_staged.launch(layer, shape=shape, **call_tensors(sets[i], out))
+        else:
+            twoshot_launch.launch(layer, shape=variant, **call_tensors(sets[i], out))
 
     staged(0)
     torch.cuda.synchronize()
@@ -246,20 +269,23 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, 
     assert int(err[0]) == 0, hex(int(err[0]))
     out_rows = [dict(row(f"staged_{label}", us), workspace_mb=round(mb, 1))]
     if ablate:
-        group_f = ring_layers_on_one_gpu(1, hidden, spec, timeout_s=5.0, chunk=shape.chunk)
-        keep.append(group_f)
+        group_f = group_for()
         group_f.buffers[0][FREED_BYTE : FREED_BYTE + 8 * SLOTS].view(torch.int64).fill_(1 << 40)
 
-        def only_f(i):
-            for stage, _, fn in staged_launches(
-                group_f.layers[0], call_tensors(sets[i], out), shape
-            ):
-                if stage == "F":
-                    fn()
+        def only(stages):
+            def fn_of(i):
+                for stage, _, fn in staged_launches(
+                    group_f.layers[0], call_tensors(sets[i], out), shape, False, False, region
+                ):
+                    if stage in stages:
+                        fn()
 
-        us = time_graph(only_f, sets=n)
-        record(f"staged_{label}_only_F", hidden, tokens, us)
-        out_rows.append(dict(row(f"staged_{label}_only_F", us), workspace_mb=round(mb, 1)))
+            return fn_of
+
+        for tag, stages in (("only_F", "F"), ("only_R", "R"), ("no_F", "QXRYGZ")):
+            us = time_graph(only(stages), sets=n)
+            record(f"staged_{label}_{tag}", hidden, tokens, us)
+            out_rows.append(dict(row(f"staged_{label}_{tag}", us), workspace_mb=round(mb, 1)))
     return out_rows
 
 

@@ -350,15 +350,23 @@ def ring_launch_ablated(layer: P.SymmLayer, phases: int, shape: RingShape, **ten
 
 
 def ring_layers_on_one_gpu(
-    world: int, hidden: int, spec, timeout_s: float = 10.0, device=None, chunk: int = CHUNK
+    world: int,
+    hidden: int,
+    spec,
+    timeout_s: float = 10.0,
+    device=None,
+    chunk: int = CHUNK,
+    nbytes: Optional[int] = None,
 ):
     """W ranks' layers on ONE GPU: each rank's buffer its own allocation, each rank's programs on
     SMs / W (so all ranks' programs are resident together when each rank launches on its own
-    stream). chunk: the buffers' layout (the staged pipeline's StagedShape.chunk). Returns a
+    stream). chunk: the buffers' layout (the staged pipeline's StagedShape.chunk); nbytes: a
+    buffer size other than that layout's (the two-shot workspace's, `symm_protocol.buffer_bytes`).
+    Returns a
     namespace of layers, errs (pinned int32 [4] per rank) and buffers: keep it alive while its
     layers are used (the layers hold raw pointers into the buffers)."""
     dev = torch.device("cuda", 0) if device is None else device
-    nbytes = buffer_bytes(world, hidden, 2, chunk)
+    nbytes = nbytes or buffer_bytes(world, hidden, 2, chunk)
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(world)]
     for b in bufs:
         b[: P.HEADER_BYTES].zero_()
