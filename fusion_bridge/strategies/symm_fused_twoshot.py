@@ -1,24 +1,32 @@
-"""`symm_fused_twoshot`: our own single launch over PyTorch symmetric memory (no NVLink multicast)
-for large T, the bandwidth path: finalize + shared add, reduce-scatter by token, residual add,
-all-gather of the reduced rows, RMSNorm (+ FP8 / NVFP4), as a chunked pipeline (kernels/symm_ring).
+"""`symm_fused_twoshot`: our own launches over PyTorch symmetric memory (no NVLink multicast) for
+large T, the bandwidth path: finalize + shared add, reduce-scatter by token, residual add,
+all-gather of the reduced rows, RMSNorm (+ FP8 / NVFP4), as a chunked pipeline.
 
-Rows are cut into chunks of 256 tokens that take the slots of a small ring in turn, so the
-workspace has a fixed size whatever T is (about 29.4 MB per rank at H=7168 in bf16, any W) and
-no T takes the overflow route. Inside a chunk, row j belongs to rank j % W. Each rank finalizes its
-partial of chunk c into the owners' slots (rounded once to the activation dtype) while it reduces
-chunk c - 1 (the W partials of its own rows summed in rank order in fp32, plus the residual,
-rounded: residual_out, pushed to every peer) and norms chunk c - 2 from the rows the peers pushed.
-Every rank norms every row from the same rounded residual_out bits with the same code, so all
-outputs are bitwise identical on every rank. Link bytes per rank: 2 (W - 1) / W of T * H * elem (at
-W = 8 a quarter of a one-shot's). Error against the fp32 oracle: 3 roundings (the partial,
-residual_out, norm_out).
+Rows are cut into chunks that take the slots of a small ring in turn, so the workspace has a fixed
+size whatever T is and no T takes the overflow route. Inside a chunk, row j belongs to rank j % W.
+Each rank finalizes its partial of chunk c into the owners' slots (rounded once to the activation
+dtype) while it reduces chunk c - 1 (the W partials of its own rows summed in rank order in fp32,
+plus the residual, rounded: residual_out, pushed to every peer) and norms the rows the peers
+pushed. Every rank norms every row from the same rounded residual_out bits with the same code, so
+all outputs are bitwise identical on every rank. Link bytes per rank: 2 (W - 1) / W of T * H *
+elem (at W = 8 a quarter of a one-shot's). Error against the fp32 oracle: 3 roundings (the
+partial, residual_out, norm_out).
+
+Launch variants (`kernels/twoshot_launch.py`, measured per bucket by `tune`): "default", the staged
+pipeline (`kernels/symm_staged.py`: one launch per stage per chunk of 512 tokens, the finalize on a
+side stream, a chunk's arrival one flag per rank); "staged_prio", the same with its row launches on
+a high-priority stream; "ring", the persistent one-launch ring kernel (`kernels/symm_ring.py`,
+chunks of 256). At world size 1 on one H200 (local work, K=8, against our standalone finalize +
+add+RMSNorm in the same run) the staged pipeline took 1.35-1.56x, its high-priority form
+1.31-1.59x, the ring 1.61-1.79x (README). The workspace holds both slot regions, the ring's then
+the staged pipeline's (88.1 MB per rank at H=7168 in bf16, any W), so the variants may follow each
+other in any order.
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
 buffer pointers, the pinned error word, one workspace shared by every layer) and its safety rules:
-waits are bounded; a peer that does not arrive makes the kernel write NaN rows and the error word,
-and every later call raises until the bridge is rebuilt. The kernel module's docstring carries the
-ordering and deadlock arguments. It replaced a persistent two-shot kernel whose workspace grew with
-T (352 MB at H=7168, T=4096) and whose local work was slower (README).
+waits are bounded; a peer that does not arrive makes the kernels write NaN rows and the error
+word, and every later call raises until the bridge is rebuilt. The kernel modules' docstrings
+carry the ordering and deadlock arguments.
 
 Opt-in: auto neither prepares nor picks it until it has been measured on two GPUs (request it by
 name).
@@ -36,7 +44,7 @@ TWOSHOT_VARIANTS = ("ring", "staged_prio")
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
     name = "symm_fused_twoshot"
     summary = (
-        "one Triton launch over symmetric memory for large T: a chunked pipeline of "
+        "our launches over symmetric memory for large T: a chunked pipeline of "
         "finalize+shared, reduce-scatter by token, residual, all-gather of the rounded rows, "
         "RMSNorm (+fp8/nvfp4) in a fixed ring workspace"
     )
