@@ -223,11 +223,8 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, 
     from fusion_bridge.kernels import symm_protocol as P
     from fusion_bridge.kernels import symm_staged, twoshot_launch
     from fusion_bridge.kernels.symm_ring_device import FREED_BYTE, SLOTS
-    from fusion_bridge.kernels.symm_testing import (
-        call_tensors,
-        ring_layers_on_one_gpu,
-        staged_launches,
-    )
+    from fusion_bridge.kernels.symm_testing import call_tensors, ring_layers_on_one_gpu
+    from fusion_bridge.kernels.symm_testing_staged import staged_launches
 
     hidden, tokens = part.shape[1], part.shape[0]
     variant = TWOSHOT.get(label, False)

@@ -50,9 +50,9 @@ and waits only for the peers' release of chunk c - 1 and signals of chunk c, whi
 X(c) / Y(c) make before any of their waits; X(c) follows F(c), which follows the gate of its slot,
 made by X(c + 1 - SLOTS), earlier: by induction over the chunks every wait is for a launch that
 is made. Emulated ranks on one GPU launch every rank's stages in one global order on one stream
-(`symm_testing.staged_call`), the syncs split into their signal and wait halves (per chunk: gate,
-F, signal / wait arrived, R, signal / wait reduced, G, release), so that no spinning launch holds
-the SMs a peer's earlier stage needs.
+(`symm_testing_staged.staged_call`), the syncs split into their signal and wait halves (per
+chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release), so that no spinning
+launch holds the SMs a peer's earlier stage needs.
 
 Errors: a wait that runs out (time, or the abort word a peer that timed out set) reports the
 error word and sets every rank's abort word (`report_error`); every row launch of that call after
@@ -173,7 +173,7 @@ def _call_launches(
     """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
     f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
     chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
-    interpreter's poll-count timer (symm_testing only)."""
+    interpreter's poll-count timer (symm_testing_staged only)."""
     tokens, top_k = tensors["perm"].shape
     world, rank, hidden = layer.world, layer.rank, layer.hidden
     quant = layer.quant
@@ -224,8 +224,8 @@ def _call_launches(
 def _sequence(calls, split: bool) -> list:
     """The call's launches in this rank's order: [(stage, chunk, callable, gated chunks)], gated:
     the chunks whose slot gate this launch holds (their F waits for it). split (emulated ranks in
-    one global order, `symm_testing`): every sync as its halves, each a launch of its own, the
-    gates one per chunk."""
+    one global order, `symm_testing_staged`): every sync as its halves, each a launch of its own,
+    the gates one per chunk."""
     n, world, sync = len(calls.plans), calls.world, calls.sync
     if split:
         seq = []

@@ -1,8 +1,8 @@
 """The staged two-shot pipeline (`kernels/symm_staged.py`) with W ranks emulated on ONE GPU: each
 rank's buffer its own allocation, every rank's launches in one global order on one stream
-(`symm_testing.staged_call`: chunk by chunk and stage by stage, the syncs split into their signal
-and wait halves), so every wait is for a launch made before it. At W = 1 the production launch
-runs (F on a side stream, the merged sync launches).
+(`symm_testing_staged.staged_call`: chunk by chunk and stage by stage, the syncs split into their
+signal and wait halves), so every wait is for a launch made before it. At W = 1 the production
+launch runs (F on a side stream, the merged sync launches).
 
 Checks what the interpreter cannot: the compiled kernels, their release counters and arrival /
 reduced flags on the GPU (rows read with plain loads after the sync launch), the ring reused many
@@ -65,7 +65,8 @@ def _call(layers, spec, inputs, shape=None, skip_rank=None, outs=None):
     """One call on every emulated rank (W = 1: the production launch, two streams); outputs
     poisoned first (or reused: graph capture)."""
     from fusion_bridge.kernels import symm_staged
-    from fusion_bridge.kernels.symm_testing import call_tensors, staged_call
+    from fusion_bridge.kernels.symm_testing import call_tensors
+    from fusion_bridge.kernels.symm_testing_staged import staged_call
 
     outs = outs or [_outputs(spec, inp) for inp in inputs]
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]

@@ -1,8 +1,8 @@
 """The staged two-shot pipeline (`kernels/symm_staged.py`) on CPU: its very kernels under
 TRITON_INTERPRET=1, with W ranks' buffers laid out as on the GPU (`symm_testing.EmulatedRing`) and
-every rank's launches in one global order (`symm_testing.staged_call`: per chunk the gate, F, the
-arrived signal then wait, R, the reduced signal then wait, G, the release, each stage on every
-rank before the next), so every wait finds what earlier launches wrote. Small chunks (4-8
+every rank's launches in one global order (`symm_testing_staged.staged_call`: per chunk the gate,
+F, the arrived signal then wait, R, the reduced signal then wait, G, the release, each stage on
+every rank before the next), so every wait finds what earlier launches wrote. Small chunks (4-8
 tokens) and narrow finalize items make T = 1, one chunk, chunks that do not divide T, a ring
 turned several times within one call and chunks that W does not divide reachable at interpreter
 speed."""
@@ -21,13 +21,8 @@ from fusion_bridge.kernels.symm_protocol import (
 )
 from fusion_bridge.kernels.symm_ring_device import SLOTS
 from fusion_bridge.kernels.symm_staged import StagedShape, call_plan
-from fusion_bridge.kernels.symm_testing import (
-    EmulatedRing,
-    _interpreter_loop_bounds,
-    _ring_layer,
-    staged_call,
-    staged_launches,
-)
+from fusion_bridge.kernels.symm_testing import EmulatedRing, _interpreter_loop_bounds, _ring_layer
+from fusion_bridge.kernels.symm_testing_staged import staged_call, staged_launches
 from fusion_bridge.numerics import rel_err
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF, kernel_quant_args
