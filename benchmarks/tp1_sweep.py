@@ -36,18 +36,26 @@ def _empty_kernel(out_ptr):
 
 
 def shapes(tokens: int, hidden: int, quant: str, num_sms: int) -> list:
-    """The shapes to time at T: whole rows at 3 warp counts, split rows at each chunk that fits."""
+    """The shapes to time at T: the default, whole rows at 16 and 32 warps per 8192 columns, split
+    rows at each chunk that fits; each without and with the L2 prefetch of the row."""
+    from fusion_bridge.kernels.quant import row_block
     from fusion_bridge.kernels.tp1_launch import OneshotShape, local_shape, split_ok
 
-    out = [local_shape(tokens, hidden, QUANT_CODE[quant])]
-    for chunk in (256, 512, 1024, 2048, 4096):
-        for warps in (1, 2, 4, 8, 16):
-            per_thread = chunk // (warps * 32)
-            shape = OneshotShape(chunk, chunk, warps)
-            wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
-            if wanted and split_ok(shape, tokens, hidden, num_sms):
-                out.append(shape)
-    return out
+    rb = row_block(hidden)
+    out = [local_shape(tokens, hidden, QUANT_CODE[quant], num_sms)]
+    for prefetch in (0, 1):
+        for warps in (16, 32) if tokens > 32 else ():  # whole rows lose below (tp1_sweep_h200*)
+            out.append(OneshotShape(rb, rb, max(4, warps * rb // 8192), prefetch))
+        for chunk in (256, 512) if tokens == 1 else (512, 1024, 2048, 4096):
+            for warps in (1, 2, 4, 8, 16):
+                per_thread = chunk // (warps * 32)
+                shape = OneshotShape(chunk, chunk, warps, prefetch)
+                wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
+                if wanted and split_ok(shape, tokens, hidden, num_sms):
+                    out.append(shape)
+    if tokens >= 256:  # whole rows walked by one program per SM, the next row prefetched
+        out += [OneshotShape(rb, rb, max(4, w * rb // 8192), 1, 1) for w in (16, 32)]
+    return list(dict.fromkeys(out))  # the default once
 
 
 def _run_one(strat, inp, out, shape):
@@ -90,6 +98,7 @@ def main() -> None:
     ap.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--warm-only", action="store_true", help="compile the variants, time nothing")
     args = ap.parse_args()
     from fusion_bridge.cli.bench import write_csv
     from fusion_bridge.kernels.tp1_launch import local_shape
@@ -113,6 +122,8 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         list(pool.map(_warm, tasks))
     print(f"compiled {len(tasks)} variants", flush=True)
+    if args.warm_only:
+        return
     for hidden in args.hidden:
         for quant in args.quant:
             spec = _spec(hidden, args.top_k, quant, max(args.tokens))
@@ -131,8 +142,9 @@ def main() -> None:
                     us = time_graph(lambda i, s=shape: _run_one(strat, inputs[i], out, s), sets=n)
                     mark = " (default)" if tuple(shape) == default else ""
                     print(
-                        f"{quant:5s} H={hidden} T={tokens:3d} chunk={shape.block1:5d} "
-                        f"warps={shape.warps:2d} {us:7.2f} us{mark}",
+                        f"{quant:5s} H={hidden} T={tokens:4d} chunk={shape.block1:5d} "
+                        f"warps={shape.warps:2d} pf={shape.prefetch} persist={shape.persist} "
+                        f"{us:7.2f} us{mark}",
                         flush=True,
                     )
                     rows.append(
@@ -140,7 +152,9 @@ def main() -> None:
                             quant=quant,
                             H=hidden,
                             T=tokens,
-                            shape=f"{shape.block1}x{shape.warps}",
+                            shape=f"{shape.block1}x{shape.warps}"
+                            + "+pf" * shape.prefetch
+                            + "+persist" * shape.persist,
                             us=round(us, 2),
                             default=int(bool(mark)),
                         )

@@ -44,10 +44,52 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .add_rmsnorm import norm_quant_row, overflow_scale, rms_apply
+from .add_rmsnorm import norm_quant_row, overflow_scale, rms_apply, rms_norm_row
 from .finalize_add import finalize_row
 from .quant import quantize_row, quantize_span, sf_padding_item
-from .rounding import round_to
+from .rounding import round_cast, round_to
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the 32-byte sector at each pointer where mask (GPU only: inline PTX). No register
+    holds a result, so the compiler cannot postpone it to where the data is used, as it postpones
+    a row's K gathers one behind the other to keep registers free."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def prefetch_row(
+    gemm2_ptr,
+    perm_ptr,
+    shared_ptr,
+    residual_ptr,
+    row,
+    lo,
+    hidden,
+    SPAN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+):
+    KP: tl.constexpr = triton.next_power_of_2(TOP_K)
+    """Prefetch into L2 what `_chunk_x` reads of columns [lo, lo + SPAN) of `row` (the K gathered
+    rows, the shared output, the residual): one sector per 16 columns, so every DRAM request of
+    the row is in flight at once and the gathers that follow, one behind the other, hit L2."""
+    cols = lo + tl.arange(0, SPAN // 16)[None, :] * 16
+    ok = cols < hidden
+    slot = tl.arange(0, KP)[:, None]  # every slot's routing loaded at once, not one by one
+    src = tl.load(perm_ptr + row * TOP_K + slot, mask=slot < TOP_K, other=-1).to(tl.int64)
+    prefetch_l2(gemm2_ptr + src * hidden + cols, ok & (src >= 0))
+    if HAS_SHARED:
+        prefetch_l2(shared_ptr + row * hidden + cols, ok)
+    prefetch_l2(residual_ptr + row * hidden + cols, ok)
 
 
 @triton.jit
@@ -110,7 +152,7 @@ def row_outputs(
 
 
 @triton.jit
-def _tp1_kernel(
+def _whole_row(
     gemm2_ptr,
     perm_ptr,
     weight_ptr,
@@ -121,6 +163,7 @@ def _tp1_kernel(
     norm_out_ptr,
     q_ptr,
     sf_ptr,
+    row,
     tokens,
     hidden,
     routed_scaling,
@@ -134,15 +177,26 @@ def _tp1_kernel(
     SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
+    RECIP: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """World size 1, whole rows: one program per row; the top-k finalize of the row stays in
-    registers, rounded once as a published partial would be (so residual_out is the two-launch
-    path's bit for bit), then residual, norm and quant from the same building blocks. Programs past
-    T (swizzled NVFP4 only) write their scale row's padding (zeros), as the standalone norm kernel
-    does. Its source reaches no module-level value, which lets the cached launcher launch it."""
-    row = tl.program_id(0).to(tl.int64)
+    """Row `row` (int64) of `_tp1_kernel`: below T the whole epilogue (PREFETCH: its reads first
+    requested into L2), past it (swizzled NVFP4 only) the scale row's padding."""
     cols = tl.arange(0, ROW_BLOCK)
     if row < tokens:
+        if PREFETCH:
+            prefetch_row(
+                gemm2_ptr,
+                perm_ptr,
+                shared_ptr,
+                residual_ptr,
+                row,
+                0,
+                hidden,
+                ROW_BLOCK,
+                TOP_K,
+                HAS_SHARED,
+            )
         acc = finalize_row(
             gemm2_ptr,
             perm_ptr,
@@ -155,29 +209,35 @@ def _tp1_kernel(
             TOP_K,
             HAS_SHARED,
         )
-        row_outputs(
-            round_to(acc, residual_out_ptr.dtype.element_ty).to(tl.float32),
+        dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+        in_row = cols < hidden
+        offs = row * hidden + cols
+        x = tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        x += round_cast(acc, dtype, HW_CVT).to(tl.float32)
+        tl.store(residual_out_ptr + offs, round_cast(x, dtype, HW_CVT), mask=in_row)
+        g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
+        # overflow-safe, as the two-launch path's norm kernel
+        y = round_cast(rms_norm_row(x, g, hidden, eps, True), dtype, HW_CVT)
+        tl.store(norm_out_ptr + offs, y, mask=in_row)
+        if QUANT == 2:
+            y = tl.where(in_row, y, 0.0)
+        quantize_row(
+            y,
             row,
             0,
             ROW_BLOCK,
-            0,
             tokens,
-            residual_ptr,
-            gamma_ptr,
-            residual_out_ptr,
-            norm_out_ptr,
+            hidden,
             q_ptr,
             sf_ptr,
-            hidden,
-            eps,
-            weight_bias,
             quant_scale,
             sf_cols,
             QUANT,
             SWIZZLED,
             ROW_BLOCK,
             HW_CVT,
-            True,  # as the two-launch path's norm kernel
+            False,
+            RECIP,
         )
     else:
         quantize_row(
@@ -200,6 +260,136 @@ def _tp1_kernel(
 
 
 @triton.jit
+def _tp1_kernel(
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    residual_ptr,
+    gamma_ptr,
+    residual_out_ptr,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    tokens,
+    rows,
+    hidden,
+    routed_scaling,
+    eps,
+    weight_bias,
+    quant_scale,
+    sf_cols,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    RECIP: tl.constexpr,
+    PERSIST: tl.constexpr,
+):
+    """World size 1, whole rows: the top-k finalize of a row stays in registers, rounded once as a
+    published partial would be (so residual_out is the two-launch path's bit for bit), then
+    residual, norm and quant from the same building blocks. rows: T, or the swizzled NVFP4 scale
+    rows (the rows past T write their scale row's padding, zeros, as the standalone norm kernel
+    does). One program per row, or with PERSIST fewer programs, each taking rows pid, pid + grid,
+    ... (with PREFETCH the next one's reads are requested from DRAM into L2 while this one's run).
+    PREFETCH: the row's reads requested at once before its gathers (GPU only). RECIP: fp8 through
+    one reciprocal (quant._div_by_scale). Its source reaches no module-level value, which lets the
+    cached launcher launch it."""
+    pid = tl.program_id(0).to(tl.int64)
+    if PERSIST:
+        step = tl.num_programs(0).to(tl.int64)
+        if PREFETCH:
+            if pid < tokens:
+                prefetch_row(
+                    gemm2_ptr,
+                    perm_ptr,
+                    shared_ptr,
+                    residual_ptr,
+                    pid,
+                    0,
+                    hidden,
+                    ROW_BLOCK,
+                    TOP_K,
+                    HAS_SHARED,
+                )
+        for row in range(pid, rows, step):
+            if PREFETCH:
+                if row + step < tokens:
+                    prefetch_row(
+                        gemm2_ptr,
+                        perm_ptr,
+                        shared_ptr,
+                        residual_ptr,
+                        row + step,
+                        0,
+                        hidden,
+                        ROW_BLOCK,
+                        TOP_K,
+                        HAS_SHARED,
+                    )
+            _whole_row(
+                gemm2_ptr,
+                perm_ptr,
+                weight_ptr,
+                shared_ptr,
+                residual_ptr,
+                gamma_ptr,
+                residual_out_ptr,
+                norm_out_ptr,
+                q_ptr,
+                sf_ptr,
+                row,
+                tokens,
+                hidden,
+                routed_scaling,
+                eps,
+                weight_bias,
+                quant_scale,
+                sf_cols,
+                TOP_K,
+                HAS_SHARED,
+                QUANT,
+                SWIZZLED,
+                ROW_BLOCK,
+                HW_CVT,
+                RECIP,
+                False,
+            )
+    else:
+        _whole_row(
+            gemm2_ptr,
+            perm_ptr,
+            weight_ptr,
+            shared_ptr,
+            residual_ptr,
+            gamma_ptr,
+            residual_out_ptr,
+            norm_out_ptr,
+            q_ptr,
+            sf_ptr,
+            pid,
+            tokens,
+            hidden,
+            routed_scaling,
+            eps,
+            weight_bias,
+            quant_scale,
+            sf_cols,
+            TOP_K,
+            HAS_SHARED,
+            QUANT,
+            SWIZZLED,
+            ROW_BLOCK,
+            HW_CVT,
+            RECIP,
+            PREFETCH,
+        )
+
+
+@triton.jit
 def _chunk_x(
     gemm2_ptr,
     perm_ptr,
@@ -213,6 +403,7 @@ def _chunk_x(
     TOP_K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     dtype: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
     """fp32 x = residual + round(finalize) on `cols` of `row` (0 past H): `_tp1_kernel`'s x."""
     acc = finalize_row(
@@ -228,7 +419,7 @@ def _chunk_x(
         HAS_SHARED,
     )
     res = tl.load(residual_ptr + row * hidden + cols, mask=cols < hidden, other=0.0)
-    return res.to(tl.float32) + round_to(acc, dtype).to(tl.float32)
+    return res.to(tl.float32) + round_cast(acc, dtype, HW_CVT).to(tl.float32)
 
 
 @triton.jit
@@ -262,6 +453,8 @@ def _tp1_split_kernel(
     HW_CVT: tl.constexpr,
     SYNC_ROWS: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    RECIP: tl.constexpr,
     MAX_POLLS: tl.constexpr,
     PHASES: tl.constexpr,
 ):
@@ -298,6 +491,19 @@ def _tp1_split_kernel(
                 sem="relaxed",
                 scope="gpu",
             )
+        if PREFETCH:
+            prefetch_row(
+                gemm2_ptr,
+                perm_ptr,
+                shared_ptr,
+                residual_ptr,
+                row,
+                c * CHUNK,
+                hidden,
+                CHUNK,
+                TOP_K,
+                HAS_SHARED,
+            )
         x = _chunk_x(
             gemm2_ptr,
             perm_ptr,
@@ -311,11 +517,14 @@ def _tp1_split_kernel(
             TOP_K,
             HAS_SHARED,
             dtype,
+            HW_CVT,
         )
         # gamma before the exchange: no memory access of its own after the wait
         g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
         if PHASES & 1:
-            tl.store(residual_out_ptr + row * hidden + cols, round_to(x, dtype), mask=in_row)
+            tl.store(
+                residual_out_ptr + row * hidden + cols, round_cast(x, dtype, HW_CVT), mask=in_row
+            )
             sum_sq = tl.sum(x * x, axis=0)
             # the word is packed where the ticket landed (lane 0), with no reduction before the
             # store: partners wait for it; this program's own epoch is reduced after it
@@ -360,6 +569,7 @@ def _tp1_split_kernel(
                             TOP_K,
                             HAS_SHARED,
                             dtype,
+                            HW_CVT,
                         )
                         if scaled:
                             x_j = x_j * overflow_scale(
@@ -372,7 +582,7 @@ def _tp1_split_kernel(
                 s = overflow_scale((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
                 y = rms_apply(x * s, g, sum_s, hidden, eps * s * s)
             y = tl.where((cols * 0 + pending) != 0, float("nan"), y)  # a partner never arrived
-            y = round_to(y, dtype)
+            y = round_cast(y, dtype, HW_CVT)
             tl.store(norm_out_ptr + row * hidden + cols, y, mask=in_row)
             if QUANT == 2:
                 y = tl.where(in_row, y, 0.0)
@@ -393,6 +603,7 @@ def _tp1_split_kernel(
                 CHUNK,
                 HW_CVT,
                 True,
+                RECIP,
             )
     elif PHASES & 2:
         if QUANT == 2:

@@ -15,6 +15,7 @@ MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set 
 SYNC_ROWS = 256  # rows the split kernel serves (T * chunks <= the SM count)
 SYNC_WORDS = SYNC_ROWS * (MAX_CHUNKS + 1 + MAX_CHUNKS * (MAX_CHUNKS + 1) // 2)
 MAX_POLLS = 1 << 22  # ~1 s of polls: a partner that never arrives shows as NaN, not a hang
+PREFETCH_MAX_TOKENS = 1024  # world size 1: rows prefetched into L2 up to this T (guess, to measure)
 
 
 class OneshotShape(NamedTuple):
@@ -25,6 +26,8 @@ class OneshotShape(NamedTuple):
     block1: int
     block2: int
     warps: int
+    prefetch: int = 0  # world size 1: prefetch the row into L2 before its gathers (GPU only)
+    persist: int = 0  # world size 1, whole rows: programs per SM walking the rows (0: one per row)
 
 
 def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
@@ -51,12 +54,20 @@ def local_shape(
     4096 6.80 / 8.08 / 8.17 (again, none: whole 6.67, split 7.05). The ticket-first kernel, none:
     T=1 512 3.10, 256 (1 or 2 warps) 3.04; T=16 1024 4.61."""
     rb = row_block(hidden)
+    prefetch = int(tokens <= PREFETCH_MAX_TOKENS)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
-        shape = OneshotShape(chunk, chunk, max(1, chunk // 256) if tokens > 1 else chunk // 128)
+        warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
+        shape = OneshotShape(chunk, chunk, warps, prefetch)
         two = triton.cdiv(hidden, chunk) == 2
         if split_ok(shape, tokens, hidden, num_sms) and (quant == QUANT_NVFP4 or not two):
             return shape
-    return OneshotShape(rb, rb, local_warps(tokens, hidden, quant))
+    return OneshotShape(rb, rb, local_warps(tokens, hidden, quant), prefetch)
+
+
+def programs_per_sm(warps: int) -> int:
+    """Split-kernel programs that are always resident on one SM at once: two of at most 4 warps
+    (128 threads x at most 255 registers is half an SM's register file), else one."""
+    return 2 if warps <= 4 else 1
 
 
 def split_ok(shape: OneshotShape, tokens: int, hidden: int, num_sms: int) -> bool:
@@ -67,7 +78,7 @@ def split_ok(shape: OneshotShape, tokens: int, hidden: int, num_sms: int) -> boo
         shape.block1 < rb
         and 1 < chunks <= MAX_CHUNKS
         and tokens <= SYNC_ROWS
-        and tokens * chunks <= num_sms
+        and tokens * chunks <= num_sms * programs_per_sm(shape.warps)
     )
 
 

@@ -69,6 +69,27 @@ def _e2m1_codes(a, sf):
 
 
 @triton.jit
+def _div_by_scale(y, scale):
+    """div_rn(y, scale), correctly rounded, with one reciprocal per program instead of a division
+    per element (on a GPU: tl.fma is one rounding there, not under the interpreter). Markstein:
+    with inv = RN(1 / scale) and q0 = RN(y * inv) within one ulp of y / scale, the remainder
+    r = y - scale * q0 is exact in an FMA and RN(q0 + r * inv) = RN(y / scale). Where that does not
+    apply, q0 is the answer's own sign and class: y = +-0 (q0 keeps the sign of zero the FMAs lose),
+    y / scale past fp32 (q0 = inf, the FMAs give NaN), y NaN. The remainder is exact while
+    |y| >= 2^-102; for scale in [2^-90, 2^126] a smaller |y| has |y / scale| < 2^-10, which e4m3
+    takes to +-0 either way. Other scales divide."""
+    inv = tl.math.div_rn(1.0, scale)
+    q0 = y * inv
+    q = tl.fma(tl.fma(-q0, scale, y), inv, q0)
+    return tl.where((q != q) | (q0 == 0.0), q0, q)
+
+
+def recip_ok(scale: float) -> bool:
+    """`_div_by_scale` is exact for this fp8 scale (the kernels that quantize may pass RECIP)."""
+    return 2.0**-90 <= scale <= 2.0**126
+
+
+@triton.jit
 def quantize_row(
     y,
     row,
@@ -85,6 +106,7 @@ def quantize_row(
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
+    RECIP: tl.constexpr = False,
 ):
     """The building block (every kernel that quantizes calls it): quantize row `row` (y [BLOCK], the
     whole row already rounded to the activation dtype, 0 past H) and store it.
@@ -92,7 +114,8 @@ def quantize_row(
     WINDOW True: only columns [lo, hi) (multiples of 64, so the chunks of a row together also cover
     the swizzled padding columns, written 0) of a row below `tokens`.
     HW_CVT: use the GPU's round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it
-    takes the software one)."""
+    takes the software one). RECIP (HW_CVT only): fp8 divides through `_div_by_scale` (the caller
+    checked `recip_ok(quant_scale)`), the same codes with no division per element."""
     quantize_span(
         y,
         row,
@@ -110,6 +133,7 @@ def quantize_row(
         BLOCK,
         HW_CVT,
         WINDOW,
+        RECIP,
     )
 
 
@@ -131,6 +155,7 @@ def quantize_span(
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
+    RECIP: tl.constexpr = False,
 ):
     """`quantize_row` for y [BLOCK] holding columns col0 .. col0 + BLOCK of the row (col0 a
     multiple of 64; 0 past H): a program that owns only a part of a row quantizes only that part
@@ -141,16 +166,22 @@ def quantize_span(
     else:
         keep = (cols < hidden) & ((cols * 0 + row) < tokens)  # vector form: no scalar-bool masks
     if QUANT == 1:
-        v = tl.math.div_rn(y.to(tl.float32), quant_scale)
         if HW_CVT:
+            if RECIP:
+                v = _div_by_scale(y.to(tl.float32), quant_scale)
+            else:
+                v = tl.math.div_rn(y.to(tl.float32), quant_scale)
             code = (
                 tl.minimum(tl.maximum(v, -448.0), 448.0)
                 .to(tl.float8e4nv)
                 .to(tl.uint8, bitcast=True)
             )
         else:
-            code, _ = _e4m3_rne_satfinite(v)
-        tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=keep)
+            code, _ = _e4m3_rne_satfinite(tl.math.div_rn(y.to(tl.float32), quant_scale))
+        # offsets contiguous over 8 columns only: the store takes the 16-byte bf16 rows' layout (8
+        # per thread) instead of 16 codes per thread, which would convert every row tensor
+        qcols = (cols // 8) * 8 + cols % 8
+        tl.store(q_ptr + row * hidden + qcols, code.to(tl.uint8), mask=keep)
     if QUANT == 2:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = tl.max(tl.abs(yb), axis=1)
@@ -166,7 +197,11 @@ def quantize_span(
         else:
             keep_q = (packed < hidden // 2) & ((packed * 0 + row) < tokens)
             keep_sf = (kb * 0 + row) < tokens
-        tl.store(q_ptr + row * (hidden // 2) + packed, (lo4 | (hi4 << 4)).to(tl.uint8), mask=keep_q)
+        # contiguous over 4 bytes only, as the codes' own layout (see the fp8 store)
+        qpacked = (packed // 4) * 4 + packed % 4
+        tl.store(
+            q_ptr + row * (hidden // 2) + qpacked, (lo4 | (hi4 << 4)).to(tl.uint8), mask=keep_q
+        )
         sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
         if SWIZZLED:
             sf_off = (

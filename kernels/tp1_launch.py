@@ -21,13 +21,15 @@ from .oneshot_shapes import (
     local_shape,
     split_ok,
 )
-from .quant import QUANT_NVFP4, row_block, sf_padding_items
+from .quant import QUANT_FP8, QUANT_NVFP4, recip_ok, row_block, sf_padding_items
 
 PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
 BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
 
 _LOCAL = KernelLauncher(
-    _tp1_kernel, ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT")
+    _tp1_kernel,
+    ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "PREFETCH", "RECIP")
+    + ("PERSIST",),
 )
 _SPLIT = KernelLauncher(
     _tp1_split_kernel,
@@ -40,6 +42,8 @@ _SPLIT = KernelLauncher(
         "HW_CVT",
         "SYNC_ROWS",
         "MAX_CHUNKS",
+        "PREFETCH",
+        "RECIP",
         "MAX_POLLS",
         "PHASES",
     ),
@@ -119,16 +123,21 @@ class LocalLauncher:
         hidden = layer.hidden
         shape = shape or local_shape(tokens, hidden, quant.code, self.num_sms)
         nvfp4 = quant.code == QUANT_NVFP4
+        # fp8 on a GPU: the division by the scale through one reciprocal (quant._div_by_scale)
+        recip = int(is_cuda and quant.code == QUANT_FP8 and recip_ok(quant.scale))
         sf_rows, sf_cols = sf_shape if nvfp4 else (tokens, 0)
         if not split_ok(shape, tokens, hidden, self.num_sms):
             rows = sf_rows if nvfp4 and quant.swizzled else tokens
+            programs = min(rows, shape.persist * self.num_sms) if shape.persist else rows
             fixed = (top_k, has_shared, quant.code, quant.swizzled, row_block(hidden), is_cuda)
-            return _LOCAL, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
+            fixed += (int(shape.prefetch and is_cuda), recip, int(programs < rows))
+            return _LOCAL, (max(programs, 1),), fixed, shape.warps, 0, rows, sf_cols
         chunks = triton.cdiv(hidden, shape.block1)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
         fixed = (top_k, has_shared, quant.code, quant.swizzled, shape.block1, is_cuda)
         # the interpreter publishes every chunk before any wait: a few polls suffice there
-        fixed += (SYNC_ROWS, MAX_CHUNKS, MAX_POLLS if is_cuda else 4)
+        fixed += (SYNC_ROWS, MAX_CHUNKS, int(shape.prefetch and is_cuda), recip)
+        fixed += (MAX_POLLS if is_cuda else 4,)  # last: a test bounds the wait by replacing it
         return _SPLIT, (tokens * chunks + padding,), fixed, shape.warps, chunks, sf_rows, sf_cols
 
     def _launch_args(
@@ -149,6 +158,7 @@ class LocalLauncher:
         tokens, top_k = perm.shape
         layer = self.layer
         is_cuda = residual.is_cuda
+        # sf_rows: for whole rows, the rows the kernel covers (T or the swizzled scale rows)
         launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
             tokens, top_k, shared is not None, is_cuda, tuple(sf.shape), shape
         )
@@ -156,7 +166,7 @@ class LocalLauncher:
         head += (residual_out, norm_out, q, sf)
         scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
         if not chunks:
-            args = head + (tokens, layer.hidden) + scalars + (sf_cols,)
+            args = head + (tokens, sf_rows, layer.hidden) + scalars + (sf_cols,)
         else:
             args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
             args += (sf_rows, sf_cols, chunks)
