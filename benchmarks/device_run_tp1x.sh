@@ -19,18 +19,18 @@ t0=$(date +%s)
 main_env python3 "$TREE/benchmarks/tp1_warm.py" --tree "$ROOT" --tokens 1 16 64 256 --jobs 3 >"$OUT/warm_main.txt" 2>&1 &
 tree_env python3 benchmarks/tp1_sweep.py --tokens $SWEEP_TOKENS --quant-tokens 16 64 256 1024 4096 \
   --warm-only --jobs 5 >"$OUT/warm_tree.txt" 2>&1 &
-tree_env timeout 150 python3 -m pytest -q -n 8 -m gpu tests/test_gpu_fused_tp1.py -k \
-  "7168 or split_rows or graph" >"$OUT/tests.txt" 2>&1
+tree_env timeout 130 python3 -m pytest -q -n 8 -m gpu tests/test_gpu_fused_tp1.py -k \
+  "7168-8 or split_rows or graph or reciprocal" >"$OUT/tests.txt" 2>&1
 echo "tests done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 wait
 echo "compiles done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
-main_env python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 7168 --emulated \
+main_env timeout 60 python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 7168 --emulated \
   --csv "$OUT/before.csv" >"$OUT/before.txt" 2>&1
 echo "before done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
-tree_env python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 7168 --emulated \
+tree_env timeout 50 python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 7168 --emulated \
   --csv "$OUT/after.csv" >"$OUT/after.txt" 2>&1
 echo "after done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
-tree_env python3 benchmarks/tp1_sweep.py --tokens $SWEEP_TOKENS --quant-tokens 16 64 256 1024 4096 \
-  --jobs 4 --csv "$OUT/sweep.csv" >"$OUT/sweep.txt" 2>&1
+tree_env timeout 90 python3 benchmarks/tp1_sweep.py --tokens $SWEEP_TOKENS \
+  --quant-tokens 16 64 256 1024 4096 --jobs 4 --csv "$OUT/sweep.csv" >"$OUT/sweep.txt" 2>&1
 echo "sweep done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 tail -3 "$OUT/tests.txt"

@@ -75,9 +75,11 @@ def _div_by_scale(y, scale):
     with inv = RN(1 / scale) and q0 = RN(y * inv) within one ulp of y / scale, the remainder
     r = y - scale * q0 is exact in an FMA and RN(q0 + r * inv) = RN(y / scale). Where that does not
     apply, q0 is the answer's own sign and class: y = +-0 (q0 keeps the sign of zero the FMAs lose),
-    y / scale past fp32 (q0 = inf, the FMAs give NaN), y NaN. The remainder is exact while
-    |y| >= 2^-102; for scale in [2^-90, 2^126] a smaller |y| has |y / scale| < 2^-10, which e4m3
-    takes to +-0 either way. Other scales divide."""
+    y / scale at the top of the fp32 range or past it (q0 = inf, the FMAs give NaN; inf where the
+    quotient may round to the largest float: e4m3 saturates both to 448), y NaN. The remainder is
+    exact while |y| >= 2^-102, and the theorem needs a normal quotient (a subnormal one may be a
+    tie, or end one place off). For scale in [2^-90, 2^126] (`recip_ok`) what falls outside has
+    |y / scale| < 2^-10, which e4m3 takes to +-0 either way: the codes are div_rn's."""
     inv = tl.math.div_rn(1.0, scale)
     q0 = y * inv
     q = tl.fma(tl.fma(-q0, scale, y), inv, q0)
