@@ -16,8 +16,8 @@ ln -sfn ../kernels "$ROOT/fusion_bridge/kernels"
 main_env() { PYTHONPATH=/tmp/fi-site:$ROOT "$@"; }
 tree_env() { (cd "$TREE" && PYTHONPATH=/tmp/fi-site:$TREE "$@"); }
 t0=$(date +%s)
-main_env python3 "$TREE/benchmarks/tp1_warm.py" --tree "$ROOT" --tokens 1 16 64 256 --jobs 3 >"$OUT/warm_main.txt" 2>&1 &
-tree_env python3 benchmarks/tp1_sweep.py --tokens $SWEEP_TOKENS --quant-tokens 16 64 256 1024 4096 \
+main_env timeout 120 python3 "$TREE/benchmarks/tp1_warm.py" --tree "$ROOT" --tokens 1 16 64 256 --jobs 3 >"$OUT/warm_main.txt" 2>&1 &
+tree_env timeout 120 python3 benchmarks/tp1_sweep.py --tokens $SWEEP_TOKENS --quant-tokens 16 64 256 1024 4096 \
   --warm-only --jobs 5 >"$OUT/warm_tree.txt" 2>&1 &
 tree_env timeout 130 python3 -m pytest -q -n 8 -m gpu tests/test_gpu_fused_tp1.py -k \
   "7168-8 or split_rows or graph or reciprocal" >"$OUT/tests.txt" 2>&1
