@@ -4,7 +4,7 @@
 # (bash /work/tools/device-stage.sh tp1x), after `source .device/fi-env.sh`; writes to $OUT.
 #   1. compile in parallel: main's defaults (tp1_warm.py), this tree's sweep variants
 #      (tp1_sweep.py --warm-only), this tree's one-GPU tests at H=7168 (pytest -n 8)
-#   2. time, one after another: main's tp1_local.py, this tree's tp1_local.py, this tree's sweep
+#   2. time, one after another: main's tp1_local.py, this tree's sweep, this tree's tp1_local.py
 set -u
 ROOT=$PWD
 TREE=$ROOT/.wt/tp1x
@@ -27,10 +27,10 @@ echo "compiles done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 main_env timeout 60 python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 7168 --emulated \
   --csv "$OUT/before.csv" >"$OUT/before.txt" 2>&1
 echo "before done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
-tree_env timeout 50 python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 7168 --emulated \
-  --csv "$OUT/after.csv" >"$OUT/after.txt" 2>&1
-echo "after done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 tree_env timeout 90 python3 benchmarks/tp1_sweep.py --tokens $SWEEP_TOKENS \
   --quant-tokens 16 64 256 1024 4096 --jobs 4 --csv "$OUT/sweep.csv" >"$OUT/sweep.txt" 2>&1
 echo "sweep done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
+tree_env timeout 50 python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 7168 --emulated \
+  --csv "$OUT/after.csv" >"$OUT/after.txt" 2>&1
+echo "after done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 tail -3 "$OUT/tests.txt"
