@@ -53,8 +53,6 @@ def shapes(tokens: int, hidden: int, quant: str, num_sms: int) -> list:
                 wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
                 if wanted and split_ok(shape, tokens, hidden, num_sms):
                     out.append(shape)
-    if tokens >= 256:  # whole rows walked by one program per SM, the next row prefetched
-        out += [OneshotShape(rb, rb, max(4, w * rb // 8192), 1, 1) for w in (16, 32)]
     return list(dict.fromkeys(out))  # the default once
 
 
@@ -143,8 +141,7 @@ def main() -> None:
                     mark = " (default)" if tuple(shape) == default else ""
                     print(
                         f"{quant:5s} H={hidden} T={tokens:4d} chunk={shape.block1:5d} "
-                        f"warps={shape.warps:2d} pf={shape.prefetch} persist={shape.persist} "
-                        f"{us:7.2f} us{mark}",
+                        f"warps={shape.warps:2d} pf={shape.prefetch} {us:7.2f} us{mark}",
                         flush=True,
                     )
                     rows.append(
@@ -152,9 +149,7 @@ def main() -> None:
                             quant=quant,
                             H=hidden,
                             T=tokens,
-                            shape=f"{shape.block1}x{shape.warps}"
-                            + "+pf" * shape.prefetch
-                            + "+persist" * shape.persist,
+                            shape=f"{shape.block1}x{shape.warps}" + "+pf" * shape.prefetch,
                             us=round(us, 2),
                             default=int(bool(mark)),
                         )

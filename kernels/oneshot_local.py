@@ -152,7 +152,7 @@ def row_outputs(
 
 
 @triton.jit
-def _whole_row(
+def _tp1_kernel(
     gemm2_ptr,
     perm_ptr,
     weight_ptr,
@@ -163,7 +163,6 @@ def _whole_row(
     norm_out_ptr,
     q_ptr,
     sf_ptr,
-    row,
     tokens,
     hidden,
     routed_scaling,
@@ -177,11 +176,18 @@ def _whole_row(
     SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
-    RECIP: tl.constexpr,
     PREFETCH: tl.constexpr,
+    RECIP: tl.constexpr,
 ):
-    """Row `row` (int64) of `_tp1_kernel`: below T the whole epilogue (PREFETCH: its reads first
-    requested into L2), past it (swizzled NVFP4 only) the scale row's padding."""
+    """World size 1, whole rows: one program per row; the top-k finalize of the row stays in
+    registers, rounded once as a published partial would be (so residual_out is the two-launch
+    path's bit for bit), then residual, norm and quant from the same building blocks. Programs past
+    T (swizzled NVFP4 only) write their scale row's padding (zeros), as the standalone norm kernel
+    does. PREFETCH: the row's reads requested into L2 at once before its gathers (GPU only).
+    RECIP: fp8 through one reciprocal (quant._div_by_scale). Roundings through the GPU's own
+    conversion where HW_CVT (rounding.round_cast). Its source reaches no module-level value, which
+    lets the cached launcher launch it."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, ROW_BLOCK)
     if row < tokens:
         if PREFETCH:
@@ -256,136 +262,6 @@ def _whole_row(
             ROW_BLOCK,
             HW_CVT,
             False,
-        )
-
-
-@triton.jit
-def _tp1_kernel(
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
-    residual_ptr,
-    gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
-    tokens,
-    rows,
-    hidden,
-    routed_scaling,
-    eps,
-    weight_bias,
-    quant_scale,
-    sf_cols,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    RECIP: tl.constexpr,
-    PERSIST: tl.constexpr,
-):
-    """World size 1, whole rows: the top-k finalize of a row stays in registers, rounded once as a
-    published partial would be (so residual_out is the two-launch path's bit for bit), then
-    residual, norm and quant from the same building blocks. rows: T, or the swizzled NVFP4 scale
-    rows (the rows past T write their scale row's padding, zeros, as the standalone norm kernel
-    does). One program per row, or with PERSIST fewer programs, each taking rows pid, pid + grid,
-    ... (with PREFETCH the next one's reads are requested from DRAM into L2 while this one's run).
-    PREFETCH: the row's reads requested at once before its gathers (GPU only). RECIP: fp8 through
-    one reciprocal (quant._div_by_scale). Its source reaches no module-level value, which lets the
-    cached launcher launch it."""
-    pid = tl.program_id(0).to(tl.int64)
-    if PERSIST:
-        step = tl.num_programs(0).to(tl.int64)
-        if PREFETCH:
-            if pid < tokens:
-                prefetch_row(
-                    gemm2_ptr,
-                    perm_ptr,
-                    shared_ptr,
-                    residual_ptr,
-                    pid,
-                    0,
-                    hidden,
-                    ROW_BLOCK,
-                    TOP_K,
-                    HAS_SHARED,
-                )
-        for row in range(pid, rows, step):
-            if PREFETCH:
-                if row + step < tokens:
-                    prefetch_row(
-                        gemm2_ptr,
-                        perm_ptr,
-                        shared_ptr,
-                        residual_ptr,
-                        row + step,
-                        0,
-                        hidden,
-                        ROW_BLOCK,
-                        TOP_K,
-                        HAS_SHARED,
-                    )
-            _whole_row(
-                gemm2_ptr,
-                perm_ptr,
-                weight_ptr,
-                shared_ptr,
-                residual_ptr,
-                gamma_ptr,
-                residual_out_ptr,
-                norm_out_ptr,
-                q_ptr,
-                sf_ptr,
-                row,
-                tokens,
-                hidden,
-                routed_scaling,
-                eps,
-                weight_bias,
-                quant_scale,
-                sf_cols,
-                TOP_K,
-                HAS_SHARED,
-                QUANT,
-                SWIZZLED,
-                ROW_BLOCK,
-                HW_CVT,
-                RECIP,
-                False,
-            )
-    else:
-        _whole_row(
-            gemm2_ptr,
-            perm_ptr,
-            weight_ptr,
-            shared_ptr,
-            residual_ptr,
-            gamma_ptr,
-            residual_out_ptr,
-            norm_out_ptr,
-            q_ptr,
-            sf_ptr,
-            pid,
-            tokens,
-            hidden,
-            routed_scaling,
-            eps,
-            weight_bias,
-            quant_scale,
-            sf_cols,
-            TOP_K,
-            HAS_SHARED,
-            QUANT,
-            SWIZZLED,
-            ROW_BLOCK,
-            HW_CVT,
-            RECIP,
-            PREFETCH,
         )
 
 

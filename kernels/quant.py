@@ -51,21 +51,18 @@ def _e4m3_rne_satfinite(v):
 @triton.jit
 def _e2m1_codes(a, sf):
     """e2m1 magnitude code of the exact quotient a / sf (a >= 0), round to nearest, ties to the even
-    code,
-    saturating at 6; 0 where sf == 0. Compares a against threshold * sf instead of dividing: each
-    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4, so
-    every
-    product is exact in fp32 and the comparisons decide exactly as the real quotient would."""
+    code, saturating at 6; 0 where sf == 0. The code is how many of the thresholds 0.25, 0.75, 1.25,
+    1.75, 2.5, 3.5, 5 (> for the odd codes' lower bounds, >= for the even ones: ties to even) a / sf
+    passes; they are nested, so a binary search finds it with three comparisons. Compares a against
+    threshold * sf instead of dividing: each threshold has <= 3 significant bits and sf (e4m3) 4, so
+    every product is exact in fp32 and the comparisons decide exactly as the real quotient would."""
     s = tl.where(sf == 0.0, float("inf"), sf)
-    return (
-        (a > 0.25 * s).to(tl.int32)
-        + (a >= 0.75 * s).to(tl.int32)
-        + (a > 1.25 * s).to(tl.int32)
-        + (a >= 1.75 * s).to(tl.int32)
-        + (a > 2.5 * s).to(tl.int32)
-        + (a >= 3.5 * s).to(tl.int32)
-        + (a > 5.0 * s).to(tl.int32)
-    )
+    b2 = a >= 1.75 * s
+    b1 = a >= tl.where(b2, 3.5 * s, 0.75 * s)
+    upper = tl.where(b1, 5.0 * s, 2.5 * s)
+    lower = tl.where(b1, 1.25 * s, 0.25 * s)
+    b0 = a > tl.where(b2, upper, lower)
+    return b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
 
 
 @triton.jit

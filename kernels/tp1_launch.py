@@ -5,6 +5,7 @@ launcher (kernels/launcher.py), so an eager call is the argument tuple and one l
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -26,11 +27,12 @@ from .quant import QUANT_FP8, QUANT_NVFP4, recip_ok, row_block, sf_padding_items
 PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
 BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
 
-_LOCAL = KernelLauncher(
-    _tp1_kernel,
-    ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "PREFETCH", "RECIP")
-    + ("PERSIST",),
-)
+_LOCAL_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "PREFETCH")
+_LOCAL_NAMES += ("RECIP",)
+_LOCAL = KernelLauncher(_tp1_kernel, _LOCAL_NAMES)
+# whole rows in 16 warps: registers capped at 64 so that two programs always share an SM (the
+# compiler otherwise takes 66-81 for NVFP4 and leaves one; measured in tp1x_sweep_h200.txt)
+_LOCAL_TWO_PER_SM = KernelLauncher(_tp1_kernel, _LOCAL_NAMES, options={"maxnreg": 64})
 _SPLIT = KernelLauncher(
     _tp1_split_kernel,
     (
@@ -48,6 +50,12 @@ _SPLIT = KernelLauncher(
         "PHASES",
     ),
 )
+
+
+def cap_registers() -> bool:
+    """Whole rows in 16 warps launch with maxnreg 64 (FUSION_BRIDGE_TP1_MAXNREG=0: not; an A/B
+    switch for benchmarks/tp1_sweep.py)."""
+    return os.environ.get("FUSION_BRIDGE_TP1_MAXNREG", "1") != "0"
 
 
 GRAPH_WORDS = "graph"  # the key of the one set every CUDA-graph capture uses
@@ -128,10 +136,10 @@ class LocalLauncher:
         sf_rows, sf_cols = sf_shape if nvfp4 else (tokens, 0)
         if not split_ok(shape, tokens, hidden, self.num_sms):
             rows = sf_rows if nvfp4 and quant.swizzled else tokens
-            programs = min(rows, shape.persist * self.num_sms) if shape.persist else rows
             fixed = (top_k, has_shared, quant.code, quant.swizzled, row_block(hidden), is_cuda)
-            fixed += (int(shape.prefetch and is_cuda), recip, int(programs < rows))
-            return _LOCAL, (max(programs, 1),), fixed, shape.warps, 0, rows, sf_cols
+            fixed += (int(shape.prefetch and is_cuda), recip)
+            launcher = _LOCAL_TWO_PER_SM if shape.warps == 16 and cap_registers() else _LOCAL
+            return launcher, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
         chunks = triton.cdiv(hidden, shape.block1)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
         fixed = (top_k, has_shared, quant.code, quant.swizzled, shape.block1, is_cuda)
@@ -158,7 +166,6 @@ class LocalLauncher:
         tokens, top_k = perm.shape
         layer = self.layer
         is_cuda = residual.is_cuda
-        # sf_rows: for whole rows, the rows the kernel covers (T or the swizzled scale rows)
         launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
             tokens, top_k, shared is not None, is_cuda, tuple(sf.shape), shape
         )
@@ -166,7 +173,7 @@ class LocalLauncher:
         head += (residual_out, norm_out, q, sf)
         scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
         if not chunks:
-            args = head + (tokens, sf_rows, layer.hidden) + scalars + (sf_cols,)
+            args = head + (tokens, layer.hidden) + scalars + (sf_cols,)
         else:
             args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
             args += (sf_rows, sf_cols, chunks)
