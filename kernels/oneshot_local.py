@@ -214,6 +214,7 @@ def _tp1_kernel(
             routed_scaling,
             TOP_K,
             HAS_SHARED,
+            True,  # SELECT_ONCE
         )
         dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
         in_row = cols < hidden
@@ -244,6 +245,7 @@ def _tp1_kernel(
             HW_CVT,
             False,
             RECIP,
+            True,  # LEAN
         )
     else:
         quantize_row(
@@ -262,6 +264,8 @@ def _tp1_kernel(
             ROW_BLOCK,
             HW_CVT,
             False,
+            False,
+            True,  # LEAN
         )
 
 
@@ -293,6 +297,7 @@ def _chunk_x(
         routed_scaling,
         TOP_K,
         HAS_SHARED,
+        True,  # SELECT_ONCE
     )
     res = tl.load(residual_ptr + row * hidden + cols, mask=cols < hidden, other=0.0)
     return res.to(tl.float32) + round_cast(acc, dtype, HW_CVT).to(tl.float32)
@@ -480,6 +485,7 @@ def _tp1_split_kernel(
                 HW_CVT,
                 True,
                 RECIP,
+                True,  # LEAN
             )
     elif PHASES & 2:
         if QUANT == 2:

@@ -51,11 +51,29 @@ def _e4m3_rne_satfinite(v):
 @triton.jit
 def _e2m1_codes(a, sf):
     """e2m1 magnitude code of the exact quotient a / sf (a >= 0), round to nearest, ties to the even
-    code, saturating at 6; 0 where sf == 0. The code is how many of the thresholds 0.25, 0.75, 1.25,
+    code,
+    saturating at 6; 0 where sf == 0. Compares a against threshold * sf instead of dividing: each
+    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4, so
+    every
+    product is exact in fp32 and the comparisons decide exactly as the real quotient would."""
+    s = tl.where(sf == 0.0, float("inf"), sf)
+    return (
+        (a > 0.25 * s).to(tl.int32)
+        + (a >= 0.75 * s).to(tl.int32)
+        + (a > 1.25 * s).to(tl.int32)
+        + (a >= 1.75 * s).to(tl.int32)
+        + (a > 2.5 * s).to(tl.int32)
+        + (a >= 3.5 * s).to(tl.int32)
+        + (a > 5.0 * s).to(tl.int32)
+    )
+
+
+@triton.jit
+def _e2m1_codes_search(a, sf):
+    """`_e2m1_codes` by a binary search: the code is how many of the thresholds 0.25, 0.75, 1.25,
     1.75, 2.5, 3.5, 5 (> for the odd codes' lower bounds, >= for the even ones: ties to even) a / sf
-    passes; they are nested, so a binary search finds it with three comparisons. Compares a against
-    threshold * sf instead of dividing: each threshold has <= 3 significant bits and sf (e4m3) 4, so
-    every product is exact in fp32 and the comparisons decide exactly as the real quotient would."""
+    passes; they are nested (sf > 0; sf == 0 compares against inf, where a >= 0 passes none), so
+    three comparisons against threshold * sf (exact products, as there) find the same count."""
     s = tl.where(sf == 0.0, float("inf"), sf)
     b2 = a >= 1.75 * s
     b1 = a >= tl.where(b2, 3.5 * s, 0.75 * s)
@@ -106,6 +124,7 @@ def quantize_row(
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
     RECIP: tl.constexpr = False,
+    LEAN: tl.constexpr = False,
 ):
     """The building block (every kernel that quantizes calls it): quantize row `row` (y [BLOCK], the
     whole row already rounded to the activation dtype, 0 past H) and store it.
@@ -114,7 +133,11 @@ def quantize_row(
     the swizzled padding columns, written 0) of a row below `tokens`.
     HW_CVT: use the GPU's round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it
     takes the software one). RECIP (HW_CVT only): fp8 divides through `_div_by_scale` (the caller
-    checked `recip_ok(quant_scale)`), the same codes with no division per element."""
+    checked `recip_ok(quant_scale)`), the same codes with no division per element. LEAN: the same
+    codes in fewer instructions (the world-size-1 kernels, measured there; the others keep the
+    code they were measured with): the codes stored in the row's own register layout (offsets
+    contiguous over 8 fp8 / 4 packed NVFP4 bytes only, so the store does not convert every row
+    tensor of the kernel to a 16-per-thread layout), NVFP4 codes by `_e2m1_codes_search`."""
     quantize_span(
         y,
         row,
@@ -133,6 +156,7 @@ def quantize_row(
         HW_CVT,
         WINDOW,
         RECIP,
+        LEAN,
     )
 
 
@@ -155,6 +179,7 @@ def quantize_span(
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
     RECIP: tl.constexpr = False,
+    LEAN: tl.constexpr = False,
 ):
     """`quantize_row` for y [BLOCK] holding columns col0 .. col0 + BLOCK of the row (col0 a
     multiple of 64; 0 past H): a program that owns only a part of a row quantizes only that part
@@ -165,28 +190,31 @@ def quantize_span(
     else:
         keep = (cols < hidden) & ((cols * 0 + row) < tokens)  # vector form: no scalar-bool masks
     if QUANT == 1:
+        if RECIP:
+            v = _div_by_scale(y.to(tl.float32), quant_scale)
+        else:
+            v = tl.math.div_rn(y.to(tl.float32), quant_scale)
         if HW_CVT:
-            if RECIP:
-                v = _div_by_scale(y.to(tl.float32), quant_scale)
-            else:
-                v = tl.math.div_rn(y.to(tl.float32), quant_scale)
             code = (
                 tl.minimum(tl.maximum(v, -448.0), 448.0)
                 .to(tl.float8e4nv)
                 .to(tl.uint8, bitcast=True)
             )
         else:
-            code, _ = _e4m3_rne_satfinite(tl.math.div_rn(y.to(tl.float32), quant_scale))
-        # offsets contiguous over 8 columns only: the store takes the 16-byte bf16 rows' layout (8
-        # per thread) instead of 16 codes per thread, which would convert every row tensor
-        qcols = (cols // 8) * 8 + cols % 8
-        tl.store(q_ptr + row * hidden + qcols, code.to(tl.uint8), mask=keep)
+            code, _ = _e4m3_rne_satfinite(v)
+        if LEAN:
+            cols = (cols // 8) * 8 + cols % 8  # the same offsets, contiguous over 8 only
+        tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=keep)
     if QUANT == 2:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = tl.max(tl.abs(yb), axis=1)
         sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
         scaled = yb * quant_scale
-        codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
+        if LEAN:
+            codes = _e2m1_codes_search(tl.abs(scaled), sf[:, None])
+        else:
+            codes = _e2m1_codes(tl.abs(scaled), sf[:, None])
+        codes = codes | ((scaled < 0).to(tl.int32) << 3)
         lo4, hi4 = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
         packed = col0 // 2 + tl.arange(0, BLOCK // 2)
         kb = col0 // 16 + tl.arange(0, BLOCK // 16)
@@ -196,11 +224,9 @@ def quantize_span(
         else:
             keep_q = (packed < hidden // 2) & ((packed * 0 + row) < tokens)
             keep_sf = (kb * 0 + row) < tokens
-        # contiguous over 4 bytes only, as the codes' own layout (see the fp8 store)
-        qpacked = (packed // 4) * 4 + packed % 4
-        tl.store(
-            q_ptr + row * (hidden // 2) + qpacked, (lo4 | (hi4 << 4)).to(tl.uint8), mask=keep_q
-        )
+        if LEAN:
+            packed = (packed // 4) * 4 + packed % 4  # the same offsets, contiguous over 4 only
+        tl.store(q_ptr + row * (hidden // 2) + packed, (lo4 | (hi4 << 4)).to(tl.uint8), mask=keep_q)
         sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
         if SWIZZLED:
             sf_off = (
