@@ -2,7 +2,9 @@
 world-size-1 kernels, and the row epilogue that the exchange kernel shares with them.
 
 Two launch shapes, one launch each, from the same building blocks (finalize_add.finalize_row,
-add_rmsnorm.rms_apply / norm_quant_row, quant.quantize_span):
+add_rmsnorm.rms_norm_row / rms_apply, quant.quantize_row / quantize_span) in their leaner forms
+(SELECT_ONCE, LEAN, RECIP: the same bits in fewer instructions; rounding.round_cast) and, where a
+launch shape asks for it, the row prefetched into L2 before its gathers (`prefetch_row`):
 
 - whole rows (`_tp1_kernel`): one program per row keeps the row's top-k finalize in registers,
   rounds it once as a published partial would be, adds the residual, normalizes and quantizes.

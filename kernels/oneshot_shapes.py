@@ -31,7 +31,7 @@ class OneshotShape(NamedTuple):
 def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
     """Warps per whole-row program at world size 1: 16 per 8192 columns at every T (half as many
     for rows of half the width). Measured on one H200, H=7168, K=8, graph, rotated inputs
-    (benchmarks/tp1_sweep.py, tp1x_sweep_h200.txt, us, 16 / 32 warps, none / fp8 / nvfp4): T=64
+    (benchmarks/tp1_sweep.py, tp1_sweep_h200_lean.txt, us, 16 / 32 warps, none / fp8 / nvfp4): T=64
     5.70 / 7.09, 6.53 / 6.32, 7.83 / 7.91; T=256 12.57 / 13.07, 13.86 / 15.79, 17.66 / 18.16;
     T=1024 45.45 / 47.94, 49.67 / 56.62; T=4096 165.98 / 174.58, 177.56 / 202.93. (Before the
     leaner kernel, 32 warps won below T=64: its gathers then waited on each other at 16.)"""
@@ -45,7 +45,7 @@ def local_shape(
     `split_ok`): T = 1 in 512-column chunks (4 warps) with the row prefetched into L2, else the
     smallest of 1024 / 2048 / 4096 columns that fits (8 columns per thread); whole rows otherwise
     (`local_warps`). Measured on one H200, H=7168, K=8, graph (benchmarks/tp1_sweep.py,
-    tp1x_sweep_h200.txt, us): none T=1 512 prefetched 2.40, not 2.50, 256 (2 warps) 2.58; T=16
+    tp1_sweep_h200_lean.txt, us): none T=1 512 prefetched 2.40, not 2.50, 256 (2 warps) 2.58; T=16
     1024 3.89 (prefetched 4.00), 512 (2 warps) 3.87, 2048 3.92; T=32 1024 4.32, 2048 4.41; T=64
     two chunks of 4096 5.76 / 6.20 / 7.33 (none / fp8 / nvfp4), whole rows 5.70 / 6.53 / 7.83.
     The prefetch costs from T=16 on (T=256: 15.75 against 12.57)."""

@@ -31,7 +31,9 @@ _LOCAL_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT
 _LOCAL_NAMES += ("RECIP",)
 _LOCAL = KernelLauncher(_tp1_kernel, _LOCAL_NAMES)
 # whole rows in 16 warps: registers capped at 64 so that two programs always share an SM (the
-# compiler otherwise takes 66-81 for NVFP4 and leaves one; measured in tp1x_sweep_h200.txt)
+# compiler takes 66 for some NVFP4 builds, 81 with the 3-comparison codes, and then leaves one per
+# SM; in tp1_sweep_h200_lean.txt NVFP4 at T=4096 took 213.7 us with 66 registers, 193.1 with 64 and
+# the prefetch. The cap alone had no same-run A/B: that sweep's output was lost, see the README)
 _LOCAL_TWO_PER_SM = KernelLauncher(_tp1_kernel, _LOCAL_NAMES, options={"maxnreg": 64})
 _SPLIT = KernelLauncher(
     _tp1_split_kernel,
