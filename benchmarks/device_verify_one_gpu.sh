@@ -7,7 +7,8 @@
 #   device:  run with carry [".device", ".wt/pre"] and the command
 #            source .device/fi-env.sh; bash benchmarks/device_verify_one_gpu.sh .wt/pre
 #
-# Arguments: older tree roots to A/B against this one (none: no A/B). About 5-6 minutes in all.
+# Arguments: older tree roots to A/B against this one (none: no A/B). About 3 minutes without T=4096
+# in the A/B (its first run on 2026-12-01 cut every T=4096 run at a 60 s cap), more with it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 root=$PWD; t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -28,7 +29,7 @@ export AB_CASES=${AB_CASES:-oneshot:2} AB_LOCAL=0 AB_TOKENS=${AB_TOKENS:-1,64,10
 for tree in "$@" . "$@" .; do  # each tree twice, interleaved
   [ "$tree" = . ] || ln -sfn ../kernels "$tree/fusion_bridge/kernels"
   label=$(basename "$(cd "$tree" && pwd)")
-  (cd "$tree" && PYTHONPATH=/tmp/fi-site:$PWD timeout 60 python3 "$root/benchmarks/ab_kernels.py" \
+  (cd "$tree" && PYTHONPATH=/tmp/fi-site:$PWD timeout 150 python3 "$root/benchmarks/ab_kernels.py" \
     "$label" 2>&1 | grep '"graph"') >> "$OUT/ab.jsonl"
 done
 python3 - "$OUT/ab.jsonl" <<'PY'
