@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The second device call (one H200): this tree's GPU tests, the world-size-1 table of this tree
 # against the main tree's in the same run, and two A/B sweeps of the whole-row kernel: 64-register
-# cap on / off (FUSION_BRIDGE_TP1_MAXNREG) and this tree against the first call's tree (staged at
+# cap on / off (then an env switch, now tp1_sweep.py --no-register-cap) and this tree against the first call's tree (staged at
 # .wt/tp1x_c1: NVFP4 codes by seven comparisons). Run from the root of the device's copy of
 # /work/main after `source .device/fi-env.sh`; writes to $OUT.
 set -u

@@ -69,6 +69,12 @@ def _outputs(strat, inp):
     return (got.residual_out, got.norm_out, q, sf)
 
 
+def _set_register_cap(on: bool) -> None:
+    from fusion_bridge.kernels import tp1_launch
+
+    tp1_launch.CAP_REGISTERS = on
+
+
 def _warm(task) -> str:
     """Compile one variant (in a worker process)."""
     hidden, top_k, quant, tokens, shape = task
@@ -97,7 +103,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--warm-only", action="store_true", help="compile the variants, time nothing")
+    ap.add_argument(
+        "--no-register-cap",
+        action="store_true",
+        help="launch 16-warp whole rows without fused_tp1's 64-register cap (an A/B)",
+    )
     args = ap.parse_args()
+    _set_register_cap(not args.no_register_cap)
     from fusion_bridge.cli.bench import write_csv
     from fusion_bridge.kernels.tp1_launch import local_shape
     from fusion_bridge.synthetic import make_inputs
@@ -117,7 +129,12 @@ def main() -> None:
     # one compile per Triton specialization of T (1, a multiple of 16, other)
     tasks = {(h, q, t if t == 1 else 16 * (t % 16 == 0), tuple(s)): t for h, q, t, s in plan}
     tasks = sorted(((h, args.top_k, q, t, s) for (h, q, _, s), t in tasks.items()), key=str)
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(
+        args.jobs,
+        mp_context=get_context("spawn"),
+        initializer=_set_register_cap,
+        initargs=(not args.no_register_cap,),
+    ) as pool:
         list(pool.map(_warm, tasks))
     print(f"compiled {len(tasks)} variants", flush=True)
     if args.warm_only:

@@ -5,7 +5,6 @@ launcher (kernels/launcher.py), so an eager call is the argument tuple and one l
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
@@ -54,10 +53,9 @@ _SPLIT = KernelLauncher(
 )
 
 
-def cap_registers() -> bool:
-    """Whole rows in 16 warps launch with maxnreg 64 (FUSION_BRIDGE_TP1_MAXNREG=0: not; an A/B
-    switch for benchmarks/tp1_sweep.py)."""
-    return os.environ.get("FUSION_BRIDGE_TP1_MAXNREG", "1") != "0"
+# Whole rows in 16 warps launch with maxnreg 64, so two programs share an SM (measured faster:
+# benchmarks/tp1_sweep.py; its --no-register-cap clears this for the A/B, nothing else does).
+CAP_REGISTERS = True
 
 
 GRAPH_WORDS = "graph"  # the key of the one set every CUDA-graph capture uses
@@ -140,7 +138,7 @@ class LocalLauncher:
             rows = sf_rows if nvfp4 and quant.swizzled else tokens
             fixed = (top_k, has_shared, quant.code, quant.swizzled, row_block(hidden), is_cuda)
             fixed += (int(shape.prefetch and is_cuda), recip)
-            launcher = _LOCAL_TWO_PER_SM if shape.warps == 16 and cap_registers() else _LOCAL
+            launcher = _LOCAL_TWO_PER_SM if shape.warps == 16 and CAP_REGISTERS else _LOCAL
             return launcher, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
         chunks = triton.cdiv(hidden, shape.block1)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
