@@ -36,18 +36,24 @@ def _empty_kernel(out_ptr):
 
 
 def shapes(tokens: int, hidden: int, quant: str, num_sms: int) -> list:
-    """The shapes to time at T: whole rows at 3 warp counts, split rows at each chunk that fits."""
+    """The shapes to time at T: the default, whole rows at 16 and 32 warps per 8192 columns, split
+    rows at each chunk that fits; each without and with the L2 prefetch of the row."""
+    from fusion_bridge.kernels.quant import row_block
     from fusion_bridge.kernels.tp1_launch import OneshotShape, local_shape, split_ok
 
-    out = [local_shape(tokens, hidden, QUANT_CODE[quant])]
-    for chunk in (256, 512, 1024, 2048, 4096):
-        for warps in (1, 2, 4, 8, 16):
-            per_thread = chunk // (warps * 32)
-            shape = OneshotShape(chunk, chunk, warps)
-            wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
-            if wanted and split_ok(shape, tokens, hidden, num_sms):
-                out.append(shape)
-    return out
+    rb = row_block(hidden)
+    out = [local_shape(tokens, hidden, QUANT_CODE[quant], num_sms)]
+    for prefetch in (0, 1):
+        for warps in (16, 32) if tokens > 32 else ():  # whole rows lose below (tp1_sweep_h200*)
+            out.append(OneshotShape(rb, rb, max(4, warps * rb // 8192), prefetch))
+        for chunk in (256, 512) if tokens == 1 else (512, 1024, 2048, 4096):
+            for warps in (1, 2, 4, 8, 16):
+                per_thread = chunk // (warps * 32)
+                shape = OneshotShape(chunk, chunk, warps, prefetch)
+                wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
+                if wanted and split_ok(shape, tokens, hidden, num_sms):
+                    out.append(shape)
+    return list(dict.fromkeys(out))  # the default once
 
 
 def _run_one(strat, inp, out, shape):
@@ -61,6 +67,12 @@ def _outputs(strat, inp):
     q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
     sf = got.scale if got.scale is not None else strat._unused
     return (got.residual_out, got.norm_out, q, sf)
+
+
+def _set_register_cap(on: bool) -> None:
+    from fusion_bridge.kernels import tp1_launch
+
+    tp1_launch.CAP_REGISTERS = on
 
 
 def _warm(task) -> str:
@@ -90,7 +102,14 @@ def main() -> None:
     ap.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--warm-only", action="store_true", help="compile the variants, time nothing")
+    ap.add_argument(
+        "--no-register-cap",
+        action="store_true",
+        help="launch 16-warp whole rows without fused_tp1's 64-register cap (an A/B)",
+    )
     args = ap.parse_args()
+    _set_register_cap(not args.no_register_cap)
     from fusion_bridge.cli.bench import write_csv
     from fusion_bridge.kernels.tp1_launch import local_shape
     from fusion_bridge.synthetic import make_inputs
@@ -110,9 +129,16 @@ def main() -> None:
     # one compile per Triton specialization of T (1, a multiple of 16, other)
     tasks = {(h, q, t if t == 1 else 16 * (t % 16 == 0), tuple(s)): t for h, q, t, s in plan}
     tasks = sorted(((h, args.top_k, q, t, s) for (h, q, _, s), t in tasks.items()), key=str)
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(
+        args.jobs,
+        mp_context=get_context("spawn"),
+        initializer=_set_register_cap,
+        initargs=(not args.no_register_cap,),
+    ) as pool:
         list(pool.map(_warm, tasks))
     print(f"compiled {len(tasks)} variants", flush=True)
+    if args.warm_only:
+        return
     for hidden in args.hidden:
         for quant in args.quant:
             spec = _spec(hidden, args.top_k, quant, max(args.tokens))
@@ -131,8 +157,8 @@ def main() -> None:
                     us = time_graph(lambda i, s=shape: _run_one(strat, inputs[i], out, s), sets=n)
                     mark = " (default)" if tuple(shape) == default else ""
                     print(
-                        f"{quant:5s} H={hidden} T={tokens:3d} chunk={shape.block1:5d} "
-                        f"warps={shape.warps:2d} {us:7.2f} us{mark}",
+                        f"{quant:5s} H={hidden} T={tokens:4d} chunk={shape.block1:5d} "
+                        f"warps={shape.warps:2d} pf={shape.prefetch} {us:7.2f} us{mark}",
                         flush=True,
                     )
                     rows.append(
@@ -140,7 +166,7 @@ def main() -> None:
                             quant=quant,
                             H=hidden,
                             T=tokens,
-                            shape=f"{shape.block1}x{shape.warps}",
+                            shape=f"{shape.block1}x{shape.warps}" + "+pf" * shape.prefetch,
                             us=round(us, 2),
                             default=int(bool(mark)),
                         )

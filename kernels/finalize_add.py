@@ -31,19 +31,28 @@ def finalize_row(
     routed_scaling,
     TOP_K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    SELECT_ONCE: tl.constexpr = False,
 ):
     """The building block (the symmetric-memory kernels call it too): fp32 [len(cols)] =
     routed_scaling * sum_k w[row,k] * gemm2_out[perm[row,k], cols] (+ shared[row, cols]), row int64.
     Slots with perm == -1 are never read; where, not x * 0: a skipped slot's weight may be garbage
-    (NaN)."""
+    (NaN). SELECT_ONCE: the same sum bit for bit with the skipped slot's weight set to 0 once per
+    slot instead of a select per element (its masked load gives +0, and +0 * 0 added to the sum,
+    which is never -0 as it starts at +0, leaves it as it is); the world-size-1 kernels take it
+    (measured there), the others keep the code they were measured with."""
     in_row = cols < hidden
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         src = tl.load(perm_ptr + row * TOP_K + k).to(tl.int64)
         weight = tl.load(weight_ptr + row * TOP_K + k).to(tl.float32)
+        if SELECT_ONCE:
+            weight = tl.where(src >= 0, weight, 0.0)
         valid = (cols * 0 + src) >= 0  # vector form: the interpreter rejects a scalar-bool mask
         x = tl.load(gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-        acc += tl.where(valid, x * weight, 0.0)
+        if SELECT_ONCE:
+            acc += x * weight
+        else:
+            acc += tl.where(valid, x * weight, 0.0)
     acc = acc * routed_scaling
     if HAS_SHARED:
         acc += tl.load(shared_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)

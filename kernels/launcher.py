@@ -165,7 +165,8 @@ class KernelLauncher:
     """`launcher(grid, args, constexprs, num_warps)` launches `kernel[grid](*args, **dict(zip(
     constexpr_names, constexprs)), num_warps=num_warps)`, through the cached low-level launcher when
     the specialization key was seen before. `args` are the runtime arguments in parameter order;
-    the constexpr parameters must be the kernel's trailing parameters."""
+    the constexpr parameters must be the kernel's trailing parameters. `options`: compile options
+    passed to every launch (`kernel[grid](..., **options)`), e.g. {"maxnreg": 64}."""
 
     def __init__(
         self,
@@ -173,9 +174,13 @@ class KernelLauncher:
         constexpr_names: Sequence[str],
         runtime: Optional[Runtime] = None,
         max_entries: int = MAX_ENTRIES,
+        options: Optional[dict] = None,
     ):
         self.kernel = kernel
         self.constexpr_names = tuple(constexpr_names)
+        # compile options fixed for every launch of this launcher (e.g. maxnreg): they are part of
+        # Triton's key, and constant here, so the launcher's own key needs no field for them
+        self.options = dict(options or {})
         self.max_entries = max_entries
         self.normal_launches = 0
         self._entries: dict = {}
@@ -261,7 +266,7 @@ class KernelLauncher:
     def _launch_normally(self, grid, args, constexprs, num_warps):
         self.normal_launches += 1
         kwargs = dict(zip(self.constexpr_names, constexprs))
-        return self.kernel[grid](*args, **kwargs, num_warps=num_warps)
+        return self.kernel[grid](*args, **kwargs, num_warps=num_warps, **self.options)
 
     def _fast_failed(self, exc, grid, args, constexprs, num_warps) -> None:
         """The cached launcher raised. The C launcher checks its arguments before launching, so

@@ -2,7 +2,9 @@
 world-size-1 kernels, and the row epilogue that the exchange kernel shares with them.
 
 Two launch shapes, one launch each, from the same building blocks (finalize_add.finalize_row,
-add_rmsnorm.rms_apply / norm_quant_row, quant.quantize_span):
+add_rmsnorm.rms_norm_row / rms_apply, quant.quantize_row / quantize_span) in their leaner forms
+(SELECT_ONCE, LEAN, RECIP: the same bits in fewer instructions; rounding.round_cast) and, where a
+launch shape asks for it, the row prefetched into L2 before its gathers (`prefetch_row`):
 
 - whole rows (`_tp1_kernel`): one program per row keeps the row's top-k finalize in registers,
   rounds it once as a published partial would be, adds the residual, normalizes and quantizes.
@@ -44,10 +46,52 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .add_rmsnorm import norm_quant_row, overflow_scale, rms_apply
+from .add_rmsnorm import norm_quant_row, overflow_scale, rms_apply, rms_norm_row
 from .finalize_add import finalize_row
 from .quant import quantize_row, quantize_span, sf_padding_item
-from .rounding import round_to
+from .rounding import round_cast, round_to
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the 32-byte sector at each pointer where mask (GPU only: inline PTX). No register
+    holds a result, so the compiler cannot postpone it to where the data is used, as it postpones
+    a row's K gathers one behind the other to keep registers free."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def prefetch_row(
+    gemm2_ptr,
+    perm_ptr,
+    shared_ptr,
+    residual_ptr,
+    row,
+    lo,
+    hidden,
+    SPAN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+):
+    KP: tl.constexpr = triton.next_power_of_2(TOP_K)
+    """Prefetch into L2 what `_chunk_x` reads of columns [lo, lo + SPAN) of `row` (the K gathered
+    rows, the shared output, the residual): one sector per 16 columns, so every DRAM request of
+    the row is in flight at once and the gathers that follow, one behind the other, hit L2."""
+    cols = lo + tl.arange(0, SPAN // 16)[None, :] * 16
+    ok = cols < hidden
+    slot = tl.arange(0, KP)[:, None]  # every slot's routing loaded at once, not one by one
+    src = tl.load(perm_ptr + row * TOP_K + slot, mask=slot < TOP_K, other=-1).to(tl.int64)
+    prefetch_l2(gemm2_ptr + src * hidden + cols, ok & (src >= 0))
+    if HAS_SHARED:
+        prefetch_l2(shared_ptr + row * hidden + cols, ok)
+    prefetch_l2(residual_ptr + row * hidden + cols, ok)
 
 
 @triton.jit
@@ -134,15 +178,33 @@ def _tp1_kernel(
     SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    RECIP: tl.constexpr,
 ):
     """World size 1, whole rows: one program per row; the top-k finalize of the row stays in
     registers, rounded once as a published partial would be (so residual_out is the two-launch
     path's bit for bit), then residual, norm and quant from the same building blocks. Programs past
     T (swizzled NVFP4 only) write their scale row's padding (zeros), as the standalone norm kernel
-    does. Its source reaches no module-level value, which lets the cached launcher launch it."""
+    does. PREFETCH: the row's reads requested into L2 at once before its gathers (GPU only).
+    RECIP: fp8 through one reciprocal (quant._div_by_scale). Roundings through the GPU's own
+    conversion where HW_CVT (rounding.round_cast). Its source reaches no module-level value, which
+    lets the cached launcher launch it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, ROW_BLOCK)
     if row < tokens:
+        if PREFETCH:
+            prefetch_row(
+                gemm2_ptr,
+                perm_ptr,
+                shared_ptr,
+                residual_ptr,
+                row,
+                0,
+                hidden,
+                ROW_BLOCK,
+                TOP_K,
+                HAS_SHARED,
+            )
         acc = finalize_row(
             gemm2_ptr,
             perm_ptr,
@@ -154,30 +216,38 @@ def _tp1_kernel(
             routed_scaling,
             TOP_K,
             HAS_SHARED,
+            True,  # SELECT_ONCE
         )
-        row_outputs(
-            round_to(acc, residual_out_ptr.dtype.element_ty).to(tl.float32),
+        dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+        in_row = cols < hidden
+        offs = row * hidden + cols
+        x = tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        x += round_cast(acc, dtype, HW_CVT).to(tl.float32)
+        tl.store(residual_out_ptr + offs, round_cast(x, dtype, HW_CVT), mask=in_row)
+        g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
+        # overflow-safe, as the two-launch path's norm kernel
+        y = round_cast(rms_norm_row(x, g, hidden, eps, True), dtype, HW_CVT)
+        tl.store(norm_out_ptr + offs, y, mask=in_row)
+        if QUANT == 2:
+            y = tl.where(in_row, y, 0.0)
+        quantize_row(
+            y,
             row,
             0,
             ROW_BLOCK,
-            0,
             tokens,
-            residual_ptr,
-            gamma_ptr,
-            residual_out_ptr,
-            norm_out_ptr,
+            hidden,
             q_ptr,
             sf_ptr,
-            hidden,
-            eps,
-            weight_bias,
             quant_scale,
             sf_cols,
             QUANT,
             SWIZZLED,
             ROW_BLOCK,
             HW_CVT,
-            True,  # as the two-launch path's norm kernel
+            False,
+            RECIP,
+            True,  # LEAN
         )
     else:
         quantize_row(
@@ -196,6 +266,8 @@ def _tp1_kernel(
             ROW_BLOCK,
             HW_CVT,
             False,
+            False,
+            True,  # LEAN
         )
 
 
@@ -213,6 +285,7 @@ def _chunk_x(
     TOP_K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     dtype: tl.constexpr,
+    HW_CVT: tl.constexpr,
 ):
     """fp32 x = residual + round(finalize) on `cols` of `row` (0 past H): `_tp1_kernel`'s x."""
     acc = finalize_row(
@@ -226,9 +299,10 @@ def _chunk_x(
         routed_scaling,
         TOP_K,
         HAS_SHARED,
+        True,  # SELECT_ONCE
     )
     res = tl.load(residual_ptr + row * hidden + cols, mask=cols < hidden, other=0.0)
-    return res.to(tl.float32) + round_to(acc, dtype).to(tl.float32)
+    return res.to(tl.float32) + round_cast(acc, dtype, HW_CVT).to(tl.float32)
 
 
 @triton.jit
@@ -262,6 +336,8 @@ def _tp1_split_kernel(
     HW_CVT: tl.constexpr,
     SYNC_ROWS: tl.constexpr,
     MAX_CHUNKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    RECIP: tl.constexpr,
     MAX_POLLS: tl.constexpr,
     PHASES: tl.constexpr,
 ):
@@ -298,6 +374,19 @@ def _tp1_split_kernel(
                 sem="relaxed",
                 scope="gpu",
             )
+        if PREFETCH:
+            prefetch_row(
+                gemm2_ptr,
+                perm_ptr,
+                shared_ptr,
+                residual_ptr,
+                row,
+                c * CHUNK,
+                hidden,
+                CHUNK,
+                TOP_K,
+                HAS_SHARED,
+            )
         x = _chunk_x(
             gemm2_ptr,
             perm_ptr,
@@ -311,11 +400,14 @@ def _tp1_split_kernel(
             TOP_K,
             HAS_SHARED,
             dtype,
+            HW_CVT,
         )
         # gamma before the exchange: no memory access of its own after the wait
         g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
         if PHASES & 1:
-            tl.store(residual_out_ptr + row * hidden + cols, round_to(x, dtype), mask=in_row)
+            tl.store(
+                residual_out_ptr + row * hidden + cols, round_cast(x, dtype, HW_CVT), mask=in_row
+            )
             sum_sq = tl.sum(x * x, axis=0)
             # the word is packed where the ticket landed (lane 0), with no reduction before the
             # store: partners wait for it; this program's own epoch is reduced after it
@@ -360,6 +452,7 @@ def _tp1_split_kernel(
                             TOP_K,
                             HAS_SHARED,
                             dtype,
+                            HW_CVT,
                         )
                         if scaled:
                             x_j = x_j * overflow_scale(
@@ -372,7 +465,7 @@ def _tp1_split_kernel(
                 s = overflow_scale((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
                 y = rms_apply(x * s, g, sum_s, hidden, eps * s * s)
             y = tl.where((cols * 0 + pending) != 0, float("nan"), y)  # a partner never arrived
-            y = round_to(y, dtype)
+            y = round_cast(y, dtype, HW_CVT)
             tl.store(norm_out_ptr + row * hidden + cols, y, mask=in_row)
             if QUANT == 2:
                 y = tl.where(in_row, y, 0.0)
@@ -393,6 +486,8 @@ def _tp1_split_kernel(
                 CHUNK,
                 HW_CVT,
                 True,
+                RECIP,
+                True,  # LEAN
             )
     elif PHASES & 2:
         if QUANT == 2:

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import triton
 
-from .quant import QUANT_NONE, QUANT_NVFP4, row_block
+from .quant import QUANT_NONE, row_block
 
 MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set per count)
 SYNC_ROWS = 256  # rows the split kernel serves (T * chunks <= the SM count)
@@ -25,38 +25,43 @@ class OneshotShape(NamedTuple):
     block1: int
     block2: int
     warps: int
+    prefetch: int = 0  # world size 1: prefetch the row into L2 before its gathers (GPU only)
 
 
 def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
-    """Warps per row program at world size 1. Measured on one H200, H=7168, K=8, graph, rotated
-    inputs (benchmarks/tp1_local.py --sweep, us, 8 / 16 / 32 warps): none T=16 6.39 / 6.01 / 5.84,
-    T=64 7.15 / 6.74 / 6.52, T=1024 49.9 / 48.7 / 55.7, T=4096 173.9 / 170.0 / 198.2; fp8 T=64
-    10.8 / 9.75 / 7.87, T=4096 220 / 201 / 234; nvfp4 T=16 9.50 / 8.54 / 8.05, T=4096 311 / 205 /
-    259. Few rows: the most threads in flight per row; many rows: 16 warps (quant or not). Half as
-    many for rows of half the width."""
-    per_row = 32 if tokens <= 64 else 16
-    return max(4, per_row * row_block(hidden) // 8192)
+    """Warps per whole-row program at world size 1: 16 per 8192 columns at every T (half as many
+    for rows of half the width). Measured on one H200, H=7168, K=8, graph, rotated inputs
+    (benchmarks/tp1_sweep.py, tp1_sweep_h200_lean.txt, us, 16 / 32 warps, none / fp8 / nvfp4): T=64
+    5.70 / 7.09, 6.53 / 6.32, 7.83 / 7.91; T=256 12.57 / 13.07, 13.86 / 15.79, 17.66 / 18.16;
+    T=1024 45.45 / 47.94, 49.67 / 56.62; T=4096 165.98 / 174.58, 177.56 / 202.93. (Before the
+    leaner kernel, 32 warps won below T=64: its gathers then waited on each other at 16.)"""
+    return max(4, 16 * row_block(hidden) // 8192)
 
 
 def local_shape(
     tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0
 ) -> OneshotShape:
-    """World size 1. Split rows while T * chunks fits the SMs (num_sms; 0: never): T = 1 in
-    512-column chunks (4 warps), else the smallest of 1024 / 2048 / 4096 columns that fits (8
-    columns per thread), but two chunks only for NVFP4; whole rows otherwise (`local_warps`).
-    Measured on one H200, H=7168, K=8, graph (benchmarks/tp1_sweep.py, us, none / fp8 / nvfp4):
-    T=1 whole rows 5.03 / 6.42 / 7.10, split 512 3.37 / 3.57 / 3.74, 1024 3.44 / 3.79 / 3.72,
-    4096 4.56 / 5.64 / 5.71; T=16 whole 5.94 / 7.26 / 8.24, 1024 4.77 / 5.29 / 5.20, 2048 4.92 /
-    6.02 / 5.57; T=32 (none) whole 6.11, 2048 5.34; T=64 whole 6.70 / 7.97 / 9.15, two chunks of
-    4096 6.80 / 8.08 / 8.17 (again, none: whole 6.67, split 7.05). The ticket-first kernel, none:
-    T=1 512 3.10, 256 (1 or 2 warps) 3.04; T=16 1024 4.61."""
+    """World size 1. Split rows while T * chunks programs are resident (num_sms; 0: never; see
+    `split_ok`): T = 1 in 512-column chunks (4 warps) with the row prefetched into L2, else the
+    smallest of 1024 / 2048 / 4096 columns that fits (8 columns per thread); whole rows otherwise
+    (`local_warps`). Measured on one H200, H=7168, K=8, graph (benchmarks/tp1_sweep.py,
+    tp1_sweep_h200_lean.txt, us): none T=1 512 prefetched 2.40, not 2.50, 256 (2 warps) 2.58; T=16
+    1024 3.89 (prefetched 4.00), 512 (2 warps) 3.87, 2048 3.92; T=32 1024 4.32, 2048 4.41; T=64
+    two chunks of 4096 5.76 / 6.20 / 7.33 (none / fp8 / nvfp4), whole rows 5.70 / 6.53 / 7.83.
+    The prefetch costs from T=16 on (T=256: 15.75 against 12.57)."""
     rb = row_block(hidden)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
-        shape = OneshotShape(chunk, chunk, max(1, chunk // 256) if tokens > 1 else chunk // 128)
-        two = triton.cdiv(hidden, chunk) == 2
-        if split_ok(shape, tokens, hidden, num_sms) and (quant == QUANT_NVFP4 or not two):
+        warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
+        shape = OneshotShape(chunk, chunk, warps, int(tokens == 1))
+        if split_ok(shape, tokens, hidden, num_sms):
             return shape
     return OneshotShape(rb, rb, local_warps(tokens, hidden, quant))
+
+
+def programs_per_sm(warps: int) -> int:
+    """Split-kernel programs that are always resident on one SM at once: two of at most 4 warps
+    (128 threads x at most 255 registers is half an SM's register file), else one."""
+    return 2 if warps <= 4 else 1
 
 
 def split_ok(shape: OneshotShape, tokens: int, hidden: int, num_sms: int) -> bool:
@@ -67,7 +72,7 @@ def split_ok(shape: OneshotShape, tokens: int, hidden: int, num_sms: int) -> boo
         shape.block1 < rb
         and 1 < chunks <= MAX_CHUNKS
         and tokens <= SYNC_ROWS
-        and tokens * chunks <= num_sms
+        and tokens * chunks <= num_sms * programs_per_sm(shape.warps)
     )
 
 

@@ -69,6 +69,44 @@ def _e2m1_codes(a, sf):
 
 
 @triton.jit
+def _e2m1_codes_search(a, sf):
+    """`_e2m1_codes` by a binary search: the code is how many of the thresholds 0.25, 0.75, 1.25,
+    1.75, 2.5, 3.5, 5 (> for the odd codes' lower bounds, >= for the even ones: ties to even) a / sf
+    passes; they are nested (sf > 0; sf == 0 compares against inf, where a >= 0 passes none), so
+    three comparisons against threshold * sf (exact products, as there) find the same count."""
+    s = tl.where(sf == 0.0, float("inf"), sf)
+    b2 = a >= 1.75 * s
+    b1 = a >= tl.where(b2, 3.5 * s, 0.75 * s)
+    upper = tl.where(b1, 5.0 * s, 2.5 * s)
+    lower = tl.where(b1, 1.25 * s, 0.25 * s)
+    b0 = a > tl.where(b2, upper, lower)
+    return b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+
+
+@triton.jit
+def _div_by_scale(y, scale):
+    """div_rn(y, scale), correctly rounded, with one reciprocal per program instead of a division
+    per element (on a GPU: tl.fma is one rounding there, not under the interpreter). Markstein:
+    with inv = RN(1 / scale) and q0 = RN(y * inv) within one ulp of y / scale, the remainder
+    r = y - scale * q0 is exact in an FMA and RN(q0 + r * inv) = RN(y / scale). Where that does not
+    apply, q0 is the answer's own sign and class: y = +-0 (q0 keeps the sign of zero the FMAs lose),
+    y / scale at the top of the fp32 range or past it (q0 = inf, the FMAs give NaN; inf where the
+    quotient may round to the largest float: e4m3 saturates both to 448), y NaN. The remainder is
+    exact while |y| >= 2^-102, and the theorem needs a normal quotient (a subnormal one may be a
+    tie, or end one place off). For scale in [2^-90, 2^126] (`recip_ok`) what falls outside has
+    |y / scale| < 2^-10, which e4m3 takes to +-0 either way: the codes are div_rn's."""
+    inv = tl.math.div_rn(1.0, scale)
+    q0 = y * inv
+    q = tl.fma(tl.fma(-q0, scale, y), inv, q0)
+    return tl.where((q != q) | (q0 == 0.0), q0, q)
+
+
+def recip_ok(scale: float) -> bool:
+    """`_div_by_scale` is exact for this fp8 scale (the kernels that quantize may pass RECIP)."""
+    return 2.0**-90 <= scale <= 2.0**126
+
+
+@triton.jit
 def quantize_row(
     y,
     row,
@@ -85,6 +123,8 @@ def quantize_row(
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
+    RECIP: tl.constexpr = False,
+    LEAN: tl.constexpr = False,
 ):
     """The building block (every kernel that quantizes calls it): quantize row `row` (y [BLOCK], the
     whole row already rounded to the activation dtype, 0 past H) and store it.
@@ -92,7 +132,12 @@ def quantize_row(
     WINDOW True: only columns [lo, hi) (multiples of 64, so the chunks of a row together also cover
     the swizzled padding columns, written 0) of a row below `tokens`.
     HW_CVT: use the GPU's round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it
-    takes the software one)."""
+    takes the software one). RECIP (HW_CVT only): fp8 divides through `_div_by_scale` (the caller
+    checked `recip_ok(quant_scale)`), the same codes with no division per element. LEAN: the same
+    codes in fewer instructions (the world-size-1 kernels, measured there; the others keep the
+    code they were measured with): the codes stored in the row's own register layout (offsets
+    contiguous over 8 fp8 / 4 packed NVFP4 bytes only, so the store does not convert every row
+    tensor of the kernel to a 16-per-thread layout), NVFP4 codes by `_e2m1_codes_search`."""
     quantize_span(
         y,
         row,
@@ -110,6 +155,8 @@ def quantize_row(
         BLOCK,
         HW_CVT,
         WINDOW,
+        RECIP,
+        LEAN,
     )
 
 
@@ -131,6 +178,8 @@ def quantize_span(
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
+    RECIP: tl.constexpr = False,
+    LEAN: tl.constexpr = False,
 ):
     """`quantize_row` for y [BLOCK] holding columns col0 .. col0 + BLOCK of the row (col0 a
     multiple of 64; 0 past H): a program that owns only a part of a row quantizes only that part
@@ -141,7 +190,10 @@ def quantize_span(
     else:
         keep = (cols < hidden) & ((cols * 0 + row) < tokens)  # vector form: no scalar-bool masks
     if QUANT == 1:
-        v = tl.math.div_rn(y.to(tl.float32), quant_scale)
+        if RECIP:
+            v = _div_by_scale(y.to(tl.float32), quant_scale)
+        else:
+            v = tl.math.div_rn(y.to(tl.float32), quant_scale)
         if HW_CVT:
             code = (
                 tl.minimum(tl.maximum(v, -448.0), 448.0)
@@ -150,13 +202,19 @@ def quantize_span(
             )
         else:
             code, _ = _e4m3_rne_satfinite(v)
+        if LEAN:
+            cols = (cols // 8) * 8 + cols % 8  # the same offsets, contiguous over 8 only
         tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=keep)
     if QUANT == 2:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = tl.max(tl.abs(yb), axis=1)
         sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
         scaled = yb * quant_scale
-        codes = _e2m1_codes(tl.abs(scaled), sf[:, None]) | ((scaled < 0).to(tl.int32) << 3)
+        if LEAN:
+            codes = _e2m1_codes_search(tl.abs(scaled), sf[:, None])
+        else:
+            codes = _e2m1_codes(tl.abs(scaled), sf[:, None])
+        codes = codes | ((scaled < 0).to(tl.int32) << 3)
         lo4, hi4 = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
         packed = col0 // 2 + tl.arange(0, BLOCK // 2)
         kb = col0 // 16 + tl.arange(0, BLOCK // 16)
@@ -166,6 +224,8 @@ def quantize_span(
         else:
             keep_q = (packed < hidden // 2) & ((packed * 0 + row) < tokens)
             keep_sf = (kb * 0 + row) < tokens
+        if LEAN:
+            packed = (packed // 4) * 4 + packed % 4  # the same offsets, contiguous over 4 only
         tl.store(q_ptr + row * (hidden // 2) + packed, (lo4 | (hi4 << 4)).to(tl.uint8), mask=keep_q)
         sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
         if SWIZZLED:

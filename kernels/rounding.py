@@ -28,3 +28,14 @@ def round_to(x, dtype: tl.constexpr):
         # unfolded multiply makes the NaN quiet first.
         x = tl.where(x != x, x * 1.0, bits.to(tl.float32, bitcast=True))
     return x.to(dtype)
+
+
+@triton.jit
+def round_cast(x, dtype: tl.constexpr, HW_CVT: tl.constexpr):
+    """`round_to(x, dtype)`; HW_CVT (a GPU): the GPU's own conversion, round to nearest even too, so
+    the same bits, NaN included (round_to hands a NaN to that conversion unchanged), in one
+    instruction per two elements instead of six per element."""
+    if HW_CVT:
+        return x.to(dtype)
+    else:
+        return round_to(x, dtype)

@@ -313,9 +313,9 @@ def call_args(
     tokens, top_k = perm.shape
     hidden = layer.hidden
     quant = layer.quant
-    block1, block2, warps = shape or default_shape(
-        tokens, hidden, layer.num_sms, layer.world, quant.code
-    )
+    block1, block2, warps = (
+        shape or default_shape(tokens, hidden, layer.num_sms, layer.world, quant.code)
+    )[:3]  # its prefetch field is the world-size-1 kernels' only
     rb = row_block(hidden)
     block1, block2 = min(block1, rb), min(block2, rb)
     assert block2 % 64 == 0 and block1 % 64 == 0

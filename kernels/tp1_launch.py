@@ -21,14 +21,19 @@ from .oneshot_shapes import (
     local_shape,
     split_ok,
 )
-from .quant import QUANT_NVFP4, row_block, sf_padding_items
+from .quant import QUANT_FP8, QUANT_NVFP4, recip_ok, row_block, sf_padding_items
 
 PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
 BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
 
-_LOCAL = KernelLauncher(
-    _tp1_kernel, ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT")
-)
+_LOCAL_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "PREFETCH")
+_LOCAL_NAMES += ("RECIP",)
+_LOCAL = KernelLauncher(_tp1_kernel, _LOCAL_NAMES)
+# whole rows in 16 warps: registers capped at 64 so that two programs always share an SM (the
+# compiler takes 66 for some NVFP4 builds, 81 with the 3-comparison codes, and then leaves one per
+# SM; in tp1_sweep_h200_lean.txt NVFP4 at T=4096 took 213.7 us with 66 registers, 193.1 with 64 and
+# the prefetch. The cap alone had no same-run A/B: that sweep's output was lost, see the README)
+_LOCAL_TWO_PER_SM = KernelLauncher(_tp1_kernel, _LOCAL_NAMES, options={"maxnreg": 64})
 _SPLIT = KernelLauncher(
     _tp1_split_kernel,
     (
@@ -40,10 +45,17 @@ _SPLIT = KernelLauncher(
         "HW_CVT",
         "SYNC_ROWS",
         "MAX_CHUNKS",
+        "PREFETCH",
+        "RECIP",
         "MAX_POLLS",
         "PHASES",
     ),
 )
+
+
+# Whole rows in 16 warps launch with maxnreg 64, so two programs share an SM (measured faster:
+# benchmarks/tp1_sweep.py; its --no-register-cap clears this for the A/B, nothing else does).
+CAP_REGISTERS = True
 
 
 GRAPH_WORDS = "graph"  # the key of the one set every CUDA-graph capture uses
@@ -119,16 +131,21 @@ class LocalLauncher:
         hidden = layer.hidden
         shape = shape or local_shape(tokens, hidden, quant.code, self.num_sms)
         nvfp4 = quant.code == QUANT_NVFP4
+        # fp8 on a GPU: the division by the scale through one reciprocal (quant._div_by_scale)
+        recip = int(is_cuda and quant.code == QUANT_FP8 and recip_ok(quant.scale))
         sf_rows, sf_cols = sf_shape if nvfp4 else (tokens, 0)
         if not split_ok(shape, tokens, hidden, self.num_sms):
             rows = sf_rows if nvfp4 and quant.swizzled else tokens
             fixed = (top_k, has_shared, quant.code, quant.swizzled, row_block(hidden), is_cuda)
-            return _LOCAL, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
+            fixed += (int(shape.prefetch and is_cuda), recip)
+            launcher = _LOCAL_TWO_PER_SM if shape.warps == 16 and CAP_REGISTERS else _LOCAL
+            return launcher, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
         chunks = triton.cdiv(hidden, shape.block1)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
         fixed = (top_k, has_shared, quant.code, quant.swizzled, shape.block1, is_cuda)
         # the interpreter publishes every chunk before any wait: a few polls suffice there
-        fixed += (SYNC_ROWS, MAX_CHUNKS, MAX_POLLS if is_cuda else 4)
+        fixed += (SYNC_ROWS, MAX_CHUNKS, int(shape.prefetch and is_cuda), recip)
+        fixed += (MAX_POLLS if is_cuda else 4,)  # last: a test bounds the wait by replacing it
         return _SPLIT, (tokens * chunks + padding,), fixed, shape.warps, chunks, sf_rows, sf_cols
 
     def _launch_args(

@@ -251,3 +251,44 @@ def test_graphs_of_one_layer_share_words_zeroed_before_any_capture():
             torch.cuda.synchronize()
             problems += _problems(spec, strat, env, fresh, outs[t], f"graph T={t} round {round_}")
     assert not problems, "\n".join(problems)
+
+
+def test_fp8_division_through_one_reciprocal_is_exact():
+    """`quant._div_by_scale` (fp8 through one reciprocal, as `fused_tp1` quantizes on a GPU)
+    against torch's correctly rounded division, over every bf16 value (norm_out is bf16) and
+    scales across `recip_ok`'s range: the quotient bit for bit wherever it is a normal float up to
+    2^64 and |y| >= 2^-102 (the remainder exact), and the e4m3 code (saturated at 448, as the
+    kernels store it) everywhere."""
+    needs_gpu()
+    import triton
+    import triton.language as tl
+
+    from fusion_bridge.kernels.quant import _div_by_scale, recip_ok
+
+    @triton.jit
+    def divide(y_ptr, out_ptr, scale, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        y = tl.load(y_ptr + offs, mask=offs < n)
+        tl.store(out_ptr + offs, _div_by_scale(y, scale), mask=offs < n)
+
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16)
+    y = bits.view(torch.bfloat16).float()
+    scales = [0.05, 1 / 3, 448 * 6 / 8.0, 1e-6, 3.0e5, 2.0**-90, 2.0**126, 1.2345678e-20]
+    scales += torch.empty(8).uniform_(-30, 30).exp2().tolist()
+    problems = []
+    for scale in scales:
+        scale = float(torch.tensor(scale, dtype=torch.float32))
+        assert recip_ok(scale)
+        got = torch.empty_like(y)
+        divide[(triton.cdiv(y.numel(), 1024),)](y, got, scale, y.numel(), BLOCK=1024)
+        want = y / torch.tensor(scale, dtype=torch.float32, device="cuda")
+        normal = (want.abs() >= 2.0**-126) & (want.abs() <= 2.0**64) & (y.abs() >= 2.0**-102)
+        exact = normal | (y == 0) | y.isinf()
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        if not bool(same[exact].all()):
+            problems.append(f"scale {scale}: {int((~same & exact).sum())} quotients differ")
+        codes = [q.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) for q in (got, want)]
+        finite = ~want.isnan()
+        if not torch.equal(codes[0][finite], codes[1][finite]):
+            problems.append(f"scale {scale}: e4m3 codes differ")
+    assert not problems, "\n".join(problems)

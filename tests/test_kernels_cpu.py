@@ -318,3 +318,40 @@ def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + cols, mask=cols < n, other=0.0)
     tl.store(out_ptr + cols, round_to(x, tl.bfloat16), mask=cols < n)
+
+
+from fusion_bridge.kernels.quant import _e2m1_codes, _e2m1_codes_search  # noqa: E402
+
+
+@triton.jit
+def _e2m1_both_kernel(a_ptr, sf_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + cols, mask=cols < n, other=0.0)
+    sf = tl.load(sf_ptr + cols, mask=cols < n, other=1.0)
+    tl.store(out_ptr + cols, _e2m1_codes(a, sf), mask=cols < n)
+    tl.store(out_ptr + BLOCK + cols, _e2m1_codes_search(a, sf), mask=cols < n)
+
+
+def test_nvfp4_codes_by_search_equal_the_seven_comparisons():
+    """`_e2m1_codes_search` (the world-size-1 kernels' NVFP4 codes) against `_e2m1_codes` for every
+    non-negative e4m3 scale (0 included) and, per scale, a at each threshold * sf and one fp32 step
+    either side of it (where ties-to-even decides), 0, 6 * sf and past it, inf and NaN."""
+    sfs = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    sfs = sfs[torch.isfinite(sfs)]
+    edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0, 7.0, 100.0])
+    a = (edges[None, :] * sfs[:, None]).flatten()
+    a = torch.cat(
+        [a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1e30))]
+    )
+    a = torch.cat([a, torch.tensor([float("inf"), float("nan")])])
+    sf = torch.cat([sfs.repeat_interleave(len(edges)).repeat(3), torch.tensor([448.0, 1.0])])
+    n = len(a)
+    block = triton.next_power_of_2(n)
+    out = torch.full((2 * block,), -1, dtype=torch.int32, device=DEVICE)
+    _e2m1_both_kernel[(1,)](a.to(DEVICE), sf.to(DEVICE), out, n, BLOCK=block)
+    seven, search = out[:n].cpu(), out[block : block + n].cpu()
+    assert (seven >= 0).all() and (seven <= 7).all()
+    bad = (seven != search).nonzero().flatten()
+    assert len(bad) == 0, [
+        (float(a[i]), float(sf[i]), int(seven[i]), int(search[i])) for i in bad[:5]
+    ]

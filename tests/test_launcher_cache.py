@@ -190,6 +190,21 @@ def test_same_key_calls_the_cached_launcher_with_grid_stream_and_args():
     ]
 
 
+def test_fixed_options_reach_the_normal_launch_and_the_cached_one_runs_its_kernel():
+    """`options` (e.g. maxnreg) go to every normal launch; the cached path then launches the
+    kernel that launch compiled with them, with the same positional arguments as without."""
+    kernel, launch = make(options={"maxnreg": 64})
+    x, y = tensors()
+    launch((3,), (x, y, 3, 0.5), (256, True), 16)
+    assert kernel.normal[0][2] == {"BLOCK": 256, "FLAG": True, "num_warps": 16, "maxnreg": 64}
+    launch((4,), (x, y, 3, 0.5), (256, True), 16)
+    assert len(kernel.normal) == 1
+    run = kernel.compiled[0].run
+    assert run.calls == [
+        (4, 1, 1, STREAM, "function1", (4, 1, 0), None, None, None, x, y, 3, 0.5, 256, True)
+    ]
+
+
 def test_cached_launch_uses_the_current_stream_and_device():
     rt = fake_runtime()
     kernel, launch = make(runtime=rt)

@@ -245,17 +245,18 @@ def test_chunked_and_whole_row_norms_are_bitwise_equal():
 
 
 def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
-    assert default_shape(1, 7168) == (1024, 8192, 8)  # 7 publish programs, one writes the row
-    assert default_shape(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
-    assert default_shape(64, 7168) == (8192, 3584, 8)  # 2 programs per row
-    assert default_shape(256, 7168) == (8192, 7168, 8)
-    # world size 1: whole rows, the most warps while rows are few (measured, see local_warps)
-    assert default_shape(1, 7168, world=1) == (8192, 8192, 32)
-    assert default_shape(1024, 7168, world=1) == (8192, 8192, 16)
-    assert default_shape(16, 4096, world=1) == (4096, 4096, 16)
+    assert default_shape(1, 7168) == (1024, 8192, 8, 0)  # 7 publish programs, one writes the row
+    assert default_shape(16, 7168) == (1024, 896, 8, 0)  # 112 publish items, 8 programs per row
+    assert default_shape(64, 7168) == (8192, 3584, 8, 0)  # 2 programs per row
+    assert default_shape(256, 7168) == (8192, 7168, 8, 0)
+    # world size 1 (no SM count: whole rows): 16 warps per 8192 columns at every T (measured, see
+    # local_warps), no prefetch
+    assert default_shape(1, 7168, world=1) == (8192, 8192, 16, 0)
+    assert default_shape(1024, 7168, world=1) == (8192, 8192, 16, 0)
+    assert default_shape(16, 4096, world=1) == (4096, 4096, 8, 0)
     for tokens in (1, 3, 16, 64, 129, 256):
         for hidden in (7168, 4096, 2880, 96):
-            b1, b2, _ = default_shape(tokens, hidden)
+            b1, b2, _, _ = default_shape(tokens, hidden)
             assert b1 in (1024, row_block(hidden)) and b2 % 64 == 0 and b2 <= row_block(hidden)
 
 
