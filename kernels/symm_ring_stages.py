@@ -225,13 +225,12 @@ def _stage_gather(
     residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, chunk, rank, eps, quant_scale,
     sf_cols, WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
     ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, EMU: tl.constexpr, EMU_ITEMS: tl.constexpr,
-    R_COLS: tl.constexpr = 0, RELEASE: tl.constexpr = True,
+    R_COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """The chunk's rows other ranks own (whole, or in chunks of R_COLS columns): wait for the
     owner's reduced bits, clear them, store them as residual_out and norm them (+ FP8 / NVFP4),
     with the code the owner ran on its own rows, so every output is bitwise identical on every
-    rank. Then this program releases the slot (RELEASE False: a later launch releases it for the
-    whole chunk, `symm_staged`)."""
+    rank. Then this program releases the slot."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     slot = (base + c) % _SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -279,5 +278,4 @@ def _stage_gather(
                     residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps, quant_scale,
                     sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
                 )  # fmt: skip
-    if RELEASE:
-        _release(ptrs_ptr, rank, slot, pid, nprog)
+    _release(ptrs_ptr, rank, slot, pid, nprog)

@@ -43,7 +43,10 @@ line of the slot from an earlier launch), so plain loads read the new rows; no e
 differ from a sentinel, and nothing clears the slot. Reuse: X(c) releases chunk c - 1's slot only
 after R(c - 1) / G(c - 1) (same stream: their reads are done); a writer's gate acquires every
 rank's counter before F writes the slot again. The flags hold sequence numbers, so a flag left by
-the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's.
+the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. In the two-shot
+workspace the slots sit `region` elements past the ring's (which must stay at the sentinel); the
+ring and this pipeline share the chunk base and the release counters (each use of a slot adds one
+unit, whoever used it), so their calls may alternate in any order.
 
 Deadlock freedom: every one-program launch makes this rank's release and signal before it waits,
 and waits only for the peers' release of chunk c - 1 and signals of chunk c, which their own
