@@ -19,7 +19,14 @@ import torch
 
 from .spec import FP8_E4M3_MAX, NVFP4_BLOCK, SFLayout
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+def e2m1_values(device) -> torch.Tensor:
+    """The eight e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (fp32, index = code), made on `device`
+    by arithmetic: a host tensor copied over would make this torch path fail inside a CUDA-graph
+    capture (`separate` with NVFP4 is captured like every strategy)."""
+    code = torch.arange(8, device=device, dtype=torch.float32)
+    mantissa = 1.0 + 0.5 * torch.remainder(code, 2)
+    return torch.where(code < 2, code * 0.5, torch.exp2(torch.floor(code / 2) - 1) * mantissa)
 
 
 def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +45,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     code,
     saturating at 6. Found by distance to every value, independent of the kernel's threshold
     method."""
-    values = E2M1_VALUES.to(x.device)
+    values = e2m1_values(x.device)
     mag = x.abs().clamp(max=6.0)
     dist = (mag.unsqueeze(-1) - values).abs()
     best = dist.min(dim=-1, keepdim=True).values
@@ -55,7 +62,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    values = E2M1_VALUES.to(codes.device)
+    values = e2m1_values(codes.device)
     mag = values[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 

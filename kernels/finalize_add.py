@@ -20,6 +20,14 @@ from .rounding import round_to
 
 
 @triton.jit
+def _mul_rn(a, b):
+    """fp32 a * b rounded on its own (ptxas does not fuse an explicitly rounded multiply)."""
+    return tl.inline_asm_elementwise(
+        "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def finalize_row(
     gemm2_ptr,
     perm_ptr,
@@ -32,6 +40,7 @@ def finalize_row(
     TOP_K: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     SELECT_ONCE: tl.constexpr = False,
+    GPU_MUL_RN: tl.constexpr = False,
 ):
     """The building block (the symmetric-memory kernels call it too): fp32 [len(cols)] =
     routed_scaling * sum_k w[row,k] * gemm2_out[perm[row,k], cols] (+ shared[row, cols]), row int64.
@@ -39,7 +48,10 @@ def finalize_row(
     (NaN). SELECT_ONCE: the same sum bit for bit with the skipped slot's weight set to 0 once per
     slot instead of a select per element (its masked load gives +0, and +0 * 0 added to the sum,
     which is never -0 as it starts at +0, leaves it as it is); the world-size-1 kernels take it
-    (measured there), the others keep the code they were measured with."""
+    (measured there), the others keep the code they were measured with. Without the select
+    between them, ptxas fuses the product and the sum into one FMA (one rounding, not two: other
+    bits than the select form's), so on a GPU SELECT_ONCE needs GPU_MUL_RN: the product by an
+    explicit `mul.rn.f32`, which ptxas never contracts. The interpreter rounds both anyway."""
     in_row = cols < hidden
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for k in tl.static_range(TOP_K):
@@ -50,7 +62,10 @@ def finalize_row(
         valid = (cols * 0 + src) >= 0  # vector form: the interpreter rejects a scalar-bool mask
         x = tl.load(gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
         if SELECT_ONCE:
-            acc += x * weight
+            if GPU_MUL_RN:
+                acc += _mul_rn(x, weight)
+            else:
+                acc += x * weight
         else:
             acc += tl.where(valid, x * weight, 0.0)
     acc = acc * routed_scaling

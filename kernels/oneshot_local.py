@@ -217,6 +217,7 @@ def _tp1_kernel(
             TOP_K,
             HAS_SHARED,
             True,  # SELECT_ONCE
+            HW_CVT,  # GPU_MUL_RN: on a GPU
         )
         dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
         in_row = cols < hidden
@@ -300,6 +301,7 @@ def _chunk_x(
         TOP_K,
         HAS_SHARED,
         True,  # SELECT_ONCE
+        HW_CVT,  # GPU_MUL_RN: on a GPU
     )
     res = tl.load(residual_ptr + row * hidden + cols, mask=cols < hidden, other=0.0)
     return res.to(tl.float32) + round_cast(acc, dtype, HW_CVT).to(tl.float32)

@@ -8,6 +8,7 @@ from fusion_bridge.spec import SFLayout
 from fusion_bridge.quant_ref import (
     dequantize_nvfp4,
     e2m1_codes,
+    e2m1_values,
     e4m3_satfinite,
     quantize_fp8,
     quantize_nvfp4,
@@ -39,6 +40,10 @@ def test_e2m1_ties_go_to_the_even_code_and_saturate():
     # (6),
     # 7 and 100 saturate at 6 (7), 0.26->0.5 (1); negatives carry bit 3, also when they round to 0
     assert e2m1_codes(x).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 7, 1, 8 | 2, 8 | 7, 8 | 0]
+
+
+def test_e2m1_values_are_the_format_table():
+    assert e2m1_values("cpu").tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
 def test_nvfp4_hand_computed_blocks():
