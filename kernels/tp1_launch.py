@@ -11,7 +11,8 @@ import torch
 import triton
 
 from .launcher import KernelLauncher
-from .oneshot_local import _tp1_kernel, _tp1_split_kernel
+from .oneshot_local import _tp1_kernel
+from .tp1_split import _tp1_split_kernel
 from .oneshot_shapes import (
     MAX_CHUNKS,
     MAX_POLLS,

@@ -146,9 +146,9 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
     none, the exchange kernel does (the protocol's constants). Compiled-mode JIT objects: a
     subprocess without the interpreter."""
     code = (
-        "from fusion_bridge.kernels import oneshot_local as l, symm_oneshot as m; "
-        "l._tp1_kernel.cache_key; l._tp1_split_kernel.cache_key; m._oneshot_kernel.cache_key; "
-        "print(len(l._tp1_kernel.used_global_vals), len(l._tp1_split_kernel.used_global_vals), "
+        "from fusion_bridge.kernels import oneshot_local as l, symm_oneshot as m, tp1_split as s; "
+        "l._tp1_kernel.cache_key; s._tp1_split_kernel.cache_key; m._oneshot_kernel.cache_key; "
+        "print(len(l._tp1_kernel.used_global_vals), len(s._tp1_split_kernel.used_global_vals), "
         "len(m._oneshot_kernel.used_global_vals) > 0)"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
