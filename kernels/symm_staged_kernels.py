@@ -83,8 +83,8 @@ def _sync_kernel(
     of the slot shows chunk c; GATE until every rank released the slots that chunks gate_lo ..
     gate_lo + gate_n - 1 reuse; ADVANCE (the call's last launch) the base moves on by the call's
     chunks. This rank's own release and signal come before its waits, so a wait only ever waits
-    for the peers. A failed wait: the error word (`report_error`), and every later row launch
-    writes NaN (it sees the abort word)."""
+    for the peers. A failed wait, or an abort word already set: the error word (`report_error`),
+    and every later row launch writes NaN (it sees the abort word)."""
     timeout_ns = timeout
     if not EMU:
         timeout_ns = timeout.to(tl.int64) * 1000
@@ -113,7 +113,11 @@ def _sync_kernel(
                 ptrs_ptr, s % _SLOTS, (s // _SLOTS) * _UNIT, abort_ptr, start, timeout_ns, WORLD,
                 EMU,
             )  # fmt: skip
-    if missing != 0:
+    # an abort under way fails this launch even when every wait above was already met (a late
+    # rank finds the flags and releases an aborted peer left behind): its rows are NaN, and the
+    # error word makes its next call raise
+    aborted = tl.load(abort_ptr, volatile=True) != 0
+    if (missing != 0) | aborted:
         _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
     if ADVANCE:
         tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=lane == 0)

@@ -208,6 +208,24 @@ def test_a_missing_rank_stops_the_ring_too():
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10
 
 
+def test_the_late_rank_whose_waits_are_already_met_still_reports_the_abort():
+    """Rank 0 calls alone and times out (the abort word on both ranks); rank 1's delayed call
+    then finds every flag and release it waits for already there (rank 0 signalled and released
+    every chunk before each wait), so no wait of its own fails: its rows are NaN, and its sync
+    launches must still write the error word from the abort word, or its next call would not
+    raise."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    emu = EmulatedRing(2, 4, 64)
+    inputs = _inputs(spec, 8, 2, seed=3)
+    _run(emu, spec, inputs, skip_rank=1)
+    assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10
+    assert not int(emu.states[1, 2])
+    outs = _run(emu, spec, inputs, skip_rank=0)
+    assert torch.isnan(outs[1][0]).all() and torch.isnan(outs[1][1]).all()
+    err = int(emu.states[1, 2])
+    assert err & int(ERR_ABORTED) and err & 0b10, hex(err)
+
+
 def test_partials_are_summed_in_rank_order():
     """Partials 1, 2^-24, 2^-24 and residual 2^-8: only the rank order gives 1.0 (see the ring's
     test of the same name)."""
