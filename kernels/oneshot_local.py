@@ -129,6 +129,44 @@ def row_outputs(
 
 
 @triton.jit
+def residual_plus_finalize(
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    residual_ptr,
+    row,
+    cols,
+    hidden,
+    routed_scaling,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    dtype: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """fp32 x = residual + round(finalize) on `cols` of `row` (0 past H), the row's finalize
+    rounded once as a published partial would be: the world-size-1 kernels' x."""
+    acc = finalize_row(
+        gemm2_ptr,
+        perm_ptr,
+        weight_ptr,
+        shared_ptr,
+        row,
+        cols,
+        hidden,
+        routed_scaling,
+        TOP_K,
+        HAS_SHARED,
+        True,  # SELECT_ONCE
+        HW_CVT,  # GPU_MUL_RN: on a GPU
+    )
+    # one offset, as the callers' stores form it: the whole-row kernel then compiles to the same
+    # machine code as when it spelled this out itself (measured)
+    res = tl.load(residual_ptr + (row * hidden + cols), mask=cols < hidden, other=0.0)
+    return res.to(tl.float32) + round_cast(acc, dtype, HW_CVT).to(tl.float32)
+
+
+@triton.jit
 def _tp1_kernel(
     gemm2_ptr,
     perm_ptr,
@@ -180,25 +218,24 @@ def _tp1_kernel(
                 TOP_K,
                 HAS_SHARED,
             )
-        acc = finalize_row(
+        dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+        x = residual_plus_finalize(
             gemm2_ptr,
             perm_ptr,
             weight_ptr,
             shared_ptr,
+            residual_ptr,
             row,
             cols,
             hidden,
             routed_scaling,
             TOP_K,
             HAS_SHARED,
-            True,  # SELECT_ONCE
-            HW_CVT,  # GPU_MUL_RN: on a GPU
+            dtype,
+            HW_CVT,
         )
-        dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
         in_row = cols < hidden
         offs = row * hidden + cols
-        x = tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
-        x += round_cast(acc, dtype, HW_CVT).to(tl.float32)
         tl.store(residual_out_ptr + offs, round_cast(x, dtype, HW_CVT), mask=in_row)
         g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
         # overflow-safe, as the two-launch path's norm kernel

@@ -38,45 +38,9 @@ import triton
 import triton.language as tl
 
 from .add_rmsnorm import overflow_scale, rms_apply
-from .finalize_add import finalize_row
-from .oneshot_local import prefetch_row
+from .oneshot_local import prefetch_row, residual_plus_finalize
 from .quant import quantize_span, sf_padding_item
 from .rounding import round_cast
-
-
-@triton.jit
-def _chunk_x(
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
-    residual_ptr,
-    row,
-    cols,
-    hidden,
-    routed_scaling,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    dtype: tl.constexpr,
-    HW_CVT: tl.constexpr,
-):
-    """fp32 x = residual + round(finalize) on `cols` of `row` (0 past H): `_tp1_kernel`'s x."""
-    acc = finalize_row(
-        gemm2_ptr,
-        perm_ptr,
-        weight_ptr,
-        shared_ptr,
-        row,
-        cols,
-        hidden,
-        routed_scaling,
-        TOP_K,
-        HAS_SHARED,
-        True,  # SELECT_ONCE
-        HW_CVT,  # GPU_MUL_RN: on a GPU
-    )
-    res = tl.load(residual_ptr + row * hidden + cols, mask=cols < hidden, other=0.0)
-    return res.to(tl.float32) + round_cast(acc, dtype, HW_CVT).to(tl.float32)
 
 
 @triton.jit
@@ -161,7 +125,7 @@ def _tp1_split_kernel(
                 TOP_K,
                 HAS_SHARED,
             )
-        x = _chunk_x(
+        x = residual_plus_finalize(
             gemm2_ptr,
             perm_ptr,
             weight_ptr,
@@ -213,7 +177,7 @@ def _tp1_split_kernel(
                     j = 0
                     while j < chunks:  # the row's chunks in order, as every partner does (a
                         # while: the interpreter's range() cannot take a kernel argument)
-                        x_j = _chunk_x(
+                        x_j = residual_plus_finalize(
                             gemm2_ptr,
                             perm_ptr,
                             weight_ptr,
