@@ -54,11 +54,13 @@ def recorded_launch(kernel, launch) -> tuple:
     return calls[0]
 
 
-def compile_for_sm90(kernel, args, kwargs):
+def compile_for_sm90(kernel, args, kwargs, gpu_constexprs=None):
     backend = make_backend(TARGET)
     kwargs = {"debug": False, "instrumentation_mode": "", **kwargs}
     if "HW_CVT" in kernel.arg_names:
         kwargs["HW_CVT"] = True
+    for name, value in (gpu_constexprs or {}).items():
+        kwargs[name] = value
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(
@@ -123,6 +125,78 @@ def _symm_launch(module, world: int, inp, out):
     return lambda: module.launch(group.layers[0], **call_tensors(inp, out))
 
 
+def _nvfp4_outputs(spec, tokens: int) -> tuple:
+    """residual_out, norm_out, q (packed fp4 as uint8), sf (swizzled) of an NVFP4 call."""
+    from fusion_bridge.epilogue_tensors import quant_buffers
+
+    ro = torch.empty(tokens, H, dtype=spec.dtype)
+    q, sf = quant_buffers(tokens, H, spec.quant.kind, spec.quant.sf_layout, ro.device)
+    return ro, torch.empty_like(ro), q.view(torch.uint8), sf
+
+
+def nvfp4_cases() -> dict:
+    """The kernels that quantize to NVFP4 without LEAN: the standalone quant kernel, the norm
+    kernel, the one-shot exchange kernel (its windowed quantize_span)."""
+    from fusion_bridge.kernels import quant
+    from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
+
+    spec = EpilogueSpec(
+        hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=QuantSpec.nvfp4(336.0)
+    )
+    inp = make_inputs(spec, T, seed=0, device="cpu", skip_fraction=0.0)
+    ro, no, q, sf = _nvfp4_outputs(spec, T)
+    norm = dict(eps=spec.eps, weight_bias=0.0, quant=2, quant_scale=336.0, swizzled=True)
+
+    def oneshot():
+        group = emulated_group("oneshot", spec, 2, 2048, device="cpu", num_sms=66)
+        symm_oneshot.launch(group.layers[0], **call_tensors(inp, (ro, no, q, sf)))
+
+    return {
+        "quantize_nvfp4": (
+            quant,
+            "_quantize_kernel",
+            lambda: quant.quantize_into(q, sf, ro, 2, 336.0, True),
+        ),
+        "add_rmsnorm_nvfp4": (
+            add_rmsnorm,
+            "_add_rmsnorm_kernel",
+            lambda: add_rmsnorm.add_rmsnorm_into(ro, no, q, sf, ro, ro, inp.gamma, **norm),
+        ),
+        "oneshot_w2_nvfp4": (symm_oneshot, "_oneshot_kernel", oneshot),
+    }
+
+
+def _tp1_launch(quant: str, tokens: int, num_sms: int):
+    """fused_tp1's launch at T as on an H200 (num_sms 132: the split kernel where the GPU would
+    take it; PREFETCH and RECIP as a GPU call sets them), on CPU tensors."""
+    from fusion_bridge.epilogue_tensors import quant_buffers
+    from fusion_bridge.kernels.symm_protocol import SymmLayer
+    from fusion_bridge.kernels.tp1_launch import LocalLauncher
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
+    spec = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=q[quant])
+    inp = make_inputs(spec, tokens, seed=0, device="cpu", skip_fraction=0.0)
+    ro = torch.empty(tokens, H, dtype=spec.dtype)
+    qb, sf = quant_buffers(tokens, H, spec.quant.kind, spec.quant.sf_layout, ro.device)
+    empty = torch.empty(0, dtype=torch.uint8)
+    qb = empty if qb is None else qb.view(torch.uint8)
+    out = (ro, torch.empty_like(ro), qb, empty if sf is None else sf)
+    launcher = LocalLauncher(SymmLayer.local(spec, ro.device), num_sms, ro.device)
+    return lambda: launcher(**call_tensors(inp, out))
+
+
+def gpu_constexprs(name: str) -> dict:
+    """What a GPU call passes where the CPU launch differs (HW_CVT aside): fp8 divides through
+    the reciprocal; the split kernel runs both phases in one launch and polls for ~1 s."""
+    if not name.startswith("tp1_"):
+        return {}
+    from fusion_bridge.kernels.oneshot_shapes import MAX_POLLS
+
+    got = {"RECIP": int("_fp8_" in name)}
+    return got | ({"PHASES": 3, "MAX_POLLS": MAX_POLLS} if "split" in name else {})
+
+
 def cases(inp, out) -> dict:
     """name -> (kernel module, kernel name, launch): resolved only when the case runs, so a tree
     without one of them (the tree before the restructure) skips that case alone."""
@@ -158,7 +232,21 @@ def cases(inp, out) -> dict:
                 reduced, inp.gemm2_out, perm, weights, inp.shared_output, 2.5
             ),
         ),
+    } | {
+        f"tp1_{quant}_{kind}": (
+            tp1_launch_module(kind),
+            "_tp1_kernel" if kind == "rows" else "_tp1_split_kernel",
+            lambda quant=quant, tokens=tokens, sms=sms: _tp1_launch(quant, tokens, sms)(),
+        )
+        for quant in ("none", "fp8", "nvfp4")
+        for kind, tokens, sms in (("rows", 64, 0), ("split16", 16, 132))
     }
+
+
+def tp1_launch_module(kind: str):
+    from fusion_bridge.kernels import oneshot_local, tp1_split
+
+    return oneshot_local if kind == "rows" else tp1_split
 
 
 def main() -> int:
@@ -168,7 +256,7 @@ def main() -> int:
     outdir, wanted = sys.argv[1], sys.argv[2:] or ["twoshot_w1_none"]
     os.makedirs(outdir, exist_ok=True)
     inp = make_inputs(SPEC, T, seed=0, device="cpu", skip_fraction=0.0)
-    table = cases(inp, _outputs())
+    table = cases(inp, _outputs()) | nvfp4_cases()
     for name in list(table) if wanted == ["all"] else wanted:
         module, kernel_name, launch = table[name]
         try:
@@ -177,7 +265,8 @@ def main() -> int:
         except (AttributeError, ImportError, TypeError) as exc:  # a case this tree does not have
             print(f"{name}: skipped ({type(exc).__name__}: {exc})")
             continue
-        found = summary(compile_for_sm90(kernel, args, kwargs), os.path.join(outdir, name))
+        compiled = compile_for_sm90(kernel, args, kwargs, gpu_constexprs(name))
+        found = summary(compiled, os.path.join(outdir, name))
         with open(os.path.join(outdir, name + ".json"), "w") as f:
             json.dump(found, f, indent=1)
         shown = {k: v for k, v in found.items() if k != "ops"}

@@ -84,6 +84,49 @@ def _e2m1_codes_search(a, sf):
 
 
 @triton.jit
+def _block_scale_hw(v):
+    """(e4m3 code, its value as fp32) of div_rn(v, 6.0) as `_e4m3_rne_satfinite` gives them, for
+    v = global_scale * amax >= 0 or NaN (a GPU only): the quotient through `_div_by_scale` (its
+    e4m3 code is div_rn's: 6 is in its range), the rounding by the GPU's RNE satfinite conversion
+    after the same clamp to 448 (a NaN clamps to 448 there too: minimum keeps the number). The sign
+    bit the software form ORs in is 0 here: v is +0, positive, or the GPU's canonical NaN
+    (0x7fffffff), so the code is the magnitude's."""
+    q = tl.minimum(_div_by_scale(v, 6.0), 448.0)
+    code = q.to(tl.float8e4nv)
+    return code.to(tl.uint8, bitcast=True).to(tl.int32), code.to(tl.float32)
+
+
+@triton.jit
+def _e2m1_nibbles(scaled, sf):
+    """The nibble of each element (e2m1 code | sign << 3, as fp32 0..15) of `_e2m1_codes_search`'s
+    search with no predicates: each comparison as 1.0 / 0.0, the next threshold and the code as
+    multiply-adds of those. Every product is exact (the thresholds and their differences 2.75,
+    2.25, 1.5, 1 times an e4m3 sf: at most 8 significant bits; codes are small integers), so the
+    comparisons decide as the search's. sf == 0 (every code 0) searches against 2^100 instead:
+    the block's |scaled| <= 6 * 2^-10 passes no threshold of it, and 0 * 2^100 stays finite (the
+    search's inf would make 0 * inf = NaN thresholds)."""
+    a = tl.abs(scaled)
+    s = tl.where(sf == 0.0, 1.2676506002282294e30, sf)
+    b2 = (a >= 1.75 * s).to(tl.float32)
+    b1 = (a >= b2 * (2.75 * s) + 0.75 * s).to(tl.float32)
+    lower = b2 * (2.25 * s) + 0.25 * s  # 0.25 s or 2.5 s
+    step = b2 * (1.5 * s) + s  # 1.25 s - 0.25 s or 5 s - 2.5 s
+    b0 = (a > b1 * step + lower).to(tl.float32)
+    neg = (scaled < 0).to(tl.float32)
+    return neg * 8.0 + (b2 * 4.0 + (b1 * 2.0 + b0))
+
+
+@triton.jit
+def _fp4_bytes(lo4, hi4, LEAN: tl.constexpr):
+    """The byte lo4 | hi4 << 4 of two nibbles: int32, or with LEAN fp32 nibbles of
+    `_e2m1_nibbles` (the byte in the low bits of the fp32 2^23 + byte: no conversion)."""
+    if LEAN:
+        return (hi4 * 16.0 + (lo4 + 8388608.0)).to(tl.int32, bitcast=True).to(tl.uint8)
+    else:
+        return (lo4 | (hi4 << 4)).to(tl.uint8)
+
+
+@triton.jit
 def _div_by_scale(y, scale):
     """div_rn(y, scale), correctly rounded, with one reciprocal per program instead of a division
     per element (on a GPU: tl.fma is one rounding there, not under the interpreter). Markstein:
@@ -137,7 +180,10 @@ def quantize_row(
     codes in fewer instructions (the world-size-1 kernels, measured there; the others keep the
     code they were measured with): the codes stored in the row's own register layout (offsets
     contiguous over 8 fp8 / 4 packed NVFP4 bytes only, so the store does not convert every row
-    tensor of the kernel to a 16-per-thread layout), NVFP4 codes by `_e2m1_codes_search`."""
+    tensor of the kernel to a 16-per-thread layout), NVFP4 codes by `_e2m1_nibbles` (the search
+    with no predicates) and, with HW_CVT, block scales by `_block_scale_hw`; y past H may then be
+    anything, NaN included (H is a multiple of 16, so a block lies wholly in or past the row, and
+    a block past H stores nothing but a zero scale)."""
     quantize_span(
         y,
         row,
@@ -208,13 +254,16 @@ def quantize_span(
     if QUANT == 2:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = tl.max(tl.abs(yb), axis=1)
-        sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
+        if LEAN and HW_CVT:
+            sf_code, sf = _block_scale_hw(quant_scale * amax)
+        else:
+            sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
         scaled = yb * quant_scale
         if LEAN:
-            codes = _e2m1_codes_search(tl.abs(scaled), sf[:, None])
+            codes = _e2m1_nibbles(scaled, sf[:, None])
         else:
             codes = _e2m1_codes(tl.abs(scaled), sf[:, None])
-        codes = codes | ((scaled < 0).to(tl.int32) << 3)
+            codes = codes | ((scaled < 0).to(tl.int32) << 3)
         lo4, hi4 = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
         packed = col0 // 2 + tl.arange(0, BLOCK // 2)
         kb = col0 // 16 + tl.arange(0, BLOCK // 16)
@@ -226,7 +275,7 @@ def quantize_span(
             keep_sf = (kb * 0 + row) < tokens
         if LEAN:
             packed = (packed // 4) * 4 + packed % 4  # the same offsets, contiguous over 4 only
-        tl.store(q_ptr + row * (hidden // 2) + packed, (lo4 | (hi4 << 4)).to(tl.uint8), mask=keep_q)
+        tl.store(q_ptr + row * (hidden // 2) + packed, _fp4_bytes(lo4, hi4, LEAN), mask=keep_q)
         sf_byte = tl.where(kb < hidden // 16, sf_code, 0).to(tl.uint8)
         if SWIZZLED:
             sf_off = (
