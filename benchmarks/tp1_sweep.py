@@ -35,16 +35,27 @@ def _empty_kernel(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 1)
 
 
-def shapes(tokens: int, hidden: int, quant: str, num_sms: int) -> list:
-    """The shapes to time at T: the default, whole rows at 16 and 32 warps per 8192 columns, split
-    rows at each chunk that fits; each without and with the L2 prefetch of the row."""
+def shapes(
+    tokens: int,
+    hidden: int,
+    quant: str,
+    num_sms: int,
+    prefetches=(0, 1),
+    row_warps=(16, 32),
+    default_only=False,
+) -> list:
+    """The shapes to time at T: the default, whole rows at `row_warps` warps per 8192 columns
+    (at least 4), split rows at each chunk that fits; each with each of `prefetches` (the L2
+    prefetch of the row). default_only: the default alone."""
     from fusion_bridge.kernels.quant import row_block
     from fusion_bridge.kernels.tp1_launch import OneshotShape, local_shape, split_ok
 
     rb = row_block(hidden)
     out = [local_shape(tokens, hidden, QUANT_CODE[quant], num_sms)]
-    for prefetch in (0, 1):
-        for warps in (16, 32) if tokens > 32 else ():  # whole rows lose below (tp1_sweep_h200*)
+    if default_only:
+        return out
+    for prefetch in prefetches:
+        for warps in row_warps if tokens > 32 else ():  # whole rows lose below (tp1_sweep_h200*)
             out.append(OneshotShape(rb, rb, max(4, warps * rb // 8192), prefetch))
         for chunk in (256, 512) if tokens == 1 else (512, 1024, 2048, 4096):
             for warps in (1, 2, 4, 8, 16):
@@ -108,8 +119,14 @@ def main() -> None:
         action="store_true",
         help="launch 16-warp whole rows without fused_tp1's 64-register cap (an A/B)",
     )
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1], help="0 / 1 (L2 prefetch)")
+    ap.add_argument(
+        "--row-warps", type=int, nargs="+", default=[16, 32], help="whole rows: warps per 8192"
+    )
+    ap.add_argument("--default-only", action="store_true", help="time the default shape alone")
     args = ap.parse_args()
     _set_register_cap(not args.no_register_cap)
+    pick = dict(prefetches=args.prefetch, row_warps=args.row_warps, default_only=args.default_only)
     from fusion_bridge.cli.bench import write_csv
     from fusion_bridge.kernels.tp1_launch import local_shape
     from fusion_bridge.synthetic import make_inputs
@@ -124,7 +141,7 @@ def main() -> None:
         for hidden in args.hidden
         for quant in args.quant
         for tokens in tokens_for(args, quant)
-        for shape in shapes(tokens, hidden, quant, num_sms)
+        for shape in shapes(tokens, hidden, quant, num_sms, **pick)
     ]
     # one compile per Triton specialization of T (1, a multiple of 16, other)
     tasks = {(h, q, t if t == 1 else 16 * (t % 16 == 0), tuple(s)): t for h, q, t, s in plan}
@@ -153,7 +170,7 @@ def main() -> None:
                 default = tuple(
                     local_shape(tokens, hidden, strat._launch.layer.quant.code, num_sms)
                 )
-                for shape in shapes(tokens, hidden, quant, num_sms):
+                for shape in shapes(tokens, hidden, quant, num_sms, **pick):
                     us = time_graph(lambda i, s=shape: _run_one(strat, inputs[i], out, s), sets=n)
                     mark = " (default)" if tuple(shape) == default else ""
                     print(
