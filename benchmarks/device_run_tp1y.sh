@@ -50,11 +50,14 @@ tree_env timeout 60 python3 benchmarks/tp1_local.py --tokens $TOKENS --hidden 71
 tree_env timeout 40 python3 benchmarks/tp1_local.py --tokens $T4096 --hidden 4096 \
   --quant none nvfp4 --emulated >>"$OUT/after.txt" 2>&1
 phase after
-# 3. sweeps: H=4096 whole rows at 4 / 8 / 16 warps (and split where it fits), no prefetch; the
-# register cap on / off at the default shapes
+# 3. sweeps: H=4096 whole rows at 4 / 8 / 16 warps (and split where it fits), no prefetch; H=7168
+# NVFP4 whole rows at 8 warps; the register cap on / off at the default shapes
 tree_env timeout 50 python3 benchmarks/tp1_sweep.py --hidden 4096 --quant none nvfp4 $SW \
   --prefetch 0 --row-warps 8 16 32 --jobs 12 >"$OUT/sweeps.txt" 2>&1
-phase sweep4096
+tree_env timeout 40 python3 benchmarks/tp1_sweep.py --hidden 7168 --quant nvfp4 \
+  --tokens 256 1024 4096 --quant-tokens 256 1024 4096 --prefetch 0 --row-warps 8 16 --jobs 12 \
+  >>"$OUT/sweeps.txt" 2>&1
+phase sweep4096_nvfp4w8
 tree_env timeout 40 python3 benchmarks/tp1_sweep.py --default-only $SW --jobs 12 \
   >>"$OUT/sweeps.txt" 2>&1
 tree_env timeout 50 python3 benchmarks/tp1_sweep.py --default-only $SW --jobs 12 \
