@@ -222,7 +222,8 @@ def _tp1_split_kernel(
                 SWIZZLED,
                 CHUNK,
                 HW_CVT,
-                True,
+                False,  # WINDOW off: the window would be the whole span (and row < T), and its
+                # masks cost whole-word stores (the codes went out byte by byte)
                 RECIP,
                 True,  # LEAN
             )
