@@ -27,8 +27,10 @@ main_env timeout 30 python3 benchmarks/tp1_local.py --tokens 1 16 64 --hidden 71
 tree_env timeout 30 python3 benchmarks/tp1_local.py --tokens 1 16 64 --hidden 7168 --emulated \
   >"$OUT/after2.txt" 2>&1
 for i in 1 2; do
+  echo "== main, round $i" >>"$OUT/eager2.txt"
   main_env timeout 15 python3 benchmarks/tp1_local.py --tokens 1 --hidden 7168 --quant none \
     --emulated >>"$OUT/eager2.txt" 2>&1
+  echo "== this tree, round $i" >>"$OUT/eager2.txt"
   tree_env timeout 15 python3 benchmarks/tp1_local.py --tokens 1 --hidden 7168 --quant none \
     --emulated >>"$OUT/eager2.txt" 2>&1
 done
