@@ -69,21 +69,6 @@ def _e2m1_codes(a, sf):
 
 
 @triton.jit
-def _e2m1_codes_search(a, sf):
-    """`_e2m1_codes` by a binary search: the code is how many of the thresholds 0.25, 0.75, 1.25,
-    1.75, 2.5, 3.5, 5 (> for the odd codes' lower bounds, >= for the even ones: ties to even) a / sf
-    passes; they are nested (sf > 0; sf == 0 compares against inf, where a >= 0 passes none), so
-    three comparisons against threshold * sf (exact products, as there) find the same count."""
-    s = tl.where(sf == 0.0, float("inf"), sf)
-    b2 = a >= 1.75 * s
-    b1 = a >= tl.where(b2, 3.5 * s, 0.75 * s)
-    upper = tl.where(b1, 5.0 * s, 2.5 * s)
-    lower = tl.where(b1, 1.25 * s, 0.25 * s)
-    b0 = a > tl.where(b2, upper, lower)
-    return b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
-
-
-@triton.jit
 def _block_scale_hw(v):
     """(e4m3 code, its value as fp32) of div_rn(v, 6.0) as `_e4m3_rne_satfinite` gives them, for
     v = global_scale * amax >= 0 or NaN (a GPU only): the quotient through `_div_by_scale` (its
@@ -98,13 +83,16 @@ def _block_scale_hw(v):
 
 @triton.jit
 def _e2m1_nibbles(scaled, sf):
-    """The nibble of each element (e2m1 code | sign << 3, as fp32 0..15) of `_e2m1_codes_search`'s
-    search with no predicates: each comparison as 1.0 / 0.0, the next threshold and the code as
-    multiply-adds of those. Every product is exact (the thresholds and their differences 2.75,
-    2.25, 1.5, 1 times an e4m3 sf: at most 8 significant bits; codes are small integers), so the
-    comparisons decide as the search's. sf == 0 (every code 0) searches against 2^100 instead:
-    the block's |scaled| <= 6 * 2^-10 passes no threshold of it, and 0 * 2^100 stays finite (the
-    search's inf would make 0 * inf = NaN thresholds)."""
+    """The nibble of each element (e2m1 code | sign << 3 for scaled < 0, as fp32 0..15): the code of
+    `_e2m1_codes` by a binary search with no predicates. The code is how many of the thresholds
+    0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (> for the odd codes' lower bounds, >= for the even ones:
+    ties to even) |scaled| / sf passes; they are nested, so three comparisons against threshold *
+    sf find it (1.75; then 0.75 or 3.5; then 0.25, 1.25, 2.5 or 5), each taken as 1.0 / 0.0, the
+    next threshold and the code as multiply-adds of those. Every product is exact (the thresholds
+    and their differences 2.75, 2.25, 1.5, 1 times an e4m3 sf: at most 8 significant bits; codes
+    are small integers), so the comparisons decide as the real quotient would. sf == 0 (every code
+    0) searches against 2^100 instead: the block's |scaled| <= 6 * 2^-10 passes no threshold of it,
+    and 0 * 2^100 stays finite (inf would make 0 * inf = NaN thresholds)."""
     a = tl.abs(scaled)
     s = tl.where(sf == 0.0, 1.2676506002282294e30, sf)
     b2 = (a >= 1.75 * s).to(tl.float32)

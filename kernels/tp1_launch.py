@@ -30,10 +30,10 @@ BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
 _LOCAL_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "PREFETCH")
 _LOCAL_NAMES += ("RECIP",)
 _LOCAL = KernelLauncher(_tp1_kernel, _LOCAL_NAMES)
-# whole rows in 16 warps: registers capped at 64 so that two programs always share an SM (the
-# compiler takes 66 for some NVFP4 builds, 81 with the 3-comparison codes, and then leaves one per
-# SM; in tp1_sweep_h200_lean.txt NVFP4 at T=4096 took 213.7 us with 66 registers, 193.1 with 64 and
-# the prefetch. The cap alone had no same-run A/B: that sweep's output was lost, see the README)
+# whole rows in 16 warps: registers capped at 64 so that two programs always share an SM. Main
+# before the leaner NVFP4 took 78 uncapped for NVFP4 (one program per SM); now every quant compiles
+# to 64 uncapped (offline sm_90), so the cap is a guard against a later change's registers; its
+# same-run on/off A/B was within that run's noise (benchmarks/results/tp1_sweep_h200_tp1y.txt)
 _LOCAL_TWO_PER_SM = KernelLauncher(_tp1_kernel, _LOCAL_NAMES, options={"maxnreg": 64})
 _SPLIT = KernelLauncher(
     _tp1_split_kernel,
@@ -54,8 +54,8 @@ _SPLIT = KernelLauncher(
 )
 
 
-# Whole rows in 16 warps launch with maxnreg 64, so two programs share an SM (measured faster:
-# benchmarks/tp1_sweep.py; its --no-register-cap clears this for the A/B, nothing else does).
+# Whole rows in 16 warps launch with maxnreg 64, so two programs share an SM (see _LOCAL_TWO_PER_SM;
+# benchmarks/tp1_sweep.py --no-register-cap clears this for the A/B, nothing else does).
 CAP_REGISTERS = True
 
 
