@@ -70,6 +70,12 @@ STAGED = {
     "c512_prio": dict(chunk=512, stream_mode="two_prio"),
     "c512_w8_prio": dict(chunk=512, row_warps=8, stream_mode="two_prio"),
     "c1024": dict(chunk=1024),  # 117 MB of slots at H=7168: to see what fewer launches give
+    # the same 58.7 MB as 4 x 512: 2 slots of 1024 tokens; F of consecutive chunks on 2 streams
+    "c512_f2": dict(chunk=512, f_streams=2),
+    "c512_f2_prio": dict(chunk=512, f_streams=2, stream_mode="two_prio"),
+    "c1024_s2": dict(chunk=1024, slots=2),
+    "c1024_s2_f2": dict(chunk=1024, slots=2, f_streams=2),
+    "c1024_s2_f2_prio": dict(chunk=1024, slots=2, f_streams=2, stream_mode="two_prio"),
 }
 # the two-shot strategy's launch variants on its whole workspace (kernels/twoshot_launch.py)
 TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}
@@ -79,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
-    ap.add_argument("--variants", nargs="+", default=["default"], help="SWEEP labels or 'sweep'")
+    ap.add_argument("--variants", nargs="*", default=["default"], help="SWEEP labels or 'sweep'")
     ap.add_argument("--staged", nargs="*", default=[], help="STAGED labels or 'all'")
     ap.add_argument("--emulate", type=int, nargs="*", default=[])
     ap.add_argument("--ablate", action="store_true", help="also time the finalize stage alone")
@@ -230,7 +236,8 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref_ro, ref_no, keep, 
     variant = TWOSHOT.get(label, False)
     if variant is False:
         shape, region = symm_staged.StagedShape(**STAGED[label]), 0
-        nbytes = None
+        nbytes = P.HEADER_BYTES + shape.slots * (P.ring_buffer_bytes(1, hidden, 2, shape.chunk)
+                                                 - P.HEADER_BYTES) // P.RING_SLOTS  # fmt: skip
     else:
         shape = twoshot_launch._STAGED.get(variant, symm_staged.DEFAULT_SHAPE)
         region = P.staged_region(1, hidden, 2)[0]

@@ -68,6 +68,7 @@ raises) is what says a call failed. No wait is unbounded.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -85,9 +86,9 @@ from .symm_staged_kernels import _sync_kernel
 
 __all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_ROWS", "F_COLS", "EMU")
-_R_CONSTS = ("WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST")
-_S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "EMU")
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS")
+_R_CONSTS = ("WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS")
+_S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU")
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
 _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
@@ -95,18 +96,22 @@ _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
 
 @dataclass(frozen=True)
 class StagedShape:
-    """A launch variant. chunk: tokens per chunk (the workspace's: 4 slots of [2][C][H], 29.4 MB
-    at C=256, 58.7 MB at C=512, H=7168 bf16); f_cols / f_warps: the finalize item (one row
-    segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our add+RMSNorm
-    kernel's choice; stream_mode: "two" (F on a side stream, overlapping R / G), "two_prio" (the
-    same with R / G on a high-priority stream) or "one" (every stage in order on the caller's
-    stream)."""
+    """A launch variant. chunk / slots: tokens per chunk and the slots chunks turn through (the
+    workspace holds slots x [2][chunk][H]: 58.7 MB at 4 x 512 or 2 x 1024, H=7168 bf16; every
+    call on one workspace must use the same slots); f_cols / f_warps: the finalize item (one row
+    segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our
+    add+RMSNorm kernel's choice; stream_mode: "two" (F on side streams, overlapping R / G),
+    "two_prio" (the same with R / G on a high-priority stream) or "one" (every stage in order on
+    the caller's stream); f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
+    starts while F(c) drains)."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
     f_warps: int = 4
     row_warps: int = 0
     stream_mode: str = "two"
+    slots: int = SLOTS
+    f_streams: int = 1
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two", "two_prio"):
@@ -115,6 +120,10 @@ class StagedShape:
             )
         if self.chunk < 1:
             raise ValueError(f"chunk: expected >= 1, got {self.chunk}")
+        if not 2 <= self.slots <= SLOTS:
+            raise ValueError(f"slots: expected 2..{SLOTS}, got {self.slots}")
+        if self.f_streams not in (1, 2):
+            raise ValueError(f"f_streams: expected 1 or 2, got {self.f_streams}")
 
 
 DEFAULT_SHAPE = StagedShape()
@@ -142,15 +151,17 @@ def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: StagedShap
     return plans
 
 
-_SIDE: dict = {}
+_SIDE = threading.local()
 
 
-def _side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
-    """One side stream per device and priority (-100: the highest the device offers)."""
-    key = (device, high_priority)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)
-    return _SIDE[key]
+def _side_stream(device, index: int = 0, high_priority: bool = False) -> torch.cuda.Stream:
+    """This thread's side stream `index` of a device and priority (-100: the highest the device
+    offers): per thread, so two threads' calls never share one (nor its events' order)."""
+    streams = _SIDE.__dict__.setdefault("streams", {})
+    key = (device, index, high_priority)
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)
+    return streams[key]
 
 
 def launch(
@@ -171,7 +182,7 @@ def launch(
         for _, _, fn, _ in seq:
             fn()
     else:
-        _two_streams(residual.device, seq, shape.stream_mode == "two_prio")
+        _two_streams(residual.device, seq, shape.stream_mode == "two_prio", shape.f_streams)
 
 
 def _call_launches(
@@ -195,7 +206,7 @@ def _call_launches(
         layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
         shared if shared is not None else residual,
     )  # fmt: skip
-    f_consts = (world, top_k, shared is not None, 1, f_cols, emulated)
+    f_consts = (world, top_k, shared is not None, f_cols, shape.slots)
     r_ptrs = (
         layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
         tensors["norm_out"], tensors["q"], sf,
@@ -216,16 +227,19 @@ def _call_launches(
             tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
             quant.scale, sf_rows, sf_cols, pad_items if last else 0, region,
         )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last)
+        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots)
         return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)
 
     def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):
         args = (layer.ptrs, layer.state, c, c if release is None else release, gate[0], gate[1])
         args += (nchunks, rank, layer.timeout_us)
-        consts = (world, signal, wait, release is not None, advance, gate[1] > 0, emulated)
+        consts = (world, signal, wait, release is not None, advance, gate[1] > 0, shape.slots)
+        consts += (emulated,)
         return lambda: _LAUNCH_S((1,), args, consts, 1)
 
-    return SimpleNamespace(plans=plans, world=world, f=f_launch, r=r_launch, sync=sync)
+    return SimpleNamespace(
+        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync
+    )
 
 
 def _sequence(calls, split: bool) -> list:
@@ -233,7 +247,7 @@ def _sequence(calls, split: bool) -> list:
     the chunks whose slot gate this launch holds (their F waits for it). split (emulated ranks in
     one global order, `symm_testing_staged`): every sync as its halves, each a launch of its own,
     the gates one per chunk."""
-    n, world, sync = len(calls.plans), calls.world, calls.sync
+    n, world, sync, slots = len(calls.plans), calls.world, calls.sync, calls.slots
     if split:
         seq = []
         for p in calls.plans:
@@ -246,11 +260,11 @@ def _sequence(calls, split: bool) -> list:
                 seq += [("WD", c, sync(c, wait=FLAG_REDUCED), []), ("G", c, calls.r(p, True), [])]
             seq += [("P", c, sync(c, release=c, advance=c == n - 1), [])]
         return seq
-    first = min(SLOTS, n)
+    first = min(slots, n)
     seq = [("Q", 0, sync(0, gate=(0, first)), list(range(first)))]
     for p in calls.plans:
         c = p.index
-        g = c - 1 + SLOTS  # the chunk whose slot chunk c - 1 frees
+        g = c - 1 + slots  # the chunk whose slot chunk c - 1 frees
         gated = [g] if c > 0 and g < n else []
         x = sync(c, FLAG_ARRIVED, FLAG_ARRIVED, c - 1 if c > 0 else None, False, (g, len(gated)))
         seq += [("F", c, calls.f(p), []), ("X", c, x, gated), ("R", c, calls.r(p, False), [])]
@@ -260,21 +274,24 @@ def _sequence(calls, split: bool) -> list:
     return seq + [("Z", n - 1, sync(n - 1, release=n - 1, advance=True), [])]
 
 
-def _two_streams(device, seq, prio):
-    """F on the side stream, everything else on the rows stream (the caller's, or with `prio` a
-    high-priority stream forked from it: the block scheduler then gives a ready R / G its SMs
-    before the next finalize's; CUDA graphs keep the priority per kernel node): F(c) waits for
-    the event of the launch that gated its slot, the launch after F(c) on the rows stream (X(c))
-    for F(c)'s."""
+def _two_streams(device, seq, prio, f_streams=1):
+    """F on side streams (chunk c on side stream c % f_streams), everything else on the rows stream
+    (the caller's, or with `prio` a high-priority stream forked from it: the block scheduler then
+    gives a ready R / G its SMs before the next finalize's; CUDA graphs keep the priority per
+    kernel node): F(c) waits for the event of the launch that gated its slot, the launch after
+    F(c) on the rows stream (X(c)) for F(c)'s. With two F streams F(c + 1) needs nothing of F(c),
+    so its programs fill the SMs F(c)'s last ones leave."""
     main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
+    sides = [_side_stream(device, i) for i in range(f_streams)]
     rows = _side_stream(device, high_priority=True) if prio else main
-    side.wait_stream(main)
+    for side in sides:
+        side.wait_stream(main)
     if prio:
         rows.wait_stream(main)
     gates, f_done = {}, None
     for stage, c, fn, gated in seq:
         if stage == "F":
+            side = sides[c % f_streams]
             with torch.cuda.stream(side):
                 side.wait_event(gates.pop(c))
                 fn()
@@ -290,5 +307,5 @@ def _two_streams(device, seq, prio):
                 ev = torch.cuda.Event()
                 ev.record(rows)
                 gates.update(dict.fromkeys(gated, ev))
-    if prio:  # the caller's stream joins both (without prio it waited for every F already)
+    if prio:  # the caller's stream joins the rows stream (it waited for every F already)
         main.wait_stream(rows)

@@ -252,7 +252,10 @@ def test_the_plan_covers_every_row_once():
                 assert p.f_items == world * -(-n_c // world) * 2
 
 
-@pytest.mark.parametrize("field,value", [("stream_mode", "three"), ("chunk", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("stream_mode", "three"), ("chunk", 0), ("slots", 1), ("slots", 5), ("f_streams", 3)],
+)
 def test_a_bad_staged_shape_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}: expected .* got"):
         StagedShape(**{field: value})
@@ -265,7 +268,7 @@ def _sync(emu, rank, c, timeout=3, **flags):
     what = dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags
     gate = (c, 1) if what["GATE"] else (0, 0)
     args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout)
-    _sync_kernel[(1,)](*args, WORLD=emu.world, EMU=True, **what)
+    _sync_kernel[(1,)](*args, WORLD=emu.world, SLOTS=SLOTS, EMU=True, **what)
 
 
 def test_the_gate_waits_for_every_rank_to_release_the_slot():
