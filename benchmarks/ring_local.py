@@ -76,6 +76,11 @@ STAGED = {
     "c1024_s2": dict(chunk=1024, slots=2),
     "c1024_s2_f2": dict(chunk=1024, slots=2, f_streams=2),
     "c1024_s2_f2_prio": dict(chunk=1024, slots=2, f_streams=2, stream_mode="two_prio"),
+    # L2 hints (StagedShape.l2: 1 evict-first / evict-last, 2 also drop the read slot rows)
+    "c1024_s2_f2_l2h": dict(chunk=1024, slots=2, f_streams=2, l2=1),
+    "c1024_s2_f2_l2d": dict(chunk=1024, slots=2, f_streams=2, l2=2),
+    "c512_f2_l2d": dict(chunk=512, f_streams=2, l2=2),
+    "c1024_s2_f2_prio_l2d": dict(chunk=1024, slots=2, f_streams=2, stream_mode="two_prio", l2=2),
 }
 # the two-shot strategy's launch variants on its whole workspace (kernels/twoshot_launch.py)
 TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}

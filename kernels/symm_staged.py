@@ -86,8 +86,10 @@ from .symm_staged_kernels import _sync_kernel
 
 __all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS")
-_R_CONSTS = ("WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS")
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS", "L2")
+_R_CONSTS = (
+    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS", "L2",
+)  # fmt: skip
 _S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU")
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
@@ -103,7 +105,8 @@ class StagedShape:
     add+RMSNorm kernel's choice; stream_mode: "two" (F on side streams, overlapping R / G),
     "two_prio" (the same with R / G on a high-priority stream) or "one" (every stage in order on
     the caller's stream); f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
-    starts while F(c) drains)."""
+    starts while F(c) drains); l2: 1 = L2 hints (expert rows and residual evict-first, slot rows
+    evict-last), 2 = those and the row launches drop the slot rows they read from L2 unwritten."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
@@ -112,6 +115,7 @@ class StagedShape:
     stream_mode: str = "two"
     slots: int = SLOTS
     f_streams: int = 1
+    l2: int = 0
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two", "two_prio"):
@@ -122,6 +126,8 @@ class StagedShape:
             raise ValueError(f"chunk: expected >= 1, got {self.chunk}")
         if not 2 <= self.slots <= SLOTS:
             raise ValueError(f"slots: expected 2..{SLOTS}, got {self.slots}")
+        if self.l2 not in (0, 1, 2):
+            raise ValueError(f"l2: expected 0, 1 or 2, got {self.l2}")
         if self.f_streams not in (1, 2):
             raise ValueError(f"f_streams: expected 1 or 2, got {self.f_streams}")
 
@@ -206,7 +212,9 @@ def _call_launches(
         layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
         shared if shared is not None else residual,
     )  # fmt: skip
-    f_consts = (world, top_k, shared is not None, f_cols, shape.slots)
+    # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
+    l2 = min(shape.l2, 1 if hidden % 64 or region % 64 else 2) if residual.is_cuda else 0
+    f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2)
     r_ptrs = (
         layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
         tensors["norm_out"], tensors["q"], sf,
@@ -227,7 +235,7 @@ def _call_launches(
             tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
             quant.scale, sf_rows, sf_cols, pad_items if last else 0, region,
         )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots)
+        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2)
         return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)
 
     def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):

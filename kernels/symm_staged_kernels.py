@@ -112,6 +112,24 @@ def _wait_flags(
     return tl.sum(tl.where(on & (seen < need), 1 << lane, 0), axis=0)
 
 
+@triton.jit
+def _discard_row(row_ptr, hidden, ROW_BLOCK: tl.constexpr):
+    """Drop a slot row that this program has read, and no one reads before it is written again,
+    from L2 without writing it back (`discard.global.L2`, 128-byte lines: the caller ensures the
+    row starts on a line and hidden % 64 == 0). Memory-model-wise a weak write of unspecified
+    bytes: the stream orders it before the next chunk's F on this GPU, and a peer's next write of
+    the row comes after this rank's release (behind a system fence). After a block barrier: no
+    thread of the program still reads the row."""
+    tl.debug_barrier()
+    line = tl.arange(0, ROW_BLOCK // 64)
+    addr = (row_ptr + line * 64).to(tl.int64, bitcast=True)
+    live = (line < hidden // 64).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p discard.global.L2 [$1], 128; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, live], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["c", "rel_c", "gate_lo", "gate_n", "nchunks", "rank", "timeout"])
 def _sync_kernel(
     ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout,
@@ -170,12 +188,13 @@ def _finalize_kernel(
     ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
     rank, routed_scaling, region,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_COLS: tl.constexpr,
-    SLOTS: tl.constexpr,
+    SLOTS: tl.constexpr, L2: tl.constexpr,
 ):  # fmt: skip
     """F(c): one finalize item per program (the grid is the chunk's item count: an owner's row,
     F_COLS columns): this rank's partial of the row (`finalize_row`, one rounding, -0.0 -> +0.0)
     into the owner's reduce-scatter rows [rank][i] of the chunk's slot. The launch that gated the
-    slot came before it; this one never waits and makes no system-scope access."""
+    slot came before it; this one never waits and makes no system-scope access. L2 > 0: the expert
+    rows loaded evict-first, the slot rows stored evict-last (the row launch reads them from L2)."""
     dtype: tl.constexpr = gemm2_ptr.dtype.element_ty
     slot = (tl.load(state_ptr) + c) % SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -183,13 +202,17 @@ def _finalize_kernel(
     cols = cb * F_COLS + tl.arange(0, F_COLS)
     acc = finalize_row(
         gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden, routed_scaling, TOP_K,
-        HAS_SHARED,
+        HAS_SHARED, False, False, L2 > 0,
     )  # fmt: skip
     # the offset within the owner's buffer fits in int32 (the workspace is < 2^31 elements)
     cw = tl.cdiv(chunk, WORLD)
     off = ((slot * 2 * WORLD + rank) * cw + ii) * hidden + region
     dst = _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + off
-    tl.store(dst + cols, payload_bits(acc, dtype), mask=((cols * 0 + live) != 0) & (cols < hidden))
+    mask = ((cols * 0 + live) != 0) & (cols < hidden)
+    if L2 > 0:
+        tl.store(dst + cols, payload_bits(acc, dtype), mask=mask, eviction_policy="evict_last")
+    else:
+        tl.store(dst + cols, payload_bits(acc, dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["tokens", "c", "rank", "sf_rows", "sf_pad_items"])
@@ -199,6 +222,7 @@ def _rows_kernel(
     region,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr, SLOTS: tl.constexpr,
+    L2: tl.constexpr,
 ):  # fmt: skip
     """R(c) (GATHER False): the rows this rank owns: the W partials (plain loads) summed in rank
     order in fp32, the residual added, one rounding (-0.0 -> +0.0): residual_out's bits, pushed
@@ -207,7 +231,9 @@ def _rows_kernel(
     and its norm (+ FP8 / NVFP4), with the code the owner ran. One row per program; the sync
     launch before it waited for the flags. The abort word set (a wait of this call failed, here
     or on a peer): NaN rows. LAST: the call's last row launch, which also writes the swizzled
-    NVFP4 scale padding. region: int16 elements between the header and slot 0."""
+    NVFP4 scale padding. region: int16 elements between the header and slot 0. L2 > 0: the
+    residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows read are
+    dropped from L2 afterwards (`_discard_row`), never written back to HBM."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
@@ -235,10 +261,16 @@ def _rows_kernel(
                 in_row, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
                 tokens, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip
+            if L2 == 2:
+                _discard_row(src, hidden, ROW_BLOCK)
     else:
         for ii in range(pid, n_own, nprog):
             t = (c * chunk + rank + WORLD * ii).to(tl.int64)
-            res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
+            if L2 > 0:
+                res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0,
+                              eviction_policy="evict_first")  # fmt: skip
+            else:
+                res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
             s = tl.zeros([ROW_BLOCK], dtype=tl.float32)
             for q in range(WORLD):  # rank order (a loop, not unrolled: fewer live pointers)
                 v = tl.load(here + q * src_stride + ii * row_elems + cols, mask=in_row, other=0,
@@ -257,6 +289,9 @@ def _rows_kernel(
                 weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
                 quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip
+            if L2 == 2:
+                for q in range(WORLD):
+                    _discard_row(here + q * src_stride + ii * row_elems, hidden, ROW_BLOCK)
     if LAST:
         if QUANT == 2:
             if SWIZZLED:

@@ -113,13 +113,15 @@ def test_staged_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quan
         dict(chunk=512, stream_mode="two_prio"),
         dict(chunk=512, f_streams=2),
         dict(chunk=1024, slots=2, f_streams=2),
+        dict(chunk=1024, slots=2, f_streams=2, l2=2),
     ],
-    ids=["c512", "rows_w8", "one_stream", "two_prio", "f2", "c1024_s2_f2"],
+    ids=["c512", "rows_w8", "one_stream", "two_prio", "f2", "c1024_s2_f2", "c1024_s2_f2_l2d"],
 )
 def test_staged_other_shapes(world, fields):
     """Other launch shapes through one ring: chunks of 512 (its own buffer layout), row
     launches of 8 warps, every stage on one stream, R / G on a high-priority stream, F on two
-    side streams in turn, 2 slots of 1024 tokens (W = 1: emulated ranks use one stream);
+    side streams in turn, 2 slots of 1024 tokens, the L2 hints with the read slot rows dropped
+    (W = 1: emulated ranks use one stream);
     T = 1, 700, 5000."""
     needs_gpu()
     from fusion_bridge.kernels.symm_staged import StagedShape
