@@ -3,7 +3,7 @@
 # then the world-size-1 local-work benchmark against our two standalone kernels, same run.
 #   device: source .device/fi-env.sh; cd .wt/<name> && ln -sfn ../kernels fusion_bridge/kernels &&
 #           export PYTHONPATH=/tmp/fi-site:$PWD; bash benchmarks/device_run_staged3.sh LABEL...
-# Env: TESTS=0 skips the tests; ABLATE=1 adds --ablate; TOKENS / HIDDEN override the points.
+# Env: TESTS=0 skips the tests, TEST_K selects some (pytest -k); ABLATE=1 adds --ablate; TOKENS / HIDDEN override the points.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${TESTS:-1}" != 0 ]; then
   el "one-GPU staged tests (-n 0)"
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -n 0 -p no:cacheprovider \
-    tests/test_gpu_symm_staged_one_device.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_gpu_symm_staged_one_device.py ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
 fi
 el "local work, world size 1"
