@@ -1,22 +1,21 @@
-"""The large-T two-shot as a staged pipeline (`symm_fused_twoshot`'s default launch,
-`twoshot_launch`): the ring's chunked two-shot (`symm_ring`: the same slot layout, ownership,
-release counters and error word), but every stage of every chunk is its own launch with a grid
-sized to its work (one row or one finalize item per program, as our standalone kernels), and a
-chunk's arrival is one flag per (rank, slot) instead of a sentinel per element, so the row
-launches read their slots with plain vectorized loads and never clear them (the row kernel
-compiles to our add+RMSNorm's code: 64 registers against the sentinel-polling version's 89).
+"""The large-T two-shot (`symm_fused_twoshot`, through `twoshot_launch`): rows cut into chunks
+that take a few fixed slots in turn (so the workspace does not grow with T), and every stage of
+every chunk its own launch with a grid sized to its work (one row or one finalize item per
+program, as our standalone kernels); a chunk's arrival is one flag per (rank, slot), so the row
+launches read their slots with plain vectorized loads and never clear them. Each rank reduces
+only the rows it owns (rows j with j % W == rank): two-shot byte counts.
 
-Measured at world size 1 on one H200 (benchmarks/ring_local.py, K=8, same run): 1.35-1.56x our
-standalone finalize + add+RMSNorm in chunks of 512 tokens, the ring 1.61-1.79x; at H=7168,
-T=4096 the finalize launches alone 180 us (standalone 139), the row launches alone 97 (60.7), the
-sync launches ~34: what is left is a short launch's ramp and drain, per launch
-(benchmarks/results/README.md).
+Measured at world size 1 on one H200 (benchmarks/twoshot_local.py, K=8, same run; no peer reads
+and no all-gather at W = 1, so this is the local work the link overlaps with): 1.22-1.29x our
+standalone finalize + add+RMSNorm in the default shape (2 slots x 1024 tokens, F on two side
+streams, the L2 hints with the read slot rows dropped), 1.33-1.54x in the first shape (4 x 512);
+where the time goes: benchmarks/results/README.md.
 
 Per chunk c (slot s = (base + c) % SLOTS, sequence number base + c, base in device state), kernels
 in `symm_staged_kernels`:
 
   F(c): the finalize items of chunk c into the owners' reduce-scatter rows [rank][i] of slot s
-        (`symm_ring_stages._stage_finalize`, one item per program); never waits.
+        (one item, a row segment, per program); never waits.
   X(c): one program: release slot s' (chunk c - 1) on this rank's counter, raise this rank's
         "arrived" flag of s to base + c + 1, wait until every rank released the slot chunk
         c - 1 + SLOTS reuses (its F may then start), wait until every rank's "arrived" flag of s
@@ -28,25 +27,30 @@ in `symm_staged_kernels`:
 A call starts with one gate for the first SLOTS chunks and ends with one release of its last chunk
 (which also advances the base by the call's chunks).
 
-F runs on a side stream, everything else on the caller's stream (or, "two_prio", on a
-high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c) (and the link). F(c) waits
-for the event of the launch that gated its slot, X(c) for F(c)'s; the side streams fork from the
-caller's stream at the start of the call and join it at the end (CUDA-graph capture sees a closed
-fork / join).
+F runs on side streams (chunk c on side stream c % f_streams), everything else on the caller's
+stream (or, "two_prio", on a high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c)
+(and the link). F(c) waits for the event of the launch that gated its slot, X(c) for F(c)'s; the
+side streams fork from the caller's stream at the start of the call and join it through X (the
+caller's stream waits for every F; CUDA-graph capture sees a closed fork / join). The side
+streams are per thread.
+
+L2 (`StagedShape.l2`, GPU only): F loads the expert rows with the evict-first hint and stores the
+slot rows with evict-last, R loads the residual evict-first, so R(c) finds chunk c's slot rows in
+L2 while F(c + 1) streams its expert rows through it; with l2 = 2 (rows on 128-byte lines) R / G
+then drop the slot rows they read from L2 (`discard.global.L2`) instead of writing them back to
+HBM: nothing reads a slot row again before the slot's next chunk writes it.
 
 Memory ordering. Writer: the flag is raised by a launch that its stream orders after the writes it
 covers (F(c), or R(c)'s pushes), after a system-scope fence, by a system-scope release; so every
 rank that reads the flag with a system-scope acquire sees those writes. Reader: the acquire is in
-the one-program launch X / Y; the row launch that reads the rows comes after it on the same stream,
-and a kernel sees every memory operation of the launches its stream ordered before it (L1 holds no
-line of the slot from an earlier launch), so plain loads read the new rows; no element needs to
-differ from a sentinel, and nothing clears the slot. Reuse: X(c) releases chunk c - 1's slot only
-after R(c - 1) / G(c - 1) (same stream: their reads are done); a writer's gate acquires every
-rank's counter before F writes the slot again. The flags hold sequence numbers, so a flag left by
-the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. In the two-shot
-workspace the slots sit `region` elements past the ring's (which must stay at the sentinel); the
-ring and this pipeline share the chunk base and the release counters (each use of a slot adds one
-unit, whoever used it), so their calls may alternate in any order.
+the one-program launch X / Y; the row launch that reads the rows comes after it on the same stream
+and loads them with .cg (L2, never a stale L1 line), so plain loads read the new rows; no element
+needs to differ from a sentinel, and nothing clears the slot. Reuse: X(c) releases chunk c - 1's
+slot only after R(c - 1) / G(c - 1) (same stream: their reads, and their discards, which count as
+writes, are done; the release follows a block barrier and is system-scope); a writer's gate
+acquires every rank's counter before F writes the slot again. The flags hold sequence numbers, so
+a flag left by the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. Every
+call on one workspace must use the same number of slots (the counters count uses per slot).
 
 Deadlock freedom: every one-program launch makes this rank's release and signal before it waits,
 and waits only for the peers' release of chunk c - 1 and signals of chunk c, which their own
@@ -80,7 +84,7 @@ from .launcher import KernelLauncher
 from .quant import row_block, row_num_warps, sf_padding_items
 from .quant_codes import QUANT_NVFP4
 from .symm_protocol import SymmLayer
-from .symm_ring_device import CHUNK, SLOTS
+from .symm_staged_device import CHUNK, MAX_SLOTS, SLOTS
 from .symm_staged_kernels import FLAG_ARRIVED, FLAG_REDUCED, _finalize_kernel, _rows_kernel
 from .symm_staged_kernels import _sync_kernel
 
@@ -99,7 +103,7 @@ _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
 @dataclass(frozen=True)
 class StagedShape:
     """A launch variant. chunk / slots: tokens per chunk and the slots chunks turn through (the
-    workspace holds slots x [2][chunk][H]: 58.7 MB at 4 x 512 or 2 x 1024, H=7168 bf16; every
+    workspace holds slots x [2][chunk][H]: 58.7 MB at 2 x 1024 or 4 x 512, H=7168 bf16; every
     call on one workspace must use the same slots); f_cols / f_warps: the finalize item (one row
     segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our
     add+RMSNorm kernel's choice; stream_mode: "two" (F on side streams, overlapping R / G),
@@ -114,8 +118,8 @@ class StagedShape:
     row_warps: int = 0
     stream_mode: str = "two"
     slots: int = SLOTS
-    f_streams: int = 1
-    l2: int = 0
+    f_streams: int = 2
+    l2: int = 2
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two", "two_prio"):
@@ -124,8 +128,8 @@ class StagedShape:
             )
         if self.chunk < 1:
             raise ValueError(f"chunk: expected >= 1, got {self.chunk}")
-        if not 2 <= self.slots <= SLOTS:
-            raise ValueError(f"slots: expected 2..{SLOTS}, got {self.slots}")
+        if not 2 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"slots: expected 2..{MAX_SLOTS}, got {self.slots}")
         if self.l2 not in (0, 1, 2):
             raise ValueError(f"l2: expected 0, 1 or 2, got {self.l2}")
         if self.f_streams not in (1, 2):
@@ -170,18 +174,16 @@ def _side_stream(device, index: int = 0, high_priority: bool = False) -> torch.c
     return streams[key]
 
 
-def launch(
-    layer: SymmLayer, *, shape: Optional[StagedShape] = None, region: int = 0, **tensors
-) -> None:
-    """One call: `tensors` as `symm_ring.launch` takes them (residual_out, norm_out, q, sf,
-    gemm2_out, perm, weights, shared or None, residual, gamma). The layer's buffer holds, `region`
-    int16 elements past its header, slots laid out for shape.chunk (`symm_ring_device.buffer_bytes
-    (W, H, elem, chunk)` from the header on; the two-shot workspace: `symm_protocol.staged_region`),
-    its header zeroed at creation. T == 0 launches nothing (on every rank)."""
+def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) -> None:
+    """One call. tensors: residual_out, norm_out [T, H], q, sf (FP8 / NVFP4 outputs, or empty),
+    gemm2_out [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H],
+    gamma [H]. The layer's buffer holds slots laid out for shape.chunk and shape.slots
+    (`symm_staged_device.buffer_bytes`), its header zeroed at creation. T == 0 launches nothing
+    (on every rank)."""
     if tensors["perm"].shape[0] == 0:
         return
     shape = shape or DEFAULT_SHAPE
-    calls = _call_launches(layer, shape, tensors, emulated=False, region=region)
+    calls = _call_launches(layer, shape, tensors, emulated=False)
     seq = _sequence(calls, split=False)
     residual = tensors["residual"]
     if shape.stream_mode == "one" or not residual.is_cuda:
@@ -191,9 +193,7 @@ def launch(
         _two_streams(residual.device, seq, shape.stream_mode == "two_prio", shape.f_streams)
 
 
-def _call_launches(
-    layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool, region: int = 0
-):
+def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool):
     """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
     f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
     chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
@@ -213,7 +213,7 @@ def _call_launches(
         shared if shared is not None else residual,
     )  # fmt: skip
     # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
-    l2 = min(shape.l2, 1 if hidden % 64 or region % 64 else 2) if residual.is_cuda else 0
+    l2 = min(shape.l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
     f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2)
     r_ptrs = (
         layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
@@ -225,7 +225,7 @@ def _call_launches(
     nchunks = len(plans)
 
     def f_launch(p):
-        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling, region)
+        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
         return lambda: _LAUNCH_F((p.f_items,), args, f_consts, shape.f_warps)
 
     def r_launch(p, gather):
@@ -233,7 +233,7 @@ def _call_launches(
         last = p.index == nchunks - 1 and (gather or world == 1)
         args = r_ptrs + (
             tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
-            quant.scale, sf_rows, sf_cols, pad_items if last else 0, region,
+            quant.scale, sf_rows, sf_cols, pad_items if last else 0,
         )  # fmt: skip
         consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2)
         return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)

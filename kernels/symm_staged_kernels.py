@@ -17,8 +17,8 @@ from .quant import sf_padding_item
 from .symm_device import _globaltimer, abort_word_ptr, payload_bits, start_clock
 from .add_rmsnorm import norm_quant_row
 from .finalize_add import finalize_row
-from .symm_ring_device import _HEAD_ELEMS, _UNIT, _fail, _rank_buf, _release, _slot_base
-from .symm_ring_device import _wait_slot_free
+from .symm_staged_device import _HEAD_ELEMS, _UNIT, _fail, _rank_buf, _release, _slot_base
+from .symm_staged_device import _wait_slot_free
 
 FLAG_ARRIVED = 1  # this rank's partials of the chunk are in every owner's slot
 FLAG_REDUCED = 2  # this rank's reduced rows of the chunk are in every other rank's slot
@@ -186,7 +186,7 @@ def _sync_kernel(
 @triton.jit(do_not_specialize=["tokens", "c", "rank"])
 def _finalize_kernel(
     ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
-    rank, routed_scaling, region,
+    rank, routed_scaling,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_COLS: tl.constexpr,
     SLOTS: tl.constexpr, L2: tl.constexpr,
 ):  # fmt: skip
@@ -206,7 +206,7 @@ def _finalize_kernel(
     )  # fmt: skip
     # the offset within the owner's buffer fits in int32 (the workspace is < 2^31 elements)
     cw = tl.cdiv(chunk, WORLD)
-    off = ((slot * 2 * WORLD + rank) * cw + ii) * hidden + region
+    off = ((slot * 2 * WORLD + rank) * cw + ii) * hidden
     dst = _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + off
     mask = ((cols * 0 + live) != 0) & (cols < hidden)
     if L2 > 0:
@@ -219,7 +219,6 @@ def _finalize_kernel(
 def _rows_kernel(
     ptrs_ptr, state_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
     tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
-    region,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr, SLOTS: tl.constexpr,
     L2: tl.constexpr,
@@ -231,7 +230,7 @@ def _rows_kernel(
     and its norm (+ FP8 / NVFP4), with the code the owner ran. One row per program; the sync
     launch before it waited for the flags. The abort word set (a wait of this call failed, here
     or on a peer): NaN rows. LAST: the call's last row launch, which also writes the swizzled
-    NVFP4 scale padding. region: int16 elements between the header and slot 0. L2 > 0: the
+    NVFP4 scale padding. L2 > 0: the
     residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows read are
     dropped from L2 afterwards (`_discard_row`), never written back to HBM."""
     pid = tl.program_id(0)
@@ -243,7 +242,7 @@ def _rows_kernel(
     n_own = tl.where(n_c > rank, (n_c - rank + WORLD - 1) // WORLD, 0)
     row_elems = tl.full([], 0, tl.int64) + hidden
     src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * row_elems
-    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD) + region
+    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD)
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     if GATHER:
@@ -281,7 +280,7 @@ def _rows_kernel(
             bits = payload_bits(x, dtype)
             for q in range(WORLD):  # every other rank's all-gather rows
                 if q != rank:
-                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + region
+                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD)
                     tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
                              mask=in_row)  # fmt: skip
             _row_outputs(
