@@ -6,10 +6,13 @@ launches read their slots with plain vectorized loads and never clear them. Each
 only the rows it owns (rows j with j % W == rank): two-shot byte counts.
 
 Measured at world size 1 on one H200 (benchmarks/twoshot_local.py, K=8, same run; no peer reads
-and no all-gather at W = 1, so this is the local work the link overlaps with): 1.22-1.29x our
+and no all-gather at W = 1, so this is the local work the link overlaps with): 1.19-1.30x our
 standalone finalize + add+RMSNorm in the default shape (2 slots x 1024 tokens, F on two side
-streams, the L2 hints with the read slot rows dropped), 1.33-1.54x in the first shape (4 x 512);
-where the time goes: benchmarks/results/README.md.
+streams, the L2 hints with the read slot rows dropped), 1.34-1.57x in the first shape (4 x 512, F
+on one stream, no hints). The finalize launches alone come within -9..+14% of our standalone
+finalize, the row launches alone take 1.2-1.6x our add+RMSNorm, and both being bound by HBM
+bandwidth, the pipeline costs about their sum: what is left is each short launch's ramp and drain
+(README, benchmarks/results/README.md).
 
 Per chunk c (slot s = (base + c) % SLOTS, sequence number base + c, base in device state), kernels
 in `symm_staged_kernels`:
