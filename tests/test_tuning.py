@@ -176,12 +176,11 @@ def test_shipped_h200_tables_resolve_and_are_used():
     assert not plan.notes, plan.notes  # every strategy and variant in the table is known
 
 
-@pytest.mark.parametrize("quant", [QuantSpec.none(), QuantSpec.fp8(0.05)])
+@pytest.mark.parametrize("quant", [QuantSpec.none(), QuantSpec.fp8(0.05), QuantSpec.nvfp4(336.0)])
 def test_shipped_tp1_tables_pick_fused_tp1_at_every_bucket(quant):
     """The TP1 tables that ship (`tune --world-size 1` on one H200, benchmarks/results/
     tune_h200_tp1.txt) measured fused_tp1 fastest at every bucket, so auto takes it on measured
-    times; NVFP4 ships no table (its tune ran past the device call's limit) and takes the static
-    order, where fused_tp1 comes first too."""
+    times."""
     spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=quant)
     table = read_table(default_table_path(spec, H200_TP1))
     assert table is not None, default_table_path(spec, H200_TP1)
@@ -192,14 +191,6 @@ def test_shipped_tp1_tables_pick_fused_tp1_at_every_bucket(quant):
     assert set(plan.choice) == {"fused_tp1"} and plan.overflow == "fused_tp1", plan
     for bucket, us in measured["fused_tp1"]["default"].items():  # faster than the two launches
         assert us < measured["local_fused_nccl"]["default"][bucket], (bucket, measured)
-
-
-def test_without_an_nvfp4_tp1_table_auto_takes_fused_tp1_at_every_bucket():
-    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.nvfp4(336.0))
-    assert not default_table_path(spec, H200_TP1).is_file()
-    plan = select(static_statuses(spec, H200_TP1), spec, measured_us=None)
-    assert plan.source == "static order"
-    assert set(plan.choice) == {"fused_tp1"} and plan.overflow == "fused_tp1", plan
 
 
 def test_cache_wins_over_the_shipped_default(tmp_path, monkeypatch):
