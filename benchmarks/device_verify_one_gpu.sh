@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that re-checks the final tree on one GPU: the one-GPU test files (xdist: the Triton
-# compiles are the cost), the emulated-ranks ring tests alone (they need the GPU to themselves), and a
+# compiles are the cost), the emulated-ranks two-shot tests alone (they need the GPU to themselves), and a
 # same-run A/B of the symmetric-memory kernels against older trees. Logs go to $OUT.
 #
 #   here:    git archive 5a52f1a | (mkdir -p .wt/pre && tar -C .wt/pre -xf -)   # .wt is git-excluded
@@ -18,10 +18,10 @@ timeout 260 python3 -m pytest -q -n 14 -m gpu -p no:cacheprovider --timeout 200 
   tests/test_gpu_symm_one_device.py tests/test_gpu_fused_tp1.py tests/test_gpu_local.py \
   tests/test_gpu_launcher.py tests/test_gpu_hf_transformers.py > "$OUT/gpu_tests.log" 2>&1
 tail -3 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
-el "emulated-ranks ring tests, alone on the GPU"
-timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu_symm_ring_one_device.py \
-  > "$OUT/ring_tests.log" 2>&1
-tail -3 "$OUT/ring_tests.log"
+el "emulated-ranks two-shot tests, alone on the GPU"
+timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu_symm_staged_one_device.py \
+  > "$OUT/twoshot_tests.log" 2>&1
+tail -3 "$OUT/twoshot_tests.log"
 [ $# -gt 0 ] || { el "no older trees given: no A/B"; exit 0; }
 el "A/B: one-shot W=2 emulated (AB_CASES), H=7168 K=8, graph"
 # the old two-shot kernel is gone from this tree: the A/B times the one-shot

@@ -12,7 +12,8 @@ one-shot/two-shot
 all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize kernel (weights
 pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and without programmatic
 dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations) and
-`symm_fused_twoshot` (none, nvfp4; the ring kernel, default shape), with the two-shot composition
+`symm_fused_twoshot` (none, nvfp4; the staged pipeline, default shape), with the two-shot
+composition
 (our finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
 

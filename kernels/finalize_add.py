@@ -41,6 +41,7 @@ def finalize_row(
     HAS_SHARED: tl.constexpr,
     SELECT_ONCE: tl.constexpr = False,
     GPU_MUL_RN: tl.constexpr = False,
+    STREAM_ONCE: tl.constexpr = False,
 ):
     """The building block (the symmetric-memory kernels call it too): fp32 [len(cols)] =
     routed_scaling * sum_k w[row,k] * gemm2_out[perm[row,k], cols] (+ shared[row, cols]), row int64.
@@ -51,7 +52,9 @@ def finalize_row(
     (measured there), the others keep the code they were measured with. Without the select
     between them, ptxas fuses the product and the sum into one FMA (one rounding, not two: other
     bits than the select form's), so on a GPU SELECT_ONCE needs GPU_MUL_RN: the product by an
-    explicit `mul.rn.f32`, which ptxas never contracts. The interpreter rounds both anyway."""
+    explicit `mul.rn.f32`, which ptxas never contracts. The interpreter rounds both anyway.
+    STREAM_ONCE: the expert rows are loaded with the L2 evict-first hint (read once: they should
+    not push out data a later kernel reads from L2; the staged two-shot's slot rows)."""
     in_row = cols < hidden
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for k in tl.static_range(TOP_K):
@@ -60,7 +63,14 @@ def finalize_row(
         if SELECT_ONCE:
             weight = tl.where(src >= 0, weight, 0.0)
         valid = (cols * 0 + src) >= 0  # vector form: the interpreter rejects a scalar-bool mask
-        x = tl.load(gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+        if STREAM_ONCE:
+            x = tl.load(
+                gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0,
+                eviction_policy="evict_first",
+            ).to(tl.float32)  # fmt: skip
+        else:
+            x = tl.load(gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0)
+            x = x.to(tl.float32)
         if SELECT_ONCE:
             if GPU_MUL_RN:
                 acc += _mul_rn(x, weight)

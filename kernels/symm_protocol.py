@@ -1,19 +1,19 @@
-"""The symmetric-memory protocol of our one-launch kernels (`symm_oneshot`, the two-shot ring
-`symm_ring`): buffer layout, device state, error words, sizes and the launch arguments fixed for a
-layer.
+"""The symmetric-memory protocol of our kernels (`symm_oneshot`, the two-shot `symm_staged`):
+buffer layout, device state, error words, sizes and the launch arguments fixed for a layer.
 
 Imports no Triton: capability and sizing code (strategies/symm_workspace.py) read it without loading
 a kernel. The device side of the protocol (tickets, epochs, waits, error reports) is
 `kernels/symm_device.py`; each kernel's module docstring carries its memory-ordering argument.
 
-The data carries its own arrival (Lamport-style): a slot element holds the sentinel -0.0 (bits
-0x8000 in bf16 and fp16) until a peer writes it, a published value never holds -0.0 (it is mapped to
-+0.0), and a reader polls the data itself. Three slots rotate, each cleared one call behind.
+One-shot: the data carries its own arrival (Lamport-style): a slot element holds the sentinel -0.0
+(bits 0x8000 in bf16 and fp16) until a peer writes it, a published value never holds -0.0 (it is
+mapped to +0.0), and a reader polls the data itself. Three slots rotate, each cleared one call
+behind. The two-shot signals a chunk's arrival with flags instead (below) and never clears.
 
 Buffer of one rank (bytes): a HEADER_BYTES header (int32 abort word at 0), then data slots of the
 activation dtype, all the sentinel at creation:
     one-shot ("oneshot"): [SLOTS][W][cap][H] (source rank, token)
-    two-shot ("twoshot", the ring): see the ring section below; its size does not depend on T
+    two-shot ("twoshot"): see the two-shot section below; its size does not depend on T
 """
 
 from __future__ import annotations
@@ -58,50 +58,35 @@ EPOCH = 16  # the end-of-call ticket: record this slot's rows, advance the slot
 FINALIZE = 32  # partials from the top-k gathers (off: a constant partial; the exchange alone)
 ALL_PHASES = PUBLISH | REDUCE | NORM | CLEAR | EPOCH | FINALIZE
 
-KINDS = ("oneshot", "twoshot")  # the workspace layouts: one-shot, and the two-shot ring
+KINDS = ("oneshot", "twoshot")  # the workspace layouts: one-shot, and the two-shot's chunk slots
 
-# ---- the two-shot ring (kernels/symm_ring.py, behind `symm_fused_twoshot`) ----------------------
-# Per rank: the HEADER_BYTES header (int32 abort word at 0, int64 release counters [RING_SLOTS] at
-# RING_FREED_BYTE), then RING_SLOTS slots, each [2][W][CW][H], CW = ceil(RING_CHUNK / W): the
-# reduce-scatter rows (source, owner row) then the all-gather rows (owner, owner row) of one chunk.
-# Chunks take the slots in turn within a call and across calls, so the size does not depend on T;
-# each slot is cleared by its readers and handed back through its release counter. Device state:
-# int64 [RING_STATE_WORDS] = (chunk base: chunks of every earlier call, ticket, error word, -).
-RING_SLOTS = 4
-RING_CHUNK = 256  # tokens per chunk (measured: 128 slower, 512 no faster; 4 slots fit in L2)
-RING_FREED_BYTE = 64
-RING_STATE_WORDS = 4
-# the staged pipeline (kernels/symm_staged.py, the two-shot's default launch): the same slot layout
-# at STAGED_CHUNK tokens per chunk, in its own region right after the ring's slots (the ring needs
-# its slots at the sentinel; the staged pipeline never clears its own), sharing the ring's chunk
-# base and release counters; per rank int64 flags [RING_SLOTS] in the header, "my partials of the
-# slot's chunk arrived everywhere" and "my reduced rows of it did", each holding the chunk's
-# sequence number + 1 (base + c + 1)
-STAGED_CHUNK = 512
+# ---- the two-shot (kernels/symm_staged.py, behind `symm_fused_twoshot`) ------------------------
+# Per rank: the HEADER_BYTES header (int32 abort word at 0; int64 [STAGED_MAX_SLOTS] each: the
+# release counters at STAGED_FREED_BYTE, the "my partials of the slot's chunk arrived everywhere"
+# flags at STAGED_ARRIVED_BYTE, the "my reduced rows of it did" flags at STAGED_REDUCED_BYTE), then
+# STAGED_SLOTS slots, each [2][W][CW][H], CW = ceil(STAGED_CHUNK / W): the reduce-scatter rows
+# (source, owner row) then the all-gather rows (owner, owner row) of one chunk. Chunks take the
+# slots in turn within a call and across calls, so the size does not depend on T; a slot is handed
+# back through its release counter, its arrival through the flags (sequence number + 1 of the
+# chunk). Device state: int64 [STAGED_STATE_WORDS] = (chunk base: chunks of every earlier call,
+# -, error word, -).
+STAGED_SLOTS = 2
+STAGED_CHUNK = 1024  # tokens per chunk (measured at world size 1: 2 x 1024 faster than 4 x 512)
+STAGED_MAX_SLOTS = 4  # the header's arrays (a launch shape may use 2..4 slots)
+STAGED_FREED_BYTE = 64
 STAGED_ARRIVED_BYTE = 96
 STAGED_REDUCED_BYTE = 128
-# one chunk's releases add exactly this to its slot's counter, whatever the program count P
-# (program 0 adds UNIT - P + 1, every other 1): calls with different launch shapes share one ring
-RING_UNIT = 1 << 20
-# the ring kernel's PHASES hook (benchmark ablations only; results are then wrong): its stages
-RING_FINALIZE = 1  # finalize(c) into the owners' reduce-scatter rows (with the slot-free wait)
-RING_REDUCE = 2  # reduce(c - 1) and the push to every rank's all-gather rows (needs FINALIZE)
-RING_GATHER = 4  # gather(c - 2): the outputs (needs REDUCE); off, the slot is released anyway
-RING_ALL = RING_FINALIZE | RING_REDUCE | RING_GATHER
+STAGED_STATE_WORDS = 4
+# one chunk's releases add exactly this to its slot's counter
+STAGED_UNIT = 1 << 20
 
 
-def ring_buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = RING_CHUNK) -> int:
-    """One rank's ring buffer, independent of T (29.4 MB at H=7168, bf16, any W)."""
+def staged_buffer_bytes(
+    world: int, hidden: int, elem_size: int, chunk: int = STAGED_CHUNK, slots: int = STAGED_SLOTS
+) -> int:
+    """One rank's two-shot buffer, independent of T (58.7 MB at H=7168, bf16, any W)."""
     rows_per_source = -(-chunk // world)
-    return HEADER_BYTES + RING_SLOTS * 2 * world * rows_per_source * hidden * elem_size
-
-
-def staged_region(world: int, hidden: int, elem_size: int) -> tuple[int, int]:
-    """The staged pipeline's slots in the two-shot workspace: (offset past the header in int16
-    elements, bytes): after the ring's slots; 58.7 MB at H=7168, bf16, any W."""
-    ring = ring_buffer_bytes(world, hidden, elem_size) - HEADER_BYTES
-    staged = ring_buffer_bytes(world, hidden, elem_size, STAGED_CHUNK) - HEADER_BYTES
-    return ring // 2, staged
+    return HEADER_BYTES + slots * 2 * world * rows_per_source * hidden * elem_size
 
 
 def slot_elems(world: int, cap: int, hidden: int) -> int:
@@ -110,20 +95,18 @@ def slot_elems(world: int, cap: int, hidden: int) -> int:
 
 
 def buffer_bytes(kind: str, world: int, cap: int, hidden: int, elem_size: int) -> int:
-    """One rank's buffer: one-shot's grows with `cap`; the two-shot's (the ring's slots, then the
-    staged pipeline's) ignores it."""
+    """One rank's buffer: one-shot's grows with `cap`; the two-shot's ignores it."""
     if kind == "oneshot":
         return HEADER_BYTES + SLOTS * slot_elems(world, cap, hidden) * elem_size
     if kind == "twoshot":
-        return (
-            ring_buffer_bytes(world, hidden, elem_size) + staged_region(world, hidden, elem_size)[1]
-        )
+        return staged_buffer_bytes(world, hidden, elem_size)
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
 def state_words(kind: str) -> tuple[int, torch.dtype]:
-    """One rank's device state: one-shot int32 [STATE_WORDS], the ring int64 [RING_STATE_WORDS]."""
-    return (RING_STATE_WORDS, torch.int64) if kind == "twoshot" else (STATE_WORDS, torch.int32)
+    """One rank's device state: one-shot int32 [STATE_WORDS], two-shot int64
+    [STAGED_STATE_WORDS]."""
+    return (STAGED_STATE_WORDS, torch.int64) if kind == "twoshot" else (STATE_WORDS, torch.int32)
 
 
 def fill_sentinel(t: torch.Tensor) -> None:

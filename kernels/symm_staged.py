@@ -1,22 +1,24 @@
-"""The large-T two-shot as a staged pipeline (`symm_fused_twoshot`'s default launch,
-`twoshot_launch`): the ring's chunked two-shot (`symm_ring`: the same slot layout, ownership,
-release counters and error word), but every stage of every chunk is its own launch with a grid
-sized to its work (one row or one finalize item per program, as our standalone kernels), and a
-chunk's arrival is one flag per (rank, slot) instead of a sentinel per element, so the row
-launches read their slots with plain vectorized loads and never clear them (the row kernel
-compiles to our add+RMSNorm's code: 64 registers against the sentinel-polling version's 89).
+"""The large-T two-shot (`symm_fused_twoshot`, through `twoshot_launch`): rows cut into chunks
+that take a few fixed slots in turn (so the workspace does not grow with T), and every stage of
+every chunk its own launch with a grid sized to its work (one row or one finalize item per
+program, as our standalone kernels); a chunk's arrival is one flag per (rank, slot), so the row
+launches read their slots with plain vectorized loads and never clear them. Each rank reduces
+only the rows it owns (rows j with j % W == rank): two-shot byte counts.
 
-Measured at world size 1 on one H200 (benchmarks/ring_local.py, K=8, same run): 1.35-1.56x our
-standalone finalize + add+RMSNorm in chunks of 512 tokens, the ring 1.61-1.79x; at H=7168,
-T=4096 the finalize launches alone 180 us (standalone 139), the row launches alone 97 (60.7), the
-sync launches ~34: what is left is a short launch's ramp and drain, per launch
-(benchmarks/results/README.md).
+Measured at world size 1 on one H200 (benchmarks/twoshot_local.py, K=8, same run; no peer reads
+and no all-gather at W = 1, so this is the local work the link overlaps with): 1.19-1.30x our
+standalone finalize + add+RMSNorm in the default shape (2 slots x 1024 tokens, F on two side
+streams, the L2 hints with the read slot rows dropped), 1.34-1.57x in the first shape (4 x 512, F
+on one stream, no hints). The finalize launches alone come within -9..+14% of our standalone
+finalize, the row launches alone take 1.2-1.6x our add+RMSNorm, and both being bound by HBM
+bandwidth, the pipeline costs about their sum: what is left is each short launch's ramp and drain
+(README, benchmarks/results/README.md).
 
 Per chunk c (slot s = (base + c) % SLOTS, sequence number base + c, base in device state), kernels
 in `symm_staged_kernels`:
 
   F(c): the finalize items of chunk c into the owners' reduce-scatter rows [rank][i] of slot s
-        (`symm_ring_stages._stage_finalize`, one item per program); never waits.
+        (one item, a row segment, per program); never waits.
   X(c): one program: release slot s' (chunk c - 1) on this rank's counter, raise this rank's
         "arrived" flag of s to base + c + 1, wait until every rank released the slot chunk
         c - 1 + SLOTS reuses (its F may then start), wait until every rank's "arrived" flag of s
@@ -28,25 +30,30 @@ in `symm_staged_kernels`:
 A call starts with one gate for the first SLOTS chunks and ends with one release of its last chunk
 (which also advances the base by the call's chunks).
 
-F runs on a side stream, everything else on the caller's stream (or, "two_prio", on a
-high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c) (and the link). F(c) waits
-for the event of the launch that gated its slot, X(c) for F(c)'s; the side streams fork from the
-caller's stream at the start of the call and join it at the end (CUDA-graph capture sees a closed
-fork / join).
+F runs on side streams (chunk c on side stream c % f_streams), everything else on the caller's
+stream (or, "two_prio", on a high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c)
+(and the link). F(c) waits for the event of the launch that gated its slot, X(c) for F(c)'s; the
+side streams fork from the caller's stream at the start of the call and join it through X (the
+caller's stream waits for every F; CUDA-graph capture sees a closed fork / join). The side
+streams are per thread.
+
+L2 (`StagedShape.l2`, GPU only): F loads the expert rows with the evict-first hint and stores the
+slot rows with evict-last, R loads the residual evict-first, so R(c) finds chunk c's slot rows in
+L2 while F(c + 1) streams its expert rows through it; with l2 = 2 (rows on 128-byte lines) R / G
+then drop the slot rows they read from L2 (`discard.global.L2`) instead of writing them back to
+HBM: nothing reads a slot row again before the slot's next chunk writes it.
 
 Memory ordering. Writer: the flag is raised by a launch that its stream orders after the writes it
 covers (F(c), or R(c)'s pushes), after a system-scope fence, by a system-scope release; so every
 rank that reads the flag with a system-scope acquire sees those writes. Reader: the acquire is in
-the one-program launch X / Y; the row launch that reads the rows comes after it on the same stream,
-and a kernel sees every memory operation of the launches its stream ordered before it (L1 holds no
-line of the slot from an earlier launch), so plain loads read the new rows; no element needs to
-differ from a sentinel, and nothing clears the slot. Reuse: X(c) releases chunk c - 1's slot only
-after R(c - 1) / G(c - 1) (same stream: their reads are done); a writer's gate acquires every
-rank's counter before F writes the slot again. The flags hold sequence numbers, so a flag left by
-the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. In the two-shot
-workspace the slots sit `region` elements past the ring's (which must stay at the sentinel); the
-ring and this pipeline share the chunk base and the release counters (each use of a slot adds one
-unit, whoever used it), so their calls may alternate in any order.
+the one-program launch X / Y; the row launch that reads the rows comes after it on the same stream
+and loads them with .cg (L2, never a stale L1 line), so plain loads read the new rows; no element
+needs to differ from a sentinel, and nothing clears the slot. Reuse: X(c) releases chunk c - 1's
+slot only after R(c - 1) / G(c - 1) (same stream: their reads, and their discards, which count as
+writes, are done; the release follows a block barrier and is system-scope); a writer's gate
+acquires every rank's counter before F writes the slot again. The flags hold sequence numbers, so
+a flag left by the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. Every
+call on one workspace must use the same number of slots (the counters count uses per slot).
 
 Deadlock freedom: every one-program launch makes this rank's release and signal before it waits,
 and waits only for the peers' release of chunk c - 1 and signals of chunk c, which their own
@@ -68,6 +75,7 @@ raises) is what says a call failed. No wait is unbounded.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -79,15 +87,17 @@ from .launcher import KernelLauncher
 from .quant import row_block, row_num_warps, sf_padding_items
 from .quant_codes import QUANT_NVFP4
 from .symm_protocol import SymmLayer
-from .symm_ring_device import CHUNK, SLOTS
+from .symm_staged_device import CHUNK, MAX_SLOTS, SLOTS
 from .symm_staged_kernels import FLAG_ARRIVED, FLAG_REDUCED, _finalize_kernel, _rows_kernel
 from .symm_staged_kernels import _sync_kernel
 
 __all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_ROWS", "F_COLS", "EMU")
-_R_CONSTS = ("WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST")
-_S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "EMU")
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS", "L2")
+_R_CONSTS = (
+    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS", "L2",
+)  # fmt: skip
+_S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU")
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
 _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
@@ -95,18 +105,24 @@ _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
 
 @dataclass(frozen=True)
 class StagedShape:
-    """A launch variant. chunk: tokens per chunk (the workspace's: 4 slots of [2][C][H], 29.4 MB
-    at C=256, 58.7 MB at C=512, H=7168 bf16); f_cols / f_warps: the finalize item (one row
-    segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our add+RMSNorm
-    kernel's choice; stream_mode: "two" (F on a side stream, overlapping R / G), "two_prio" (the
-    same with R / G on a high-priority stream) or "one" (every stage in order on the caller's
-    stream)."""
+    """A launch variant. chunk / slots: tokens per chunk and the slots chunks turn through (the
+    workspace holds slots x [2][chunk][H]: 58.7 MB at 2 x 1024 or 4 x 512, H=7168 bf16; every
+    call on one workspace must use the same slots); f_cols / f_warps: the finalize item (one row
+    segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our
+    add+RMSNorm kernel's choice; stream_mode: "two" (F on side streams, overlapping R / G),
+    "two_prio" (the same with R / G on a high-priority stream) or "one" (every stage in order on
+    the caller's stream); f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
+    starts while F(c) drains); l2: 1 = L2 hints (expert rows and residual evict-first, slot rows
+    evict-last), 2 = those and the row launches drop the slot rows they read from L2 unwritten."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
     f_warps: int = 4
     row_warps: int = 0
     stream_mode: str = "two"
+    slots: int = SLOTS
+    f_streams: int = 2
+    l2: int = 2
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two", "two_prio"):
@@ -115,6 +131,12 @@ class StagedShape:
             )
         if self.chunk < 1:
             raise ValueError(f"chunk: expected >= 1, got {self.chunk}")
+        if not 2 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"slots: expected 2..{MAX_SLOTS}, got {self.slots}")
+        if self.l2 not in (0, 1, 2):
+            raise ValueError(f"l2: expected 0, 1 or 2, got {self.l2}")
+        if self.f_streams not in (1, 2):
+            raise ValueError(f"f_streams: expected 1 or 2, got {self.f_streams}")
 
 
 DEFAULT_SHAPE = StagedShape()
@@ -142,41 +164,39 @@ def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: StagedShap
     return plans
 
 
-_SIDE: dict = {}
+_SIDE = threading.local()
 
 
-def _side_stream(device, high_priority: bool = False) -> torch.cuda.Stream:
-    """One side stream per device and priority (-100: the highest the device offers)."""
-    key = (device, high_priority)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)
-    return _SIDE[key]
+def _side_stream(device, index: int = 0, high_priority: bool = False) -> torch.cuda.Stream:
+    """This thread's side stream `index` of a device and priority (-100: the highest the device
+    offers): per thread, so two threads' calls never share one (nor its events' order)."""
+    streams = _SIDE.__dict__.setdefault("streams", {})
+    key = (device, index, high_priority)
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)
+    return streams[key]
 
 
-def launch(
-    layer: SymmLayer, *, shape: Optional[StagedShape] = None, region: int = 0, **tensors
-) -> None:
-    """One call: `tensors` as `symm_ring.launch` takes them (residual_out, norm_out, q, sf,
-    gemm2_out, perm, weights, shared or None, residual, gamma). The layer's buffer holds, `region`
-    int16 elements past its header, slots laid out for shape.chunk (`symm_ring_device.buffer_bytes
-    (W, H, elem, chunk)` from the header on; the two-shot workspace: `symm_protocol.staged_region`),
-    its header zeroed at creation. T == 0 launches nothing (on every rank)."""
+def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) -> None:
+    """One call. tensors: residual_out, norm_out [T, H], q, sf (FP8 / NVFP4 outputs, or empty),
+    gemm2_out [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H],
+    gamma [H]. The layer's buffer holds slots laid out for shape.chunk and shape.slots
+    (`symm_staged_device.buffer_bytes`), its header zeroed at creation. T == 0 launches nothing
+    (on every rank)."""
     if tensors["perm"].shape[0] == 0:
         return
     shape = shape or DEFAULT_SHAPE
-    calls = _call_launches(layer, shape, tensors, emulated=False, region=region)
+    calls = _call_launches(layer, shape, tensors, emulated=False)
     seq = _sequence(calls, split=False)
     residual = tensors["residual"]
     if shape.stream_mode == "one" or not residual.is_cuda:
         for _, _, fn, _ in seq:
             fn()
     else:
-        _two_streams(residual.device, seq, shape.stream_mode == "two_prio")
+        _two_streams(residual.device, seq, shape.stream_mode == "two_prio", shape.f_streams)
 
 
-def _call_launches(
-    layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool, region: int = 0
-):
+def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool):
     """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
     f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
     chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
@@ -195,7 +215,9 @@ def _call_launches(
         layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
         shared if shared is not None else residual,
     )  # fmt: skip
-    f_consts = (world, top_k, shared is not None, 1, f_cols, emulated)
+    # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
+    l2 = min(shape.l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
+    f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2)
     r_ptrs = (
         layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
         tensors["norm_out"], tensors["q"], sf,
@@ -206,7 +228,7 @@ def _call_launches(
     nchunks = len(plans)
 
     def f_launch(p):
-        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling, region)
+        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
         return lambda: _LAUNCH_F((p.f_items,), args, f_consts, shape.f_warps)
 
     def r_launch(p, gather):
@@ -214,18 +236,21 @@ def _call_launches(
         last = p.index == nchunks - 1 and (gather or world == 1)
         args = r_ptrs + (
             tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
-            quant.scale, sf_rows, sf_cols, pad_items if last else 0, region,
+            quant.scale, sf_rows, sf_cols, pad_items if last else 0,
         )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last)
+        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2)
         return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)
 
     def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):
         args = (layer.ptrs, layer.state, c, c if release is None else release, gate[0], gate[1])
         args += (nchunks, rank, layer.timeout_us)
-        consts = (world, signal, wait, release is not None, advance, gate[1] > 0, emulated)
+        consts = (world, signal, wait, release is not None, advance, gate[1] > 0, shape.slots)
+        consts += (emulated,)
         return lambda: _LAUNCH_S((1,), args, consts, 1)
 
-    return SimpleNamespace(plans=plans, world=world, f=f_launch, r=r_launch, sync=sync)
+    return SimpleNamespace(
+        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync
+    )
 
 
 def _sequence(calls, split: bool) -> list:
@@ -233,7 +258,7 @@ def _sequence(calls, split: bool) -> list:
     the chunks whose slot gate this launch holds (their F waits for it). split (emulated ranks in
     one global order, `symm_testing_staged`): every sync as its halves, each a launch of its own,
     the gates one per chunk."""
-    n, world, sync = len(calls.plans), calls.world, calls.sync
+    n, world, sync, slots = len(calls.plans), calls.world, calls.sync, calls.slots
     if split:
         seq = []
         for p in calls.plans:
@@ -246,11 +271,11 @@ def _sequence(calls, split: bool) -> list:
                 seq += [("WD", c, sync(c, wait=FLAG_REDUCED), []), ("G", c, calls.r(p, True), [])]
             seq += [("P", c, sync(c, release=c, advance=c == n - 1), [])]
         return seq
-    first = min(SLOTS, n)
+    first = min(slots, n)
     seq = [("Q", 0, sync(0, gate=(0, first)), list(range(first)))]
     for p in calls.plans:
         c = p.index
-        g = c - 1 + SLOTS  # the chunk whose slot chunk c - 1 frees
+        g = c - 1 + slots  # the chunk whose slot chunk c - 1 frees
         gated = [g] if c > 0 and g < n else []
         x = sync(c, FLAG_ARRIVED, FLAG_ARRIVED, c - 1 if c > 0 else None, False, (g, len(gated)))
         seq += [("F", c, calls.f(p), []), ("X", c, x, gated), ("R", c, calls.r(p, False), [])]
@@ -260,21 +285,24 @@ def _sequence(calls, split: bool) -> list:
     return seq + [("Z", n - 1, sync(n - 1, release=n - 1, advance=True), [])]
 
 
-def _two_streams(device, seq, prio):
-    """F on the side stream, everything else on the rows stream (the caller's, or with `prio` a
-    high-priority stream forked from it: the block scheduler then gives a ready R / G its SMs
-    before the next finalize's; CUDA graphs keep the priority per kernel node): F(c) waits for
-    the event of the launch that gated its slot, the launch after F(c) on the rows stream (X(c))
-    for F(c)'s."""
+def _two_streams(device, seq, prio, f_streams=1):
+    """F on side streams (chunk c on side stream c % f_streams), everything else on the rows stream
+    (the caller's, or with `prio` a high-priority stream forked from it: the block scheduler then
+    gives a ready R / G its SMs before the next finalize's; CUDA graphs keep the priority per
+    kernel node): F(c) waits for the event of the launch that gated its slot, the launch after
+    F(c) on the rows stream (X(c)) for F(c)'s. With two F streams F(c + 1) needs nothing of F(c),
+    so its programs fill the SMs F(c)'s last ones leave."""
     main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
+    sides = [_side_stream(device, i) for i in range(f_streams)]
     rows = _side_stream(device, high_priority=True) if prio else main
-    side.wait_stream(main)
+    for side in sides:
+        side.wait_stream(main)
     if prio:
         rows.wait_stream(main)
     gates, f_done = {}, None
     for stage, c, fn, gated in seq:
         if stage == "F":
+            side = sides[c % f_streams]
             with torch.cuda.stream(side):
                 side.wait_event(gates.pop(c))
                 fn()
@@ -290,5 +318,5 @@ def _two_streams(device, seq, prio):
                 ev = torch.cuda.Event()
                 ev.record(rows)
                 gates.update(dict.fromkeys(gated, ev))
-    if prio:  # the caller's stream joins both (without prio it waited for every F already)
+    if prio:  # the caller's stream joins the rows stream (it waited for every F already)
         main.wait_stream(rows)

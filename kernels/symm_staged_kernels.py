@@ -15,14 +15,56 @@ import triton.language as tl
 from . import symm_protocol as P
 from .quant import sf_padding_item
 from .symm_device import _globaltimer, abort_word_ptr, payload_bits, start_clock
-from .symm_ring_device import _SLOTS, _UNIT, _fail, _release, _slot_base, _wait_slot_free
-from .symm_ring_stages import _chunk_rows, _row_outputs, _stage_finalize
+from .add_rmsnorm import norm_quant_row
+from .finalize_add import finalize_row
+from .symm_staged_device import _HEAD_ELEMS, _UNIT, _fail, _rank_buf, _release, _slot_base
+from .symm_staged_device import _wait_slot_free
 
 FLAG_ARRIVED = 1  # this rank's partials of the chunk are in every owner's slot
 FLAG_REDUCED = 2  # this rank's reduced rows of the chunk are in every other rank's slot
 _FLAG_BYTE = {FLAG_ARRIVED: P.STAGED_ARRIVED_BYTE, FLAG_REDUCED: P.STAGED_REDUCED_BYTE}
 _ARRIVED_BYTE = tl.constexpr(P.STAGED_ARRIVED_BYTE)
 _REDUCED_BYTE = tl.constexpr(P.STAGED_REDUCED_BYTE)
+
+
+@triton.jit
+def _chunk_rows(c, tokens, chunk):
+    return tl.minimum(chunk, tokens - c * chunk)
+
+
+@triton.jit
+def _f_place(i, n_c, groups, c, chunk, WORLD: tl.constexpr):
+    """Finalize item i: (owner, owner row, live, token row int64, column block). Items go owner
+    fastest, then the owner's rows, then column blocks (the standalone finalize's order:
+    consecutive programs, consecutive rows of one column block)."""
+    q = i % WORLD  # the owner
+    rest = i // WORLD
+    ii = rest % groups  # the owner's row
+    j = q + WORLD * ii
+    live = j < n_c
+    # rows past the chunk read the chunk's last row (in bounds) and store nothing
+    row = (c * chunk + tl.where(live, j, n_c - 1)).to(tl.int64)
+    return q, ii, live, row, rest // groups
+
+
+@triton.jit
+def _row_outputs(
+    x, bad, t, cols, in_row, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
+    tokens, hidden, eps, quant_scale, sf_cols, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    """Row t's outputs from its residual_out value x (fp32, exact in the activation dtype; NaN
+    where a wait failed): residual_out, norm_out and its FP8 / NVFP4 codes."""
+    x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
+    xr = x.to(residual_out_ptr.dtype.element_ty)  # exact (or NaN)
+    tl.store(residual_out_ptr + t * hidden + cols, xr, mask=in_row)
+    # gamma reloaded per row (L2-hot): held across the loop it costs registers
+    g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
+    norm_quant_row(
+        tl.where(in_row, xr.to(tl.float32), 0.0), g, t, 0, ROW_BLOCK, tokens, norm_out_ptr, q_ptr,
+        sf_ptr, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
+        True,  # overflow-safe, as every norm of ours
+    )  # fmt: skip
 
 
 @triton.jit
@@ -70,11 +112,29 @@ def _wait_flags(
     return tl.sum(tl.where(on & (seen < need), 1 << lane, 0), axis=0)
 
 
+@triton.jit
+def _discard_row(row_ptr, hidden, ROW_BLOCK: tl.constexpr):
+    """Drop a slot row that this program has read, and no one reads before it is written again,
+    from L2 without writing it back (`discard.global.L2`, 128-byte lines: the caller ensures the
+    row starts on a line and hidden % 64 == 0). Memory-model-wise a weak write of unspecified
+    bytes: the stream orders it before the next chunk's F on this GPU, and a peer's next write of
+    the row comes after this rank's release (behind a system fence). After a block barrier: no
+    thread of the program still reads the row."""
+    tl.debug_barrier()
+    line = tl.arange(0, ROW_BLOCK // 64)
+    addr = (row_ptr + line * 64).to(tl.int64, bitcast=True)
+    live = (line < hidden // 64).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p discard.global.L2 [$1], 128; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, live], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["c", "rel_c", "gate_lo", "gate_n", "nchunks", "rank", "timeout"])
 def _sync_kernel(
     ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout,
     WORLD: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, RELEASE: tl.constexpr,
-    ADVANCE: tl.constexpr, GATE: tl.constexpr, EMU: tl.constexpr,
+    ADVANCE: tl.constexpr, GATE: tl.constexpr, SLOTS: tl.constexpr, EMU: tl.constexpr,
 ):  # fmt: skip
     """One program, in this order: RELEASE this rank's readers of chunk rel_c are done (one unit
     on its counter of that chunk's slot); SIGNAL (FLAG_ARRIVED / FLAG_REDUCED, 0 none) this
@@ -92,10 +152,10 @@ def _sync_kernel(
     abort_ptr = abort_word_ptr(ptrs_ptr, rank)
     base = tl.load(state_ptr)
     seq = base + c
-    slot = seq % _SLOTS
+    slot = seq % SLOTS
     lane = tl.arange(0, 32)
     if RELEASE:
-        _release(ptrs_ptr, rank, (base + rel_c) % _SLOTS, 0, 1)
+        _release(ptrs_ptr, rank, (base + rel_c) % SLOTS, 0, 1)
     if SIGNAL != 0:
         tl.debug_barrier()
         _fence_sys(EMU)
@@ -110,7 +170,7 @@ def _sync_kernel(
         for g in range(gate_lo, gate_lo + gate_n):
             s = base + g
             missing = missing | _wait_slot_free(
-                ptrs_ptr, s % _SLOTS, (s // _SLOTS) * _UNIT, abort_ptr, start, timeout_ns, WORLD,
+                ptrs_ptr, s % SLOTS, (s // SLOTS) * _UNIT, abort_ptr, start, timeout_ns, WORLD,
                 EMU,
             )  # fmt: skip
     # an abort under way fails this launch even when every wait above was already met (a late
@@ -126,28 +186,42 @@ def _sync_kernel(
 @triton.jit(do_not_specialize=["tokens", "c", "rank"])
 def _finalize_kernel(
     ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
-    rank, routed_scaling, region,
-    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_ROWS: tl.constexpr,
-    F_COLS: tl.constexpr, EMU: tl.constexpr,
+    rank, routed_scaling,
+    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_COLS: tl.constexpr,
+    SLOTS: tl.constexpr, L2: tl.constexpr,
 ):  # fmt: skip
-    """F(c): one finalize item per program (the grid is the chunk's item count); the sync launch
-    before it waited for the slot. Never waits, makes no system-scope access."""
-    base = tl.load(state_ptr)
-    _stage_finalize(
-        c, base, ptrs_ptr, abort_word_ptr(ptrs_ptr, rank), state_ptr, 0, 0, tl.program_id(0),
-        tl.num_programs(0), gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk,
-        rank, routed_scaling, gemm2_ptr.dtype.element_ty, WORLD, TOP_K, HAS_SHARED, F_ROWS,
-        F_COLS, EMU, 1, False, False, region,
+    """F(c): one finalize item per program (the grid is the chunk's item count: an owner's row,
+    F_COLS columns): this rank's partial of the row (`finalize_row`, one rounding, -0.0 -> +0.0)
+    into the owner's reduce-scatter rows [rank][i] of the chunk's slot. The launch that gated the
+    slot came before it; this one never waits and makes no system-scope access. L2 > 0: the expert
+    rows loaded evict-first, the slot rows stored evict-last (the row launch reads them from L2)."""
+    dtype: tl.constexpr = gemm2_ptr.dtype.element_ty
+    slot = (tl.load(state_ptr) + c) % SLOTS
+    n_c = _chunk_rows(c, tokens, chunk)
+    q, ii, live, row, cb = _f_place(tl.program_id(0), n_c, tl.cdiv(n_c, WORLD), c, chunk, WORLD)
+    cols = cb * F_COLS + tl.arange(0, F_COLS)
+    acc = finalize_row(
+        gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden, routed_scaling, TOP_K,
+        HAS_SHARED, False, False, L2 > 0,
     )  # fmt: skip
+    # the offset within the owner's buffer fits in int32 (the workspace is < 2^31 elements)
+    cw = tl.cdiv(chunk, WORLD)
+    off = ((slot * 2 * WORLD + rank) * cw + ii) * hidden
+    dst = _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + off
+    mask = ((cols * 0 + live) != 0) & (cols < hidden)
+    if L2 > 0:
+        tl.store(dst + cols, payload_bits(acc, dtype), mask=mask, eviction_policy="evict_last")
+    else:
+        tl.store(dst + cols, payload_bits(acc, dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["tokens", "c", "rank", "sf_rows", "sf_pad_items"])
 def _rows_kernel(
     ptrs_ptr, state_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
     tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
-    region,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr,
+    HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr, SLOTS: tl.constexpr,
+    L2: tl.constexpr,
 ):  # fmt: skip
     """R(c) (GATHER False): the rows this rank owns: the W partials (plain loads) summed in rank
     order in fp32, the residual added, one rounding (-0.0 -> +0.0): residual_out's bits, pushed
@@ -156,17 +230,19 @@ def _rows_kernel(
     and its norm (+ FP8 / NVFP4), with the code the owner ran. One row per program; the sync
     launch before it waited for the flags. The abort word set (a wait of this call failed, here
     or on a peer): NaN rows. LAST: the call's last row launch, which also writes the swizzled
-    NVFP4 scale padding. region: int16 elements between the header and slot 0."""
+    NVFP4 scale padding. L2 > 0: the
+    residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows read are
+    dropped from L2 afterwards (`_discard_row`), never written back to HBM."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     bad = (tl.load(abort_word_ptr(ptrs_ptr, rank), volatile=True) != 0).to(tl.int32)
-    slot = (tl.load(state_ptr) + c) % _SLOTS
+    slot = (tl.load(state_ptr) + c) % SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
     n_own = tl.where(n_c > rank, (n_c - rank + WORLD - 1) // WORLD, 0)
     row_elems = tl.full([], 0, tl.int64) + hidden
     src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * row_elems
-    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD) + region
+    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD)
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     if GATHER:
@@ -178,26 +254,33 @@ def _rows_kernel(
             p = m % per
             j = (m // per) * WORLD + p + (p >= rank).to(tl.int32)
             src = ag + (j % WORLD) * src_stride + (j // WORLD) * row_elems
-            v = tl.load(src + cols, mask=in_row, other=0)
+            v = tl.load(src + cols, mask=in_row, other=0, cache_modifier=".cg")
             _row_outputs(
                 v.to(dtype, bitcast=True).to(tl.float32), bad, (c * chunk + j).to(tl.int64), cols,
                 in_row, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
                 tokens, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip
+            if L2 == 2:
+                _discard_row(src, hidden, ROW_BLOCK)
     else:
         for ii in range(pid, n_own, nprog):
             t = (c * chunk + rank + WORLD * ii).to(tl.int64)
-            res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
+            if L2 > 0:
+                res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0,
+                              eviction_policy="evict_first")  # fmt: skip
+            else:
+                res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
             s = tl.zeros([ROW_BLOCK], dtype=tl.float32)
             for q in range(WORLD):  # rank order (a loop, not unrolled: fewer live pointers)
-                v = tl.load(here + q * src_stride + ii * row_elems + cols, mask=in_row, other=0)
+                v = tl.load(here + q * src_stride + ii * row_elems + cols, mask=in_row, other=0,
+                            cache_modifier=".cg")  # fmt: skip
                 s += v.to(dtype, bitcast=True).to(tl.float32)
             x = res.to(tl.float32) + s
             x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
             bits = payload_bits(x, dtype)
             for q in range(WORLD):  # every other rank's all-gather rows
                 if q != rank:
-                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD) + region
+                    dst = _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD)
                     tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
                              mask=in_row)  # fmt: skip
             _row_outputs(
@@ -205,6 +288,9 @@ def _rows_kernel(
                 weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
                 quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip
+            if L2 == 2:
+                for q in range(WORLD):
+                    _discard_row(here + q * src_stride + ii * row_elems, hidden, ROW_BLOCK)
     if LAST:
         if QUANT == 2:
             if SWIZZLED:

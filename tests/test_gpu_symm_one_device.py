@@ -6,8 +6,8 @@ each other.
 This checks, on any single GPU, what the interpreter cannot: the compiled kernel, its waits and
 device-side epochs under real concurrency, slot rotation and clearing over many calls at changing
 T, and bitwise identity across ranks. It is not the NVLink test (peers here share one L2) and times
-nothing: tests/test_gpu_symm_oneshot.py runs the real thing on 2 GPUs. The two-shot ring (behind
-`symm_fused_twoshot`) has its own: tests/test_gpu_symm_ring_one_device.py (emulated ranks) and
+nothing: tests/test_gpu_symm_oneshot.py runs the real thing on 2 GPUs. The two-shot (behind
+`symm_fused_twoshot`) has its own: tests/test_gpu_symm_staged_one_device.py (emulated ranks) and
 tests/test_gpu_symm_twoshot.py (2 GPUs).
 """
 
@@ -213,7 +213,7 @@ def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
 def test_compiled_symmetric_memory_kernels_normalize_huge_rows(kind):
     """The compiled one-shot's norm on rows scaled by 2e19, 1e25 and 1e36 (their fp32 sum of squares
     overflows): within one rounding of the float64 oracle, never an all-zero row (the interpreter
-    version is in tests/test_overflow.py; the ring's in tests/test_symm_ring_cpu.py)."""
+    version is in tests/test_overflow.py; the two-shot's in tests/test_symm_staged_cpu.py)."""
     needs_gpu()
     from fusion_bridge.kernels import symm_oneshot
     from fusion_bridge.spec import EpilogueSpec

@@ -1,25 +1,25 @@
-"""The staged two-shot pipeline (`kernels/symm_staged.py`) with W ranks emulated on ONE GPU: each
+"""The two-shot (`kernels/symm_staged.py`) with W ranks emulated on ONE GPU: each
 rank's buffer its own allocation, every rank's launches in one global order on one stream
 (`symm_testing_staged.staged_call`: chunk by chunk and stage by stage, the syncs split into their
 signal and wait halves), so every wait is for a launch made before it. At W = 1 the production
-launch runs (F on a side stream, the merged sync launches).
+launch runs (F on two side streams, the merged sync launches, the L2 hints and row drops).
 
 Checks what the interpreter cannot: the compiled kernels, their release counters and arrival /
-reduced flags on the GPU (rows read with plain loads after the sync launch), the ring reused many
-times within one call (T up to 16384), the chunk base carried across calls in device state, CUDA
-graphs replayed between eager calls, bitwise identity across ranks, and a rank that skips a call
-(NaN and the error word on the others, no hang). Not the NVLink test (peers here share one L2)
-and times nothing. Run alone: `python -m pytest -n 0 <this file>`.
+reduced flags on the GPU (rows read with plain loads after the sync launch, then dropped from
+L2), the slots reused many times within one call (T up to 16384), the chunk base carried across
+calls in device state, CUDA graphs replayed between eager calls, bitwise identity across ranks,
+and a rank that skips a call (NaN and the error word on the others, no hang). Not the NVLink test
+(peers here share one L2) and times nothing. Run alone: `python -m pytest -n 0 <this file>`.
 """
 
 import math
+import os
 import random
 
 import pytest
 import torch
 
 from tests.test_gpu_symm_one_device import _problems, needs_gpu
-from tests.test_gpu_symm_ring_one_device import _needs_gpu_alone, _quant_problems, _quant_spec
 
 pytestmark = pytest.mark.gpu
 U_BF16 = 2.0**-8
@@ -28,11 +28,51 @@ BOUND = math.sqrt(3) * U_BF16
 _KEEP: list = []  # the emulated groups' buffers, alive for the whole module
 
 
-def _setup(world, spec, timeout_s=10.0, chunk=256):
-    from fusion_bridge.kernels.symm_testing import ring_layers_on_one_gpu
+# Emulated ranks need every program of every rank resident at once (each rank's programs wait for
+# the others'): a pytest-xdist worker beside them would occupy SMs with its own kernels and a rank
+# would time out on a peer that never got an SM. So W >= 2 runs only in a pytest process that has
+# the GPU to itself: `python -m pytest -n 0 <this file>`.
+def _needs_gpu_alone(world):
+    if world > 1 and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.skip("emulated ranks need the GPU to themselves: run this file with -n 0")
+
+
+def _quant_problems(spec, outs, tag):
+    """Rank 0's codes are the torch reference's quantization of its own norm_out, bit for bit."""
+    from fusion_bridge import quant_ref
+    from fusion_bridge.spec import QuantKind
+
+    _, norm_out, q, sf = outs[0]
+    kind = spec.quant.kind
+    if kind == QuantKind.FP8:
+        ref = quant_ref.quantize_fp8(norm_out, spec.quant.scale).view(torch.uint8)
+        return [] if torch.equal(q, ref) else [f"{tag}: fp8 codes differ from the reference"]
+    if kind == QuantKind.NVFP4:
+        ref_q, ref_sf = quant_ref.quantize_nvfp4(
+            norm_out, spec.quant.global_scale, spec.quant.sf_layout
+        )
+        same = torch.equal(q, ref_q.view(torch.uint8)) and torch.equal(sf, ref_sf.view(torch.uint8))
+        return [] if same else [f"{tag}: nvfp4 codes/scales differ from the reference"]
+    return []
+
+
+def _quant_spec(name):
+    from fusion_bridge.spec import QuantSpec, SFLayout
+
+    return {
+        "none": QuantSpec.none(),
+        "fp8": QuantSpec.fp8(0.05),
+        "nvfp4_swizzled": QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+        "nvfp4_linear": QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
+    }[name]
+
+
+def _setup(world, spec, timeout_s=10.0, shape=None):
+    """W ranks' layers, their buffers laid out for `shape` (None: the default)."""
+    from fusion_bridge.kernels.symm_testing_staged import twoshot_layers_on_one_gpu
 
     _needs_gpu_alone(world)
-    group = ring_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s=timeout_s, chunk=chunk)
+    group = twoshot_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s, shape=shape)
     _KEEP.append(group)  # the layers hold raw pointers into its buffers
     return group.layers, group.errs
 
@@ -81,7 +121,8 @@ def _call(layers, spec, inputs, shape=None, skip_rank=None, outs=None):
 @pytest.mark.parametrize("hidden,top_k", [(7168, 8), (2880, 1)], ids=["H7168K8", "H2880K1"])
 @pytest.mark.parametrize("quant", ("none", "fp8", "nvfp4_swizzled", "nvfp4_linear"))
 def test_staged_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quant):
-    """One ring through T = 1, 3, 255, 257 (chunk edges), 1000, 4096: the base carries over."""
+    """One workspace through T = 1, 3, 1023, 1025 (chunk edges), 4096 (the 2 slots turned twice):
+    the base carries over."""
     needs_gpu()
     from fusion_bridge.spec import EpilogueSpec
 
@@ -91,12 +132,12 @@ def test_staged_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quan
     )  # fmt: skip
     layers, errs = _setup(world, spec)
     problems = []
-    for tokens in (1, 3, 255, 257, 1000, 4096):
+    for tokens in (1, 3, 1023, 1025, 4096):
         inputs = _inputs(spec, tokens, world, seed=tokens + hidden + world)
         outs = _call(layers, spec, inputs)
         tag = f"W={world} H={hidden} K={top_k} {quant} T={tokens}"
         problems += _problems(spec, outs, inputs, BOUND, tag)
-        if tokens <= 1000:
+        if tokens <= 1025:
             problems += _quant_problems(spec, outs, tag)
     torch.cuda.synchronize()
     assert [int(e[0]) for e in errs] == [0] * world, [hex(int(e[0])) for e in errs]
@@ -107,24 +148,27 @@ def test_staged_parity_and_identity_on_emulated_ranks(world, hidden, top_k, quan
 @pytest.mark.parametrize(
     "fields",
     [
-        dict(chunk=512),
-        dict(chunk=256, row_warps=8),
+        dict(chunk=512, slots=4, f_streams=1, l2=0),
+        dict(chunk=256, slots=4, row_warps=8),
         dict(stream_mode="one"),
-        dict(chunk=512, stream_mode="two_prio"),
+        dict(stream_mode="two_prio"),
+        dict(l2=1),
+        dict(chunk=512, slots=3),
     ],
-    ids=["c512", "rows_w8", "one_stream", "two_prio"],
+    ids=["c512_s4_f1_nol2", "c256_s4_rows_w8", "one_stream", "two_prio", "l2_hints", "c512_s3"],
 )
 def test_staged_other_shapes(world, fields):
-    """Other launch shapes through one ring: chunks of 512 (its own buffer layout), row
-    launches of 8 warps, every stage on one stream, R / G on a high-priority stream
-    (W = 1: emulated ranks use one stream); T = 1, 700, 5000."""
+    """Other launch shapes, each on buffers laid out for it: 4 slots of 512 tokens with F on one
+    side stream and no L2 hints (the first default), 4 x 256 with row launches of 8 warps, every
+    stage on one stream, R / G on a high-priority stream, the L2 hints without the row drops,
+    3 slots (W = 1: emulated ranks use one stream); T = 1, 700, 5000."""
     needs_gpu()
     from fusion_bridge.kernels.symm_staged import StagedShape
     from fusion_bridge.spec import EpilogueSpec
 
     shape = StagedShape(**fields)
     spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5, weight_bias=0.5)
-    layers, errs = _setup(world, spec, chunk=shape.chunk)
+    layers, errs = _setup(world, spec, shape=shape)
     problems = []
     for tokens in (1, 700, 5000):
         inputs = _inputs(spec, tokens, world, seed=tokens + world)
@@ -137,7 +181,7 @@ def test_staged_other_shapes(world, fields):
 
 @pytest.mark.parametrize("world", [1, 8], ids=lambda w: f"W{w}")
 def test_staged_t16384_turns_the_ring_within_one_call(world):
-    """4 slots of 256 tokens: T = 16384 turns the ring 16 times in one call."""
+    """2 slots of 1024 tokens: T = 16384 turns them 8 times in one call."""
     needs_gpu()
     from fusion_bridge.spec import EpilogueSpec
 
@@ -153,7 +197,7 @@ def test_staged_t16384_turns_the_ring_within_one_call(world):
 @pytest.mark.parametrize("world", [1, 4], ids=lambda w: f"W{w}")
 def test_staged_stress_graphs_and_eager_at_random_t(world):
     """Random T (the same on every rank), CUDA-graph replays of three captured T mixed with eager
-    calls of others, through one ring: the chunk base and the release counters stay in step.
+    calls of others, through one workspace: the chunk base and the release counters stay in step.
     W = 1: the production launch's side-stream fork and join inside the capture."""
     needs_gpu()
     from fusion_bridge.spec import EpilogueSpec
@@ -171,7 +215,7 @@ def test_staged_stress_graphs_and_eager_at_random_t(world):
             _call(layers, spec, static, outs=got)
         graphs[tokens] = (graph, static, got)
     rng = random.Random(11)
-    pool = {t: _inputs(spec, t, world, seed=t) for t in (1, 2, 255, 256, 257, 700, 1300, 5000)}
+    pool = {t: _inputs(spec, t, world, seed=t) for t in (1, 2, 255, 1023, 1024, 1025, 1300, 5000)}
     for call in range(300):
         if rng.random() < 0.5:
             tokens = rng.choice(list(graphs))

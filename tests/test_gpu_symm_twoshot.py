@@ -1,19 +1,17 @@
-"""GPU tests of `symm_fused_twoshot` (the bandwidth path: the staged pipeline kernels/symm_staged by
-default, the persistent ring kernel kernels/symm_ring as the "ring" variant, the staged pipeline
-with high-priority row launches as "staged_prio") over 2 ranks (NCCL + symmetric memory,
-multicast off), on 2 GPUs of one host (run on 2x H200), through the strategy: its workspace
-comes from the symmetric-memory rendezvous. One spawned process group runs every case and returns
-its problems.
+"""GPU tests of `symm_fused_twoshot` (the bandwidth path: the staged pipeline kernels/symm_staged,
+as the default variant and as "staged_prio", its row launches on a high-priority stream) over 2
+ranks (NCCL + symmetric memory, multicast off), on 2 GPUs of one host (run on 2x H200), through the
+strategy: its workspace comes from the symmetric-memory rendezvous. One spawned process group runs
+every case and returns its problems.
 
-Covered: parity against the float64 oracle (T in 1, 3, 129, 255, 256, 257, 1000, 4096, 8192; H in
-7168, 4096, 2880; K in 1, 8; inputs different per rank with -1 slots and NaN in unreferenced rows;
-none/fp8/nvfp4 in both scale layouts; every variant at T = 257 and 4096, the default at every T),
-quant bit-exact on the kernel's own norm_out, bitwise
-identity of every output across ranks, T up to 16384 through the bridge with no overflow route (the
-ring's workspace does not limit T), CUDA graphs replayed on new inputs mixed with eager calls, a
-stress loop of 10,000 calls at random T up to 8192 and a random variant (the variants share one
-workspace, in any order), and a rank that skips a call (NaN and a clear
-error on both ranks, no hang).
+Covered: parity against the float64 oracle (T in 1, 3, 129, 1000, 1023, 1024, 1025, 2049, 4096,
+8192; H in 7168, 4096, 2880; K in 1, 8; inputs different per rank with -1 slots and NaN in
+unreferenced rows; none/fp8/nvfp4 in both scale layouts; every variant at T = 1025 and 4096, the
+default at every T), quant bit-exact on the kernel's own norm_out, bitwise identity of every output
+across ranks, T up to 16384 through the bridge with no overflow route (the two-shot's workspace
+does not limit T), CUDA graphs replayed on new inputs mixed with eager calls, a stress loop of
+10,000 calls at random T up to 8192 and a random variant (the variants share one workspace, in any
+order), and a rank that skips a call (NaN and a clear error on both ranks, no hang).
 """
 
 import math
@@ -39,9 +37,10 @@ NAME = "symm_fused_twoshot"
 # the partial's rounding, residual_out's (norm_out is computed from it) and norm_out's, independent,
 # in quadrature, against the exact (float64) oracle
 BOUND = math.sqrt(3) * U_BF16
-# chunk boundaries of the ring (256 tokens), of the staged pipeline (512) and many chunks
-TOKENS = (1, 3, 129, 255, 256, 257, 511, 513, 1000, 4096, 8192)
-VARIANTS = ("default", "ring", "staged_prio")
+# chunk boundaries (1024 tokens), the 2 slots turned within a call (T > 2048) and many chunks
+TOKENS = (1, 3, 129, 1000, 1023, 1024, 1025, 2049, 4096, 8192)
+VARIANTS = ("default", "staged_prio")
+VARIANT_TOKENS = (1025, 4096)  # where every variant runs (the default elsewhere)
 
 
 def _parity(rank, dev, problems):
@@ -79,7 +78,7 @@ def _parity(rank, dev, problems):
                         weight_dtype=wdt,
                         skip_fraction=0.2,
                     )
-                    for variant in VARIANTS if tokens in (257, 4096) else VARIANTS[:1]:
+                    for variant in VARIANTS if tokens in VARIANT_TOKENS else VARIANTS[:1]:
                         out = strat.run(inp, variant)
                         _check(
                             spec,
@@ -97,7 +96,7 @@ def _parity(rank, dev, problems):
 
 
 def _large_t_through_the_bridge(rank, dev, problems):
-    """max_tokens 16384: the ring's fixed workspace takes every T, so the bridge routes T=4096,
+    """max_tokens 16384: the two-shot's fixed workspace takes every T, so the bridge routes T=4096,
     8192 and 16384 to the two-shot (no overflow route)."""
     from fusion_bridge import EpilogueSpec, FusionBridge
     from fusion_bridge.synthetic import make_inputs
@@ -211,8 +210,8 @@ def _skipped_call(rank, dev, problems):
     base = int(strat._ws.state[0])  # 0, or the warm-up's chunks if the workspace outlived it
     strat.run(inp)
     torch.cuda.synchronize()
-    # the device state: (chunks of every earlier call, ticket, error word, -); the default variant
-    # is the staged pipeline, in chunks of STAGED_CHUNK tokens
+    # the device state: (chunks of every earlier call, -, error word, -), in chunks of
+    # STAGED_CHUNK tokens
     state = strat._ws.state.tolist()
     if state[:3] != [base + -(-600 // STAGED_CHUNK), 0, 0]:
         problems.append(f"rank {rank}: after one call state {state}")
@@ -264,5 +263,5 @@ def test_symm_twoshot_on_two_gpus():
     needs_two_gpus()
     results = run_distributed(_all, WORLD, 10_000, backend="nccl", timeout_s=540)
     for problems, cases in results:
-        assert cases == 3 * 2 * 4 * len(TOKENS)
+        assert cases == 3 * 2 * 4 * (len(TOKENS) + len(VARIANT_TOKENS) * (len(VARIANTS) - 1))
         assert not problems, "\n".join(problems[:30])

@@ -4,7 +4,7 @@ Every path we own that computes RMSNorm scales such a row by a power of two firs
 `reference` and `separate`, our add+RMSNorm kernel for `local_fused`, the world-size-1 kernel
 (`fused_tp1`, among the CPU strategies below), the one-shot and two-shot symmetric-memory kernels
 (here with emulated ranks under the interpreter; compiled, in tests/test_gpu_symm_one_device.py)
-and the ring two-shot (tests/test_symm_ring_cpu.py, its own emulation). Checked against the
+and the two-shot (tests/test_symm_staged_cpu.py, its own emulation). Checked against the
 float64 oracle (which squares in float64: no overflow below ~1e154), and normal rows checked bit
 for bit against the previous formula.
 """
@@ -188,7 +188,7 @@ def test_every_cpu_strategy_normalizes_a_huge_row(strategy):
 def test_symmetric_memory_kernels_normalize_huge_rows(kind):
     """The one-shot symmetric-memory kernel's norm on rows scaled by 1e18 (control), 2e19, 1e25 and
     1e36, two emulated ranks (kernels/symm_testing runs the production kernel body; the two-shot
-    ring's is in tests/test_symm_ring_cpu.py). Mutant killed: the norm building block without its
+    one's is in tests/test_symm_staged_cpu.py). Mutant killed: the norm building block without its
     overflow-safe scaling (an all-zero norm_out)."""
     from fusion_bridge.kernels.symm_testing import emulated_group
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fusion_bridge.kernels import symm_oneshot, symm_protocol, symm_ring
+from fusion_bridge.kernels import symm_oneshot, symm_protocol, symm_staged
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
 from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
 
@@ -54,13 +54,8 @@ def test_hooks_stay_out_of_production_launchers_and_strategies():
     params = inspect.signature(symm_oneshot.KERNEL.fn).parameters
     assert params["PHASES"].default == symm_protocol.ALL_PHASES
     assert params["EMULATED"].default is False
-    # the ring (behind symm_fused_twoshot): its hooks are PHASES and EMU*, off by default
-    ring_hooks = {"PHASES", "EMU", "EMU_PID", "EMU_NPROG", "EMU_STAGE", "EMU_CHUNK", "EMU_ITEMS"}
-    for fn in (symm_ring.launch, symm_ring.call_args):
-        assert not (HOOKS | ring_hooks) & set(inspect.signature(fn).parameters)
-    params = inspect.signature(symm_ring._ring_kernel.fn).parameters
-    assert params["PHASES"].default == symm_protocol.RING_ALL
-    assert params["EMU"].default is False
+    # the two-shot (behind symm_fused_twoshot): its one hook, EMU, is the testing module's to set
+    assert not (HOOKS | {"EMU"}) & set(inspect.signature(symm_staged.launch).parameters)
     for cls in (SymmFusedOneshotStrategy, SymmFusedTwoshotStrategy):
         assert list(inspect.signature(cls.run).parameters) == ["self", "inputs", "variant"]
     # no production module imports the testing modules (symm_testing*.py)
@@ -77,18 +72,17 @@ def test_hooks_stay_out_of_production_launchers_and_strategies():
 
 def test_sizes_follow_the_layouts():
     assert symm_protocol.buffer_bytes("oneshot", 2, 16, 64, 2) == 256 + 3 * 2 * 16 * 64 * 2
-    # the two-shot: the ring's 4 slots of [2][W][ceil(256 / W)][H] (reduce-scatter, all-gather),
-    # then the staged pipeline's 4 slots of [2][W][ceil(512 / W)][H], any cap
+    # the two-shot: 2 slots of [2][W][ceil(1024 / W)][H] (reduce-scatter, all-gather), any cap
     for cap in (1, 7, 4096, 100_000):
-        ring, staged = 4 * 2 * 3 * 86 * 64 * 2, 4 * 2 * 3 * 171 * 64 * 2
-        assert symm_protocol.buffer_bytes("twoshot", 3, cap, 64, 2) == 256 + ring + staged
-        assert symm_protocol.staged_region(3, 64, 2) == (ring // 2, staged)
+        assert (
+            symm_protocol.buffer_bytes("twoshot", 3, cap, 64, 2) == 256 + 2 * 2 * 3 * 342 * 64 * 2
+        )
 
 
 def test_capacity_at_every_world_size():
     """Tokens per call for DeepSeek-V3's H=7168 in bf16, at every supported world size, from the
     layouts in bytes: one-shot holds 3 slots of W x cap rows (at most 2048 tokens, within 512 MiB);
-    the two-shot ring turns its fixed slots within a call, so it carries any T up to max_tokens."""
+    the two-shot turns its fixed slots within a call, so it carries any T up to max_tokens."""
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.strategies import symm_workspace as sw
 
@@ -108,11 +102,9 @@ def test_capacity_at_every_world_size():
 
 
 def test_the_twoshot_workspace_is_fixed_whatever_t():
-    """symm_fused_twoshot's workspace (the ring's slots, then the staged pipeline's) does not
-    depend on the tokens a call may carry and never makes the strategy refuse a T: no
-    `workspace_too_small`, max_tokens_per_call == max_tokens. Each variant's region stays within
-    64 MB per rank at H=7168 in bf16 at every world size; the two together (both variants kept
-    until two GPUs have measured them) do not: 88.1 MB at W=2."""
+    """symm_fused_twoshot's workspace does not depend on the tokens a call may carry and never
+    makes the strategy refuse a T: no `workspace_too_small`, max_tokens_per_call == max_tokens.
+    The whole workspace stays within 64 MB per rank at H=7168 in bf16 at every world size."""
     from fusion_bridge.environment import Environment
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.strategies import symm_workspace as sw
@@ -131,13 +123,11 @@ def test_the_twoshot_workspace_is_fixed_whatever_t():
             assert codes == [], (world, max_tokens, codes)
         assert len(sizes) == 1, (world, sizes)
         (size,) = sizes
-        ring = symm_protocol.ring_buffer_bytes(world, 7168, 2)
-        staged = symm_protocol.staged_region(world, 7168, 2)[1]
-        assert ring <= 64_000_000 and staged <= 64_000_000, (world, ring, staged)
-        assert size == ring + staged, world
-    # about 29.4 + 58.7 MB at W=2 (4 slots x 2 regions x 256, then 512 rows of 7168 bf16 values)
+        assert size == symm_protocol.staged_buffer_bytes(world, 7168, 2), world
+        assert size <= 64_000_000, (world, size)
+    # 58.7 MB at W=2 (2 slots x 2 regions x 1024 rows of 7168 bf16 values)
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=4096)
-    assert sw.buffer_bytes(spec, 2, "twoshot") == 256 + 4 * 2 * (256 + 512) * 7168 * 2
+    assert sw.buffer_bytes(spec, 2, "twoshot") == 256 + 2 * 2 * 1024 * 7168 * 2
 
 
 def test_the_world_size_one_kernels_can_take_the_launch_cache():
@@ -158,31 +148,30 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
     assert out.stdout.split() == ["0", "0", "True"], out
 
 
-def test_the_twoshot_strategy_binds_its_workspace_to_the_ring_kernel():
-    """symm_fused_twoshot launches kernels/twoshot_launch (the staged pipeline by default, the
-    ring as its "ring" variant; the names agree with the strategy's): its workspace's device
-    state has the ring's shape (int64 [RING_STATE_WORDS]), and the layer bound from it
-    (SymmLayer.bind, as prepare() does) with the keywords the strategy's run() passes gives the
-    ring's launch arguments (pointers and state as bound, this group's world size). Nothing is
-    launched (the kernels use inline PTX, which the interpreter cannot run;
-    tests/test_gpu_symm_twoshot.py launches them)."""
+def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
+    """symm_fused_twoshot launches kernels/twoshot_launch (the staged pipeline; its variant names
+    agree with the strategy's): its workspace's device state has the two-shot's shape (int64
+    [STAGED_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare() does) with
+    the keywords the strategy's run() passes gives launches on the bound pointers and state, at
+    this group's world size. The launches are recorded, not made (the kernels use inline PTX,
+    which the interpreter cannot run; tests/test_gpu_symm_twoshot.py launches them)."""
     from types import SimpleNamespace
 
     import torch
 
-    from fusion_bridge.spec import EpilogueSpec
-    from fusion_bridge.synthetic import make_inputs
-
     from fusion_bridge.kernels import twoshot_launch
+    from fusion_bridge.kernels.symm_staged_device import STATE_WORDS
+    from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.strategies.symm_fused_twoshot import TWOSHOT_VARIANTS
+    from fusion_bridge.synthetic import make_inputs
 
     assert SymmFusedTwoshotStrategy._kernel_module(None) is twoshot_launch
     assert twoshot_launch.VARIANTS == TWOSHOT_VARIANTS
-    assert twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0) == "ring"
+    assert twoshot_launch.variant_shape("staged_prio", 5, 96, 132, 2, 0) == "staged_prio"
     with pytest.raises(ValueError, match="variant: expected one of"):
-        twoshot_launch.variant_shape("rows", 5, 96, 132, 2, 0)
+        twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0)
     words, dtype = symm_protocol.state_words(SymmFusedTwoshotStrategy.workspace_kind)
-    assert (words, dtype) == (symm_ring.STATE_WORDS, torch.int64)
+    assert (words, dtype) == (STATE_WORDS, torch.int64)
     spec = EpilogueSpec(hidden_size=96, top_k=2)
     ws = SimpleNamespace(
         ptrs=torch.zeros(3, dtype=torch.int64),
@@ -197,9 +186,15 @@ def test_the_twoshot_strategy_binds_its_workspace_to_the_ring_kernel():
     layer = symm_protocol.SymmLayer.bind(ws, spec)
     inp = make_inputs(spec, 5, rank=1, seed=3)
     none = torch.empty(0, dtype=torch.uint8)
-    args, constexprs = symm_ring.call_args(
+    made = []
+    for name in ("_LAUNCH_F", "_LAUNCH_R", "_LAUNCH_S"):
+        monkeypatch.setattr(
+            symm_staged,
+            name,
+            lambda grid, args, consts, warps, n=name: made.append((n, args, consts)),
+        )
+    twoshot_launch.launch(
         layer,
-        None,
         residual_out=torch.empty_like(inp.residual),
         norm_out=torch.empty_like(inp.residual),
         q=none,
@@ -211,6 +206,12 @@ def test_the_twoshot_strategy_binds_its_workspace_to_the_ring_kernel():
         residual=inp.residual,
         gamma=inp.gamma,
     )
-    assert args[0] is ws.ptrs and args[1] is ws.state
-    assert constexprs["WORLD"] == 2 and constexprs["TOP_K"] == 2
-    assert layer.rank == 1 and layer.timeout_us == 5_000_000
+    # one chunk at W = 2: the gate, F, X, R, Y, G and the final release
+    assert [n for n, _, _ in made] == ["_LAUNCH_S", "_LAUNCH_F", "_LAUNCH_S", "_LAUNCH_R"] + [
+        "_LAUNCH_S",
+        "_LAUNCH_R",
+        "_LAUNCH_S",
+    ]
+    assert all(args[0] is ws.ptrs and args[1] is ws.state for _, args, _ in made)
+    assert all(consts[0] == 2 for _, _, consts in made)  # WORLD
+    assert made[1][2][1] == 2  # the finalize's TOP_K

@@ -1,5 +1,5 @@
-"""The staged two-shot pipeline (`kernels/symm_staged.py`) on CPU: its very kernels under
-TRITON_INTERPRET=1, with W ranks' buffers laid out as on the GPU (`symm_testing.EmulatedRing`) and
+"""The two-shot (`kernels/symm_staged.py`) on CPU: its very kernels under
+TRITON_INTERPRET=1, with W ranks' buffers laid out as on the GPU (`EmulatedTwoshot`) and
 every rank's launches in one global order (`symm_testing_staged.staged_call`: per chunk the gate,
 F, the arrived signal then wait, R, the reduced signal then wait, G, the release, each stage on
 every rank before the next), so every wait finds what earlier launches wrote. Small chunks (4-8
@@ -15,29 +15,58 @@ import torch
 from fusion_bridge.kernels.symm_protocol import (
     ERR_ABORTED,
     ERR_TIMEOUT,
-    SENTINEL_BITS,
     STAGED_ARRIVED_BYTE,
     STAGED_REDUCED_BYTE,
 )
-from fusion_bridge.kernels.symm_ring_device import SLOTS
 from fusion_bridge.kernels.symm_staged import StagedShape, call_plan
-from fusion_bridge.kernels.symm_testing import EmulatedRing, _interpreter_loop_bounds, _ring_layer
-from fusion_bridge.kernels.symm_testing_staged import staged_call, staged_launches
+from fusion_bridge.kernels.symm_staged_device import MAX_SLOTS, UNIT
+from fusion_bridge.kernels.symm_testing import _interpreter_loop_bounds
+from fusion_bridge.kernels.symm_testing_staged import EmulatedTwoshot
+from fusion_bridge.kernels.symm_testing_staged import staged_call, staged_launches, twoshot_layer
 from fusion_bridge.numerics import rel_err
-from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF, kernel_quant_args
+from fusion_bridge.synthetic import make_inputs
 
 from tests.oracle64 import epilogue64_from, quantize  # float64, imports nothing of ours
-from tests.test_symm_ring_cpu import QUANTS, _exact_inputs, _inputs
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter emulation; the GPU tests cover a GPU"
 )
 U = UNIT_ROUNDOFF[torch.bfloat16]
-UNIT = 1 << 20  # what one chunk's releases add to its slot's counter (symm_ring_device._UNIT)
+SLOTS = MAX_SLOTS  # EmulatedTwoshot's default: 4 slots (the production 2: test_calls_at_changing_t)
+QUANTS = {
+    "none": QuantSpec.none(),
+    "fp8": QuantSpec.fp8(0.02),
+    "nvfp4_swizzled": QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.SWIZZLED_128x4),
+    "nvfp4_linear": QuantSpec.nvfp4(448 * 6 / 8.0, SFLayout.LINEAR),
+}
 
 
-def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False, region=0):
+def _inputs(spec, tokens, world, seed, **kw):
+    return [
+        make_inputs(spec, tokens, rank=r, seed=seed, device="cpu", skip_fraction=0.3, **kw)
+        for r in range(world)
+    ]
+
+
+def _exact_inputs(spec, world, tokens, partial_values, residual_value):
+    """Rank r's partial is exactly partial_values[r] everywhere (K=1, weight 1, routed scaling 1,
+    no shared output); the residual is residual_value."""
+    out = []
+    for r in range(world):
+        inp = make_inputs(
+            spec, tokens, rank=r, device="cpu", skip_fraction=0.0, weight_dtype=torch.float32
+        )
+        inp.expanded_idx_to_permuted_idx.copy_(torch.arange(tokens, dtype=torch.int32)[:, None])
+        inp.expert_weights.fill_(1.0)
+        inp.gemm2_out.fill_(partial_values[r])
+        inp.residual.fill_(residual_value)
+        out.append(inp)
+    return out
+
+
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first. merged (W = 1):
     the production sequence, the syncs not split."""
     from fusion_bridge.epilogue_tensors import quant_buffers
@@ -46,7 +75,7 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
     tokens, hidden = inputs[0].residual.shape
     scalars = (spec.routed_scaling_factor, spec.eps, spec.weight_bias)
     layers = [
-        _ring_layer(
+        twoshot_layer(
             emu.ptrs[r],
             emu.states[r],
             emu.world,
@@ -70,15 +99,13 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
         sf.fill_(0xFF)
         outs.append((ro, no, q, sf))
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
-    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols)
+    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots)
     if merged:
         _interpreter_loop_bounds()
         for _, _, fn in staged_launches(layers[0], per_rank[0], shape, emulated=True, split=False):
             fn()
     else:
-        staged_call(
-            layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank, region=region
-        )
+        staged_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
     return outs
 
 
@@ -104,7 +131,7 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
         hidden_size=hidden, top_k=top_k, routed_scaling_factor=2.5, weight_bias=0.5,
         quant=QUANTS[quant], has_shared_output=(top_k != 2),
     )  # fmt: skip
-    emu = EmulatedRing(world, chunk, hidden)
+    emu = EmulatedTwoshot(world, chunk, hidden)
     inputs = _inputs(spec, tokens, world, seed=tokens * 31 + hidden + world)
     outs = _run(emu, spec, inputs)
     assert not emu.states[:, 2].any(), emu.states  # no wait failed
@@ -138,7 +165,7 @@ def test_world_of_one_reuses_the_slots(merged):
     sequence merges them (one gate for the first 4 chunks, X(c) releasing chunk c - 1 and gating
     chunk c + 3, one final release)."""
     spec = EpilogueSpec(hidden_size=160, top_k=4, routed_scaling_factor=2.5)
-    emu = EmulatedRing(1, 4, 160)
+    emu = EmulatedTwoshot(1, 4, 160)
     inputs = _inputs(spec, 21, 1, seed=3)
     outs = _run(emu, spec, inputs, merged=merged)
     x64, norm64 = epilogue64_from(spec, inputs)
@@ -150,25 +177,11 @@ def test_world_of_one_reuses_the_slots(merged):
     assert emu.flags(STAGED_ARRIVED_BYTE)[0].tolist() == [5, 6, 3, 4]  # sequence + 1
 
 
-def test_the_slots_start_past_the_region():
-    """In the two-shot workspace the staged slots follow the ring's (`region` int16 elements past
-    the header): the outputs are right and nothing before the region's end is written."""
-    spec = EpilogueSpec(hidden_size=64, top_k=2, routed_scaling_factor=2.5)
-    region = 3 * 4 * 64 + 8  # not a multiple of the slot size
-    emu = EmulatedRing(2, 4, 64, region=region)
-    inputs = _inputs(spec, 9, 2, seed=4)
-    outs = _run(emu, spec, inputs, region=region)
-    x64, _ = epilogue64_from(spec, inputs)
-    assert not emu.states[:, 2].any()
-    assert rel_err(outs[1][0], x64) <= math.sqrt(2) * U
-    head = 256 // 2
-    assert (emu.bufs[:, head : head + region] == SENTINEL_BITS).all()
-
-
 def test_calls_at_changing_t_share_one_ring():
+    """Calls of T = 9, 2, 17, 1, 6 through 2 slots: the base carries over, every call right."""
     spec = EpilogueSpec(hidden_size=64, top_k=4, routed_scaling_factor=2.5)
     world, chunk = 3, 4
-    emu = EmulatedRing(world, chunk, 64)
+    emu = EmulatedTwoshot(world, chunk, 64, slots=2)  # the production slot count
     total = 0
     for tokens in (9, 2, 17, 1, 6):
         inputs = _inputs(spec, tokens, world, seed=tokens)
@@ -185,7 +198,7 @@ def test_calls_at_changing_t_share_one_ring():
 def test_a_rank_that_never_arrives_gives_nan_and_names_it(world, skip):
     hidden = 160
     spec = EpilogueSpec(hidden_size=hidden, top_k=2, quant=QUANTS["nvfp4_swizzled"])
-    emu = EmulatedRing(world, 8, hidden)
+    emu = EmulatedTwoshot(world, 8, hidden)
     outs = _run(emu, spec, _inputs(spec, 6, world, seed=1), skip_rank=skip)
     for r in range(world):
         if r == skip:
@@ -202,7 +215,7 @@ def test_a_missing_rank_stops_the_ring_too():
     """T spans more chunks than slots: the live rank's gate, waiting for the missing rank's release
     of the slot it is about to reuse, too ends in the error word."""
     spec = EpilogueSpec(hidden_size=64, top_k=2)
-    emu = EmulatedRing(2, 4, 64)
+    emu = EmulatedTwoshot(2, 4, 64)
     outs = _run(emu, spec, _inputs(spec, 4 * (SLOTS + 1), 2, seed=2), skip_rank=1)
     assert torch.isnan(outs[0][0][: 4 * SLOTS]).all()
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10
@@ -215,7 +228,7 @@ def test_the_late_rank_whose_waits_are_already_met_still_reports_the_abort():
     launches must still write the error word from the abort word, or its next call would not
     raise."""
     spec = EpilogueSpec(hidden_size=64, top_k=2)
-    emu = EmulatedRing(2, 4, 64)
+    emu = EmulatedTwoshot(2, 4, 64)
     inputs = _inputs(spec, 8, 2, seed=3)
     _run(emu, spec, inputs, skip_rank=1)
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10
@@ -227,10 +240,11 @@ def test_the_late_rank_whose_waits_are_already_met_still_reports_the_abort():
 
 
 def test_partials_are_summed_in_rank_order():
-    """Partials 1, 2^-24, 2^-24 and residual 2^-8: only the rank order gives 1.0 (see the ring's
-    test of the same name)."""
+    """Partials 1, 2^-24, 2^-24 and residual 2^-8: in rank order the fp32 sum stays 1 and 1 + 2^-8
+    is a bf16 tie that rounds to 1.0; any other order reaches 1 + 2^-23 first and rounds to
+    1 + 2^-7."""
     spec = EpilogueSpec(hidden_size=64, top_k=1, routed_scaling_factor=1.0, has_shared_output=False)
-    emu = EmulatedRing(3, 4, 64)
+    emu = EmulatedTwoshot(3, 4, 64)
     outs = _run(emu, spec, _exact_inputs(spec, 3, 3, [1.0, 2.0**-24, 2.0**-24], 2.0**-8))
     assert not emu.states[:, 2].any()
     for ro, *_ in outs:
@@ -252,7 +266,10 @@ def test_the_plan_covers_every_row_once():
                 assert p.f_items == world * -(-n_c // world) * 2
 
 
-@pytest.mark.parametrize("field,value", [("stream_mode", "three"), ("chunk", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("stream_mode", "three"), ("chunk", 0), ("slots", 1), ("slots", 5), ("f_streams", 3)],
+)
 def test_a_bad_staged_shape_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}: expected .* got"):
         StagedShape(**{field: value})
@@ -265,18 +282,18 @@ def _sync(emu, rank, c, timeout=3, **flags):
     what = dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags
     gate = (c, 1) if what["GATE"] else (0, 0)
     args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout)
-    _sync_kernel[(1,)](*args, WORLD=emu.world, EMU=True, **what)
+    _sync_kernel[(1,)](*args, WORLD=emu.world, SLOTS=emu.slots, EMU=True, **what)
 
 
 def test_the_gate_waits_for_every_rank_to_release_the_slot():
     """The gate alone: chunk 4 of a call at base 0 reuses slot 0, so it needs one unit on slot 0's
     counter of every rank. Rank 1's counter short of it: the gate ends in the error word naming
     rank 1; at one unit: no error."""
-    emu = EmulatedRing(2, 4, 64)
+    emu = EmulatedTwoshot(2, 4, 64)
     emu.freed[0, 0] = UNIT
     _sync(emu, 0, 4, GATE=True)
     assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10, hex(int(emu.states[0, 2]))
-    emu = EmulatedRing(2, 4, 64)
+    emu = EmulatedTwoshot(2, 4, 64)
     emu.freed[:, 0] = UNIT
     _sync(emu, 0, 4, GATE=True)
     assert int(emu.states[0, 2]) == 0 and int(emu.aborts[1]) == 0
@@ -288,14 +305,14 @@ def test_a_flag_wait_needs_every_rank_at_this_chunk(flag, byte):
     at 8 (the sequence number 7 + 1): a rank at 4 (its previous use of the slot, chunk 3) is
     named in the error word; the signal writes 8 on its own rank only; every rank at 8: no
     error. The waiting rank's later row launches then see the abort word."""
-    emu = EmulatedRing(3, 4, 64)
+    emu = EmulatedTwoshot(3, 4, 64)
     emu.states[:, 0] = 2
     emu.flags(byte)[:, 3] = 4
     _sync(emu, 1, 5, SIGNAL=flag, WAIT=flag)
     assert emu.flags(byte)[:, 3].tolist() == [4, 8, 4]
     assert int(emu.states[1, 2]) == int(ERR_TIMEOUT) | 0b101, hex(int(emu.states[1, 2]))
     assert (emu.aborts != 0).all()
-    emu = EmulatedRing(3, 4, 64)
+    emu = EmulatedTwoshot(3, 4, 64)
     emu.states[:, 0] = 2
     emu.flags(byte)[:, 3] = 8
     _sync(emu, 2, 5, WAIT=flag)
@@ -309,3 +326,52 @@ def test_the_staged_launch_exposes_no_test_hooks():
 
     hooks = {"emulated", "launch_order", "EMU", "phases"}
     assert not hooks & set(inspect.signature(symm_staged.launch).parameters)
+
+
+def test_a_skipped_slot_weight_is_never_used():
+    """perm == -1 slots carry NaN weights: they are dropped, not multiplied in."""
+    spec = EpilogueSpec(hidden_size=64, top_k=4, routed_scaling_factor=2.5)
+    emu = EmulatedTwoshot(2, 4, 64)
+    inputs = _inputs(spec, 5, 2, seed=9, weight_dtype=torch.float32)
+    for inp in inputs:
+        perm, w = inp.expanded_idx_to_permuted_idx, inp.expert_weights
+        perm[:, -1] = -1
+        w[:, -1] = float("nan")
+    outs = _run(emu, spec, inputs)
+    x64, _ = epilogue64_from(spec, inputs)
+    assert not torch.isnan(outs[0][0]).any() and rel_err(outs[0][0], x64) <= math.sqrt(2) * U
+
+
+def test_a_row_whose_squares_overflow_is_normalized_not_zeroed():
+    """|x| up to 3e30: the fp32 sum of squares overflows; the norm must still be x / rms * gamma."""
+    spec = EpilogueSpec(
+        hidden_size=160, top_k=1, routed_scaling_factor=1.0, has_shared_output=False
+    )
+    emu = EmulatedTwoshot(2, 4, 160)
+    inputs = _exact_inputs(spec, 2, 2, [0.0, 0.0], 1e25)
+    for inp in inputs:
+        inp.residual[:, 64:128] = 3e30
+        inp.residual[:, 128:] = -1e20
+    outs = _run(emu, spec, inputs)
+    _, norm64 = epilogue64_from(spec, inputs)
+    for _, norm_out, *_ in outs:
+        assert not torch.isnan(norm_out).any() and (norm_out != 0).all()
+        assert rel_err(norm_out, norm64) <= math.sqrt(3) * U
+
+
+def test_eps_is_applied_and_an_all_zero_row_stays_zero():
+    """Rows of rms ~0.01-0.03, where eps = 1e-2 shrinks norm_out about 3x, and an all-zero row (0
+    with eps, NaN without), NaN / inf weights in skipped slots. Mutant killed: the launch passing
+    another eps than the spec's."""
+    from tests.helpers import small_rows_and_a_zero_row
+
+    spec = EpilogueSpec(hidden_size=96, top_k=4, eps=1e-2, weight_bias=0.5)
+    inputs = small_rows_and_a_zero_row(spec, 2, 5, seed=23)
+    _, norm = epilogue64_from(spec, inputs)
+    _, without_eps = epilogue64_from(EpilogueSpec(hidden_size=96, top_k=4, eps=1e-9), inputs)
+    rows = [0, 2, 3, 4]
+    assert rel_err(without_eps[rows], norm[rows]) > 0.5  # the case observes eps
+    outs = _run(EmulatedTwoshot(2, 4, 96), spec, inputs)
+    for residual_out, norm_out, _, _ in outs:
+        assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
+        assert rel_err(norm_out, norm) <= math.sqrt(3) * U

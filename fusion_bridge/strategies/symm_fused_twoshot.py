@@ -2,25 +2,23 @@
 large T, the bandwidth path: finalize + shared add, reduce-scatter by token, residual add,
 all-gather of the reduced rows, RMSNorm (+ FP8 / NVFP4), as a chunked pipeline.
 
-Rows are cut into chunks that take the slots of a small ring in turn, so the workspace has a fixed
-size whatever T is and no T takes the overflow route. Inside a chunk, row j belongs to rank j % W.
-Each rank finalizes its partial of chunk c into the owners' slots (rounded once to the activation
-dtype) while it reduces chunk c - 1 (the W partials of its own rows summed in rank order in fp32,
-plus the residual, rounded: residual_out, pushed to every peer) and norms the rows the peers
-pushed. Every rank norms every row from the same rounded residual_out bits with the same code, so
-all outputs are bitwise identical on every rank. Link bytes per rank: 2 (W - 1) / W of T * H *
-elem (at W = 8 a quarter of a one-shot's). Error against the fp32 oracle: 3 roundings (the
-partial, residual_out, norm_out).
+Rows are cut into chunks that take a few fixed slots in turn, so the workspace has a fixed size
+whatever T is (58.7 MB per rank at H=7168 in bf16, any W) and no T takes the overflow route.
+Inside a chunk, row j belongs to rank j % W. Each rank finalizes its partial of chunk c into the
+owners' slots (rounded once to the activation dtype) while it reduces chunk c - 1 (the W partials
+of its own rows summed in rank order in fp32, plus the residual, rounded: residual_out, pushed to
+every peer) and norms the rows the peers pushed. Every rank norms every row from the same rounded
+residual_out bits with the same code, so all outputs are bitwise identical on every rank. Link
+bytes per rank: 2 (W - 1) / W of T * H * elem (at W = 8 a quarter of a one-shot's). Error against
+the fp32 oracle: 3 roundings (the partial, residual_out, norm_out).
 
 Launch variants (`kernels/twoshot_launch.py`, measured per bucket by `tune`): "default", the staged
-pipeline (`kernels/symm_staged.py`: one launch per stage per chunk of 512 tokens, the finalize on a
-side stream, a chunk's arrival one flag per rank); "staged_prio", the same with its row launches on
-a high-priority stream; "ring", the persistent one-launch ring kernel (`kernels/symm_ring.py`,
-chunks of 256). At world size 1 on one H200 (local work, K=8, against our standalone finalize +
-add+RMSNorm in the same run) the staged pipeline took 1.35-1.56x, its high-priority form
-1.31-1.59x, the ring 1.61-1.79x (README). The workspace holds both slot regions, the ring's then
-the staged pipeline's (88.1 MB per rank at H=7168 in bf16, any W), so the variants may follow each
-other in any order.
+pipeline (`kernels/symm_staged.py`: one launch per stage per chunk of 1024 tokens in 2 slots, the
+chunks' finalize launches on two side streams in turn, a chunk's arrival one flag per rank, L2
+hints that keep a chunk's slot rows in L2 between its finalize and its reduce); "staged_prio",
+the same with its row launches on a high-priority stream. At world size 1 on one H200 (local
+work, K=8, against our standalone finalize + add+RMSNorm in the same run) the default took
+1.19-1.30x (README).
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
 buffer pointers, the pinned error word, one workspace shared by every layer) and its safety rules:
@@ -38,7 +36,7 @@ from .base import DEFAULT_VARIANT, Step, required_stages
 from .symm_fused_oneshot import SymmFusedOneshotStrategy
 
 # kernels/twoshot_launch.VARIANTS (named here: the class-level declarations import no kernel)
-TWOSHOT_VARIANTS = ("ring", "staged_prio")
+TWOSHOT_VARIANTS = ("staged_prio",)
 
 
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
@@ -46,22 +44,21 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
     summary = (
         "our launches over symmetric memory for large T: a chunked pipeline of "
         "finalize+shared, reduce-scatter by token, residual, all-gather of the rounded rows, "
-        "RMSNorm (+fp8/nvfp4) in a fixed ring workspace"
+        "RMSNorm (+fp8/nvfp4) in a fixed workspace of chunk slots"
     )
-    workspace_kind = "twoshot"  # the ring's layout (symm_workspace, kernels/symm_protocol)
+    workspace_kind = "twoshot"  # the chunk slots' layout (symm_workspace, kernels/symm_protocol)
     # Opt-in until it is measured on two GPUs: auto neither prepares it (no self-test at every
     # build) nor picks it; request it by name to use or measure it.
     opt_in = True
 
     @classmethod
     def steps(cls, spec, env):
-        return [Step("triton.symm_ring_epilogue", required_stages(spec, env.world_size))]
+        return [Step("triton.symm_staged_epilogue", required_stages(spec, env.world_size))]
 
     @classmethod
     def variants(cls, spec, env):
-        """ "default" (the staged pipeline), "ring" (the persistent ring kernel), "staged_prio"
-        (the staged pipeline with its row launches on a high-priority stream); `tune` measures
-        them per bucket (kernels/twoshot_launch)."""
+        """ "default" (the staged pipeline) and "staged_prio" (its row launches on a
+        high-priority stream); `tune` measures them per bucket (kernels/twoshot_launch)."""
         return (DEFAULT_VARIANT,) + TWOSHOT_VARIANTS
 
     @classmethod

@@ -1,7 +1,8 @@
 """The symmetric-memory workspaces of `symm_fused_oneshot` and `symm_fused_twoshot`: capability
 checks, sizing, collective creation and release. `kind` picks the kernel's layout: "oneshot" (slots
-of W x cap rows, so a token cap) or "twoshot" (the ring of chunk slots of kernels/symm_ring: a
-fixed size whatever T is, so no token cap beyond the spec's max_tokens).
+of W x cap rows, so a token cap) or "twoshot" (a few chunk slots that the chunks of kernels/
+symm_staged take in turn: a fixed size whatever T is, so no token cap beyond the spec's
+max_tokens).
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
 buffer into every peer's address space over NVLink. We use only `empty`, `rendezvous` and the
@@ -41,7 +42,7 @@ HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
 WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-bit rank mask
 MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in registers
 # tokens per call of the one-shot (the small-T path; larger T takes the overflow route). The
-# two-shot ring (the bandwidth path) turns its fixed slots within a call: any T up to max_tokens.
+# two-shot (the bandwidth path) turns its fixed slots within a call: any T up to max_tokens.
 MAX_CAP_TOKENS = {"oneshot": 2048}
 KINDS = protocol.KINDS
 MAX_BUFFER_BYTES = 512 << 20
@@ -78,7 +79,7 @@ MULTICAST_PROBE = Probe("multicast_off", multicast_is_off, documented=None)
 
 def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
     """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol).
-    The ring ("twoshot"): spec.max_tokens when its fixed buffer fits MAX_BUFFER_BYTES, else 0."""
+    The two-shot: spec.max_tokens when its fixed buffer fits MAX_BUFFER_BYTES, else 0."""
     elem = torch.finfo(spec.dtype).bits // 8
     world = max(world_size, 1)
     if kind == "twoshot":
@@ -185,8 +186,9 @@ def memory_reason(
 class SymmWorkspace:
     """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
     buffer, then the pinned error word); state: device, `symm_protocol.state_words(kind)` (one-shot
-    int32 [STATE_WORDS], the ring int64 [RING_STATE_WORDS]); err: int32 [4] pinned host. cap: tokens
-    one call may carry (the ring: its first user's max_tokens; each strategy checks its own). A
+    int32 [STATE_WORDS], the two-shot int64 [STAGED_STATE_WORDS]); err: int32 [4] pinned host.
+    cap: tokens one call may carry (the two-shot: its first user's max_tokens; each strategy
+    checks its own). A
     layer binds it with kernels.symm_protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
@@ -237,7 +239,7 @@ def create(
             "pointer although multicast is disabled; refusing to run"
         )
     head = protocol.HEADER_BYTES
-    buffer[:head].zero_()  # the abort word (and the ring's release counters)
+    buffer[:head].zero_()  # the abort word (and the two-shot's release counters and flags)
     protocol.fill_sentinel(buffer[head:].view(torch.int16))  # every data slot "not arrived"
     torch.cuda.synchronize(device)
     dist.barrier(group)  # no rank publishes before every rank's slots hold the sentinel
@@ -319,7 +321,7 @@ def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str
         world_size,
         spec.hidden_size,
         spec.dtype,
-        # the ring's buffer does not depend on max_tokens: layers that differ only there share it
+        # the two-shot's buffer ignores max_tokens: layers that differ only there share it
         capacity(spec, world_size, kind) if kind == "oneshot" else 0,
         float(timeout_s),
     )

@@ -1,7 +1,7 @@
-"""The ring two-shot's device-side protocol pieces (see `symm_ring` for the design and the
+"""The staged two-shot's device-side protocol pieces (`symm_staged` has the design and the
 ordering argument; the layout and sizes are `symm_protocol`'s, the pieces it shares with the
-one-shot (the error word, the bounded poll, the error report, the publish rounding)
-`symm_device`'s).
+one-shot (the error word, the error report, the publish rounding) `symm_device`'s): the slot
+addresses, the release counters and the bounded wait on them.
 
 Every helper also runs under TRITON_INTERPRET=1 (peer pointers are table entries the interpreter
 follows as host addresses); EMULATED swaps only the GPU timer for a poll count.
@@ -12,42 +12,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .symm_device import _globaltimer, _poll_status, peer_ptr, report_error
+from .symm_device import _globaltimer, peer_ptr, report_error
 from . import symm_protocol as P
 
-SLOTS = P.RING_SLOTS
-CHUNK = P.RING_CHUNK
-FREED_BYTE = P.RING_FREED_BYTE
-STATE_WORDS = P.RING_STATE_WORDS
-_SLOTS = tl.constexpr(P.RING_SLOTS)
-_FREED_BYTE = tl.constexpr(P.RING_FREED_BYTE)
+SLOTS = P.STAGED_SLOTS
+CHUNK = P.STAGED_CHUNK
+MAX_SLOTS = P.STAGED_MAX_SLOTS
+FREED_BYTE = P.STAGED_FREED_BYTE
+STATE_WORDS = P.STAGED_STATE_WORDS
+UNIT = P.STAGED_UNIT
+_FREED_BYTE = tl.constexpr(P.STAGED_FREED_BYTE)
 _HEAD_ELEMS = tl.constexpr(P.HEADER_BYTES // 2)
-_UNIT = tl.constexpr(P.RING_UNIT)
+_UNIT = tl.constexpr(P.STAGED_UNIT)
 
 
-def buffer_bytes(world: int, hidden: int, elem_size: int, chunk: int = CHUNK) -> int:
-    return P.ring_buffer_bytes(world, hidden, elem_size, chunk)
+def buffer_bytes(
+    world: int, hidden: int, elem_size: int, chunk: int = CHUNK, slots: int = SLOTS
+) -> int:
+    return P.staged_buffer_bytes(world, hidden, elem_size, chunk, slots)
 
 
 @triton.jit
 def _counter(ptrs_ptr, q, slot):
     """Rank q's release counter of `slot` (int64, in its header)."""
     return (tl.load(ptrs_ptr + q) + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
-
-
-@triton.jit
-def _wait_tile(ptrs, mask, abort_ptr, start, timeout, EMULATED: tl.constexpr):
-    """Poll a 2-D tile of int16 bits until no element is the sentinel (or time / abort): (bits,
-    1 if the wait failed). Its status is a block reduction: when it returns, every thread's load of
-    the final bits has completed, so the tile may be cleared right after."""
-    v = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    polls = 1
-    status = _poll_status(v, abort_ptr, start, timeout, polls, EMULATED)
-    while status == 1:
-        v = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        polls += 1
-        status = _poll_status(v, abort_ptr, start, timeout, polls, EMULATED)
-    return v, ((status & 5) != 0).to(tl.int32)
 
 
 @triton.jit
@@ -88,10 +76,10 @@ def _wait_slot_free(
 
 @triton.jit
 def _release(ptrs_ptr, rank, slot, pid, nprog):
-    """This program is done with `slot` (its reads and clears): its share of _UNIT on its rank's
-    counter, one lane's system-scope release after a block barrier."""
+    """This program is done with `slot` (its reads): its share of _UNIT on its rank's counter, one
+    lane's system-scope release after a block barrier (the staged sync launch: one program)."""
     share = tl.where(pid == 0, _UNIT - nprog + 1, 1).to(tl.int64)
-    tl.debug_barrier()  # every thread's clears precede the release
+    tl.debug_barrier()  # every thread's reads precede the release
     lane = tl.arange(0, 32)
     cnt = _counter(ptrs_ptr, rank, slot)
     tl.atomic_add(cnt + lane * 0, lane * 0 + share, mask=lane == 0, sem="release", scope="sys")

@@ -1,0 +1,195 @@
+"""The large-T path's local work on ONE GPU: the two-shot (`kernels/symm_staged.py`) with a world
+of 1 (no peers: every row is its own, no peer reads, no all-gather, no link traffic) beside our
+finalize kernel alone and our add+RMSNorm kernel alone, measured in the same run. Target: the
+two-shot <= finalize + add_rmsnorm.
+
+    python benchmarks/twoshot_local.py [--tokens 1024 4096 8192] [--hidden 7168 4096] [--csv PATH]
+        [--staged LABEL... | all] [--ablate]
+
+Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
+sum, each two-shot row's time, its ratio to the sum and its workspace per rank (MB). Labels: the
+STAGED launch shapes (`symm_staged.StagedShape` fields, each on buffers laid out for it) and the
+TWOSHOT labels (the strategy's launch variants, `kernels/twoshot_launch.py`). Every row is first
+checked against the two standalone kernels' outputs (residual_out bitwise equal: the same
+roundings; norm_out close: the two-shot norms the rounded residual_out) and its error word.
+`--ablate` adds, per label, its finalize launches alone (`_only_F`), its row launches alone
+(`_only_R`) and everything but the finalize on one stream (`_no_F`): the slot counters preset so
+no gate holds them, outputs not all written. CUDA graphs, inputs rotated past L2, median us per
+call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fusion_bridge.cli.bench import write_csv  # noqa: E402
+from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+
+# label -> StagedShape fields (the default shape: 2 slots x 1024 tokens, F on 2 side streams, L2 2)
+STAGED = {
+    "default": dict(),
+    "c512_s4_f1_nol2": dict(chunk=512, slots=4, f_streams=1, l2=0),  # the first default
+    "c1024_s2_f1_nol2": dict(f_streams=1, l2=0),
+    "c1024_s2_f2_nol2": dict(l2=0),
+    "l2_hints": dict(l2=1),  # the hints without the row drops
+    "prio": dict(stream_mode="two_prio"),
+    "one_stream": dict(stream_mode="one"),
+}
+# the two-shot strategy's launch variants (kernels/twoshot_launch.py)
+TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
+    ap.add_argument("--staged", nargs="+", default=["default"], help="labels or 'all'")
+    ap.add_argument("--ablate", action="store_true", help="also time the stages alone")
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args()
+    from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
+    from fusion_bridge.kernels.finalize_add import finalize_add_into
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.synthetic import make_inputs
+
+    labels = list(STAGED) + list(TWOSHOT) if args.staged == ["all"] else args.staged
+    copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
+    rows = []  # one per (H, T, label): the table the target reads
+    none = torch.empty(0, dtype=torch.uint8, device="cuda")
+    keep = []
+
+    def record(name, hidden, tokens, us):
+        print(f"{name:36s} H={hidden} T={tokens:5d} {us:9.2f} us", flush=True)
+
+    for hidden in args.hidden:
+        spec = EpilogueSpec(hidden_size=hidden, top_k=8, routed_scaling_factor=2.5)
+        for tokens in args.tokens:
+            n = sets_to_rotate(tokens * hidden * 2 * 14, max_sets=16)
+            sets = [
+                make_inputs(spec, tokens, seed=i, device="cuda", skip_fraction=0.0)
+                for i in range(n)
+            ]
+            part = torch.empty(tokens, hidden, dtype=spec.dtype, device="cuda")
+            ro, no = torch.empty_like(part), torch.empty_like(part)
+
+            def fin(i):
+                s = sets[i]
+                finalize_add_into(
+                    part, s.gemm2_out, s.expanded_idx_to_permuted_idx, s.expert_weights,
+                    s.shared_output, spec.routed_scaling_factor,
+                )  # fmt: skip
+
+            def norm(i):
+                add_rmsnorm_into(
+                    ro, no, none, none, sets[i].residual, part, sets[i].gamma, eps=spec.eps,
+                    weight_bias=spec.weight_bias, quant=0, quant_scale=1.0, swizzled=False,
+                )  # fmt: skip
+
+            t_fin, t_norm = time_graph(fin, sets=n), time_graph(norm, sets=n)
+            record("finalize_alone", hidden, tokens, t_fin)
+            record("add_rmsnorm_alone", hidden, tokens, t_norm)
+            record("standalone_sum", hidden, tokens, t_fin + t_norm)
+
+            def row(label, us, mb):
+                return dict(
+                    H=hidden, T=tokens, finalize_alone_us=round(t_fin, 2),
+                    add_rmsnorm_alone_us=round(t_norm, 2), sum_us=round(t_fin + t_norm, 2),
+                    path=label, us=round(us, 2), ratio=round(us / (t_fin + t_norm), 3),
+                    workspace_mb=round(mb, 1),
+                )  # fmt: skip
+
+            fin(0)
+            norm(0)
+            ref = (ro.clone(), no.clone())
+            for label in labels:
+                rows.extend(_staged_rows(label, record, row, spec, sets, n, part, ref, keep,
+                                         args.ablate))  # fmt: skip
+    print(f"\nHBM copy {copy_gbs} GB/s; W=1 local work vs our two standalone kernels (us, graph)")
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    if args.csv:
+        write_csv(
+            args.csv, rows + [dict.fromkeys(cols, "") | dict(path="hbm_copy_gbs", us=copy_gbs)]
+        )
+
+
+def _staged_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
+    """The two-shot at world size 1 in shape STAGED[label], or (TWOSHOT labels) as the strategy
+    launches a variant: checked against the standalone kernels' outputs, then timed; `ablate`
+    adds its finalize launches alone, its R launches alone and every launch but F on one stream
+    (the slot counters preset so no gate holds them; outputs not all written)."""
+    from fusion_bridge.kernels import symm_staged, twoshot_launch
+    from fusion_bridge.kernels.symm_staged_device import FREED_BYTE, MAX_SLOTS
+    from fusion_bridge.kernels.symm_testing import call_tensors
+    from fusion_bridge.kernels.symm_testing_staged import (
+        staged_launches,
+        twoshot_layers_on_one_gpu,
+    )
+
+    hidden, tokens = part.shape[1], part.shape[0]
+    variant = TWOSHOT.get(label, False)
+    if variant is False:
+        shape = symm_staged.StagedShape(**STAGED[label])
+    else:
+        shape = twoshot_launch._STAGED[variant]
+    none = torch.empty(0, dtype=torch.uint8, device="cuda")
+
+    def group_for():
+        g = twoshot_layers_on_one_gpu(1, hidden, spec, 5.0, shape=shape)
+        keep.append(g)  # the layer holds raw pointers into its buffer
+        return g
+
+    group = group_for()
+    layer, err = group.layers[0], group.errs[0]
+    out = (torch.full_like(part, float("nan")), torch.full_like(part, float("nan")), none, none)
+    mb = group.buffers[0].numel() / 1e6
+
+    def staged(i):
+        if variant is False:
+            symm_staged.launch(layer, shape=shape, **call_tensors(sets[i], out))
+        else:
+            twoshot_launch.launch(layer, shape=variant, **call_tensors(sets[i], out))
+
+    staged(0)
+    torch.cuda.synchronize()
+    same = torch.equal(out[0].view(torch.int16), ref[0].view(torch.int16))
+    dn = (out[1].float() - ref[1].float()).abs().max().item()
+    print(f"  check {label}: residual_out bitwise {same}, norm max diff {dn:.3g}, "
+          f"err {int(err[0])}")  # fmt: skip
+    if not same or int(err[0]) or not dn < 0.1:
+        return [row(f"{label}_WRONG", float("nan"), mb)]
+    us = time_graph(staged, sets=n)
+    record(label, hidden, tokens, us)
+    assert int(err[0]) == 0, hex(int(err[0]))
+    out_rows = [row(label, us, mb)]
+    if ablate:
+        group_f = group_for()
+        group_f.buffers[0][FREED_BYTE : FREED_BYTE + 8 * MAX_SLOTS].view(torch.int64).fill_(1 << 40)
+
+        def only(stages):
+            def fn_of(i):
+                for stage, _, fn in staged_launches(
+                    group_f.layers[0], call_tensors(sets[i], out), shape, False, False
+                ):
+                    if stage in stages:
+                        fn()
+
+            return fn_of
+
+        for tag, stages in (("only_F", "F"), ("only_R", "R"), ("no_F", "QXRYGZ")):
+            us = time_graph(only(stages), sets=n)
+            record(f"{label}_{tag}", hidden, tokens, us)
+            out_rows.append(row(f"{label}_{tag}", us, mb))
+    return out_rows
+
+
+if __name__ == "__main__":
+    main()
