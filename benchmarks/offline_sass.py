@@ -193,7 +193,7 @@ def gpu_constexprs(name: str) -> dict:
         return {}
     from fusion_bridge.kernels.oneshot_shapes import MAX_POLLS
 
-    got = {"RECIP": int("_fp8_" in name)}
+    got = {"RECIP": int("_fp8_" in name)} | ({"USE_PDL": 1} if name.endswith("_pdl") else {})
     return got | ({"PHASES": 3, "MAX_POLLS": MAX_POLLS} if "split" in name else {})
 
 
@@ -204,43 +204,54 @@ def cases(inp, out) -> dict:
     reduced = torch.empty_like(ro)
     norm = dict(eps=SPEC.eps, weight_bias=0.0, quant=0, quant_scale=1.0, swizzled=False)
     perm, weights = inp.expanded_idx_to_permuted_idx, inp.expert_weights
-    return {
-        "twoshot_w1_none": (
-            symm_twoshot,
-            "_twoshot_kernel",
-            lambda: _symm_launch(symm_twoshot, 1, inp, out)(),
-        ),
-        "twoshot_w2_none": (
-            symm_twoshot,
-            "_twoshot_kernel",
-            lambda: _symm_launch(symm_twoshot, 2, inp, out)(),
-        ),
-        "oneshot_w2_none": (
-            symm_oneshot,
-            "_oneshot_kernel",
-            lambda: _symm_launch(symm_oneshot, 2, inp, out)(),
-        ),
-        "add_rmsnorm_none": (
-            add_rmsnorm,
-            "_add_rmsnorm_kernel",
-            lambda: add_rmsnorm.add_rmsnorm_into(ro, no, q, sf, ro, ro, inp.gamma, **norm),
-        ),
-        "finalize_add": (
-            finalize_add,
-            "_finalize_add_kernel",
-            lambda: finalize_add.finalize_add_into(
-                reduced, inp.gemm2_out, perm, weights, inp.shared_output, 2.5
+    return (
+        {
+            "twoshot_w1_none": (
+                symm_twoshot,
+                "_twoshot_kernel",
+                lambda: _symm_launch(symm_twoshot, 1, inp, out)(),
             ),
-        ),
-    } | {
-        f"tp1_{quant}_{kind}": (
-            tp1_launch_module(kind),
-            "_tp1_kernel" if kind == "rows" else "_tp1_split_kernel",
-            lambda quant=quant, tokens=tokens, sms=sms: _tp1_launch(quant, tokens, sms)(),
-        )
-        for quant in ("none", "fp8", "nvfp4")
-        for kind, tokens, sms in (("rows", 64, 0), ("split16", 16, 132))
-    }
+            "twoshot_w2_none": (
+                symm_twoshot,
+                "_twoshot_kernel",
+                lambda: _symm_launch(symm_twoshot, 2, inp, out)(),
+            ),
+            "oneshot_w2_none": (
+                symm_oneshot,
+                "_oneshot_kernel",
+                lambda: _symm_launch(symm_oneshot, 2, inp, out)(),
+            ),
+            "add_rmsnorm_none": (
+                add_rmsnorm,
+                "_add_rmsnorm_kernel",
+                lambda: add_rmsnorm.add_rmsnorm_into(ro, no, q, sf, ro, ro, inp.gamma, **norm),
+            ),
+            "finalize_add": (
+                finalize_add,
+                "_finalize_add_kernel",
+                lambda: finalize_add.finalize_add_into(
+                    reduced, inp.gemm2_out, perm, weights, inp.shared_output, 2.5
+                ),
+            ),
+        }
+        | {
+            f"tp1_{quant}_{kind}": (
+                tp1_launch_module(kind),
+                "_tp1_kernel" if kind == "rows" else "_tp1_split_kernel",
+                lambda quant=quant, tokens=tokens, sms=sms: _tp1_launch(quant, tokens, sms)(),
+            )
+            for quant in ("none", "fp8", "nvfp4")
+            for kind, tokens, sms in (("rows", 64, 0), ("split16", 16, 132))
+        }
+        | {  # the same launches with programmatic dependent launch (a GPU sm_90+ call's USE_PDL)
+            f"tp1_none_{kind}_pdl": (
+                tp1_launch_module(kind),
+                "_tp1_kernel" if kind == "rows" else "_tp1_split_kernel",
+                lambda tokens=tokens, sms=sms: _tp1_launch("none", tokens, sms)(),
+            )
+            for kind, tokens, sms in (("rows", 64, 0), ("split16", 16, 132))
+        }
+    )
 
 
 def tp1_launch_module(kind: str):

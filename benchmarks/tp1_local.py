@@ -65,6 +65,14 @@ def main() -> None:
     ap.add_argument("--quant", nargs="+", default=["none", "fp8", "nvfp4"])
     ap.add_argument("--sweep", action="store_true", help="also sweep the warps per row program")
     ap.add_argument("--emulated", type=int, nargs="*", default=[1, 16, 64, 256])
+    ap.add_argument(
+        "--pdl-ab",
+        action="store_true",
+        help="also time the default launch shape with programmatic dependent launch off and on "
+        "(twice each, alternating), back to back and each after a torch kernel writing its "
+        "routing weights",
+    )
+    ap.add_argument("--no-two-launch", action="store_true", help="skip the two-launch rows")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     from fusion_bridge.kernels import symm_oneshot
@@ -118,14 +126,18 @@ def main() -> None:
                     time_graph(lambda i: one.run(sets[i]), sets=n),
                     floor,
                 )
-                emit(
-                    "two_launch",
-                    quant,
-                    hidden,
-                    tokens,
-                    time_graph(lambda i: two.run(sets[i]), sets=n),
-                    floor,
-                )
+                if not args.no_two_launch:
+                    emit(
+                        "two_launch",
+                        quant,
+                        hidden,
+                        tokens,
+                        time_graph(lambda i: two.run(sets[i]), sets=n),
+                        floor,
+                    )
+                if args.pdl_ab:
+                    for path, us in _pdl_ab(one, sets, n, tokens, hidden):
+                        emit(path, quant, hidden, tokens, us, floor)
                 if args.sweep:
                     out = one.run(sets[0])
                     q = out.quant.view(torch.uint8) if out.quant is not None else one._unused
@@ -213,6 +225,37 @@ def main() -> None:
         assert not group.errs.any(), group.errs
     if args.csv:
         write_csv(args.csv, rows)
+
+
+def _pdl_ab(one, sets, n, tokens, hidden):
+    """The strategy's default launch shape with pdl 0 and 1 (alternating, two rounds): back to
+    back ("pdl0" / "pdl1"), and each call after a torch kernel that rewrites its routing weights
+    (the same values: "after_torch_pdl0" / "_pdl1"), as a router or GEMM would before it."""
+    from fusion_bridge.kernels.oneshot_shapes import local_shape
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    out = one.run(sets[0])
+    q = out.quant.view(torch.uint8) if out.quant is not None else one._unused
+    sf = out.scale if out.scale is not None else one._unused
+    outs = (out.residual_out, out.norm_out, q, sf)
+    launcher = one._launch
+    base = local_shape(tokens, hidden, launcher.layer.quant.code, launcher.num_sms)
+    weights = [s.expert_weights.clone() for s in sets]
+    got = []
+    for _ in range(2):
+        for pdl in (0, 1):
+            shape = base._replace(pdl=pdl)
+
+            def call(i, shape=shape):
+                launcher(**call_tensors(sets[i], outs), shape=shape)
+
+            def after_torch(i, call=call):
+                sets[i].expert_weights.copy_(weights[i])
+                call(i)
+
+            got.append((f"pdl{pdl}", time_graph(call, sets=n)))
+            got.append((f"after_torch_pdl{pdl}", time_graph(after_torch, sets=n)))
+    return got
 
 
 if __name__ == "__main__":

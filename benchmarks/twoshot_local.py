@@ -40,6 +40,9 @@ STAGED = {
     "l2_hints": dict(l2=1),  # the hints without the row drops
     "prio": dict(stream_mode="two_prio"),
     "one_stream": dict(stream_mode="one"),
+    # the default shape with programmatic dependent launch off / on (sm_90+; kernels/pdl.py)
+    "pdl_off": dict(pdl=False),
+    "pdl_on": dict(pdl=True),
 }
 # the two-shot strategy's launch variants (kernels/twoshot_launch.py)
 TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .add_rmsnorm import norm_quant_row, rms_norm_row
 from .finalize_add import finalize_row
+from .pdl import pdl_enter
 from .quant import quantize_row
 from .rounding import round_cast, round_to
 
@@ -193,6 +194,7 @@ def _tp1_kernel(
     HW_CVT: tl.constexpr,
     PREFETCH: tl.constexpr,
     RECIP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """World size 1, whole rows: one program per row; the top-k finalize of the row stays in
     registers, rounded once as a published partial would be (so residual_out is the two-launch
@@ -200,8 +202,11 @@ def _tp1_kernel(
     T (swizzled NVFP4 only) write their scale row's padding (zeros), as the standalone norm kernel
     does. PREFETCH: the row's reads requested into L2 at once before its gathers (GPU only).
     RECIP: fp8 through one reciprocal (quant._div_by_scale). Roundings through the GPU's own
-    conversion where HW_CVT (rounding.round_cast). Its source reaches no module-level value, which
-    lets the cached launcher launch it."""
+    conversion where HW_CVT (rounding.round_cast). USE_PDL (launched with programmatic dependent
+    launch): every program first waits for the grid before it, before any memory access
+    (kernels/pdl.py), then lets the next grid be scheduled. Its source reaches no module-level
+    value, which lets the cached launcher launch it."""
+    pdl_enter(USE_PDL, True)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, ROW_BLOCK)
     if row < tokens:

@@ -26,6 +26,12 @@ class OneshotShape(NamedTuple):
     block2: int
     warps: int
     prefetch: int = 0  # world size 1: prefetch the row into L2 before its gathers (GPU only)
+    # world size 1: launch with programmatic dependent launch (sm_90+ only; kernels/pdl.py)
+    pdl: int = 0
+
+
+# world size 1: the shapes' default for `pdl` (see `local_shape`)
+LOCAL_PDL = 1
 
 
 def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
@@ -52,10 +58,10 @@ def local_shape(
     rb = row_block(hidden)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
         warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
-        shape = OneshotShape(chunk, chunk, warps, int(tokens == 1))
+        shape = OneshotShape(chunk, chunk, warps, int(tokens == 1), LOCAL_PDL)
         if split_ok(shape, tokens, hidden, num_sms):
             return shape
-    return OneshotShape(rb, rb, local_warps(tokens, hidden, quant))
+    return OneshotShape(rb, rb, local_warps(tokens, hidden, quant), 0, LOCAL_PDL)
 
 
 def programs_per_sm(warps: int) -> int:

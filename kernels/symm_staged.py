@@ -84,6 +84,7 @@ import torch
 import triton
 
 from .launcher import KernelLauncher
+from .pdl import PDL_OPTIONS, pdl_ok
 from .quant import row_block, row_num_warps, sf_padding_items
 from .quant_codes import QUANT_NVFP4
 from .symm_protocol import SymmLayer
@@ -93,14 +94,20 @@ from .symm_staged_kernels import _sync_kernel
 
 __all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS", "L2")
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS", "L2", "USE_PDL")
 _R_CONSTS = (
     "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS", "L2",
+    "USE_PDL",
 )  # fmt: skip
-_S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU")
+_S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU", "USE_PDL")
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
 _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
+# with programmatic dependent launch (StagedShape.pdl, kernels/pdl.py): options are fixed per
+# launcher, and USE_PDL (a constexpr of the key) is True exactly on these
+_LAUNCH_F_PDL = KernelLauncher(_finalize_kernel, _F_CONSTS, options=PDL_OPTIONS)
+_LAUNCH_R_PDL = KernelLauncher(_rows_kernel, _R_CONSTS, options=PDL_OPTIONS)
+_LAUNCH_S_PDL = KernelLauncher(_sync_kernel, _S_CONSTS, options=PDL_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,11 @@ class StagedShape:
     "two_prio" (the same with R / G on a high-priority stream) or "one" (every stage in order on
     the caller's stream); f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
     starts while F(c) drains); l2: 1 = L2 hints (expert rows and residual evict-first, slot rows
-    evict-last), 2 = those and the row launches drop the slot rows they read from L2 unwritten."""
+    evict-last), 2 = those and the row launches drop the slot rows they read from L2 unwritten;
+    pdl: every launch with programmatic dependent launch (sm_90+ GPUs only, else ignored): a
+    launch's scheduling overlaps the tail of the launch before it on its stream, and every kernel
+    waits for that launch's completion before its first memory access (kernels/pdl.py), so the
+    flag protocol below is unchanged; event waits across streams stay full dependencies."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
@@ -123,6 +134,7 @@ class StagedShape:
     slots: int = SLOTS
     f_streams: int = 2
     l2: int = 2
+    pdl: bool = True
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two", "two_prio"):
@@ -217,7 +229,11 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
     )  # fmt: skip
     # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
     l2 = min(shape.l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
-    f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2)
+    pdl = bool(shape.pdl) and pdl_ok(residual.device)
+    launch_f, launch_r, launch_s = (
+        (_LAUNCH_F_PDL, _LAUNCH_R_PDL, _LAUNCH_S_PDL) if pdl else (_LAUNCH_F, _LAUNCH_R, _LAUNCH_S)
+    )
+    f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2, pdl)
     r_ptrs = (
         layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
         tensors["norm_out"], tensors["q"], sf,
@@ -229,7 +245,7 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
 
     def f_launch(p):
         args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
-        return lambda: _LAUNCH_F((p.f_items,), args, f_consts, shape.f_warps)
+        return lambda: launch_f((p.f_items,), args, f_consts, shape.f_warps)
 
     def r_launch(p, gather):
         rows = p.other_rows if gather else p.own_rows
@@ -238,15 +254,15 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
             tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
             quant.scale, sf_rows, sf_cols, pad_items if last else 0,
         )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2)
-        return lambda: _LAUNCH_R((max(1, rows),), args, consts, row_warps)
+        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2, pdl)
+        return lambda: launch_r((max(1, rows),), args, consts, row_warps)
 
     def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):
         args = (layer.ptrs, layer.state, c, c if release is None else release, gate[0], gate[1])
         args += (nchunks, rank, layer.timeout_us)
         consts = (world, signal, wait, release is not None, advance, gate[1] > 0, shape.slots)
-        consts += (emulated,)
-        return lambda: _LAUNCH_S((1,), args, consts, 1)
+        consts += (emulated, pdl)
+        return lambda: launch_s((1,), args, consts, 1)
 
     return SimpleNamespace(
         plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync

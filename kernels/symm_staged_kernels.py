@@ -17,6 +17,7 @@ from .quant import sf_padding_item
 from .symm_device import _globaltimer, abort_word_ptr, payload_bits, start_clock
 from .add_rmsnorm import norm_quant_row
 from .finalize_add import finalize_row
+from .pdl import pdl_enter
 from .symm_staged_device import _HEAD_ELEMS, _UNIT, _fail, _rank_buf, _release, _slot_base
 from .symm_staged_device import _wait_slot_free
 
@@ -135,6 +136,7 @@ def _sync_kernel(
     ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout,
     WORLD: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, RELEASE: tl.constexpr,
     ADVANCE: tl.constexpr, GATE: tl.constexpr, SLOTS: tl.constexpr, EMU: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One program, in this order: RELEASE this rank's readers of chunk rel_c are done (one unit
     on its counter of that chunk's slot); SIGNAL (FLAG_ARRIVED / FLAG_REDUCED, 0 none) this
@@ -144,7 +146,12 @@ def _sync_kernel(
     gate_lo + gate_n - 1 reuse; ADVANCE (the call's last launch) the base moves on by the call's
     chunks. This rank's own release and signal come before its waits, so a wait only ever waits
     for the peers. A failed wait, or an abort word already set: the error word (`report_error`),
-    and every later row launch writes NaN (it sees the abort word)."""
+    and every later row launch writes NaN (it sees the abort word). USE_PDL: first the wait for
+    the grid before it (kernels/pdl.py), so its release follows the previous row launch's reads
+    and its flag reads precede nothing; it does not let the next grid be scheduled early (a row
+    launch's programs parked on the SMs while this one waits for the peers would take them from
+    the next chunk's finalize)."""
+    pdl_enter(USE_PDL, False)
     timeout_ns = timeout
     if not EMU:
         timeout_ns = timeout.to(tl.int64) * 1000
@@ -188,13 +195,15 @@ def _finalize_kernel(
     ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
     rank, routed_scaling,
     WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_COLS: tl.constexpr,
-    SLOTS: tl.constexpr, L2: tl.constexpr,
+    SLOTS: tl.constexpr, L2: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """F(c): one finalize item per program (the grid is the chunk's item count: an owner's row,
     F_COLS columns): this rank's partial of the row (`finalize_row`, one rounding, -0.0 -> +0.0)
     into the owner's reduce-scatter rows [rank][i] of the chunk's slot. The launch that gated the
     slot came before it; this one never waits and makes no system-scope access. L2 > 0: the expert
-    rows loaded evict-first, the slot rows stored evict-last (the row launch reads them from L2)."""
+    rows loaded evict-first, the slot rows stored evict-last (the row launch reads them from L2).
+    USE_PDL: every program first waits for the grid before it on its stream (kernels/pdl.py)."""
+    pdl_enter(USE_PDL, True)
     dtype: tl.constexpr = gemm2_ptr.dtype.element_ty
     slot = (tl.load(state_ptr) + c) % SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
@@ -221,7 +230,7 @@ def _rows_kernel(
     tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr, SLOTS: tl.constexpr,
-    L2: tl.constexpr,
+    L2: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """R(c) (GATHER False): the rows this rank owns: the W partials (plain loads) summed in rank
     order in fp32, the residual added, one rounding (-0.0 -> +0.0): residual_out's bits, pushed
@@ -232,7 +241,10 @@ def _rows_kernel(
     or on a peer): NaN rows. LAST: the call's last row launch, which also writes the swizzled
     NVFP4 scale padding. L2 > 0: the
     residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows read are
-    dropped from L2 afterwards (`_discard_row`), never written back to HBM."""
+    dropped from L2 afterwards (`_discard_row`), never written back to HBM. USE_PDL: every
+    program first waits for the grid before it (the sync launch, whose flag waits must be done
+    before a slot row is read; kernels/pdl.py)."""
+    pdl_enter(USE_PDL, True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty

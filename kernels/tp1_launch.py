@@ -11,6 +11,7 @@ import torch
 import triton
 
 from .launcher import KernelLauncher
+from .pdl import PDL_OPTIONS, pdl_ok
 from .oneshot_local import _tp1_kernel
 from .tp1_split import _tp1_split_kernel
 from .oneshot_shapes import (
@@ -28,30 +29,23 @@ PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
 BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
 
 _LOCAL_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "PREFETCH")
-_LOCAL_NAMES += ("RECIP",)
+_LOCAL_NAMES += ("RECIP", "USE_PDL")
 _LOCAL = KernelLauncher(_tp1_kernel, _LOCAL_NAMES)
 # whole rows in 16 warps: registers capped at 64 so that two programs always share an SM. Main
 # before the leaner NVFP4 took 78 uncapped for NVFP4 (one program per SM); now every quant compiles
 # to 64 uncapped (offline sm_90), so the cap is a guard against a later change's registers; its
 # same-run on/off A/B was within that run's noise (benchmarks/results/tp1_sweep_h200_tp1y.txt)
 _LOCAL_TWO_PER_SM = KernelLauncher(_tp1_kernel, _LOCAL_NAMES, options={"maxnreg": 64})
-_SPLIT = KernelLauncher(
-    _tp1_split_kernel,
-    (
-        "TOP_K",
-        "HAS_SHARED",
-        "QUANT",
-        "SWIZZLED",
-        "CHUNK",
-        "HW_CVT",
-        "SYNC_ROWS",
-        "MAX_CHUNKS",
-        "PREFETCH",
-        "RECIP",
-        "MAX_POLLS",
-        "PHASES",
-    ),
+_SPLIT_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "CHUNK", "HW_CVT", "SYNC_ROWS")
+_SPLIT_NAMES += ("MAX_CHUNKS", "PREFETCH", "RECIP", "USE_PDL", "MAX_POLLS", "PHASES")
+_SPLIT = KernelLauncher(_tp1_split_kernel, _SPLIT_NAMES)
+# the same kernels launched with programmatic dependent launch (kernels/pdl.py): compile options
+# are fixed per launcher, and USE_PDL (a constexpr of the key) is True exactly on these
+_LOCAL_PDL = KernelLauncher(_tp1_kernel, _LOCAL_NAMES, options=PDL_OPTIONS)
+_LOCAL_TWO_PER_SM_PDL = KernelLauncher(
+    _tp1_kernel, _LOCAL_NAMES, options={"maxnreg": 64} | PDL_OPTIONS
 )
+_SPLIT_PDL = KernelLauncher(_tp1_split_kernel, _SPLIT_NAMES, options=PDL_OPTIONS)
 
 
 # Whole rows in 16 warps launch with maxnreg 64, so two programs share an SM (see _LOCAL_TWO_PER_SM;
@@ -79,6 +73,8 @@ class LocalLauncher:
 
     def __init__(self, layer, num_sms: int, device: torch.device):
         self.layer, self.num_sms, self.device = layer, num_sms, device
+        # a shape's pdl is honoured only where the device has it (sm_90+, not the interpreter)
+        self.pdl_ok = pdl_ok(device)
         self._plans: dict[tuple, tuple] = {}
         cuda = device.type == "cuda"
         if cuda and torch.cuda.is_current_stream_capturing():
@@ -137,20 +133,33 @@ class LocalLauncher:
         nvfp4 = quant.code == QUANT_NVFP4
         # fp8 on a GPU: the division by the scale through one reciprocal (quant._div_by_scale)
         recip = int(is_cuda and quant.code == QUANT_FP8 and recip_ok(quant.scale))
+        pdl = int(bool(shape.pdl) and is_cuda and self.pdl_ok)
         sf_rows, sf_cols = sf_shape if nvfp4 else (tokens, 0)
         if not split_ok(shape, tokens, hidden, self.num_sms):
             rows = sf_rows if nvfp4 and quant.swizzled else tokens
             fixed = (top_k, has_shared, quant.code, quant.swizzled, row_block(hidden), is_cuda)
-            fixed += (int(shape.prefetch and is_cuda), recip)
-            launcher = _LOCAL_TWO_PER_SM if shape.warps == 16 and CAP_REGISTERS else _LOCAL
+            fixed += (int(shape.prefetch and is_cuda), recip, pdl)
+            capped = shape.warps == 16 and CAP_REGISTERS
+            if pdl:
+                launcher = _LOCAL_TWO_PER_SM_PDL if capped else _LOCAL_PDL
+            else:
+                launcher = _LOCAL_TWO_PER_SM if capped else _LOCAL
             return launcher, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
         chunks = triton.cdiv(hidden, shape.block1)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
         fixed = (top_k, has_shared, quant.code, quant.swizzled, shape.block1, is_cuda)
         # the interpreter publishes every chunk before any wait: a few polls suffice there
-        fixed += (SYNC_ROWS, MAX_CHUNKS, int(shape.prefetch and is_cuda), recip)
+        fixed += (SYNC_ROWS, MAX_CHUNKS, int(shape.prefetch and is_cuda), recip, pdl)
         fixed += (MAX_POLLS if is_cuda else 4,)  # last: a test bounds the wait by replacing it
-        return _SPLIT, (tokens * chunks + padding,), fixed, shape.warps, chunks, sf_rows, sf_cols
+        return (
+            _SPLIT_PDL if pdl else _SPLIT,
+            (tokens * chunks + padding,),
+            fixed,
+            shape.warps,
+            chunks,
+            sf_rows,
+            sf_cols,
+        )
 
     def _launch_args(
         self,

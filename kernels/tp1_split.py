@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .add_rmsnorm import overflow_scale, rms_apply
 from .oneshot_local import prefetch_row, residual_plus_finalize
+from .pdl import pdl_enter
 from .quant import quantize_span, sf_padding_item
 from .rounding import round_cast
 
@@ -76,6 +77,7 @@ def _tp1_split_kernel(
     MAX_CHUNKS: tl.constexpr,
     PREFETCH: tl.constexpr,
     RECIP: tl.constexpr,
+    USE_PDL: tl.constexpr,
     MAX_POLLS: tl.constexpr,
     PHASES: tl.constexpr,
 ):
@@ -84,7 +86,10 @@ def _tp1_split_kernel(
     sync_ptr: int64 [SYNC_ROWS * (MAX_CHUNKS + 1)] counters, then [SYNC_ROWS * words] tagged
     sums (see the module docstring). error_address_ptr: int64 [1], the address of an int32 word
     (pinned host memory on a GPU) set to 1 when a wait gives up. PHASES: both on a GPU; one at a
-    time under the interpreter."""
+    time under the interpreter. USE_PDL (programmatic dependent launch): every program waits for
+    the grid before it first, before its ticket or any other memory access (kernels/pdl.py), so
+    one call's tickets stay consecutive and a call never sees the words of one still running."""
+    pdl_enter(USE_PDL, True)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     row = (pid // chunks).to(tl.int64)
