@@ -5,7 +5,8 @@
 # (twoshot_local pdl_off / pdl_on, with the standalone kernels), then the one-GPU staged tests (-n 0).
 #   device: source .device/fi-env.sh; cd .wt/<name> && ln -sfn ../kernels fusion_bridge/kernels &&
 #           export PYTHONPATH=/tmp/fi-site:$PWD; bash benchmarks/device_run_pdl.sh
-# Env: TOKENS / HIDDEN / QUANTS override tp1_local's points; STAGED_TIMEOUT bounds the last step.
+# Env: TOKENS / HIDDEN / QUANTS override tp1_local's points; the last step gets what is left of
+# BUDGET_S (250) seconds, or STAGED_TIMEOUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.log"; }
@@ -43,7 +44,8 @@ timeout 90 python3 benchmarks/twoshot_local.py --tokens 1024 4096 8192 --hidden 
   --staged pdl_off pdl_on --ablate --csv "$OUT/twoshot_pdl.csv" > "$OUT/twoshot_pdl.log" 2>&1
 tail -16 "$OUT/twoshot_pdl.log"
 el "one-GPU staged tests -n 0 (GPU alone)"
-timeout "${STAGED_TIMEOUT:-110}" python3 -m pytest -q -n 0 -p no:cacheprovider \
+left=$(( ${BUDGET_S:-250} - ($(date +%s) - t0) )); [ "$left" -lt 20 ] && left=20
+timeout "${STAGED_TIMEOUT:-$left}" python3 -m pytest -q -n 0 -p no:cacheprovider \
   tests/test_gpu_symm_staged_one_device.py > "$OUT/staged_tests.log" 2>&1
 tail -2 "$OUT/staged_tests.log" | tee -a "$OUT/steps.log"; grep -E "^(FAILED|ERROR)" "$OUT/staged_tests.log" | head
 el done
