@@ -7,7 +7,13 @@ spins for a while and only then writes the routing weights (or the residual) our
 before it, a torch kernel zeroes them. A PDL kernel that read before its `griddepcontrol.wait`
 would see zeros and fail the oracle. Checked eagerly and in CUDA graphs replayed on new inputs,
 and after a plain torch kernel writing the same tensor. Run alone or under xdist (no emulated
-ranks here)."""
+ranks here).
+
+What fails without the wait (a copy of the tree whose `pdl_enter` skips it, on one H200): both
+late-writer cases of fused_tp1. The torch-writer cases and the staged case pass there: a kernel
+that does not trigger early lets ours start only as it exits, and the staged pipeline's first
+memory readers wait for the finalize's event (a full dependency); they check the PDL launches'
+parity in graphs and eagerly, not the wait."""
 
 import pytest
 import torch
