@@ -6,6 +6,7 @@ run; the one-shot kernel with W=2 ranks emulated on this GPU as a measure of the
 prediction); eager cost at T=1.
 
     python benchmarks/tp1_local.py [--tokens 1 16 64 ...] [--hidden 7168 4096] [--sweep] [--csv P]
+        [--pdl-ab] [--no-two-launch]
 
 CUDA graphs, inputs rotated past L2, median us per call. Byte floor of a one-launch call:
 (K + 4) * T * H * 2 bytes (K gathered rows, the shared output and the residual in, residual_out and
