@@ -17,6 +17,7 @@ from fusion_bridge.kernels import symm_protocol as P
 from fusion_bridge.kernels.quant import row_block
 from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, QuantArgs
 from fusion_bridge.kernels.rounding import round_to
+from fusion_bridge.kernels.oneshot_shapes import LOCAL_PDL
 from fusion_bridge.kernels.symm_oneshot import OneshotShape, default_shape
 from fusion_bridge.kernels.symm_protocol import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS
 from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group, launch_with_hooks
@@ -245,18 +246,19 @@ def test_chunked_and_whole_row_norms_are_bitwise_equal():
 
 
 def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
-    assert default_shape(1, 7168) == (1024, 8192, 8, 0)  # 7 publish programs, one writes the row
-    assert default_shape(16, 7168) == (1024, 896, 8, 0)  # 112 publish items, 8 programs per row
-    assert default_shape(64, 7168) == (8192, 3584, 8, 0)  # 2 programs per row
-    assert default_shape(256, 7168) == (8192, 7168, 8, 0)
+    assert default_shape(1, 7168) == (1024, 8192, 8, 0, 0)  # 7 publish programs, one writes the row
+    assert default_shape(16, 7168) == (1024, 896, 8, 0, 0)  # 112 publish items, 8 programs per row
+    assert default_shape(64, 7168) == (8192, 3584, 8, 0, 0)  # 2 programs per row
+    assert default_shape(256, 7168) == (8192, 7168, 8, 0, 0)
     # world size 1 (no SM count: whole rows): 16 warps per 8192 columns at every T (measured, see
-    # local_warps), no prefetch
-    assert default_shape(1, 7168, world=1) == (8192, 8192, 16, 0)
-    assert default_shape(1024, 7168, world=1) == (8192, 8192, 16, 0)
-    assert default_shape(16, 4096, world=1) == (4096, 4096, 8, 0)
+    # local_warps), no prefetch; programmatic dependent launch as LOCAL_PDL says (the exchange
+    # kernel's shapes never ask for it)
+    assert default_shape(1, 7168, world=1) == (8192, 8192, 16, 0, LOCAL_PDL)
+    assert default_shape(1024, 7168, world=1) == (8192, 8192, 16, 0, LOCAL_PDL)
+    assert default_shape(16, 4096, world=1) == (4096, 4096, 8, 0, LOCAL_PDL)
     for tokens in (1, 3, 16, 64, 129, 256):
         for hidden in (7168, 4096, 2880, 96):
-            b1, b2, _, _ = default_shape(tokens, hidden)
+            b1, b2 = default_shape(tokens, hidden)[:2]
             assert b1 in (1024, row_block(hidden)) and b2 % 64 == 0 and b2 <= row_block(hidden)
 
 
