@@ -11,13 +11,17 @@ writing (the routing weights, the expert rows, a slot row, a flag) nor write an 
 previous kernel is still reading. Every program executes the wait, whatever its row, so that the
 grid's completion implies the completion of the grid before it (the chain of edges stays
 transitive for the kernel after it, PDL or not). Dependencies that are not a kernel on the same
-stream (event waits on other streams, memcpys, host nodes) stay full dependencies.
+stream (memcpys, host nodes) stay full dependencies; whether a kernel-to-kernel edge through an
+event on another stream becomes programmatic under capture does not matter to our kernels, since
+each waits for every grid it depends on before touching memory.
 
 `gdc_launch_dependents` (after the wait) lets the next PDL launch's programs be scheduled as this
 grid's programs leave the SMs; they wait in their own `griddepcontrol.wait` until this grid has
 completed, so what this kernel writes is visible to them. A kernel whose correctness needs every
 one of its programs resident at once (the split-row kernel) is not affected: the next grid is
-only scheduled once every program of this one has started.
+only scheduled once every program of this one has started. Nor when it is the later grid: its
+programs scheduled early wait without polling, and the grid before it is wholly resident already,
+so it completes and the rest of the split grid is scheduled.
 
 Off (`USE_PDL` False: the `if` is removed at compile time, the kernel is today's): under
 TRITON_INTERPRET=1, on CPU tensors and on GPUs below sm_90. `pdl_ok` decides per device.
@@ -47,10 +51,23 @@ def pdl_enter(USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
             gdc_launch_dependents()
 
 
+def _triton_has_launch_pdl() -> bool:
+    """This Triton compiles and launches with the `launch_pdl` option (a Triton with the
+    intrinsics but not the option would raise at the launch)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - no NVIDIA backend
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 def pdl_ok(device: torch.device) -> bool:
-    """PDL may be used for launches on `device`: a CUDA device of compute capability >= 9.0,
-    not the Triton interpreter, a Triton that has the grid-dependency intrinsics."""
-    if gdc_wait is None or device.type != "cuda":
+    """PDL may be used for launches on `device`: a CUDA device of compute capability >= 9.0 (not
+    a ROCm device, whose capabilities reuse those numbers), not the Triton interpreter, a Triton
+    that has the grid-dependency intrinsics and the `launch_pdl` option."""
+    if gdc_wait is None or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if not _triton_has_launch_pdl():
         return False
     try:
         from triton import knobs

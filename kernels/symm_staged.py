@@ -126,7 +126,8 @@ class StagedShape:
     pdl: every launch with programmatic dependent launch (sm_90+ GPUs only, else ignored): a
     launch's scheduling overlaps the tail of the launch before it on its stream, and every kernel
     waits for that launch's completion before its first memory access (kernels/pdl.py), so the
-    flag protocol below is unchanged; event waits across streams stay full dependencies."""
+    flag protocol below is unchanged. That holds whatever an event wait across streams becomes
+    under capture: every kernel waits for all the grids it depends on, programmatic or not."""
 
     chunk: int = CHUNK
     f_cols: int = 1024

@@ -62,11 +62,12 @@ class LocalLauncher:
     cached launch.
 
     The split kernel's counters and tagged words: calls that share a set must not overlap. Eager
-    calls get one zeroed set per CUDA stream (calls on one stream never overlap). Calls captured in
-    CUDA graphs all share one set, zeroed here, outside any capture: a set allocated during a
-    capture would be zeroed only when the graph that captured it replays, so a graph replayed
-    before it would read whatever the memory held. So graphs of one layer replay one at a time
-    (as a model's forward does), never two at once on two streams.
+    calls get one zeroed set per CUDA stream (calls on one stream never overlap in their memory
+    accesses: under PDL the next call's programs touch nothing before this call has completed).
+    Calls captured in CUDA graphs all share one set, zeroed here, outside any capture: a set
+    allocated during a capture would be zeroed only when the graph that captured it replays, so a
+    graph replayed before it would read whatever the memory held. So graphs of one layer replay
+    one at a time (as a model's forward does), never two at once on two streams.
 
     A split row whose partner programs never arrive (bounded wait) is written NaN and leaves an
     error word (pinned host memory, read with no device sync): `take_error` reports it once."""

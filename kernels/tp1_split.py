@@ -14,12 +14,14 @@ A word is written with one naturally aligned 64-bit store (single-copy atomic), 
 whole word or the old one; a word whose tag is not this call's epoch is "not yet": its previous
 writer is the previous call with this chunk count, whose tag is one less, since every call with a
 count writes all of that count's words of its rows. Zeroed words (tag 0) never match before every
-word was written: epochs start at 1. Launches on one stream do not overlap, so one call's tickets
-are consecutive; eager calls on several streams at once get a set of words per stream, and calls
-captured in CUDA graphs share one set zeroed before any capture (the launcher keeps them). The
-grid is at most the SM count, so every program waited on is resident; a wait is bounded (polls),
-and a row whose partners never arrived is written NaN, not hung, and sets the error word that the
-strategy's next call raises from.
+word was written: epochs start at 1. One call's tickets are consecutive: launches on one stream
+run one after the other, and under PDL the next call's programs may already be resident but take
+no ticket before their grid-dependency wait, which returns only once this call has completed;
+eager calls on several streams at once get a set of words per stream, and calls captured in CUDA
+graphs share one set zeroed before any capture (the launcher keeps them). The grid is at most the
+SM count, so every program waited on is resident; a wait is bounded (polls), and a row whose
+partners never arrived is written NaN, not hung, and sets the error word that the strategy's next
+call raises from.
 
 Every program of a row sums the chunks' sums in chunk order with the same reduction, so they all
 use the same rsqrt. A row whose sum overflows fp32 (|x| >~ 1.8e19) is rescaled as

@@ -43,6 +43,23 @@ def test_pdl_needs_sm90_and_no_interpreter(monkeypatch, capability, expected):
     assert not P.pdl_ok(torch.device("cuda", 0))
 
 
+def test_pdl_is_off_on_rocm_and_with_a_triton_without_the_launch_option(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    assert P.pdl_ok(torch.device("cuda", 0))  # the case below differs in one thing each
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not P.pdl_ok(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(P, "_triton_has_launch_pdl", lambda: False)
+    assert not P.pdl_ok(torch.device("cuda", 0))
+
+
+def test_this_triton_has_the_launch_option():
+    assert P._triton_has_launch_pdl()  # Triton 3.6, the tested pin
+
+
 @pytest.mark.parametrize("tokens", [1, 16, 300])  # split rows, split rows, whole rows
 def test_fused_tp1_takes_the_pdl_launchers_exactly_where_allowed(tokens):
     """The shape's pdl with the device allowing it: a launcher with launch_pdl and USE_PDL 1;
