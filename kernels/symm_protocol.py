@@ -25,6 +25,8 @@ import torch
 from .quant_codes import QuantArgs, quant_args
 
 HEADER_BYTES = 256
+# slot rows start on 128-byte lines: the staged row launches drop whole L2 lines they have read
+assert HEADER_BYTES % 128 == 0
 SLOTS = 3
 SENTINEL_BITS = -32768  # int16 view of -0.0 in bf16 and fp16 (0x8000)
 

@@ -186,7 +186,11 @@ _SIDE = threading.local()
 
 def _side_stream(device, index: int = 0, high_priority: bool = False) -> torch.cuda.Stream:
     """This thread's side stream `index` of a device and priority (-100: the highest the device
-    offers): per thread, so two threads' calls never share one (nor its events' order)."""
+    offers), taken once from torch's stream pool. The pool hands streams out round-robin, so
+    another thread or library may get the same CUDA stream: that only orders their work after
+    ours. Two calls on one workspace must not be in flight at once in any case (one call at a
+    time per workspace, in the same order on every rank: the chunk base is read and advanced on
+    the device)."""
     streams = _SIDE.__dict__.setdefault("streams", {})
     key = (device, index, high_priority)
     if key not in streams:
@@ -213,11 +217,30 @@ def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) 
         _two_streams(residual.device, seq, shape.stream_mode == "two_prio", shape.f_streams)
 
 
+def check_layout(layer: SymmLayer, shape: StagedShape) -> None:
+    """Every call on one workspace must lay its slots out alike: the release counters count the
+    uses of each slot, and slot regions of another chunk size overlap. The first call's (chunk,
+    slots) is kept on the tensor that owns the workspace's state words (the state itself, or the
+    tensor it is a view of), which lives as long as the workspace; another raises ValueError
+    instead of a gate that times out or passes early."""
+    layout = (shape.chunk, shape.slots)
+    owner = layer.state if layer.state._base is None else layer.state._base
+    first = getattr(owner, "_staged_layout", None)
+    if first is None:
+        owner._staged_layout = layout
+    elif first != layout:
+        raise ValueError(
+            f"symm_staged: shape (chunk, slots) must be {first}, the layout of the first call "
+            f"on this workspace (its release counters count uses per slot); got {layout}"
+        )
+
+
 def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated: bool):
     """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
     f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
     chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
     interpreter's poll-count timer (symm_testing_staged only)."""
+    check_layout(layer, shape)
     tokens, top_k = tensors["perm"].shape
     world, rank, hidden = layer.world, layer.rank, layer.hidden
     quant = layer.quant

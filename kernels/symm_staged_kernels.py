@@ -119,8 +119,9 @@ def _discard_row(row_ptr, hidden, ROW_BLOCK: tl.constexpr):
     from L2 without writing it back (`discard.global.L2`, 128-byte lines: the caller ensures the
     row starts on a line and hidden % 64 == 0). Memory-model-wise a weak write of unspecified
     bytes: the stream orders it before the next chunk's F on this GPU, and a peer's next write of
-    the row comes after this rank's release (behind a system fence). After a block barrier: no
-    thread of the program still reads the row."""
+    the row comes after this rank's release: a system-scope release atomic in a later sync
+    launch, which starts only once this launch has completed (stream order; under PDL its
+    grid-dependency wait). After a block barrier: no thread of the program still reads the row."""
     tl.debug_barrier()
     line = tl.arange(0, ROW_BLOCK // 64)
     addr = (row_ptr + line * 64).to(tl.int64, bitcast=True)

@@ -375,3 +375,25 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
     for residual_out, norm_out, _, _ in outs:
         assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
         assert rel_err(norm_out, norm) <= math.sqrt(3) * U
+
+
+def test_a_workspace_refuses_a_second_slot_layout():
+    """Its release counters count uses per slot, and another chunk size's slots overlap these:
+    a call laid out otherwise than the workspace's first raises, naming both, before it launches
+    anything (not a gate that times out or passes early); the same layout with other fields runs."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    emu = EmulatedTwoshot(1, 4, 64, slots=2)
+    inputs = [make_inputs(spec, 5, device="cpu", skip_fraction=0.0)]
+    outs = _run(emu, spec, inputs)  # chunk 4, 2 slots: the workspace's layout from now on
+    assert not torch.isnan(outs[0][1]).any()
+    scalars = (spec.routed_scaling_factor, spec.eps, spec.weight_bias)
+    layer = twoshot_layer(
+        emu.ptrs[0], emu.states[0], 1, 0, 1, 3, 64, scalars, kernel_quant_args(spec)
+    )
+    from fusion_bridge.kernels.symm_testing import call_tensors
+
+    tensors = call_tensors(inputs[0], outs[0])
+    for other in (StagedShape(chunk=4, slots=3), StagedShape(chunk=8, slots=2)):
+        with pytest.raises(ValueError, match=r"must be \(4, 2\).*got \((4, 3|8, 2)\)"):
+            staged_launches(layer, tensors, other, emulated=True)
+    assert staged_launches(layer, tensors, StagedShape(chunk=4, slots=2, f_cols=32), emulated=True)
