@@ -12,9 +12,10 @@ streams, the L2 hints with the read slot rows dropped), 1.34-1.57x in the first 
 on one stream, no hints). The finalize launches alone come within -9..+14% of our standalone
 finalize, the row launches alone take 1.2-1.6x our add+RMSNorm, and both being bound by HBM
 bandwidth, the pipeline costs about their sum: what is left is each short launch's ramp and drain
-(docs/performance.md, benchmarks/results/README.md). Programmatic dependent launch between the launches of a
-stream (`StagedShape.pdl`, kernels/pdl.py; the default on sm_90+) takes 0-3.5% off that (1.16-1.29x
-in its same-run A/B): it removes the gaps between launches, not a launch's ramp and drain.
+(docs/performance.md, benchmarks/results/README.md). Programmatic dependent launch between the
+launches of a stream (`StagedShape.pdl`, kernels/pdl.py; the default on sm_90+) takes 0-3.5% off
+that (1.16-1.29x in its same-run A/B): it removes the gaps between launches, not a launch's ramp
+and drain.
 
 Per chunk c (slot s = (base + c) % SLOTS, sequence number base + c, base in device state), kernels
 in `symm_staged_kernels`:
