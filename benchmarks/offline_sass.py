@@ -8,13 +8,17 @@ launch API before the kernel restructure, commit 5a52f1a). Each case calls the r
 CPU tensors (H=7168, K=8), records the launch instead of running it, binds the arguments with
 Triton's own CUDA specialization (alignment, divisibility, constexprs), compiles, and writes
 OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: twoshot_w1_none (the
-default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add; `all` for every one.
-A tree without kernels/symm_twoshot.py (the ring replaced it) prints its cases as skipped.
+default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add, the staged two-shot's
+launches (symm_staged, default StagedShape, rank 0) staged_rows_w1_none, staged_finalize_w1,
+staged_rows_w2_none, staged_gather_w2_none with l2=2 and PDL as a GPU call (each also `_l0`: l2=0,
+no PDL; the rows ones not LAST), tp1_*, *_nvfp4; `all` for every one. A tree without one of the
+kernels (kernels/symm_twoshot.py: the ring replaced it) prints its cases as skipped.
 The SASS carries line info (nvdisasm -g), so instructions can be attributed to source lines.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -28,14 +32,40 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from fusion_bridge.kernels import add_rmsnorm, finalize_add, symm_oneshot
+import fusion_bridge
+from fusion_bridge.spec import EpilogueSpec, QuantSpec
+from fusion_bridge.synthetic import make_inputs
 
+
+def _tree_kernels() -> None:
+    """fusion_bridge.kernels from this tree: an editable install maps the package to the
+    installed tree's kernels/ (pyproject package-dir), which PYTHONPATH alone does not override."""
+    where = os.path.join(os.path.dirname(os.path.dirname(fusion_bridge.__file__)), "kernels")
+    loaded = sys.modules.get("fusion_bridge.kernels")
+    if loaded is not None or not os.path.exists(os.path.join(where, "__init__.py")):
+        if loaded is not None and os.path.dirname(loaded.__file__) != where:
+            print(f"warning: fusion_bridge.kernels from {loaded.__file__}", file=sys.stderr)
+        return
+    init = os.path.join(where, "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        "fusion_bridge.kernels", init, submodule_search_locations=[where]
+    )
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fusion_bridge.kernels = module
+
+
+_tree_kernels()
+from fusion_bridge.kernels import add_rmsnorm, finalize_add, symm_oneshot  # noqa: E402
+
+try:  # the staged two-shot's kernels (trees before it: its cases skip)
+    from fusion_bridge.kernels import symm_staged_kernels
+except ImportError:
+    symm_staged_kernels = None
 try:  # the persistent two-shot kernel: trees before the ring replaced it (its cases then skip)
     from fusion_bridge.kernels import symm_twoshot
 except ImportError:
     symm_twoshot = None
-from fusion_bridge.spec import EpilogueSpec, QuantSpec
-from fusion_bridge.synthetic import make_inputs
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -43,14 +73,18 @@ H, K, T = 7168, 8, 64  # T is not specialized (do_not_specialize), any T > 1 com
 SPEC = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=QuantSpec.none())
 
 
-def recorded_launch(kernel, launch) -> tuple:
-    """(args, kwargs) of the first launch of `kernel` that `launch()` makes; nothing runs."""
+def recorded_launch(kernel, launch, others=()) -> tuple:
+    """(args, kwargs) of the first launch of `kernel` that `launch()` makes; nothing runs (nor do
+    the launches of the `others` kernels)."""
     calls = []
     kernel.run = lambda *args, grid, warmup, **kwargs: calls.append((args, kwargs))
+    for other in others:
+        other.run = lambda *args, **kwargs: None
     try:
         launch()
     finally:
-        del kernel.run
+        for k in (kernel, *others):
+            del k.run
     return calls[0]
 
 
@@ -186,9 +220,40 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
     return lambda: launcher(**call_tensors(inp, out))
 
 
+def _staged_launch(world: int, inp, out):
+    """symm_staged.launch (the large-T two-shot, default StagedShape) of rank 0 of `world`
+    emulated ranks on CPU tensors; the other staged kernels' launches are stubbed out
+    (`staged_others`). A G launch has the R launch's arguments (GATHER set by gpu_constexprs)."""
+    from fusion_bridge.kernels import symm_staged
+    from fusion_bridge.kernels.quant_codes import quant_args
+    from fusion_bridge.kernels.symm_testing import call_tensors
+    from fusion_bridge.kernels.symm_testing_staged import EmulatedTwoshot, twoshot_layer
+
+    shape = symm_staged.StagedShape(stream_mode="one")
+    group = EmulatedTwoshot(world, shape.chunk, H, shape.slots)
+    scalars = (2.5, SPEC.eps, 0.0)
+    layer = twoshot_layer(group.ptrs[0], group.states[0], world, 0, 132 // world, 3, H, scalars,
+                          quant_args(SPEC))  # fmt: skip
+    return lambda: symm_staged.launch(layer, shape=shape, **call_tensors(inp, out))
+
+
+def staged_others(kernel_name: str) -> tuple:
+    """The staged kernels a staged case does not record (their launches are stubbed out)."""
+    if kernel_name not in ("_rows_kernel", "_finalize_kernel", "_sync_kernel"):
+        return ()
+    from fusion_bridge.kernels import symm_staged_kernels as sk
+
+    names = ("_rows_kernel", "_finalize_kernel", "_sync_kernel")
+    return tuple(getattr(sk, n) for n in names if n != kernel_name)
+
+
 def gpu_constexprs(name: str) -> dict:
     """What a GPU call passes where the CPU launch differs (HW_CVT aside): fp8 divides through
     the reciprocal; the split kernel runs both phases in one launch and polls for ~1 s."""
+    if name.startswith("staged_"):  # a GPU call: L2 hints (l2=2) and PDL unless `_l0`; not LAST
+        got = {"L2": 0, "USE_PDL": False} if name.endswith("_l0") else {"L2": 2, "USE_PDL": True}
+        gather = {"GATHER": True} if "gather" in name else {}
+        return got | ({} if "finalize" in name else {"LAST": False} | gather)
     if not name.startswith("tp1_"):
         return {}
     from fusion_bridge.kernels.oneshot_shapes import MAX_POLLS
@@ -234,6 +299,15 @@ def cases(inp, out) -> dict:
                 ),
             ),
         }
+        | {  # the staged two-shot (symm_staged): l2=2 + PDL as a GPU call, `_l0`: l2=0, no PDL
+            f"staged_{kind}_w{world}{suffix}": (
+                symm_staged_kernels,
+                "_finalize_kernel" if kind == "finalize" else "_rows_kernel",
+                lambda world=world: _staged_launch(world, inp, out)(),
+            )
+            for kind, world in (("rows", 1), ("finalize", 1), ("rows", 2), ("gather", 2))
+            for suffix in (("_none", "_none_l0") if kind != "finalize" else ("", "_l0"))
+        }
         | {
             f"tp1_{quant}_{kind}": (
                 tp1_launch_module(kind),
@@ -272,7 +346,7 @@ def main() -> int:
         module, kernel_name, launch = table[name]
         try:
             kernel = getattr(module, kernel_name)
-            args, kwargs = recorded_launch(kernel, launch)
+            args, kwargs = recorded_launch(kernel, launch, staged_others(kernel_name))
         except (AttributeError, ImportError, TypeError) as exc:  # a case this tree does not have
             print(f"{name}: skipped ({type(exc).__name__}: {exc})")
             continue
