@@ -43,6 +43,11 @@ STAGED = {
     # the default shape with programmatic dependent launch off / on (sm_90+; kernels/pdl.py)
     "pdl_off": dict(pdl=False),
     "pdl_on": dict(pdl=True),
+    # longer chunks (workspace 2x / 4x the default's): with --ablate, whether the row launches'
+    # excess over add+RMSNorm is per launch (ramp and drain) or per row (each row program's
+    # dependent loads before its data loads; benchmarks/results/staged_rows_offline_sass.md)
+    "c2048_s2": dict(chunk=2048),
+    "c4096_s2": dict(chunk=4096),
 }
 # the two-shot strategy's launch variants (kernels/twoshot_launch.py)
 TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}
