@@ -10,9 +10,10 @@ Triton's own CUDA specialization (alignment, divisibility, constexprs), compiles
 OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: twoshot_w1_none (the
 default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add, the staged two-shot's
 launches (symm_staged, default StagedShape, rank 0) staged_rows_w1_none, staged_finalize_w1,
-staged_rows_w2_none, staged_gather_w2_none with l2=2 and PDL as a GPU call (each also `_l0`: l2=0,
-no PDL; the rows ones not LAST), tp1_*, *_nvfp4; `all` for every one. A tree without one of the
-kernels (kernels/symm_twoshot.py: the ring replaced it) prints its cases as skipped.
+staged_rows_w2_none, staged_gather_w2_none, staged_rows_w3_none, staged_rows_w8_none with l2=2
+and PDL as a GPU call (each also `_l0`: l2=0, no PDL; the rows ones not LAST), tp1_*, *_nvfp4;
+`all` for every one. A tree without one of the kernels (kernels/symm_twoshot.py: the ring
+replaced it) prints its cases as skipped.
 The SASS carries line info (nvdisasm -g), so instructions can be attributed to source lines.
 """
 
@@ -305,7 +306,14 @@ def cases(inp, out) -> dict:
                 "_finalize_kernel" if kind == "finalize" else "_rows_kernel",
                 lambda world=world: _staged_launch(world, inp, out)(),
             )
-            for kind, world in (("rows", 1), ("finalize", 1), ("rows", 2), ("gather", 2))
+            for kind, world in (
+                ("rows", 1),
+                ("finalize", 1),
+                ("rows", 2),
+                ("gather", 2),
+                ("rows", 3),
+                ("rows", 8),
+            )
             for suffix in (("_none", "_none_l0") if kind != "finalize" else ("", "_l0"))
         }
         | {

@@ -71,9 +71,10 @@ Errors: a wait that runs out (time, or the abort word a peer that timed out set)
 error word and sets every rank's abort word (`report_error`); every row launch of that call after
 it on any rank sees the abort word and writes NaN rows. A sync launch that finds the abort word
 set reports the error word even when its own waits were met (a late rank finds the flags an
-aborted peer left). A row launch reads the abort word once, at its start: a peer that aborts
-while it runs may leave that call's rows wrong rather than NaN, so the error word (the next call
-raises) is what says a call failed. No wait is unbounded.
+aborted peer left). A row program reads the abort word once per row, after it has issued the
+row's data loads (so the word's round trip overlaps theirs): a peer that aborts while the launch
+runs may leave that call's rows wrong rather than NaN, so the error word (the next call raises) is
+what says a call failed. No wait is unbounded.
 """
 
 from __future__ import annotations

@@ -113,19 +113,30 @@ def _wait_flags(
     return tl.sum(tl.where(on & (seen < need), 1 << lane, 0), axis=0)
 
 
+@triton.constexpr_function
+def _pow2(n):
+    return triton.next_power_of_2(n)
+
+
 @triton.jit
-def _discard_row(row_ptr, hidden, ROW_BLOCK: tl.constexpr):
-    """Drop a slot row that this program has read, and no one reads before it is written again,
-    from L2 without writing it back (`discard.global.L2`, 128-byte lines: the caller ensures the
-    row starts on a line and hidden % 64 == 0). Memory-model-wise a weak write of unspecified
-    bytes: the stream orders it before the next chunk's F on this GPU, and a peer's next write of
-    the row comes after this rank's release: a system-scope release atomic in a later sync
-    launch, which starts only once this launch has completed (stream order; under PDL its
-    grid-dependency wait). After a block barrier: no thread of the program still reads the row."""
-    tl.debug_barrier()
-    line = tl.arange(0, ROW_BLOCK // 64)
-    addr = (row_ptr + line * 64).to(tl.int64, bitcast=True)
-    live = (line < hidden // 64).to(tl.int32)
+def _discard_rows(row_ptr, stride, hidden, ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Drop the ROWS slot rows row_ptr + r * stride, which this program has read and no one reads
+    before they are written again, from L2 without writing them back (`discard.global.L2`,
+    128-byte lines: the caller ensures the rows start on a line and hidden % 64 == 0).
+    Memory-model-wise a weak write of unspecified bytes: the stream orders it before the next
+    chunk's F on this GPU, and a peer's next write of a row comes after this rank's release: a
+    system-scope release atomic in a later sync launch, which starts only once this launch has
+    completed (stream order; under PDL its grid-dependency wait). The caller first makes a block
+    barrier after every thread's loads of the rows are done. One pass over ROWS x ROW_BLOCK // 16
+    lanes (a line per lane, one lane per thread of a row launch at one row): every line is
+    dropped once (a loop of one call per row held every row's addresses: 83-86 registers at W=2
+    against 57, offline sm_90)."""
+    per_row: tl.constexpr = ROW_BLOCK // 16
+    lane = tl.arange(0, _pow2(ROWS) * per_row)
+    r = lane // per_row
+    line = lane % per_row
+    addr = (row_ptr + r.to(tl.int64) * stride + line * 64).to(tl.int64, bitcast=True)
+    live = ((line < hidden // 64) & (r < ROWS)).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p discard.global.L2 [$1], 128; mov.u32 $0, 0; }",
         "=r,l,r", [addr, live], dtype=tl.int32, is_pure=False, pack=1,
@@ -239,17 +250,20 @@ def _rows_kernel(
     G(c) (GATHER True): the rows other ranks own, from this rank's all-gather rows: residual_out
     and its norm (+ FP8 / NVFP4), with the code the owner ran. One row per program; the sync
     launch before it waited for the flags. The abort word set (a wait of this call failed, here
-    or on a peer): NaN rows. LAST: the call's last row launch, which also writes the swizzled
-    NVFP4 scale padding. L2 > 0: the
-    residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows read are
-    dropped from L2 afterwards (`_discard_row`), never written back to HBM. USE_PDL: every
+    or on a peer): NaN rows; it is read per row after the row's data loads are issued, and the
+    loads need only the buffer pointer and the chunk base (one round trip before them: offline
+    sm_90, the data loads in the second round where the abort word read before the loop put them
+    in the third). LAST: the call's last row launch, which also writes the swizzled NVFP4 scale
+    padding. L2 > 0: the residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the
+    slot rows read are dropped from L2 (`_discard_rows`, behind a block barrier: R as soon as the
+    partials are summed, G after the row's outputs), never written back to HBM. USE_PDL: every
     program first waits for the grid before it (the sync launch, whose flag waits must be done
     before a slot row is read; kernels/pdl.py)."""
     pdl_enter(USE_PDL, True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-    bad = (tl.load(abort_word_ptr(ptrs_ptr, rank), volatile=True) != 0).to(tl.int32)
+    abort_ptr = abort_word_ptr(ptrs_ptr, rank)
     slot = (tl.load(state_ptr) + c) % SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
     n_own = tl.where(n_c > rank, (n_c - rank + WORLD - 1) // WORLD, 0)
@@ -268,13 +282,15 @@ def _rows_kernel(
             j = (m // per) * WORLD + p + (p >= rank).to(tl.int32)
             src = ag + (j % WORLD) * src_stride + (j // WORLD) * row_elems
             v = tl.load(src + cols, mask=in_row, other=0, cache_modifier=".cg")
+            bad = (tl.load(abort_ptr, volatile=True) != 0).to(tl.int32)
             _row_outputs(
                 v.to(dtype, bitcast=True).to(tl.float32), bad, (c * chunk + j).to(tl.int64), cols,
                 in_row, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
                 tokens, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip
             if L2 == 2:
-                _discard_row(src, hidden, ROW_BLOCK)
+                tl.debug_barrier()
+                _discard_rows(src, 0, hidden, ROW_BLOCK, 1)
     else:
         for ii in range(pid, n_own, nprog):
             t = (c * chunk + rank + WORLD * ii).to(tl.int64)
@@ -288,6 +304,10 @@ def _rows_kernel(
                 v = tl.load(here + q * src_stride + ii * row_elems + cols, mask=in_row, other=0,
                             cache_modifier=".cg")  # fmt: skip
                 s += v.to(dtype, bitcast=True).to(tl.float32)
+            bad = (tl.load(abort_ptr, volatile=True) != 0).to(tl.int32)
+            if L2 == 2:  # the partials are summed: every thread's loads of them are done
+                tl.debug_barrier()
+                _discard_rows(here + ii * row_elems, src_stride, hidden, ROW_BLOCK, WORLD)
             x = res.to(tl.float32) + s
             x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
             bits = payload_bits(x, dtype)
@@ -301,9 +321,6 @@ def _rows_kernel(
                 weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
                 quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip
-            if L2 == 2:
-                for q in range(WORLD):
-                    _discard_row(here + q * src_stride + ii * row_elems, hidden, ROW_BLOCK)
     if LAST:
         if QUANT == 2:
             if SWIZZLED:

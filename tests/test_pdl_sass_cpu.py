@@ -59,6 +59,21 @@ def check(ops: list, launches_dependents: bool) -> list:
     return problems
 
 
+def discard_problems(ops: list) -> list:
+    """The staged row launches' L2 discards (`discard.global.L2`, SASS CCTL) of the slot rows they
+    read (`.cg` loads, SASS LDG ... .STRONG.GPU): each program drops a line that other threads of
+    it may have read, so every discard must come after a block barrier that comes after every
+    slot-row load (static order; the row loop's body holds all three)."""
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG") and ".STRONG.GPU" in op]
+    discards = [i for i, op in enumerate(ops) if op.startswith("CCTL")]
+    barriers = [i for i, op in enumerate(ops) if op.startswith("BAR")]
+    if not loads or not discards:
+        return [f"expected slot-row loads and discards, found {len(loads)} and {len(discards)}"]
+    if not any(loads[-1] < b < discards[0] for b in barriers):
+        return ["a discard is not behind a block barrier behind the last slot-row load"]
+    return []
+
+
 TP1 = {  # case -> (quant, T, SMs: 0 whole rows, else the split kernel's launch at that T)
     "tp1_whole_rows_nvfp4": ("nvfp4", 64, 0),
     "tp1_split_rows_fp8": ("fp8", 16, 132),
@@ -79,6 +94,8 @@ STAGED = {  # case -> (recorded kernel, the constexprs of a GPU call, lets depen
         False,  # row programs parked behind a spinning sync would take SMs from the finalize
     ),
 }
+
+DISCARDING = ("staged_reduce", "staged_gather")  # L2=2: they drop the slot rows they read
 
 
 def _tp1_compiled(quant: str, tokens: int, num_sms: int):
@@ -142,7 +159,10 @@ def compile_and_check(outdir: str) -> dict:
     for case, (name, gpu, launches_dependents) in STAGED.items():
         kernel, args, kwargs = launches[name]
         compiled = offline.compile_for_sm90(kernel, args, kwargs, gpu)
-        found[case] = check(opcodes(compiled, outdir, case), launches_dependents)
+        ops = opcodes(compiled, outdir, case)
+        found[case] = check(ops, launches_dependents)
+        if case in DISCARDING:
+            found[f"{case}:discard"] = discard_problems(ops)
     return found
 
 
@@ -166,6 +186,21 @@ def compiled_cases(tmp_path_factory):
 @pytest.mark.parametrize("case", list(TP1) + list(STAGED))
 def test_each_pdl_kernel_waits_before_any_global_memory_access(case, compiled_cases):
     assert compiled_cases[case] == [], (case, compiled_cases[case])
+
+
+@pytest.mark.parametrize("case", DISCARDING)
+def test_the_row_launches_drop_slot_rows_only_behind_a_barrier_behind_every_read(
+    case, compiled_cases
+):
+    assert compiled_cases[f"{case}:discard"] == [], (case, compiled_cases[f"{case}:discard"])
+
+
+def test_the_discard_check_sees_a_discard_before_the_barrier_or_the_last_read():
+    fine = ["LDG.E.128.STRONG.GPU", "FADD", "BAR.SYNC.DEFER_BLOCKING", "CCTL.E.RML2", "STG.E"]
+    assert not discard_problems(fine)
+    assert discard_problems(["LDG.E.128.STRONG.GPU", "CCTL.E.RML2", "BAR.SYNC", "STG.E"])
+    assert discard_problems(["BAR.SYNC", "LDG.E.128.STRONG.GPU", "CCTL.E.RML2"])
+    assert discard_problems(["LDG.E.128.STRONG.GPU", "BAR.SYNC"])  # no discard at all
 
 
 def test_the_check_sees_an_access_above_the_wait_and_a_missing_wait():
