@@ -113,22 +113,13 @@ def _tp1_compiled(quant: str, tokens: int, num_sms: int):
 
 def _staged_launches() -> dict:
     """The staged pipeline's first finalize, rows and sync launch of one call (W=2 emulated on
-    CPU tensors): kernel name -> (kernel, args, kwargs); nothing runs."""
+    CPU tensors, as the offline tool's staged cases launch it): kernel name -> (kernel, args,
+    kwargs); nothing runs."""
     from benchmarks import offline_sass as offline
-    from fusion_bridge.kernels import symm_staged
     from fusion_bridge.kernels import symm_staged_kernels as kernels
-    from fusion_bridge.kernels.quant_codes import quant_args
-    from fusion_bridge.kernels.symm_testing import call_tensors
-    from fusion_bridge.kernels.symm_testing_staged import EmulatedTwoshot, twoshot_layer
 
     spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5)
     inp = make_inputs(spec, 64, seed=0, device="cpu", skip_fraction=0.0)
-    shape = symm_staged.StagedShape(stream_mode="one")
-    group = EmulatedTwoshot(2, shape.chunk, spec.hidden_size, shape.slots)
-    scalars = (2.5, spec.eps, 0.0)
-    layer = twoshot_layer(
-        group.ptrs[0], group.states[0], 2, 0, 66, 3, spec.hidden_size, scalars, quant_args(spec)
-    )
     seen = {}
     all_kernels = (kernels._finalize_kernel, kernels._rows_kernel, kernels._sync_kernel)
 
@@ -140,7 +131,7 @@ def _staged_launches() -> dict:
     for kernel in all_kernels:
         kernel.run = recorder(kernel)
     try:
-        symm_staged.launch(layer, shape=shape, **call_tensors(inp, offline._outputs()))
+        offline._staged_launch(2, inp, offline._outputs())()
     finally:
         for kernel in all_kernels:
             del kernel.run
