@@ -48,6 +48,11 @@ STAGED = {
     # dependent loads before its data loads; benchmarks/results/staged_rows_offline_sass.md)
     "c2048_s2": dict(chunk=2048),
     "c4096_s2": dict(chunk=4096),
+    # the launch shapes of the default's two halves: the row launches at 8 warps (our add+RMSNorm's
+    # choice is 16 at H=7168), the finalize items at 8 warps over 1024 or 2048 columns
+    "rw8": dict(row_warps=8),
+    "fw8": dict(f_warps=8),
+    "f2048_w8": dict(f_cols=2048, f_warps=8),
 }
 # the two-shot strategy's launch variants (kernels/twoshot_launch.py)
 TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}

@@ -6,16 +6,14 @@ launches read their slots with plain vectorized loads and never clear them. Each
 only the rows it owns (rows j with j % W == rank): two-shot byte counts.
 
 Measured at world size 1 on one H200 (benchmarks/twoshot_local.py, K=8, same run; no peer reads
-and no all-gather at W = 1, so this is the local work the link overlaps with): 1.19-1.30x our
+and no all-gather at W = 1, so this is the local work the link overlaps with): 1.12-1.26x our
 standalone finalize + add+RMSNorm in the default shape (2 slots x 1024 tokens, F on two side
-streams, the L2 hints with the read slot rows dropped), 1.34-1.57x in the first shape (4 x 512, F
-on one stream, no hints). The finalize launches alone come within -9..+14% of our standalone
-finalize, the row launches alone take 1.2-1.6x our add+RMSNorm, and both being bound by HBM
-bandwidth, the pipeline costs about their sum: what is left is each short launch's ramp and drain
-(docs/performance.md, benchmarks/results/README.md). Programmatic dependent launch between the
-launches of a stream (`StagedShape.pdl`, kernels/pdl.py; the default on sm_90+) takes 0-3.5% off
-that (1.16-1.29x in its same-run A/B): it removes the gaps between launches, not a launch's ramp
-and drain.
+streams, the L2 hints with the read slot rows dropped, PDL on sm_90+). Its finalize launches alone
+take 0.88-1.11x our standalone finalize, its row launches alone 1.05-1.34x our add+RMSNorm, and both
+being bound by HBM bandwidth the pipeline costs about their sum; with one launch per stage (4x the
+slots) it is still 1.07x (docs/performance.md, benchmarks/results/README.md). Programmatic
+dependent launch between the launches of a stream (`StagedShape.pdl`, kernels/pdl.py) took 0-3.5%
+off: it removes the gaps between launches, not a launch's ramp and drain.
 
 Per chunk c (slot s = (base + c) % SLOTS, sequence number base + c, base in device state), kernels
 in `symm_staged_kernels`:

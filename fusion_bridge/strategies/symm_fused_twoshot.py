@@ -17,8 +17,8 @@ pipeline (`kernels/symm_staged.py`: one launch per stage per chunk of 1024 token
 chunks' finalize launches on two side streams in turn, a chunk's arrival one flag per rank, L2
 hints that keep a chunk's slot rows in L2 between its finalize and its reduce); "staged_prio",
 the same with its row launches on a high-priority stream. At world size 1 on one H200 (local
-work, K=8, against our standalone finalize + add+RMSNorm in the same run) the default took
-1.16-1.29x with PDL, 1.19-1.30x without (docs/performance.md).
+work, K=8, against our standalone finalize + add+RMSNorm in the same run) the default takes
+1.12-1.26x (docs/performance.md).
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
 buffer pointers, the pinned error word, one workspace shared by every layer) and its safety rules:
