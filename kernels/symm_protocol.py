@@ -70,8 +70,9 @@ KINDS = ("oneshot", "twoshot")  # the workspace layouts: one-shot, and the two-s
 # (source, owner row) then the all-gather rows (owner, owner row) of one chunk. Chunks take the
 # slots in turn within a call and across calls, so the size does not depend on T; a slot is handed
 # back through its release counter, its arrival through the flags (sequence number + 1 of the
-# chunk). Device state: int64 [STAGED_STATE_WORDS] = (chunk base: chunks of every earlier call,
-# -, error word, -).
+# chunk). Device state: int64 [STAGED_STATE_WORDS] = (chunk base: the chunks of every earlier
+# call, each call's rounded up to a multiple of the slots, so a call starts on slot 0; -, error
+# word, -).
 STAGED_SLOTS = 2
 STAGED_CHUNK = 1024  # tokens per chunk (measured at world size 1: 2 x 1024 faster than 4 x 512)
 STAGED_MAX_SLOTS = 4  # the header's arrays (a launch shape may use 2..4 slots)
@@ -135,6 +136,9 @@ class SymmLayer:
     eps: float
     weight_bias: float
     quant: QuantArgs
+    # this rank's buffer address (ptrs[rank], known on the host): the two-shot's row launches take
+    # it as an argument so that no load precedes their data loads; 0 where no buffer exists
+    own_addr: int = 0
 
     @classmethod
     def bind(cls, ws, spec) -> "SymmLayer":
@@ -153,6 +157,7 @@ class SymmLayer:
             eps=float(spec.eps),
             weight_bias=float(spec.weight_bias),
             quant=quant_args(spec),
+            own_addr=ws.buffer.data_ptr(),
         )
 
     @classmethod

@@ -15,8 +15,10 @@ slots) it is still 1.07x (docs/performance.md, benchmarks/results/README.md). Pr
 dependent launch between the launches of a stream (`StagedShape.pdl`, kernels/pdl.py) took 0-3.5%
 off: it removes the gaps between launches, not a launch's ramp and drain.
 
-Per chunk c (slot s = (base + c) % SLOTS, sequence number base + c, base in device state), kernels
-in `symm_staged_kernels`:
+Per chunk c (slot s = (base + c) % SLOTS = c % SLOTS, sequence number base + c, base in device
+state; each call moves the base on by its chunks rounded up to a multiple of SLOTS, releasing the
+skipped sequence numbers' slots at once, so every call starts on slot 0 and the finalize and row
+launches know a chunk's slot without reading the base), kernels in `symm_staged_kernels`:
 
   F(c): the finalize items of chunk c into the owners' reduce-scatter rows [rank][i] of slot s
         (one item, a row segment, per program); never waits.
@@ -29,7 +31,7 @@ in `symm_staged_kernels`:
   Y(c): (W > 1) one program: raise the "reduced" flag of s, wait for every rank's.
   G(c): (W > 1) the rows the other ranks own, from this rank's all-gather rows.
 A call starts with one gate for the first SLOTS chunks and ends with one release of its last chunk
-(which also advances the base by the call's chunks).
+(which also advances the base, as above).
 
 F runs on side streams (chunk c on side stream c % f_streams), everything else on the caller's
 stream (or, "two_prio", on a high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c)
@@ -65,14 +67,17 @@ is made. Emulated ranks on one GPU launch every rank's stages in one global orde
 chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release), so that no spinning
 launch holds the SMs a peer's earlier stage needs.
 
-Errors: a wait that runs out (time, or the abort word a peer that timed out set) reports the
-error word and sets every rank's abort word (`report_error`); every row launch of that call after
-it on any rank sees the abort word and writes NaN rows. A sync launch that finds the abort word
-set reports the error word even when its own waits were met (a late rank finds the flags an
-aborted peer left). A row program reads the abort word once per row, after it has issued the
-row's data loads (so the word's round trip overlaps theirs): a peer that aborts while the launch
-runs may leave that call's rows wrong rather than NaN, so the error word (the next call raises) is
-what says a call failed. No wait is unbounded.
+Errors: a wait that runs out (time, or the abort word a peer that timed out set) reports the error
+word and sets every rank's abort word (`report_error`); every row launch of that call after it on
+any rank writes NaN rows. A sync launch that finds the abort word set reports the error word even
+when its own waits were met (a late rank finds the flags an aborted peer left). How the row launches
+learn it: X(c), failing, fills this rank's own partials of the slot with NaN before R(c) reads them
+(rows [rank][*] of its reduce-scatter region: only this rank's F writes them, so no late or
+out-of-step peer can overwrite the NaN), so every row R(c) sums is NaN with no abort-word read in R;
+G reads the abort word once per row, after it has issued the row's data loads (so the word's round
+trip overlaps theirs). A peer that aborts while a row launch runs may leave that launch's rows right
+rather than NaN, and a G launch's rows wrong rather than NaN, so the error word (the next call
+raises) is what says a call failed. No wait is unbounded.
 """
 
 from __future__ import annotations
@@ -101,7 +106,9 @@ _R_CONSTS = (
     "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS", "L2",
     "USE_PDL",
 )  # fmt: skip
-_S_CONSTS = ("WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU", "USE_PDL")
+_S_CONSTS = (
+    "WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU", "NAN_BITS", "USE_PDL",
+)  # fmt: skip
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
 _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
@@ -181,6 +188,9 @@ def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: StagedShap
     return plans
 
 
+# the quiet NaN of each activation dtype as int16 bits (a failed wait poisons the slot rows with it)
+_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+
 _SIDE = threading.local()
 
 
@@ -251,6 +261,10 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
     shared = tensors["shared"]
     rb = row_block(hidden)
     f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
+    if not layer.own_addr:
+        raise ValueError(
+            "symm_staged: layer.own_addr must be this rank's buffer address (ptrs[rank]), got 0"
+        )
     f_args = (
         layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
         shared if shared is not None else residual,
@@ -263,13 +277,14 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
     )
     f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2, pdl)
     r_ptrs = (
-        layer.ptrs, layer.state, residual, tensors["gamma"], tensors["residual_out"],
+        layer.ptrs, layer.own_addr, residual, tensors["gamma"], tensors["residual_out"],
         tensors["norm_out"], tensors["q"], sf,
     )  # fmt: skip
     row_warps = shape.row_warps or row_num_warps(rb, quant.code)
     pad_items = sf_padding_items(tokens, sf_rows, sf_cols) if swz else 0
     plans = call_plan(tokens, world, rank, hidden, shape)
     nchunks = len(plans)
+    nan_bits = _NAN_BITS[residual.dtype]
 
     def f_launch(p):
         args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
@@ -287,9 +302,9 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
 
     def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):
         args = (layer.ptrs, layer.state, c, c if release is None else release, gate[0], gate[1])
-        args += (nchunks, rank, layer.timeout_us)
+        args += (nchunks, rank, layer.timeout_us, hidden, shape.chunk)
         consts = (world, signal, wait, release is not None, advance, gate[1] > 0, shape.slots)
-        consts += (emulated, pdl)
+        consts += (emulated, nan_bits, pdl)
         return lambda: launch_s((1,), args, consts, 1)
 
     return SimpleNamespace(

@@ -102,3 +102,20 @@ def _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD: tl.constexpr):
     cw = tl.cdiv(chunk, WORLD)
     src_stride = cw.to(tl.int64) * hidden
     return _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + slot * 2 * WORLD * src_stride
+
+
+@triton.jit
+def _poison_own_partials(
+    ptrs_ptr, rank, slot, hidden, chunk, NAN_BITS: tl.constexpr, WORLD: tl.constexpr
+):  # fmt: skip
+    """A wait before a row launch failed: this rank's own partials of `slot` (its reduce-scatter
+    rows [rank][*], which no other rank writes) := NaN (NAN_BITS: the activation dtype's quiet NaN
+    as int16), so every row the next row launch sums is NaN without the launch reading the abort
+    word. One program; only ever on the failure path (milliseconds at H=7168)."""
+    cw = tl.cdiv(chunk, WORLD)
+    n = cw.to(tl.int64) * hidden
+    dst = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD) + rank * n
+    offs = tl.arange(0, 1024)
+    nan = tl.full([1024], NAN_BITS, tl.int16)
+    for start in range(0, n, 1024):
+        tl.store(dst + start + offs, nan, mask=start + offs < n)

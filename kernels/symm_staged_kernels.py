@@ -19,12 +19,13 @@ from .add_rmsnorm import norm_quant_row
 from .finalize_add import finalize_row
 from .pdl import pdl_enter
 from .symm_staged_device import _HEAD_ELEMS, _UNIT, _fail, _rank_buf, _release, _slot_base
-from .symm_staged_device import _wait_slot_free
+from .symm_staged_device import _poison_own_partials, _wait_slot_free
 
 FLAG_ARRIVED = 1  # this rank's partials of the chunk are in every owner's slot
 FLAG_REDUCED = 2  # this rank's reduced rows of the chunk are in every other rank's slot
 _FLAG_BYTE = {FLAG_ARRIVED: P.STAGED_ARRIVED_BYTE, FLAG_REDUCED: P.STAGED_REDUCED_BYTE}
 _ARRIVED_BYTE = tl.constexpr(P.STAGED_ARRIVED_BYTE)
+_WAIT_ARRIVED = tl.constexpr(FLAG_ARRIVED)
 _REDUCED_BYTE = tl.constexpr(P.STAGED_REDUCED_BYTE)
 
 
@@ -145,24 +146,25 @@ def _discard_rows(row_ptr, stride, hidden, ROW_BLOCK: tl.constexpr, ROWS: tl.con
 
 @triton.jit(do_not_specialize=["c", "rel_c", "gate_lo", "gate_n", "nchunks", "rank", "timeout"])
 def _sync_kernel(
-    ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout,
+    ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout, hidden, chunk,
     WORLD: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, RELEASE: tl.constexpr,
     ADVANCE: tl.constexpr, GATE: tl.constexpr, SLOTS: tl.constexpr, EMU: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    NAN_BITS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """One program, in this order: RELEASE this rank's readers of chunk rel_c are done (one unit
-    on its counter of that chunk's slot); SIGNAL (FLAG_ARRIVED / FLAG_REDUCED, 0 none) this
-    rank's writes of chunk c are done (its flag of the slot := the chunk's sequence number + 1,
-    a system-scope release after a system fence); WAIT (a flag, 0 none) until every rank's flag
-    of the slot shows chunk c; GATE until every rank released the slots that chunks gate_lo ..
-    gate_lo + gate_n - 1 reuse; ADVANCE (the call's last launch) the base moves on by the call's
-    chunks. This rank's own release and signal come before its waits, so a wait only ever waits
-    for the peers. A failed wait, or an abort word already set: the error word (`report_error`),
-    and every later row launch writes NaN (it sees the abort word). USE_PDL: first the wait for
-    the grid before it (kernels/pdl.py), so its release follows the previous row launch's reads
-    and its flag reads precede nothing; it does not let the next grid be scheduled early (a row
-    launch's programs parked on the SMs while this one waits for the peers would take them from
-    the next chunk's finalize)."""
+    """One program, in this order: RELEASE this rank's readers of chunk rel_c are done (one unit on
+    its counter of that chunk's slot); SIGNAL (FLAG_ARRIVED / FLAG_REDUCED, 0 none) this rank's
+    writes of chunk c are done (its flag of the slot := the chunk's sequence number + 1, a
+    system-scope release after a system fence); WAIT (a flag, 0 none) until every rank's flag of the
+    slot shows chunk c; GATE until every rank released the slots that chunks gate_lo .. gate_lo +
+    gate_n - 1 reuse; ADVANCE (the call's last launch) the base moves on by the call's chunks
+    rounded up to a multiple of SLOTS (the skipped sequence numbers released). This rank's own
+    release and signal come before its waits, so a wait only ever waits for the peers. A failed
+    wait, or an abort word already set: the error word (`report_error`), and every later row launch
+    writes NaN (it sees the abort word). USE_PDL: first the wait for the grid before it
+    (kernels/pdl.py), so its release follows the previous row launch's reads and its flag reads
+    precede nothing; it does not let the next grid be scheduled early (a row launch's programs
+    parked on the SMs while this one waits for the peers would take them from the next chunk's
+    finalize)."""
     pdl_enter(USE_PDL, False)
     timeout_ns = timeout
     if not EMU:
@@ -198,8 +200,17 @@ def _sync_kernel(
     aborted = tl.load(abort_ptr, volatile=True) != 0
     if (missing != 0) | aborted:
         _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
+        if WAIT == _WAIT_ARRIVED:  # the row launch R(c) comes next: its sums come out NaN
+            _poison_own_partials(ptrs_ptr, rank, slot, hidden, chunk, NAN_BITS, WORLD)
     if ADVANCE:
-        tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks, mask=lane == 0)
+        # the next call starts on slot 0 (so F / R find a chunk's slot from its index alone):
+        # the sequence numbers up to the next multiple of SLOTS are skipped, each released here
+        # (this rank never wrote their slots in this call), so every slot's counter still counts
+        # one release per sequence number that maps to it
+        skipped = (SLOTS - nchunks % SLOTS) % SLOTS
+        for i in range(skipped):
+            _release(ptrs_ptr, rank, (nchunks + i) % SLOTS, 0, 1)
+        tl.store(state_ptr + lane * 0, lane * 0 + base + nchunks + skipped, mask=lane == 0)
 
 
 @triton.jit(do_not_specialize=["tokens", "c", "rank"])
@@ -217,6 +228,9 @@ def _finalize_kernel(
     USE_PDL: every program first waits for the grid before it on its stream (kernels/pdl.py)."""
     pdl_enter(USE_PDL, True)
     dtype: tl.constexpr = gemm2_ptr.dtype.element_ty
+    # (base + c) % SLOTS == c % SLOTS (every call starts on slot 0), but the load stays: without
+    # it ptxas schedules the K gathers later (fewer loads in flight) and F took 6-10% longer
+    # (one H200, benchmarks/twoshot_local.py --ablate); F's stores wait on it, its loads do not
     slot = (tl.load(state_ptr) + c) % SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
     q, ii, live, row, cb = _f_place(tl.program_id(0), n_c, tl.cdiv(n_c, WORLD), c, chunk, WORLD)
@@ -236,40 +250,47 @@ def _finalize_kernel(
         tl.store(dst + cols, payload_bits(acc, dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["tokens", "c", "rank", "sf_rows", "sf_pad_items"])
+@triton.jit(do_not_specialize=["own_addr", "tokens", "c", "rank", "sf_rows", "sf_pad_items"])
 def _rows_kernel(
-    ptrs_ptr, state_ptr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
+    ptrs_ptr, own_addr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
     tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
     WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr, SLOTS: tl.constexpr,
     L2: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """R(c) (GATHER False): the rows this rank owns: the W partials (plain loads) summed in rank
-    order in fp32, the residual added, one rounding (-0.0 -> +0.0): residual_out's bits, pushed
-    into every other rank's all-gather rows [rank][i], and this rank's outputs of the row.
-    G(c) (GATHER True): the rows other ranks own, from this rank's all-gather rows: residual_out
-    and its norm (+ FP8 / NVFP4), with the code the owner ran. One row per program; the sync
-    launch before it waited for the flags. The abort word set (a wait of this call failed, here
-    or on a peer): NaN rows; it is read per row after the row's data loads are issued, and the
-    loads need only the buffer pointer and the chunk base (one round trip before them: offline
-    sm_90, the data loads in the second round where the abort word read before the loop put them
-    in the third). LAST: the call's last row launch, which also writes the swizzled NVFP4 scale
-    padding. L2 > 0: the residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the
-    slot rows read are dropped from L2 (`_discard_rows`, behind a block barrier: R as soon as the
-    partials are summed, G after the row's outputs), never written back to HBM. USE_PDL: every
-    program first waits for the grid before it (the sync launch, whose flag waits must be done
-    before a slot row is read; kernels/pdl.py)."""
+    order in fp32, the residual added, one rounding (-0.0 -> +0.0): residual_out's bits, pushed into
+    every other rank's all-gather rows [rank][i], and this rank's outputs of the row. G(c) (GATHER
+    True): the rows other ranks own, from this rank's all-gather rows: residual_out and its norm (+
+    FP8 / NVFP4), with the code the owner ran. One row per program; the sync launch before it waited
+    for the flags. A wait of this call failed (here or on a peer) or the abort word was set when the
+    sync launch before it ran: NaN rows. R learns it from its data: that sync launch poisoned this
+    rank's own partials of the slot (`_poison_own_partials`; no other rank writes them), so every
+    sum is NaN (reading the abort word per row cost R 3.6% at world size 1). G reads the abort word
+    per row, after the row's data loads are issued (its rows are written by the peers, so no poison
+    of ours would stick). R's data loads need no load before them: this rank's buffer address is a
+    launch argument (own_addr) and the slot is c % SLOTS (every call starts on slot 0); against the
+    buffer and the chunk base loaded first, R alone took 1-2% less (one H200). LAST: the call's last
+    row launch, which also writes the swizzled NVFP4 scale padding. L2 > 0: the residual loaded
+    evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows read are dropped from L2
+    (`_discard_rows`, behind a block barrier: R as soon as the partials are summed, G after the
+    row's outputs), never written back to HBM. USE_PDL: every program first waits for the grid
+    before it (the sync launch, whose flag waits must be done before a slot row is read;
+    kernels/pdl.py)."""
     pdl_enter(USE_PDL, True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-    abort_ptr = abort_word_ptr(ptrs_ptr, rank)
-    slot = (tl.load(state_ptr) + c) % SLOTS
+    # this rank's buffer from the host (its address, a launch argument) and the slot from the
+    # chunk index: no load stands between a row program's start and its data loads
+    own = tl.multiple_of(own_addr.to(tl.pointer_type(tl.int16)), 16)
+    abort_ptr = own.to(tl.pointer_type(tl.int32))
+    slot = c % SLOTS  # every call starts on slot 0 (the sync kernel's ADVANCE)
     n_c = _chunk_rows(c, tokens, chunk)
     n_own = tl.where(n_c > rank, (n_c - rank + WORLD - 1) // WORLD, 0)
     row_elems = tl.full([], 0, tl.int64) + hidden
     src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * row_elems
-    here = _slot_base(ptrs_ptr, rank, slot, hidden, chunk, WORLD)
+    here = own + _HEAD_ELEMS + slot * 2 * WORLD * src_stride
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     if GATHER:
@@ -304,12 +325,12 @@ def _rows_kernel(
                 v = tl.load(here + q * src_stride + ii * row_elems + cols, mask=in_row, other=0,
                             cache_modifier=".cg")  # fmt: skip
                 s += v.to(dtype, bitcast=True).to(tl.float32)
-            bad = (tl.load(abort_ptr, volatile=True) != 0).to(tl.int32)
             if L2 == 2:  # the partials are summed: every thread's loads of them are done
                 tl.debug_barrier()
                 _discard_rows(here + ii * row_elems, src_stride, hidden, ROW_BLOCK, WORLD)
+            # no abort-word read: after a failed wait this rank's own partials are NaN (the sync
+            # launch before it poisoned them), so x is NaN (read per row, the word cost 3.6%)
             x = res.to(tl.float32) + s
-            x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
             bits = payload_bits(x, dtype)
             for q in range(WORLD):  # every other rank's all-gather rows
                 if q != rank:
@@ -317,7 +338,7 @@ def _rows_kernel(
                     tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
                              mask=in_row)  # fmt: skip
             _row_outputs(
-                bits.to(dtype, bitcast=True).to(tl.float32), bad, t, cols, in_row, gamma_ptr,
+                bits.to(dtype, bitcast=True).to(tl.float32), 0, t, cols, in_row, gamma_ptr,
                 weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
                 quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
             )  # fmt: skip

@@ -19,12 +19,13 @@ from .symm_testing import _interpreter_loop_bounds
 def twoshot_layer(
     ptrs, state, world, rank, num_sms, timeout_us, hidden, spec_scalars, quant: QuantArgs
 ) -> P.SymmLayer:
-    """One emulated rank's layer; spec_scalars: (routed scaling, eps, weight_bias)."""
+    """One emulated rank's layer; spec_scalars: (routed scaling, eps, weight_bias). ptrs: the
+    int64 table of the W buffers' addresses and the error word's (CPU or device)."""
     routed_scaling, eps, weight_bias = spec_scalars
     return P.SymmLayer(
         ptrs=ptrs, state=state, world=world, rank=rank, cap=0, data_off=P.HEADER_BYTES // 2,
         num_sms=num_sms, timeout_us=timeout_us, hidden=hidden, routed_scaling=routed_scaling,
-        eps=eps, weight_bias=weight_bias, quant=quant,
+        eps=eps, weight_bias=weight_bias, quant=quant, own_addr=int(ptrs[rank]),
     )  # fmt: skip
 
 

@@ -193,7 +193,7 @@ def _skipped_call(rank, dev, problems):
 
     import torch.distributed as dist
 
-    from fusion_bridge.kernels.symm_protocol import STAGED_CHUNK
+    from fusion_bridge.kernels.symm_protocol import STAGED_CHUNK, STAGED_SLOTS
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.synthetic import make_inputs
 
@@ -210,10 +210,12 @@ def _skipped_call(rank, dev, problems):
     base = int(strat._ws.state[0])  # 0, or the warm-up's chunks if the workspace outlived it
     strat.run(inp)
     torch.cuda.synchronize()
-    # the device state: (chunks of every earlier call, -, error word, -), in chunks of
-    # STAGED_CHUNK tokens
+    # the device state: (chunk base, -, error word, -): the base moves on by the call's chunks
+    # of STAGED_CHUNK tokens rounded up to whole turns of the STAGED_SLOTS slots
     state = strat._ws.state.tolist()
-    if state[:3] != [base + -(-600 // STAGED_CHUNK), 0, 0]:
+    chunks = -(-600 // STAGED_CHUNK)
+    turns = -(-chunks // STAGED_SLOTS)
+    if state[:3] != [base + turns * STAGED_SLOTS, 0, 0]:
         problems.append(f"rank {rank}: after one call state {state}")
     dist.barrier()
     start = time.monotonic()

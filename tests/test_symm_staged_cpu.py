@@ -148,12 +148,13 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
         swizzled = quant == "nvfp4_swizzled"
         ref_q, ref_sf = quantize(norm_out, "nvfp4", spec.quant.global_scale, swizzled)
         assert torch.equal(q, ref_q.view(torch.uint8)) and torch.equal(sf, ref_sf.view(torch.uint8))
-    # the base advanced by the call's chunks; each use of a slot released exactly one unit on
-    # every rank; each rank's flags of a slot show the last chunk that used it (sequence + 1)
+    # the base advanced by the call's chunks rounded up to whole turns of the ring (the next call
+    # starts on slot 0); every sequence number, the skipped ones too, released exactly one unit
+    # on every rank; each rank's flags of a slot show the last chunk that used it (sequence + 1)
     chunks = -(-tokens // chunk)
-    assert emu.states[:, 0].tolist() == [chunks] * world
-    uses = [len(range(s, chunks, SLOTS)) for s in range(SLOTS)]
-    assert emu.freed.tolist() == [[u * UNIT for u in uses]] * world
+    turns = -(-chunks // SLOTS)
+    assert emu.states[:, 0].tolist() == [turns * SLOTS] * world
+    assert emu.freed.tolist() == [[turns * UNIT] * SLOTS] * world
     last = [max(range(s, chunks, SLOTS), default=-1) + 1 for s in range(SLOTS)]
     assert emu.flags(STAGED_ARRIVED_BYTE).tolist() == [last] * world
     assert emu.flags(STAGED_REDUCED_BYTE).tolist() == [last] * world
@@ -172,13 +173,14 @@ def test_world_of_one_reuses_the_slots(merged):
     assert not emu.states[0, 2], hex(int(emu.states[0, 2]))
     assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U
     assert rel_err(outs[0][1], norm64) <= math.sqrt(3) * U
-    assert emu.states[0, 0] == 6
-    assert emu.freed[0].tolist() == [2 * UNIT, 2 * UNIT, UNIT, UNIT]  # 6 chunks, 4 slots
+    assert emu.states[0, 0] == 8  # 6 chunks, rounded up to two turns of the 4 slots
+    assert emu.freed[0].tolist() == [2 * UNIT] * 4  # sequences 6 and 7 released unused
     assert emu.flags(STAGED_ARRIVED_BYTE)[0].tolist() == [5, 6, 3, 4]  # sequence + 1
 
 
 def test_calls_at_changing_t_share_one_ring():
-    """Calls of T = 9, 2, 17, 1, 6 through 2 slots: the base carries over, every call right."""
+    """Calls of T = 9, 2, 17, 1, 6 through 2 slots: the base carries over (rounded up to a turn
+    of the ring at each call's end, so every call starts on slot 0), every call right."""
     spec = EpilogueSpec(hidden_size=64, top_k=4, routed_scaling_factor=2.5)
     world, chunk = 3, 4
     emu = EmulatedTwoshot(world, chunk, 64, slots=2)  # the production slot count
@@ -190,8 +192,9 @@ def test_calls_at_changing_t_share_one_ring():
         assert not emu.states[:, 2].any(), (tokens, emu.states)
         assert rel_err(outs[1][1], norm64) <= math.sqrt(3) * U, tokens
         assert torch.equal(outs[0][0].view(torch.int16), outs[2][0].view(torch.int16)), tokens
-        total += -(-tokens // chunk)
+        total += -(-tokens // chunk // 2) * 2
         assert emu.states[:, 0].tolist() == [total] * world
+        assert emu.freed[:, :2].tolist() == [[total // 2 * UNIT] * 2] * world
 
 
 @pytest.mark.parametrize("world,skip", [(2, 1), (3, 0), (4, 2)])
@@ -281,8 +284,8 @@ def _sync(emu, rank, c, timeout=3, **flags):
 
     what = dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags
     gate = (c, 1) if what["GATE"] else (0, 0)
-    args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout)
-    _sync_kernel[(1,)](*args, WORLD=emu.world, SLOTS=emu.slots, EMU=True, **what)
+    args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout, emu.hidden, emu.chunk)
+    _sync_kernel[(1,)](*args, WORLD=emu.world, SLOTS=emu.slots, EMU=True, NAN_BITS=0x7FC0, **what)
 
 
 def test_the_gate_waits_for_every_rank_to_release_the_slot():
