@@ -31,31 +31,40 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fusion_bridge.cli.bench import write_csv  # noqa: E402
 from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
-# label -> StagedShape fields (the default shape: 2 slots x 1024 tokens, F on 2 side streams, L2 2)
+# label -> StagedShape fields. "default" is the default shape (2 slots x 1024 tokens, F on 2 side
+# streams, L2 2, PDL, row launches on a high-priority stream, f_ahead). The labels after it were
+# measured against the earlier default, "f_after_x" (rows on the caller's stream, F(c + 1) gated
+# by X(c)), and keep meaning a change to that one
+_F_AFTER_X = dict(stream_mode="two", f_ahead=False)
 STAGED = {
     "default": dict(),
-    "c512_s4_f1_nol2": dict(chunk=512, slots=4, f_streams=1, l2=0),  # the first default
-    "c1024_s2_f1_nol2": dict(f_streams=1, l2=0),
-    "c1024_s2_f2_nol2": dict(l2=0),
-    "l2_hints": dict(l2=1),  # the hints without the row drops
-    "prio": dict(stream_mode="two_prio"),
-    "one_stream": dict(stream_mode="one"),
-    # the default shape with programmatic dependent launch off / on (sm_90+; kernels/pdl.py)
-    "pdl_off": dict(pdl=False),
-    "pdl_on": dict(pdl=True),
+    "f_after_x": _F_AFTER_X,
+    # F(c + 1) gated by its own release-and-gate launch right after R(c - 1), not by X(c): without
+    # and with the row launches on a high-priority stream (the latter is the default)
+    "f_ahead": dict(stream_mode="two"),
+    "f_ahead_prio": dict(),
+    "c512_s4_f1_nol2": _F_AFTER_X | dict(chunk=512, slots=4, f_streams=1, l2=0),  # the first
+    "c1024_s2_f1_nol2": _F_AFTER_X | dict(f_streams=1, l2=0),
+    "c1024_s2_f2_nol2": _F_AFTER_X | dict(l2=0),
+    "l2_hints": _F_AFTER_X | dict(l2=1),  # the hints without the row drops
+    "prio": _F_AFTER_X | dict(stream_mode="two_prio"),
+    "one_stream": _F_AFTER_X | dict(stream_mode="one"),
+    # programmatic dependent launch off / on (sm_90+; kernels/pdl.py)
+    "pdl_off": _F_AFTER_X | dict(pdl=False),
+    "pdl_on": _F_AFTER_X | dict(pdl=True),
     # longer chunks (workspace 2x / 4x the default's): with --ablate, whether the row launches'
     # excess over add+RMSNorm is per launch (ramp and drain) or per row (each row program's
     # dependent loads before its data loads; benchmarks/results/staged_rows_offline_sass.md)
-    "c2048_s2": dict(chunk=2048),
-    "c4096_s2": dict(chunk=4096),
-    # the launch shapes of the default's two halves: the row launches at 8 warps (our add+RMSNorm's
-    # choice is 16 at H=7168), the finalize items at 8 warps over 1024 or 2048 columns
-    "rw8": dict(row_warps=8),
-    "fw8": dict(f_warps=8),
-    "f2048_w8": dict(f_cols=2048, f_warps=8),
+    "c2048_s2": _F_AFTER_X | dict(chunk=2048),
+    "c4096_s2": _F_AFTER_X | dict(chunk=4096),
+    # the launch shapes of the two halves: the row launches at 8 warps (our add+RMSNorm's choice
+    # is 16 at H=7168), the finalize items at 8 warps over 1024 or 2048 columns
+    "rw8": _F_AFTER_X | dict(row_warps=8),
+    "fw8": _F_AFTER_X | dict(f_warps=8),
+    "f2048_w8": _F_AFTER_X | dict(f_cols=2048, f_warps=8),
 }
 # the two-shot strategy's launch variants (kernels/twoshot_launch.py)
-TWOSHOT = {"twoshot_default": None, "twoshot_staged_prio": "staged_prio"}
+TWOSHOT = {"twoshot_default": None, "twoshot_staged_f_after_x": "staged_f_after_x"}
 
 
 def main() -> None:
@@ -197,7 +206,7 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
 
             return fn_of
 
-        for tag, stages in (("only_F", "F"), ("only_R", "R"), ("no_F", "QXRYGZ")):
+        for tag, stages in (("only_F", "F"), ("only_R", "R"), ("no_F", "QVXRYGZ")):
             us = time_graph(only(stages), sets=n)
             record(f"{label}_{tag}", hidden, tokens, us)
             out_rows.append(row(f"{label}_{tag}", us, mb))

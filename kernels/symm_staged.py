@@ -6,14 +6,12 @@ launches read their slots with plain vectorized loads and never clear them. Each
 only the rows it owns (rows j with j % W == rank): two-shot byte counts.
 
 Measured at world size 1 on one H200 (benchmarks/twoshot_local.py, K=8, same run; no peer reads
-and no all-gather at W = 1, so this is the local work the link overlaps with): 1.12-1.26x our
+and no all-gather at W = 1, so this is the local work the link overlaps with): 1.08-1.15x our
 standalone finalize + add+RMSNorm in the default shape (2 slots x 1024 tokens, F on two side
-streams, the L2 hints with the read slot rows dropped, PDL on sm_90+). Its finalize launches alone
-take 0.88-1.11x our standalone finalize, its row launches alone 1.05-1.34x our add+RMSNorm, and both
-being bound by HBM bandwidth the pipeline costs about their sum; with one launch per stage (4x the
-slots) it is still 1.07x (docs/performance.md, benchmarks/results/README.md). Programmatic
-dependent launch between the launches of a stream (`StagedShape.pdl`, kernels/pdl.py) took 0-3.5%
-off: it removes the gaps between launches, not a launch's ramp and drain.
+streams let ahead of X, the row launches on a high-priority stream, the L2 hints with the read
+slot rows dropped, PDL on sm_90+); its finalize launches alone take 0.81-1.10x our standalone
+finalize, its row launches alone 1.00-1.28x our add+RMSNorm, and the pipeline less than their
+sum (docs/performance.md, benchmarks/results/README.md).
 
 Per chunk c (slot s = (base + c) % SLOTS = c % SLOTS, sequence number base + c, base in device
 state; each call moves the base on by its chunks rounded up to a multiple of SLOTS, releasing the
@@ -22,10 +20,12 @@ launches know a chunk's slot without reading the base), kernels in `symm_staged_
 
   F(c): the finalize items of chunk c into the owners' reduce-scatter rows [rank][i] of slot s
         (one item, a row segment, per program); never waits.
-  X(c): one program: release slot s' (chunk c - 1) on this rank's counter, raise this rank's
-        "arrived" flag of s to base + c + 1, wait until every rank released the slot chunk
-        c - 1 + SLOTS reuses (its F may then start), wait until every rank's "arrived" flag of s
-        shows chunk c.
+  V(c): (f_ahead, the default; c > 0 and chunk c - 1 + SLOTS in the call) one program, right
+        after R(c - 1) / G(c - 1): release slot s' (chunk c - 1) on this rank's counter, wait
+        until every rank released it (the gate of chunk c - 1 + SLOTS: its F may then start).
+  X(c): one program: (without V(c)) release chunk c - 1's slot; raise this rank's "arrived" flag
+        of s to base + c + 1; wait until every rank's "arrived" flag of s shows chunk c; (without
+        V(c)) gate chunk c - 1 + SLOTS.
   R(c): the rows this rank owns: the W partials summed in rank order, residual, one rounding,
         pushed into every other rank's all-gather rows, this rank's outputs.
   Y(c): (W > 1) one program: raise the "reduced" flag of s, wait for every rank's.
@@ -35,7 +35,9 @@ A call starts with one gate for the first SLOTS chunks and ends with one release
 
 F runs on side streams (chunk c on side stream c % f_streams), everything else on the caller's
 stream (or, "two_prio", on a high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c)
-(and the link). F(c) waits for the event of the launch that gated its slot, X(c) for F(c)'s; the
+(and the link; with V, also X(c) and the end of F(c): the row launches' priority keeps the early
+finalize programs from taking the SMs R(c) needs). F(c) waits for the event of the launch that
+gated its slot, X(c) for F(c)'s; the
 side streams fork from the caller's stream at the start of the call and join it through X (the
 caller's stream waits for every F; CUDA-graph capture sees a closed fork / join). The side
 streams are per thread.
@@ -51,21 +53,23 @@ covers (F(c), or R(c)'s pushes), after a system-scope fence, by a system-scope r
 rank that reads the flag with a system-scope acquire sees those writes. Reader: the acquire is in
 the one-program launch X / Y; the row launch that reads the rows comes after it on the same stream
 and loads them with .cg (L2, never a stale L1 line), so plain loads read the new rows; no element
-needs to differ from a sentinel, and nothing clears the slot. Reuse: X(c) releases chunk c - 1's
-slot only after R(c - 1) / G(c - 1) (same stream: their reads, and their discards, which count as
-writes, are done; the release follows a block barrier and is system-scope); a writer's gate
-acquires every rank's counter before F writes the slot again. The flags hold sequence numbers, so
-a flag left by the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. Every
+needs to differ from a sentinel, and nothing clears the slot. Reuse: V(c) / X(c) releases chunk c -
+1's slot only after R(c - 1) / G(c - 1) (same stream: their reads, and their discards, which count
+as writes, are done; the release follows a block barrier and is system-scope); a writer's gate
+acquires every rank's counter before F writes the slot again. The flags hold sequence numbers, so a
+flag left by the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. Every
 call on one workspace must use the same number of slots (the counters count uses per slot).
 
-Deadlock freedom: every one-program launch makes this rank's release and signal before it waits,
-and waits only for the peers' release of chunk c - 1 and signals of chunk c, which their own
-X(c) / Y(c) make before any of their waits; X(c) follows F(c), which follows the gate of its slot,
-made by X(c + 1 - SLOTS), earlier: by induction over the chunks every wait is for a launch that
-is made. Emulated ranks on one GPU launch every rank's stages in one global order on one stream
-(`symm_testing_staged.staged_call`), the syncs split into their signal and wait halves (per
-chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release), so that no spinning
-launch holds the SMs a peer's earlier stage needs.
+Deadlock freedom: every one-program launch makes this rank's release and signal before it waits, and
+waits only for the peers' release of chunk c - 1 and signals of chunk c, which their own V(c) / X(c)
+/ Y(c) make before any of their waits (a rank reaches V(c) after R(c - 1) / G(c - 1), which follow
+only its X(c - 1) / Y(c - 1)); X(c) follows F(c), which follows the gate of its slot, made by V(c +
+1 - SLOTS) / X(c + 1 - SLOTS), earlier in this rank's order: by induction over the chunks every wait
+is for a launch that is made. tests/test_symm_staged_interleave_cpu.py runs both orders under random
+interleavings of 2-4 ranks. Emulated ranks on one GPU launch every rank's stages in one global order
+on one stream (`symm_testing_staged.staged_call`), the syncs split into their signal and wait halves
+(per chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release), so that no
+spinning launch holds the SMs a peer's earlier stage needs.
 
 Errors: a wait that runs out (time, or the abort word a peer that timed out set) reports the error
 word and sets every rank's abort word (`report_error`); every row launch of that call after it on
@@ -82,7 +86,6 @@ raises) is what says a call failed. No wait is unbounded.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -98,6 +101,7 @@ from .symm_protocol import SymmLayer
 from .symm_staged_device import CHUNK, MAX_SLOTS, SLOTS
 from .symm_staged_kernels import FLAG_ARRIVED, FLAG_REDUCED, _finalize_kernel, _rows_kernel
 from .symm_staged_kernels import _sync_kernel
+from .symm_staged_streams import two_streams
 
 __all__ = ["StagedShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
@@ -121,32 +125,44 @@ _LAUNCH_S_PDL = KernelLauncher(_sync_kernel, _S_CONSTS, options=PDL_OPTIONS)
 
 @dataclass(frozen=True)
 class StagedShape:
-    """A launch variant. chunk / slots: tokens per chunk and the slots chunks turn through (the
-    workspace holds slots x [2][chunk][H]: 58.7 MB at 2 x 1024 or 4 x 512, H=7168 bf16; every
-    call on one workspace must use the same slots); f_cols / f_warps: the finalize item (one row
-    segment, as our standalone finalize's 1024 columns x 4 warps); row_warps: 0 = our
-    add+RMSNorm kernel's choice; stream_mode: "two" (F on side streams, overlapping R / G),
-    "two_prio" (the same with R / G on a high-priority stream) or "one" (every stage in order on
-    the caller's stream); f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
-    starts while F(c) drains); l2: 1 = L2 hints (expert rows and residual evict-first, slot rows
-    evict-last), 2 = those and the row launches drop the slot rows they read from L2 unwritten;
-    pdl: every launch with programmatic dependent launch (sm_90+ GPUs only, else ignored): a
-    launch's scheduling overlaps the tail of the launch before it on its stream, and every kernel
-    waits for that launch's completion before its first memory access (kernels/pdl.py), so the
-    flag protocol below is unchanged. That holds whatever an event wait across streams becomes
-    under capture: every kernel waits for all the grids it depends on, programmatic or not."""
+    """A launch variant.
+
+    chunk / slots: tokens per chunk and the slots chunks turn through (the workspace holds
+    slots x [2][chunk][H]: 58.7 MB at 2 x 1024 or 4 x 512, H=7168 bf16; every call on one
+    workspace must use the same slots). f_cols / f_warps: the finalize item (one row segment, as
+    our standalone finalize's 1024 columns x 4 warps). row_warps: 0 = our add+RMSNorm kernel's
+    choice. stream_mode: "two" (F on side streams, overlapping R / G), "two_prio" (the same with
+    R / G on a high-priority stream; a call of one chunk runs as "two": nothing overlaps, and the
+    high-priority stream's fork and join cost 1-3 us at T=1024) or "one" (every stage in order on
+    the caller's stream). f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
+    starts while F(c) drains). f_ahead: F(c + 1) waits only for its slot's gate, made by a launch
+    V(c) right after R(c - 1) / G(c - 1) (else by X(c), after F(c)), so a chunk's finalize can
+    start before the one before it has finished. l2: 1 = L2 hints (expert rows and residual
+    evict-first, slot rows evict-last), 2 = those and the row launches drop the slot rows they read
+    from L2 unwritten. pdl: every launch with programmatic dependent launch (sm_90+ GPUs only, else
+    ignored): a launch's scheduling overlaps the tail of the launch before it on its stream, and
+    every kernel waits for that launch's completion before its first memory access
+    (kernels/pdl.py), so the flag protocol below is unchanged. That holds whatever an event wait
+    across streams becomes under capture: every kernel waits for all the grids it depends on,
+    programmatic or not."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
     f_warps: int = 4
     row_warps: int = 0
-    stream_mode: str = "two"
+    # the row launches on a high-priority stream (a call of one chunk on the caller's stream)
+    stream_mode: str = "two_prio"
     slots: int = SLOTS
     f_streams: int = 2
     l2: int = 2
     # on: 0-3.5% faster at world size 1 on one H200 (its row launches alone 2-6%), never slower
     # beyond noise (benchmarks/twoshot_local.py --staged pdl_off pdl_on, results/*_pdl.csv)
     pdl: bool = True
+    # with two_prio, 4.7-7.4% faster at T >= 4096 at world size 1 on one H200 (without the priority
+    # 2-3% slower at H=7168: the early finalize launches take the SMs the row launches need;
+    # benchmarks/twoshot_local.py --staged default f_ahead f_ahead_prio prio,
+    # results/twoshot_local_h200_f_ahead.csv)
+    f_ahead: bool = True
 
     def __post_init__(self):
         if self.stream_mode not in ("one", "two", "two_prio"):
@@ -191,22 +207,6 @@ def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: StagedShap
 # the quiet NaN of each activation dtype as int16 bits (a failed wait poisons the slot rows with it)
 _NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 
-_SIDE = threading.local()
-
-
-def _side_stream(device, index: int = 0, high_priority: bool = False) -> torch.cuda.Stream:
-    """This thread's side stream `index` of a device and priority (-100: the highest the device
-    offers), taken once from torch's stream pool. The pool hands streams out round-robin, so
-    another thread or library may get the same CUDA stream: that only orders their work after
-    ours. Two calls on one workspace must not be in flight at once in any case (one call at a
-    time per workspace, in the same order on every rank: the chunk base is read and advanced on
-    the device)."""
-    streams = _SIDE.__dict__.setdefault("streams", {})
-    key = (device, index, high_priority)
-    if key not in streams:
-        streams[key] = torch.cuda.Stream(device=device, priority=-100 if high_priority else 0)
-    return streams[key]
-
 
 def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) -> None:
     """One call. tensors: residual_out, norm_out [T, H], q, sf (FP8 / NVFP4 outputs, or empty),
@@ -224,7 +224,8 @@ def launch(layer: SymmLayer, *, shape: Optional[StagedShape] = None, **tensors) 
         for _, _, fn, _ in seq:
             fn()
     else:
-        _two_streams(residual.device, seq, shape.stream_mode == "two_prio", shape.f_streams)
+        prio = shape.stream_mode == "two_prio" and len(calls.plans) > 1
+        two_streams(residual.device, seq, prio, shape.f_streams)
 
 
 def check_layout(layer: SymmLayer, shape: StagedShape) -> None:
@@ -308,8 +309,9 @@ def _call_launches(layer: SymmLayer, shape: StagedShape, tensors: dict, emulated
         return lambda: launch_s((1,), args, consts, 1)
 
     return SimpleNamespace(
-        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync
-    )
+        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync,
+        f_ahead=shape.f_ahead,
+    )  # fmt: skip
 
 
 def _sequence(calls, split: bool) -> list:
@@ -332,50 +334,26 @@ def _sequence(calls, split: bool) -> list:
         return seq
     first = min(slots, n)
     seq = [("Q", 0, sync(0, gate=(0, first)), list(range(first)))]
+    if calls.f_ahead:
+        seq += [("F", 0, calls.f(calls.plans[0]), [])]
     for p in calls.plans:
         c = p.index
         g = c - 1 + slots  # the chunk whose slot chunk c - 1 frees
         gated = [g] if c > 0 and g < n else []
-        x = sync(c, FLAG_ARRIVED, FLAG_ARRIVED, c - 1 if c > 0 else None, False, (g, len(gated)))
-        seq += [("F", c, calls.f(p), []), ("X", c, x, gated), ("R", c, calls.r(p, False), [])]
+        release = c - 1 if c > 0 else None
+        if calls.f_ahead:
+            # V(c): release chunk c - 1, gate chunk c - 1 + SLOTS, right after R(c - 1) / G(c - 1),
+            # so F(c + 1) may start before F(c) is done; X(c) then only signals and waits
+            if gated:
+                seq += [("V", c, sync(c, release=release, gate=(g, 1)), gated)]
+                release, gated = None, []
+            if c + 1 < n:
+                seq += [("F", c + 1, calls.f(calls.plans[c + 1]), [])]
+        else:
+            seq += [("F", c, calls.f(p), [])]
+        x = sync(c, FLAG_ARRIVED, FLAG_ARRIVED, release, False, (g, len(gated)))
+        seq += [("X", c, x, gated), ("R", c, calls.r(p, False), [])]
         if world > 1:
             seq += [("Y", c, sync(c, FLAG_REDUCED, FLAG_REDUCED), [])]
             seq += [("G", c, calls.r(p, True), [])]
     return seq + [("Z", n - 1, sync(n - 1, release=n - 1, advance=True), [])]
-
-
-def _two_streams(device, seq, prio, f_streams=1):
-    """F on side streams (chunk c on side stream c % f_streams), everything else on the rows stream
-    (the caller's, or with `prio` a high-priority stream forked from it: the block scheduler then
-    gives a ready R / G its SMs before the next finalize's; CUDA graphs keep the priority per
-    kernel node): F(c) waits for the event of the launch that gated its slot, the launch after
-    F(c) on the rows stream (X(c)) for F(c)'s. With two F streams F(c + 1) needs nothing of F(c),
-    so its programs fill the SMs F(c)'s last ones leave."""
-    main = torch.cuda.current_stream(device)
-    sides = [_side_stream(device, i) for i in range(f_streams)]
-    rows = _side_stream(device, high_priority=True) if prio else main
-    for side in sides:
-        side.wait_stream(main)
-    if prio:
-        rows.wait_stream(main)
-    gates, f_done = {}, None
-    for stage, c, fn, gated in seq:
-        if stage == "F":
-            side = sides[c % f_streams]
-            with torch.cuda.stream(side):
-                side.wait_event(gates.pop(c))
-                fn()
-                f_done = torch.cuda.Event()
-                f_done.record(side)
-            continue
-        with torch.cuda.stream(rows):
-            if f_done is not None:
-                rows.wait_event(f_done)
-                f_done = None
-            fn()
-            if gated:
-                ev = torch.cuda.Event()
-                ev.record(rows)
-                gates.update(dict.fromkeys(gated, ev))
-    if prio:  # the caller's stream joins the rows stream (it waited for every F already)
-        main.wait_stream(rows)

@@ -229,8 +229,8 @@ def _finalize_kernel(
     pdl_enter(USE_PDL, True)
     dtype: tl.constexpr = gemm2_ptr.dtype.element_ty
     # (base + c) % SLOTS == c % SLOTS (every call starts on slot 0), but the load stays: without
-    # it ptxas schedules the K gathers later (fewer loads in flight) and F took 6-10% longer
-    # (one H200, benchmarks/twoshot_local.py --ablate); F's stores wait on it, its loads do not
+    # it ptxas ordered the K gathers differently and F took 6-10% longer on one H200
+    # (benchmarks/results/staged_rows_ablation_h200.md); F's stores wait on it, its loads do not
     slot = (tl.load(state_ptr) + c) % SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
     q, ii, live, row, cb = _f_place(tl.program_id(0), n_c, tl.cdiv(n_c, WORLD), c, chunk, WORLD)

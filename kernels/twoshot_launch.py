@@ -1,7 +1,9 @@
 """The two-shot's launch variants over one workspace (`symm_fused_twoshot`): the staged pipeline
-(`symm_staged`) in its default shape, and "staged_prio", the same with the row launches on a
-high-priority stream (`tune` measures it; at world size 1 on one H200 it was neither faster nor
-slower across the measured points: benchmarks/results/README.md). Every variant uses the
+(`symm_staged`) in its default shape (the row launches on a high-priority stream, each chunk's
+finalize gated right after the row launches that free its slot), and "staged_f_after_x", the
+shape that was the default before: the row launches on the caller's stream and F(c + 1) gated by
+X(c), after F(c) (`tune` measures it; at world size 1 on one H200 it is 4.7-7.4% slower at
+T >= 4096: benchmarks/results/README.md). Every variant uses the
 workspace's slots (`symm_protocol.STAGED_SLOTS` x `STAGED_CHUNK`), so calls of either may follow
 each other in any order on every rank (all ranks take the same variant for a call).
 """
@@ -13,10 +15,10 @@ from typing import Optional
 from . import symm_staged
 from .symm_protocol import SymmLayer
 
-VARIANTS = ("staged_prio",)  # beside the default (the staged pipeline, rows on the caller's stream)
+VARIANTS = ("staged_f_after_x",)  # beside the default shape
 _STAGED = {
     None: symm_staged.DEFAULT_SHAPE,
-    "staged_prio": symm_staged.StagedShape(stream_mode="two_prio"),
+    "staged_f_after_x": symm_staged.StagedShape(stream_mode="two", f_ahead=False),
 }
 
 

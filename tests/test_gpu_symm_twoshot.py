@@ -1,5 +1,5 @@
 """GPU tests of `symm_fused_twoshot` (the bandwidth path: the staged pipeline kernels/symm_staged,
-as the default variant and as "staged_prio", its row launches on a high-priority stream) over 2
+as the default variant and as "staged_f_after_x", the earlier default shape) over 2
 ranks (NCCL + symmetric memory, multicast off), on 2 GPUs of one host (run on 2x H200), through the
 strategy: its workspace comes from the symmetric-memory rendezvous. One spawned process group runs
 every case and returns its problems.
@@ -39,7 +39,7 @@ NAME = "symm_fused_twoshot"
 BOUND = math.sqrt(3) * U_BF16
 # chunk boundaries (1024 tokens), the 2 slots turned within a call (T > 2048) and many chunks
 TOKENS = (1, 3, 129, 1000, 1023, 1024, 1025, 2049, 4096, 8192)
-VARIANTS = ("default", "staged_prio")
+VARIANTS = ("default", "staged_f_after_x")
 VARIANT_TOKENS = (1025, 4096)  # where every variant runs (the default elsewhere)
 
 

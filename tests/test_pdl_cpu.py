@@ -93,6 +93,7 @@ def test_the_staged_launches_use_pdl_only_where_allowed(monkeypatch):
         layer.world, layer.rank, layer.hidden = 1, 0, 256
         layer.quant = type("Q", (), {"code": 0, "swizzled": 0, "scale": 1.0})()
         layer.ptrs = layer.state = torch.zeros(2, dtype=torch.int64)
+        layer.own_addr = layer.ptrs.data_ptr()
         layer.routed_scaling, layer.eps, layer.weight_bias, layer.timeout_us = 1.0, 1e-6, 0.0, 1
         x = torch.zeros(3, 256, dtype=torch.bfloat16)
         tensors = dict(

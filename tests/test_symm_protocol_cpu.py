@@ -167,7 +167,7 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
 
     assert SymmFusedTwoshotStrategy._kernel_module(None) is twoshot_launch
     assert twoshot_launch.VARIANTS == TWOSHOT_VARIANTS
-    assert twoshot_launch.variant_shape("staged_prio", 5, 96, 132, 2, 0) == "staged_prio"
+    assert twoshot_launch.variant_shape("staged_f_after_x", 5, 96, 132, 2, 0) == "staged_f_after_x"
     with pytest.raises(ValueError, match="variant: expected one of"):
         twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0)
     words, dtype = symm_protocol.state_words(SymmFusedTwoshotStrategy.workspace_kind)
@@ -176,6 +176,7 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     ws = SimpleNamespace(
         ptrs=torch.zeros(3, dtype=torch.int64),
         state=torch.zeros(words, dtype=dtype),
+        buffer=torch.zeros(64, dtype=torch.uint8),  # this rank's buffer (its address is bound)
         world=2,
         rank=1,
         cap=spec.max_tokens,
@@ -212,6 +213,9 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
         "_LAUNCH_R",
         "_LAUNCH_S",
     ]
-    assert all(args[0] is ws.ptrs and args[1] is ws.state for _, args, _ in made)
+    assert all(args[0] is ws.ptrs for _, args, _ in made)
+    # the row launches take this rank's buffer address, the others the device state
+    own = ws.buffer.data_ptr()
+    assert all(args[1] == own if n == "_LAUNCH_R" else args[1] is ws.state for n, args, _ in made)
     assert all(consts[0] == 2 for _, _, consts in made)  # WORLD
     assert made[1][2][1] == 2  # the finalize's TOP_K

@@ -66,7 +66,7 @@ def _exact_inputs(spec, world, tokens, partial_values, residual_value):
     return out
 
 
-def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False):
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False, f_ahead=False):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first. merged (W = 1):
     the production sequence, the syncs not split."""
     from fusion_bridge.epilogue_tensors import quant_buffers
@@ -99,7 +99,7 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
         sf.fill_(0xFF)
         outs.append((ro, no, q, sf))
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
-    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots)
+    shape = StagedShape(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots, f_ahead=f_ahead)
     if merged:
         _interpreter_loop_bounds()
         for _, _, fn in staged_launches(layers[0], per_rank[0], shape, emulated=True, split=False):
@@ -160,15 +160,19 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     assert emu.flags(STAGED_REDUCED_BYTE).tolist() == [last] * world
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["split", "production"])
-def test_world_of_one_reuses_the_slots(merged):
+@pytest.mark.parametrize(
+    "merged,f_ahead",
+    [(False, False), (True, False), (True, True)],
+    ids=["split", "production", "production_f_ahead"],
+)
+def test_world_of_one_reuses_the_slots(merged, f_ahead):
     """W = 1 (no G) over 6 chunks (the 4 slots reused), the syncs split and as the production
     sequence merges them (one gate for the first 4 chunks, X(c) releasing chunk c - 1 and gating
     chunk c + 3, one final release)."""
     spec = EpilogueSpec(hidden_size=160, top_k=4, routed_scaling_factor=2.5)
     emu = EmulatedTwoshot(1, 4, 160)
     inputs = _inputs(spec, 21, 1, seed=3)
-    outs = _run(emu, spec, inputs, merged=merged)
+    outs = _run(emu, spec, inputs, merged=merged, f_ahead=f_ahead)
     x64, norm64 = epilogue64_from(spec, inputs)
     assert not emu.states[0, 2], hex(int(emu.states[0, 2]))
     assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U

@@ -36,7 +36,6 @@ from fusion_bridge.synthetic import make_inputs
 
 HIDDEN, CHUNK, SLOTS = 64, 4, 2
 SPEC = EpilogueSpec(hidden_size=HIDDEN, top_k=2, routed_scaling_factor=2.5)
-SHAPE = StagedShape(chunk=CHUNK, f_cols=64, slots=SLOTS)
 NAN_BITS = 0x7FC1
 
 
@@ -68,8 +67,8 @@ class _Rank:
     """One rank's launches of one call, in `symm_staged._sequence`'s order: its rows stream (every
     launch but the finalize; a sync launch that waits split in two) and its finalize launches."""
 
-    def __init__(self, emu, layer, tensors):
-        calls = symm_staged._call_launches(layer, SHAPE, tensors, emulated=True)
+    def __init__(self, emu, layer, tensors, shape):
+        calls = symm_staged._call_launches(layer, shape, tensors, emulated=True)
         self.emu, self.n, self.base = emu, len(calls.plans), int(emu.states[layer.rank][0])
         real_sync = calls.sync
         calls.sync = lambda c, signal=0, wait=0, release=None, advance=False, gate=(0, 0): (
@@ -80,12 +79,13 @@ class _Rank:
             advance,
             gate,
         )  # the sequence's sync launches as what they do, split below
-        self.rows, self.finalize, after_finalize = [], {}, None
+        self.rows, self.finalize = [], {}
         for stage, c, launch, gated in symm_staged._sequence(calls, split=False):
             if stage == "F":
-                self.finalize[c], after_finalize = launch, c
+                self.finalize[c] = launch
                 continue
-            needs_f, after_finalize = after_finalize, None  # on the rows stream after F(c)'s event
+            # X(c) waits for F(c)'s event (symm_staged_streams.two_streams)
+            needs_f = c if stage == "X" else None
             if not isinstance(launch, tuple):
                 self.rows.append(dict(launch=launch, needs_f=needs_f, gated=gated))
                 continue
@@ -136,9 +136,11 @@ class _Rank:
         return None if chunk is None else (self.base + chunk) % SLOTS
 
 
-def _random_order_call(emu, layers, inputs, rng):
+def _random_order_call(emu, layers, inputs, rng, shape):
     outs = _poisoned_outputs(inputs)
-    ranks = [_Rank(emu, layer, call_tensors(i, o)) for layer, i, o in zip(layers, inputs, outs)]
+    ranks = [
+        _Rank(emu, layer, call_tensors(i, o), shape) for layer, i, o in zip(layers, inputs, outs)
+    ]
     while True:
         ready = [(r, None) for r, k in enumerate(ranks) if k.next_row_ready()]
         ready += [
@@ -166,12 +168,16 @@ def _random_order_call(emu, layers, inputs, rng):
         rank.gated.update(row["gated"])
 
 
+@pytest.mark.parametrize("f_ahead", [False, True], ids=["f_after_x", "f_ahead"])
 @pytest.mark.parametrize(
     "world,seed,token_counts",
     [(2, 1, (9, 2, 17, 1, 6)), (3, 2, (13, 3, 5)), (4, 3, (1, 1, 8, 13))],
     ids=["W2", "W3", "W4"],
 )
-def test_any_launch_order_the_waits_allow_gives_the_canonical_bits(world, seed, token_counts):
+def test_any_launch_order_the_waits_allow_gives_the_canonical_bits(
+    world, seed, token_counts, f_ahead
+):
+    shape = StagedShape(chunk=CHUNK, f_cols=64, slots=SLOTS, f_ahead=f_ahead)
     _interpreter_loop_bounds()
     one = lambda t, r: make_inputs(SPEC, t, rank=r, seed=t + 7, device="cpu", skip_fraction=0.3)
     calls = [[one(t, r) for r in range(world)] for t in token_counts]
@@ -182,8 +188,8 @@ def test_any_launch_order_the_waits_allow_gives_the_canonical_bits(world, seed, 
     for k, inputs in enumerate(calls):
         want = _poisoned_outputs(inputs)
         per_rank = [call_tensors(i, o) for i, o in zip(inputs, want)]
-        staged_call(canonical_layers, per_rank, shape=SHAPE, emulated=True)
-        got = _random_order_call(random_emu, random_layers, inputs, rng)
+        staged_call(canonical_layers, per_rank, shape=shape, emulated=True)
+        got = _random_order_call(random_emu, random_layers, inputs, rng, shape)
         for r in range(world):
             for i, name in enumerate(("residual_out", "norm_out")):
                 if not torch.equal(want[r][i].view(torch.int16), got[r][i].view(torch.int16)):

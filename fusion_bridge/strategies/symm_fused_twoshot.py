@@ -15,10 +15,12 @@ the fp32 oracle: 3 roundings (the partial, residual_out, norm_out).
 Launch variants (`kernels/twoshot_launch.py`, measured per bucket by `tune`): "default", the staged
 pipeline (`kernels/symm_staged.py`: one launch per stage per chunk of 1024 tokens in 2 slots, the
 chunks' finalize launches on two side streams in turn, a chunk's arrival one flag per rank, L2
-hints that keep a chunk's slot rows in L2 between its finalize and its reduce); "staged_prio",
-the same with its row launches on a high-priority stream. At world size 1 on one H200 (local
-work, K=8, against our standalone finalize + add+RMSNorm in the same run) the default takes
-1.12-1.26x (docs/performance.md).
+hints that keep a chunk's slot rows in L2 between its finalize and its reduce, the row launches
+on a high-priority stream, a chunk's finalize free to start once its slot is released);
+"staged_f_after_x", the earlier default (row launches on the caller's stream, the finalize of
+chunk c + 1 only after that of chunk c). At world size 1 on one H200 (local work, K=8, against our
+standalone finalize + add+RMSNorm in the same run) the default takes 1.08-1.15x
+(docs/performance.md).
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
 buffer pointers, the pinned error word, one workspace shared by every layer) and its safety rules:
@@ -36,7 +38,7 @@ from .base import DEFAULT_VARIANT, Step, required_stages
 from .symm_fused_oneshot import SymmFusedOneshotStrategy
 
 # kernels/twoshot_launch.VARIANTS (named here: the class-level declarations import no kernel)
-TWOSHOT_VARIANTS = ("staged_prio",)
+TWOSHOT_VARIANTS = ("staged_f_after_x",)
 
 
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
@@ -57,8 +59,9 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
 
     @classmethod
     def variants(cls, spec, env):
-        """ "default" (the staged pipeline) and "staged_prio" (its row launches on a
-        high-priority stream); `tune` measures them per bucket (kernels/twoshot_launch)."""
+        """ "default" (the staged pipeline) and "staged_f_after_x" (the earlier default: row
+        launches on the caller's stream, each finalize after the one before it); `tune` measures
+        them per bucket (kernels/twoshot_launch)."""
         return (DEFAULT_VARIANT,) + TWOSHOT_VARIANTS
 
     @classmethod
