@@ -79,9 +79,11 @@ learn it: X(c), failing, fills this rank's own partials of the slot with NaN bef
 (rows [rank][*] of its reduce-scatter region: only this rank's F writes them, so no late or
 out-of-step peer can overwrite the NaN), so every row R(c) sums is NaN with no abort-word read in R;
 G reads the abort word once per row, after it has issued the row's data loads (so the word's round
-trip overlaps theirs). A peer that aborts while a row launch runs may leave that launch's rows right
-rather than NaN, and a G launch's rows wrong rather than NaN, so the error word (the next call
-raises) is what says a call failed. No wait is unbounded.
+trip overlaps theirs). A peer that aborts while a row launch runs may leave that launch's rows wrong
+rather than NaN: once an abort is under way a gate returns at once, so a finalize may write a slot
+that a slow peer's row launch is still reading (the abort word read per row in R narrowed that
+window before; R no longer reads it). The error word (the next call raises) is what says a call
+failed. No wait is unbounded.
 """
 
 from __future__ import annotations
