@@ -97,11 +97,18 @@ def _fail(who, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD: tl.constexpr):
-    """Rank q's slot `slot`: (its reduce-scatter region, [source][CW][H] rows apart; int16)."""
+def _slot_at(buf, slot, hidden, chunk, WORLD: tl.constexpr):
+    """Slot `slot` of the buffer at `buf` (int16 pointer, header included): its reduce-scatter
+    region, [source][CW][H] rows apart."""
     cw = tl.cdiv(chunk, WORLD)
     src_stride = cw.to(tl.int64) * hidden
-    return _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + slot * 2 * WORLD * src_stride
+    return buf + _HEAD_ELEMS + slot * 2 * WORLD * src_stride
+
+
+@triton.jit
+def _slot_base(ptrs_ptr, q, slot, hidden, chunk, WORLD: tl.constexpr):
+    """Rank q's slot `slot` (`_slot_at` of its buffer)."""
+    return _slot_at(_rank_buf(ptrs_ptr, q), slot, hidden, chunk, WORLD)
 
 
 @triton.jit

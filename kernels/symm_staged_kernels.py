@@ -18,7 +18,8 @@ from .symm_device import _globaltimer, abort_word_ptr, payload_bits, start_clock
 from .add_rmsnorm import norm_quant_row
 from .finalize_add import finalize_row
 from .pdl import pdl_enter
-from .symm_staged_device import _HEAD_ELEMS, _UNIT, _fail, _rank_buf, _release, _slot_base
+from .symm_staged_device import _HEAD_ELEMS, _UNIT, _fail, _rank_buf, _release, _slot_at
+from .symm_staged_device import _slot_base
 from .symm_staged_device import _poison_own_partials, _wait_slot_free
 
 FLAG_ARRIVED = 1  # this rank's partials of the chunk are in every owner's slot
@@ -159,8 +160,9 @@ def _sync_kernel(
     gate_n - 1 reuse; ADVANCE (the call's last launch) the base moves on by the call's chunks
     rounded up to a multiple of SLOTS (the skipped sequence numbers released). This rank's own
     release and signal come before its waits, so a wait only ever waits for the peers. A failed
-    wait, or an abort word already set: the error word (`report_error`), and every later row launch
-    writes NaN (it sees the abort word). USE_PDL: first the wait for the grid before it
+    wait, or an abort word already set: the error word (`report_error`); with WAIT arrived, also
+    this rank's own partials of the slot := NaN (the R launch after it sums NaN; G launches read the
+    abort word). USE_PDL: first the wait for the grid before it
     (kernels/pdl.py), so its release follows the previous row launch's reads and its flag reads
     precede nothing; it does not let the next grid be scheduled early (a row launch's programs
     parked on the SMs while this one waits for the peers would take them from the next chunk's
@@ -290,7 +292,7 @@ def _rows_kernel(
     n_own = tl.where(n_c > rank, (n_c - rank + WORLD - 1) // WORLD, 0)
     row_elems = tl.full([], 0, tl.int64) + hidden
     src_stride = tl.cdiv(chunk, WORLD).to(tl.int64) * row_elems
-    here = own + _HEAD_ELEMS + slot * 2 * WORLD * src_stride
+    here = _slot_at(own, slot, hidden, chunk, WORLD)
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden
     if GATHER:
