@@ -33,10 +33,10 @@ def _rank(rank: int, world: int, tree: str, port: int, out: str) -> None:
     )
     import fusion_bridge
     from fusion_bridge import EpilogueSpec, FusionBridge
-    from fusion_bridge.timing import sets_to_rotate, time_graph
+    from fusion_bridge.tuning.timing import sets_to_rotate, time_graph
 
     try:
-        from fusion_bridge.synthetic import make_inputs
+        from fusion_bridge.oracle.synthetic import make_inputs
     except ImportError:  # the tree before the restructure
         from fusion_bridge.testing import make_inputs
     assert fusion_bridge.__file__.startswith(os.path.abspath(tree)), fusion_bridge.__file__

@@ -16,10 +16,11 @@ import sys
 
 import torch
 
-from fusion_bridge.timing import sets_to_rotate, time_eager, time_graph
+from fusion_bridge.tuning.timing import sets_to_rotate, time_eager, time_graph
 from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
-from fusion_bridge.synthetic import make_inputs
-from fusion_bridge.kernels import ops, symm_oneshot
+from fusion_bridge.oracle.synthetic import make_inputs
+from fusion_bridge.kernels import ops
+from fusion_bridge.kernels.symm import oneshot as symm_oneshot
 
 try:  # the persistent two-shot kernel: trees before the ring replaced it
     from fusion_bridge.kernels import symm_twoshot
@@ -73,7 +74,7 @@ def kernel_group(kind, spec, world, cap):
     """Per-rank launch closures fn(rank, inputs, outs)."""
     kern = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
     if NEW:
-        from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
+        from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
 
         g = emulated_group(kind, spec, world, cap, device="cuda", timeout=10_000_000)
         return [
@@ -115,7 +116,8 @@ def kernel_group(kind, spec, world, cap):
 
 
 def time_ranks(fns, sets: int, calls: int = 20, repeats: int = 15) -> float:
-    # a copy of fusion_bridge.timing.time_graphs_per_rank: this script also runs against trees
+    # a copy of fusion_bridge.tuning.timing.time_graphs_per_rank: this script also runs against
+    # trees
     # from before it existed (the A/B's "before" side)
     """Median us per call of W emulated ranks, each replaying its own CUDA graph of `calls` calls on
     its own stream, all at once (as W GPUs would: one graph holding every rank would not guarantee

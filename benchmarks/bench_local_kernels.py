@@ -23,8 +23,8 @@ from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.finalize_add import finalize_add_into
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
 from fusion_bridge.cli.bench import write_csv
-from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph
-from fusion_bridge.torch_math import finalize_fp32
+from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph
+from fusion_bridge.oracle.torch_math import finalize_fp32
 
 
 def finalize_sets(tokens, hidden, top_k, count, dev):

@@ -7,11 +7,11 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export CUDA_VISIBLE_DEVICES=0
-timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 12 -m gpu tests/test_gpu_fused_tp1.py \
+timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 12 -m gpu tests/kernels/test_tp1_shapes_and_graphs.py \
   > "$OUT/gpu_tests_fused_tp1.txt" 2>&1
 echo "fused_tp1 tests rc=$?"; tail -4 "$OUT/gpu_tests_fused_tp1.txt"
 if [ -z "${SKIP_SYMM_TESTS:-}" ]; then
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 4 -m gpu tests/test_gpu_symm_one_device.py \
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 4 -m gpu tests/kernels/test_symm_oneshot_emulated_on_one_gpu.py \
     -k oneshot > "$OUT/gpu_tests_symm_one_device.txt" 2>&1
   echo "symm_one_device tests rc=$?"; tail -4 "$OUT/gpu_tests_symm_one_device.txt"
 fi

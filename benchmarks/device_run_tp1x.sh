@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (one H200): the world-size-1 kernel of this tree against the main tree's, same run.
-# Run from the root of the device's copy of /work/main, this tree staged at .wt/tp1x
+# Run from the root of the device's copy of /work/main, this tree twoshot at .wt/tp1x
 # (bash /work/tools/device-stage.sh tp1x), after `source .device/fi-env.sh`; writes to $OUT.
 #   1. compile in parallel: main's defaults (tp1_warm.py), this tree's sweep variants
 #      (tp1_sweep.py --warm-only), this tree's one-GPU tests at H=7168 (pytest -n 8)
@@ -19,7 +19,7 @@ t0=$(date +%s)
 main_env timeout 120 python3 "$TREE/benchmarks/tp1_warm.py" --tree "$ROOT" --tokens 1 16 64 256 --jobs 3 >"$OUT/warm_main.txt" 2>&1 &
 tree_env timeout 120 python3 benchmarks/tp1_sweep.py --tokens $SWEEP_TOKENS --quant-tokens 16 64 256 1024 4096 \
   --warm-only --jobs 5 >"$OUT/warm_tree.txt" 2>&1 &
-tree_env timeout 130 python3 -m pytest -q -n 8 -m gpu tests/test_gpu_fused_tp1.py -k \
+tree_env timeout 130 python3 -m pytest -q -n 8 -m gpu tests/kernels/test_tp1_shapes_and_graphs.py -k \
   "7168-8 or split_rows or graph or reciprocal" >"$OUT/tests.txt" 2>&1
 echo "tests done $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"
 wait

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The second device call (one H200): this tree's GPU tests, the world-size-1 table of this tree
 # against the main tree's in the same run, and two A/B sweeps of the whole-row kernel: 64-register
-# cap on / off (then an env switch, now tp1_sweep.py --no-register-cap) and this tree against the first call's tree (staged at
+# cap on / off (then an env switch, now tp1_sweep.py --no-register-cap) and this tree against the first call's tree (twoshot at
 # .wt/tp1x_c1: NVFP4 codes by seven comparisons). Run from the root of the device's copy of
 # /work/main after `source .device/fi-env.sh`; writes to $OUT.
 set -u
@@ -27,8 +27,8 @@ tree_env timeout 90 python3 $SWEEP --warm-only --jobs 1 >"$OUT/warm_sweep.txt" 2
 tree_env env FUSION_BRIDGE_TP1_MAXNREG=0 timeout 90 python3 $SWEEP --warm-only --jobs 2 \
   >"$OUT/warm_sweep_uncapped.txt" 2>&1 &
 c1_env timeout 90 python3 $SWEEP --quant nvfp4 --warm-only --jobs 1 >"$OUT/warm_c1.txt" 2>&1 &
-tree_env timeout 95 python3 -m pytest -q -n 9 -m gpu tests/test_gpu_fused_tp1.py \
-  tests/test_gpu_local.py tests/test_gpu_launcher.py \
+tree_env timeout 95 python3 -m pytest -q -n 9 -m gpu tests/kernels/test_tp1_shapes_and_graphs.py \
+  tests/kernels/test_blocks_and_local_fused_nccl_on_gpu.py tests/kernels/test_launch_cache_compiled.py \
   -k "(tp1 and ((parity_grid and -8-) or split_rows or graph or reciprocal)) or local_fused_parity_grid[7168-8 or launcher" \
   >"$OUT/tests.txt" 2>&1
 phase tests
@@ -51,7 +51,7 @@ tree_env env FUSION_BRIDGE_TP1_MAXNREG=0 timeout 30 python3 $SWEEP \
 c1_env timeout 20 python3 $SWEEP --quant nvfp4 --csv "$OUT/sweep_c1.csv" >"$OUT/sweep_c1.txt" 2>&1
 phase sweeps
 # 3. the kernels that share the changed building blocks, ranks emulated (the GPU alone)
-tree_env timeout 45 python3 -m pytest -q -m gpu tests/test_gpu_symm_one_device.py -k oneshot \
+tree_env timeout 45 python3 -m pytest -q -m gpu tests/kernels/test_symm_oneshot_emulated_on_one_gpu.py -k oneshot \
   >"$OUT/tests_symm.txt" 2>&1
 phase symm
 tail -2 "$OUT/tests.txt" "$OUT/tests_symm.txt"

@@ -4,7 +4,7 @@
 # (the device's root) in the same run (H=7168 none and nvfp4; this tree also fp8 and H=4096 none and nvfp4), the H=4096
 # whole-row warps sweep and the 64-register cap's A/B (tp1_sweep.py --no-register-cap against the
 # default, default shapes only). Run from the root of the device's copy of /work/main after
-# `source .device/fi-env.sh`, this tree staged at .wt/tp1y; writes at most 8 files to $OUT.
+# `source .device/fi-env.sh`, this tree twoshot at .wt/tp1y; writes at most 8 files to $OUT.
 set -u
 ROOT=$PWD
 TREE=$ROOT/.wt/tp1y
@@ -22,8 +22,8 @@ SW="--tokens 64 256 1024 4096 --quant-tokens 64 256 1024 4096"
 # 1. the tests (GPU shared by the workers) while the main tree's kernels compile
 main_env timeout 150 python3 "$TREE/benchmarks/tp1_warm.py" --tree "$ROOT" --tokens $TOKENS \
   --hidden 7168 --quant none nvfp4 --jobs 3 >/tmp/tp1y_warm.txt 2>&1 &
-tree_env timeout 150 python3 -m pytest -q -n 12 -m gpu tests/test_gpu_fused_tp1.py \
-  tests/test_gpu_local.py tests/test_gpu_launcher.py >"$OUT/tests.txt" 2>&1
+tree_env timeout 150 python3 -m pytest -q -n 12 -m gpu tests/kernels/test_tp1_shapes_and_graphs.py \
+  tests/kernels/test_blocks_and_local_fused_nccl_on_gpu.py tests/kernels/test_launch_cache_compiled.py >"$OUT/tests.txt" 2>&1
 phase tests
 # the broken copy: the block scale's clamp to 448 removed (a NaN amax would then store 0x7f)
 rm -rf "$BROKEN"; cp -r "$TREE" "$BROKEN"; ln -sfn ../kernels "$BROKEN/fusion_bridge/kernels"
@@ -31,7 +31,7 @@ sed -i 's/q = tl.minimum(_div_by_scale(v, 6.0), 448.0)/q = _div_by_scale(v, 6.0)
   "$BROKEN/kernels/quant.py"
 (cd "$BROKEN" && grep -c "q = _div_by_scale(v, 6.0)$" kernels/quant.py && \
   PYTHONPATH=/tmp/fi-site:$BROKEN timeout 40 python3 -m pytest -q -m gpu \
-  tests/test_gpu_fused_tp1.py -k block_scale 2>&1 | tail -4) >"$OUT/broken.txt" 2>&1
+  tests/kernels/test_tp1_shapes_and_graphs.py -k block_scale 2>&1 | tail -4) >"$OUT/broken.txt" 2>&1
 phase broken
 wait
 tree_env timeout 60 python3 benchmarks/tp1_warm.py --tokens $TOKENS --hidden 7168 --jobs 12 \

@@ -15,7 +15,7 @@ t0=$(date +%s)
 phase() { echo "$1 $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.txt"; }
 main_env timeout 80 python3 "$TREE/benchmarks/tp1_warm.py" --tree "$ROOT" --tokens 1 16 64 \
   --hidden 7168 --jobs 3 >/tmp/tp1y_warm2.txt 2>&1 &
-tree_env timeout 90 python3 -m pytest -q -n 12 -m gpu tests/test_gpu_fused_tp1.py \
+tree_env timeout 90 python3 -m pytest -q -n 12 -m gpu tests/kernels/test_tp1_shapes_and_graphs.py \
   >"$OUT/tests2.txt" 2>&1
 phase tests
 wait

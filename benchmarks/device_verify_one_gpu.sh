@@ -15,11 +15,11 @@ root=$PWD; t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 el "one-GPU tests"
 timeout 260 python3 -m pytest -q -n 14 -m gpu -p no:cacheprovider --timeout 200 \
-  tests/test_gpu_symm_one_device.py tests/test_gpu_fused_tp1.py tests/test_gpu_local.py \
-  tests/test_gpu_launcher.py tests/test_gpu_hf_transformers.py > "$OUT/gpu_tests.log" 2>&1
+  tests/kernels/test_symm_oneshot_emulated_on_one_gpu.py tests/kernels/test_tp1_shapes_and_graphs.py tests/kernels/test_blocks_and_local_fused_nccl_on_gpu.py \
+  tests/kernels/test_launch_cache_compiled.py tests/integrations/test_hf_transformers_on_gpu.py > "$OUT/gpu_tests.log" 2>&1
 tail -3 "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
 el "emulated-ranks two-shot tests, alone on the GPU"
-timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu_symm_staged_one_device.py \
+timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_symm_twoshot_emulated_on_one_gpu.py \
   > "$OUT/twoshot_tests.log" 2>&1
 tail -3 "$OUT/twoshot_tests.log"
 [ $# -gt 0 ] || { el "no older trees given: no A/B"; exit 0; }

@@ -11,7 +11,7 @@ import sys
 import time
 
 from fusion_bridge import EpilogueSpec, FusionBridge
-from fusion_bridge.synthetic import make_inputs
+from fusion_bridge.oracle.synthetic import make_inputs
 
 
 class NoOp:

@@ -18,7 +18,7 @@ Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP1):
 - strategy_run: the selected strategy's own run for T (the eager plan's, if the bridge has one);
 - finalize_kernel_normal / finalize_kernel_cached: our finalize kernel alone, Triton's
 `kernel[grid]`
-  launch vs the launch cache (kernels/launcher.py), same precomputed launch shape, preallocated
+  launch vs the launch cache (kernels/launch_cache.py), same precomputed launch shape, preallocated
   output;
 - finalize_add_into: the launch function the strategies use (shape lookup + cached launch);
 - fi_allreduce_public / fi_allreduce_prebound: FlashInfer's AR+residual+RMSNorm, its Python wrapper
@@ -26,7 +26,7 @@ Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP1):
 - fi_moe_finalize_public (the anchor) / fi_moe_finalize_prebound: FlashInfer's fused MoE-finalize
   kernel called directly, weights pre-cast to the activation dtype;
 - graph_selected / graph_fi_moe_finalize: CUDA-graph GPU time per call
-(fusion_bridge.timing.time_graph)
+(fusion_bridge.tuning.timing.time_graph)
   of the graph plan's strategy and of the anchor.
 
 Writes benchmarks/results/eager_cost_h200.csv (long format) and prints a table with the ratios the
@@ -254,8 +254,8 @@ def rank_main(
 
     from fusion_bridge import FusionBridge
     from fusion_bridge.kernels import finalize_add as fa
-    from fusion_bridge.synthetic import make_inputs
-    from fusion_bridge.timing import time_graph
+    from fusion_bridge.oracle.synthetic import make_inputs
+    from fusion_bridge.tuning.timing import time_graph
 
     group = dist.group.WORLD
     barrier = (lambda: dist.barrier(group)) if world_size > 1 else (lambda: None)

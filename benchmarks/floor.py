@@ -12,7 +12,7 @@ one-shot/two-shot
 all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize kernel (weights
 pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and without programmatic
 dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations) and
-`symm_fused_twoshot` (none, nvfp4; the staged pipeline, default shape), with the two-shot
+`symm_fused_twoshot` (none, nvfp4; the two-shot pipeline, default shape), with the two-shot
 composition
 (our finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
@@ -44,7 +44,7 @@ from typing import Optional  # noqa: E402
 
 from fusion_bridge.cli.bench import write_csv  # noqa: E402
 from fusion_bridge.cli.launch import run_distributed  # noqa: E402
-from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
 
 def _rmax(value: float, dev) -> float:
@@ -69,7 +69,7 @@ def _peer_gbs(rank: int, dev, nbytes: int = 256 << 20) -> float:
 
 
 def _inputs(spec, tokens, count, dev, rank):
-    from fusion_bridge.synthetic import make_inputs
+    from fusion_bridge.oracle.synthetic import make_inputs
 
     return [
         make_inputs(spec, tokens, rank=rank, seed=1000 * i + tokens, device=dev, skip_fraction=0.0)
@@ -94,8 +94,9 @@ def rank_main(
     from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
-    from fusion_bridge.kernels import symm_oneshot, symm_testing
-    from fusion_bridge.kernels import symm_protocol as P
+    from fusion_bridge.kernels.symm import oneshot as symm_oneshot
+    from fusion_bridge.testing import symm_oneshot_rig as symm_testing
+    from fusion_bridge.kernels.symm import protocol as P
 
     # the exchange alone: constant partials published and awaited, no gathers, no outputs
     EXCHANGE_ONLY = P.ALL_PHASES & ~P.FINALIZE & ~P.NORM

@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/floor_out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv,noheader > "$OUT/gpu_state.txt" 2>&1
-timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -s -x tests/test_gpu_symm_oneshot.py -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -s -x tests/distributed/test_symm_oneshot_two_gpus.py -p no:cacheprovider \
   > "$OUT/gpu_symm.log" 2>&1; echo "gpu tests rc=$?"
 grep -E "symm gpu test|passed|failed|Error|^    " "$OUT/gpu_symm.log" | head -30 | cut -c1-300
 if [ "${FULL:-0}" = 1 ]; then paths=(); else

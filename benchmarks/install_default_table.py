@@ -1,5 +1,5 @@
 """Ship a tuned table as a default: copy a cache file written by `tune`/`bench` into
-fusion_bridge/tables/
+fusion_bridge/tuning/shipped/
 under the name a bridge looks up (GPU name, world size and spec; library versions not part of the
 key).
 
@@ -14,7 +14,7 @@ import sys
 from fusion_bridge import EpilogueSpec, QuantSpec
 from fusion_bridge.strategies import Environment
 from fusion_bridge.spec import DTYPE_BY_NAME
-from fusion_bridge.tuning import default_table_path
+from fusion_bridge.tuning.tables import default_table_path
 
 
 def main(paths: list[str]) -> int:

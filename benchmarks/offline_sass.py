@@ -8,9 +8,9 @@ launch API before the kernel restructure, commit 5a52f1a). Each case calls the r
 CPU tensors (H=7168, K=8), records the launch instead of running it, binds the arguments with
 Triton's own CUDA specialization (alignment, divisibility, constexprs), compiles, and writes
 OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: twoshot_w1_none (the
-default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add, the staged two-shot's
-launches (symm_staged, default StagedShape, rank 0) staged_rows_w1_none, staged_finalize_w1,
-staged_rows_w2_none, staged_gather_w2_none, staged_rows_w3_none, staged_rows_w8_none with l2=2
+default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add, the two-shot's
+launches (symm_twoshot, default TwoshotShape, rank 0) twoshot_rows_w1_none, twoshot_finalize_w1,
+twoshot_rows_w2_none, twoshot_gather_w2_none, twoshot_rows_w3_none, twoshot_rows_w8_none with l2=2
 and PDL as a GPU call (each also `_l0`: l2=0, no PDL; the rows ones not LAST), tp1_*, *_nvfp4;
 `all` for every one. A tree without one of the kernels (kernels/symm_twoshot.py: the ring
 replaced it) prints its cases as skipped.
@@ -35,7 +35,7 @@ from triton.runtime.jit import create_function_from_signature
 
 import fusion_bridge
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
-from fusion_bridge.synthetic import make_inputs
+from fusion_bridge.oracle.synthetic import make_inputs
 
 
 def _tree_kernels() -> None:
@@ -57,12 +57,13 @@ def _tree_kernels() -> None:
 
 
 _tree_kernels()
-from fusion_bridge.kernels import add_rmsnorm, finalize_add, symm_oneshot  # noqa: E402
+from fusion_bridge.kernels import add_rmsnorm, finalize_add  # noqa: E402
+from fusion_bridge.kernels.symm import oneshot as symm_oneshot  # noqa: E402
 
-try:  # the staged two-shot's kernels (trees before it: its cases skip)
-    from fusion_bridge.kernels import symm_staged_kernels
+try:  # the two-shot's kernels (trees before it: its cases skip)
+    from fusion_bridge.kernels.symm import twoshot_kernels as symm_twoshot_kernels
 except ImportError:
-    symm_staged_kernels = None
+    symm_twoshot_kernels = None
 try:  # the persistent two-shot kernel: trees before the ring replaced it (its cases then skip)
     from fusion_bridge.kernels import symm_twoshot
 except ImportError:
@@ -152,7 +153,7 @@ def _symm_launch(module, world: int, inp, out):
         args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights)
         args += (inp.shared_output, inp.residual, inp.gamma, 2.5, SPEC.eps, 0.0, 0, 1.0, False)
         return lambda: module.fused_into(ws, *out, *args)
-    from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
 
     cap = 2048 if module is symm_oneshot else 4096
     kind = "oneshot" if module is symm_oneshot else "twoshot"
@@ -173,7 +174,7 @@ def nvfp4_cases() -> dict:
     """The kernels that quantize to NVFP4 without LEAN: the standalone quant kernel, the norm
     kernel, the one-shot exchange kernel (its windowed quantize_span)."""
     from fusion_bridge.kernels import quant
-    from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
 
     spec = EpilogueSpec(
         hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=QuantSpec.nvfp4(336.0)
@@ -205,9 +206,9 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
     """fused_tp1's launch at T as on an H200 (num_sms 132: the split kernel where the GPU would
     take it; PREFETCH and RECIP as a GPU call sets them), on CPU tensors."""
     from fusion_bridge.epilogue_tensors import quant_buffers
-    from fusion_bridge.kernels.symm_protocol import SymmLayer
-    from fusion_bridge.kernels.tp1_launch import LocalLauncher
-    from fusion_bridge.kernels.symm_testing import call_tensors
+    from fusion_bridge.kernels.layer import LayerRecord
+    from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
 
     q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
     spec = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=q[quant])
@@ -217,32 +218,32 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
     empty = torch.empty(0, dtype=torch.uint8)
     qb = empty if qb is None else qb.view(torch.uint8)
     out = (ro, torch.empty_like(ro), qb, empty if sf is None else sf)
-    launcher = LocalLauncher(SymmLayer.local(spec, ro.device), num_sms, ro.device)
+    launcher = Tp1Dispatcher(LayerRecord.of(spec), num_sms, ro.device)
     return lambda: launcher(**call_tensors(inp, out))
 
 
-def _staged_launch(world: int, inp, out):
-    """symm_staged.launch (the large-T two-shot, default StagedShape) of rank 0 of `world`
-    emulated ranks on CPU tensors; the other staged kernels' launches are stubbed out
-    (`staged_others`). A G launch has the R launch's arguments (GATHER set by gpu_constexprs)."""
-    from fusion_bridge.kernels import symm_staged
+def _twoshot_launch(world: int, inp, out):
+    """symm_twoshot.launch (the large-T two-shot, default TwoshotShape) of rank 0 of `world`
+    emulated ranks on CPU tensors; the other twoshot kernels' launches are stubbed out
+    (`twoshot_others`). A G launch has the R launch's arguments (GATHER set by gpu_constexprs)."""
+    from fusion_bridge.kernels.symm import twoshot as symm_twoshot
     from fusion_bridge.kernels.quant_codes import quant_args
-    from fusion_bridge.kernels.symm_testing import call_tensors
-    from fusion_bridge.kernels.symm_testing_staged import EmulatedTwoshot, twoshot_layer
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.testing.symm_twoshot_rig import EmulatedTwoshot, twoshot_layer
 
-    shape = symm_staged.StagedShape(stream_mode="one")
+    shape = symm_twoshot.TwoshotShape(stream_mode="one")
     group = EmulatedTwoshot(world, shape.chunk, H, shape.slots)
     scalars = (2.5, SPEC.eps, 0.0)
     layer = twoshot_layer(group.ptrs[0], group.states[0], world, 0, 132 // world, 3, H, scalars,
                           quant_args(SPEC))  # fmt: skip
-    return lambda: symm_staged.launch(layer, shape=shape, **call_tensors(inp, out))
+    return lambda: symm_twoshot.launch(layer, shape=shape, **call_tensors(inp, out))
 
 
-def staged_others(kernel_name: str) -> tuple:
-    """The staged kernels a staged case does not record (their launches are stubbed out)."""
+def twoshot_others(kernel_name: str) -> tuple:
+    """The twoshot kernels a twoshot case does not record (their launches are stubbed out)."""
     if kernel_name not in ("_rows_kernel", "_finalize_kernel", "_sync_kernel"):
         return ()
-    from fusion_bridge.kernels import symm_staged_kernels as sk
+    from fusion_bridge.kernels.symm import twoshot_kernels as sk
 
     names = ("_rows_kernel", "_finalize_kernel", "_sync_kernel")
     return tuple(getattr(sk, n) for n in names if n != kernel_name)
@@ -251,13 +252,13 @@ def staged_others(kernel_name: str) -> tuple:
 def gpu_constexprs(name: str) -> dict:
     """What a GPU call passes where the CPU launch differs (HW_CVT aside): fp8 divides through
     the reciprocal; the split kernel runs both phases in one launch and polls for ~1 s."""
-    if name.startswith("staged_"):  # a GPU call: L2 hints (l2=2) and PDL unless `_l0`; not LAST
+    if name.startswith("twoshot_"):  # a GPU call: L2 hints (l2=2) and PDL unless `_l0`; not LAST
         got = {"L2": 0, "USE_PDL": False} if name.endswith("_l0") else {"L2": 2, "USE_PDL": True}
         gather = {"GATHER": True} if "gather" in name else {}
         return got | ({} if "finalize" in name else {"LAST": False} | gather)
     if not name.startswith("tp1_"):
         return {}
-    from fusion_bridge.kernels.oneshot_shapes import MAX_POLLS
+    from fusion_bridge.kernels.tp1.shapes import MAX_POLLS
 
     got = {"RECIP": int("_fp8_" in name)} | ({"USE_PDL": 1} if name.endswith("_pdl") else {})
     return got | ({"PHASES": 3, "MAX_POLLS": MAX_POLLS} if "split" in name else {})
@@ -300,11 +301,11 @@ def cases(inp, out) -> dict:
                 ),
             ),
         }
-        | {  # the staged two-shot (symm_staged): l2=2 + PDL as a GPU call, `_l0`: l2=0, no PDL
-            f"staged_{kind}_w{world}{suffix}": (
-                symm_staged_kernels,
+        | {  # the two-shot (symm_twoshot): l2=2 + PDL as a GPU call, `_l0`: l2=0, no PDL
+            f"twoshot_{kind}_w{world}{suffix}": (
+                symm_twoshot_kernels,
                 "_finalize_kernel" if kind == "finalize" else "_rows_kernel",
-                lambda world=world: _staged_launch(world, inp, out)(),
+                lambda world=world: _twoshot_launch(world, inp, out)(),
             )
             for kind, world in (
                 ("rows", 1),
@@ -337,7 +338,8 @@ def cases(inp, out) -> dict:
 
 
 def tp1_launch_module(kind: str):
-    from fusion_bridge.kernels import oneshot_local, tp1_split
+    from fusion_bridge.kernels import row_epilogue as oneshot_local
+    from fusion_bridge.kernels.tp1 import split_rows as tp1_split
 
     return oneshot_local if kind == "rows" else tp1_split
 
@@ -354,7 +356,7 @@ def main() -> int:
         module, kernel_name, launch = table[name]
         try:
             kernel = getattr(module, kernel_name)
-            args, kwargs = recorded_launch(kernel, launch, staged_others(kernel_name))
+            args, kwargs = recorded_launch(kernel, launch, twoshot_others(kernel_name))
         except (AttributeError, ImportError, TypeError) as exc:  # a case this tree does not have
             print(f"{name}: skipped ({type(exc).__name__}: {exc})")
             continue

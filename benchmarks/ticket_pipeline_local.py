@@ -4,7 +4,8 @@ work items by ticket (an atomic counter) in a fixed order that interleaves the f
 chunks with the row work (residual add + RMSNorm) of the chunk LAG behind, through a ring of SLOTS
 small chunk slots that stay in L2. Not a strategy: no peers, no quantization, no error word. The
 question: does one launch that keeps the slot rows in L2 bring the local work to (or below) the sum
-of our two standalone kernels, where the staged pipeline (`kernels/symm_staged.py`: one launch per
+of our two standalone kernels, where the two-shot pipeline (`kernels/symm/twoshot.py`: one launch
+per
 stage per chunk) stays 12-26% above it? On one H200 (benchmarks/results/README.md,
 `ticket_pipeline_local_h200_v1..v4_rejected.csv`) no: 1.21-2.0x at T >= 4096.
 
@@ -17,8 +18,10 @@ finalize item on the release count of the chunk SLOTS before, LAG < SLOTS), and 
 ticket only while it is running, so whatever the number of programs resident the lowest unfinished
 ticket always runs: no deadlock. Counters are zeroed by a memset each call (included in the time).
 Every variant is first checked against the standalone kernels (residual_out bitwise, norm_out
-within 0.1); `--halves` adds its finalize items alone, its row items alone (no waits) and its
-finalize items without their release atomics. `tests/test_ticket_probe_cpu.py` runs the kernel
+within 0.1); `--halves` adds its finalize items alone, its row items alone (no waits) and
+its
+finalize items without their release atomics. `tests/benchmarks/test_ticket_probe.py` runs the
+kernel
 under the interpreter.
 """
 
@@ -277,8 +280,8 @@ def main() -> None:
     from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
     from fusion_bridge.kernels.finalize_add import finalize_add_into
     from fusion_bridge.spec import EpilogueSpec
-    from fusion_bridge.synthetic import make_inputs
-    from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph
+    from fusion_bridge.oracle.synthetic import make_inputs
+    from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])

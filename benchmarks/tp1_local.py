@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fusion_bridge.cli.bench import write_csv  # noqa: E402
-from fusion_bridge.timing import (  # noqa: E402
+from fusion_bridge.tuning.timing import (  # noqa: E402
     copy_bandwidth_gbs,
     sets_to_rotate,
     time_eager,
@@ -76,11 +76,11 @@ def main() -> None:
     ap.add_argument("--no-two-launch", action="store_true", help="skip the two-launch rows")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
-    from fusion_bridge.kernels import symm_oneshot
+    from fusion_bridge.kernels.symm import oneshot as symm_oneshot
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1_launch import OneshotShape
-    from fusion_bridge.kernels.symm_testing import call_tensors, emulated_group
-    from fusion_bridge.synthetic import make_inputs
+    from fusion_bridge.kernels.tp1.launch import OneshotShape
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
+    from fusion_bridge.oracle.synthetic import make_inputs
 
     bw = copy_bandwidth_gbs(1 << 30)
     rows = [dict(path="copy_gbs", quant="", H=0, T=0, us=round(bw, 1), floor_us=0, x_floor=0)]
@@ -232,8 +232,8 @@ def _pdl_ab(one, sets, n, tokens, hidden):
     """The strategy's default launch shape with pdl 0 and 1 (alternating, two rounds): back to
     back ("pdl0" / "pdl1"), and each call after a torch kernel that rewrites its routing weights
     (the same values: "after_torch_pdl0" / "_pdl1"), as a router or GEMM would before it."""
-    from fusion_bridge.kernels.oneshot_shapes import local_shape
-    from fusion_bridge.kernels.symm_testing import call_tensors
+    from fusion_bridge.kernels.tp1.shapes import local_shape
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
 
     out = one.run(sets[0])
     q = out.quant.view(torch.uint8) if out.quant is not None else one._unused

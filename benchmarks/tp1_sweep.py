@@ -24,7 +24,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.tp1_local import _spec, _strategy  # noqa: E402
-from fusion_bridge.timing import sets_to_rotate, time_graph  # noqa: E402
+from fusion_bridge.tuning.timing import sets_to_rotate, time_graph  # noqa: E402
 
 
 QUANT_CODE = {"none": 0, "fp8": 1, "nvfp4": 2}
@@ -48,7 +48,7 @@ def shapes(
     (at least 4), split rows at each chunk that fits; each with each of `prefetches` (the L2
     prefetch of the row). default_only: the default alone."""
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1_launch import OneshotShape, local_shape, split_ok
+    from fusion_bridge.kernels.tp1.launch import OneshotShape, local_shape, split_ok
 
     rb = row_block(hidden)
     out = [local_shape(tokens, hidden, QUANT_CODE[quant], num_sms)]
@@ -68,7 +68,7 @@ def shapes(
 
 
 def _run_one(strat, inp, out, shape):
-    from fusion_bridge.kernels.symm_testing import call_tensors
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
 
     strat._launch(**call_tensors(inp, out), shape=shape)
 
@@ -81,7 +81,7 @@ def _outputs(strat, inp):
 
 
 def _set_register_cap(on: bool) -> None:
-    from fusion_bridge.kernels import tp1_launch
+    from fusion_bridge.kernels.tp1 import launch as tp1_launch
 
     tp1_launch.CAP_REGISTERS = on
 
@@ -89,8 +89,8 @@ def _set_register_cap(on: bool) -> None:
 def _warm(task) -> str:
     """Compile one variant (in a worker process)."""
     hidden, top_k, quant, tokens, shape = task
-    from fusion_bridge.kernels.tp1_launch import OneshotShape
-    from fusion_bridge.synthetic import make_inputs
+    from fusion_bridge.kernels.tp1.launch import OneshotShape
+    from fusion_bridge.oracle.synthetic import make_inputs
 
     spec = _spec(hidden, top_k, quant, max(tokens, 1))
     strat = _strategy("fused_tp1", spec)
@@ -128,8 +128,8 @@ def main() -> None:
     _set_register_cap(not args.no_register_cap)
     pick = dict(prefetches=args.prefetch, row_warps=args.row_warps, default_only=args.default_only)
     from fusion_bridge.cli.bench import write_csv
-    from fusion_bridge.kernels.tp1_launch import local_shape
-    from fusion_bridge.synthetic import make_inputs
+    from fusion_bridge.kernels.tp1.launch import local_shape
+    from fusion_bridge.oracle.synthetic import make_inputs
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     flag = torch.zeros(1024, dtype=torch.int32, device="cuda")

@@ -1,15 +1,16 @@
-"""The large-T path's local work on ONE GPU: the two-shot (`kernels/symm_staged.py`) with a world
+"""The large-T path's local work on ONE GPU: the two-shot (`kernels/symm/twoshot.py`) with a world
 of 1 (no peers: every row is its own, no peer reads, no all-gather, no link traffic) beside our
 finalize kernel alone and our add+RMSNorm kernel alone, measured in the same run. Target: the
 two-shot <= finalize + add_rmsnorm.
 
     python benchmarks/twoshot_local.py [--tokens 1024 4096 8192] [--hidden 7168 4096] [--csv PATH]
-        [--staged LABEL... | all] [--ablate]
+        [--twoshot LABEL... | all] [--ablate]
 
 Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
 sum, each two-shot row's time, its ratio to the sum and its workspace per rank (MB). Labels: the
-STAGED launch shapes (`symm_staged.StagedShape` fields, each on buffers laid out for it) and the
-TWOSHOT labels (the strategy's launch variants, `kernels/twoshot_launch.py`). Every row is first
+TWOSHOT launch shapes (`symm_twoshot.TwoshotShape` fields, each on buffers laid out for it) and the
+TWOSHOT labels (the strategy's launch variants, `kernels/symm/twoshot_variants.py`). Every row is
+first
 checked against the two standalone kernels' outputs (residual_out bitwise equal: the same
 roundings; norm_out close: the two-shot norms the rounded residual_out) and its error word.
 `--ablate` adds, per label, its finalize launches alone (`_only_F`), its row launches alone
@@ -29,14 +30,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fusion_bridge.cli.bench import write_csv  # noqa: E402
-from fusion_bridge.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
-# label -> StagedShape fields. "default" is the default shape (2 slots x 1024 tokens, F on 2 side
+# label -> TwoshotShape fields. "default" is the default shape (2 slots x 1024 tokens, F on 2 side
 # streams, L2 2, PDL, row launches on a high-priority stream, f_ahead). The labels after it were
 # measured against the earlier default, "f_after_x" (rows on the caller's stream, F(c + 1) gated
 # by X(c)), and keep meaning a change to that one
 _F_AFTER_X = dict(stream_mode="two", f_ahead=False)
-STAGED = {
+TWOSHOT = {
     "default": dict(),
     "f_after_x": _F_AFTER_X,
     # F(c + 1) gated by its own release-and-gate launch right after R(c - 1), not by X(c): without
@@ -63,24 +64,24 @@ STAGED = {
     "fw8": _F_AFTER_X | dict(f_warps=8),
     "f2048_w8": _F_AFTER_X | dict(f_cols=2048, f_warps=8),
 }
-# the two-shot strategy's launch variants (kernels/twoshot_launch.py)
-TWOSHOT = {"twoshot_default": None, "twoshot_staged_f_after_x": "staged_f_after_x"}
+# the two-shot strategy's launch variants (kernels/symm/twoshot_variants.py)
+TWOSHOT = {"twoshot_default": None, "twoshot_f_after_x": "f_after_x"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
-    ap.add_argument("--staged", nargs="+", default=["default"], help="labels or 'all'")
+    ap.add_argument("--twoshot", nargs="+", default=["default"], help="labels or 'all'")
     ap.add_argument("--ablate", action="store_true", help="also time the stages alone")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
     from fusion_bridge.kernels.finalize_add import finalize_add_into
     from fusion_bridge.spec import EpilogueSpec
-    from fusion_bridge.synthetic import make_inputs
+    from fusion_bridge.oracle.synthetic import make_inputs
 
-    labels = list(STAGED) + list(TWOSHOT) if args.staged == ["all"] else args.staged
+    labels = list(TWOSHOT) + list(TWOSHOT) if args.twoshot == ["all"] else args.twoshot
     copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
     rows = []  # one per (H, T, label): the table the target reads
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
@@ -130,7 +131,7 @@ def main() -> None:
             norm(0)
             ref = (ro.clone(), no.clone())
             for label in labels:
-                rows.extend(_staged_rows(label, record, row, spec, sets, n, part, ref, keep,
+                rows.extend(_twoshot_rows(label, record, row, spec, sets, n, part, ref, keep,
                                          args.ablate))  # fmt: skip
     print(f"\nHBM copy {copy_gbs} GB/s; W=1 local work vs our two standalone kernels (us, graph)")
     cols = list(rows[0])
@@ -143,25 +144,25 @@ def main() -> None:
         )
 
 
-def _staged_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
-    """The two-shot at world size 1 in shape STAGED[label], or (TWOSHOT labels) as the strategy
+def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
+    """The two-shot at world size 1 in shape TWOSHOT[label], or (TWOSHOT labels) as the strategy
     launches a variant: checked against the standalone kernels' outputs, then timed; `ablate`
     adds its finalize launches alone, its R launches alone and every launch but F on one stream
     (the slot counters preset so no gate holds them; outputs not all written)."""
-    from fusion_bridge.kernels import symm_staged, twoshot_launch
-    from fusion_bridge.kernels.symm_staged_device import FREED_BYTE, MAX_SLOTS
-    from fusion_bridge.kernels.symm_testing import call_tensors
-    from fusion_bridge.kernels.symm_testing_staged import (
-        staged_launches,
-        twoshot_layers_on_one_gpu,
+    from fusion_bridge.kernels.symm import (
+        twoshot as symm_twoshot,
+        twoshot_variants as twoshot_launch,
     )
+    from fusion_bridge.kernels.symm.twoshot_device import FREED_BYTE, MAX_SLOTS
+    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.testing.symm_twoshot_rig import twoshot_launches, twoshot_layers_on_one_gpu
 
     hidden, tokens = part.shape[1], part.shape[0]
     variant = TWOSHOT.get(label, False)
     if variant is False:
-        shape = symm_staged.StagedShape(**STAGED[label])
+        shape = symm_twoshot.TwoshotShape(**TWOSHOT[label])
     else:
-        shape = twoshot_launch._STAGED[variant]
+        shape = twoshot_launch._TWOSHOT[variant]
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
 
     def group_for():
@@ -174,13 +175,13 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
     out = (torch.full_like(part, float("nan")), torch.full_like(part, float("nan")), none, none)
     mb = group.buffers[0].numel() / 1e6
 
-    def staged(i):
+    def twoshot(i):
         if variant is False:
-            symm_staged.launch(layer, shape=shape, **call_tensors(sets[i], out))
+            symm_twoshot.launch(layer, shape=shape, **call_tensors(sets[i], out))
         else:
             twoshot_launch.launch(layer, shape=variant, **call_tensors(sets[i], out))
 
-    staged(0)
+    twoshot(0)
     torch.cuda.synchronize()
     same = torch.equal(out[0].view(torch.int16), ref[0].view(torch.int16))
     dn = (out[1].float() - ref[1].float()).abs().max().item()
@@ -188,7 +189,7 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
           f"err {int(err[0])}")  # fmt: skip
     if not same or int(err[0]) or not dn < 0.1:
         return [row(f"{label}_WRONG", float("nan"), mb)]
-    us = time_graph(staged, sets=n)
+    us = time_graph(twoshot, sets=n)
     record(label, hidden, tokens, us)
     assert int(err[0]) == 0, hex(int(err[0]))
     out_rows = [row(label, us, mb)]
@@ -198,7 +199,7 @@ def _staged_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
 
         def only(stages):
             def fn_of(i):
-                for stage, _, fn in staged_launches(
+                for stage, _, fn in twoshot_launches(
                     group_f.layers[0], call_tensors(sets[i], out), shape, False, False
                 ):
                     if stage in stages:

@@ -32,18 +32,18 @@ __all__ = [
 _LAZY = {
     "FusionBridge": ".bridge",
     "EpilogueOutputs": ".epilogue_tensors",
-    "NoStrategyAvailable": ".planner",
+    "NoStrategyAvailable": ".plan.planner",
     "EpilogueSpec": ".spec",
     "QuantSpec": ".spec",
-    "EpilogueInputError": ".validation",
+    "EpilogueInputError": ".epilogue_tensors",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
-    from .bridge import FusionBridge
-    from .epilogue_tensors import EpilogueOutputs
-    from .planner import NoStrategyAvailable
-    from .spec import EpilogueSpec, QuantSpec
-    from .validation import EpilogueInputError
+    from fusion_bridge.bridge import FusionBridge
+    from fusion_bridge.epilogue_tensors import EpilogueOutputs
+    from fusion_bridge.plan.planner import NoStrategyAvailable
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+    from fusion_bridge.epilogue_tensors import EpilogueInputError
 
 
 def __getattr__(name: str):

@@ -3,7 +3,7 @@ fusion_bridge/cli/main.py)."""
 
 import sys
 
-from .cli.main import main
+from fusion_bridge.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,27 +27,29 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import call_protocol, custom_op, env_vars, log, registry
-from . import tuning as tuning_tables
-from . import rank_agreement, rank_check_in
-from .admission import admit
-from .bridge_arguments import (
+from fusion_bridge.call import protocol as call_protocol, custom_op
+from fusion_bridge import env_vars, log
+from fusion_bridge import registry
+from fusion_bridge.tuning import tables as tuning_tables
+from fusion_bridge.ranks import agreement as rank_agreement, check_in as rank_check_in
+from fusion_bridge.build.admission import admit
+from fusion_bridge.build.arguments import (
     check_group_membership,
     check_measurements,
     requested_exclusions,
     requested_strategy,
 )
-from .bridge_failures import CallFailures
-from .bridge_tools import BridgeTools
-from .environment import Environment, default_device, detect
-from .epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
-from .buckets import bucket_index
-from .process_group import check_process_group
-from .planner import AUTO, Plan, select_for_modes
-from .shadow import Shadow
-from .spec import EpilogueSpec
-from .strategies.base import CallStage, Strategy
-from .validation import (
+from fusion_bridge.call.failure import CallFailures
+from fusion_bridge.call.tools import BridgeTools
+from fusion_bridge.environment import Environment, default_device, detect
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from fusion_bridge.plan.buckets import bucket_index
+from fusion_bridge.ranks.process_group import check_process_group
+from fusion_bridge.plan.planner import AUTO, Plan, select_for_modes
+from fusion_bridge.call.shadow import Shadow
+from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.strategies.base import CallStage, Strategy
+from fusion_bridge.call.validation import (
     EpilogueInputError,
     check_token_limit,
     input_check,
@@ -390,7 +392,7 @@ class FusionBridge(CallFailures, BridgeTools):
 
 @atexit.register
 def _close_all_bridges() -> None:
-    from .strategies import (
+    from fusion_bridge.strategies import (
         symm_workspace,
     )  # at exit no rank waits for another: no collective in close()
 

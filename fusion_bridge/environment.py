@@ -173,7 +173,9 @@ def detect(
     """
     device = default_device(device)
     if probes is None:
-        from .registry import environment_probes  # imports the strategy classes, lazily
+        from fusion_bridge.registry import (
+            environment_probes,
+        )  # imports the strategy classes, lazily
 
         probes = environment_probes()
     world_size, single_node = 1, True

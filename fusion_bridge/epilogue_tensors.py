@@ -7,8 +7,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .quant_ref import sf_shape
-from .spec import EpilogueSpec, QuantKind, SFLayout
+from fusion_bridge.spec import EpilogueSpec, QuantKind, SFLayout, sf_shape
+
+
+class EpilogueInputError(ValueError):
+    """An argument of finalize_epilogue is not what the spec says."""
 
 
 class EpilogueInputs(NamedTuple):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .environment import Environment, version_tuple
-from .spec import EpilogueSpec
+from fusion_bridge.environment import Environment, version_tuple
+from fusion_bridge.spec import EpilogueSpec
 
 
 @dataclass(frozen=True)

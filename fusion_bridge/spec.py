@@ -260,3 +260,12 @@ def _enum_field(name: str, enum_cls: type, value: object):
             f"EpilogueSpec: {name} must be one of "
             f"{', '.join(repr(m.value) for m in enum_cls)}, got {value!r}"
         ) from None
+
+
+def sf_shape(tokens: int, hidden: int, layout: SFLayout) -> tuple[int, int]:
+    """The NVFP4 scale tensor's shape for [T, H] in `layout`: linear [T, H/16]; swizzled
+    [round_up(T, 128), round_up(H/16, 4)] (the padding is written as 0)."""
+    blocks = hidden // NVFP4_BLOCK
+    if layout is SFLayout.LINEAR:
+        return (tokens, blocks)
+    return (-(-tokens // 128) * 128, -(-blocks // 4) * 4)

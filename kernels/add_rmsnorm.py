@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import KernelLauncher
-from .quant import QUANT_NVFP4, launch_rows, quantize_row, row_launch_shape
-from .rounding import round_to
+from fusion_bridge.kernels.launch_cache import KernelLauncher
+from fusion_bridge.kernels.quant import QUANT_NVFP4, launch_rows, quantize_row, row_launch_shape
+from fusion_bridge.kernels.rounding import round_to
 
 
 @triton.jit

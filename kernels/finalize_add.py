@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import KernelLauncher
-from .rounding import round_to
+from fusion_bridge.kernels.launch_cache import KernelLauncher
+from fusion_bridge.kernels.rounding import round_to
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def finalize_row(
     bits than the select form's), so on a GPU SELECT_ONCE needs GPU_MUL_RN: the product by an
     explicit `mul.rn.f32`, which ptxas never contracts. The interpreter rounds both anyway.
     STREAM_ONCE: the expert rows are loaded with the L2 evict-first hint (read once: they should
-    not push out data a later kernel reads from L2; the staged two-shot's slot rows)."""
+    not push out data a later kernel reads from L2; the two-shot's slot rows)."""
     in_row = cols < hidden
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for k in tl.static_range(TOP_K):

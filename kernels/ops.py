@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
-from ..epilogue_tensors import quant_buffers
-from .add_rmsnorm import add_rmsnorm_into
-from .finalize_add import finalize_add_into
-from .quant import quantize_into
-from .quant_codes import QUANT_FP8, kind_layout
+from fusion_bridge.epilogue_tensors import quant_buffers
+from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
+from fusion_bridge.kernels.finalize_add import finalize_add_into
+from fusion_bridge.kernels.quant import quantize_into
+from fusion_bridge.kernels.quant_codes import QUANT_FP8, kind_layout
 
 
 def _quant_outputs(

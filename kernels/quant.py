@@ -3,7 +3,7 @@
 Software conversion runs on SM90, where FlashInfer's fused FP4 writes zeros, and under the Triton
 interpreter; on a GPU the fp8 cast uses the hardware's RNE conversion. Divisions use div_rn and the
 e2m1 rounding compares against exact thresholds, so results match the torch reference
-(fusion_bridge.quant_ref) bit for bit.
+(fusion_bridge.oracle.quant_ref) bit for bit.
 
     fp8:   q = e4m3_satfinite(x / scale)
     nvfp4: per 16-element block: sf = e4m3(global_scale * amax / 6);
@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import KernelLauncher
+from fusion_bridge.kernels.launch_cache import KernelLauncher
 
-from .quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4  # noqa: F401 (re-exported)
+from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4  # noqa: F401 (re-exported)
 
 
 @triton.jit

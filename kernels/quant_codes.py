@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..spec import EpilogueSpec, QuantKind, SFLayout
+from fusion_bridge.spec import EpilogueSpec, QuantKind, SFLayout
 
 QUANT_NONE, QUANT_FP8, QUANT_NVFP4 = 0, 1, 2
 _CODE = {QuantKind.NONE: QUANT_NONE, QuantKind.FP8: QUANT_FP8, QuantKind.NVFP4: QUANT_NVFP4}

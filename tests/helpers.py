@@ -25,7 +25,7 @@ def small_rows_and_a_zero_row(spec, world: int, tokens: int, seed: int, device="
     an rms of ~0.01-0.03 (then eps = 1e-2 shrinks norm_out about 3x) and whose row 1 is exactly
     zero on every rank: residual 0, every slot skipped, shared output 0. There x = 0, so norm_out
     is 0 with eps > 0 and NaN (0 * rsqrt(0)) without it. NaN / inf weights in skipped slots."""
-    from fusion_bridge.synthetic import make_inputs
+    from fusion_bridge.oracle.synthetic import make_inputs
 
     out = []
     for r in range(world):

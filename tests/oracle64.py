@@ -1,6 +1,7 @@
 """An independent float64 oracle of the epilogue, for tests only.
 
-Written apart from `fusion_bridge.torch_math` and `fusion_bridge.quant_ref` (it imports nothing from
+Written apart from `fusion_bridge.oracle.torch_math` and `fusion_bridge.oracle.quant_ref` (it
+imports nothing from
 the package): plain loops over (token, slot), float64 arithmetic, and quantizers built from the
 number
 formats' definitions (a grid step per binade, `round` half-to-even) rather than from torch's fp8

@@ -9,7 +9,7 @@ import os
 import re
 import sys
 
-from .. import __version__
+from fusion_bridge import __version__
 
 SCHEMA_VERSION = 1  # of every JSON document the CLI prints
 # parity materialises K+5 [T, H] tensors per rank and the fp32 oracle: 16384 tokens at H=7168, K=8
@@ -297,7 +297,7 @@ def check_combinations(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--sm {args.sm} contradicts --gpu {args.gpu!r} (SM {known})")
     raw = os.environ.get(STRATEGY_ENV)
     if raw:
-        from ..strategies import REGISTRY
+        from fusion_bridge.strategies import REGISTRY
 
         if raw != "auto" and raw not in REGISTRY:
             parser.error(

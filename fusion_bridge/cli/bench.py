@@ -13,11 +13,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..spec import EpilogueSpec
+from fusion_bridge.spec import EpilogueSpec
 
 
 def _bridge(spec: EpilogueSpec, world_size: int, tuning: str = "auto"):
-    from .. import FusionBridge
+    from fusion_bridge import FusionBridge
 
     group = torch.distributed.group.WORLD if world_size > 1 else None
     return FusionBridge(spec, group, debug=False, tuning=tuning)
@@ -34,7 +34,7 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
     """Eager host time per call: finalize_epilogue against the selected strategy's run() (the kernel
     launches themselves), interleaved in `rounds` rounds of `calls` calls; medians."""
     import statistics
-    from ..synthetic import make_inputs
+    from fusion_bridge.oracle.synthetic import make_inputs
 
     inp = make_inputs(bridge.spec, tokens, device=bridge.device)
     raw = bridge.selected_run(tokens)
@@ -71,7 +71,7 @@ def host_overhead_us(bridge, tokens: int, calls: int = 50, rounds: int = 40) -> 
 def bench_rank(
     rank: int, world_size: int, spec: EpilogueSpec, tokens: list[int], progress: bool
 ) -> dict:
-    from ..tuning import measure, token_ranges
+    from fusion_bridge.tuning.tables import measure, token_ranges
 
     with _bridge(spec, world_size, tuning="off") as bridge:
         bridge.tune(buckets=tokens, progress=progress, save=True)

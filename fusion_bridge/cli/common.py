@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from .args import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, SCHEMA_VERSION
+from fusion_bridge.cli.args import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, SCHEMA_VERSION
 
 
 # the real stdout while --json sends everything else (C++ logs too) to stderr
@@ -38,7 +38,7 @@ def stdout_to_stderr() -> None:
 
 def spec_from_args(args):
     """The EpilogueSpec the command's --hidden, --top-k, --dtype, --quant... describe."""
-    from ..spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
+    from fusion_bridge.spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
 
     quant = {
         "none": QuantSpec.none(),
@@ -61,7 +61,7 @@ def versions() -> dict:
 
     import torch
 
-    from .. import __version__
+    from fusion_bridge import __version__
 
     found = {"fusion_bridge": __version__, "torch": torch.__version__}
     for dist_name, key in (("triton", "triton"), ("flashinfer-python", "flashinfer")):
@@ -77,7 +77,7 @@ def set_multicast_off(command: str) -> None:
     """Our measuring tools run with NCCL NVLS and NVLink multicast off in every process they start
     (this one, and each spawned rank before it initialises NCCL): multicast can take a shared
     host's GPUs out of service. The library itself neither needs nor sets these variables."""
-    from ..environment import NO_MULTICAST_ENV
+    from fusion_bridge.environment import NO_MULTICAST_ENV
 
     os.environ.update(NO_MULTICAST_ENV)
     print(

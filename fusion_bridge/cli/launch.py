@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..environment import NO_MULTICAST_ENV
+from fusion_bridge.environment import NO_MULTICAST_ENV
 
 
 def free_port() -> int:

@@ -14,12 +14,19 @@ from __future__ import annotations
 import os
 import sys
 
-from .args import STRATEGY_ENV, build_parser, check_combinations, sm_of_gpu
+from fusion_bridge.cli.args import STRATEGY_ENV, build_parser, check_combinations, sm_of_gpu
 
 # re-exported: what the parser accepts
-from .args import DTYPES, QUANTS, gloo_rank_limit  # noqa: F401
-from .common import check_spec, emit, set_multicast_off, spec_from_args, stdout_to_stderr, versions
-from .timing_commands import cmd_bench, cmd_tune
+from fusion_bridge.cli.args import DTYPES, QUANTS, gloo_rank_limit  # noqa: F401
+from fusion_bridge.cli.common import (
+    check_spec,
+    emit,
+    set_multicast_off,
+    spec_from_args,
+    stdout_to_stderr,
+    versions,
+)
+from fusion_bridge.cli.timing_commands import cmd_bench, cmd_tune
 
 
 def _env_request(statuses) -> dict | None:
@@ -49,7 +56,7 @@ def _env_request_text(req: dict | None) -> list[str]:
 
 # ------------------------------------------------------------------ commands
 def cmd_info(args) -> int:
-    from .. import FusionBridge
+    from fusion_bridge import FusionBridge
 
     spec = spec_from_args(args)
     # info diagnoses: build with "auto" whatever the variable asks, and report the request
@@ -73,7 +80,7 @@ def cmd_info(args) -> int:
 def _static_self_test(statuses) -> list:
     """explain builds nothing: say so in each status's self-test state."""
     import dataclasses
-    from ..strategies import strategy_class
+    from fusion_bridge.strategies import strategy_class
 
     return [
         dataclasses.replace(
@@ -87,8 +94,8 @@ def _static_self_test(statuses) -> list:
 
 
 def cmd_explain(args) -> int:
-    from ..environment import detect
-    from ..planner import (
+    from fusion_bridge.environment import detect
+    from fusion_bridge.plan.planner import (
         AUTO,
         NoStrategyAvailable,
         check_exclusions,
@@ -96,8 +103,8 @@ def cmd_explain(args) -> int:
         select,
         static_statuses,
     )
-    from ..report import Report
-    from .. import tuning
+    from fusion_bridge.plan.report import Report
+    from fusion_bridge.tuning import tables as tuning
 
     env = detect(probe_flashinfer=True)
     described = args.sm is not None or args.gpu is not None or args.world_size != 1
@@ -187,7 +194,7 @@ def cmd_parity(args) -> int:
     interpreted = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
     if interpreted:  # our Triton kernels (local_fused_nccl) then run on CPU too, in every rank
         os.environ["TRITON_INTERPRET"] = "1"
-    from .parity import run_parity_report
+    from fusion_bridge.cli.parity import run_parity_report
 
     spec = spec_from_args(args)
     if not args.json:
@@ -232,7 +239,7 @@ def cmd_parity(args) -> int:
 
 
 def cmd_matrix(args) -> int:
-    from .matrix import markdown, rows
+    from fusion_bridge.cli.matrix import markdown, rows
 
     emit(args, {"matrix": rows()}, markdown())
     return 0
@@ -259,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "json", False):
         stdout_to_stderr()
     try:
-        from .. import env_vars, log
+        from fusion_bridge import env_vars, log
 
         env_vars.check_all()  # a malformed FUSION_BRIDGE_* variable: one line naming it
         log.configure_once()

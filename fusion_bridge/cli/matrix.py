@@ -6,8 +6,8 @@ and a test fails when the embedded copy is stale."""
 
 from __future__ import annotations
 
-from ..spec import EpilogueSpec, QuantSpec, Stage
-from ..strategies import Environment, required_stages, strategy_classes
+from fusion_bridge.spec import EpilogueSpec, QuantSpec, Stage
+from fusion_bridge.strategies import Environment, required_stages, strategy_classes
 
 SMS = (80, 90, 100)
 WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)

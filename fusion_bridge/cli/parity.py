@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from .. import FusionBridge
-from .launch import run_distributed
-from ..spec import EpilogueSpec
-from ..numerics import compare, quant_error_bound
-from ..synthetic import make_inputs
+from fusion_bridge import FusionBridge
+from fusion_bridge.cli.launch import run_distributed
+from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.oracle.numerics import compare, quant_error_bound
+from fusion_bridge.oracle.synthetic import make_inputs
 
 
 def parity_rank(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import emit, set_multicast_off, spec_from_args
+from fusion_bridge.cli.common import emit, set_multicast_off, spec_from_args
 
 
 def visible_nvidia_gpus_without_torch() -> int:
@@ -39,7 +39,7 @@ def _require_gpus(world_size: int) -> None:
 
 
 def _on_ranks(fn, world_size: int, *fn_args):
-    from .launch import run_distributed
+    from fusion_bridge.cli.launch import run_distributed
 
     if world_size == 1:
         return fn(0, 1, *fn_args)
@@ -49,7 +49,7 @@ def _on_ranks(fn, world_size: int, *fn_args):
 def cmd_tune(args) -> int:
     _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
     set_multicast_off("tune")
-    from .bench import tune_rank
+    from fusion_bridge.cli.bench import tune_rank
 
     table = _on_ranks(tune_rank, args.world_size, spec_from_args(args), not args.json)
     lines = [f"tuned {table['gpu']} TP{table['world_size']}; cached at {table.get('path')}"]
@@ -72,7 +72,7 @@ def cmd_tune(args) -> int:
 def cmd_bench(args) -> int:
     _require_gpus(args.world_size)  # before any heavy import: a CPU machine hears it at once
     set_multicast_off("bench")
-    from .bench import bench_rank, plot, rows_from, summary, write_csv
+    from fusion_bridge.cli.bench import bench_rank, plot, rows_from, summary, write_csv
 
     tokens = [2**i for i in range(args.max_tokens.bit_length()) if 2**i <= args.max_tokens]
     spec = spec_from_args(args)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from fusion_bridge import EpilogueOutputs, EpilogueSpec, FusionBridge
 
-from .hf_experts import block_of, routed_rows, shared_partial
-from .hf_families import (
+from fusion_bridge.integrations.hf_experts import block_of, routed_rows, shared_partial
+from fusion_bridge.integrations.hf_families import (
     BRIDGE_DTYPES,
     Family,
     UnsupportedModelError,

@@ -4,12 +4,24 @@
 and add one line with `register` (or to the built-in registry). `strategy_class(es)` give the
 registered classes. See migration/README.md, "Adopt a new upstream fusion as a strategy"."""
 
-from ..environment import Environment, Probe
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
-from ..reasons import Reason
-from ..registry import REGISTRY, register, strategy_class, strategy_classes, unregister
-from ..spec import Stage
-from .base import DEFAULT_VARIANT, Step, Strategy, TokenRange, required_stages
+from fusion_bridge.environment import Environment, Probe
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from fusion_bridge.reasons import Reason
+from fusion_bridge.registry import (
+    REGISTRY,
+    register,
+    strategy_class,
+    strategy_classes,
+    unregister,
+)
+from fusion_bridge.spec import Stage
+from fusion_bridge.strategies.base import (
+    DEFAULT_VARIANT,
+    Step,
+    Strategy,
+    TokenRange,
+    required_stages,
+)
 
 __all__ = [
     "Strategy",

@@ -15,11 +15,11 @@ from typing import ClassVar, Mapping, Optional
 
 import torch
 
-from ..environment import Environment, Probe
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
-from ..kernels.quant_codes import quant_args as kernel_quant_args  # noqa: F401 (strategies use it)
-from ..reasons import Reason
-from ..spec import EpilogueSpec, QuantKind, Stage
+from fusion_bridge.environment import Environment, Probe
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
+from fusion_bridge.kernels.quant_codes import quant_args as kernel_quant_args  # noqa: F401 (strategies use it)
+from fusion_bridge.reasons import Reason
+from fusion_bridge.spec import EpilogueSpec, QuantKind, Stage
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DEFAULT_VARIANT = "default"

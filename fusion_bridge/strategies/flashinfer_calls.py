@@ -28,9 +28,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..log import get_logger
-from .flashinfer_common import MAX_COMM_SIZE, lamport_max_tokens
-from .flashinfer_internals import (  # noqa: F401 - re-exported: tests and tools read them here
+from fusion_bridge.log import get_logger
+from fusion_bridge.strategies.flashinfer_common import MAX_COMM_SIZE, lamport_max_tokens
+from fusion_bridge.strategies.flashinfer_internals import (  # noqa: F401 - re-exported: tests and tools read them here
     ALLREDUCE_FUSION_ARGS,
     MOE_FINALIZE_ARGS,
     VERIFIED_WRAPPERS,

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..environment import Environment
-from ..reasons import (
+from fusion_bridge.environment import Environment
+from fusion_bridge.reasons import (
     Reason,
     collect,
     require_cuda,
@@ -26,9 +26,12 @@ from ..reasons import (
     require_sm_at_least,
     require_world_size_in,
 )
-from ..spec import EpilogueSpec
-from ..process_group import group_name
-from .workspace_pool import WorkspacePool, memory_reason as workspace_memory_reason
+from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.ranks.process_group import group_name
+from fusion_bridge.strategies.workspace_pool import (
+    WorkspacePool,
+    memory_reason as workspace_memory_reason,
+)
 
 MIN_FLASHINFER = "0.7.2"
 LAMPORT_WORLD_SIZES = (2, 4, 8, 16)

@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
-from ..reasons import collect, require_hidden_multiple
-from ..spec import QuantKind, Stage
-from . import flashinfer_calls, flashinfer_common as fic
-from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from fusion_bridge.reasons import collect, require_hidden_multiple
+from fusion_bridge.spec import QuantKind, Stage
+from fusion_bridge.strategies import flashinfer_calls, flashinfer_common as fic
+from fusion_bridge.strategies.base import (
+    DEFAULT_VARIANT,
+    Step,
+    Strategy,
+    kernel_quant_args,
+    required_stages,
+)
 
 INT32_LIMIT = 2**31
 
@@ -76,7 +82,7 @@ class FlashInferFusedStrategy(Strategy):
 
     def prepare(self) -> None:
         import flashinfer.comm as fi_comm
-        from ..kernels import ops
+        from fusion_bridge.kernels import ops
 
         self._ops = ops.direct_when_eager  # our quant kernel
         self._fi = fi_comm

@@ -10,11 +10,11 @@ that passes the static checks is adopted only if it also passes the self-test ag
 
 from __future__ import annotations
 
-from ..reasons import Reason, collect
-from ..spec import QuantKind, SFLayout
-from . import flashinfer_common as fic
-from .base import Step, required_stages
-from .flashinfer_fused import FlashInferFusedStrategy
+from fusion_bridge.reasons import Reason, collect
+from fusion_bridge.spec import QuantKind, SFLayout
+from fusion_bridge.strategies import flashinfer_common as fic
+from fusion_bridge.strategies.base import Step, required_stages
+from fusion_bridge.strategies.flashinfer_fused import FlashInferFusedStrategy
 
 
 class FlashInferFusedFp4Strategy(FlashInferFusedStrategy):

@@ -1,7 +1,7 @@
 """The FlashInfer internals behind the pre-bound comm calls (flashinfer_calls.py), and the checks
 that decide, once per bind, whether the compiled function may be called directly.
 
-Internals used (flashinfer 0.7.2.post1; pinned by tests/test_flashinfer_internals.py):
+Internals used (flashinfer 0.7.2.post1; pinned by tests/strategies/test_flashinfer_internals.py):
 `flashinfer.comm.trtllm_ar.get_trtllm_comm_module()` (functools.cache'd namespace of Python
 functions), the closure variable `module` of its `trtllm_allreduce_fusion` /
 `trtllm_moe_finalize_allreduce_fusion` (the loaded TVM-FFI module), and the positional order in

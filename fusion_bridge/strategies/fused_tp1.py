@@ -1,11 +1,11 @@
 """`fused_tp1`: one Triton launch at world size 1: finalize + shared add + residual add + RMSNorm
 (+ FP8 / NVFP4), the path for MoE models on one GPU and for layers whose TP group is one rank.
 
-It is the one-shot symmetric-memory kernel (kernels/symm_oneshot.py) specialised for a world of one:
+It is the one-shot symmetric-memory kernel (kernels/symm/oneshot.py) specialised for a world of one:
 the same building blocks (top-k finalize of a row, rounding, RMSNorm, quant), with the exchange left
 out. Each program keeps its part of the row's partial in registers (no round trip through memory):
 whole rows, one program per row, or for few rows the row's columns split over several programs
-that exchange only their sums of squares inside the launch (kernels/oneshot_local.py). The partial
+that exchange only their sums of squares inside the launch (kernels/row_epilogue.py). The partial
 is rounded once to the activation dtype, as the two-launch path stores it, so residual_out is that
 path's bit for bit; norm_out follows from it (its sum of squares, for split rows, in another order).
 Error against the fp32 oracle: the partial's rounding + the output's rounding (+ the oracle's).
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
-from ..reasons import Reason, collect, require_sm_at_least, require_triton
-from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
-from .local_common import needs_device
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
+from fusion_bridge.reasons import Reason, collect, require_sm_at_least, require_triton
+from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
+from fusion_bridge.strategies.local_common import needs_device
 
 MAX_HIDDEN = 16384  # a whole row (next power of two) in registers, as the one-shot kernel holds it
 
@@ -75,15 +75,15 @@ class FusedTp1Strategy(Strategy):
         return 2  # the partial (as the two-launch path stores it) and each output
 
     def prepare(self) -> None:
-        from ..kernels.symm_protocol import SymmLayer
-        from ..kernels.tp1_launch import LocalLauncher
+        from fusion_bridge.kernels.layer import LayerRecord
+        from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
 
         num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
-            else 0  # the interpreter: whole rows (tests/test_fused_tp1_cpu.py runs the split)
+            else 0  # the interpreter: whole rows (tests/kernels/test_tp1.py runs the split)
         )
-        self._launch = LocalLauncher(SymmLayer.local(self.spec, self.device), num_sms, self.device)
+        self._launch = Tp1Dispatcher(LayerRecord.of(self.spec), num_sms, self.device)
         self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._kind = self.spec.quant.kind
 

@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from ..environment import Environment
-from ..epilogue_tensors import EpilogueInputs
-from ..reasons import Reason
-from ..spec import EpilogueSpec, Stage
-from .base import Step, required_stages
+from fusion_bridge.environment import Environment
+from fusion_bridge.epilogue_tensors import EpilogueInputs
+from fusion_bridge.reasons import Reason
+from fusion_bridge.spec import EpilogueSpec, Stage
+from fusion_bridge.strategies.base import Step, required_stages
 
 MAX_HIDDEN = (
     32768  # our row kernels (add+RMSNorm, quant) hold one token row per program in registers

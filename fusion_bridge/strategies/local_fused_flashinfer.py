@@ -21,12 +21,12 @@ from typing import Optional
 
 import torch
 
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
-from ..reasons import collect, require_hidden_multiple, require_triton
-from ..spec import QuantKind, SFLayout, Stage
-from . import flashinfer_calls, flashinfer_common as fic
-from .base import Step, Strategy, kernel_quant_args, required_stages
-from .local_common import finalize_partial, finalize_step, hidden_fits
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
+from fusion_bridge.reasons import collect, require_hidden_multiple, require_triton
+from fusion_bridge.spec import QuantKind, SFLayout, Stage
+from fusion_bridge.strategies import flashinfer_calls, flashinfer_common as fic
+from fusion_bridge.strategies.base import Step, Strategy, kernel_quant_args, required_stages
+from fusion_bridge.strategies.local_common import finalize_partial, finalize_step, hidden_fits
 
 ONESHOT, TWOSHOT = "oneshot", "twoshot"
 _USE_ONESHOT = {ONESHOT: True, TWOSHOT: False}
@@ -116,7 +116,7 @@ class LocalFusedFlashInferStrategy(Strategy):
         """Collective: acquires the FlashInfer workspace shared with flashinfer_fused."""
         import flashinfer.comm as fi_comm
 
-        from ..kernels import ops
+        from fusion_bridge.kernels import ops
 
         spec, env = self.spec, self.env
         self._ops, self._fi = ops.direct_when_eager, fi_comm

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
-from ..reasons import collect, require_sm_at_least, require_triton
-from ..spec import QuantKind, Stage
-from .base import DEFAULT_VARIANT, Step, Strategy, kernel_quant_args, required_stages
-from .local_common import finalize_partial, finalize_step, hidden_fits, needs_device
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
+from fusion_bridge.reasons import collect, require_sm_at_least, require_triton
+from fusion_bridge.spec import QuantKind, Stage
+from fusion_bridge.strategies.base import (
+    DEFAULT_VARIANT,
+    Step,
+    Strategy,
+    kernel_quant_args,
+    required_stages,
+)
+from fusion_bridge.strategies.local_common import (
+    finalize_partial,
+    finalize_step,
+    hidden_fits,
+    needs_device,
+)
 
 
 class LocalFusedNcclStrategy(Strategy):
@@ -61,7 +72,7 @@ class LocalFusedNcclStrategy(Strategy):
         )  # finalize_add output, ring all-reduce hops, norm output
 
     def prepare(self) -> None:
-        from ..kernels import ops  # registers the custom ops; Triton compiles lazily
+        from fusion_bridge.kernels import ops  # registers the custom ops; Triton compiles lazily
 
         self._ops = ops.direct_when_eager
         self._quant = kernel_quant_args(self.spec)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
-from ..spec import Stage
-from ..torch_math import finalize_fp32, residual_norm_outputs
-from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
+from fusion_bridge.spec import Stage
+from fusion_bridge.oracle.torch_math import finalize_fp32, residual_norm_outputs
+from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class ReferenceStrategy(Strategy):
@@ -63,7 +63,7 @@ def reference_epilogue(
     spec, inputs: EpilogueInputs, group=None, world_size: int = 1
 ) -> EpilogueOutputs:
     """The oracle as a function, for tests and the self-test."""
-    from ..environment import Environment
+    from fusion_bridge.environment import Environment
 
     strategy = ReferenceStrategy(
         spec,

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs
-from ..spec import Stage
-from ..torch_math import finalize_fp32, residual_norm_outputs
-from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
+from fusion_bridge.spec import Stage
+from fusion_bridge.oracle.torch_math import finalize_fp32, residual_norm_outputs
+from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 
 class SeparateStrategy(Strategy):

@@ -19,12 +19,12 @@ from typing import Optional
 
 import torch
 
-from .. import env_vars
-from ..epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
-from ..kernels.symm_protocol import SymmLayer, describe_error
-from ..reasons import collect
-from . import symm_workspace as sw
-from .base import DEFAULT_VARIANT, Step, Strategy, required_stages
+from fusion_bridge import env_vars
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
+from fusion_bridge.kernels.symm.protocol import SymmLayer, describe_error
+from fusion_bridge.reasons import collect
+from fusion_bridge.strategies import symm_workspace as sw
+from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
 
 # kernels/symm_oneshot.SHAPE_VARIANTS (named here: the class-level declarations import no kernel)
 SHAPE_VARIANTS = ("rows", "pub512", "pub1024")
@@ -77,7 +77,7 @@ class SymmFusedOneshotStrategy(Strategy):
         )
 
     def _kernel_module(self):
-        from ..kernels import symm_oneshot
+        from fusion_bridge.kernels.symm import oneshot as symm_oneshot
 
         return symm_oneshot
 

@@ -12,12 +12,13 @@ residual_out bits with the same code, so all outputs are bitwise identical on ev
 bytes per rank: 2 (W - 1) / W of T * H * elem (at W = 8 a quarter of a one-shot's). Error against
 the fp32 oracle: 3 roundings (the partial, residual_out, norm_out).
 
-Launch variants (`kernels/twoshot_launch.py`, measured per bucket by `tune`): "default", the staged
-pipeline (`kernels/symm_staged.py`: one launch per stage per chunk of 1024 tokens in 2 slots, the
+Launch variants (`kernels/symm/twoshot_variants.py`, measured per bucket by `tune`): "default", the
+twoshot
+pipeline (`kernels/symm/twoshot.py`: one launch per stage per chunk of 1024 tokens in 2 slots, the
 chunks' finalize launches on two side streams in turn, a chunk's arrival one flag per rank, L2
 hints that keep a chunk's slot rows in L2 between its finalize and its reduce, the row launches
 on a high-priority stream, a chunk's finalize free to start once its slot is released);
-"staged_f_after_x", the earlier default (row launches on the caller's stream, the finalize of
+"f_after_x", the earlier default (row launches on the caller's stream, the finalize of
 chunk c + 1 only after that of chunk c). At world size 1 on one H200 (local work, K=8, against our
 standalone finalize + add+RMSNorm in the same run) the default takes 1.08-1.15x
 (docs/performance.md).
@@ -34,11 +35,11 @@ name).
 
 from __future__ import annotations
 
-from .base import DEFAULT_VARIANT, Step, required_stages
-from .symm_fused_oneshot import SymmFusedOneshotStrategy
+from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, required_stages
+from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
 
 # kernels/twoshot_launch.VARIANTS (named here: the class-level declarations import no kernel)
-TWOSHOT_VARIANTS = ("staged_f_after_x",)
+TWOSHOT_VARIANTS = ("f_after_x",)
 
 
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
@@ -55,11 +56,11 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
 
     @classmethod
     def steps(cls, spec, env):
-        return [Step("triton.symm_staged_epilogue", required_stages(spec, env.world_size))]
+        return [Step("triton.symm_twoshot_epilogue", required_stages(spec, env.world_size))]
 
     @classmethod
     def variants(cls, spec, env):
-        """ "default" (the staged pipeline) and "staged_f_after_x" (the earlier default: row
+        """ "default" (the two-shot pipeline) and "f_after_x" (the earlier default: row
         launches on the caller's stream, each finalize after the one before it); `tune` measures
         them per bucket (kernels/twoshot_launch)."""
         return (DEFAULT_VARIANT,) + TWOSHOT_VARIANTS
@@ -69,6 +70,6 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
         return 3  # the partial, residual_out (the norm reads it, on every rank) and each output
 
     def _kernel_module(self):
-        from ..kernels import twoshot_launch
+        from fusion_bridge.kernels.symm import twoshot_variants as twoshot_launch
 
         return twoshot_launch

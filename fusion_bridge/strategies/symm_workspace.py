@@ -1,7 +1,7 @@
 """The symmetric-memory workspaces of `symm_fused_oneshot` and `symm_fused_twoshot`: capability
 checks, sizing, collective creation and release. `kind` picks the kernel's layout: "oneshot" (slots
 of W x cap rows, so a token cap) or "twoshot" (a few chunk slots that the chunks of kernels/
-symm_staged take in turn: a fixed size whatever T is, so no token cap beyond the spec's
+symm_twoshot take in turn: a fixed size whatever T is, so no token cap beyond the spec's
 max_tokens).
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
@@ -23,8 +23,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..environment import Environment, Probe, multicast_is_off
-from ..reasons import (
+from fusion_bridge.environment import Environment, Probe, multicast_is_off
+from fusion_bridge.reasons import (
     Reason,
     collect,
     require_cuda,
@@ -32,10 +32,13 @@ from ..reasons import (
     require_sm_at_least,
     require_triton,
 )
-from ..kernels import symm_protocol as protocol
-from ..spec import EpilogueSpec
-from ..process_group import group_name
-from .workspace_pool import WorkspacePool, memory_reason as workspace_memory_reason
+from fusion_bridge.kernels.symm import protocol as protocol
+from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.ranks.process_group import group_name
+from fusion_bridge.strategies.workspace_pool import (
+    WorkspacePool,
+    memory_reason as workspace_memory_reason,
+)
 
 SYMM_MEM_API = ("empty", "rendezvous")  # module functions we call (pinned by a drift test)
 HANDLE_API = ("buffer_ptrs", "multicast_ptr")  # handle attributes we read
@@ -186,7 +189,7 @@ def memory_reason(
 class SymmWorkspace:
     """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
     buffer, then the pinned error word); state: device, `symm_protocol.state_words(kind)` (one-shot
-    int32 [STATE_WORDS], the two-shot int64 [STAGED_STATE_WORDS]); err: int32 [4] pinned host.
+    int32 [STATE_WORDS], the two-shot int64 [TWOSHOT_STATE_WORDS]); err: int32 [4] pinned host.
     cap: tokens one call may carry (the two-shot: its first user's max_tokens; each strategy
     checks its own). A
     layer binds it with kernels.symm_protocol.SymmLayer.bind."""

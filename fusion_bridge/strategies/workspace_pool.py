@@ -8,7 +8,7 @@ from typing import Callable, Generic, Optional, TypeVar
 
 import torch
 
-from ..reasons import Reason
+from fusion_bridge.reasons import Reason
 
 W = TypeVar("W")
 #: what a rank keeps free beyond a workspace, for the activations and kernels around it

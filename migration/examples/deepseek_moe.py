@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fusion_bridge import EpilogueSpec, FusionBridge
-from fusion_bridge.numerics import rel_err
+from fusion_bridge.oracle.numerics import rel_err
 
 
 @dataclass(frozen=True)

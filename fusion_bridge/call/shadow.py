@@ -1,0 +1,107 @@
+"""Shadow mode: run a second strategy (e.g. the fp32 `reference`) beside the selected one on sampled
+calls and record how far they diverge, without changing any output. An eager-mode rollout tool.
+
+Sampling is by a call counter that advances on every call, so it is identical on every rank (calls
+are
+collective): a shadow strategy with its own collective runs on all ranks or on none. During
+CUDA-graph
+capture the shadow is skipped (and counted); graph replays never reach Python, so they are not
+sampled.
+
+Cost, on a sampled call only: one extra run of the shadow strategy (its kernels and, for
+`reference`,
+an fp32 all-reduce), plus the comparison, which reads scalars to the host (a sync). Off by default.
+Enable: FusionBridge(..., shadow="reference:100") or FUSION_BRIDGE_SHADOW=reference:100.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fusion_bridge.epilogue_tensors import EpilogueOutputs
+from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.oracle.numerics import compare
+
+
+@dataclass
+class Shadow:
+    strategy: str
+    every: int
+    calls: int = 0
+    sampled: int = 0
+    skipped_in_capture: int = 0
+    outputs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"FusionBridge: shadow_every must be an int >= 1, got {self.every!r}")
+
+    @staticmethod
+    def parse(value: str, known: list[str]) -> "Shadow":
+        """'reference' or 'reference:100' (every 100th call; the default) -> Shadow."""
+        name, _, every = str(value).partition(":")
+        if name not in known:
+            raise ValueError(
+                f"FusionBridge: shadow must be '<strategy>[:<every>]' with a strategy among "
+                f"{known}, got {value!r}"
+            )
+        try:
+            period = int(every) if every else 100
+        except ValueError:
+            raise ValueError(
+                f"FusionBridge: shadow must be '<strategy>[:<every>]' with an int period, got "
+                f"{value!r}"
+            ) from None
+        return Shadow(name, period)
+
+    def due(self) -> bool:
+        """Advance the call counter; True on every `every`-th call (the first call included)."""
+        self.calls += 1
+        if (self.calls - 1) % self.every:
+            return False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.skipped_in_capture += 1
+            return False
+        return True
+
+    def record(
+        self, spec: EpilogueSpec, selected: EpilogueOutputs, shadow: EpilogueOutputs
+    ) -> dict[str, float]:
+        """Accumulate this sample's statistics; returns {output: rel_err} of this sample."""
+        self.sampled += 1
+        errors = compare(spec, selected, shadow)
+        for name, (rel, max_abs) in errors.items():
+            tensor = selected.named()[name] if name != "quant" else None
+            nan = int(torch.isnan(tensor).sum()) if tensor is not None else 0
+            inf = int(torch.isinf(tensor).sum()) if tensor is not None else 0
+            s = self.outputs.setdefault(
+                name, {"max_abs": 0.0, "max_rel_err": 0.0, "last_rel_err": 0.0, "nan": 0, "inf": 0}
+            )
+            s["max_abs"] = _worst(s["max_abs"], max_abs)
+            s["max_rel_err"] = _worst(s["max_rel_err"], rel)
+            s["last_rel_err"] = rel
+            s["nan"] += nan
+            s["inf"] += inf
+        return {name: rel for name, (rel, _) in errors.items()}
+
+    def to_dict_settings(self) -> dict:
+        """What must be equal on every rank (sampling is by a call counter that every rank
+        advances)."""
+        return {"strategy": self.strategy, "every": self.every}
+
+    def to_dict(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "every": self.every,
+            "calls": self.calls,
+            "sampled": self.sampled,
+            "skipped_in_capture": self.skipped_in_capture,
+            "outputs": self.outputs,
+        }
+
+
+def _worst(a: float, b: float) -> float:
+    return math.inf if (math.isnan(b) or math.isinf(b)) else max(a, b)

@@ -1,0 +1,125 @@
+"""Pure-torch FP8 and NVFP4 quantization, written for clarity: the oracle our kernels are checked
+against.
+
+Conventions (docs/math.md section 3, matching FlashInfer 0.7.2.post1 through 0.7.4):
+- fp8:   q = e4m3_satfinite(x / scale), x already rounded to the activation dtype.
+- nvfp4: per 16-element block b: sf_b = e4m3(global_scale * amax_b / 6);
+         q = e2m1_rne_satfinite(x * global_scale / float(sf_b)), q = 0 where sf_b == 0; the quotient
+         is exact (not rounded to fp32 before the e2m1 rounding), which lets the kernel compare
+         against
+         exact thresholds instead of dividing; rounding the quotient to fp32 first would differ only
+         where that rounding crosses an e2m1 rounding boundary.
+         Two e2m1 codes per byte, element 2i in the low nibble. Scales in the 128x4 swizzled layout
+         ([round_up(T,128), round_up(H/16,4)], padding 0) or linear ([T, H/16]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_bridge.spec import FP8_E4M3_MAX, NVFP4_BLOCK, SFLayout, sf_shape  # noqa: F401 (re-exported)
+
+
+def e2m1_values(device) -> torch.Tensor:
+    """The eight e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (fp32, index = code), made on `device`
+    by arithmetic: a host tensor copied over would make this torch path fail inside a CUDA-graph
+    capture (`separate` with NVFP4 is captured like every strategy)."""
+    code = torch.arange(8, device=device, dtype=torch.float32)
+    mantissa = 1.0 + 0.5 * torch.remainder(code, 2)
+    return torch.where(code < 2, code * 0.5, torch.exp2(torch.floor(code / 2) - 1) * mantissa)
+
+
+def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> float8_e4m3fn, round-to-nearest-even, saturating to +-448 (a plain cast gives
+    NaN)."""
+    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """[T, H] activation-dtype -> [T, H] float8_e4m3fn."""
+    return e4m3_satfinite(x.float() / torch.tensor(scale, dtype=torch.float32))
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e2m1 codes (uint8, sign in bit 3): nearest representable value, ties to the even
+    code,
+    saturating at 6. Found by distance to every value, independent of the kernel's threshold
+    method."""
+    values = e2m1_values(x.device)
+    mag = x.abs().clamp(max=6.0)
+    dist = (mag.unsqueeze(-1) - values).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    ties = dist == best
+    codes = torch.arange(8, device=x.device).expand_as(dist)
+    # among the nearest codes prefer the even one (mantissa bit 0); there are at most two
+    even_first = (
+        torch.where(ties & (codes % 2 == 0), codes, torch.full_like(codes, 99)).min(-1).values
+    )
+    any_first = torch.where(ties, codes, torch.full_like(codes, 99)).min(-1).values
+    code = torch.where(even_first < 99, even_first, any_first)
+    sign = (x < 0).to(torch.int64) << 3  # a negative value keeps its sign even when it rounds to 0
+    return (code | sign).to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    values = e2m1_values(codes.device)
+    mag = values[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def swizzled_sf_offset(m: torch.Tensor, k: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Flat offset of (row m, block k) in FlashInfer's SWIZZLED_128x4 scale layout."""
+    k4 = (num_blocks + 3) // 4
+    return (
+        (m // 128) * (k4 * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4)
+    )
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: float, layout: SFLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] activation-dtype -> (packed uint8 [T, H/2], uint8 e4m3 scales in `layout`)."""
+    tokens, hidden = x.shape
+    blocks = x.float().reshape(tokens, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
+    gs = torch.tensor(global_scale, dtype=torch.float32)
+    amax = blocks.abs().amax(dim=-1)
+    sf = e4m3_satfinite(gs * amax / 6.0)
+    sf_f = sf.float().unsqueeze(-1)
+    # the quotient is taken exactly (float64 holds it far beyond the e2m1 thresholds' resolution)
+    # and
+    # rounded once, to e2m1; the product x * global_scale is an fp32 product, as in the kernel
+    scaled = torch.where(
+        sf_f == 0,
+        torch.zeros_like(blocks, dtype=torch.float64),
+        (blocks * gs).double() / torch.where(sf_f == 0, 1.0, sf_f).double(),
+    )
+    codes = e2m1_codes(scaled).reshape(tokens, hidden)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    sf_bytes = sf.view(torch.uint8)
+    if layout is SFLayout.LINEAR:
+        return packed, sf_bytes.contiguous()
+    rows, cols = sf_shape(tokens, hidden, layout)
+    out = torch.zeros(rows * cols, dtype=torch.uint8, device=x.device)
+    m = torch.arange(tokens, device=x.device).unsqueeze(1).expand(tokens, hidden // NVFP4_BLOCK)
+    k = torch.arange(hidden // NVFP4_BLOCK, device=x.device).unsqueeze(0).expand_as(m)
+    out[swizzled_sf_offset(m, k, hidden // NVFP4_BLOCK).reshape(-1)] = sf_bytes.reshape(-1)
+    return packed, out.reshape(rows, cols)
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, sf: torch.Tensor, global_scale: float, hidden: int, layout: SFLayout
+) -> torch.Tensor:
+    """Inverse of quantize_nvfp4 up to rounding, in fp32: for error measurements."""
+    tokens = packed.shape[0]
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(tokens, hidden)
+    nb = hidden // NVFP4_BLOCK
+    if layout is SFLayout.LINEAR:
+        sf_rows = sf.reshape(tokens, nb)
+    else:
+        m = torch.arange(tokens, device=packed.device).unsqueeze(1).expand(tokens, nb)
+        k = torch.arange(nb, device=packed.device).unsqueeze(0).expand_as(m)
+        sf_rows = sf.reshape(-1)[swizzled_sf_offset(m, k, nb)]
+    scale = sf_rows.view(torch.float8_e4m3fn).float() / global_scale
+    return (e2m1_decode(codes).reshape(tokens, nb, NVFP4_BLOCK) * scale.unsqueeze(-1)).reshape(
+        tokens, hidden
+    )

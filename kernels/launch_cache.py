@@ -1,0 +1,366 @@
+"""Launch a Triton kernel at the cost of a launch: after the first normal launch, call the compiled
+kernel's low-level launcher directly, keyed by what Triton's own cache key depends on.
+
+Why: `kernel[grid](...)` (Triton 3.6) re-derives per call what is fixed for us: it binds the
+arguments by name, specializes each one in C, formats the options dict into a string for the cache
+key, looks the kernel up, builds a launch-metadata dict for the (empty) launch hooks and goes
+through
+`CudaLauncher.__call__`. `KernelLauncher` keeps, per specialization key, the compiled kernel's
+launch
+function and everything that is constant for it, and launches with the grid, the current stream and
+the arguments.
+
+The key mirrors Triton's specialization (checked against `native_specialize_impl` by
+tests/kernels/test_launch_cache.py) and is never coarser than it:
+
+- tensor arguments: dtype and `data_ptr() & 15` (Triton: dtype and 16-byte alignment);
+- int arguments: type, `== 1` (Triton passes 1 as a constexpr), `% 16 == 0` and the int32 / int64
+  range (i32 / i64 / u64); so T = 1, T = 16 and T = 3 are three keys, T = 3 and T = 5 one;
+- float arguments: type only (Triton never specializes them);
+- the constexpr values, num_warps, the current device, `knobs.runtime.debug` and
+  `knobs.compilation.instrumentation_mode` (the options in Triton's key).
+
+Anything else falls back to the normal launch, which compiles or finds the right kernel; its result
+is then remembered under the new key (at most `MAX_ENTRIES` per kernel, oldest dropped first). The
+fast path is never taken while a launch hook is registered (profilers such as proton), and the
+normal launch is used forever, without an error, when any internal below is missing: under
+TRITON_INTERPRET=1 (no compiled launcher), with another Triton minor version, or with
+FUSION_BRIDGE_LAUNCH_CACHE=0. `KernelLauncher.disabled_reason` says why.
+
+Triton internals relied on (verified on Triton 3.6.0; `TESTED_TRITON` guards the minor version,
+because the launcher's positional layout below cannot be feature-detected):
+
+- `JITFunction.run(...)` (what `kernel[grid](...)` calls) returns the `CompiledKernel` it launched;
+  `JITFunction.arg_names`, `.used_global_vals` and `.pre_run_hooks` (we cache only when both are
+  empty: Triton re-checks globals per call and runs the hooks);
+- `CompiledKernel.run` (a `CudaLauncher`, callable as `run(gx, gy, gz, stream, function,
+  packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args_in_param_order)`, constexpr
+  slots included), `CompiledKernel.function` and `.packed_metadata`; an object with `.result`
+  (asynchronous compile) is not cached;
+- `CudaLauncher.launch` (the compiled C `launch(gx, gy, gz, stream, function, cooperative, pdl,
+  global_scratch, profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`)
+  with `.launch_cooperative_grid`, `.launch_pdl`, `.global_scratch_size` and
+  `.profile_scratch_size`:
+  called directly when both scratch sizes are 0, else through `CudaLauncher.__call__`;
+- `triton.runtime.driver.active.get_current_device` / `.get_current_stream` (the same functions
+  Triton's launch uses) and `triton.knobs.runtime.launch_enter_hook` / `launch_exit_hook`
+  (`HookChain`s; the fast path needs their `.calls` empty and passes None, as Triton does without
+  hooks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from fusion_bridge.log import get_logger
+
+TESTED_TRITON = ((3, 6),)
+MAX_ENTRIES = 64
+ENV_VAR = "FUSION_BRIDGE_LAUNCH_CACHE"  # "0" switches the fast path off
+
+_log = get_logger("kernels.launcher")
+
+
+class Runtime:
+    """What a fast launch reads from Triton per call. Tests pass a fake one."""
+
+    def __init__(
+        self,
+        get_current_device: Callable[[], int],
+        get_current_stream: Callable[[int], int],
+        runtime_knobs: Any,
+        compilation_knobs: Any,
+    ):
+        self.get_current_device = get_current_device
+        self.get_current_stream = get_current_stream
+        self.runtime_knobs = runtime_knobs  # .launch_enter_hook, .launch_exit_hook, .debug
+        self.compilation_knobs = compilation_knobs  # .instrumentation_mode
+
+
+def triton_version() -> Optional[tuple[int, int]]:
+    try:
+        import triton
+
+        m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+        return (int(m.group(1)), int(m.group(2))) if m else None
+    except Exception:
+        return None
+
+
+def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
+    """(the installed Triton's runtime, None) or (None, why the fast path is off)."""
+    from fusion_bridge import env_vars
+
+    if not env_vars.read(ENV_VAR):
+        return None, f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
+    version = triton_version()
+    if version not in TESTED_TRITON:
+        tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON)
+        return None, (
+            f"Triton {version} is not a version whose launcher layout was verified ({tested}); "
+            "the normal launch is used"
+        )
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        if knobs.runtime.interpret:
+            return None, "TRITON_INTERPRET=1: no compiled launcher"
+        active = driver.active
+        rt = Runtime(
+            active.get_current_device, active.get_current_stream, knobs.runtime, knobs.compilation
+        )
+        for chain in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+            if not hasattr(chain, "calls"):
+                return None, "triton.knobs.runtime launch hooks are not HookChains"
+        knobs.runtime.debug, knobs.compilation.instrumentation_mode  # noqa: B018 (feature detection)
+        return rt, None
+    except Exception as exc:  # any missing internal: the normal launch
+        return None, f"Triton runtime internals unavailable: {type(exc).__name__}: {exc}"
+
+
+def _make_key_fn(kinds: Sequence[str]) -> Callable:
+    """A key function for arguments of these kinds ('t' tensor, 's' scalar), generated once (as
+    Triton
+    generates its binder): one call, no loop. Raises (AttributeError, TypeError) on an argument of
+    an
+    unexpected kind, which the caller treats as 'no fast path'."""
+    names = [f"a{i}" for i in range(len(kinds))]
+    parts = []
+    for name, kind in zip(names, kinds):
+        if kind == "t":
+            parts.append(f"{name}.dtype, {name}.data_ptr() & 15")
+        else:
+            parts.append(
+                f"type({name}), (None if type({name}) is float else ({name} == 1, {name} % 16 == "
+                "0, "
+                f"-2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807))"
+            )
+    src = (
+        f"def key(device, debug, instrumentation, num_warps, constexprs, {', '.join(names)}):\n"
+        f"    return (device, debug, instrumentation, num_warps, constexprs, {', '.join(parts)})\n"
+    )
+    namespace: dict = {}
+    exec(src, namespace)  # noqa: S102 (generated from a fixed template, no user input)
+    return namespace["key"]
+
+
+def _kinds(args: Sequence[Any]) -> Optional[tuple[str, ...]]:
+    kinds = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            kinds.append("t")
+        elif type(a) in (int, float):
+            kinds.append("s")
+        else:
+            return None  # None, bools, tuples: Triton specializes them otherwise; not cached
+    return tuple(kinds)
+
+
+class KernelLauncher:
+    """`launcher(grid, args, constexprs, num_warps)` launches `kernel[grid](*args, **dict(zip(
+    constexpr_names, constexprs)), num_warps=num_warps)`, through the cached low-level launcher when
+    the specialization key was seen before. `args` are the runtime arguments in parameter order;
+    the constexpr parameters must be the kernel's trailing parameters. `options`: compile options
+    passed to every launch (`kernel[grid](..., **options)`), e.g. {"maxnreg": 64}."""
+
+    def __init__(
+        self,
+        kernel,
+        constexpr_names: Sequence[str],
+        runtime: Optional[Runtime] = None,
+        max_entries: int = MAX_ENTRIES,
+        options: Optional[dict] = None,
+    ):
+        self.kernel = kernel
+        self.constexpr_names = tuple(constexpr_names)
+        # compile options fixed for every launch of this launcher (e.g. maxnreg): they are part of
+        # Triton's key, and constant here, so the launcher's own key needs no field for them
+        self.options = dict(options or {})
+        self.max_entries = max_entries
+        self.normal_launches = 0
+        self._entries: dict = {}
+        self._key_fn: Optional[Callable] = None
+        self._kinds: Optional[tuple[str, ...]] = None
+        self._runtime = runtime
+        self._runtime_resolved = runtime is not None
+        self.disabled_reason: Optional[str] = self._signature_reason()
+
+    @property
+    def name(self) -> str:
+        fn = getattr(self.kernel, "fn", None)
+        return getattr(fn, "__name__", type(self.kernel).__name__)
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    def _signature_reason(self) -> Optional[str]:
+        names = getattr(self.kernel, "arg_names", None)
+        if names is None:
+            return f"{self.name}: the kernel has no arg_names"
+        n = len(self.constexpr_names)
+        if n and tuple(names[-n:]) != self.constexpr_names:
+            return (
+                f"{self.name}: constexprs {self.constexpr_names} are not the kernel's trailing "
+                "parameters "
+                f"{tuple(names[-n:])}"
+            )
+        self._n_args = len(names) - n
+        return None
+
+    def _disable(self, reason: str) -> None:
+        self.disabled_reason = reason
+        self._entries.clear()
+        self._key_fn = None
+        _log.info(
+            "launch cache off for %s: %s (normal Triton launches are used)", self.name, reason
+        )
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: tuple, num_warps: int) -> None:
+        key_fn = self._key_fn
+        if key_fn is None:
+            self._normal(grid, args, constexprs, num_warps, None)
+            return
+        knobs = self._knobs
+        try:
+            if knobs.launch_enter_hook.calls or knobs.launch_exit_hook.calls:
+                key = None  # hooks expect Triton's own launch
+            else:
+                device = self._get_device()
+                key = key_fn(
+                    device,
+                    knobs.debug,
+                    self._compilation_knobs.instrumentation_mode,
+                    num_warps,
+                    constexprs,
+                    *args,
+                )
+        except (
+            Exception
+        ):  # an argument of another kind, a hook that is not a HookChain: normal launch
+            key = None
+        entry = self._entries.get(key)
+        if entry is None:
+            self._normal(grid, args, constexprs, num_warps, key)
+            return
+        fn, prefix = entry
+        n = len(grid)
+        try:
+            fn(
+                grid[0],
+                grid[1] if n > 1 else 1,
+                grid[2] if n > 2 else 1,
+                self._get_stream(device),
+                *prefix,
+                *args,
+                *constexprs,
+            )
+        except Exception as exc:
+            self._fast_failed(exc, grid, args, constexprs, num_warps)
+
+    def _launch_normally(self, grid, args, constexprs, num_warps):
+        self.normal_launches += 1
+        kwargs = dict(zip(self.constexpr_names, constexprs))
+        return self.kernel[grid](*args, **kwargs, num_warps=num_warps, **self.options)
+
+    def _fast_failed(self, exc, grid, args, constexprs, num_warps) -> None:
+        """The cached launcher raised. The C launcher checks its arguments before launching, so
+        nothing
+        ran: launch normally. If that works, the fast path is wrong for this Triton: switch it off.
+        If
+        it raises too, the error is the caller's: let Triton's own error through."""
+        self._launch_normally(grid, args, constexprs, num_warps)
+        self._disable(f"the cached launcher raised {type(exc).__name__}: {exc}")
+
+    def _normal(self, grid, args, constexprs, num_warps, key) -> None:
+        compiled = self._launch_normally(grid, args, constexprs, num_warps)
+        if self.disabled_reason is None:
+            try:
+                self._remember(compiled, key, args, constexprs, num_warps)
+            except Exception as exc:  # a missing internal: normal launches from now on
+                self._disable(f"{type(exc).__name__}: {exc}")
+
+    def _remember(self, compiled, key, args, constexprs, num_warps) -> None:
+        if not self._runtime_resolved:
+            self._runtime, reason = triton_runtime()
+            self._runtime_resolved = True
+            if reason is not None:
+                self._disable(reason)
+                return
+        if len(args) != self._n_args or len(constexprs) != len(self.constexpr_names):
+            # a call that does not fit the signature: Triton raised or will; nothing to cache
+            return
+        if getattr(self.kernel, "used_global_vals", None) or getattr(
+            self.kernel, "pre_run_hooks", None
+        ):
+            self._disable(
+                "the kernel uses global values or pre-run hooks, which Triton checks per launch"
+            )
+            return
+        if compiled is None or hasattr(compiled, "result"):
+            if compiled is None:
+                self._disable("the normal launch returned no compiled kernel")
+            return  # asynchronous compile: try again next time
+        kinds = _kinds(args)
+        if kinds is None:
+            return
+        rt = self._runtime
+        if self._kinds is None:
+            self._knobs, self._compilation_knobs = rt.runtime_knobs, rt.compilation_knobs
+            self._get_device, self._get_stream = rt.get_current_device, rt.get_current_stream
+            self._kinds, self._key_fn = kinds, _make_key_fn(kinds)
+        elif kinds != self._kinds:
+            # another argument layout than the cached one: not cached (the key fn would refuse it)
+            return
+        if key is None:
+            knobs = rt.runtime_knobs
+            if not (_idle(knobs.launch_enter_hook) and _idle(knobs.launch_exit_hook)):
+                return
+            key = self._key_fn(
+                rt.get_current_device(),
+                knobs.debug,
+                rt.compilation_knobs.instrumentation_mode,
+                num_warps,
+                constexprs,
+                *args,
+            )
+        self._entries.pop(key, None)
+        while len(self._entries) >= self.max_entries:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = _entry(compiled)
+
+
+def _idle(hook) -> bool:
+    return hook is None or not getattr(hook, "calls", True)
+
+
+def _entry(compiled) -> tuple[Callable, tuple]:
+    """(launch function, the arguments between the stream and the kernel's own arguments)."""
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    if not callable(run):
+        raise TypeError("CompiledKernel.run is not callable")
+    launch = getattr(run, "launch", None)
+    if (
+        callable(launch)
+        and getattr(run, "global_scratch_size", None) == 0
+        and getattr(run, "profile_scratch_size", None) == 0
+        and hasattr(run, "launch_cooperative_grid")
+        and hasattr(run, "launch_pdl")
+    ):
+        return launch, (
+            function,
+            run.launch_cooperative_grid,
+            run.launch_pdl,
+            None,
+            None,
+            packed,
+            None,
+            None,
+            None,
+        )
+    return run, (function, packed, None, None, None)

@@ -1,0 +1,382 @@
+"""One-launch MoE epilogue over symmetric memory: finalize + shared add + all-reduce + residual add
++
+RMSNorm (+ FP8 / NVFP4), for small T on one node, with NVLink multicast never used.
+
+The data carries its own arrival (Lamport-style): every data slot holds the sentinel -0.0 (bits
+0x8000
+in bf16 and fp16) until its partial lands, and a published partial never holds -0.0 (it is mapped to
++0.0, which changes no sum: x + (-0.0) == x + (+0.0) for every x != 0, and the rank-ordered sum
+never
+starts from the residual, so a sign of zero can only differ when the whole sum is zero). A reader
+spins
+on the data itself: no flags, no fence before a flag, no second round trip.
+
+Per call, on every rank (all ranks launch the same grid, since T is the same on every rank), epoch
+e,
+slot s = e % 3:
+  A. publish: each program finalizes (row, column chunk) items of its rank's partial
+         partial[t] = round(routed_scaling * sum_k w[t,k] * gemm2_out[perm[t,k]] + shared[t])
+     (fp32 accumulate, ONE rounding to the activation dtype, -0.0 -> +0.0) and stores it into
+     slot [s][its rank] of every rank's symmetric buffer (its own included), plain stores.
+  B. clear: the local slot (s + 2) % 3, used by the previous call, goes back to the sentinel for the
+     rows that call used (its T is kept in device state), for all sources.
+  C. reduce + norm: each program takes (row, column chunk) items, reads the row's W partials from
+  its
+     local buffer (volatile loads, all ranks' rows, the whole row: the sum of squares needs it)
+     until
+     none is the sentinel (bounded), sums them **in rank order** in fp32, adds the residual, and
+     writes its chunk of residual_out, norm_out = round(x * rsqrt(mean(x^2) + eps) * (gamma +
+     weight_bias)) and the quantized norm_out. Every rank reads the same rounded values in the same
+     order with the same reduction tree, so outputs are bitwise identical on all ranks. Error: the
+     partial's rounding plus each output's rounding (2 roundings to the activation dtype).
+Phase A never waits, so no program waits for a program that waits for it (all publishes of all
+programs precede, in their own program order, every wait).
+
+Memory-ordering argument (no host state: CUDA graphs replay it):
+- Epoch: state[0] in device memory holds e mod 3 (the slot; it never wraps). Each program loads it
+  (and the previous slot's row count), then takes a ticket (atomic add on state[1], release, gpu
+  scope:
+  the loads are ordered before it). The program holding the last ticket has, through the release
+  sequence of the counter and an acquire fence, seen every program's loads done; at its end it
+  stores
+  (e + 1) mod 3, this slot's T, and resets the counter. Launches on one stream are ordered, so the
+  next call reads the next slot.
+- A reader never uses a slot before it is written: it uses a value only once it differs from the
+  sentinel, and each element is naturally aligned (2 bytes, single-copy atomic), so a torn or
+  reordered arrival over NVLink shows as "not yet" and is polled again. The polls are volatile
+  loads (L1 bypassed; the point of coherence of a rank's buffer is its own L2, where its own stores
+  and
+  its peers' NVLink stores land).
+- A slot is never overwritten while a peer may still read it, and never read stale: rank r's slot
+  s = e % 3 is written by peers in call e, read by r in call e, cleared by r in call e + 1 (after r
+  saw
+  every value of it in call e, so the clear is later in coherence order than the data), and written
+  again by a peer p only in call e + 3. p starts call e + 3 only after its call e + 2 completed,
+  which
+  needed r's data of call e + 2, which r publishes only after its call e + 1 (the clear) completed:
+  the clear precedes the new data at r's L2. Peers are at most one call apart (a rank finishes call
+  e only with every peer's call-e data), so slot (e + 1) % 3 may be written by a peer running ahead
+  while r is still in call e, and r clears only (e + 2) % 3: three slots, not two.
+- The previous call's T is kept per slot in state[4 + slot]; the row counts differ per call, and the
+  clear covers exactly the rows that call dirtied.
+- T = 0 launches nothing on every rank (T is the same on all ranks), so epochs stay in step.
+- The grid is at most the SM count (one program per SM fits), so every program that is waited on is
+  resident.
+- Timeout: the poll's exit condition is one block reduction over (pending sentinel | timer expired |
+  abort word set), so every warp of a program leaves the loop on the same iteration and agrees on
+  the
+  outcome (a per-thread %globaltimer test would let warps leave on different iterations). On a
+  timeout
+  the program writes NaN outputs, an error word (bit 16 + the ranks whose data did not arrive) into
+  pinned host memory (read by the host without a sync) and into state[2], and an abort word into
+  every
+  rank's header, so every later call on every rank fails at once instead of waiting (the bridge must
+  be
+  rebuilt).
+
+Buffer layout per rank: see `symm_protocol` (a 256-byte header with the abort word, then the data
+slots [3][W][cap][H] of the activation dtype, all the sentinel at creation).
+
+The CPU tests and the benchmarks' ablations run this very kernel body through the two hooks that
+`symm_protocol` documents (PHASES, EMULATED); fusion_bridge/testing/symm_oneshot_rig.py is their
+only caller.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_bridge.kernels.tp1 import launch as tp1_launch
+from fusion_bridge.kernels.symm import protocol as P
+from fusion_bridge.kernels.finalize_add import finalize_row
+from fusion_bridge.kernels.row_epilogue import row_outputs
+from fusion_bridge.kernels.symm.oneshot_shapes import (  # noqa: F401 (SHAPE_VARIANTS, variant_shape: re-exported)
+    SHAPE_VARIANTS,
+    OneshotShape,
+    default_shape,
+    variant_shape,
+)
+from fusion_bridge.kernels.quant import QUANT_NVFP4, row_block, sf_padding_item
+from fusion_bridge.kernels.symm.device import (
+    abort_word_ptr,
+    advance_epoch,
+    call_state,
+    clear_item,
+    missing_ranks,
+    payload_bits,
+    peer_ptr,
+    report_error,
+    start_clock,
+    take_ticket,
+    wait_row,
+)
+from fusion_bridge.kernels.symm.protocol import SymmLayer
+
+PUBLISH = tl.constexpr(P.PUBLISH)
+REDUCE = tl.constexpr(P.REDUCE)
+NORM = tl.constexpr(P.NORM)
+CLEAR = tl.constexpr(P.CLEAR)
+EPOCH = tl.constexpr(P.EPOCH)
+FINALIZE = tl.constexpr(P.FINALIZE)
+
+
+@triton.jit
+def _rank_ordered_sum(v, dtype: tl.constexpr, WORLD: tl.constexpr, WP: tl.constexpr):
+    """fp32 [ROW_BLOCK]: the row's W partials (int16 bits [WP, ROW_BLOCK]) summed in rank order
+    (exact selections: one nonzero term per column and rank)."""
+    qi = tl.arange(0, WP)[:, None]
+    vf = v.to(dtype, bitcast=True).to(tl.float32)
+    s = tl.sum(tl.where(qi == 0, vf, 0.0), axis=0)
+    for q in tl.static_range(1, WORLD):  # rank order
+        s += tl.sum(tl.where(qi == q, vf, 0.0), axis=0)
+    return s
+
+
+@triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout"])  # one compile per BLOCK1
+def _oneshot_kernel(
+    ptrs_ptr,
+    state_ptr,
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    residual_ptr,
+    gamma_ptr,
+    residual_out_ptr,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    tokens,
+    hidden,
+    cap,
+    data_off,
+    rank,
+    routed_scaling,
+    eps,
+    weight_bias,
+    quant_scale,
+    sf_rows,
+    sf_cols,
+    timeout,
+    block2,
+    WORLD: tl.constexpr,
+    WP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    BLOCK1: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    CLEAR_BLOCK: tl.constexpr,
+    PHASES: tl.constexpr = P.ALL_PHASES,  # test/benchmark hook (symm_protocol)
+    EMULATED: tl.constexpr = False,  # test hook (symm_protocol)
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    slot, prev, prev_rows = call_state(state_ptr)
+    start = start_clock(EMULATED)
+    slot_stride = cap.to(tl.int64) * hidden  # one source's rows
+    local = peer_ptr(ptrs_ptr, rank, tl.int16)
+
+    # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
+    if PUBLISH & PHASES:
+        chunks1 = tl.cdiv(hidden, BLOCK1)
+        dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
+        for item in range(pid, tokens * chunks1, nprog):
+            row = (item // chunks1).to(tl.int64)
+            cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
+            if FINALIZE & PHASES:
+                acc = finalize_row(
+                    gemm2_ptr,
+                    perm_ptr,
+                    weight_ptr,
+                    shared_ptr,
+                    row,
+                    cols,
+                    hidden,
+                    routed_scaling,
+                    TOP_K,
+                    HAS_SHARED,
+                )
+                bits = payload_bits(acc, dtype)
+            else:
+                bits = tl.full([BLOCK1], 0x3F80, tl.int16)
+            for q in tl.static_range(WORLD):
+                tl.store(
+                    peer_ptr(ptrs_ptr, q, tl.int16) + dst + row * hidden + cols,
+                    bits,
+                    mask=cols < hidden,
+                )
+    if EPOCH & PHASES:
+        ticket = take_ticket(state_ptr, slot, prev_rows, BLOCK1)
+
+    # B. the previous call's slot back to the sentinel (its rows, every source), overlapping
+    # the wait
+    if CLEAR & PHASES:
+        prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
+        chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
+        for q in tl.static_range(WORLD):
+            for item in range(pid, prev_rows * chunks_c, nprog):
+                clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
+
+    # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
+    if REDUCE & PHASES:
+        abort_ptr = abort_word_ptr(ptrs_ptr, rank)
+        src = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
+        if EMULATED:
+            timeout_ns = timeout  # polls
+        else:
+            timeout_ns = timeout.to(tl.int64) * 1000
+        chunks2 = tl.cdiv(hidden, block2)
+        for item in range(pid, tokens * chunks2, nprog):
+            row = (item // chunks2).to(tl.int64)
+            lo = tl.multiple_of((item % chunks2) * block2, 64)
+            v, status = wait_row(
+                src,
+                slot_stride,
+                row,
+                hidden,
+                abort_ptr,
+                start,
+                timeout_ns,
+                -1,
+                WORLD,
+                WP,
+                ROW_BLOCK,
+                EMULATED,
+            )
+            bad = ((status & 5) != 0).to(tl.int32)  # still pending after the timeout, or aborted
+            if bad != 0:  # `status` is uniform over the program, so is this branch
+                report_error(
+                    missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
+                )
+            if NORM & PHASES:
+                row_outputs(
+                    _rank_ordered_sum(v, dtype, WORLD, WP),
+                    row,
+                    lo,
+                    lo + block2,
+                    bad,
+                    tokens,
+                    residual_ptr,
+                    gamma_ptr,
+                    residual_out_ptr,
+                    norm_out_ptr,
+                    q_ptr,
+                    sf_ptr,
+                    hidden,
+                    eps,
+                    weight_bias,
+                    quant_scale,
+                    sf_cols,
+                    QUANT,
+                    SWIZZLED,
+                    ROW_BLOCK,
+                    HW_CVT,
+                    True,  # overflow-safe, as every norm of ours (a branch taken only on overflow)
+                )
+    if NORM & PHASES:
+        if QUANT == 2:
+            if SWIZZLED:
+                for item in range(
+                    pid, tl.cdiv(sf_rows - tokens, 32) * tl.cdiv(sf_cols, 128), nprog
+                ):
+                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+
+    # D. the last ticket advances the epoch, records this slot's rows for the next clear
+    if EPOCH & PHASES:
+        advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
+
+
+def call_args(
+    layer: SymmLayer,
+    shape: Optional[OneshotShape],
+    *,
+    residual_out: torch.Tensor,
+    norm_out: torch.Tensor,
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    gemm2_out: torch.Tensor,
+    perm: torch.Tensor,
+    weights: torch.Tensor,
+    shared: Optional[torch.Tensor],
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+) -> tuple[int, tuple, dict]:
+    """(programs, positional args, constexprs + num_warps) of one call of the exchange kernel
+    (world size >= 2); T > 0."""
+    tokens, top_k = perm.shape
+    hidden = layer.hidden
+    quant = layer.quant
+    block1, block2, warps = (shape or default_shape(tokens, hidden, layer.num_sms))[
+        :3
+    ]  # its prefetch field is the world-size-1 kernels' only
+    rb = row_block(hidden)
+    block1, block2 = min(block1, rb), min(block2, rb)
+    assert block2 % 64 == 0 and block1 % 64 == 0
+    items = max(tokens * triton.cdiv(hidden, block1), tokens * triton.cdiv(hidden, block2))
+    sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
+    args = (
+        layer.ptrs,
+        layer.state,
+        gemm2_out,
+        perm,
+        weights,
+        shared if shared is not None else residual,
+        residual,
+        gamma,
+        residual_out,
+        norm_out,
+        q,
+        sf,
+        tokens,
+        hidden,
+        layer.cap,
+        layer.data_off,
+        layer.rank,
+        layer.routed_scaling,
+        layer.eps,
+        layer.weight_bias,
+        quant.scale,
+        sf_rows,
+        sf_cols,
+        layer.timeout_us,
+        block2,
+    )
+    constexprs = dict(
+        WORLD=layer.world,
+        WP=triton.next_power_of_2(layer.world),
+        TOP_K=top_k,
+        HAS_SHARED=shared is not None,
+        QUANT=quant.code,
+        SWIZZLED=quant.swizzled,
+        BLOCK1=block1,
+        ROW_BLOCK=rb,
+        HW_CVT=residual.is_cuda,
+        CLEAR_BLOCK=min(1024, rb),
+        num_warps=warps,
+    )
+    return max(1, min(layer.num_sms, items)), args, constexprs
+
+
+KERNEL = _oneshot_kernel  # the exchange kernel (world size >= 2), for kernels/symm_testing
+
+
+def launch(layer: SymmLayer, *, shape: Optional[OneshotShape] = None, **tensors) -> None:
+    """One call: `tensors` are call_args's keywords (residual_out, norm_out, q, sf as uint8: [T, H]
+    fp8 codes / [T, H/2] packed fp4, gemm2_out, perm, weights, shared or None, residual, gamma).
+    T == 0 launches nothing (on every rank); T must be <= layer.cap. shape: None = default_shape.
+    World size 1 runs the local work only (`tp1_launch.launch`, whole rows here)."""
+    if tensors["perm"].shape[0] == 0:
+        return
+    if layer.world == 1:
+        tp1_launch.launch(layer, shape, **tensors)
+        return
+    programs, args, constexprs = call_args(layer, shape, **tensors)
+    _oneshot_kernel[(programs,)](*args, **constexprs)

@@ -1,0 +1,369 @@
+"""The large-T two-shot (`symm_fused_twoshot`, through `twoshot_launch`): rows cut into chunks
+that take a few fixed slots in turn (so the workspace does not grow with T), and every stage of
+every chunk its own launch with a grid sized to its work (one row or one finalize item per
+program, as our standalone kernels); a chunk's arrival is one flag per (rank, slot), so the row
+launches read their slots with plain vectorized loads and never clear them. Each rank reduces
+only the rows it owns (rows j with j % W == rank): two-shot byte counts.
+
+Measured at world size 1 on one H200 (benchmarks/twoshot_local.py, K=8, same run; no peer reads
+and no all-gather at W = 1, so this is the local work the link overlaps with): 1.08-1.15x our
+standalone finalize + add+RMSNorm in the default shape (2 slots x 1024 tokens, F on two side
+streams let ahead of X, the row launches on a high-priority stream, the L2 hints with the read
+slot rows dropped, PDL on sm_90+); its finalize launches alone take 0.81-1.10x our standalone
+finalize, its row launches alone 1.00-1.28x our add+RMSNorm, and the pipeline less than their
+sum (docs/performance.md, benchmarks/results/README.md).
+
+Per chunk c (slot s = (base + c) % SLOTS = c % SLOTS, sequence number base + c, base in device
+state; each call moves the base on by its chunks rounded up to a multiple of SLOTS, releasing the
+skipped sequence numbers' slots at once, so every call starts on slot 0 and the finalize and row
+launches know a chunk's slot without reading the base), kernels in `symm_twoshot_kernels`:
+
+  F(c): the finalize items of chunk c into the owners' reduce-scatter rows [rank][i] of slot s
+        (one item, a row segment, per program); never waits.
+  V(c): (f_ahead, the default; c > 0 and chunk c - 1 + SLOTS in the call) one program, right
+        after R(c - 1) / G(c - 1): release slot s' (chunk c - 1) on this rank's counter, wait
+        until every rank released it (the gate of chunk c - 1 + SLOTS: its F may then start).
+  X(c): one program: (without V(c)) release chunk c - 1's slot; raise this rank's "arrived" flag
+        of s to base + c + 1; wait until every rank's "arrived" flag of s shows chunk c; (without
+        V(c)) gate chunk c - 1 + SLOTS.
+  R(c): the rows this rank owns: the W partials summed in rank order, residual, one rounding,
+        pushed into every other rank's all-gather rows, this rank's outputs.
+  Y(c): (W > 1) one program: raise the "reduced" flag of s, wait for every rank's.
+  G(c): (W > 1) the rows the other ranks own, from this rank's all-gather rows.
+A call starts with one gate for the first SLOTS chunks and ends with one release of its last chunk
+(which also advances the base, as above).
+
+F runs on side streams (chunk c on side stream c % f_streams), everything else on the caller's
+stream (or, "two_prio", on a high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c)
+(and the link; with V, also X(c) and the end of F(c): the row launches' priority keeps the early
+finalize programs from taking the SMs R(c) needs). F(c) waits for the event of the launch that
+gated its slot, X(c) for F(c)'s; the
+side streams fork from the caller's stream at the start of the call and join it through X (the
+caller's stream waits for every F; CUDA-graph capture sees a closed fork / join). The side
+streams are per thread.
+
+L2 (`TwoshotShape.l2`, GPU only): F loads the expert rows with the evict-first hint and stores the
+slot rows with evict-last, R loads the residual evict-first, so R(c) finds chunk c's slot rows in
+L2 while F(c + 1) streams its expert rows through it; with l2 = 2 (rows on 128-byte lines) R / G
+then drop the slot rows they read from L2 (`discard.global.L2`) instead of writing them back to
+HBM: nothing reads a slot row again before the slot's next chunk writes it.
+
+Memory ordering. Writer: the flag is raised by a launch that its stream orders after the writes it
+covers (F(c), or R(c)'s pushes), after a system-scope fence, by a system-scope release; so every
+rank that reads the flag with a system-scope acquire sees those writes. Reader: the acquire is in
+the one-program launch X / Y; the row launch that reads the rows comes after it on the same stream
+and loads them with .cg (L2, never a stale L1 line), so plain loads read the new rows; no element
+needs to differ from a sentinel, and nothing clears the slot. Reuse: V(c) / X(c) releases chunk c -
+1's slot only after R(c - 1) / G(c - 1) (same stream: their reads, and their discards, which count
+as writes, are done; the release follows a block barrier and is system-scope); a writer's gate
+acquires every rank's counter before F writes the slot again. The flags hold sequence numbers, so a
+flag left by the slot's previous chunk (SLOTS chunks earlier) never reads as this chunk's. Every
+call on one workspace must use the same number of slots (the counters count uses per slot).
+
+Deadlock freedom: every one-program launch makes this rank's release and signal before it waits, and
+waits only for the peers' release of chunk c - 1 and signals of chunk c, which their own V(c) / X(c)
+/ Y(c) make before any of their waits (a rank reaches V(c) after R(c - 1) / G(c - 1), which follow
+only its X(c - 1) / Y(c - 1)); X(c) follows F(c), which follows the gate of its slot, made by V(c +
+1 - SLOTS) / X(c + 1 - SLOTS), earlier in this rank's order: by induction over the chunks every wait
+is for a launch that is made. tests/kernels/test_symm_twoshot_interleavings.py runs both orders
+under random
+interleavings of 2-4 ranks. Emulated ranks on one GPU launch every rank's stages in one global
+order
+on one stream (`symm_testing_twoshot.twoshot_call`), the syncs split into their signal and wait
+halves
+(per chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release), so that no
+spinning launch holds the SMs a peer's earlier stage needs.
+
+Errors: a wait that runs out (time, or the abort word a peer that timed out set) reports the error
+word and sets every rank's abort word (`report_error`); every row launch of that call after it on
+any rank writes NaN rows. A sync launch that finds the abort word set reports the error word even
+when its own waits were met (a late rank finds the flags an aborted peer left). How the row launches
+learn it: X(c), failing, fills this rank's own partials of the slot with NaN before R(c) reads them
+(rows [rank][*] of its reduce-scatter region: only this rank's F writes them, so no late or
+out-of-step peer can overwrite the NaN), so every row R(c) sums is NaN with no abort-word read in R;
+G reads the abort word once per row, after it has issued the row's data loads (so the word's round
+trip overlaps theirs). A peer that aborts while a row launch runs may leave that launch's rows wrong
+rather than NaN: once an abort is under way a gate returns at once, so a finalize may write a slot
+that a slow peer's row launch is still reading (the abort word read per row in R narrowed that
+window before; R no longer reads it). The error word (the next call raises) is what says a call
+failed. No wait is unbounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import triton
+
+from fusion_bridge.kernels.launch_cache import KernelLauncher
+from fusion_bridge.kernels.pdl import PDL_OPTIONS, pdl_ok
+from fusion_bridge.kernels.quant import row_block, row_num_warps, sf_padding_items
+from fusion_bridge.kernels.quant_codes import QUANT_NVFP4
+from fusion_bridge.kernels.symm.protocol import SymmLayer
+from fusion_bridge.kernels.symm.twoshot_device import CHUNK, MAX_SLOTS, SLOTS
+from fusion_bridge.kernels.symm.twoshot_kernels import (
+    FLAG_ARRIVED,
+    FLAG_REDUCED,
+    _finalize_kernel,
+    _rows_kernel,
+)
+from fusion_bridge.kernels.symm.twoshot_kernels import _sync_kernel
+from fusion_bridge.kernels.symm.twoshot_streams import two_streams
+
+__all__ = ["TwoshotShape", "DEFAULT_SHAPE", "launch", "call_plan"]
+
+_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS", "L2", "USE_PDL")
+_R_CONSTS = (
+    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS", "L2",
+    "USE_PDL",
+)  # fmt: skip
+_S_CONSTS = (
+    "WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU", "NAN_BITS", "USE_PDL",
+)  # fmt: skip
+_LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
+_LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
+_LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
+# with programmatic dependent launch (TwoshotShape.pdl, kernels/pdl.py): options are fixed per
+# launcher, and USE_PDL (a constexpr of the key) is True exactly on these
+_LAUNCH_F_PDL = KernelLauncher(_finalize_kernel, _F_CONSTS, options=PDL_OPTIONS)
+_LAUNCH_R_PDL = KernelLauncher(_rows_kernel, _R_CONSTS, options=PDL_OPTIONS)
+_LAUNCH_S_PDL = KernelLauncher(_sync_kernel, _S_CONSTS, options=PDL_OPTIONS)
+
+
+@dataclass(frozen=True)
+class TwoshotShape:
+    """A launch variant.
+
+    chunk / slots: tokens per chunk and the slots chunks turn through (the workspace holds
+    slots x [2][chunk][H]: 58.7 MB at 2 x 1024 or 4 x 512, H=7168 bf16; every call on one
+    workspace must use the same slots). f_cols / f_warps: the finalize item (one row segment, as
+    our standalone finalize's 1024 columns x 4 warps). row_warps: 0 = our add+RMSNorm kernel's
+    choice. stream_mode: "two" (F on side streams, overlapping R / G), "two_prio" (the same with
+    R / G on a high-priority stream; a call of one chunk runs as "two": nothing overlaps, and the
+    high-priority stream's fork and join cost 1-3 us at T=1024) or "one" (every stage in order on
+    the caller's stream). f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
+    starts while F(c) drains). f_ahead: F(c + 1) waits only for its slot's gate, made by a launch
+    V(c) right after R(c - 1) / G(c - 1) (else by X(c), after F(c)), so a chunk's finalize can
+    start before the one before it has finished. l2: 1 = L2 hints (expert rows and residual
+    evict-first, slot rows evict-last), 2 = those and the row launches drop the slot rows they read
+    from L2 unwritten. pdl: every launch with programmatic dependent launch (sm_90+ GPUs only, else
+    ignored): a launch's scheduling overlaps the tail of the launch before it on its stream, and
+    every kernel waits for that launch's completion before its first memory access
+    (kernels/pdl.py), so the flag protocol below is unchanged. That holds whatever an event wait
+    across streams becomes under capture: every kernel waits for all the grids it depends on,
+    programmatic or not."""
+
+    chunk: int = CHUNK
+    f_cols: int = 1024
+    f_warps: int = 4
+    row_warps: int = 0
+    # the row launches on a high-priority stream (a call of one chunk on the caller's stream)
+    stream_mode: str = "two_prio"
+    slots: int = SLOTS
+    f_streams: int = 2
+    l2: int = 2
+    # on: 0-3.5% faster at world size 1 on one H200 (its row launches alone 2-6%), never slower
+    # beyond noise (benchmarks/twoshot_local.py --twoshot pdl_off pdl_on, results/*_pdl.csv)
+    pdl: bool = True
+    # with two_prio, 4.7-7.4% faster at T >= 4096 at world size 1 on one H200 (without the priority
+    # 2-3% slower at H=7168: the early finalize launches take the SMs the row launches need;
+    # benchmarks/twoshot_local.py --twoshot default f_ahead f_ahead_prio prio,
+    # results/twoshot_local_h200_f_ahead.csv)
+    f_ahead: bool = True
+
+    def __post_init__(self):
+        if self.stream_mode not in ("one", "two", "two_prio"):
+            raise ValueError(
+                f"stream_mode: expected 'one', 'two' or 'two_prio', got {self.stream_mode!r}"
+            )
+        if self.chunk < 1:
+            raise ValueError(f"chunk: expected >= 1, got {self.chunk}")
+        if not 2 <= self.slots <= MAX_SLOTS:
+            raise ValueError(f"slots: expected 2..{MAX_SLOTS}, got {self.slots}")
+        if self.l2 not in (0, 1, 2):
+            raise ValueError(f"l2: expected 0, 1 or 2, got {self.l2}")
+        if self.f_streams not in (1, 2):
+            raise ValueError(f"f_streams: expected 1 or 2, got {self.f_streams}")
+
+
+DEFAULT_SHAPE = TwoshotShape()
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk's grids: finalize items, owned rows (R), other ranks' rows (G; 0 at W = 1)."""
+
+    index: int
+    f_items: int
+    own_rows: int
+    other_rows: int
+
+
+def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: TwoshotShape) -> list:
+    """The chunks of a call and their grids (the kernel's own formulas, on the host)."""
+    plans = []
+    f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
+    for c in range(-(-tokens // shape.chunk)):
+        n_c = min(shape.chunk, tokens - c * shape.chunk)
+        own = (n_c - rank + world - 1) // world if n_c > rank else 0
+        items = world * -(-n_c // world) * -(-hidden // f_cols)
+        plans.append(ChunkPlan(c, items, own, n_c - own))
+    return plans
+
+
+# the quiet NaN of each activation dtype as int16 bits (a failed wait poisons the slot rows with it)
+_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+
+
+def launch(layer: SymmLayer, *, shape: Optional[TwoshotShape] = None, **tensors) -> None:
+    """One call. tensors: residual_out, norm_out [T, H], q, sf (FP8 / NVFP4 outputs, or empty),
+    gemm2_out [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H],
+    gamma [H]. The layer's buffer holds slots laid out for shape.chunk and shape.slots
+    (`symm_twoshot_device.buffer_bytes`), its header zeroed at creation. T == 0 launches nothing
+    (on every rank)."""
+    if tensors["perm"].shape[0] == 0:
+        return
+    shape = shape or DEFAULT_SHAPE
+    calls = _call_launches(layer, shape, tensors, emulated=False)
+    seq = _sequence(calls, split=False)
+    residual = tensors["residual"]
+    if shape.stream_mode == "one" or not residual.is_cuda:
+        for _, _, fn, _ in seq:
+            fn()
+    else:
+        prio = shape.stream_mode == "two_prio" and len(calls.plans) > 1
+        two_streams(residual.device, seq, prio, shape.f_streams)
+
+
+def check_layout(layer: SymmLayer, shape: TwoshotShape) -> None:
+    """Every call on one workspace must lay its slots out alike: the release counters count the
+    uses of each slot, and slot regions of another chunk size overlap. The first call's (chunk,
+    slots) is kept on the tensor that owns the workspace's state words (the state itself, or the
+    tensor it is a view of), which lives as long as the workspace; another raises ValueError
+    instead of a gate that times out or passes early."""
+    layout = (shape.chunk, shape.slots)
+    owner = layer.state if layer.state._base is None else layer.state._base
+    first = getattr(owner, "_twoshot_layout", None)
+    if first is None:
+        owner._twoshot_layout = layout
+    elif first != layout:
+        raise ValueError(
+            f"symm_twoshot: shape (chunk, slots) must be {first}, the layout of the first call "
+            f"on this workspace (its release counters count uses per slot); got {layout}"
+        )
+
+
+def _call_launches(layer: SymmLayer, shape: TwoshotShape, tensors: dict, emulated: bool):
+    """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
+    f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
+    chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
+    interpreter's poll-count timer (symm_testing_twoshot only)."""
+    check_layout(layer, shape)
+    tokens, top_k = tensors["perm"].shape
+    world, rank, hidden = layer.world, layer.rank, layer.hidden
+    quant = layer.quant
+    sf = tensors["sf"]
+    swz = quant.code == QUANT_NVFP4 and bool(quant.swizzled)
+    sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
+    residual = tensors["residual"]
+    shared = tensors["shared"]
+    rb = row_block(hidden)
+    f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
+    if not layer.own_addr:
+        raise ValueError(
+            "symm_twoshot: layer.own_addr must be this rank's buffer address (ptrs[rank]), got 0"
+        )
+    f_args = (
+        layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
+        shared if shared is not None else residual,
+    )  # fmt: skip
+    # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
+    l2 = min(shape.l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
+    pdl = bool(shape.pdl) and pdl_ok(residual.device)
+    launch_f, launch_r, launch_s = (
+        (_LAUNCH_F_PDL, _LAUNCH_R_PDL, _LAUNCH_S_PDL) if pdl else (_LAUNCH_F, _LAUNCH_R, _LAUNCH_S)
+    )
+    f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2, pdl)
+    r_ptrs = (
+        layer.ptrs, layer.own_addr, residual, tensors["gamma"], tensors["residual_out"],
+        tensors["norm_out"], tensors["q"], sf,
+    )  # fmt: skip
+    row_warps = shape.row_warps or row_num_warps(rb, quant.code)
+    pad_items = sf_padding_items(tokens, sf_rows, sf_cols) if swz else 0
+    plans = call_plan(tokens, world, rank, hidden, shape)
+    nchunks = len(plans)
+    nan_bits = _NAN_BITS[residual.dtype]
+
+    def f_launch(p):
+        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
+        return lambda: launch_f((p.f_items,), args, f_consts, shape.f_warps)
+
+    def r_launch(p, gather):
+        rows = p.other_rows if gather else p.own_rows
+        last = p.index == nchunks - 1 and (gather or world == 1)
+        args = r_ptrs + (
+            tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
+            quant.scale, sf_rows, sf_cols, pad_items if last else 0,
+        )  # fmt: skip
+        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2, pdl)
+        return lambda: launch_r((max(1, rows),), args, consts, row_warps)
+
+    def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):
+        args = (layer.ptrs, layer.state, c, c if release is None else release, gate[0], gate[1])
+        args += (nchunks, rank, layer.timeout_us, hidden, shape.chunk)
+        consts = (world, signal, wait, release is not None, advance, gate[1] > 0, shape.slots)
+        consts += (emulated, nan_bits, pdl)
+        return lambda: launch_s((1,), args, consts, 1)
+
+    return SimpleNamespace(
+        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync,
+        f_ahead=shape.f_ahead,
+    )  # fmt: skip
+
+
+def _sequence(calls, split: bool) -> list:
+    """The call's launches in this rank's order: [(stage, chunk, callable, gated chunks)], gated:
+    the chunks whose slot gate this launch holds (their F waits for it). split (emulated ranks in
+    one global order, `symm_testing_twoshot`): every sync as its halves, each a launch of its own,
+    the gates one per chunk."""
+    n, world, sync, slots = len(calls.plans), calls.world, calls.sync, calls.slots
+    if split:
+        seq = []
+        for p in calls.plans:
+            c = p.index
+            seq += [("Q", c, sync(c, gate=(c, 1)), [c]), ("F", c, calls.f(p), [])]
+            seq += [("A", c, sync(c, signal=FLAG_ARRIVED), [])]
+            seq += [("WA", c, sync(c, wait=FLAG_ARRIVED), []), ("R", c, calls.r(p, False), [])]
+            if world > 1:
+                seq += [("D", c, sync(c, signal=FLAG_REDUCED), [])]
+                seq += [("WD", c, sync(c, wait=FLAG_REDUCED), []), ("G", c, calls.r(p, True), [])]
+            seq += [("P", c, sync(c, release=c, advance=c == n - 1), [])]
+        return seq
+    first = min(slots, n)
+    seq = [("Q", 0, sync(0, gate=(0, first)), list(range(first)))]
+    if calls.f_ahead:
+        seq += [("F", 0, calls.f(calls.plans[0]), [])]
+    for p in calls.plans:
+        c = p.index
+        g = c - 1 + slots  # the chunk whose slot chunk c - 1 frees
+        gated = [g] if c > 0 and g < n else []
+        release = c - 1 if c > 0 else None
+        if calls.f_ahead:
+            # V(c): release chunk c - 1, gate chunk c - 1 + SLOTS, right after R(c - 1) / G(c - 1),
+            # so F(c + 1) may start before F(c) is done; X(c) then only signals and waits
+            if gated:
+                seq += [("V", c, sync(c, release=release, gate=(g, 1)), gated)]
+                release, gated = None, []
+            if c + 1 < n:
+                seq += [("F", c + 1, calls.f(calls.plans[c + 1]), [])]
+        else:
+            seq += [("F", c, calls.f(p), [])]
+        x = sync(c, FLAG_ARRIVED, FLAG_ARRIVED, release, False, (g, len(gated)))
+        seq += [("X", c, x, gated), ("R", c, calls.r(p, False), [])]
+        if world > 1:
+            seq += [("Y", c, sync(c, FLAG_REDUCED, FLAG_REDUCED), [])]
+            seq += [("G", c, calls.r(p, True), [])]
+    return seq + [("Z", n - 1, sync(n - 1, release=n - 1, advance=True), [])]

@@ -1,0 +1,12 @@
+"""`fused_tp1`'s kernels (world size 1: nothing to exchange), one launch per call:
+
+- whole rows (`whole_rows`): one program per row keeps the row's top-k finalize in registers,
+  rounds it once as a published partial would be, adds the residual, normalizes and quantizes.
+- split rows (`split_rows`, few rows): a row's columns are spread over several programs, so a
+  row's K gathers run on several SMs at once instead of one SM serially. A program finalizes and
+  stores its chunk, publishes its chunk's sum of squares, waits for the row's other chunks' sums
+  (the only exchange, inside the launch) and normalizes and quantizes its own columns; the
+  protocol and its memory-ordering argument are in split_rows.py.
+
+`shapes` picks the launch per T, `launch` binds a layer once and launches with the cached launcher.
+"""

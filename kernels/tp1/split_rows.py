@@ -1,0 +1,240 @@
+"""`fused_tp1`'s split-row kernel (`_tp1_split_kernel`, world size 1, few rows): a row's columns
+are spread over `chunks` programs, so a row's K gathers run on several SMs at once instead of one
+SM serially. A program finalizes and stores its chunk, publishes its chunk's sum of squares, waits
+for the row's other chunks' sums (the only exchange, inside the launch) and normalizes and
+quantizes its own columns. Its building blocks and the whole-row kernel: kernels/row_epilogue.py.
+
+The split rows' exchange (no host state, so CUDA graphs replay it; no reset): per row and chunk
+count a 64-bit arrival counter, to which each program of the row adds (relaxed, issued before
+its gathers so the round trip overlaps them) 1, the first chunk's 2 * MAX_CHUNKS - chunks + 1: one
+call adds exactly 2 * MAX_CHUNKS (a power of two), so epoch = ticket // (2 * MAX_CHUNKS) + 1 (a
+shift) is the same for the row's programs and one more than the previous call's with this chunk
+count), and one 64-bit word per chunk holding (epoch mod 2^32 << 32 | fp32 sum of squares).
+A word is written with one naturally aligned 64-bit store (single-copy atomic), so a reader sees a
+whole word or the old one; a word whose tag is not this call's epoch is "not yet": its previous
+writer is the previous call with this chunk count, whose tag is one less, since every call with a
+count writes all of that count's words of its rows. Zeroed words (tag 0) never match before every
+word was written: epochs start at 1. One call's tickets are consecutive: launches on one stream
+run one after the other, and under PDL the next call's programs may already be resident but take
+no ticket before their grid-dependency wait, which returns only once this call has completed;
+eager calls on several streams at once get a set of words per stream, and calls captured in CUDA
+graphs share one set zeroed before any capture (the launcher keeps them). The grid is at most the
+SM count, so every program waited on is resident; a wait is bounded (polls), and a row whose
+partners never arrived is written NaN, not hung, and sets the error word that the strategy's next
+call raises from.
+
+Every program of a row sums the chunks' sums in chunk order with the same reduction, so they all
+use the same rsqrt. A row whose sum overflows fp32 (|x| >~ 1.8e19) is rescaled as
+`rms_norm_row` does (by a power of two from the row's largest magnitude): each program of the row
+recomputes the row's chunks in order, for the largest magnitude and then the scaled sum (rare: no
+second exchange, nothing more exchanged on the common path).
+
+Under TRITON_INTERPRET=1 programs run one after another, so a program cannot wait for a later one:
+the interpreter launches the split kernel twice (PHASES = publish, then wait + outputs), the same
+body.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fusion_bridge.kernels.add_rmsnorm import overflow_scale, rms_apply
+from fusion_bridge.kernels.row_epilogue import prefetch_row, residual_plus_finalize
+from fusion_bridge.kernels.pdl import pdl_enter
+from fusion_bridge.kernels.quant import quantize_span, sf_padding_item
+from fusion_bridge.kernels.rounding import round_cast
+
+
+@triton.jit
+def _tp1_split_kernel(
+    gemm2_ptr,
+    perm_ptr,
+    weight_ptr,
+    shared_ptr,
+    residual_ptr,
+    gamma_ptr,
+    residual_out_ptr,
+    norm_out_ptr,
+    q_ptr,
+    sf_ptr,
+    sync_ptr,
+    error_address_ptr,
+    tokens,
+    hidden,
+    routed_scaling,
+    eps,
+    weight_bias,
+    quant_scale,
+    sf_rows,
+    sf_cols,
+    chunks,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    SYNC_ROWS: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    RECIP: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+    PHASES: tl.constexpr,
+):
+    """World size 1, split rows: program pid owns columns [c * CHUNK, (c + 1) * CHUNK) of row
+    pid // chunks (c = pid % chunks); programs past T * chunks write swizzled scale padding.
+    sync_ptr: int64 [SYNC_ROWS * (MAX_CHUNKS + 1)] counters, then [SYNC_ROWS * words] tagged
+    sums (see the module docstring). error_address_ptr: int64 [1], the address of an int32 word
+    (pinned host memory on a GPU) set to 1 when a wait gives up. PHASES: both on a GPU; one at a
+    time under the interpreter. USE_PDL (programmatic dependent launch): every program waits for
+    the grid before it first, before its ticket or any other memory access (kernels/pdl.py), so
+    one call's tickets stay consecutive and a call never sees the words of one still running."""
+    pdl_enter(USE_PDL, True)
+    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    row = (pid // chunks).to(tl.int64)
+    if row < tokens:
+        c = pid % chunks
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        in_row = cols < hidden
+        counter = sync_ptr + row * (MAX_CHUNKS + 1) + chunks
+        words = (
+            sync_ptr
+            + SYNC_ROWS * (MAX_CHUNKS + 1)
+            + row * (MAX_CHUNKS * (MAX_CHUNKS + 1) // 2)
+            + chunks * (chunks - 1) // 2
+        )
+        lane = tl.arange(0, MAX_CHUNKS)
+        if PHASES & 1:
+            # the ticket first, so its round trip overlaps the gathers: one lane of a tensor
+            # atomic laid out as the row data (no replicated lanes, so no broadcast through
+            # shared memory and no barrier here); its result waits in a register until used
+            first = tl.arange(0, CHUNK) == 0
+            ticket = tl.atomic_add(
+                counter + cols * 0,
+                tl.where(first, tl.where(c == 0, 2 * MAX_CHUNKS - chunks + 1, 1), 0).to(tl.int64),
+                mask=first,
+                sem="relaxed",
+                scope="gpu",
+            )
+        if PREFETCH:
+            prefetch_row(
+                gemm2_ptr,
+                perm_ptr,
+                shared_ptr,
+                residual_ptr,
+                row,
+                c * CHUNK,
+                hidden,
+                CHUNK,
+                TOP_K,
+                HAS_SHARED,
+            )
+        x = residual_plus_finalize(
+            gemm2_ptr,
+            perm_ptr,
+            weight_ptr,
+            shared_ptr,
+            residual_ptr,
+            row,
+            cols,
+            hidden,
+            routed_scaling,
+            TOP_K,
+            HAS_SHARED,
+            dtype,
+            HW_CVT,
+        )
+        # gamma before the exchange: no memory access of its own after the wait
+        g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
+        if PHASES & 1:
+            tl.store(
+                residual_out_ptr + row * hidden + cols, round_cast(x, dtype, HW_CVT), mask=in_row
+            )
+            sum_sq = tl.sum(x * x, axis=0)
+            # the word is packed where the ticket landed (lane 0), with no reduction before the
+            # store: partners wait for it; this program's own epoch is reduced after it
+            tag = (ticket // (2 * MAX_CHUNKS) + 1) & 0xFFFFFFFF  # a shift: no division
+            word = (tag << 32) | (sum_sq.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+            tl.store(words + c + cols * 0, word, mask=first)
+            epoch = tl.sum(tl.where(first, ticket, 0), axis=0) // (2 * MAX_CHUNKS) + 1
+        else:  # the interpreter's second launch: the publish launch advanced the counter
+            epoch = tl.load(counter) // (2 * MAX_CHUNKS)
+        if PHASES & 2:
+            mine = lane < chunks
+            w = tl.load(words + lane, mask=mine, other=0, volatile=True)
+            tag = epoch & 0xFFFFFFFF
+            pending = tl.sum((mine & (((w >> 32) & 0xFFFFFFFF) != tag)).to(tl.int32))
+            polls = 0
+            while (pending > 0) & (polls < MAX_POLLS):
+                w = tl.load(words + lane, mask=mine, other=0, volatile=True)
+                pending = tl.sum((mine & (((w >> 32) & 0xFFFFFFFF) != tag)).to(tl.int32))
+                polls += 1
+            if pending > 0:  # a partner never arrived: the row is NaN, and the caller is told
+                tl.store(tl.load(error_address_ptr).to(tl.pointer_type(tl.int32)), 1)
+            sums = tl.where(mine, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+            total = tl.sum(sums, axis=0)
+            y = rms_apply(x, g, total, hidden, eps)
+            if total == float("inf"):  # uniform over the row's programs: they read the same sums
+                amax = 0.0
+                sum_s = 0.0
+                for scaled in tl.static_range(2):  # the row's largest magnitude, then its sum
+                    j = 0
+                    while j < chunks:  # the row's chunks in order, as every partner does (a
+                        # while: the interpreter's range() cannot take a kernel argument)
+                        x_j = residual_plus_finalize(
+                            gemm2_ptr,
+                            perm_ptr,
+                            weight_ptr,
+                            shared_ptr,
+                            residual_ptr,
+                            row,
+                            j * CHUNK + tl.arange(0, CHUNK),
+                            hidden,
+                            routed_scaling,
+                            TOP_K,
+                            HAS_SHARED,
+                            dtype,
+                            HW_CVT,
+                        )
+                        if scaled:
+                            x_j = x_j * overflow_scale(
+                                (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                            )
+                            sum_s += tl.sum(x_j * x_j, axis=0)
+                        else:
+                            amax = tl.maximum(amax, tl.max(tl.abs(x_j), axis=0))
+                        j += 1
+                s = overflow_scale((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
+                y = rms_apply(x * s, g, sum_s, hidden, eps * s * s)
+            y = tl.where((cols * 0 + pending) != 0, float("nan"), y)  # a partner never arrived
+            y = round_cast(y, dtype, HW_CVT)
+            tl.store(norm_out_ptr + row * hidden + cols, y, mask=in_row)
+            # (LEAN: y past H needs no zeroing for NVFP4)
+            quantize_span(
+                y,
+                row,
+                c * CHUNK,
+                c * CHUNK,
+                c * CHUNK + CHUNK,
+                tokens,
+                hidden,
+                q_ptr,
+                sf_ptr,
+                quant_scale,
+                sf_cols,
+                QUANT,
+                SWIZZLED,
+                CHUNK,
+                HW_CVT,
+                False,  # WINDOW off: the window would be the whole span (and row < T), and its
+                # masks cost whole-word stores (the codes went out byte by byte)
+                RECIP,
+                True,  # LEAN
+            )
+    elif PHASES & 2:
+        if QUANT == 2:
+            if SWIZZLED:
+                sf_padding_item(pid - tokens * chunks, sf_ptr, tokens, sf_rows, sf_cols)

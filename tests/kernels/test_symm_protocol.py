@@ -1,0 +1,228 @@
+"""The shape of our kernel layer, checked mechanically: the protocol and sizing import no Triton, no
+Python function in the product takes more than 12 positional parameters (Triton @jit kernels are
+exempt), and the test/benchmark hooks reach no production launcher or strategy."""
+
+import ast
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fusion_bridge.kernels.symm import (
+    oneshot as symm_oneshot,
+    protocol as symm_protocol,
+    twoshot as symm_twoshot,
+)
+from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
+from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HOOKS = {"PHASES", "EMULATED", "phases", "emulated"}
+
+
+def test_protocol_and_sizing_import_no_triton():
+    code = (
+        "import sys; import fusion_bridge.strategies.symm_workspace as sw; "
+        "from fusion_bridge.spec import EpilogueSpec; "
+        "sw.capacity(EpilogueSpec(hidden_size=7168, top_k=8), 2, 'twoshot'); "
+        "sw.buffer_bytes(EpilogueSpec(hidden_size=7168, top_k=8), 2); "
+        "print('triton' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert out.stdout.strip() == "False", out
+
+
+def test_no_function_in_the_product_takes_more_than_12_positional_parameters():
+    wide = []
+    for root in ("fusion_bridge", "kernels"):
+        for path in (ROOT / root).rglob("*.py"):
+            if "kernels" in path.parts and root == "fusion_bridge":
+                continue  # the symlink to kernels/
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    jit = any("jit" in ast.unparse(d) for d in node.decorator_list)
+                    count = len(node.args.posonlyargs) + len(node.args.args)
+                    if count > 12 and not jit:
+                        wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {count}")
+    assert not wide, wide
+
+
+def test_hooks_stay_out_of_production_launchers_and_strategies():
+    assert not HOOKS & set(inspect.signature(symm_oneshot.launch).parameters)
+    assert not HOOKS & set(inspect.signature(symm_oneshot.call_args).parameters)
+    # the kernel's hooks default to production
+    params = inspect.signature(symm_oneshot.KERNEL.fn).parameters
+    assert params["PHASES"].default == symm_protocol.ALL_PHASES
+    assert params["EMULATED"].default is False
+    # the two-shot (behind symm_fused_twoshot): its one hook, EMU, is the testing module's to set
+    assert not (HOOKS | {"EMU"}) & set(inspect.signature(symm_twoshot.launch).parameters)
+    for cls in (SymmFusedOneshotStrategy, SymmFusedTwoshotStrategy):
+        assert list(inspect.signature(cls.run).parameters) == ["self", "inputs", "variant"]
+    # no production module imports the testing modules (symm_testing*.py)
+    for path in list((ROOT / "kernels").glob("*.py")) + list(
+        (ROOT / "fusion_bridge").rglob("*.py")
+    ):
+        if path.stem.startswith("symm_testing"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not any("symm_testing" in n for n in names), path
+
+
+def test_sizes_follow_the_layouts():
+    assert symm_protocol.buffer_bytes("oneshot", 2, 16, 64, 2) == 256 + 3 * 2 * 16 * 64 * 2
+    # the two-shot: 2 slots of [2][W][ceil(1024 / W)][H] (reduce-scatter, all-gather), any cap
+    for cap in (1, 7, 4096, 100_000):
+        assert (
+            symm_protocol.buffer_bytes("twoshot", 3, cap, 64, 2) == 256 + 2 * 2 * 3 * 342 * 64 * 2
+        )
+
+
+def test_capacity_at_every_world_size():
+    """Tokens per call for DeepSeek-V3's H=7168 in bf16, at every supported world size, from the
+    layouts in bytes: one-shot holds 3 slots of W x cap rows (at most 2048 tokens, within 512 MiB);
+    the two-shot turns its fixed slots within a call, so it carries any T up to max_tokens."""
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.strategies import symm_workspace as sw
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=8192)
+    row = 7168 * 2
+    budget = 512 << 20
+    for world in range(2, 9):
+        oneshot = min(2048, budget // (3 * world * row))  # 2048 up to W=6, 1783 at 7, 1560 at 8
+        assert sw.capacity(spec, world, "oneshot") == oneshot, world
+        assert sw.capacity(spec, world, "twoshot") == 8192, world
+    assert [sw.capacity(spec, w, "oneshot") for w in (7, 8)] == [1783, 1560]
+    # a max_tokens below the layout's bound is the capacity
+    small = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=100)
+    assert sw.capacity(small, 8, "twoshot") == sw.capacity(small, 8, "oneshot") == 100
+    big = EpilogueSpec(hidden_size=16384, top_k=8, max_tokens=65536)
+    assert [sw.capacity(big, w, "twoshot") for w in (2, 4, 8)] == [65536] * 3
+
+
+def test_the_twoshot_workspace_is_fixed_whatever_t():
+    """symm_fused_twoshot's workspace does not depend on the tokens a call may carry and never
+    makes the strategy refuse a T: no `workspace_too_small`, max_tokens_per_call == max_tokens.
+    The whole workspace stays within 64 MB per rank at H=7168 in bf16 at every world size."""
+    from fusion_bridge.environment import Environment
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.strategies import symm_workspace as sw
+
+    env = Environment(device_type="cuda", sm=90, gpu_name="NVIDIA H200", triton_version="3.6.0")
+    for world in range(2, 9):
+        sizes = set()
+        for max_tokens in (1, 256, 4096, 8192, 65536):
+            spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=max_tokens)
+            sizes.add(sw.buffer_bytes(spec, world, "twoshot"))
+            at_world = env.replace(world_size=world)
+            assert SymmFusedTwoshotStrategy.max_tokens_per_call(spec, at_world) == max_tokens
+            codes = [
+                r.code for r in sw.reasons(spec, at_world, "t", probe=lambda: None, kind="twoshot")
+            ]
+            assert codes == [], (world, max_tokens, codes)
+        assert len(sizes) == 1, (world, sizes)
+        (size,) = sizes
+        assert size == symm_protocol.twoshot_buffer_bytes(world, 7168, 2), world
+        assert size <= 64_000_000, (world, size)
+    # 58.7 MB at W=2 (2 slots x 2 regions x 1024 rows of 7168 bf16 values)
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=4096)
+    assert sw.buffer_bytes(spec, 2, "twoshot") == 256 + 2 * 2 * 1024 * 7168 * 2
+
+
+def test_the_world_size_one_kernels_can_take_the_launch_cache():
+    """The cached launcher (kernels/launch_cache.py) refuses a kernel whose source reaches
+    module-level
+    values (Triton re-checks them per launch); the local kernels (whole rows, split rows) reach
+    none, the exchange kernel does (the protocol's constants). Compiled-mode JIT objects: a
+    subprocess without the interpreter."""
+    code = (
+        "from fusion_bridge.kernels import oneshot_local as l, symm_oneshot as m, tp1_split as s; "
+        "l._tp1_kernel.cache_key; s._tp1_split_kernel.cache_key; m._oneshot_kernel.cache_key; "
+        "print(len(l._tp1_kernel.used_global_vals), len(s._tp1_split_kernel.used_global_vals), "
+        "len(m._oneshot_kernel.used_global_vals) > 0)"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
+    )
+    assert out.stdout.split() == ["0", "0", "True"], out
+
+
+def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
+    """symm_fused_twoshot launches kernels/twoshot_launch (the two-shot pipeline; its variant names
+    agree with the strategy's): its workspace's device state has the two-shot's shape (int64
+    [TWOSHOT_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare() does) with
+    the keywords the strategy's run() passes gives launches on the bound pointers and state, at
+    this group's world size. The launches are recorded, not made (the kernels use inline
+    PTX,
+    which the interpreter cannot run; tests/distributed/test_symm_twoshot_two_gpus.py launches
+    them)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fusion_bridge.kernels.symm import twoshot_variants as twoshot_launch
+    from fusion_bridge.kernels.symm.twoshot_device import STATE_WORDS
+    from fusion_bridge.spec import EpilogueSpec
+    from fusion_bridge.strategies.symm_fused_twoshot import TWOSHOT_VARIANTS
+    from fusion_bridge.oracle.synthetic import make_inputs
+
+    assert SymmFusedTwoshotStrategy._kernel_module(None) is twoshot_launch
+    assert twoshot_launch.VARIANTS == TWOSHOT_VARIANTS
+    assert twoshot_launch.variant_shape("f_after_x", 5, 96, 132, 2, 0) == "f_after_x"
+    with pytest.raises(ValueError, match="variant: expected one of"):
+        twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0)
+    words, dtype = symm_protocol.state_words(SymmFusedTwoshotStrategy.workspace_kind)
+    assert (words, dtype) == (STATE_WORDS, torch.int64)
+    spec = EpilogueSpec(hidden_size=96, top_k=2)
+    ws = SimpleNamespace(
+        ptrs=torch.zeros(3, dtype=torch.int64),
+        state=torch.zeros(words, dtype=dtype),
+        buffer=torch.zeros(64, dtype=torch.uint8),  # this rank's buffer (its address is bound)
+        world=2,
+        rank=1,
+        cap=spec.max_tokens,
+        data_off=symm_protocol.HEADER_BYTES // 2,
+        num_sms=132,
+        timeout_ns=5_000_000_000,
+    )
+    layer = symm_protocol.SymmLayer.bind(ws, spec)
+    inp = make_inputs(spec, 5, rank=1, seed=3)
+    none = torch.empty(0, dtype=torch.uint8)
+    made = []
+    for name in ("_LAUNCH_F", "_LAUNCH_R", "_LAUNCH_S"):
+        monkeypatch.setattr(
+            symm_twoshot,
+            name,
+            lambda grid, args, consts, warps, n=name: made.append((n, args, consts)),
+        )
+    twoshot_launch.launch(
+        layer,
+        residual_out=torch.empty_like(inp.residual),
+        norm_out=torch.empty_like(inp.residual),
+        q=none,
+        sf=none,
+        gemm2_out=inp.gemm2_out,
+        perm=inp.expanded_idx_to_permuted_idx,
+        weights=inp.expert_weights,
+        shared=inp.shared_output,
+        residual=inp.residual,
+        gamma=inp.gamma,
+    )
+    # one chunk at W = 2: the gate, F, X, R, Y, G and the final release
+    assert [n for n, _, _ in made] == ["_LAUNCH_S", "_LAUNCH_F", "_LAUNCH_S", "_LAUNCH_R"] + [
+        "_LAUNCH_S",
+        "_LAUNCH_R",
+        "_LAUNCH_S",
+    ]
+    assert all(args[0] is ws.ptrs for _, args, _ in made)
+    # the row launches take this rank's buffer address, the others the device state
+    own = ws.buffer.data_ptr()
+    assert all(args[1] == own if n == "_LAUNCH_R" else args[1] is ws.state for n, args, _ in made)
+    assert all(consts[0] == 2 for _, _, consts in made)  # WORLD
+    assert made[1][2][1] == 2  # the finalize's TOP_K
