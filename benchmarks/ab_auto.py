@@ -4,12 +4,11 @@ run.
     python benchmarks/ab_auto.py --tree DIR [--world-size 2] [--out result.json]
 
 DIR is a source tree whose `fusion_bridge/` (with `kernels/` copied inside) is imported instead of
-the
-installed package. It spawns one process group, builds FusionBridge(H=7168, K=8) with tuning="auto"
-(each checkout uses its own shipped table) and times `finalize_epilogue` per T under CUDA graphs
-with
-inputs rotated beyond L2, max over ranks. Run it alternately for the two trees (A, B, A, B) so the
-spread between two runs of the same tree is measured beside the difference between trees.
+the installed package. It spawns one process group, builds FusionBridge(H=7168, K=8) with
+tuning="auto" (each checkout uses its own shipped table) and times `finalize_epilogue` per T under
+CUDA graphs with inputs rotated beyond L2, max over ranks. Run it alternately for the two trees (A,
+B, A, B: `bash benchmarks/two_gpus.sh ab_auto A B`) so the spread between two runs of the same tree
+is measured beside the difference between trees. Standard library and the tree's package only.
 """
 
 from __future__ import annotations
@@ -33,12 +32,20 @@ def _rank(rank: int, world: int, tree: str, port: int, out: str) -> None:
     )
     import fusion_bridge
     from fusion_bridge import EpilogueSpec, FusionBridge
-    from fusion_bridge.tuning.timing import sets_to_rotate, time_graph
 
-    try:
-        from fusion_bridge.oracle.synthetic import make_inputs
-    except ImportError:  # the tree before the restructure
-        from fusion_bridge.testing import make_inputs
+    # the module names of older trees first (an editable install of another checkout can supply
+    # a newer name that the tree itself lacks)
+    try:  # before the package's folders
+        from fusion_bridge.timing import sets_to_rotate, time_graph
+    except ImportError:
+        from fusion_bridge.tuning.timing import sets_to_rotate, time_graph
+    try:  # before the package's folders
+        from fusion_bridge.synthetic import make_inputs
+    except ImportError:
+        try:  # the tree before the selection restructure
+            from fusion_bridge.testing import make_inputs
+        except ImportError:
+            from fusion_bridge.oracle.synthetic import make_inputs
     assert fusion_bridge.__file__.startswith(os.path.abspath(tree)), fusion_bridge.__file__
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
     dev = torch.device("cuda", rank)

@@ -7,8 +7,14 @@ cases); graph and eager; inputs rotated past L2. JSON rows on stdout and in
 $OUT/ab_<label>.jsonl.
 
     cd <tree> && PYTHONPATH=$PWD OUT=... python <this file> <label> [reps]
+
+(`TREE=<tree> bash benchmarks/device.sh ab_kernels <label>` does the same.) Standard library and
+the tree's package only: it runs against trees older than benchmarks/harness.py.
 """
 
+import argparse
+import importlib
+import inspect
 import json
 import os
 import statistics
@@ -16,18 +22,36 @@ import sys
 
 import torch
 
-from fusion_bridge.tuning.timing import sets_to_rotate, time_eager, time_graph
 from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
-from fusion_bridge.oracle.synthetic import make_inputs
 from fusion_bridge.kernels import ops
-from fusion_bridge.kernels.symm import oneshot as symm_oneshot
+
+
+def _first(*names: str):
+    """The first of the modules `names` the tree has. Older trees' names come first: an editable
+    install of another checkout can supply a newer name that the tree itself lacks."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"none of {names}")
+
+
+_timing = _first("fusion_bridge.timing", "fusion_bridge.tuning.timing")
+sets_to_rotate, time_eager, time_graph = (
+    _timing.sets_to_rotate,
+    _timing.time_eager,
+    _timing.time_graph,
+)
+make_inputs = _first("fusion_bridge.synthetic", "fusion_bridge.oracle.synthetic").make_inputs
+symm_oneshot = _first("fusion_bridge.kernels.symm_oneshot", "fusion_bridge.kernels.symm.oneshot")
 
 try:  # the persistent two-shot kernel: trees before the ring replaced it
     from fusion_bridge.kernels import symm_twoshot
 except ImportError:
     symm_twoshot = None
 
-label = sys.argv[1]
+label = ""  # the tree's name in the rows (main)
 CASES = [
     tuple(c.split(":"))
     for c in os.environ.get("AB_CASES", "oneshot:2,twoshot:1,twoshot:2").split(",")
@@ -35,10 +59,12 @@ CASES = [
 CASES = [(k, int(w)) for k, w in CASES]
 TOKENS = [int(t) for t in os.environ.get("AB_TOKENS", "1,64,1024,4096").split(",")]
 LOCAL = os.environ.get("AB_LOCAL", "1") == "1"
-reps = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 H, K = 7168, 8
 NEW = hasattr(symm_oneshot, "launch")
-fast = getattr(ops, "direct_when_eager", None) or ops.fast
+try:
+    fast = ops.direct_when_eager
+except AttributeError:  # trees before it
+    fast = ops.fast
 rows = []
 
 
@@ -74,9 +100,11 @@ def kernel_group(kind, spec, world, cap):
     """Per-rank launch closures fn(rank, inputs, outs)."""
     kern = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
     if NEW:
-        from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
-
-        g = emulated_group(kind, spec, world, cap, device="cuda", timeout=10_000_000)
+        rig = _first("fusion_bridge.kernels.symm_testing", "fusion_bridge.testing.symm_oneshot_rig")
+        call_tensors, emulated_group = rig.call_tensors, rig.emulated_group
+        # the one-shot's rig took the kernel kind first until the two-shot got its own
+        lead = (kind,) if "kind" in inspect.signature(emulated_group).parameters else ()
+        g = emulated_group(*lead, spec, world, cap, device="cuda", timeout=10_000_000)
         return [
             (lambda inp, out, layer=layer: kern.launch(layer, **call_tensors(inp, out)))
             for layer in g.layers
@@ -175,6 +203,14 @@ def run_ranks(fns, streams, sets, outs):
 
 
 def main() -> None:
+    global label
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("label", help="this tree's name in the rows")
+    ap.add_argument("reps", nargs="?", type=int, default=2, help="timings per point (2)")
+    args = ap.parse_args()
+    label, reps = args.label, args.reps
     quants = {"none": QuantSpec.none()}
     for qname, qspec in quants.items():
         for T in TOKENS:

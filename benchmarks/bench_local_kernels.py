@@ -1,30 +1,30 @@
 """Benchmark our two kernels on one GPU against the copy bandwidth and the torch separate path.
 
-    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_local_kernels.py [--hidden 7168 --top-k 8] [--csv
-    PATH]
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_local_kernels.py [--hidden 7168 --top-k 8]
+        [--csv PATH]
 
 For T in 1, 2, 4, ..., 8192: kernel time inside a CUDA graph with inputs rotated beyond L2
-("rotated")
-and with the same inputs replayed ("same": L2-resident at small T, which flatters them), the
-achieved bandwidth
-(bytes read + written, each once) and its fraction of the device-to-device copy bandwidth measured
-in
-the same run.
+("rotated") and with the same inputs replayed ("same_inputs": L2-resident at small T, which
+flatters them), the achieved bandwidth (bytes read + written, each once) and its fraction of the
+device-to-device copy bandwidth measured in the same run; then the launch-shape sweeps, written
+beside the CSV as <csv>_launch_sweep.csv.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 
 import torch
 
-from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
-from fusion_bridge.kernels.finalize_add import finalize_add_into
-from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4
-from fusion_bridge.cli.bench import write_csv
-from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph
-from fusion_bridge.oracle.torch_math import finalize_fp32
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.harness import Rows, add_common, parser  # noqa: E402
+from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into  # noqa: E402
+from fusion_bridge.kernels.finalize_add import finalize_add_into  # noqa: E402
+from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NONE, QUANT_NVFP4  # noqa: E402
+from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
+from fusion_bridge.oracle.torch_math import finalize_fp32  # noqa: E402
 
 
 def finalize_sets(tokens, hidden, top_k, count, dev):
@@ -69,13 +69,10 @@ def norm_sets(tokens, hidden, quant, count, dev):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8192)
-    ap.add_argument("--csv", default="benchmarks/results/local_kernels_h200.csv")
+    add_common(ap, top_k=8, csv_default="benchmarks/results/local_kernels_h200.csv")
     args = ap.parse_args()
     dev = torch.device("cuda")
     hidden, top_k = args.hidden, args.top_k
@@ -197,15 +194,23 @@ def main() -> int:
                     sets=2,
                 )
                 sweep.append((tokens, f"norm_q{quant}", warps, us))
-    write_csv(
-        args.csv.replace(".csv", "_launch_sweep.csv"),
-        [{"tokens": t, "variant": b, "num_warps": w, "us": round(u, 2)} for t, b, w, u in sweep],
-    )
+    swept = Rows()
+    for t, b, w, u in sweep:
+        swept.add(b, "fusion_bridge", f"H={hidden} K={top_k} warps={w}", t, u)
+    swept.write(args.csv.replace(".csv", "_launch_sweep.csv"))
     print(
         "launch sweep (T/variant/warps: us): "
         + ", ".join(f"{t}/{b}/{w}: {u:.2f}" for t, b, w, u in sweep)
     )
-    write_csv(args.csv, rows)
+    out = Rows()
+    out.add("hbm_copy", "hardware", "2 GiB", 0, None, gbs=round(copy_gbs, 1))
+    for r in rows:
+        provider = "torch" if r["kernel"].startswith("torch_") else "fusion_bridge"
+        shape = f"H={hidden} K={top_k}"
+        extra = dict(gbs=r["gbs_rotated"], fraction_of_copy=r["fraction_of_copy"])
+        out.add(r["kernel"], provider, f"{shape} rotated", r["tokens"], r["us_rotated"], **extra)
+        out.add(r["kernel"], provider, f"{shape} same_inputs", r["tokens"], r["us_same_inputs"])
+    out.write(args.csv)
     print(f"{'kernel':24s} {'T':>5s} {'us rot':>8s} {'us same':>8s} {'GB/s':>7s} {'of copy':>7s}")
     for r in rows:
         print(

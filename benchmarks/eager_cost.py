@@ -1,41 +1,35 @@
 """Host cost of an eager call (issue 15): wall time per call over back-to-back calls, next to the
-raw
-launches it is made of, FlashInfer's fused MoE-finalize kernel called directly (the ratio anchor)
-and
-the selected strategy's graph-timed GPU time.
+raw launches it is made of, FlashInfer's fused MoE-finalize kernel called directly (the ratio
+anchor) and the selected strategy's graph-timed GPU time.
 
-    python -m benchmarks.eager_cost                     # TP1 and TP2, H=7168 K=8, T=1 and 64, none
-    and nvfp4
+    python -m benchmarks.eager_cost     # TP1 and TP2, H=7168 K=8, T=1 and 64, none and nvfp4
     python -m benchmarks.eager_cost --world-sizes 2 --tokens 1 --quant none --rounds 5
 
 Per (world size, quant, T), every rank times each item in interleaved rounds of `--calls` calls
 (default 300): `wall` stops after a synchronize (what a caller waits for), `host` before it (the
-time to
-issue the calls). The median over rounds is taken per rank and the maximum over ranks reported.
-Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP1):
+time to issue the calls). The median over rounds is taken per rank and the maximum over ranks
+reported. Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP1):
 
 - finalize_epilogue: the bridge's call (validation, dispatch, the selected strategy);
 - strategy_run: the selected strategy's own run for T (the eager plan's, if the bridge has one);
 - finalize_kernel_normal / finalize_kernel_cached: our finalize kernel alone, Triton's
-`kernel[grid]`
-  launch vs the launch cache (kernels/launch_cache.py), same precomputed launch shape, preallocated
-  output;
+  `kernel[grid]` launch vs the launch cache (kernels/launch_cache.py), same precomputed launch
+  shape, preallocated output;
 - finalize_add_into: the launch function the strategies use (shape lookup + cached launch);
 - fi_allreduce_public / fi_allreduce_prebound: FlashInfer's AR+residual+RMSNorm, its Python wrapper
   vs the pre-bound compiled call (fusion_bridge/strategies/flashinfer_calls.py);
 - fi_moe_finalize_public (the anchor) / fi_moe_finalize_prebound: FlashInfer's fused MoE-finalize
   kernel called directly, weights pre-cast to the activation dtype;
 - graph_selected / graph_fi_moe_finalize: CUDA-graph GPU time per call
-(fusion_bridge.tuning.timing.time_graph)
-  of the graph plan's strategy and of the anchor.
+  (fusion_bridge.tuning.timing.time_graph) of the graph plan's strategy and of the anchor.
 
-Writes benchmarks/results/eager_cost_h200.csv (long format) and prints a table with the ratios the
-issue's targets are stated in. Nothing runs at import.
+Writes benchmarks/results/eager_cost_h200.csv (--csv; the harness schema, benchmarks/harness.py:
+us_median is the wall time, extra holds the host time, the routes and notes) and prints a table
+with the ratios the issue's targets are stated in. Nothing runs at import.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -240,7 +234,7 @@ def _flashinfer_items(inp, spec, group, world_size, rank) -> tuple[dict, dict, l
         ),
     }
     notes = [flashinfer_calls.describe(ar), flashinfer_calls.describe(moe)]
-    release = lambda: fic.release_workspace(group, spec, world_size)  # noqa: E731
+    release = lambda: fic.release_workspace(group, spec, world_size, workspace)  # noqa: E731
     return items, {"release": release, "anchor": moe_public}, notes
 
 
@@ -370,34 +364,19 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def write_csv(path: str, rows: list[dict], gpu: str) -> None:
-    import csv
+def write_csv(path: str, rows: list[dict]) -> None:
+    """The rows in the harness schema: us_median the wall time per call, extra the rest."""
+    from benchmarks.harness import Rows
 
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fields = [
-        "world_size",
-        "quant",
-        "tokens",
-        "item",
-        "us_wall",
-        "us_host",
-        "route_graph",
-        "route_eager",
-        "gpu",
-        "notes",
-    ]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in sorted(rows, key=lambda r: (r["world_size"], r["quant"], r["tokens"], r["item"])):
-            writer.writerow(
-                {
-                    **r,
-                    "gpu": gpu,
-                    "us_wall": round(r["us_wall"], 2),
-                    "us_host": round(r["us_host"], 2) if r["us_host"] == r["us_host"] else "",
-                }
-            )
+    out = Rows()
+    for r in sorted(rows, key=lambda r: (r["world_size"], r["quant"], r["tokens"], r["item"])):
+        provider = "flashinfer" if "fi_" in r["item"] else "fusion_bridge"
+        shape = f"TP{r['world_size']} H={H} K={K} {r['quant']}"
+        extra = {k: r[k] for k in ("route_graph", "route_eager", "notes")}
+        if r["us_host"] == r["us_host"]:  # not NaN: an eager item
+            extra["us_host"] = round(r["us_host"], 2)
+        out.add(r["item"], provider, shape, r["tokens"], r["us_wall"], **extra)
+    out.write(path)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -425,14 +404,20 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--quant", nargs="+", default=["none", "nvfp4"], choices=["none", "nvfp4"])
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
+    from benchmarks.harness import add_common, parser
+
+    ap = parser(__doc__)
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    add_common(
+        ap,
+        tokens=[1, 64],
+        quant=["none", "nvfp4"],
+        quant_choices=["none", "nvfp4"],
+        csv_default=DEFAULT_OUT,
+    )
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args(argv)
     import torch
 
     from fusion_bridge.cli.launch import run_distributed
@@ -457,10 +442,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             timeout_s=1800.0,
         )
         rows += max_over_ranks(per_rank)
-    gpu = torch.cuda.get_device_name(0)
-    write_csv(args.out, rows, gpu)
+    write_csv(args.csv, rows)
     print_table(rows)
-    print(f"\nwrote {args.out}")
     return 0
 
 

@@ -1,36 +1,29 @@
 """The floor benchmark: every piece of the TP MoE epilogue and every composition, in one run,
-against the
-hardware floor (2 GPUs, one rank per GPU, NCCL + symmetric memory, multicast off).
+against the hardware floor (2 GPUs, one rank per GPU, NCCL + symmetric memory, multicast off).
 
-    python benchmarks/floor.py [--csv benchmarks/results/floor_h200_tp2.csv] [--tokens 1 16 64 256
-    1024]
+    python benchmarks/floor.py [--csv benchmarks/results/floor_h200_tp2.csv]
+        [--tokens 1 16 64 256 1024] [--hidden 7168 4096] [--paths P ...] [--merge CSV]
 
 Measured: peer copy bandwidth over NVLink (each rank writes into its peer's symmetric buffer, both
-at
-once), HBM copy bandwidth, our finalize kernel alone, NCCL all-reduce alone, FlashInfer
-one-shot/two-shot
-all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize kernel (weights
-pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and without programmatic
-dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage ablations) and
-`symm_fused_twoshot` (none, nvfp4; the two-shot pipeline, default shape), with the two-shot
-composition
-(our finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
+at once), HBM copy bandwidth, our finalize kernel alone, NCCL all-reduce alone, FlashInfer
+one-shot/two-shot all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize
+kernel (weights pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and
+without programmatic dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage
+ablations) and `symm_fused_twoshot` (none, nvfp4; the two-shot pipeline, default shape), with the
+two-shot composition (our finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
 
 Floors: `sig` is our kernel with everything but the exchange left out (one launch, constant rows
-published
-to every rank, the wait on them: one NVLink round trip); a path's floor is sig + max(its HBM bytes /
-HBM
-bandwidth, its NVLink bytes / link bandwidth).
+published to every rank, the wait on them: one NVLink round trip); a path's floor is sig + max(its
+HBM bytes / HBM bandwidth, its NVLink bytes / link bandwidth).
 
 `--paths a b ...` times only those paths (plus what the floors need) and `--merge` updates those
-rows in
-an existing CSV, keeping the others (one device call cannot afford every path every time).
+rows in an existing CSV in the harness schema (benchmarks/harness.py), keeping the others (one
+device call cannot afford every path every time).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -42,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from typing import Optional  # noqa: E402
 
-from fusion_bridge.cli.bench import write_csv  # noqa: E402
+from benchmarks.harness import Rows, add_common, parser, read_rows  # noqa: E402
 from fusion_bridge.cli.launch import run_distributed  # noqa: E402
 from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
@@ -94,7 +87,7 @@ def rank_main(
     from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
-    from fusion_bridge.kernels.symm import oneshot as symm_oneshot
+    from fusion_bridge.kernels.symm.oneshot_shapes import OneshotShape, default_shape
     from fusion_bridge.testing import symm_oneshot_rig as symm_testing
     from fusion_bridge.kernels.symm import protocol as P
 
@@ -129,7 +122,8 @@ def rank_main(
         two4 = SymmFusedTwoshotStrategy(spec4, env, group, dev)
         two.prepare()
         two4.prepare()
-        ws_ptrs = fic.acquire_workspace(group, spec, world).workspace_tensor
+        fi_workspace = fic.acquire_workspace(group, spec, world)
+        ws_ptrs = fi_workspace.workspace_tensor
         sig_us = None
         for tokens in tokens_list:
             per_set = tokens * hidden * 2 * (top_k + 6)
@@ -210,7 +204,6 @@ def rank_main(
                         strat.run(s)
                     else:
                         symm_testing.launch_with_hooks(
-                            strat.workspace_kind,
                             strat._layer,
                             shape=shape,
                             phases=P.ALL_PHASES if phases is None else phases,
@@ -255,7 +248,7 @@ def rank_main(
                 paths = [p for p in paths if p[0] != "compose_fin_fi_ar_norm_twoshot"]
             if sweep and tokens <= 16 and hidden == 7168:
                 rb = row_block(hidden)
-                b1d, b2d, _ = symm_oneshot.default_shape(tokens, hidden, symm._ws.num_sms)
+                b1d, b2d, _ = default_shape(tokens, hidden, symm._ws.num_sms)
                 for b1, b2, w in (
                     (256, b2d, 8),
                     (1024, b2d, 8),
@@ -267,7 +260,7 @@ def rank_main(
                     paths.append(
                         (
                             f"symm_v{b1 if b1 != rb else 'row'}_{b2 if b2 != rb else 'row'}_w{w}",
-                            symm_run(symm, symm_oneshot.OneshotShape(b1, b2, w)),
+                            symm_run(symm, OneshotShape(b1, b2, w)),
                             hbm_all,
                             link_b,
                         )
@@ -321,22 +314,34 @@ def rank_main(
             two.check_error()
         for strat in (symm, symm4, two, two4):
             strat.close()
-        fic.release_workspace(group, spec, world)
+        fic.release_workspace(group, spec, world, fi_workspace)
     return rows
 
 
+def _provider(path: str) -> str:
+    """Whose code a path runs (compositions: ours, then FlashInfer's)."""
+    if path.startswith("fi_"):
+        return "flashinfer"
+    if path.startswith("nccl_"):
+        return "nccl"
+    if path.startswith("compose_"):
+        return "fusion_bridge+flashinfer"
+    return "fusion_bridge"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--csv", default="benchmarks/results/floor_h200_tp2.csv")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    ap = parser(__doc__)
+    add_common(
+        ap,
+        tokens=[1, 16, 64, 256, 1024],
+        hidden=[7168, 4096],
+        csv_default="benchmarks/results/floor_h200_tp2.csv",
+    )
     ap.add_argument(
         "--paths", nargs="*", default=None, help="only these paths ('symm_v': the launch sweep)"
     )
     ap.add_argument("--merge", default=None, help="an existing CSV whose other rows are kept")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument(
-        "--hidden", type=int, nargs="+", default=[7168, 4096], help="hidden sizes (K=8 each)"
-    )
     args = ap.parse_args()
     rows = run_distributed(
         rank_main,
@@ -348,17 +353,20 @@ def main() -> None:
         backend="nccl",
         timeout_s=540,
     )[0]
+    out = Rows()
+    for r in rows:
+        shape = f"H={r['H']} K={r['K']} W=2" if r["H"] else "W=2"
+        if r["path"].endswith("_gbs"):  # a bandwidth, not a time
+            out.add(r["path"][:-4], "hardware", shape, 0, None, gbs=r["us"])
+            continue
+        extra = dict(floor_us=r["floor_us"], x_floor=r["x_floor"])
+        out.add(r["path"], _provider(r["path"]), shape, r["T"], r["us"], **extra)
     if args.merge and os.path.exists(args.merge):
-        import csv
-
-        with open(args.merge) as f:
-            old = list(csv.DictReader(f))
-        fresh = {(r["path"], str(r["H"]), str(r["K"]), str(r["T"])) for r in rows}
-        kept = [r for r in old if (r["path"], r["H"], r["K"], r["T"]) not in fresh]
-        rows_out = rows + kept
-    else:
-        rows_out = rows
-    write_csv(args.csv, rows_out)
+        fresh = {(r["kernel"], r["shape"], str(r["T"])) for r in out.rows}
+        out.extend(
+            [r for r in read_rows(args.merge) if (r["kernel"], r["shape"], r["T"]) not in fresh]
+        )
+    out.write(args.csv)
     by = {(r["path"], r["H"], r["T"]): r for r in rows}
     print(f"peer copy {rows[0]['us']} GB/s, HBM copy {rows[1]['us']} GB/s")
     for hidden in args.hidden:

@@ -1,18 +1,18 @@
 """Ship a tuned table as a default: copy a cache file written by `tune`/`bench` into
-fusion_bridge/tuning/shipped/
-under the name a bridge looks up (GPU name, world size and spec; library versions not part of the
-key).
+fusion_bridge/tuning/shipped/ under the name a bridge looks up (GPU name, world size and spec;
+library versions not part of the key).
 
     python benchmarks/install_default_table.py ~/.cache/fusion_bridge/nvidia_h200_tp2_<hash>.json
 
 Eager wall times (host-specific) are dropped; the shipped copy keeps the CUDA-graph times.
 """
 
+import argparse
 import json
 import sys
 
 from fusion_bridge import EpilogueSpec, QuantSpec
-from fusion_bridge.strategies import Environment
+from fusion_bridge.environment import Environment
 from fusion_bridge.spec import DTYPE_BY_NAME
 from fusion_bridge.tuning.tables import default_table_path
 
@@ -50,4 +50,8 @@ def main(paths: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("paths", nargs="+", help="table files written by `tune` or `bench`")
+    sys.exit(main(ap.parse_args().paths))

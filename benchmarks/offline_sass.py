@@ -3,8 +3,10 @@ launcher would specialize them, and print registers, spills and SASS instruction
 
     cd <tree> && PYTHONPATH=$PWD python <this file> OUTDIR [CASE ...]
 
-Run it from the root of the tree to compile (PYTHONPATH selects it; it adapts to the two-shot's
-launch API before the kernel restructure, commit 5a52f1a). Each case calls the real launcher with
+Run it from the root of the tree to compile (PYTHONPATH selects it, or `TREE=<tree> bash
+benchmarks/device.sh offline_sass ...`; it adapts to the module names of older trees: before the
+package's folders, commit 338b6e9 and earlier, and the two-shot's launch API before the kernel
+restructure, commit 5a52f1a). Each case calls the real launcher with
 CPU tensors (H=7168, K=8), records the launch instead of running it, binds the arguments with
 Triton's own CUDA specialization (alignment, divisibility, constexprs), compiles, and writes
 OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: twoshot_w1_none (the
@@ -20,6 +22,7 @@ The SASS carries line info (nvdisasm -g), so instructions can be attributed to s
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -35,19 +38,32 @@ from triton.runtime.jit import create_function_from_signature
 
 import fusion_bridge
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
-from fusion_bridge.oracle.synthetic import make_inputs
+
+
+def _module(*names: str):
+    """The first of the modules `names` this tree has, or None. Callers list the older trees' names
+    first: an editable install of another checkout can supply a newer name that this tree lacks."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return None
 
 
 def _tree_kernels() -> None:
     """fusion_bridge.kernels from this tree: an editable install maps the package to the
     installed tree's kernels/ (pyproject package-dir), which PYTHONPATH alone does not override."""
     where = os.path.join(os.path.dirname(os.path.dirname(fusion_bridge.__file__)), "kernels")
-    loaded = sys.modules.get("fusion_bridge.kernels")
-    if loaded is not None or not os.path.exists(os.path.join(where, "__init__.py")):
-        if loaded is not None and os.path.dirname(loaded.__file__) != where:
-            print(f"warning: fusion_bridge.kernels from {loaded.__file__}", file=sys.stderr)
-        return
     init = os.path.join(where, "__init__.py")
+    loaded = sys.modules.get("fusion_bridge.kernels")
+    if loaded is not None:  # a namespace package (no __init__.py) has no __file__
+        paths = [os.path.realpath(p) for p in getattr(loaded, "__path__", ())]
+        if os.path.realpath(where) not in paths:
+            print(f"warning: fusion_bridge.kernels from {paths}", file=sys.stderr)
+        return
+    if not os.path.exists(init):  # kernels/ is no package: the link fusion_bridge/kernels serves
+        return
     spec = importlib.util.spec_from_file_location(
         "fusion_bridge.kernels", init, submodule_search_locations=[where]
     )
@@ -58,16 +74,23 @@ def _tree_kernels() -> None:
 
 _tree_kernels()
 from fusion_bridge.kernels import add_rmsnorm, finalize_add  # noqa: E402
-from fusion_bridge.kernels.symm import oneshot as symm_oneshot  # noqa: E402
 
-try:  # the two-shot's kernels (trees before it: its cases skip)
-    from fusion_bridge.kernels.symm import twoshot_kernels as symm_twoshot_kernels
-except ImportError:
-    symm_twoshot_kernels = None
-try:  # the persistent two-shot kernel: trees before the ring replaced it (its cases then skip)
-    from fusion_bridge.kernels import symm_twoshot
-except ImportError:
-    symm_twoshot = None
+make_inputs = _module(
+    "fusion_bridge.synthetic", "fusion_bridge.oracle.synthetic", "fusion_bridge.testing"
+).make_inputs
+symm_oneshot = _module("fusion_bridge.kernels.symm_oneshot", "fusion_bridge.kernels.symm.oneshot")
+# the two-shot pipeline's kernels (named "staged" before; trees before it: its cases skip)
+symm_twoshot_kernels = _module(
+    "fusion_bridge.kernels.symm_staged_kernels", "fusion_bridge.kernels.symm.twoshot_kernels"
+)
+# the persistent two-shot kernel: trees before the ring replaced it (its cases then skip)
+symm_twoshot = _module("fusion_bridge.kernels.symm_twoshot")
+# the rigs of emulated ranks (in kernels/ before the package's folders)
+_RIG = ("fusion_bridge.kernels.symm_testing", "fusion_bridge.testing.symm_oneshot_rig")
+_TWOSHOT_RIG = (
+    "fusion_bridge.kernels.symm_testing_staged",
+    "fusion_bridge.testing.symm_twoshot_rig",
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -145,7 +168,7 @@ def _symm_launch(module, world: int, inp, out):
             raise TypeError("this tree's launcher is adapted at world size 1 only")
         from types import SimpleNamespace
 
-        from fusion_bridge.kernels.symm_common import HEADER_BYTES
+        HEADER_BYTES = _module("fusion_bridge.kernels.symm_common").HEADER_BYTES
 
         ws = SimpleNamespace(ptrs=torch.zeros(2, dtype=torch.int64), world=1, rank=0, cap=4096)
         ws.state, ws.data_off = torch.zeros(8, dtype=torch.int32), HEADER_BYTES // 2
@@ -153,12 +176,19 @@ def _symm_launch(module, world: int, inp, out):
         args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights)
         args += (inp.shared_output, inp.residual, inp.gamma, 2.5, SPEC.eps, 0.0, 0, 1.0, False)
         return lambda: module.fused_into(ws, *out, *args)
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
-
+    call_tensors = _module(*_RIG).call_tensors
     cap = 2048 if module is symm_oneshot else 4096
     kind = "oneshot" if module is symm_oneshot else "twoshot"
-    group = emulated_group(kind, SPEC, world, cap, device="cpu", num_sms=132 // world)
+    group = _emulated_group(kind, SPEC, world, cap, num_sms=132 // world)
     return lambda: module.launch(group.layers[0], **call_tensors(inp, out))
+
+
+def _emulated_group(kind: str, spec, world: int, cap: int, num_sms: int):
+    """W emulated ranks on CPU tensors; trees before the two-shot got its own rig passed the
+    kernel kind first."""
+    emulated_group = _module(*_RIG).emulated_group
+    lead = (kind,) if "kind" in inspect.signature(emulated_group).parameters else ()
+    return emulated_group(*lead, spec, world, cap, device="cpu", num_sms=num_sms)
 
 
 def _nvfp4_outputs(spec, tokens: int) -> tuple:
@@ -174,7 +204,8 @@ def nvfp4_cases() -> dict:
     """The kernels that quantize to NVFP4 without LEAN: the standalone quant kernel, the norm
     kernel, the one-shot exchange kernel (its windowed quantize_span)."""
     from fusion_bridge.kernels import quant
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
+
+    call_tensors = _module(*_RIG).call_tensors
 
     spec = EpilogueSpec(
         hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=QuantSpec.nvfp4(336.0)
@@ -184,7 +215,7 @@ def nvfp4_cases() -> dict:
     norm = dict(eps=spec.eps, weight_bias=0.0, quant=2, quant_scale=336.0, swizzled=True)
 
     def oneshot():
-        group = emulated_group("oneshot", spec, 2, 2048, device="cpu", num_sms=66)
+        group = _emulated_group("oneshot", spec, 2, 2048, num_sms=66)
         symm_oneshot.launch(group.layers[0], **call_tensors(inp, (ro, no, q, sf)))
 
     return {
@@ -206,10 +237,8 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
     """fused_tp1's launch at T as on an H200 (num_sms 132: the split kernel where the GPU would
     take it; PREFETCH and RECIP as a GPU call sets them), on CPU tensors."""
     from fusion_bridge.epilogue_tensors import quant_buffers
-    from fusion_bridge.kernels.layer import LayerRecord
-    from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
 
+    call_tensors = _module(*_RIG).call_tensors
     q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
     spec = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=q[quant])
     inp = make_inputs(spec, tokens, seed=0, device="cpu", skip_fraction=0.0)
@@ -218,7 +247,15 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
     empty = torch.empty(0, dtype=torch.uint8)
     qb = empty if qb is None else qb.view(torch.uint8)
     out = (ro, torch.empty_like(ro), qb, empty if sf is None else sf)
-    launcher = Tp1Dispatcher(LayerRecord.of(spec), num_sms, ro.device)
+    old = _module("fusion_bridge.kernels.tp1_launch")  # before kernels/tp1/
+    if old is not None:
+        SymmLayer = _module("fusion_bridge.kernels.symm_protocol").SymmLayer
+        launcher = old.LocalLauncher(SymmLayer.local(spec, ro.device), num_sms, ro.device)
+    else:
+        from fusion_bridge.kernels.layer import LayerRecord
+        from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
+
+        launcher = Tp1Dispatcher(LayerRecord.of(spec), num_sms, ro.device)
     return lambda: launcher(**call_tensors(inp, out))
 
 
@@ -226,40 +263,41 @@ def _twoshot_launch(world: int, inp, out):
     """symm_twoshot.launch (the large-T two-shot, default TwoshotShape) of rank 0 of `world`
     emulated ranks on CPU tensors; the other twoshot kernels' launches are stubbed out
     (`twoshot_others`). A G launch has the R launch's arguments (GATHER set by gpu_constexprs)."""
-    from fusion_bridge.kernels.symm import twoshot as symm_twoshot
     from fusion_bridge.kernels.quant_codes import quant_args
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
-    from fusion_bridge.testing.symm_twoshot_rig import EmulatedTwoshot, twoshot_layer
 
-    shape = symm_twoshot.TwoshotShape(stream_mode="one")
-    group = EmulatedTwoshot(world, shape.chunk, H, shape.slots)
+    pipeline = _module("fusion_bridge.kernels.symm_staged", "fusion_bridge.kernels.symm.twoshot")
+    rig, call_tensors = _module(*_TWOSHOT_RIG), _module(*_RIG).call_tensors
+    shape_type = getattr(pipeline, "TwoshotShape", None) or pipeline.StagedShape
+    shape = shape_type(stream_mode="one")
+    group = rig.EmulatedTwoshot(world, shape.chunk, H, shape.slots)
     scalars = (2.5, SPEC.eps, 0.0)
-    layer = twoshot_layer(group.ptrs[0], group.states[0], world, 0, 132 // world, 3, H, scalars,
-                          quant_args(SPEC))  # fmt: skip
-    return lambda: symm_twoshot.launch(layer, shape=shape, **call_tensors(inp, out))
+    layer = rig.twoshot_layer(group.ptrs[0], group.states[0], world, 0, 132 // world, 3, H,
+                              scalars, quant_args(SPEC))  # fmt: skip
+    return lambda: pipeline.launch(layer, shape=shape, **call_tensors(inp, out))
 
 
 def twoshot_others(kernel_name: str) -> tuple:
     """The twoshot kernels a twoshot case does not record (their launches are stubbed out)."""
     if kernel_name not in ("_rows_kernel", "_finalize_kernel", "_sync_kernel"):
         return ()
-    from fusion_bridge.kernels.symm import twoshot_kernels as sk
-
     names = ("_rows_kernel", "_finalize_kernel", "_sync_kernel")
-    return tuple(getattr(sk, n) for n in names if n != kernel_name)
+    return tuple(getattr(symm_twoshot_kernels, n) for n in names if n != kernel_name)
 
 
 def gpu_constexprs(name: str) -> dict:
     """What a GPU call passes where the CPU launch differs (HW_CVT aside): fp8 divides through
     the reciprocal; the split kernel runs both phases in one launch and polls for ~1 s."""
-    if name.startswith("twoshot_"):  # a GPU call: L2 hints (l2=2) and PDL unless `_l0`; not LAST
+    # the pipeline's launches (twoshot_w1_none / _w2_none: the persistent kernel, no such options)
+    if name.startswith(("twoshot_rows", "twoshot_finalize", "twoshot_gather")):
+        # a GPU call: L2 hints (l2=2) and PDL unless `_l0`; not LAST
         got = {"L2": 0, "USE_PDL": False} if name.endswith("_l0") else {"L2": 2, "USE_PDL": True}
         gather = {"GATHER": True} if "gather" in name else {}
         return got | ({} if "finalize" in name else {"LAST": False} | gather)
     if not name.startswith("tp1_"):
         return {}
-    from fusion_bridge.kernels.tp1.shapes import MAX_POLLS
-
+    MAX_POLLS = _module(
+        "fusion_bridge.kernels.oneshot_shapes", "fusion_bridge.kernels.tp1.shapes"
+    ).MAX_POLLS
     got = {"RECIP": int("_fp8_" in name)} | ({"USE_PDL": 1} if name.endswith("_pdl") else {})
     return got | ({"PHASES": 3, "MAX_POLLS": MAX_POLLS} if "split" in name else {})
 
@@ -338,10 +376,12 @@ def cases(inp, out) -> dict:
 
 
 def tp1_launch_module(kind: str):
-    from fusion_bridge.kernels import row_epilogue as oneshot_local
-    from fusion_bridge.kernels.tp1 import split_rows as tp1_split
-
-    return oneshot_local if kind == "rows" else tp1_split
+    """The module of the world-size-1 kernel (trees before kernels/tp1/: oneshot_local and
+    tp1_split at the top of kernels/)."""
+    kernels = "fusion_bridge.kernels."
+    if kind == "rows":
+        return _module(kernels + "oneshot_local", kernels + "tp1.whole_rows")
+    return _module(kernels + "tp1_split", kernels + "tp1.split_rows")
 
 
 def main() -> int:

@@ -5,8 +5,7 @@ chunks with the row work (residual add + RMSNorm) of the chunk LAG behind, throu
 small chunk slots that stay in L2. Not a strategy: no peers, no quantization, no error word. The
 question: does one launch that keeps the slot rows in L2 bring the local work to (or below) the sum
 of our two standalone kernels, where the two-shot pipeline (`kernels/symm/twoshot.py`: one launch
-per
-stage per chunk) stays 12-26% above it? On one H200 (benchmarks/results/README.md,
+per stage per chunk) stays 12-26% above it? On one H200 (benchmarks/results/README.md,
 `ticket_pipeline_local_h200_v1..v4_rejected.csv`) no: 1.21-2.0x at T >= 4096.
 
     python benchmarks/ticket_pipeline_local.py [--tokens 4096 8192] [--hidden 7168 4096]
@@ -18,16 +17,13 @@ finalize item on the release count of the chunk SLOTS before, LAG < SLOTS), and 
 ticket only while it is running, so whatever the number of programs resident the lowest unfinished
 ticket always runs: no deadlock. Counters are zeroed by a memset each call (included in the time).
 Every variant is first checked against the standalone kernels (residual_out bitwise, norm_out
-within 0.1); `--halves` adds its finalize items alone, its row items alone (no waits) and
-its
+within 0.1); `--halves` adds its finalize items alone, its row items alone (no waits) and its
 finalize items without their release atomics. `tests/benchmarks/test_ticket_probe.py` runs the
-kernel
-under the interpreter.
+kernel under the interpreter.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -37,6 +33,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.harness import Rows, add_common, parser  # noqa: E402
 from fusion_bridge.kernels.add_rmsnorm import rms_norm_row  # noqa: E402
 from fusion_bridge.kernels.finalize_add import finalize_row  # noqa: E402
 from fusion_bridge.kernels.rounding import round_to  # noqa: E402
@@ -276,24 +273,21 @@ def buffers(variant, tokens, hidden, dtype, device):
 
 
 def main() -> None:
-    from fusion_bridge.cli.bench import write_csv
     from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
     from fusion_bridge.kernels.finalize_add import finalize_add_into
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
     from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
+    ap = parser(__doc__)
+    add_common(ap, tokens=[4096, 8192], hidden=[7168, 4096])
     ap.add_argument("--variant", nargs="+", default=["c128_s4_l1_p2_w16"], help="labels or all")
     ap.add_argument("--halves", action="store_true", help="also time F items only, R items only")
-    ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     labels = list(VARIANTS) if args.variant == ["all"] else args.variant
     copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
-    rows = []
+    rows = Rows()
     for hidden in args.hidden:
         spec = EpilogueSpec(hidden_size=hidden, top_k=8, routed_scaling_factor=2.5)
         for tokens in args.tokens:
@@ -319,6 +313,10 @@ def main() -> None:
             total = t_fin + t_norm
             print(f"H={hidden} T={tokens}: finalize {t_fin:.2f} + add_rmsnorm {t_norm:.2f} = "
                   f"{total:.2f} us", flush=True)  # fmt: skip
+            shape = f"H={hidden} K=8 none"
+            rows.add("finalize_alone", "fusion_bridge", shape, tokens, t_fin)
+            rows.add("add_rmsnorm_alone", "fusion_bridge", shape, tokens, t_norm)
+            rows.add("standalone_sum", "fusion_bridge", shape, tokens, total)
             fin(0)
             norm(0)
             ref = (ro.clone(), no.clone())
@@ -342,14 +340,12 @@ def main() -> None:
                     print(f"  {label + tag:32s} {us:8.2f} us  {us / total:.3f}x  "
                           f"res_out bitwise {same} norm diff {dn:.3g}  slots {mb:.1f} MB",
                           flush=True)  # fmt: skip
-                    rows.append(dict(H=hidden, T=tokens, finalize_alone_us=round(t_fin, 2),
-                                     add_rmsnorm_alone_us=round(t_norm, 2), sum_us=round(total, 2),
-                                     variant=label + tag, us=round(us, 2),
-                                     ratio=round(us / total, 3), slots_mb=round(mb, 1),
-                                     residual_out_bitwise=same))  # fmt: skip
+                    rows.add(label + tag, "benchmarks", shape, tokens, us,
+                             ratio=round(us / total, 3), slots_mb=round(mb, 1),
+                             residual_out_bitwise=same)  # fmt: skip
     print(f"HBM copy {copy_gbs} GB/s")
-    if args.csv and rows:
-        write_csv(args.csv, rows)
+    if args.csv:
+        rows.write(args.csv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ norm_out out) plus the quantized output, over the copy bandwidth measured in the
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fusion_bridge.cli.bench import write_csv  # noqa: E402
+from benchmarks.harness import Rows, add_common, parser  # noqa: E402
 from fusion_bridge.tuning.timing import (  # noqa: E402
     copy_bandwidth_gbs,
     sets_to_rotate,
@@ -59,11 +58,14 @@ def _strategy(name, spec):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 8192])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--quant", nargs="+", default=["none", "fp8", "nvfp4"])
+    ap = parser(__doc__)
+    add_common(
+        ap,
+        tokens=[1, 16, 64, 256, 1024, 4096, 8192],
+        hidden=[7168, 4096],
+        top_k=8,
+        quant=["none", "fp8", "nvfp4"],
+    )
     ap.add_argument("--sweep", action="store_true", help="also sweep the warps per row program")
     ap.add_argument("--emulated", type=int, nargs="*", default=[1, 16, 64, 256])
     ap.add_argument(
@@ -74,32 +76,24 @@ def main() -> None:
         "routing weights",
     )
     ap.add_argument("--no-two-launch", action="store_true", help="skip the two-launch rows")
-    ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     from fusion_bridge.kernels.symm import oneshot as symm_oneshot
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1.launch import OneshotShape
+    from fusion_bridge.kernels.tp1.shapes import tp1_shape
     from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
     from fusion_bridge.oracle.synthetic import make_inputs
 
     bw = copy_bandwidth_gbs(1 << 30)
-    rows = [dict(path="copy_gbs", quant="", H=0, T=0, us=round(bw, 1), floor_us=0, x_floor=0)]
+    rows = Rows()
+    rows.add("hbm_copy", "hardware", "1 GiB", 0, None, gbs=round(bw, 1))
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     top_k, cap = args.top_k, max(args.tokens)
 
     def emit(path, quant, hidden, tokens, us, floor):
         x = us / floor if floor else 0
-        rows.append(
-            dict(
-                path=path,
-                quant=quant,
-                H=hidden,
-                T=tokens,
-                us=round(us, 2),
-                floor_us=round(floor, 2),
-                x_floor=round(x, 3),
-            )
-        )
+        shape = f"H={hidden} K={top_k} {quant}"
+        extra = dict(floor_us=round(floor, 2), x_floor=round(x, 3)) if floor else {}
+        rows.add(path, "fusion_bridge", shape, tokens, us, **extra)
         print(
             f"{path:26s} {quant:5s} H={hidden} T={tokens:5d} {us:9.2f} us  floor {floor:8.2f}"
             f"  x{x:5.2f}",
@@ -143,12 +137,15 @@ def main() -> None:
                     out = one.run(sets[0])
                     q = out.quant.view(torch.uint8) if out.quant is not None else one._unused
                     sf = out.scale if out.scale is not None else one._unused
+                    # whole rows at each warps count, PDL as in the strategy's default shape
+                    launcher = one._launch
+                    base = tp1_shape(tokens, hidden, launcher.layer.quant.code, launcher.num_sms)
                     for warps in (4, 8, 16, 32):
 
                         def fn(i, w=warps):
                             one._launch(
                                 **call_tensors(sets[i], (out.residual_out, out.norm_out, q, sf)),
-                                shape=OneshotShape(rb, rb, w),
+                                shape=base._replace(columns=rb, warps=w, prefetch=0),
                             )
 
                         emit(
@@ -195,7 +192,7 @@ def main() -> None:
     spec = _spec(hidden, top_k, "none", 2048)
     for tokens in args.emulated:
         world = 2
-        group = emulated_group("oneshot", spec, world, 2048, device="cuda", timeout=10_000_000)
+        group = emulated_group(spec, world, 2048, device="cuda", timeout=10_000_000)
         n = sets_to_rotate(world * tokens * hidden * 2 * (top_k + 5), max_sets=32)
         sets = [
             [
@@ -225,14 +222,14 @@ def main() -> None:
         torch.cuda.synchronize()
         assert not group.errs.any(), group.errs
     if args.csv:
-        write_csv(args.csv, rows)
+        rows.write(args.csv)
 
 
 def _pdl_ab(one, sets, n, tokens, hidden):
     """The strategy's default launch shape with pdl 0 and 1 (alternating, two rounds): back to
     back ("pdl0" / "pdl1"), and each call after a torch kernel that rewrites its routing weights
     (the same values: "after_torch_pdl0" / "_pdl1"), as a router or GEMM would before it."""
-    from fusion_bridge.kernels.tp1.shapes import local_shape
+    from fusion_bridge.kernels.tp1.shapes import tp1_shape
     from fusion_bridge.testing.symm_oneshot_rig import call_tensors
 
     out = one.run(sets[0])
@@ -240,7 +237,7 @@ def _pdl_ab(one, sets, n, tokens, hidden):
     sf = out.scale if out.scale is not None else one._unused
     outs = (out.residual_out, out.norm_out, q, sf)
     launcher = one._launch
-    base = local_shape(tokens, hidden, launcher.layer.quant.code, launcher.num_sms)
+    base = tp1_shape(tokens, hidden, launcher.layer.quant.code, launcher.num_sms)
     weights = [s.expert_weights.clone() for s in sets]
     got = []
     for _ in range(2):

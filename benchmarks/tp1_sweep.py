@@ -11,7 +11,6 @@ CUDA graphs, rotated inputs (as benchmarks/tp1_local.py), median us per call.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -23,6 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchmarks.harness import Rows, add_common, parser  # noqa: E402
 from benchmarks.tp1_local import _spec, _strategy  # noqa: E402
 from fusion_bridge.tuning.timing import sets_to_rotate, time_graph  # noqa: E402
 
@@ -46,21 +46,23 @@ def shapes(
 ) -> list:
     """The shapes to time at T: the default, whole rows at `row_warps` warps per 8192 columns
     (at least 4), split rows at each chunk that fits; each with each of `prefetches` (the L2
-    prefetch of the row). default_only: the default alone."""
+    prefetch of the row), and programmatic dependent launch as in the default. default_only: the
+    default alone."""
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1.launch import OneshotShape, local_shape, split_ok
+    from fusion_bridge.kernels.tp1.shapes import Tp1Shape, split_ok, tp1_shape
 
     rb = row_block(hidden)
-    out = [local_shape(tokens, hidden, QUANT_CODE[quant], num_sms)]
+    default = tp1_shape(tokens, hidden, QUANT_CODE[quant], num_sms)
+    out = [default]
     if default_only:
         return out
     for prefetch in prefetches:
         for warps in row_warps if tokens > 32 else ():  # whole rows lose below (tp1_sweep_h200*)
-            out.append(OneshotShape(rb, rb, max(4, warps * rb // 8192), prefetch))
+            out.append(Tp1Shape(rb, max(4, warps * rb // 8192), prefetch, default.pdl))
         for chunk in (256, 512) if tokens == 1 else (512, 1024, 2048, 4096):
             for warps in (1, 2, 4, 8, 16):
                 per_thread = chunk // (warps * 32)
-                shape = OneshotShape(chunk, chunk, warps, prefetch)
+                shape = Tp1Shape(chunk, warps, prefetch, default.pdl)
                 wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
                 if wanted and split_ok(shape, tokens, hidden, num_sms):
                     out.append(shape)
@@ -80,22 +82,16 @@ def _outputs(strat, inp):
     return (got.residual_out, got.norm_out, q, sf)
 
 
-def _set_register_cap(on: bool) -> None:
-    from fusion_bridge.kernels.tp1 import launch as tp1_launch
-
-    tp1_launch.CAP_REGISTERS = on
-
-
 def _warm(task) -> str:
     """Compile one variant (in a worker process)."""
     hidden, top_k, quant, tokens, shape = task
-    from fusion_bridge.kernels.tp1.launch import OneshotShape
+    from fusion_bridge.kernels.tp1.shapes import Tp1Shape
     from fusion_bridge.oracle.synthetic import make_inputs
 
     spec = _spec(hidden, top_k, quant, max(tokens, 1))
     strat = _strategy("fused_tp1", spec)
     inp = make_inputs(spec, tokens, seed=0, device="cuda")
-    _run_one(strat, inp, _outputs(strat, inp), OneshotShape(*shape))
+    _run_one(strat, inp, _outputs(strat, inp), Tp1Shape(*shape))
     torch.cuda.synchronize()
     return "ok"
 
@@ -105,37 +101,29 @@ def tokens_for(args, quant: str) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32, 64])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[7168])
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--quant", nargs="+", default=["none", "fp8", "nvfp4"])
+    ap = parser(__doc__)
+    add_common(
+        ap, tokens=[1, 4, 16, 32, 64], hidden=[7168], top_k=8, quant=["none", "fp8", "nvfp4"]
+    )
     ap.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--jobs", type=int, default=12)
-    ap.add_argument("--csv", default=None)
     ap.add_argument("--warm-only", action="store_true", help="compile the variants, time nothing")
-    ap.add_argument(
-        "--no-register-cap",
-        action="store_true",
-        help="launch 16-warp whole rows without fused_tp1's 64-register cap (an A/B)",
-    )
     ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1], help="0 / 1 (L2 prefetch)")
     ap.add_argument(
         "--row-warps", type=int, nargs="+", default=[16, 32], help="whole rows: warps per 8192"
     )
     ap.add_argument("--default-only", action="store_true", help="time the default shape alone")
     args = ap.parse_args()
-    _set_register_cap(not args.no_register_cap)
     pick = dict(prefetches=args.prefetch, row_warps=args.row_warps, default_only=args.default_only)
-    from fusion_bridge.cli.bench import write_csv
-    from fusion_bridge.kernels.tp1.launch import local_shape
+    from fusion_bridge.kernels.tp1.shapes import tp1_shape
     from fusion_bridge.oracle.synthetic import make_inputs
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     flag = torch.zeros(1024, dtype=torch.int32, device="cuda")
     empty = time_graph(lambda i: _empty_kernel[(1,)](flag), sets=1, calls=100)
     print(f"empty one-program launch (graph) {empty:.2f} us", flush=True)
-    rows = [dict(quant="", H=0, T=0, shape="empty_launch", us=round(empty, 2), default=0)]
+    rows = Rows()
+    rows.add("empty_launch", "benchmarks", "1 program", 0, empty)
     plan = [
         (hidden, quant, tokens, shape)
         for hidden in args.hidden
@@ -146,12 +134,7 @@ def main() -> None:
     # one compile per Triton specialization of T (1, a multiple of 16, other)
     tasks = {(h, q, t if t == 1 else 16 * (t % 16 == 0), tuple(s)): t for h, q, t, s in plan}
     tasks = sorted(((h, args.top_k, q, t, s) for (h, q, _, s), t in tasks.items()), key=str)
-    with ProcessPoolExecutor(
-        args.jobs,
-        mp_context=get_context("spawn"),
-        initializer=_set_register_cap,
-        initargs=(not args.no_register_cap,),
-    ) as pool:
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         list(pool.map(_warm, tasks))
     print(f"compiled {len(tasks)} variants", flush=True)
     if args.warm_only:
@@ -167,30 +150,27 @@ def main() -> None:
                     for i in range(n)
                 ]
                 out = _outputs(strat, inputs[0])
-                default = tuple(
-                    local_shape(tokens, hidden, strat._launch.layer.quant.code, num_sms)
-                )
+                default = tuple(tp1_shape(tokens, hidden, strat._launch.layer.quant.code, num_sms))
                 for shape in shapes(tokens, hidden, quant, num_sms, **pick):
                     us = time_graph(lambda i, s=shape: _run_one(strat, inputs[i], out, s), sets=n)
                     mark = " (default)" if tuple(shape) == default else ""
                     print(
-                        f"{quant:5s} H={hidden} T={tokens:4d} chunk={shape.block1:5d} "
+                        f"{quant:5s} H={hidden} T={tokens:4d} chunk={shape.columns:5d} "
                         f"warps={shape.warps:2d} pf={shape.prefetch} {us:7.2f} us{mark}",
                         flush=True,
                     )
-                    rows.append(
-                        dict(
-                            quant=quant,
-                            H=hidden,
-                            T=tokens,
-                            shape=f"{shape.block1}x{shape.warps}" + "+pf" * shape.prefetch,
-                            us=round(us, 2),
-                            default=int(bool(mark)),
-                        )
+                    launch = f"{shape.columns}x{shape.warps}" + "+pf" * shape.prefetch
+                    rows.add(
+                        "fused_tp1",
+                        "fusion_bridge",
+                        f"H={hidden} K={args.top_k} {quant} {launch}",
+                        tokens,
+                        us,
+                        default=int(bool(mark)),
                     )
                 inputs = None  # free before the next T
     if args.csv:
-        write_csv(args.csv, rows)
+        rows.write(args.csv)
 
 
 if __name__ == "__main__":

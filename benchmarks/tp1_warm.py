@@ -24,7 +24,11 @@ def _warm(task) -> str:
     import torch
 
     from benchmarks.tp1_local import _spec, _strategy
-    from fusion_bridge.oracle.synthetic import make_inputs
+
+    try:  # the tree's module names (--tree: before the package's folders first)
+        from fusion_bridge.synthetic import make_inputs
+    except ImportError:
+        from fusion_bridge.oracle.synthetic import make_inputs
 
     hidden, quant, tokens, name = task
     spec = _spec(hidden, 8, quant, max(tokens, 1))

@@ -8,10 +8,9 @@ two-shot <= finalize + add_rmsnorm.
 
 Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
 sum, each two-shot row's time, its ratio to the sum and its workspace per rank (MB). Labels: the
-TWOSHOT launch shapes (`symm_twoshot.TwoshotShape` fields, each on buffers laid out for it) and the
-TWOSHOT labels (the strategy's launch variants, `kernels/symm/twoshot_variants.py`). Every row is
-first
-checked against the two standalone kernels' outputs (residual_out bitwise equal: the same
+SHAPES launch shapes (`symm_twoshot.TwoshotShape` fields, each on buffers laid out for it) and the
+VARIANTS labels (the strategy's launch variants, `kernels/symm/twoshot_variants.py`). Every row is
+first checked against the two standalone kernels' outputs (residual_out bitwise equal: the same
 roundings; norm_out close: the two-shot norms the rounded residual_out) and its error word.
 `--ablate` adds, per label, its finalize launches alone (`_only_F`), its row launches alone
 (`_only_R`) and everything but the finalize on one stream (`_no_F`): the slot counters preset so
@@ -21,7 +20,6 @@ call.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -29,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fusion_bridge.cli.bench import write_csv  # noqa: E402
+from benchmarks.harness import Rows, add_common, parser  # noqa: E402
 from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
 # label -> TwoshotShape fields. "default" is the default shape (2 slots x 1024 tokens, F on 2 side
@@ -37,7 +35,7 @@ from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time
 # measured against the earlier default, "f_after_x" (rows on the caller's stream, F(c + 1) gated
 # by X(c)), and keep meaning a change to that one
 _F_AFTER_X = dict(stream_mode="two", f_ahead=False)
-TWOSHOT = {
+SHAPES = {
     "default": dict(),
     "f_after_x": _F_AFTER_X,
     # F(c + 1) gated by its own release-and-gate launch right after R(c - 1), not by X(c): without
@@ -65,23 +63,21 @@ TWOSHOT = {
     "f2048_w8": _F_AFTER_X | dict(f_cols=2048, f_warps=8),
 }
 # the two-shot strategy's launch variants (kernels/symm/twoshot_variants.py)
-TWOSHOT = {"twoshot_default": None, "twoshot_f_after_x": "f_after_x"}
+VARIANTS = {"twoshot_default": None, "twoshot_f_after_x": "f_after_x"}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
+    ap = parser(__doc__)
+    add_common(ap, tokens=[1024, 4096, 8192], hidden=[7168, 4096])
     ap.add_argument("--twoshot", nargs="+", default=["default"], help="labels or 'all'")
     ap.add_argument("--ablate", action="store_true", help="also time the stages alone")
-    ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
     from fusion_bridge.kernels.finalize_add import finalize_add_into
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
-    labels = list(TWOSHOT) + list(TWOSHOT) if args.twoshot == ["all"] else args.twoshot
+    labels = list(SHAPES) + list(VARIANTS) if args.twoshot == ["all"] else args.twoshot
     copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
     rows = []  # one per (H, T, label): the table the target reads
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
@@ -139,13 +135,24 @@ def main() -> None:
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
     if args.csv:
-        write_csv(
-            args.csv, rows + [dict.fromkeys(cols, "") | dict(path="hbm_copy_gbs", us=copy_gbs)]
-        )
+        out = Rows()
+        out.add("hbm_copy", "hardware", "1 GiB", 0, None, gbs=copy_gbs)
+        seen = set()
+        for r in rows:  # the standalone kernels once per (H, T), then each two-shot row
+            shape = f"H={r['H']} K=8 none"
+            if (r["H"], r["T"]) not in seen:
+                seen.add((r["H"], r["T"]))
+                out.add("finalize_alone", "fusion_bridge", shape, r["T"], r["finalize_alone_us"])
+                out.add("add_rmsnorm_alone", "fusion_bridge", shape, r["T"],
+                        r["add_rmsnorm_alone_us"])  # fmt: skip
+                out.add("standalone_sum", "fusion_bridge", shape, r["T"], r["sum_us"])
+            out.add(r["path"], "fusion_bridge", shape, r["T"], r["us"], ratio=r["ratio"],
+                    workspace_mb=r["workspace_mb"])  # fmt: skip
+        out.write(args.csv)
 
 
 def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
-    """The two-shot at world size 1 in shape TWOSHOT[label], or (TWOSHOT labels) as the strategy
+    """The two-shot at world size 1 in shape SHAPES[label], or (VARIANTS labels) as the strategy
     launches a variant: checked against the standalone kernels' outputs, then timed; `ablate`
     adds its finalize launches alone, its R launches alone and every launch but F on one stream
     (the slot counters preset so no gate holds them; outputs not all written)."""
@@ -158,9 +165,9 @@ def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
     from fusion_bridge.testing.symm_twoshot_rig import twoshot_launches, twoshot_layers_on_one_gpu
 
     hidden, tokens = part.shape[1], part.shape[0]
-    variant = TWOSHOT.get(label, False)
+    variant = VARIANTS.get(label, False)
     if variant is False:
-        shape = symm_twoshot.TwoshotShape(**TWOSHOT[label])
+        shape = symm_twoshot.TwoshotShape(**SHAPES[label])
     else:
         shape = twoshot_launch._TWOSHOT[variant]
     none = torch.empty(0, dtype=torch.uint8, device="cuda")

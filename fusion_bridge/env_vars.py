@@ -219,8 +219,8 @@ def read(name: str, environ: Optional[Mapping[str, str]] = None):
 
 def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
     """Validate every FUSION_BRIDGE_* variable that is set, and refuse unknown ones (a typo such as
-    FUSION_BRIDGE_DEBG would otherwise be ignored silently). Raises EnvVarError on the first bad
-    one."""
+    FUSION_BRIDGE_DEBG would otherwise be ignored silently). Raises EnvVarError on the
+    first bad one."""
     environ = os.environ if environ is None else environ
     for key in sorted(environ):
         if key.startswith(PREFIX) and key not in VARIABLES:

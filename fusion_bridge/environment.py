@@ -107,8 +107,8 @@ def version_tuple(version: str) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=None)
 def _triton_probe() -> tuple[Optional[str], Optional[str]]:
     """(version, None) when triton imports, else (None, the error). Under TRITON_INTERPRET=1
-    importing
-    triton loads its interpreter, which needs numpy: that error is the real cause, so keep it."""
+    importing triton loads its interpreter, which needs numpy: that error is the real
+    cause, so keep it."""
     try:
         import triton
 
@@ -119,8 +119,8 @@ def _triton_probe() -> tuple[Optional[str], Optional[str]]:
 
 @functools.lru_cache(maxsize=None)
 def _flashinfer_probe() -> tuple[Optional[str], Optional[str]]:
-    """(version, None) when flashinfer.comm imports, else (None, the error). Importing costs ~3
-    s."""
+    """(version, None) when flashinfer.comm imports, else (None, the error). Importing takes
+    seconds (docs/performance.md), hence once per process."""
     try:
         importlib.import_module("flashinfer.comm")
         return importlib.metadata.version("flashinfer-python"), None
@@ -138,8 +138,8 @@ def _group_is_single_node(group) -> bool:
 def default_device(device: Optional[torch.device | str] = None) -> torch.device:
     """The device a bridge works on: `device` if given (a bare "cuda" becomes the current cuda:N, so
     it compares equal to the tensors' devices), else the current CUDA device, else the CPU. Raises
-    ValueError for a device this process cannot use (a CUDA device on a CPU build, or another
-    kind)."""
+    ValueError for a device this process cannot use (a CUDA device on a CPU build, or
+    another kind)."""
     if device is None:
         return (
             torch.device("cuda", torch.cuda.current_device())

@@ -15,8 +15,8 @@ class EpilogueInputError(ValueError):
 
 
 class EpilogueInputs(NamedTuple):
-    """gemm2_out [P, H] act dtype: unfinalized routed-expert output, permuted rows (P may include
-    padding).
+    """gemm2_out [P, H] act dtype: unfinalized routed-expert output, permuted rows (P may
+    include padding).
     expanded_idx_to_permuted_idx [T, K] int32: row of gemm2_out for (token, k), -1 = skip.
     expert_weights [T, K] fp32/bf16/fp16. shared_output [T, H] act dtype or None.
     residual [T, H] act dtype. gamma [H] act dtype (RMSNorm weight)."""
@@ -77,9 +77,8 @@ class EpilogueOutputs:
 def quant_buffers(
     tokens: int, hidden: int, kind: QuantKind, layout: SFLayout, device: torch.device
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(quant, scale) outputs, uninitialised: fp8 -> ([T, H] float8_e4m3fn, None); nvfp4 -> ([T,
-    H/2]
-    uint8, uint8 scales of `sf_shape(T, H, layout)`); none -> (None, None)."""
+    """(quant, scale) outputs, uninitialised: fp8 -> ([T, H] float8_e4m3fn, None); nvfp4 ->
+    ([T, H/2] uint8, uint8 scales of `sf_shape(T, H, layout)`); none -> (None, None)."""
     if kind is QuantKind.FP8:
         return torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device), None
     if kind is QuantKind.NVFP4:

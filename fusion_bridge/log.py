@@ -12,8 +12,7 @@
   propagation, so a later root configuration does not print each line twice). If the application has
   configured logging, no handler is added and records flow to the application's handlers.
 - ``log_every(key, seconds, level, msg)`` rate-limits messages that can fire per call (reroutes,
-shadow
-  divergence): at most one per key per interval, with a count of what was suppressed.
+  shadow divergence): at most one per key per interval, with a count of what was suppressed.
 - ``build_summary(...)`` renders the one INFO line a bridge logs when it is built.
 """
 
@@ -189,21 +188,18 @@ def build_summary(
     requested: Optional[str] = None,
     source: Optional[str] = None,
 ) -> str:
-    """The one INFO line a bridge logs when it is built, e.g.
+    """The one INFO line a bridge logs when it is built, e.g. (wrapped here)
 
-        fusion_bridge: layer epilogue H=7168 K=8 TP2 -> local_fused for T<=8192, separate for
-        T>8192;
-        rejected: flashinfer_fused(cuda_required, flashinfer_missing)
+        fusion_bridge: layer epilogue H=7168 K=8 TP2 -> local_fused for T<=8192,
+        separate for T>8192; rejected: flashinfer_fused(cuda_required, flashinfer_missing)
 
     buckets: the plan, [(largest T of the bucket, strategy)] in increasing T (neighbours that pick
-    the
-    same strategy are merged). rejected: strategy -> reason codes, for the strategies that cannot
-    run
-    (build it as {s.name: [r.code for r in s.reasons] for s in statuses if s.reasons}). overflow:
-    the
-    strategy for T above the last bucket (None: such a call raises). label names the layer; dtype
-    ("bf16") and quant ("fp8", "nvfp4"; "none" is omitted) are added after K when given; requested
-    marks an explicit strategy request; source says where the plan came from ("measured", ...).
+    the same strategy are merged). rejected: strategy -> reason codes, for the strategies that
+    cannot run (build it as {s.name: [r.code for r in s.reasons] for s in statuses if s.reasons}).
+    overflow: the strategy for T above the last bucket (None: such a call raises). label names the
+    layer; dtype ("bf16") and quant ("fp8", "nvfp4"; "none" is omitted) are added after K when
+    given; requested marks an explicit strategy request; source says where the plan came from
+    ("measured", ...).
     """
     shape = f"H={hidden_size} K={top_k}"
     if dtype:

@@ -10,15 +10,15 @@ import importlib
 from types import MappingProxyType
 from typing import Any, Mapping
 
-# fused_tp1 runs at world size 1 only (one launch; measured on one H200 1.05-1.22x faster than
-# local_fused_nccl from T=16 on, slower at T=1: benchmarks/tp1_local.py), so it comes first.
-# Order is the static preference when nothing was measured: fastest first, as measured on 2x H200
-# (H=7168, K=8, CUDA graphs, us at T=1 / 64 / 1024): our finalize + FlashInfer AR+norm 8.1 / 15.4 /
-# 113; our finalize + NCCL + our norm 14.0 / 25.1 / 134; FlashInfer's fused MoE-finalize 11.9 / 22.1
-# / 287. symm_fused_oneshot (ours, one launch, small T) is measured only at TP2, where the shipped
-# H200 table selects it by speed; without a table it comes after the NCCL path, which is validated
-# at every world size. symm_fused_twoshot (ours, one launch, large T) is opt-in: auto neither
-# prepares nor picks it, with a table or without; a request by name runs it.
+# fused_tp1 runs at world size 1 only (one launch; measured faster than local_fused_nccl from T=16
+# on, slower at T=1), so it comes first. Order is the static preference when nothing was measured:
+# fastest first, as measured on 2x H200: our finalize + FlashInfer AR+norm, our finalize + NCCL +
+# our norm, FlashInfer's fused MoE-finalize (the times and the world-size-1 comparison:
+# docs/performance.md#figures-behind-the-codes-choices). symm_fused_oneshot (ours, one launch,
+# small T) is measured only at TP2, where the shipped H200 table selects it by speed; without a
+# table it comes after the NCCL path, which is validated at every world size. symm_fused_twoshot
+# (ours, one launch, large T) is opt-in: auto neither prepares nor picks it, with a table or
+# without; a request by name runs it.
 _REGISTRY: dict[str, str] = {
     "fused_tp1": "fusion_bridge.strategies.fused_tp1:FusedTp1Strategy",  # world size 1 only
     "local_fused_flashinfer": "fusion_bridge.strategies.local_fused_flashinfer:LocalFusedFlashInferStrategy",  # noqa: E501
@@ -71,8 +71,8 @@ def strategy_classes() -> list[type]:
 def environment_probes() -> dict[str, Any]:
     """name -> environment.Probe: what detect() runs, collected from every registered strategy's
     `probes` (environment imports this module, so no import back). Two strategies may share a
-    probe (the same Probe object); two different probes of one name are an error naming both
-    strategies."""
+    probe (the same Probe object); two different probes of one name are an error naming
+    both strategies."""
     out: dict[str, Any] = {}
     owner: dict[str, str] = {}
     for cls in strategy_classes():

@@ -52,8 +52,8 @@ class QuantSpec:
     """Optional quantization of norm_out.
 
     fp8:   q = e4m3_satfinite(bf16(norm_out) / scale)   -- `scale` is a divisor.
-    nvfp4: 16-element blocks, e4m3 block scales, `global_scale` is a multiplier (usually
-    448*6/amax).
+    nvfp4: 16-element blocks, e4m3 block scales, `global_scale` is a multiplier
+    (usually 448*6/amax).
     """
 
     kind: QuantKind = QuantKind.NONE
@@ -104,8 +104,8 @@ class EpilogueSpec:
     """Static per-layer description of the MoE epilogue.
 
     hidden_size: H. top_k: K (columns of the index map). dtype: activation dtype, bf16 or fp16.
-    eps, weight_bias: RMSNorm uses (gamma + weight_bias). routed_scaling_factor multiplies the top-k
-    sum.
+    eps, weight_bias: RMSNorm uses (gamma + weight_bias). routed_scaling_factor multiplies
+    the top-k sum.
     has_shared_output: whether shared_output is passed. max_tokens: the largest T a call may carry;
     workspaces are sized for it.
     """
@@ -122,10 +122,8 @@ class EpilogueSpec:
 
     def __post_init__(self) -> None:
         """Check every field's type and value (ints are ints, not bools; floats are finite real
-        numbers,
-        not strings or bools), then normalise ints to int and floats to float, so `to_dict()` is the
-        same
-        JSON on every rank whether a caller wrote 2 or 2.0."""
+        numbers, not strings or bools), then normalise ints to int and floats to float, so
+        `to_dict()` is the same JSON on every rank whether a caller wrote 2 or 2.0."""
         set_ = functools.partial(object.__setattr__, self)
         set_("hidden_size", _int_field("hidden_size", self.hidden_size))
         set_("top_k", _int_field("top_k", self.top_k))

@@ -1,10 +1,9 @@
-"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization, see quant.py), one program per token
-row.
+"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization, see quant.py), one program per
+token row.
 
 x            = residual + reduced                       (fp32)
 residual_out = round(x)
-norm_out     = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias))   (overflow-safe, see
-below)
+norm_out     = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias))  (overflow-safe, see below)
 quant        = quantize(norm_out)                       (reads the rounded norm_out)
 """
 
@@ -44,9 +43,9 @@ def rms_norm_row(x, g, hidden, eps, OVERFLOW_SAFE: tl.constexpr):
     of squares, and rsqrt(inf) = 0 would zero the row. Such a row is scaled by the power of two s
     bringing its largest magnitude into [2^31, 2^32) (exact), with eps*s^2 in place of eps. The
     branch is uniform over the program and taken only then; every other row computes the plain
-    formula (measured on H200: a branch-free form, two more row reductions for every row, cost the
-    one-launch world-size-1 kernel 8% at T=4096). Every kernel of ours passes True; off is the
-    plain formula."""
+    formula (a branch-free form, two more row reductions for every row, measured slower in the
+    world-size-1 kernel: docs/performance.md#world-size-1-fused_tp1). Every kernel of ours passes
+    True; off is the plain formula."""
     sum_sq = tl.sum(x * x, axis=0)
     y = rms_apply(x, g, sum_sq, hidden, eps)
     if OVERFLOW_SAFE:
@@ -80,8 +79,7 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     # programs past T only write the swizzled scale padding; vector form of `row < tokens` because
-    # the
-    # interpreter rejects a scalar-bool mask
+    # the interpreter rejects a scalar-bool mask
     mask = (cols < hidden) & ((cols * 0 + row) < tokens)
     offs = row * hidden + cols
     x = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -117,10 +117,9 @@ def _finalize_add_kernel(
 
 
 def block_h_for(hidden: int, tokens: int) -> int:
-    """Few tokens: latency-bound, small blocks spread one row over more SMs (T=1, H=7168 on H200:
-    1.62 us at 256 vs 2.45 us at 1024, same inputs in a CUDA graph). Many tokens: 1024-wide blocks
-    for
-    16-byte accesses at the bandwidth limit."""
+    """Few tokens: latency-bound, small blocks spread one row over more SMs (256 measured faster
+    than 1024 at T=1: docs/performance.md#figures-behind-the-codes-choices). Many tokens:
+    1024-wide blocks for 16-byte accesses at the bandwidth limit."""
     return min(256 if tokens <= 32 else 1024, triton.next_power_of_2(hidden))
 
 
@@ -189,8 +188,7 @@ def finalize_add(
     routed_scaling: float,
 ) -> torch.Tensor:
     """gemm2_out [P, H] bf16/fp16, perm [T, K] int32, weights [T, K] fp32/bf16/fp16, shared [T, H]
-    or
-    None -> [T, H] in gemm2_out's dtype."""
+    or None -> [T, H] in gemm2_out's dtype."""
     out = torch.empty(
         perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device
     )

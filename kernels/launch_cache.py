@@ -4,11 +4,9 @@ kernel's low-level launcher directly, keyed by what Triton's own cache key depen
 Why: `kernel[grid](...)` (Triton 3.6) re-derives per call what is fixed for us: it binds the
 arguments by name, specializes each one in C, formats the options dict into a string for the cache
 key, looks the kernel up, builds a launch-metadata dict for the (empty) launch hooks and goes
-through
-`CudaLauncher.__call__`. `KernelLauncher` keeps, per specialization key, the compiled kernel's
-launch
-function and everything that is constant for it, and launches with the grid, the current stream and
-the arguments.
+through `CudaLauncher.__call__`. `KernelLauncher` keeps, per specialization key, the compiled
+kernel's launch function and everything that is constant for it, and launches with the grid, the
+current stream and the arguments.
 
 The key mirrors Triton's specialization (checked against `native_specialize_impl` by
 tests/kernels/test_launch_cache.py) and is never coarser than it:
@@ -44,8 +42,8 @@ because the launcher's positional layout below cannot be feature-detected):
   called directly when both scratch sizes are 0, else through `CudaLauncher.__call__`;
 - `triton.runtime.driver.active.get_current_device` / `.get_current_stream` (the same functions
   Triton's launch uses) and `triton.knobs.runtime.launch_enter_hook` / `launch_exit_hook`
-  (`HookChain`s; the fast path needs their `.calls` empty and passes None, as Triton does without
-  hooks).
+  (`HookChain`s; the fast path needs their `.calls` empty and passes None, as Triton does
+  without hooks).
 """
 
 from __future__ import annotations
@@ -125,10 +123,8 @@ def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
 
 def _make_key_fn(kinds: Sequence[str]) -> Callable:
     """A key function for arguments of these kinds ('t' tensor, 's' scalar), generated once (as
-    Triton
-    generates its binder): one call, no loop. Raises (AttributeError, TypeError) on an argument of
-    an
-    unexpected kind, which the caller treats as 'no fast path'."""
+    Triton generates its binder): one call, no loop. Raises (AttributeError, TypeError) on an
+    argument of an unexpected kind, which the caller treats as 'no fast path'."""
     names = [f"a{i}" for i in range(len(kinds))]
     parts = []
     for name, kind in zip(names, kinds):
@@ -270,10 +266,8 @@ class KernelLauncher:
 
     def _fast_failed(self, exc, grid, args, constexprs, num_warps) -> None:
         """The cached launcher raised. The C launcher checks its arguments before launching, so
-        nothing
-        ran: launch normally. If that works, the fast path is wrong for this Triton: switch it off.
-        If
-        it raises too, the error is the caller's: let Triton's own error through."""
+        nothing ran: launch normally. If that works, the fast path is wrong for this Triton: switch
+        it off. If it raises too, the error is the caller's: let Triton's own error through."""
         self._launch_normally(grid, args, constexprs, num_warps)
         self._disable(f"the cached launcher raised {type(exc).__name__}: {exc}")
 

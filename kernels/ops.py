@@ -1,7 +1,6 @@
 """Torch custom ops over our kernels, with fake implementations, so they trace under torch.compile
-and
-capture in CUDA graphs. They allocate their outputs (the caching allocator serves them inside
-graphs).
+and capture in CUDA graphs. They allocate their outputs (the caching allocator serves them
+inside graphs).
 
 Strategies call `finalize_add`, `add_rmsnorm_quant` and `quantize` from this module's
 `direct_when_eager` namespace: under torch.compile they go through the registered ops; in eager mode
@@ -28,8 +27,7 @@ def _quant_outputs(
     like: torch.Tensor, quant: int, swizzled: bool, fake: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q returned, q as uint8 for the kernel, sf returned, sf for the kernel). Unused ones are
-    empty
-    and distinct: a custom op's outputs may not alias each other."""
+    empty and distinct: a custom op's outputs may not alias each other."""
     q, sf = quant_buffers(*like.shape, *kind_layout(quant, swizzled), like.device)
     q = q if q is not None else like.new_empty(0, dtype=torch.uint8)
     sf = sf if sf is not None else like.new_empty(0, dtype=torch.uint8)
@@ -44,8 +42,8 @@ def _finalize_add(
     shared: Optional[torch.Tensor],
     routed_scaling: float,
 ) -> torch.Tensor:
-    """[P, H] x [T, K] int32 x [T, K] (+ [T, H]) -> [T, H]: routed_scaling * sum_k w * row +
-    shared."""
+    """[P, H] x [T, K] int32 x [T, K] (+ [T, H]) -> [T, H]:
+    routed_scaling * sum_k w * row + shared."""
     out = torch.empty(
         perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device
     )
@@ -73,8 +71,8 @@ def _add_rmsnorm_quant(
     swizzled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """residual, reduced [T, H], gamma [H] -> (residual_out, norm_out, q, sf).
-    q: fp8 [T, H] float8_e4m3fn, nvfp4 [T, H/2] uint8, else empty; sf: nvfp4 uint8 scales, else
-    empty."""
+    q: fp8 [T, H] float8_e4m3fn, nvfp4 [T, H/2] uint8, else empty; sf: nvfp4 uint8 scales,
+    else empty."""
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
     q, q_bytes, sf, sf_bytes = _quant_outputs(residual, quant, swizzled)
     add_rmsnorm_into(
@@ -134,8 +132,7 @@ def _add_rmsnorm_quant_eager(
     swizzled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """add_rmsnorm_quant for eager calls: allocates only what it returns (None for an output the
-    quant
-    mode does not have; the kernel's unused pointers get an output it writes anyway)."""
+    quant mode does not have; the kernel's unused pointers get an output it writes anyway)."""
     residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
     q, sf = quant_buffers(*residual.shape, *kind_layout(quant, swizzled), residual.device)
     q_bytes = q.view(torch.uint8) if q is not None else norm_out
@@ -168,8 +165,8 @@ class _DirectWhenEager:
 
     @staticmethod
     def add_rmsnorm_quant(*args):
-        """(residual_out, norm_out, q, sf); eagerly, q / sf are None where the quant mode has
-        none."""
+        """(residual_out, norm_out, q, sf); eagerly, q / sf are None where the quant
+        mode has none."""
         if torch.compiler.is_compiling():
             return torch.ops.fusion_bridge.add_rmsnorm_quant(*args)
         return _add_rmsnorm_quant_eager(*args)

@@ -51,11 +51,10 @@ def _e4m3_rne_satfinite(v):
 @triton.jit
 def _e2m1_codes(a, sf):
     """e2m1 magnitude code of the exact quotient a / sf (a >= 0), round to nearest, ties to the even
-    code,
-    saturating at 6; 0 where sf == 0. Compares a against threshold * sf instead of dividing: each
-    threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4, so
-    every
-    product is exact in fp32 and the comparisons decide exactly as the real quotient would."""
+    code, saturating at 6; 0 where sf == 0. Compares a against threshold * sf instead of dividing:
+    each threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4,
+    so every product is exact in fp32 and the comparisons decide exactly as the real
+    quotient would."""
     s = tl.where(sf == 0.0, float("inf"), sf)
     return (
         (a > 0.25 * s).to(tl.int32)
@@ -352,10 +351,9 @@ def row_block(hidden: int) -> int:
 
 
 def row_num_warps(block: int, quant: int = QUANT_NONE) -> int:
-    """Warps per row program. From the H200 sweeps at H=7168 (benchmarks/results/*launch_sweep.csv):
-    fp8 is issue-bound and wants the most threads (32 warps: 79 us vs 88 us at 8 warps, T=4096);
-    nvfp4
-    is best at 8 (97 us vs 103-111 us at 16-32)."""
+    """Warps per row program, from the H200 sweeps at H=7168: fp8 is issue-bound and wants the
+    most threads (32 warps), nvfp4 is best at 8 (the times:
+    docs/performance.md#figures-behind-the-codes-choices)."""
     if quant == QUANT_FP8:
         return max(4, min(32, block // 256))
     return 4 if block <= 2048 else (8 if block <= 4096 or quant == QUANT_NVFP4 else 16)
@@ -371,8 +369,7 @@ def row_launch_shape(
     hidden: int, quant: int, swizzled: bool, hw_cvt: bool, num_warps: Optional[int] = None
 ) -> tuple[tuple, int]:
     """(constexprs (QUANT, SWIZZLED, BLOCK, HW_CVT), num_warps) of a row kernel: fixed per spec,
-    computed
-    once."""
+    computed once."""
     block = row_block(hidden)
     return (quant, swizzled, block, hw_cvt), num_warps or row_num_warps(block, quant)
 

@@ -1,11 +1,10 @@
-"""Rounding to the output dtype that is round-to-nearest-even on the GPU and in the interpreter
-alike.
+"""Rounding to the output dtype that is round-to-nearest-even on the GPU and in the
+interpreter alike.
 
 The Triton interpreter (measured with triton 3.9) casts fp32 -> bf16 by truncation, the GPU by RNE.
-We
-round fp32 to the bf16 grid ourselves (integer ops, free in a memory-bound kernel); the cast of the
-already-rounded value is then exact everywhere, so CPU CI checks the same one-rounding math as the
-GPU.
+We round fp32 to the bf16 grid ourselves (integer ops, free in a memory-bound kernel); the cast of
+the already-rounded value is then exact everywhere, so CPU CI checks the same one-rounding
+math as the GPU.
 """
 
 import triton
@@ -21,8 +20,8 @@ def round_to(x, dtype: tl.constexpr):
         # NaN stays NaN: the GPU's NaN 0x7FFFFFFF would carry into the sign bit and give -0.0.
         # The NaN case is `x * 1.0`, which the compiler folds to x: ptxas then writes the rounded
         # bits into x's own register under a predicate, no select and no extra instruction (the
-        # machine code the symmetric-memory kernels had before the building blocks were shared,
-        # the fastest measured; benchmarks/results/oneshot_w2_regression_diagnosis.md). A NaN
+        # fastest form measured: docs/performance.md#before-the-two-shot-pipeline,
+        # benchmarks/results/oneshot_w2_regression_diagnosis.md). A NaN
         # constant costs a select and a register per element, `x + x` an add per element. Plain
         # `x` would let the interpreter's truncating cast turn a low-payload NaN into inf; its
         # unfolded multiply makes the NaN quiet first.

@@ -86,8 +86,8 @@ def row_outputs(
 ):
     """From the row's summed partials s (fp32 [ROW_BLOCK]): the whole row's x = residual + s and
     its norm (each program of the row computes them identically), stored for columns [lo, hi) only
-    (multiples of 64, so the masks stay constant over whole 16-byte vectors). bad != 0 writes
-    NaN."""
+    (multiples of 64, so the masks stay constant over whole 16-byte vectors). bad != 0
+    writes NaN."""
     dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
     cols = tl.arange(0, ROW_BLOCK)
     in_row = cols < hidden

@@ -63,7 +63,14 @@ def copy_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
         src,
         dst,
         symlinks=True,
-        ignore=lambda d, names: [n for n in names if n in SKIP_DIRS or n.endswith(".egg-info")],
+        # build/ only at the root (setuptools' scratch folder): fusion_bridge/build/ is product code
+        ignore=lambda d, names: [
+            n
+            for n in names
+            if n in SKIP_DIRS - {"build"}
+            or n.endswith(".egg-info")
+            or (n == "build" and pathlib.Path(d).resolve() == src.resolve())
+        ],
     )
     link = dst / "fusion_bridge" / "kernels"
     if not link.exists():  # a checkout without the package's link to the kernels folder

@@ -3,8 +3,7 @@
 capability (static, per rank) -> resources (can this rank allocate?) -> agree -> prepare (collective
 workspaces) -> agree -> self-test against the oracle -> agree. Every agreement is one all-reduce MIN
 of a 0/1 flag per strategy (MIN of packed bitmasks would not be AND). A strategy that fails
-anywhere,
-on any rank, is off on every rank, with the reasons kept for the report.
+anywhere, on any rank, is off on every rank, with the reasons kept for the report.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ def admit(
     excluded: Optional[dict[str, str]] = None,
 ) -> Admission:
     """Collective. Prepares everything auto may pick (or only the requested strategy), the oracle,
-    and
-    `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name.
+    and `also_prepare` (e.g. the shadow strategy). Opt-in strategies only when requested by name.
     `excluded`: {strategy: where the request came from}, kept out (never prepared)."""
     classes = registry.strategy_classes()
     reasons: dict[str, list[Reason]] = {
@@ -67,7 +65,7 @@ def admit(
     for cls in wanted:
         if not reasons[cls.name]:
             inst = cls(spec, env, group, device)
-            reasons[cls.name] += inst.local_resource_reasons()
+            reasons[cls.name] += inst.this_rank_resource_reasons()
             if not reasons[cls.name]:
                 instances[cls.name] = inst
     flag_device = collective_device(group, device) if env.world_size > 1 else device
@@ -119,8 +117,8 @@ def slow_build_notice(
     """The line logged (once per process, at WARNING so a script without logging set up shows it)
     before the build steps that can take minutes the first time: FlashInfer JIT-compiling its
     communication kernels while preparing, and Triton compiling our kernels on the self-test's
-    first calls (a cold Triton cache measured 72 s for the symmetric-memory kernels). None on CPU
-    or when no GPU strategy is prepared."""
+    first calls (docs/performance.md has a cold-cache measurement). None on CPU or when no GPU
+    strategy is prepared."""
     if device.type != "cuda" or not gpu_strategies:
         return None
     steps = "preparing" + (" and self-testing" if run_self_test else "")

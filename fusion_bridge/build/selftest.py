@@ -1,8 +1,7 @@
 """The self-test: run a prepared GPU strategy once, collectively, on a small random input with
-several
-tokens against the fp32 oracle, under a time limit. It catches what the static checks don't know yet
-(e.g. FlashInfer writing all-zero FP4 on SM90) and admits a newer upstream kernel that proves
-itself.
+several tokens against the fp32 oracle, under a time limit. It catches what the static checks
+don't know yet (e.g. FlashInfer writing all-zero FP4 on SM90) and admits a newer upstream kernel
+that proves itself.
 
 Disable with FUSION_BRIDGE_SELF_TEST=0 (or FusionBridge(..., self_test=False)).
 """

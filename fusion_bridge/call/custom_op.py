@@ -1,12 +1,10 @@
 """`finalize_epilogue` as one opaque custom op for torch.compile.
 
 Under torch.compile the whole epilogue appears as one node, `fusion_bridge::finalize_epilogue`,
-whose
-implementation finds its bridge by name (as serving engines do for their fused communication ops)
-and
-runs the eager path; its fake implementation allocates the outputs from the bridge's spec, so
-tracing
-needs no data and no collective. Eager calls never go through the dispatcher (it costs tens of us).
+whose implementation finds its bridge by name (as serving engines do for their fused communication
+ops) and runs the eager path; its fake implementation allocates the outputs from the bridge's spec,
+so tracing needs no data and no collective. Eager calls never go through the dispatcher (its
+per-call cost would be added to every eager call; docs/performance.md has the figure).
 
 The op always returns four tensors (quant and scale are empty when the spec has none), so its output
 types are fixed; `FusionBridge.finalize_epilogue` turns them back into EpilogueOutputs.

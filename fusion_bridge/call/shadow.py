@@ -2,28 +2,30 @@
 calls and record how far they diverge, without changing any output. An eager-mode rollout tool.
 
 Sampling is by a call counter that advances on every call, so it is identical on every rank (calls
-are
-collective): a shadow strategy with its own collective runs on all ranks or on none. During
-CUDA-graph
-capture the shadow is skipped (and counted); graph replays never reach Python, so they are not
-sampled.
+are collective): a shadow strategy with its own collective runs on all ranks or on none. During
+CUDA-graph capture the shadow is skipped (and counted); graph replays never reach Python, so they
+are not sampled.
 
 Cost, on a sampled call only: one extra run of the shadow strategy (its kernels and, for
-`reference`,
-an fp32 all-reduce), plus the comparison, which reads scalars to the host (a sync). Off by default.
-Enable: FusionBridge(..., shadow="reference:100") or FUSION_BRIDGE_SHADOW=reference:100.
+`reference`, an fp32 all-reduce), plus the comparison, which reads scalars to the host (a sync). Off
+by default. Enable: FusionBridge(..., shadow="reference:100") or FUSION_BRIDGE_SHADOW=reference:100.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import torch
 
-from fusion_bridge.epilogue_tensors import EpilogueOutputs
-from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge import log
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from fusion_bridge.oracle.numerics import compare
+from fusion_bridge.plan.status import StrategyStatus
+from fusion_bridge.spec import EpilogueSpec
+from fusion_bridge.strategies.base import Strategy
 
 
 @dataclass
@@ -86,6 +88,36 @@ class Shadow:
             s["nan"] += nan
             s["inf"] += inf
         return {name: rel for name, (rel, _) in errors.items()}
+
+    def run_beside(
+        self,
+        spec: EpilogueSpec,
+        inputs: EpilogueInputs,
+        out: EpilogueOutputs,
+        selected: str,
+        instances: Mapping[str, Strategy],
+        statuses: Sequence[StrategyStatus],
+        bridge_name: str,
+    ) -> None:
+        """On a sampled call: run the shadow strategy (prepared among `instances`) on the call's
+        inputs and record how far its outputs are from `out`, what the selected strategy (named
+        `selected`) returned. A divergence beyond the selected strategy's error bound (its status
+        among `statuses`; NaN included) logs a warning, at most once a minute per bridge."""
+        errors = self.record(spec, out, instances[self.strategy].run(inputs))
+        bound = next(s.error_bound for s in statuses if s.name == selected)
+        worst = max(errors["residual_out"], errors["norm_out"])
+        if not worst <= bound:  # NaN too
+            log.log_every(
+                (bridge_name, "shadow"),
+                60.0,
+                logging.WARNING,
+                "fusion_bridge: shadow %s diverges from %s at T=%d: rel err %.3g > bound %.3g",
+                self.strategy,
+                selected,
+                inputs.tokens,
+                worst,
+                bound,
+            )
 
     def to_dict_settings(self) -> dict:
         """What must be equal on every rank (sampling is by a call counter that every rank

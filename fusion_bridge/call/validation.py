@@ -2,8 +2,7 @@
 need a device-to-host read or a collective, so they run on CPU tensors or in debug mode only.
 
 Debug mode: FusionBridge(..., debug=True) or FUSION_BRIDGE_DEBUG=1. It syncs, so never capture a
-CUDA
-graph with it on.
+CUDA graph with it on.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fusion_bridge.call.protocol import group_tokens
+from fusion_bridge.call.payload import group_tokens
 from fusion_bridge.epilogue_tensors import EpilogueInputs
 from fusion_bridge.epilogue_tensors import EpilogueInputError  # noqa: F401 (re-exported)
 from fusion_bridge.spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
@@ -46,7 +45,7 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
     """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe.
 
     The call's T is the first dimension most of the [T, ...] inputs agree on
-    (call_protocol.group_tokens), so a rank with one malformed tensor still knows the T its peers
+    (payload.group_tokens), so a rank with one malformed tensor still knows the T its peers
     run; every tensor is checked against it."""
     tokens, hidden = group_tokens(inputs), spec.hidden_size
     if tokens is None:
@@ -110,10 +109,9 @@ def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.de
 
 def input_check(spec: EpilogueSpec, device: torch.device) -> Callable[[EpilogueInputs], bool]:
     """The same metadata checks as validate_inputs, as one function with the spec's values bound,
-    for
-    the hot path (2.1 us on the CI CPU against 2.9 us reading them from the spec per call). It
-    returns
-    False on any mismatch: then call validate_inputs, which says what is wrong."""
+    for the hot path (cheaper than reading them from the spec per call; docs/performance.md has the
+    measurement). It returns False on any mismatch: then call validate_inputs, which says what is
+    wrong."""
     dtype, top_k, hidden, shared = spec.dtype, spec.top_k, spec.hidden_size, spec.has_shared_output
     int32, weight_dtypes, gamma_shape = torch.int32, EXPERT_WEIGHT_DTYPES, (hidden,)
     cuda_index = device.index if device.type == "cuda" else None

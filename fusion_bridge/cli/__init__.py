@@ -1,3 +1,2 @@
 """The command-line tools (`python -m fusion_bridge ...`): explain, info, parity, tune, bench,
-matrix,
-and the process-group launcher they share. They use the bridge's public API only."""
+matrix, and the process-group launcher they share. They use the bridge's public API only."""

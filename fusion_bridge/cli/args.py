@@ -1,6 +1,5 @@
 """The CLI's arguments: the parser, its argument types (one-line errors, exit status 2) and the
-checks
-that involve two arguments. Imports nothing heavy, so `--help` and `--version` stay fast."""
+checks that involve two arguments. Imports nothing heavy, so `--help` and `--version` stay fast."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ KNOWN_GPUS = {
 }
 
 
-# ------------------------------------------------------------------ argument types (one-line
-# errors)
+# ------------------------------------------------------------------ argument types, one-line errors
 def _int_in(low: int, high: int | None = None, what: str = "an integer"):
     def parse(text: str) -> int:
         try:

@@ -1,5 +1,5 @@
-"""python -m fusion_bridge [info|explain|parity|tune|bench|matrix] ...   (also installed as
-`fusion-bridge`)
+"""python -m fusion_bridge [info|explain|parity|tune|bench|matrix] ... (also installed
+as `fusion-bridge`)
 
 With no arguments: `explain` for the built-in DeepSeek-V3 shape (H=7168, K=8, T=16) on this machine.
 With --json, stdout carries only the JSON document; logs and progress go to stderr.
@@ -59,8 +59,8 @@ def cmd_info(args) -> int:
     from fusion_bridge import FusionBridge
 
     spec = spec_from_args(args)
-    # info diagnoses: build with "auto" whatever the variable asks, and report the request
-    # separately
+    # info diagnoses: build with "auto" whatever the variable asks, and report the
+    # request separately
     raw = os.environ.pop(STRATEGY_ENV, None)
     try:
         with FusionBridge(spec) as bridge:

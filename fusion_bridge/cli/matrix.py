@@ -1,8 +1,6 @@
 """The compatibility matrix, generated from the registry by evaluating every strategy's own
-capability
-checks over described machines: `python -m fusion_bridge matrix`. The README embeds it between
-markers
-and a test fails when the embedded copy is stale."""
+capability checks over described machines: `python -m fusion_bridge matrix`. The README embeds it
+between markers and a test fails when the embedded copy is stale."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Parity: every available strategy against the fp32 oracle on fresh random inputs (different per
-rank)."""
+"""Parity: every available strategy against the fp32 oracle on fresh random inputs
+(different per rank)."""
 
 from __future__ import annotations
 

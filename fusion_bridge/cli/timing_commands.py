@@ -88,8 +88,7 @@ def cmd_bench(args) -> int:
     )
     table = summary(rows)
     # hand-written tables (here, in parity and in matrix): tabulate comes only with the optional
-    # flashinfer
-    # extra, not with torch/triton, and parity and matrix run on CPU installs without it
+    # flashinfer extra, not with torch/triton, and parity and matrix run on CPU installs without it
     text = [
         f"wrote {args.csv}"
         + (

@@ -40,8 +40,8 @@ class Family:
 class DeepseekV3(Family):
     """DeepSeek-V3 (and models published under its architecture, e.g. Kimi-K2): sigmoid scores,
     grouped top-k (n_group / topk_group), routed_scaling_factor, one shared expert (an MLP of
-    n_shared_experts * moe_intermediate_size); the first `first_k_dense_replace` layers are
-    dense."""
+    n_shared_experts * moe_intermediate_size); the first `first_k_dense_replace`
+    layers are dense."""
 
     name = "DeepSeek-V3"
     model_type = "deepseek_v3"

@@ -324,8 +324,8 @@ def _resolve_group(group, device: torch.device):
 
 
 def _fingerprint(model: torch.nn.Module, moe_indices: list[int]) -> dict:
-    """What must be equal on every rank: the architecture and a float64 checksum of every
-    parameter."""
+    """What must be equal on every rank: the architecture and a float64 checksum of
+    every parameter."""
     return {
         "model_type": model.config.model_type,
         "hidden_size": model.config.hidden_size,

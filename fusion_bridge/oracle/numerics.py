@@ -46,15 +46,13 @@ def quant_error_bound(spec: EpilogueSpec, ref: EpilogueOutputs, norm_bound: floa
     """Norm-wise bound of dequant(quant) against the oracle's norm_out.
 
     Each element's quantization error lies within half its local step and, on random inputs, is
-    spread
-    evenly over it, so its rms is at most (half-step)/sqrt(3) -- the same quadrature argument as the
-    bf16 bounds. fp8 e4m3 keeps 3 mantissa bits: the half-step is at most 2^-4 relative. nvfp4:
-    e2m1's
-    widest gap is 2 (between 4 and 6) in units of sf_b/global_scale, so the half-step is at most one
-    unit; the bound takes the units from the oracle's own scales (times 1+2^-3 for one e4m3 step of
-    difference in a block scale computed from a slightly different norm_out). Both add the norm_out
-    bound the quantizer starts from. Measured on 2x H200 (T=64, H=7168, K=8): fp8 2.7e-2, nvfp4
-    9.5e-2.
+    spread evenly over it, so its rms is at most (half-step)/sqrt(3) -- the same quadrature argument
+    as the bf16 bounds. fp8 e4m3 keeps 3 mantissa bits: the half-step is at most 2^-4 relative.
+    nvfp4: e2m1's widest gap is 2 (between 4 and 6) in units of sf_b/global_scale, so the half-step
+    is at most one unit; the bound takes the units from the oracle's own scales (times 1+2^-3 for
+    one e4m3 step of difference in a block scale computed from a slightly different norm_out). Both
+    add the norm_out bound the quantizer starts from. Measured on 2x H200 (T=64, H=7168, K=8):
+    fp8 2.7e-2, nvfp4 9.5e-2.
     """
     if spec.quant.kind is QuantKind.FP8:
         return 2.0**-4 / math.sqrt(3) + norm_bound
@@ -75,8 +73,8 @@ def quant_error_bound(spec: EpilogueSpec, ref: EpilogueOutputs, norm_bound: floa
 def compare(
     spec: EpilogueSpec, got: EpilogueOutputs, ref: EpilogueOutputs
 ) -> dict[str, tuple[float, float]]:
-    """output name -> (rel_err, max_abs_err) against the oracle; quant outputs compared
-    dequantized."""
+    """output name -> (rel_err, max_abs_err) against the oracle; quant outputs
+    compared dequantized."""
     out = {
         "residual_out": (
             rel_err(got.residual_out, ref.residual_out),

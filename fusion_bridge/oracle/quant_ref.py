@@ -1,14 +1,13 @@
-"""Pure-torch FP8 and NVFP4 quantization, written for clarity: the oracle our kernels are checked
-against.
+"""Pure-torch FP8 and NVFP4 quantization, written for clarity: the oracle our kernels are
+checked against.
 
 Conventions (docs/math.md section 3, matching FlashInfer 0.7.2.post1 through 0.7.4):
 - fp8:   q = e4m3_satfinite(x / scale), x already rounded to the activation dtype.
 - nvfp4: per 16-element block b: sf_b = e4m3(global_scale * amax_b / 6);
          q = e2m1_rne_satfinite(x * global_scale / float(sf_b)), q = 0 where sf_b == 0; the quotient
          is exact (not rounded to fp32 before the e2m1 rounding), which lets the kernel compare
-         against
-         exact thresholds instead of dividing; rounding the quotient to fp32 first would differ only
-         where that rounding crosses an e2m1 rounding boundary.
+         against exact thresholds instead of dividing; rounding the quotient to fp32 first would
+         differ only where that rounding crosses an e2m1 rounding boundary.
          Two e2m1 codes per byte, element 2i in the low nibble. Scales in the 128x4 swizzled layout
          ([round_up(T,128), round_up(H/16,4)], padding 0) or linear ([T, H/16]).
 """
@@ -30,8 +29,8 @@ def e2m1_values(device) -> torch.Tensor:
 
 
 def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> float8_e4m3fn, round-to-nearest-even, saturating to +-448 (a plain cast gives
-    NaN)."""
+    """fp32 -> float8_e4m3fn, round-to-nearest-even, saturating to +-448 (a plain
+    cast gives NaN)."""
     return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -42,9 +41,8 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> e2m1 codes (uint8, sign in bit 3): nearest representable value, ties to the even
-    code,
-    saturating at 6. Found by distance to every value, independent of the kernel's threshold
-    method."""
+    code, saturating at 6. Found by distance to every value, independent of the kernel's
+    threshold method."""
     values = e2m1_values(x.device)
     mag = x.abs().clamp(max=6.0)
     dist = (mag.unsqueeze(-1) - values).abs()
@@ -86,8 +84,7 @@ def quantize_nvfp4(
     sf = e4m3_satfinite(gs * amax / 6.0)
     sf_f = sf.float().unsqueeze(-1)
     # the quotient is taken exactly (float64 holds it far beyond the e2m1 thresholds' resolution)
-    # and
-    # rounded once, to e2m1; the product x * global_scale is an fp32 product, as in the kernel
+    # and rounded once, to e2m1; the product x * global_scale is an fp32 product, as in the kernel
     scaled = torch.where(
         sf_f == 0,
         torch.zeros_like(blocks, dtype=torch.float64),

@@ -72,8 +72,8 @@ def quantize(
 def residual_norm_outputs(
     summed_fp32: torch.Tensor, gamma: torch.Tensor, spec: EpilogueSpec
 ) -> EpilogueOutputs:
-    """From residual + reduced (fp32) to the rounded outputs, quantized from the rounded
-    norm_out."""
+    """From residual + reduced (fp32) to the rounded outputs, quantized from the
+    rounded norm_out."""
     residual_out = summed_fp32.to(spec.dtype)
     norm_out = rmsnorm_fp32(summed_fp32, gamma, spec.eps, spec.weight_bias).to(spec.dtype)
     quant, scale = quantize(norm_out, spec)

@@ -21,8 +21,8 @@ AUTO = "auto"
 
 
 class NoStrategyAvailable(RuntimeError):
-    """Raised when the requested strategy (or, under auto, every strategy) cannot run; lists all
-    reasons."""
+    """Raised when the requested strategy (or, under auto, every strategy) cannot run; lists
+    all reasons."""
 
     def __init__(self, requested: str, statuses: list[StrategyStatus]) -> None:
         self.requested, self.statuses = requested, statuses
@@ -41,8 +41,8 @@ class NoStrategyAvailable(RuntimeError):
 
 
 def static_statuses(spec: EpilogueSpec, env) -> list[StrategyStatus]:
-    """Every registered strategy's status from its static checks alone (no prepare, no
-    self-test)."""
+    """Every registered strategy's status from its static checks alone (no prepare,
+    no self-test)."""
     from fusion_bridge.registry import strategy_classes
 
     return [
@@ -81,8 +81,8 @@ def exclude(statuses: list[StrategyStatus], names, source: str) -> list[Strategy
 @dataclass(frozen=True)
 class Plan:
     """The whole decision: a (strategy, variant) route per token bucket, and the route above
-    max_tokens.
-    Identical on every rank (built from rank-agreed statuses and rank-0's measurements)."""
+    max_tokens. Identical on every rank (built from rank-agreed statuses and
+    rank-0's measurements)."""
 
     requested: str
     bounds: tuple[int, ...]
@@ -112,8 +112,8 @@ class Plan:
 
     def route_for(self, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
         """(strategy, variant) for T tokens (T >= 1) under CUDA graphs, or for an eager call
-        (eager=True;
-        the same unless the plan is mode-dependent); None when T > max_tokens has no route."""
+        (eager=True; the same unless the plan is mode-dependent); None when T > max_tokens
+        has no route."""
         i = bucket_index(tokens)
         if i < len(self.choice):
             if eager and self.mode_dependent:
@@ -198,9 +198,8 @@ def select(
     than it by more than `margin` (default: Margin(), see DEFAULT_MARGIN); then the fastest wins.
     A requested strategy follows the same rule among its variants. Measurements naming a strategy
     or variant that is not registered, or a token count the variant cannot take, are ignored, with a
-    note. T above
-    spec.max_tokens goes to the first candidate without a per-call limit, or raises. What the plan
-    names is what runs: no strategy overrides it.
+    note. T above spec.max_tokens goes to the first candidate without a per-call limit, or raises.
+    What the plan names is what runs: no strategy overrides it.
     """
     by_name = {s.name: s for s in statuses}
     bounds = bucket_bounds(spec.max_tokens)
@@ -268,8 +267,8 @@ def select(
 def _known_measurements(
     measured: Measurements, by_name: Mapping[str, StrategyStatus]
 ) -> tuple[dict[str, dict[str, Mapping[int, float]]], list[str]]:
-    """The measurements of registered strategies and their declared variants; a note for the
-    rest."""
+    """The measurements of registered strategies and their declared variants; a note
+    for the rest."""
     known: dict[str, dict[str, Mapping[int, float]]] = {}
     notes = []
     for name, per_variant in measured.items():
@@ -307,8 +306,7 @@ def select_for_modes(
 ) -> Plan:
     """The graph plan from CUDA-graph times (`measured_us`) and, when eager wall times per call were
     measured on this host (`eager_us`), an eager plan from them: eager calls are host-bound at small
-    T,
-    so one launch can beat two there even when two win under graphs. Both are pure functions."""
+    T, so one launch can beat two there even when two win under graphs. Both are pure functions."""
     plan = select(statuses, spec, requested, measured_us, margin)
     if not eager_us:
         return plan

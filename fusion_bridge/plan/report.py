@@ -1,5 +1,5 @@
-"""The report is a value: `to_dict()`/`to_json()` for tools (with "schema_version"), `str()` for
-people."""
+"""The report is a value: `to_dict()`/`to_json()` for tools (with "schema_version"), `str()`
+for people."""
 
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ Measurements = Mapping[str, Mapping[str, Mapping[int, float]]]  # strategy -> va
 #: so neighbouring buckets do not flip on noise. The spread comes from the table (`tune` times
 #: every case twice and records it); measurements without one use DEFAULT_MARGIN: the median
 #: run-to-run spread of the same code per token bucket (max - min over 3 runs, relative to the
-#: median), 3.1%, in benchmarks/results/ab_auto_restructure_h200_tp2.jsonl (2x H200).
+#: median) in benchmarks/results/ab_auto_restructure_h200_tp2.jsonl (2x H200;
+#: docs/performance.md#the-selection-restructure).
 DEFAULT_MARGIN = 0.031
 DEFAULT_MARGIN_SOURCE = (
     "default: run-to-run spread on 2x H200, benchmarks/results/ab_auto_restructure_h200_tp2.jsonl"

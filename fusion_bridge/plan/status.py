@@ -86,8 +86,8 @@ class StrategyStatus:
         return self.variant_tokens[i] if i < len(self.variant_tokens) else ANY_TOKENS
 
     def token_range(self, variant: str) -> TokenRange:
-        """(fewest, most) tokens `variant` can take; most None: no limit. Includes the strategy's
-        max_tokens_per_call."""
+        """(fewest, most) tokens `variant` can take; most None: no limit. Includes the
+        strategy's max_tokens_per_call."""
         low, high = self.declared_range(variant)
         cap = self.max_tokens_per_call
         if cap is not None:

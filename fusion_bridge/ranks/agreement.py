@@ -1,14 +1,13 @@
 """Rank agreement: every collective that makes the ranks of a TP group agree before they act:
 agree on settings (and the plan), AND the admission flags, agree on each debug call. The check-in
-that comes before them (no collective) is in rank_check_in.py.
+that comes before them (no collective) is in check_in.py.
 
 Building a bridge and calling it are collective. When ranks disagree (one rank never builds, one
-rank
-has another spec or environment override, one rank's call fails validation) the collectives either
-hang or pair calls that do not belong together and return wrong values. These pieces turn each such
-case into the same clear error on every rank:
+rank has another spec or environment override, one rank's call fails validation) the collectives
+either hang or pair calls that do not belong together and return wrong values. These pieces turn
+each such case into the same clear error on every rank:
 
-  check_in(group)            (rank_check_in.py) before any collective of a build: every rank
+  check_in(group)            (check_in.py) before any collective of a build: every rank
                              arrives, within a timeout (the process group's store, set/wait: no
                              collective, so it cannot hang)
   agree_on_settings(d, group) all-gather a dict of plain values and compare it field by field
@@ -40,14 +39,12 @@ MAX_REASON_CHARS = 500  # a failing rank's reason, as shared with its peers
 
 
 class RankAgreementError(RuntimeError):
-    """The ranks of a process group are not doing the same thing, so the collective work cannot go
-    on.
+    """The ranks of a process group are not doing the same thing, so the collective
+    work cannot go on.
 
     Raised on every rank that can still tell (a rank that never arrived cannot), with one message
-    that
-    names the group size and the ranks involved: for a check-in, the ranks that did not arrive in
-    time
-    (`missing_ranks`); for settings, each differing field with every rank's value (`fields`:
+    that names the group size and the ranks involved: for a check-in, the ranks that did not arrive
+    in time (`missing_ranks`); for settings, each differing field with every rank's value (`fields`:
     field -> list of per-rank values). Nothing collective ran after the disagreement was found; the
     fix is on the caller's side (same spec, same environment, same build order on every rank).
     """
@@ -66,9 +63,8 @@ class RankAgreementError(RuntimeError):
 
 class GroupInputError(EpilogueInputError):
     """Debug mode: some rank's call failed its checks, or T differs across ranks; raised on every
-    rank
-    with the same message. `failed` maps each failing rank to its reason; `tokens` is T per rank
-    (-1 where that rank could not tell)."""
+    rank with the same message. `failed` maps each failing rank to its reason; `tokens` is T per
+    rank (-1 where that rank could not tell)."""
 
     def __init__(self, message: str, failed: dict[int, str], tokens: list[int]) -> None:
         super().__init__(message)
@@ -230,16 +226,14 @@ def agree_call(
     fingerprint: int = 0,
 ) -> int:
     """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
-    the
-    same T and is on the same call of the bridge (`call`, counted per bridge). Returns T when so.
+    the same T and is on the same call of the bridge (`call`, counted per bridge).
+    Returns T when so.
 
     ok: this rank's local checks passed. tokens: this rank's T (-1 when it could not be read).
     error: this rank's reason when not ok. device: the bridge's device (the flags travel on the GPU
-    for
-    NCCL, on the CPU for gloo). Collective: one all_gather of 3 int64 per rank; only when some rank
-    failed, one all_gather_object of the reasons. Every rank must call it once per call, whatever
-    its
-    own checks said.
+    for NCCL, on the CPU for gloo). Collective: one all_gather of 3 int64 per rank; only when some
+    rank failed, one all_gather_object of the reasons. Every rank must call it once per call,
+    whatever its own checks said.
 
     Raises GroupInputError (an EpilogueInputError) on every rank with the same message when any rank
     failed (naming each failing rank and its reason) or T differs (naming T on each rank).

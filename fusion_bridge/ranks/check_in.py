@@ -18,9 +18,8 @@ from fusion_bridge.ranks.agreement import RankAgreementError
 BUILD_TIMEOUT_ENV = "FUSION_BRIDGE_BUILD_TIMEOUT_S"
 # Ten minutes: bridges are built while the model loads, and ranks reach their first build far apart
 # (shards read from network storage at different speeds, cold page caches, kernels JIT-compiled on
-# one
-# rank and found in the cache on another). A healthy start must never trip it; a rank that is truly
-# gone is still reported well before gloo's default 30-minute collective timeout.
+# one rank and found in the cache on another). A healthy start must never trip it; a rank that is
+# truly gone is still reported well before gloo's default 30-minute collective timeout.
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 
 
@@ -58,16 +57,13 @@ def check_in(
     Call it on every rank before the first collective of a build. Each rank sets its key in the
     group's store, then waits (up to `timeout_s`, default: build_timeout_s()) for every other rank's
     key. Keys are namespaced by the group's name and a per-group build counter, so each build (one
-    per
-    layer, in the same order on every rank) checks in separately. The counter advances only when a
-    check-in succeeds, and a rank that gives up withdraws its key, so a late rank cannot mistake a
+    per layer, in the same order on every rank) checks in separately. The counter advances only when
+    a check-in succeeds, and a rank that gives up withdraws its key, so a late rank cannot mistake a
     stale check-in for a live peer: it waits, then fails too.
 
     Returns the build index (0, 1, ...) on success. A single process, or a group of one, returns 0
-    at
-    once. Raises RankAgreementError naming `label`, the group size, this rank and the ranks that did
-    not
-    arrive, within the timeout.
+    at once. Raises RankAgreementError naming `label`, the group size, this rank and the ranks that
+    did not arrive, within the timeout.
     """
     timeout_s = build_timeout_s(timeout_s)
     world = world_size(group)

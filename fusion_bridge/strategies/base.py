@@ -2,8 +2,8 @@
 
 A strategy is one cover of the epilogue's stages (finalize, shared add, all-reduce, residual+norm,
 quant) by launch steps. Its class-level methods are pure functions of (spec, environment) so the
-planner and the golden tests need no hardware; an instance holds what `prepare()` built
-(workspaces).
+planner and the golden tests need no hardware; an instance holds what `prepare()`
+built (workspaces).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ ANY_TOKENS: TokenRange = (1, None)
 
 @dataclass(frozen=True)
 class Step:
-    """One launch (or one library call) of a strategy, named `<library>.<what>`, and the stages it
-    covers."""
+    """One launch (or one library call) of a strategy, named `<library>.<what>`, and the
+    stages it covers."""
 
     name: str
     stages: tuple[Stage, ...]
@@ -77,10 +77,9 @@ class Strategy:
     summary: ClassVar[str]
     #: auto may pick it (the fp32 oracle may not)
     auto_selectable: ClassVar[bool] = True
-    # : opt-in: auto neither prepares (no workspace, no self-test) nor picks it; a request by name
-    # does. For
-    # : a strategy not yet measured where it would run: it cannot cost every auto bridge memory and
-    # build time
+    #: opt-in: auto neither prepares (no workspace, no self-test) nor picks it; a request by name
+    #: does. For a strategy not yet measured where it would run: it cannot cost every auto bridge
+    #: memory and build time
     opt_in: ClassVar[bool] = False
     #: run the collective self-test against the oracle when the bridge is prepared (GPU strategies)
     self_tested: ClassVar[bool] = False
@@ -108,8 +107,8 @@ class Strategy:
     def error_bound(cls, spec: EpilogueSpec, env: Environment) -> float:
         """Norm-wise relative error bound of residual_out and norm_out against the fp32 oracle.
 
-        The oracle's outputs are rounded too, so its one rounding counts alongside the
-        strategy's."""
+        The oracle's outputs are rounded too, so its one rounding counts alongside
+        the strategy's."""
         return rounding_error_bound(spec.dtype, cls.roundings(spec, env) + 1)
 
     @classmethod
@@ -120,16 +119,15 @@ class Strategy:
 
     @classmethod
     def max_tokens_per_call(cls, spec: EpilogueSpec, env: Environment) -> Optional[int]:
-        """The largest T one call may carry, or None for no limit (workspace-backed paths have
-        one)."""
+        """The largest T one call may carry, or None for no limit (workspace-backed
+        paths have one)."""
         return None
 
     @classmethod
     def variants(cls, spec: EpilogueSpec, env: Environment) -> tuple[str, ...]:
         """Launch variants: ways to launch the same steps that differ only in speed (one-shot /
-        two-shot,
-        PDL on / off). Tuning measures each; the plan stores one per token bucket; `run` receives
-        it."""
+        two-shot, PDL on / off). Tuning measures each; the plan stores one per token bucket; `run`
+        receives it."""
         return (DEFAULT_VARIANT,)
 
     @classmethod
@@ -157,7 +155,7 @@ class Strategy:
         self.spec, self.env, self.group = spec, env, group
         self.device = device or torch.device("cpu")
 
-    def local_resource_reasons(self) -> list[Reason]:
+    def this_rank_resource_reasons(self) -> list[Reason]:
         """Per-rank checks that must pass before the collective prepare() (e.g. can we allocate)."""
         return []
 

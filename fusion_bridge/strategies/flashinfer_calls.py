@@ -49,10 +49,9 @@ def _report(who: str, reason: Optional[str]) -> None:
 
 class AllReduceFusionCall:
     """trtllm_allreduce_fusion for one bridge: `call(allreduce_in, token_num, use_oneshot,
-    residual_in,
-    residual_out, norm_out, quant_out, scale_out, rms_gamma)`. allreduce_out is None (the patterns
-    we
-    use write norm_out); `scale_factor` must be an fp32 tensor made once (or None)."""
+    residual_in, residual_out, norm_out, quant_out, scale_out, rms_gamma)`. allreduce_out is None
+    (the patterns we use write norm_out); `scale_factor` must be an fp32 tensor made
+    once (or None)."""
 
     name = "trtllm_allreduce_fusion"
 

@@ -3,8 +3,7 @@
 The workspace (FlashInfer's TRT-LLM all-reduce fusion workspace) is created collectively, once per
 (group, max_tokens, H, dtype), and shared by every strategy that needs it; it is freed when the last
 user releases it. Never use backend="auto" or MNNVL here: they create NVLink multicast objects,
-which
-can take shared GPUs out of service (docs/upstream.md, section 7).
+which can take shared GPUs out of service (docs/upstream.md, section 7).
 """
 
 from __future__ import annotations
@@ -40,12 +39,10 @@ MAX_COMM_SIZE = 2147483647 & ~(
 )  # flashinfer trtllm_ar.MAX_COMM_SIZE (checked by a drift test)
 BARRIER_FLAG_COUNT = 256
 # The last FlashInfer release whose fused FP4 in trtllm_moe_finalize_allreduce_fusion is known
-# broken.
-# Measured broken in 0.7.2.post1; the MoE-finalize sources of 0.7.4
-# (csrc/trtllm_moe_allreduce_fusion.cu,
-# include/flashinfer/comm/trtllm_moe_allreduce_fusion.cuh) are byte-identical to it. A later release
-# is
-# not trusted by version either: it passes this gate and must then pass the self-test.
+# broken. Measured broken in 0.7.2.post1; the MoE-finalize sources of 0.7.4
+# (csrc/trtllm_moe_allreduce_fusion.cu, include/flashinfer/comm/trtllm_moe_allreduce_fusion.cuh) are
+# byte-identical to it. A later release is not trusted by version either: it passes this gate and
+# must then pass the self-test.
 FP4_FUSION_BROKEN_THROUGH = (0, 7, 4)
 
 # trtllm_allreduce_fusion is marked deprecated in favour of a wrapper that allocates per call; the
@@ -71,8 +68,8 @@ def common_reasons(spec: EpilogueSpec, env: Environment, who: str) -> list[Reaso
 
 def release_of(version: str) -> tuple[int, int, int] | None:
     """'0.7.4', '0.7.4rc1', '0.7.4.post1', '0.7.4.dev3', '0.7.4+cu130' -> (0, 7, 4): the release a
-    pre-,
-    post-, dev- or local build belongs to. None when the string does not start with a version."""
+    pre-, post-, dev- or local build belongs to. None when the string does not start
+    with a version."""
     m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
     return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
 
@@ -81,12 +78,10 @@ def fp4_fusion_reasons(spec: EpilogueSpec, env: Environment, who: str) -> list[R
     """Why FlashInfer's own fused FP4 (MoE-finalize kernel) cannot be used here.
 
     - Every release through 0.7.4 (pre-, post- and dev-releases of those included): the binding
-    never
-      sets the global FP4 scale (MoeFinalizeAllReduceFusionParams::scale_factor stays uninitialised)
-      and the SF layout is fixed to 128x4; on H200, 0.7.2.post1 wrote all-zero FP4 without an error
-      (measured), and 0.7.4's MoE-finalize sources are byte-identical. A version string we cannot
-      read
-      counts as broken.
+      never sets the global FP4 scale (MoeFinalizeAllReduceFusionParams::scale_factor stays
+      uninitialised) and the SF layout is fixed to 128x4; on H200, 0.7.2.post1 wrote all-zero FP4
+      without an error (measured), and 0.7.4's MoE-finalize sources are byte-identical. A version
+      string we cannot read counts as broken.
     - Below SM100 on any version: FlashInfer compiles its FP4 conversion only for SM >= 100.
     A later release that passes both is admitted only if it also passes the self-test.
     """
@@ -129,8 +124,8 @@ def lamport_max_tokens(hidden: int, element_bytes: int, world_size: int) -> int:
 
 
 def max_tokens_for(spec: EpilogueSpec, world_size: int) -> int:
-    """Tokens one call may carry: the workspace's size, capped by FlashInfer's Lamport buffer
-    limit."""
+    """Tokens one call may carry: the workspace's size, capped by FlashInfer's Lamport
+    buffer limit."""
     elem = torch.finfo(spec.dtype).bits // 8
     return max(0, min(spec.max_tokens, lamport_max_tokens(spec.hidden_size, elem, world_size)))
 

@@ -1,8 +1,7 @@
 """`flashinfer_fused`: FlashInfer's trtllm_moe_finalize_allreduce_fusion (pattern
 kMoEFinalizeARResidualRMSNorm): finalize + shared add + all-reduce + residual + RMSNorm in one
-kernel;
-for a quantized spec, our quant kernel as a second step (FlashInfer's fused FP4 is unusable in
-0.7.2.post1 -- see flashinfer_fused_fp4 for the variant that would use it).
+kernel; for a quantized spec, our quant kernel as a second step (FlashInfer's fused FP4 is unusable
+in 0.7.2.post1 -- see flashinfer_fused_fp4 for the variant that would use it).
 
 Traps guarded (measured on 2x H200; docs/upstream.md):
 - correct only when hidden % 256 == 0 (FlashInfer checks % 8): H=2880 gave inf, NaN, then a hang;
@@ -68,16 +67,15 @@ class FlashInferFusedStrategy(Strategy):
     @classmethod
     def roundings(cls, spec, env):
         # FlashInfer accumulates the top-k sum in the activation dtype: each product is rounded and
-        # each
-        # add is rounded (2K), then shared add, the all-reduce output, residual add and the norm
-        # output.
+        # each add is rounded (2K), then shared add, the all-reduce output, residual add and
+        # the norm output.
         return 2 * spec.top_k + int(spec.has_shared_output) + 3
 
     @classmethod
     def max_tokens_per_call(cls, spec, env):
         return fic.max_tokens_for(spec, env.world_size)
 
-    def local_resource_reasons(self):
+    def this_rank_resource_reasons(self):
         return collect(fic.memory_reason(self.spec, self.env.world_size, self.device, self.name))
 
     def prepare(self) -> None:

@@ -1,11 +1,10 @@
-"""`flashinfer_fused_fp4`: the same FlashInfer MoE-finalize kernel, letting it quantize to NVFP4
-itself.
+"""`flashinfer_fused_fp4`: the same FlashInfer MoE-finalize kernel, letting it quantize
+to NVFP4 itself.
 
 Rejected for flashinfer <= 0.7.2.post1 on every SM (the binding never sets the global scale; on H200
-it
-wrote all-zero FP4 without an error) and below SM100 (no FP4 conversion compiled). A newer
-FlashInfer
-that passes the static checks is adopted only if it also passes the self-test against the oracle.
+it wrote all-zero FP4 without an error) and below SM100 (no FP4 conversion compiled). A newer
+FlashInfer that passes the static checks is adopted only if it also passes the self-test
+against the oracle.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ import inspect
 from typing import Callable, Optional
 
 # The order in which get_trtllm_comm_module()'s functions pass their arguments to the compiled
-# module
-# (flashinfer 0.7.2.post1, flashinfer/comm/trtllm_ar.py).
+# module (flashinfer 0.7.2.post1, flashinfer/comm/trtllm_ar.py).
 ALLREDUCE_FUSION_ARGS = (
     "allreduce_in",
     "world_size",
@@ -134,8 +133,8 @@ def compiled_call_order(name: str) -> Optional[tuple[str, ...]]:
 def compiled_function(
     name: str, expected_order: tuple[str, ...]
 ) -> tuple[Optional[Callable], Optional[str]]:
-    """(the compiled module's `name`, None) or (None, why not). Loads the module as the wrapper
-    would."""
+    """(the compiled module's `name`, None) or (None, why not). Loads the module as the
+    wrapper would."""
     try:
         fingerprint = wrapper_fingerprint(name)
         if fingerprint != VERIFIED_WRAPPERS[name]:

@@ -3,9 +3,8 @@ trtllm_allreduce_fusion (all-reduce + residual add + RMSNorm, + FP8 in the same 
 
 FlashInfer patterns used: kARResidualRMSNorm; kARResidualRMSNormOutFP8Quant (its scale is a divisor,
 as ours); kARResidualRMSNormOutFP4Quant only on SM >= 100, where its FP4 conversion is compiled (on
-SM90
-we run kARResidualRMSNorm and then our NVFP4 kernel). H % 8 == 0 suffices here (measured correct at
-H=2880, where FlashInfer's MoE-finalize fusion is not).
+SM90 we run kARResidualRMSNorm and then our NVFP4 kernel). H % 8 == 0 suffices here (measured
+correct at H=2880, where FlashInfer's MoE-finalize fusion is not).
 
 Launch variants: "oneshot" (every rank reads every peer's whole partial; best at small T; at most
 what the Lamport buffers hold) and "twoshot" (reduce-scatter + all-gather; FlashInfer asserts T >
@@ -109,7 +108,7 @@ class LocalFusedFlashInferStrategy(Strategy):
         mb = (tokens or spec.max_tokens) * spec.hidden_size * 2 * env.world_size * 2 / 2**20
         return ONESHOT if mb <= _ONESHOT_MAX_MB.get(env.world_size, 42) else TWOSHOT
 
-    def local_resource_reasons(self):
+    def this_rank_resource_reasons(self):
         return collect(fic.memory_reason(self.spec, self.env.world_size, self.device, self.name))
 
     def prepare(self) -> None:
@@ -136,17 +135,16 @@ class LocalFusedFlashInferStrategy(Strategy):
             )
         else:
             self._pattern = pattern.kARResidualRMSNorm
-        # a tensor made once: a Python float would become a host-to-device copy per call (not
-        # capturable)
+        # a tensor made once: a Python float would become a host-to-device copy per call
+        # (not capturable)
         self._scale = (
             None
             if scale is None
             else torch.tensor([scale], dtype=torch.float32, device=self.device)
         )
         # FlashInfer's compiled entry point with the per-bridge arguments bound (its public wrapper
-        # when
-        # the internals differ from the pinned version): the wrapper costs ~16 us of host time per
-        # call
+        # when the internals differ from the pinned version): the wrapper adds host time on every
+        # call (docs/performance.md#figures-behind-the-codes-choices)
         self._ar = flashinfer_calls.AllReduceFusionCall(
             fi_comm,
             self._workspace,

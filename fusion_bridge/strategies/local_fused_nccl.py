@@ -1,6 +1,5 @@
 """`local_fused_nccl`: our Triton finalize+shared-add kernel, then torch.distributed all_reduce
-(NCCL on
-GPU, gloo on CPU), then our residual add + RMSNorm (+ FP8 / NVFP4) kernel.
+(NCCL on GPU, gloo on CPU), then our residual add + RMSNorm (+ FP8 / NVFP4) kernel.
 
 Three launches, any T (no workspace), any world size: it is the route for T above the FlashInfer
 workspace. With world size 1 there is no all-reduce. On CPU it runs under TRITON_INTERPRET=1 only

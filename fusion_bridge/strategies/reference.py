@@ -1,5 +1,5 @@
-"""`reference`: the fp32 oracle. Always available, never auto-selected; every strategy is judged by
-it."""
+"""`reference`: the fp32 oracle. Always available, never auto-selected; every strategy is
+judged by it."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import torch
 
 from fusion_bridge import env_vars
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
-from fusion_bridge.kernels.symm.protocol import SymmLayer, describe_error
+from fusion_bridge.kernels.symm.protocol import ONESHOT, SymmLayer, describe_error
 from fusion_bridge.reasons import collect
 from fusion_bridge.strategies import symm_workspace as sw
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
@@ -40,14 +40,14 @@ class SymmFusedOneshotStrategy(Strategy):
     )
     self_tested = True
     probes = (sw.SYMM_MEM_PROBE, sw.MULTICAST_PROBE)
-    workspace_kind = "oneshot"  # the kernel's buffer layout (symm_workspace)
+    workspace_layout = ONESHOT  # the kernel's buffer layout (kernels/symm/protocol.py)
     # seconds a rank waits for its peers before the call fails; None: $FUSION_BRIDGE_SYMM_TIMEOUT_S
     # read at prepare() (tests set less on the class or the instance before prepare())
     timeout_s: Optional[float] = None
 
     @classmethod
     def not_supported_reasons(cls, spec, env):
-        return sw.reasons(spec, env, cls.name, kind=cls.workspace_kind)
+        return sw.reasons(spec, env, cls.name, layout=cls.workspace_layout)
 
     @classmethod
     def steps(cls, spec, env):
@@ -57,7 +57,7 @@ class SymmFusedOneshotStrategy(Strategy):
     def variants(cls, spec, env):
         """The exchange kernel's launch shapes (kernels/symm_oneshot.variant_shape), measured by
         `tune` per bucket; "default" (the per-T rule) until a measured table says otherwise."""
-        if cls.workspace_kind != "oneshot":  # a subclass with another kernel has its own shapes
+        if cls.workspace_layout is not ONESHOT:  # a subclass with another kernel has its own shapes
             return (DEFAULT_VARIANT,)
         return (DEFAULT_VARIANT,) + SHAPE_VARIANTS
 
@@ -67,12 +67,12 @@ class SymmFusedOneshotStrategy(Strategy):
 
     @classmethod
     def max_tokens_per_call(cls, spec, env):
-        return sw.capacity(spec, env.world_size, cls.workspace_kind)
+        return sw.capacity(spec, env.world_size, cls.workspace_layout)
 
-    def local_resource_reasons(self):
+    def this_rank_resource_reasons(self):
         return collect(
             sw.memory_reason(
-                self.spec, self.env.world_size, self.device, self.name, self.workspace_kind
+                self.spec, self.env.world_size, self.device, self.name, self.workspace_layout
             )
         )
 
@@ -96,7 +96,7 @@ class SymmFusedOneshotStrategy(Strategy):
             self.env.world_size,
             self.device,
             self._ws_timeout_s,
-            self.workspace_kind,
+            self.workspace_layout,
         )
         # what every launch of this layer shares: pointers, sizes, eps, scales, world, rank
         self._layer = SymmLayer.bind(self._ws, self.spec)
@@ -168,5 +168,5 @@ class SymmFusedOneshotStrategy(Strategy):
             self.spec,
             self.env.world_size,
             getattr(self, "_ws_timeout_s", self.timeout_s or sw.DEFAULT_TIMEOUT_S),
-            self.workspace_kind,
+            self.workspace_layout,
         )

@@ -13,15 +13,13 @@ bytes per rank: 2 (W - 1) / W of T * H * elem (at W = 8 a quarter of a one-shot'
 the fp32 oracle: 3 roundings (the partial, residual_out, norm_out).
 
 Launch variants (`kernels/symm/twoshot_variants.py`, measured per bucket by `tune`): "default", the
-twoshot
-pipeline (`kernels/symm/twoshot.py`: one launch per stage per chunk of 1024 tokens in 2 slots, the
-chunks' finalize launches on two side streams in turn, a chunk's arrival one flag per rank, L2
-hints that keep a chunk's slot rows in L2 between its finalize and its reduce, the row launches
-on a high-priority stream, a chunk's finalize free to start once its slot is released);
-"f_after_x", the earlier default (row launches on the caller's stream, the finalize of
-chunk c + 1 only after that of chunk c). At world size 1 on one H200 (local work, K=8, against our
-standalone finalize + add+RMSNorm in the same run) the default takes 1.08-1.15x
-(docs/performance.md).
+two-shot pipeline (`kernels/symm/twoshot.py`: one launch per stage per chunk of 1024 tokens in 2
+slots, the chunks' finalize launches on two side streams in turn, a chunk's arrival one flag per
+rank, L2 hints that keep a chunk's slot rows in L2 between its finalize and its reduce, the row
+launches on a high-priority stream, a chunk's finalize free to start once its slot is released);
+"f_after_x" (row launches on the caller's stream, the finalize of chunk c + 1 only after that of
+chunk c). How the default's local work compares with our standalone finalize + add+RMSNorm:
+docs/performance.md#the-large-t-two-shot-the-two-shot-pipeline.
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
 buffer pointers, the pinned error word, one workspace shared by every layer) and its safety rules:
@@ -29,12 +27,13 @@ waits are bounded; a peer that does not arrive makes the kernels write NaN rows 
 word, and every later call raises until the bridge is rebuilt. The kernel modules' docstrings
 carry the ordering and deadlock arguments.
 
-Opt-in: auto neither prepares nor picks it until it has been measured on two GPUs (request it by
-name).
+Opt-in: auto neither prepares nor picks it until it has been measured on two GPUs (request it
+by name).
 """
 
 from __future__ import annotations
 
+from fusion_bridge.kernels.symm.protocol import TWOSHOT
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, required_stages
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
 
@@ -49,7 +48,7 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
         "finalize+shared, reduce-scatter by token, residual, all-gather of the rounded rows, "
         "RMSNorm (+fp8/nvfp4) in a fixed workspace of chunk slots"
     )
-    workspace_kind = "twoshot"  # the chunk slots' layout (symm_workspace, kernels/symm_protocol)
+    workspace_layout = TWOSHOT  # the chunk slots' layout (kernels/symm/protocol.py)
     # Opt-in until it is measured on two GPUs: auto neither prepares it (no self-test at every
     # build) nor picks it; request it by name to use or measure it.
     opt_in = True
@@ -60,9 +59,9 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
 
     @classmethod
     def variants(cls, spec, env):
-        """ "default" (the two-shot pipeline) and "f_after_x" (the earlier default: row
-        launches on the caller's stream, each finalize after the one before it); `tune` measures
-        them per bucket (kernels/twoshot_launch)."""
+        """ "default" (the two-shot pipeline) and "f_after_x" (row launches on the caller's
+        stream, each finalize after the one before it); `tune` measures them per bucket
+        (kernels/symm/twoshot_variants.py)."""
         return (DEFAULT_VARIANT,) + TWOSHOT_VARIANTS
 
     @classmethod

@@ -1,8 +1,8 @@
 """The symmetric-memory workspaces of `symm_fused_oneshot` and `symm_fused_twoshot`: capability
-checks, sizing, collective creation and release. `kind` picks the kernel's layout: "oneshot" (slots
-of W x cap rows, so a token cap) or "twoshot" (a few chunk slots that the chunks of kernels/
-symm_twoshot take in turn: a fixed size whatever T is, so no token cap beyond the spec's
-max_tokens).
+checks, sizing, collective creation and release. A layout value from kernels/symm/protocol.py picks
+the kernel's buffer: `ONESHOT` (slots of W x cap rows, so a token cap) or `TWOSHOT` (a few chunk
+slots that the chunks of a call take in turn: a fixed size whatever T is, so no token cap beyond
+the spec's max_tokens).
 
 PyTorch symmetric memory (`torch.distributed._symmetric_memory`, a private module) maps every rank's
 buffer into every peer's address space over NVLink. We use only `empty`, `rendezvous` and the
@@ -32,7 +32,8 @@ from fusion_bridge.reasons import (
     require_sm_at_least,
     require_triton,
 )
-from fusion_bridge.kernels.symm import protocol as protocol
+from fusion_bridge.kernels.symm import protocol
+from fusion_bridge.kernels.symm.protocol import ONESHOT, Layout
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.ranks.process_group import group_name
 from fusion_bridge.strategies.workspace_pool import (
@@ -46,8 +47,6 @@ WORLD_SIZES = tuple(range(2, 9))  # one NVLink node; the error word keeps a 16-b
 MAX_HIDDEN = 16384  # the norm holds a whole row (next power of two) in registers
 # tokens per call of the one-shot (the small-T path; larger T takes the overflow route). The
 # two-shot (the bandwidth path) turns its fixed slots within a call: any T up to max_tokens.
-MAX_CAP_TOKENS = {"oneshot": 2048}
-KINDS = protocol.KINDS
 MAX_BUFFER_BYTES = 512 << 20
 DEFAULT_TIMEOUT_S = (
     60.0  # a peer that has not arrived by then is treated as gone (bridge must be rebuilt)
@@ -80,28 +79,23 @@ SYMM_MEM_PROBE = Probe("symm_mem_error", probe_symm_mem, documented=None)
 MULTICAST_PROBE = Probe("multicast_off", multicast_is_off, documented=None)
 
 
-def capacity(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm_protocol).
+def capacity(spec: EpilogueSpec, world_size: int, layout: Layout = ONESHOT) -> int:
+    """Tokens one call may carry, bounded in bytes (the layouts are in kernels/symm/protocol.py).
     The two-shot: spec.max_tokens when its fixed buffer fits MAX_BUFFER_BYTES, else 0."""
     elem = torch.finfo(spec.dtype).bits // 8
     world = max(world_size, 1)
-    if kind == "twoshot":
-        fits = protocol.buffer_bytes(kind, world, 0, spec.hidden_size, elem) <= MAX_BUFFER_BYTES
+    if layout.max_cap_tokens is None:  # the buffer does not grow with T
+        fits = layout.buffer_bytes(world, 0, spec.hidden_size, elem) <= MAX_BUFFER_BYTES
         return spec.max_tokens if fits else 0
-    # one-shot: [3][W][cap][H]
-    cap = min(
-        spec.max_tokens,
-        MAX_CAP_TOKENS[kind],
-        MAX_BUFFER_BYTES // (protocol.SLOTS * world * spec.hidden_size * elem),
-    )
+    per_token = layout.buffer_bytes(world, 1, spec.hidden_size, elem) - protocol.HEADER_BYTES
+    cap = min(spec.max_tokens, layout.max_cap_tokens, MAX_BUFFER_BYTES // per_token)
     return max(0, cap)
 
 
-def buffer_bytes(spec: EpilogueSpec, world_size: int, kind: str = "oneshot") -> int:
-    return protocol.buffer_bytes(
-        kind,
+def buffer_bytes(spec: EpilogueSpec, world_size: int, layout: Layout = ONESHOT) -> int:
+    return layout.buffer_bytes(
         world_size,
-        capacity(spec, world_size, kind),
+        capacity(spec, world_size, layout),
         spec.hidden_size,
         torch.finfo(spec.dtype).bits // 8,
     )
@@ -112,7 +106,7 @@ def reasons(
     env: Environment,
     who: str,
     probe: Optional[Callable[[], Optional[str]]] = None,
-    kind: str = "oneshot",
+    layout: Layout = ONESHOT,
 ) -> list[Reason]:
     """Every static reason the symmetric-memory strategies cannot run: a pure function of (spec,
     env), whose SYMM_MEM_PROBE detect() reads from the process (tests may pass `probe` instead).
@@ -161,7 +155,7 @@ def reasons(
                 "another strategy handles it",
             )
         )
-    elif capacity(spec, env.world_size, kind) == 0:
+    elif capacity(spec, env.world_size, layout) == 0:
         out.append(
             Reason(
                 "workspace_too_small",
@@ -174,25 +168,24 @@ def reasons(
 
 
 def memory_reason(
-    spec: EpilogueSpec, world_size: int, device: torch.device, who: str, kind: str = "oneshot"
+    spec: EpilogueSpec, world_size: int, device: torch.device, who: str, layout: Layout = ONESHOT
 ) -> Optional[Reason]:
     """Can this rank hold the buffer? Checked locally before the collective creation."""
     what = (
         "the symmetric two-shot buffer (any T)"
-        if kind == "twoshot"
-        else f"the symmetric buffer for {capacity(spec, world_size, kind)} tokens"
+        if layout.max_cap_tokens is None
+        else f"the symmetric buffer for {capacity(spec, world_size, layout)} tokens"
     )
-    return workspace_memory_reason(who, what, buffer_bytes(spec, world_size, kind), device)
+    return workspace_memory_reason(who, what, buffer_bytes(spec, world_size, layout), device)
 
 
 @dataclass
 class SymmWorkspace:
     """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
-    buffer, then the pinned error word); state: device, `symm_protocol.state_words(kind)` (one-shot
-    int32 [STATE_WORDS], the two-shot int64 [TWOSHOT_STATE_WORDS]); err: int32 [4] pinned host.
-    cap: tokens one call may carry (the two-shot: its first user's max_tokens; each strategy
-    checks its own). A
-    layer binds it with kernels.symm_protocol.SymmLayer.bind."""
+    buffer, then the pinned error word); state: device, the layout's state words (one-shot int32
+    [STATE_WORDS], the two-shot int64 [TWOSHOT_STATE_WORDS]); err: int32 [4] pinned host. cap:
+    tokens one call may carry (the two-shot: its first user's max_tokens; each strategy checks its
+    own). A layer binds it with kernels.symm.protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
     handle: object
@@ -210,7 +203,7 @@ class SymmWorkspace:
     def __post_init__(self) -> None:
         self._err_view = (
             self.err.numpy()
-        )  # a numpy view reads in ~100 ns, a tensor index in microseconds
+        )  # a numpy view reads far faster than a tensor index (docs/performance.md)
 
     def error_word(self) -> int:
         """The error the kernel left (0: none). Reads pinned host memory: no device sync."""
@@ -223,17 +216,17 @@ def create(
     world_size: int,
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    kind: str = "oneshot",
+    layout: Layout = ONESHOT,
 ) -> SymmWorkspace:
     """Collective: every rank of `group` calls it. Raises RuntimeError when this process asked for
     multicast off and the handle still exposes a multicast pointer. The kernels receive only the
     peers' `buffer_ptrs`, whatever the process allows."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    who = f"symm_fused_{kind}"
+    who = f"symm_fused_{layout.name}"
     group = group if group is not None else dist.group.WORLD
-    cap = capacity(spec, world_size, kind)
-    nbytes = buffer_bytes(spec, world_size, kind)
+    cap = capacity(spec, world_size, layout)
+    nbytes = buffer_bytes(spec, world_size, layout)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group.group_name)
     if multicast_is_off() and int(getattr(handle, "multicast_ptr", 0) or 0) != 0:
@@ -249,8 +242,7 @@ def create(
     torch.cuda.synchronize(device)
     # buffer_ptrs are the bases of each rank's symmetric allocation; a tensor carved out of a pooled
     # allocation sits at an offset (measured: a re-used pool put a new buffer over an old one's
-    # flags).
-    # The offset is the same on every rank; check it rather than assume it.
+    # flags). The offset is the same on every rank; check it rather than assume it.
     rank = dist.get_rank(group)
     bases = [int(p) for p in handle.buffer_ptrs]
     offset = buffer.data_ptr() - bases[rank]
@@ -267,7 +259,7 @@ def create(
     ptrs = torch.tensor(
         [b + offset for b in bases] + [err.data_ptr()], dtype=torch.int64, device=device
     )
-    words, state_dtype = protocol.state_words(kind)
+    words, state_dtype = layout.state_words, layout.state_dtype
     state = torch.zeros(words, dtype=state_dtype, device=device)
     return SymmWorkspace(
         buffer,
@@ -291,9 +283,8 @@ _EXITING = [False]
 @atexit.register
 def _interpreter_exiting() -> None:
     """Registered after the bridge's own exit hook, so it runs first (atexit is last-in, first-out):
-    at
-    exit, ranks leave at different times and a barrier could wait forever; the memory goes with the
-    process anyway."""
+    at exit, ranks leave at different times and a barrier could wait forever; the memory goes with
+    the process anyway."""
     _EXITING[0] = True
 
 
@@ -308,24 +299,23 @@ def close(ws: Optional[SymmWorkspace], group) -> None:
 
 
 # One workspace per (group, world, H, dtype, capacity, timeout), shared by every bridge (every
-# layer) that
-# uses this strategy: a model builds one bridge per layer, and 61 private buffers would cost
-# gigabytes.
+# layer) that uses this strategy: a model builds one bridge per layer, and 61 private buffers would
+# cost gigabytes.
 # Sharing is safe because the protocol's state (slot, rows in use, abort word) lives in the
-# workspace
-# and every call of every layer goes through it in the same order on every rank, on one stream.
+# workspace and every call of every layer goes through it in the same order on every
+# rank, on one stream.
 _SHARED: WorkspacePool = WorkspacePool()
 
 
-def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, kind: str) -> tuple:
+def _key(group, spec: EpilogueSpec, world_size: int, timeout_s: float, layout: Layout) -> tuple:
     return (
-        kind,
+        layout.name,
         group_name(group),
         world_size,
         spec.hidden_size,
         spec.dtype,
         # the two-shot's buffer ignores max_tokens: layers that differ only there share it
-        capacity(spec, world_size, kind) if kind == "oneshot" else 0,
+        capacity(spec, world_size, layout) if layout.max_cap_tokens is not None else 0,
         float(timeout_s),
     )
 
@@ -336,12 +326,12 @@ def acquire(
     world_size: int,
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    kind: str = "oneshot",
+    layout: Layout = ONESHOT,
 ) -> SymmWorkspace:
     """The shared workspace for this key; created (collectively) by its first user."""
     return _SHARED.acquire(
-        _key(group, spec, world_size, timeout_s, kind),
-        lambda: create(group, spec, world_size, device, timeout_s, kind),
+        _key(group, spec, world_size, timeout_s, layout),
+        lambda: create(group, spec, world_size, device, timeout_s, layout),
     )
 
 
@@ -351,11 +341,11 @@ def release(
     spec: EpilogueSpec,
     world_size: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    kind: str = "oneshot",
+    layout: Layout = ONESHOT,
 ) -> None:
-    """Drop one user; the last one frees it (collectively: every rank releases in the same
-    order)."""
+    """Drop one user; the last one frees it (collectively: every rank releases in the
+    same order)."""
     if ws is not None:
         _SHARED.release(
-            _key(group, spec, world_size, timeout_s, kind), ws, lambda w: close(w, group)
+            _key(group, spec, world_size, timeout_s, layout), ws, lambda w: close(w, group)
         )

@@ -47,8 +47,8 @@ class WorkspacePool(Generic[W]):
         return entry[0]
 
     def release(self, key: tuple, workspace: W, free: Callable[[W], None]) -> None:
-        """Drop one user of `workspace`; free it with the last (or at once if it was never
-        shared)."""
+        """Drop one user of `workspace`; free it with the last (or at once if it was
+        never shared)."""
         entry = self._entries.get(key)
         if entry is None or entry[0] is not workspace:
             free(workspace)

@@ -1,8 +1,8 @@
 """Entry points for tests and benchmarks only (never imported by the product): the symmetric-memory
-kernels with their hooks set, and W ranks emulated in one process: the one-shot's (`kind`
-"oneshot", the only kind `emulated_group` builds; the two-shot's are in `symm_testing_twoshot`).
+kernels with their hooks set, and W ranks emulated in one process: the one-shot exchange kernel's
+(world size >= 2; the two-shot's rig is `symm_twoshot_rig`).
 
-The hooks are the two constexprs `symm_protocol` documents: PHASES (which parts of a call run) and
+The hooks are the two constexprs `protocol` documents: PHASES (which parts of a call run) and
 EMULATED (interpreter: the timeout counts polls, no inline PTX). Everything else a test reaches here
 is the production kernel body: peer pointers (a table of host addresses under the interpreter),
 tickets and the epoch advance, the bounded waits, the error report, which blocks a program walks and
@@ -26,27 +26,13 @@ from fusion_bridge.kernels.symm import oneshot as symm_oneshot
 from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.quant_codes import QuantArgs, quant_args
 
-# the kernels that take the PHASES / EMULATED hooks (the two-shot: symm_testing_twoshot)
-KERNELS = {"oneshot": symm_oneshot}
 
-
-def _kernel(kind: str):
-    if kind not in KERNELS:
-        raise ValueError(
-            f"kind: expected one of {sorted(KERNELS)}, got {kind!r} (the two-shot: "
-            "symm_testing_twoshot)"
-        )
-    return KERNELS[kind]
-
-
-def call_parts(kind: str) -> tuple[int, ...]:
+def call_parts() -> tuple[int, ...]:
     """The parts of one call in the order the CPU emulation runs them (each on every rank)."""
-    _kernel(kind)
     return (P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH)
 
 
 def launch_with_hooks(
-    kind: str,
     layer: P.SymmLayer,
     *,
     shape=None,
@@ -55,18 +41,14 @@ def launch_with_hooks(
     programs: Optional[int] = None,
     **tensors,
 ) -> None:
-    """One launch of `kind`'s production kernel with the hooks set (benchmark ablations: phases;
+    """One launch of the one-shot exchange kernel with the hooks set (benchmark ablations: phases;
     CPU emulation: emulated). programs: the grid (default: the production launch's)."""
     if tensors["perm"].shape[0] == 0:
         return
-    kernel = _kernel(kind)
-    if layer.world == 1:  # the local kernel: no exchange, no hooks
-        kernel.launch(layer, shape=shape, **tensors)
-        return
-    grid, args, constexprs = kernel.call_args(layer, shape, **tensors)
+    grid, args, constexprs = symm_oneshot.call_args(layer, shape, **tensors)
     if emulated:
         _interpreter_loop_bounds()
-    kernel.KERNEL[(programs or grid,)](*args, **constexprs, PHASES=phases, EMULATED=emulated)
+    symm_oneshot.KERNEL[(programs or grid,)](*args, **constexprs, PHASES=phases, EMULATED=emulated)
 
 
 @dataclass
@@ -74,7 +56,6 @@ class EmulatedGroup:
     """W ranks' buffers (uint8, each laid out as on the GPU), device states (int32 [W,
     STATE_WORDS]), error words (int32 [W, 4]; pinned host memory on a GPU) and layers."""
 
-    kind: str
     bufs: list
     states: torch.Tensor
     errs: torch.Tensor
@@ -96,12 +77,11 @@ class EmulatedGroup:
     def call(self, inputs, outputs, parts=None, skip_rank=None, programs=None, shape=None) -> None:
         """CPU: one call, part by part on every rank (skip_rank makes none of its launches).
         inputs / outputs: per rank, EpilogueInputs and (residual_out, norm_out, q, sf)."""
-        for phases in parts if parts is not None else call_parts(self.kind):
+        for phases in parts if parts is not None else call_parts():
             for r, layer in enumerate(self.layers):
                 if r == skip_rank:
                     continue
                 launch_with_hooks(
-                    self.kind,
                     layer,
                     shape=shape,
                     phases=phases,
@@ -129,7 +109,6 @@ def call_tensors(inp, out) -> dict:
 
 
 def emulated_group(
-    kind: str,
     spec,
     world: int,
     cap: int,
@@ -141,10 +120,11 @@ def emulated_group(
     """W ranks' buffers and layers for `spec`. timeout: polls (CPU emulation) or microseconds (a
     GPU). num_sms: each rank's share of the SMs on a GPU (every program of every rank resident).
     quant: overrides the spec's (tests pick scales that exercise the codes)."""
-    _kernel(kind)
+    if world < 2:
+        raise ValueError(f"world: the exchange kernel needs at least 2 ranks, got {world}")
     device = torch.device(device)
     elem = torch.finfo(spec.dtype).bits // 8
-    nbytes = P.buffer_bytes(kind, world, cap, spec.hidden_size, elem)
+    nbytes = P.ONESHOT.buffer_bytes(world, cap, spec.hidden_size, elem)
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
     for b in bufs:
         b[: P.HEADER_BYTES].zero_()
@@ -185,7 +165,7 @@ def emulated_group(
         )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return EmulatedGroup(kind, bufs, states, errs, layers)
+    return EmulatedGroup(bufs, states, errs, layers)
 
 
 def _interpreter_loop_bounds() -> None:

@@ -1,7 +1,7 @@
 """Test and benchmark entry points of the two-shot (`symm_twoshot`): W ranks' buffers on the CPU
 (`EmulatedTwoshot`) or on one GPU (`twoshot_layers_on_one_gpu`), one rank's launches of a call
 (the syncs split into their signal and wait halves), and a call of W emulated ranks in one global
-order (CPU interpreter or one GPU). Like `symm_testing`, reached by no production module."""
+order (CPU interpreter or one GPU). Like `symm_oneshot_rig`, reached by no production module."""
 
 from __future__ import annotations
 

@@ -1,23 +1,18 @@
 """Measured selection: time every (strategy, launch variant) per token bucket, keep the table on
-disk,
-ship default tables for known GPUs.
+disk, ship default tables for known GPUs.
 
 Timing uses CUDA graphs with inputs rotated beyond L2 and takes the max over ranks, so every rank
-holds
-the same numbers. Which table a bridge uses is decided on rank 0 and broadcast, so ranks never
+holds the same numbers. Which table a bridge uses is decided on rank 0 and broadcast, so ranks never
 disagree. Cached tables are keyed by GPU name, world size, library versions and spec; shipped
-defaults
-(fusion_bridge/tuning/shipped/) by GPU name, world size and spec alone.
+defaults (fusion_bridge/tuning/shipped/) by GPU name, world size and spec alone.
 
 Table format (schema_version 2), JSON:
     {"schema_version": 2, "gpu": ..., "world_size": ..., "spec": {...}, "versions": {...},
-     "measured_us": {strategy: {variant: {bucket upper bound (str): microseconds}}},   CUDA-graph
-     time
-     "eager_us": {...same shape...}}                 optional: eager wall time per call, this host
-     only
+     "measured_us": {strategy: {variant: {bucket upper bound (str): microseconds}}},  CUDA graphs
+     "eager_us": {...same shape...}}  optional: eager wall time per call, this host only
 A table in another format is ignored with a warning that says why (never a crash). Eager times
-depend
-on the host's CPU, so shipped tables carry graph times only; eager plans come from a local `tune`.
+depend on the host's CPU, so shipped tables carry graph times only; eager plans come from
+a local `tune`.
 
 Cache directory: $FUSION_BRIDGE_CACHE_DIR, else ~/.cache/fusion_bridge.
 """
@@ -102,8 +97,8 @@ def make_table(
     eager: Optional[dict[str, dict[str, dict[int, float]]]] = None,
     spread: Optional[dict] = None,
 ) -> dict:
-    """The table `tune` saves; `spread`: spread_summary() of its two passes (the planner's
-    margin)."""
+    """The table `tune` saves; `spread`: spread_summary() of its two passes (the
+    planner's margin)."""
     table = {
         "schema_version": SCHEMA_VERSION,
         "gpu": env.gpu_name,
@@ -187,8 +182,8 @@ def _first_usable_table(spec: EpilogueSpec, env: Environment) -> Optional[dict]:
 
 
 def load_table(spec: EpilogueSpec, env: Environment, group) -> Optional[dict]:
-    """The table every rank uses: rank 0's cache, else rank 0's shipped default, else None.
-    Collective."""
+    """The table every rank uses: rank 0's cache, else rank 0's shipped default, else
+    None. Collective."""
     table = None
     if my_rank(group) == 0:
         try:  # rank 0's peers wait in the broadcast below: nothing here may raise

@@ -2,17 +2,14 @@
 medians; inputs rotated beyond L2 or replayed.
 
 Each measurement captures `calls` launches (cycling over `sets` input sets) in one CUDA graph,
-replays
-it `repeats` times and reports the median time per call in microseconds.
+replays it `repeats` times and reports the median time per call in microseconds.
 
 Why not `triton.testing.do_bench_cudagraph` (read side by side, triton 3.6): it also unrolls calls
-into
-one graph and times replays with events, but it replays one closure `fn()` and sizes the graph from
-a
-local timing estimate (`n_repeat = rep / estimate_ms`). We keep ours for two things it cannot do:
+into one graph and times replays with events, but it replays one closure `fn()` and sizes the graph
+from a local timing estimate (`n_repeat = rep / estimate_ms`). We keep ours for two
+things it cannot do:
 - inputs rotated inside the graph: call i uses input set i % sets, so one replay streams more than
-the
-  L2 holds, as a real layer does (its closure sees the same tensors every call, L2-hot);
+  the L2 holds, as a real layer does (its closure sees the same tensors every call, L2-hot);
 - the same number of captured calls on every rank, fixed by the caller: the candidates are
   collectives, and a per-rank estimate can differ between ranks, which would capture different
   numbers of all-reduces and hang the replay.
@@ -36,8 +33,8 @@ def sets_to_rotate(bytes_per_set: int, min_total: int = 4 * L2_BYTES, max_sets: 
 def time_graph(
     fn: Callable[[int], object], sets: int, calls: int = 0, repeats: int = 15, warmup: int = 2
 ) -> float:
-    """Median microseconds per call of fn(i), i cycling over range(sets), captured in a CUDA
-    graph."""
+    """Median microseconds per call of fn(i), i cycling over range(sets), captured in
+    a CUDA graph."""
     calls = calls or max(sets, 20)
     for i in range(min(sets, 3)):
         fn(i)
@@ -108,9 +105,8 @@ def time_graphs_per_rank(
 
 def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus written (GB/s): the better of the
-    copy
-    engine (copy_) and an SM elementwise kernel (mul by 1), which is what our kernels compete
-    with."""
+    copy engine (copy_) and an SM elementwise kernel (mul by 1), which is what our kernels
+    compete with."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     us = min(

@@ -1,11 +1,11 @@
-"""The device side of the symmetric-memory protocol (`symm_protocol`): the @triton.jit helpers that
+"""The device side of the symmetric-memory protocol (`protocol`): the @triton.jit helpers that
 both symmetric-memory kernels call, so the ticket, the epoch advance, the bounded wait, the publish
 and the error report are written once.
 
 Every helper runs under TRITON_INTERPRET=1 too (peer pointers are table entries cast to pointers,
 which the interpreter follows as host addresses), except the two inline-PTX pieces, the GPU timer
-and the epoch fence, which the `EMULATED` hook (see `symm_protocol`) swaps for a poll count and for
-nothing.
+and the epoch fence, which the `EMULATED` hook (see `protocol`) swaps for a poll count
+and for nothing.
 """
 
 from __future__ import annotations

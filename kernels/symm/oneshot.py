@@ -1,19 +1,15 @@
-"""One-launch MoE epilogue over symmetric memory: finalize + shared add + all-reduce + residual add
-+
-RMSNorm (+ FP8 / NVFP4), for small T on one node, with NVLink multicast never used.
+"""One-launch MoE epilogue over symmetric memory: finalize + shared add + all-reduce + residual
+add + RMSNorm (+ FP8 / NVFP4), for small T on one node, with NVLink multicast never used.
 
 The data carries its own arrival (Lamport-style): every data slot holds the sentinel -0.0 (bits
-0x8000
-in bf16 and fp16) until its partial lands, and a published partial never holds -0.0 (it is mapped to
-+0.0, which changes no sum: x + (-0.0) == x + (+0.0) for every x != 0, and the rank-ordered sum
-never
-starts from the residual, so a sign of zero can only differ when the whole sum is zero). A reader
-spins
-on the data itself: no flags, no fence before a flag, no second round trip.
+0x8000 in bf16 and fp16) until its partial lands, and a published partial never holds -0.0 (it is
+mapped to +0.0, which changes no sum: x + (-0.0) == x + (+0.0) for every x != 0, and the
+rank-ordered sum never starts from the residual, so a sign of zero can only differ when the whole
+sum is zero). A reader spins on the data itself: no flags, no fence before a flag, no
+second round trip.
 
-Per call, on every rank (all ranks launch the same grid, since T is the same on every rank), epoch
-e,
-slot s = e % 3:
+Per call, on every rank (all ranks launch the same grid, since T is the same on every rank),
+epoch e, slot s = e % 3:
   A. publish: each program finalizes (row, column chunk) items of its rank's partial
          partial[t] = round(routed_scaling * sum_k w[t,k] * gemm2_out[perm[t,k]] + shared[t])
      (fp32 accumulate, ONE rounding to the activation dtype, -0.0 -> +0.0) and stores it into
@@ -21,64 +17,55 @@ slot s = e % 3:
   B. clear: the local slot (s + 2) % 3, used by the previous call, goes back to the sentinel for the
      rows that call used (its T is kept in device state), for all sources.
   C. reduce + norm: each program takes (row, column chunk) items, reads the row's W partials from
-  its
-     local buffer (volatile loads, all ranks' rows, the whole row: the sum of squares needs it)
-     until
-     none is the sentinel (bounded), sums them **in rank order** in fp32, adds the residual, and
-     writes its chunk of residual_out, norm_out = round(x * rsqrt(mean(x^2) + eps) * (gamma +
-     weight_bias)) and the quantized norm_out. Every rank reads the same rounded values in the same
-     order with the same reduction tree, so outputs are bitwise identical on all ranks. Error: the
-     partial's rounding plus each output's rounding (2 roundings to the activation dtype).
+     its local buffer (volatile loads, all ranks' rows, the whole row: the sum of squares needs it)
+     until none is the sentinel (bounded), sums them **in rank order** in fp32, adds the residual,
+     and writes its chunk of residual_out,
+     norm_out = round(x * rsqrt(mean(x^2) + eps) * (gamma + weight_bias)) and the quantized
+     norm_out. Every rank reads the same rounded values in the same order with the same reduction
+     tree, so outputs are bitwise identical on all ranks. Error: the partial's rounding plus each
+     output's rounding (2 roundings to the activation dtype).
 Phase A never waits, so no program waits for a program that waits for it (all publishes of all
 programs precede, in their own program order, every wait).
 
 Memory-ordering argument (no host state: CUDA graphs replay it):
 - Epoch: state[0] in device memory holds e mod 3 (the slot; it never wraps). Each program loads it
   (and the previous slot's row count), then takes a ticket (atomic add on state[1], release, gpu
-  scope:
-  the loads are ordered before it). The program holding the last ticket has, through the release
-  sequence of the counter and an acquire fence, seen every program's loads done; at its end it
-  stores
-  (e + 1) mod 3, this slot's T, and resets the counter. Launches on one stream are ordered, so the
-  next call reads the next slot.
+  scope: the loads are ordered before it). The program holding the last ticket has, through the
+  release sequence of the counter and an acquire fence, seen every program's loads done; at its end
+  it stores (e + 1) mod 3, this slot's T, and resets the counter. Launches on one stream are
+  ordered, so the next call reads the next slot.
 - A reader never uses a slot before it is written: it uses a value only once it differs from the
   sentinel, and each element is naturally aligned (2 bytes, single-copy atomic), so a torn or
   reordered arrival over NVLink shows as "not yet" and is polled again. The polls are volatile
   loads (L1 bypassed; the point of coherence of a rank's buffer is its own L2, where its own stores
-  and
-  its peers' NVLink stores land).
+  and its peers' NVLink stores land).
 - A slot is never overwritten while a peer may still read it, and never read stale: rank r's slot
   s = e % 3 is written by peers in call e, read by r in call e, cleared by r in call e + 1 (after r
-  saw
-  every value of it in call e, so the clear is later in coherence order than the data), and written
-  again by a peer p only in call e + 3. p starts call e + 3 only after its call e + 2 completed,
-  which
-  needed r's data of call e + 2, which r publishes only after its call e + 1 (the clear) completed:
-  the clear precedes the new data at r's L2. Peers are at most one call apart (a rank finishes call
-  e only with every peer's call-e data), so slot (e + 1) % 3 may be written by a peer running ahead
-  while r is still in call e, and r clears only (e + 2) % 3: three slots, not two.
+  saw every value of it in call e, so the clear is later in coherence order than the data), and
+  written again by a peer p only in call e + 3. p starts call e + 3 only after its call e + 2
+  completed, which needed r's data of call e + 2, which r publishes only after its call e + 1 (the
+  clear) completed: the clear precedes the new data at r's L2. Peers are at most one call apart (a
+  rank finishes call e only with every peer's call-e data), so slot (e + 1) % 3 may be written by a
+  peer running ahead while r is still in call e, and r clears only (e + 2) % 3:
+  three slots, not two.
 - The previous call's T is kept per slot in state[4 + slot]; the row counts differ per call, and the
   clear covers exactly the rows that call dirtied.
 - T = 0 launches nothing on every rank (T is the same on all ranks), so epochs stay in step.
-- The grid is at most the SM count (one program per SM fits), so every program that is waited on is
-  resident.
+- The grid is at most the SM count (one program per SM fits), so every program that is waited
+  on is resident.
 - Timeout: the poll's exit condition is one block reduction over (pending sentinel | timer expired |
   abort word set), so every warp of a program leaves the loop on the same iteration and agrees on
-  the
-  outcome (a per-thread %globaltimer test would let warps leave on different iterations). On a
-  timeout
-  the program writes NaN outputs, an error word (bit 16 + the ranks whose data did not arrive) into
-  pinned host memory (read by the host without a sync) and into state[2], and an abort word into
-  every
-  rank's header, so every later call on every rank fails at once instead of waiting (the bridge must
-  be
-  rebuilt).
+  the outcome (a per-thread %globaltimer test would let warps leave on different iterations). On a
+  timeout the program writes NaN outputs, an error word (bit 16 + the ranks whose data did not
+  arrive) into pinned host memory (read by the host without a sync) and into state[2], and an abort
+  word into every rank's header, so every later call on every rank fails at once instead of waiting
+  (the bridge must be rebuilt).
 
-Buffer layout per rank: see `symm_protocol` (a 256-byte header with the abort word, then the data
+Buffer layout per rank: see `protocol` (a 256-byte header with the abort word, then the data
 slots [3][W][cap][H] of the activation dtype, all the sentinel at creation).
 
 The CPU tests and the benchmarks' ablations run this very kernel body through the two hooks that
-`symm_protocol` documents (PHASES, EMULATED); fusion_bridge/testing/symm_oneshot_rig.py is their
+`protocol` documents (PHASES, EMULATED); fusion_bridge/testing/symm_oneshot_rig.py is their
 only caller.
 """
 
@@ -90,7 +77,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_bridge.kernels.tp1 import launch as tp1_launch
 from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.finalize_add import finalize_row
 from fusion_bridge.kernels.row_epilogue import row_outputs
@@ -173,8 +159,8 @@ def _oneshot_kernel(
     ROW_BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
     CLEAR_BLOCK: tl.constexpr,
-    PHASES: tl.constexpr = P.ALL_PHASES,  # test/benchmark hook (symm_protocol)
-    EMULATED: tl.constexpr = False,  # test hook (symm_protocol)
+    PHASES: tl.constexpr = P.ALL_PHASES,  # test/benchmark hook (protocol.py)
+    EMULATED: tl.constexpr = False,  # test hook (protocol.py)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -365,18 +351,15 @@ def call_args(
     return max(1, min(layer.num_sms, items)), args, constexprs
 
 
-KERNEL = _oneshot_kernel  # the exchange kernel (world size >= 2), for kernels/symm_testing
+KERNEL = _oneshot_kernel  # the exchange kernel (world size >= 2), for fusion_bridge/testing/symm_oneshot_rig.py
 
 
 def launch(layer: SymmLayer, *, shape: Optional[OneshotShape] = None, **tensors) -> None:
     """One call: `tensors` are call_args's keywords (residual_out, norm_out, q, sf as uint8: [T, H]
     fp8 codes / [T, H/2] packed fp4, gemm2_out, perm, weights, shared or None, residual, gamma).
     T == 0 launches nothing (on every rank); T must be <= layer.cap. shape: None = default_shape.
-    World size 1 runs the local work only (`tp1_launch.launch`, whole rows here)."""
+    World size >= 2 (world size 1 has no exchange: `fused_tp1`'s kernels, kernels/tp1/)."""
     if tensors["perm"].shape[0] == 0:
-        return
-    if layer.world == 1:
-        tp1_launch.launch(layer, shape, **tensors)
         return
     programs, args, constexprs = call_args(layer, shape, **tensors)
     _oneshot_kernel[(programs,)](*args, **constexprs)

@@ -24,8 +24,8 @@ def default_shape(tokens: int, hidden: int, num_sms: int = 132) -> OneshotShape:
     gathers of a row over 7 SMs at H=7168), else whole rows (more bytes in flight per program at
     large T); two values, so few compiles. block2: whole rows at T <= 2, else the row split over as
     many programs as one wave allows. Every program of a row reads the whole row's partials (local)
-    for its sum of squares. Measured on 2x H200, H=7168 (us, graph): T=1 (512, 512) 6.35, (1024,
-    512) 6.12, (512, row) 5.72; T=16 (512, 896) 8.70, (1024, 896) 7.82, (512, row) 8.97."""
+    for its sum of squares. The shapes measured for it on 2x H200:
+    docs/performance.md#tp2-our-one-shot-kernel-against-the-floor."""
     rb = row_block(hidden)
     block1 = 1024 if rb > 1024 and tokens * triton.cdiv(hidden, 1024) <= 2 * num_sms else rb
     per_row = max(1, num_sms // max(tokens, 1))

@@ -12,13 +12,14 @@ behind. The two-shot signals a chunk's arrival with flags instead (below) and ne
 
 Buffer of one rank (bytes): a HEADER_BYTES header (int32 abort word at 0), then data slots of the
 activation dtype, all the sentinel at creation:
-    one-shot ("oneshot"): [SLOTS][W][cap][H] (source rank, token)
-    two-shot ("twoshot"): see the two-shot section below; its size does not depend on T
+    one-shot (`ONESHOT`): [ONESHOT_SLOTS][W][cap][H] (source rank, token)
+    two-shot (`TWOSHOT`): see the two-shot section below; its size does not depend on T
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -27,11 +28,11 @@ from fusion_bridge.kernels.layer import LayerRecord, scalars_of
 HEADER_BYTES = 256
 # slot rows start on 128-byte lines: the twoshot row launches drop whole L2 lines they have read
 assert HEADER_BYTES % 128 == 0
-SLOTS = 3
+ONESHOT_SLOTS = 3
 SENTINEL_BITS = -32768  # int16 view of -0.0 in bf16 and fp16 (0x8000)
 
 # device state, int32 [STATE_WORDS] per rank: the epoch lives here, so CUDA graphs replay it
-STATE_SLOT = 0  # this call's slot: the epoch mod SLOTS (it never wraps)
+STATE_SLOT = 0  # this call's slot: the epoch mod ONESHOT_SLOTS (it never wraps)
 STATE_TICKET = 1  # programs that finished their loads this call (the last one advances the epoch)
 STATE_ERROR = 2  # the error word of a failed wait (also written to the pinned host word)
 STATE_ROWS = 4  # rows of slot 0, 1, 2 as the call that wrote them used them (the next clear's)
@@ -61,21 +62,17 @@ EPOCH = 16  # the end-of-call ticket: record this slot's rows, advance the slot
 FINALIZE = 32  # partials from the top-k gathers (off: a constant partial; the exchange alone)
 ALL_PHASES = PUBLISH | REDUCE | NORM | CLEAR | EPOCH | FINALIZE
 
-KINDS = ("oneshot", "twoshot")  # the workspace layouts: one-shot, and the two-shot's chunk slots
 
 # ---- the two-shot (kernels/symm/twoshot.py, behind `symm_fused_twoshot`) ------------------------
 # Per rank: the HEADER_BYTES header (int32 abort word at 0; int64 [TWOSHOT_MAX_SLOTS] each: the
-# release counters at TWOSHOT_FREED_BYTE, the "my partials of the slot's chunk arrived
-# everywhere"
+# release counters at TWOSHOT_FREED_BYTE, the "my partials of the slot's chunk arrived everywhere"
 # flags at TWOSHOT_ARRIVED_BYTE, the "my reduced rows of it did" flags at TWOSHOT_REDUCED_BYTE),
-# then
-# TWOSHOT_SLOTS slots, each [2][W][CW][H], CW = ceil(TWOSHOT_CHUNK / W): the reduce-scatter rows
-# (source, owner row) then the all-gather rows (owner, owner row) of one chunk. Chunks take the
+# then TWOSHOT_SLOTS slots, each [2][W][CW][H], CW = ceil(TWOSHOT_CHUNK / W): the reduce-scatter
+# rows (source, owner row) then the all-gather rows (owner, owner row) of one chunk. Chunks take the
 # slots in turn within a call and across calls, so the size does not depend on T; a slot is handed
 # back through its release counter, its arrival through the flags (sequence number + 1 of the
-# chunk). Device state: int64 [TWOSHOT_STATE_WORDS] = (chunk base: the chunks of every earlier
-# call, each call's rounded up to a multiple of the slots, so a call starts on slot 0; -, error
-# word, -).
+# chunk). Device state: int64 [TWOSHOT_STATE_WORDS] = (chunk base: the chunks of every earlier call,
+# each call's rounded up to a multiple of the slots, so a call starts on slot 0; -, error word, -).
 TWOSHOT_SLOTS = 2
 TWOSHOT_CHUNK = 1024  # tokens per chunk (measured at world size 1: 2 x 1024 faster than 4 x 512)
 TWOSHOT_MAX_SLOTS = 4  # the header's arrays (a launch shape may use 2..4 slots)
@@ -100,19 +97,39 @@ def slot_elems(world: int, cap: int, hidden: int) -> int:
     return world * cap * hidden
 
 
-def buffer_bytes(kind: str, world: int, cap: int, hidden: int, elem_size: int) -> int:
-    """One rank's buffer: one-shot's grows with `cap`; the two-shot's ignores it."""
-    if kind == "oneshot":
-        return HEADER_BYTES + SLOTS * slot_elems(world, cap, hidden) * elem_size
-    if kind == "twoshot":
-        return twoshot_buffer_bytes(world, hidden, elem_size)
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+def oneshot_buffer_bytes(world: int, cap: int, hidden: int, elem_size: int) -> int:
+    """One rank's one-shot buffer: [ONESHOT_SLOTS][W][cap][H] after the header."""
+    return HEADER_BYTES + ONESHOT_SLOTS * slot_elems(world, cap, hidden) * elem_size
 
 
-def state_words(kind: str) -> tuple[int, torch.dtype]:
-    """One rank's device state: one-shot int32 [STATE_WORDS], two-shot int64
-    [TWOSHOT_STATE_WORDS]."""
-    return (TWOSHOT_STATE_WORDS, torch.int64) if kind == "twoshot" else (STATE_WORDS, torch.int32)
+@dataclass(frozen=True)
+class Layout:
+    """One workspace layout of the symmetric-memory kernels: its name (in reports and messages),
+    one rank's device state (`state_words` of `state_dtype`), the most tokens one call may carry
+    (None: any T up to the spec's max_tokens, the buffer does not grow with T) and one rank's
+    buffer bytes (world, cap, hidden, element size)."""
+
+    name: str
+    state_words: int
+    state_dtype: torch.dtype
+    max_cap_tokens: Optional[int]
+    bytes_per_rank: Callable[[int, int, int, int], int]
+
+    def buffer_bytes(self, world: int, cap: int, hidden: int, elem_size: int) -> int:
+        return self.bytes_per_rank(world, cap, hidden, elem_size)
+
+
+#: one-shot: slots of W x cap rows, so a token cap (2048: the small-T path)
+ONESHOT = Layout("oneshot", STATE_WORDS, torch.int32, 2048, oneshot_buffer_bytes)
+#: two-shot: a few chunk slots that the chunks of a call take in turn, so no token cap
+TWOSHOT = Layout(
+    "twoshot",
+    TWOSHOT_STATE_WORDS,
+    torch.int64,
+    None,
+    lambda world, cap, hidden, elem_size: twoshot_buffer_bytes(world, hidden, elem_size),
+)
+LAYOUTS = (ONESHOT, TWOSHOT)
 
 
 def fill_sentinel(t: torch.Tensor) -> None:

@@ -1,22 +1,20 @@
-"""The large-T two-shot (`symm_fused_twoshot`, through `twoshot_launch`): rows cut into chunks
+"""The large-T two-shot (`symm_fused_twoshot`, through `twoshot_variants`): rows cut into chunks
 that take a few fixed slots in turn (so the workspace does not grow with T), and every stage of
 every chunk its own launch with a grid sized to its work (one row or one finalize item per
 program, as our standalone kernels); a chunk's arrival is one flag per (rank, slot), so the row
 launches read their slots with plain vectorized loads and never clear them. Each rank reduces
 only the rows it owns (rows j with j % W == rank): two-shot byte counts.
 
-Measured at world size 1 on one H200 (benchmarks/twoshot_local.py, K=8, same run; no peer reads
-and no all-gather at W = 1, so this is the local work the link overlaps with): 1.08-1.15x our
-standalone finalize + add+RMSNorm in the default shape (2 slots x 1024 tokens, F on two side
-streams let ahead of X, the row launches on a high-priority stream, the L2 hints with the read
-slot rows dropped, PDL on sm_90+); its finalize launches alone take 0.81-1.10x our standalone
-finalize, its row launches alone 1.00-1.28x our add+RMSNorm, and the pipeline less than their
-sum (docs/performance.md, benchmarks/results/README.md).
+The default shape: 2 slots x 1024 tokens, F on two side streams let ahead of X, the row launches
+on a high-priority stream, the L2 hints with the read slot rows dropped, PDL on sm_90+. How its
+local work at world size 1 (no peer reads and no all-gather at W = 1, so the work the link
+overlaps with), and each of its halves alone, compare with our standalone finalize +
+add+RMSNorm: docs/performance.md#the-large-t-two-shot-the-two-shot-pipeline.
 
 Per chunk c (slot s = (base + c) % SLOTS = c % SLOTS, sequence number base + c, base in device
 state; each call moves the base on by its chunks rounded up to a multiple of SLOTS, releasing the
 skipped sequence numbers' slots at once, so every call starts on slot 0 and the finalize and row
-launches know a chunk's slot without reading the base), kernels in `symm_twoshot_kernels`:
+launches know a chunk's slot without reading the base), kernels in `twoshot_kernels`:
 
   F(c): the finalize items of chunk c into the owners' reduce-scatter rows [rank][i] of slot s
         (one item, a row segment, per program); never waits.
@@ -36,11 +34,10 @@ A call starts with one gate for the first SLOTS chunks and ends with one release
 F runs on side streams (chunk c on side stream c % f_streams), everything else on the caller's
 stream (or, "two_prio", on a high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c)
 (and the link; with V, also X(c) and the end of F(c): the row launches' priority keeps the early
-finalize programs from taking the SMs R(c) needs). F(c) waits for the event of the launch that
-gated its slot, X(c) for F(c)'s; the
-side streams fork from the caller's stream at the start of the call and join it through X (the
-caller's stream waits for every F; CUDA-graph capture sees a closed fork / join). The side
-streams are per thread.
+finalize programs from taking the SMs R(c) needs). F(c) waits for the event of the launch that gated
+its slot, X(c) for F(c)'s; the side streams fork from the caller's stream at the start of the call
+and join it through X (the caller's stream waits for every F; CUDA-graph capture sees a closed
+fork / join). The side streams are per thread.
 
 L2 (`TwoshotShape.l2`, GPU only): F loads the expert rows with the evict-first hint and stores the
 slot rows with evict-last, R loads the residual evict-first, so R(c) finds chunk c's slot rows in
@@ -66,13 +63,10 @@ waits only for the peers' release of chunk c - 1 and signals of chunk c, which t
 only its X(c - 1) / Y(c - 1)); X(c) follows F(c), which follows the gate of its slot, made by V(c +
 1 - SLOTS) / X(c + 1 - SLOTS), earlier in this rank's order: by induction over the chunks every wait
 is for a launch that is made. tests/kernels/test_symm_twoshot_interleavings.py runs both orders
-under random
-interleavings of 2-4 ranks. Emulated ranks on one GPU launch every rank's stages in one global
-order
-on one stream (`symm_testing_twoshot.twoshot_call`), the syncs split into their signal and wait
-halves
-(per chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release), so that no
-spinning launch holds the SMs a peer's earlier stage needs.
+under random interleavings of 2-4 ranks. Emulated ranks on one GPU launch every rank's stages in one
+global order on one stream (`fusion_bridge.testing.symm_twoshot_rig.twoshot_call`), the syncs split into their signal
+and wait halves (per chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release),
+so that no spinning launch holds the SMs a peer's earlier stage needs.
 
 Errors: a wait that runs out (time, or the abort word a peer that timed out set) reports the error
 word and sets every rank's abort word (`report_error`); every row launch of that call after it on
@@ -142,8 +136,8 @@ class TwoshotShape:
     workspace must use the same slots). f_cols / f_warps: the finalize item (one row segment, as
     our standalone finalize's 1024 columns x 4 warps). row_warps: 0 = our add+RMSNorm kernel's
     choice. stream_mode: "two" (F on side streams, overlapping R / G), "two_prio" (the same with
-    R / G on a high-priority stream; a call of one chunk runs as "two": nothing overlaps, and the
-    high-priority stream's fork and join cost 1-3 us at T=1024) or "one" (every stage in order on
+    R / G on a high-priority stream; a call of one chunk runs as "two": nothing overlaps, so the
+    high-priority stream's fork and join would only add time) or "one" (every stage in order on
     the caller's stream). f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
     starts while F(c) drains). f_ahead: F(c + 1) waits only for its slot's gate, made by a launch
     V(c) right after R(c - 1) / G(c - 1) (else by X(c), after F(c)), so a chunk's finalize can
@@ -165,13 +159,12 @@ class TwoshotShape:
     slots: int = SLOTS
     f_streams: int = 2
     l2: int = 2
-    # on: 0-3.5% faster at world size 1 on one H200 (its row launches alone 2-6%), never slower
-    # beyond noise (benchmarks/twoshot_local.py --twoshot pdl_off pdl_on, results/*_pdl.csv)
+    # on: faster at world size 1 on one H200, never slower beyond noise (docs/performance.md,
+    # its PDL table of the two-shot)
     pdl: bool = True
-    # with two_prio, 4.7-7.4% faster at T >= 4096 at world size 1 on one H200 (without the priority
-    # 2-3% slower at H=7168: the early finalize launches take the SMs the row launches need;
-    # benchmarks/twoshot_local.py --twoshot default f_ahead f_ahead_prio prio,
-    # results/twoshot_local_h200_f_ahead.csv)
+    # with two_prio, faster at T >= 4096 at world size 1 on one H200 (without the priority slower
+    # at H=7168: the early finalize launches take the SMs the row launches need;
+    # docs/performance.md, "The current default")
     f_ahead: bool = True
 
     def __post_init__(self):
@@ -222,7 +215,7 @@ def launch(layer: SymmLayer, *, shape: Optional[TwoshotShape] = None, **tensors)
     """One call. tensors: residual_out, norm_out [T, H], q, sf (FP8 / NVFP4 outputs, or empty),
     gemm2_out [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H],
     gamma [H]. The layer's buffer holds slots laid out for shape.chunk and shape.slots
-    (`symm_twoshot_device.buffer_bytes`), its header zeroed at creation. T == 0 launches nothing
+    (`twoshot_device.buffer_bytes`), its header zeroed at creation. T == 0 launches nothing
     (on every rank)."""
     if tensors["perm"].shape[0] == 0:
         return
@@ -260,7 +253,7 @@ def _call_launches(layer: SymmLayer, shape: TwoshotShape, tensors: dict, emulate
     """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
     f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
     chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
-    interpreter's poll-count timer (symm_testing_twoshot only)."""
+    interpreter's poll-count timer (the test rig only)."""
     check_layout(layer, shape)
     tokens, top_k = tensors["perm"].shape
     world, rank, hidden = layer.world, layer.rank, layer.hidden
@@ -327,7 +320,7 @@ def _call_launches(layer: SymmLayer, shape: TwoshotShape, tensors: dict, emulate
 def _sequence(calls, split: bool) -> list:
     """The call's launches in this rank's order: [(stage, chunk, callable, gated chunks)], gated:
     the chunks whose slot gate this launch holds (their F waits for it). split (emulated ranks in
-    one global order, `symm_testing_twoshot`): every sync as its halves, each a launch of its own,
+    one global order, the test rig): every sync as its halves, each a launch of its own,
     the gates one per chunk."""
     n, world, sync, slots = len(calls.plans), calls.world, calls.sync, calls.slots
     if split:

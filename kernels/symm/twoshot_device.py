@@ -1,6 +1,6 @@
 """The two-shot's device-side protocol pieces (`symm_twoshot` has the design and the
-ordering argument; the layout and sizes are `symm_protocol`'s, the pieces it shares with the
-one-shot (the error word, the error report, the publish rounding) `symm_device`'s): the slot
+ordering argument; the layout and sizes are `protocol`'s, the pieces it shares with the
+one-shot (the error word, the error report, the publish rounding) `device`'s): the slot
 addresses, the release counters and the bounded wait on them.
 
 Every helper also runs under TRITON_INTERPRET=1 (peer pointers are table entries the interpreter

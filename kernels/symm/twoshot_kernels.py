@@ -174,11 +174,10 @@ def _sync_kernel(
     release and signal come before its waits, so a wait only ever waits for the peers. A failed
     wait, or an abort word already set: the error word (`report_error`); with WAIT arrived, also
     this rank's own partials of the slot := NaN (the R launch after it sums NaN; G launches read the
-    abort word). USE_PDL: first the wait for the grid before it
-    (kernels/pdl.py), so its release follows the previous row launch's reads and its flag reads
-    precede nothing; it does not let the next grid be scheduled early (a row launch's programs
-    parked on the SMs while this one waits for the peers would take them from the next chunk's
-    finalize)."""
+    abort word). USE_PDL: first the wait for the grid before it (kernels/pdl.py), so its release
+    follows the previous row launch's reads and its flag reads precede nothing; it does not let the
+    next grid be scheduled early (a row launch's programs parked on the SMs while this one waits for
+    the peers would take them from the next chunk's finalize)."""
     pdl_enter(USE_PDL, False)
     timeout_ns = timeout
     if not EMU:
@@ -243,8 +242,8 @@ def _finalize_kernel(
     pdl_enter(USE_PDL, True)
     dtype: tl.constexpr = gemm2_ptr.dtype.element_ty
     # (base + c) % SLOTS == c % SLOTS (every call starts on slot 0), but the load stays: without
-    # it ptxas ordered the K gathers differently and F took 6-10% longer on one H200
-    # (benchmarks/results/staged_rows_ablation_h200.md); F's stores wait on it, its loads do not
+    # it ptxas ordered the K gathers differently and F took longer (docs/performance.md, "The
+    # current default"); F's stores wait on it, its loads do not
     slot = (tl.load(state_ptr) + c) % SLOTS
     n_c = _chunk_rows(c, tokens, chunk)
     q, ii, live, row, cb = _f_place(tl.program_id(0), n_c, tl.cdiv(n_c, WORLD), c, chunk, WORLD)
@@ -280,17 +279,17 @@ def _rows_kernel(
     for the flags. A wait of this call failed (here or on a peer) or the abort word was set when the
     sync launch before it ran: NaN rows. R learns it from its data: that sync launch poisoned this
     rank's own partials of the slot (`_poison_own_partials`; no other rank writes them), so every
-    sum is NaN (reading the abort word per row cost R 3.6% at world size 1). G reads the abort word
-    per row, after the row's data loads are issued (its rows are written by the peers, so no poison
-    of ours would stick). R's data loads need no load before them: this rank's buffer address is a
-    launch argument (own_addr) and the slot is c % SLOTS (every call starts on slot 0); against the
-    buffer and the chunk base loaded first, R alone took 1-2% less (one H200). LAST: the call's last
-    row launch, which also writes the swizzled NVFP4 scale padding. L2 > 0: the residual loaded
-    evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows read are dropped from L2
-    (`_discard_rows`, behind a block barrier: R as soon as the partials are summed, G after the
-    row's outputs), never written back to HBM. USE_PDL: every program first waits for the grid
-    before it (the sync launch, whose flag waits must be done before a slot row is read;
-    kernels/pdl.py)."""
+    sum is NaN (reading the abort word per row made R slower). G reads the abort word per row, after
+    the row's data loads are issued (its rows are written by the peers, so no poison of ours would
+    stick). R's data loads need no load before them: this rank's buffer address is a launch
+    argument (own_addr) and the slot is c % SLOTS (every call starts on slot 0), which measured
+    faster than loading the buffer and the chunk base first (docs/performance.md, "The current
+    default"). LAST: the call's last row launch, which also writes the swizzled NVFP4 scale padding.
+    L2 > 0: the residual loaded evict-first; L2 == 2 (GPU, rows on 128-byte lines): the slot rows
+    read are dropped from L2 (`_discard_rows`, behind a block barrier: R as soon as the partials are
+    summed, G after the row's outputs), never written back to HBM. USE_PDL: every program first
+    waits for the grid before it (the sync launch, whose flag waits must be done before a slot row
+    is read; kernels/pdl.py)."""
     pdl_enter(USE_PDL, True)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -343,7 +342,7 @@ def _rows_kernel(
                 tl.debug_barrier()
                 _discard_rows(here + ii * row_elems, src_stride, hidden, ROW_BLOCK, WORLD)
             # no abort-word read: after a failed wait this rank's own partials are NaN (the sync
-            # launch before it poisoned them), so x is NaN (read per row, the word cost 3.6%)
+            # launch before it poisoned them), so x is NaN (read per row, the word cost time)
             x = res.to(tl.float32) + s
             bits = payload_bits(x, dtype)
             for q in range(WORLD):  # every other rank's all-gather rows

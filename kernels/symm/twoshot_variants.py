@@ -1,11 +1,11 @@
 """The two-shot's launch variants over one workspace (`symm_fused_twoshot`): the two-shot pipeline
 (`symm_twoshot`) in its default shape (the row launches on a high-priority stream, each chunk's
-finalize gated right after the row launches that free its slot), and "f_after_x", the
-shape that was the default before: the row launches on the caller's stream and F(c + 1) gated by
-X(c), after F(c) (`tune` measures it; at world size 1 on one H200 it is 4.7-7.4% slower at
-T >= 4096: benchmarks/results/README.md). Every variant uses the
-workspace's slots (`symm_protocol.TWOSHOT_SLOTS` x `TWOSHOT_CHUNK`), so calls of either may follow
-each other in any order on every rank (all ranks take the same variant for a call).
+finalize gated right after the row launches that free its slot), and "f_after_x": the row
+launches on the caller's stream and F(c + 1) gated by X(c), after F(c) (`tune` measures it; at
+world size 1 on one H200 it is slower from T=4096: docs/performance.md, "The current default").
+Every variant uses the workspace's slots (`symm_protocol.TWOSHOT_SLOTS` x `TWOSHOT_CHUNK`), so
+calls of either may follow each other in any order on every rank (all ranks take the same variant
+for a call).
 """
 
 from __future__ import annotations

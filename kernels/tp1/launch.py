@@ -20,7 +20,7 @@ from fusion_bridge.kernels.tp1.shapes import (
     SYNC_ROWS,
     SYNC_WORDS,
     Tp1Shape,
-    local_shape,
+    tp1_shape,
     split_ok,
 )
 from fusion_bridge.kernels.quant import (
@@ -88,8 +88,8 @@ class Tp1Dispatcher:
         self._error = torch.zeros(1, dtype=torch.int32)
         if cuda:
             self._error = self._error.pin_memory()
-        # read through numpy (the same host memory): 0.1 us a call where int(tensor[0]) takes
-        # ~2 us, on every eager call's path
+        # read through numpy (the same host memory): far cheaper than int(tensor[0]), on every
+        # eager call's path (docs/performance.md#world-size-1-fused_tp1)
         self._error_word = self._error.numpy()
         # the kernel stores through this address (as the multi-rank kernels reach their pinned word)
         self.error_address = torch.tensor(
@@ -119,7 +119,7 @@ class Tp1Dispatcher:
         return word
 
     def plan(self, tokens: int, top_k: int, has_shared: bool, is_cuda: bool, sf_shape, shape):
-        """(launcher, grid, constexprs, warps, split) of a call; shape None = `local_shape`."""
+        """(launcher, grid, constexprs, warps, split) of a call; shape None = `tp1_shape`."""
         key = (tokens, top_k, has_shared, is_cuda, sf_shape, shape)
         got = self._plans.get(key)
         if got is None:
@@ -129,7 +129,7 @@ class Tp1Dispatcher:
     def _make_plan(self, tokens, top_k, has_shared, is_cuda, sf_shape, shape):
         layer, quant = self.layer, self.layer.quant
         hidden = layer.hidden
-        shape = shape or local_shape(tokens, hidden, quant.code, self.num_sms)
+        shape = shape or tp1_shape(tokens, hidden, quant.code, self.num_sms)
         nvfp4 = quant.code == QUANT_NVFP4
         # fp8 on a GPU: the division by the scale through one reciprocal (quant._div_by_scale)
         recip = int(is_cuda and quant.code == QUANT_FP8 and recip_ok(quant.scale))

@@ -27,40 +27,32 @@ class Tp1Shape(NamedTuple):
     pdl: int = 0
 
 
-# world size 1: the shapes' default for `pdl` (honoured on sm_90+ only). Measured on one H200, K=8,
-# graph, same run (benchmarks/tp1_local.py --pdl-ab, results/tp1_local_h200_pdl.csv, us off / on):
-# calls back to back H=7168 none T=1 2.71 / 2.24, T=16 4.12 / 3.48, T=256 12.69 / 12.28, T=4096
-# 165.9 / 165.2; H=4096 T=256 8.19 / 7.50; after a torch kernel (no early trigger) within -4.5% ..
-# +1.7% (T=16 5.54 / 5.55): never slower beyond noise, faster where the kernel before is PDL-aware
-LOCAL_PDL = 1
+# world size 1: the shapes' default for `pdl` (honoured on sm_90+ only). Measured on one H200:
+# never slower beyond noise, faster where the kernel before is PDL-aware
+# (docs/performance.md#programmatic-dependent-launch-pdl)
+TP1_PDL = 1
 
 
-def local_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
+def whole_row_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
     """Warps per whole-row program at world size 1: 16 per 8192 columns at every T (half as many
-    for rows of half the width). Measured on one H200, H=7168, K=8, graph, rotated inputs
-    (benchmarks/tp1_sweep.py, tp1_sweep_h200_lean.txt, us, 16 / 32 warps, none / fp8 / nvfp4): T=64
-    5.70 / 7.09, 6.53 / 6.32, 7.83 / 7.91; T=256 12.57 / 13.07, 13.86 / 15.79, 17.66 / 18.16;
-    T=1024 45.45 / 47.94, 49.67 / 56.62; T=4096 165.98 / 174.58, 177.56 / 202.93. (Before the
-    leaner kernel, 32 warps won below T=64: its gathers then waited on each other at 16.)"""
+    for rows of half the width), as measured on one H200 against 32 warps
+    (docs/performance.md#world-size-1-fused_tp1)."""
     return max(4, 16 * row_block(hidden) // 8192)
 
 
-def local_shape(tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0) -> Tp1Shape:
+def tp1_shape(tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0) -> Tp1Shape:
     """World size 1. Split rows while T * chunks programs are resident (num_sms; 0: never; see
     `split_ok`): T = 1 in 512-column chunks (4 warps) with the row prefetched into L2, else the
     smallest of 1024 / 2048 / 4096 columns that fits (8 columns per thread); whole rows otherwise
-    (`local_warps`). Measured on one H200, H=7168, K=8, graph (benchmarks/tp1_sweep.py,
-    tp1_sweep_h200_lean.txt, us): none T=1 512 prefetched 2.40, not 2.50, 256 (2 warps) 2.58; T=16
-    1024 3.89 (prefetched 4.00), 512 (2 warps) 3.87, 2048 3.92; T=32 1024 4.32, 2048 4.41; T=64
-    two chunks of 4096 5.76 / 6.20 / 7.33 (none / fp8 / nvfp4), whole rows 5.70 / 6.53 / 7.83.
-    The prefetch costs from T=16 on (T=256: 15.75 against 12.57)."""
+    (`whole_row_warps`), as measured on one H200 against the other shapes of the sweep; the
+    prefetch costs from T=16 on (docs/performance.md#world-size-1-fused_tp1)."""
     rb = row_block(hidden)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
         warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
-        shape = Tp1Shape(chunk, warps, int(tokens == 1), LOCAL_PDL)
+        shape = Tp1Shape(chunk, warps, int(tokens == 1), TP1_PDL)
         if split_ok(shape, tokens, hidden, num_sms):
             return shape
-    return Tp1Shape(rb, local_warps(tokens, hidden, quant), 0, LOCAL_PDL)
+    return Tp1Shape(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
 
 
 def programs_per_sm(warps: int) -> int:

@@ -5,33 +5,32 @@ for the row's other chunks' sums (the only exchange, inside the launch) and norm
 quantizes its own columns. Its building blocks and the whole-row kernel: kernels/row_epilogue.py.
 
 The split rows' exchange (no host state, so CUDA graphs replay it; no reset): per row and chunk
-count a 64-bit arrival counter, to which each program of the row adds (relaxed, issued before
-its gathers so the round trip overlaps them) 1, the first chunk's 2 * MAX_CHUNKS - chunks + 1: one
-call adds exactly 2 * MAX_CHUNKS (a power of two), so epoch = ticket // (2 * MAX_CHUNKS) + 1 (a
-shift) is the same for the row's programs and one more than the previous call's with this chunk
-count), and one 64-bit word per chunk holding (epoch mod 2^32 << 32 | fp32 sum of squares).
-A word is written with one naturally aligned 64-bit store (single-copy atomic), so a reader sees a
-whole word or the old one; a word whose tag is not this call's epoch is "not yet": its previous
-writer is the previous call with this chunk count, whose tag is one less, since every call with a
-count writes all of that count's words of its rows. Zeroed words (tag 0) never match before every
-word was written: epochs start at 1. One call's tickets are consecutive: launches on one stream
-run one after the other, and under PDL the next call's programs may already be resident but take
-no ticket before their grid-dependency wait, which returns only once this call has completed;
-eager calls on several streams at once get a set of words per stream, and calls captured in CUDA
-graphs share one set zeroed before any capture (the launcher keeps them). The grid is at most the
-SM count, so every program waited on is resident; a wait is bounded (polls), and a row whose
-partners never arrived is written NaN, not hung, and sets the error word that the strategy's next
-call raises from.
+count a 64-bit arrival counter, to which each program of the row adds (relaxed, issued before its
+gathers so the round trip overlaps them) 1, the first chunk's 2 * MAX_CHUNKS - chunks + 1: one call
+adds exactly 2 * MAX_CHUNKS (a power of two), so epoch = ticket // (2 * MAX_CHUNKS) + 1 (a shift) is
+the same for the row's programs and one more than the previous call's with this chunk count), and
+one 64-bit word per chunk holding (epoch mod 2^32 << 32 | fp32 sum of squares). A word is written
+with one naturally aligned 64-bit store (single-copy atomic), so a reader sees a whole word or the
+old one; a word whose tag is not this call's epoch is "not yet": its previous writer is the previous
+call with this chunk count, whose tag is one less, since every call with a count writes all of that
+count's words of its rows. Zeroed words (tag 0) never match before every word was written: epochs
+start at 1. One call's tickets are consecutive: launches on one stream run one after the other, and
+under PDL the next call's programs may already be resident but take no ticket before their
+grid-dependency wait, which returns only once this call has completed; eager calls on several
+streams at once get a set of words per stream, and calls captured in CUDA graphs share one set
+zeroed before any capture (the launcher keeps them). The grid is at most the SM count, so every
+program waited on is resident; a wait is bounded (polls), and a row whose partners never arrived is
+written NaN, not hung, and sets the error word that the strategy's next call raises from.
 
-Every program of a row sums the chunks' sums in chunk order with the same reduction, so they all
-use the same rsqrt. A row whose sum overflows fp32 (|x| >~ 1.8e19) is rescaled as
-`rms_norm_row` does (by a power of two from the row's largest magnitude): each program of the row
-recomputes the row's chunks in order, for the largest magnitude and then the scaled sum (rare: no
-second exchange, nothing more exchanged on the common path).
+Every program of a row sums the chunks' sums in chunk order with the same reduction, so they all use
+the same rsqrt. A row whose sum overflows fp32 (|x| >~ 1.8e19) is rescaled as `rms_norm_row` does
+(by a power of two from the row's largest magnitude): each program of the row recomputes the row's
+chunks in order, for the largest magnitude and then the scaled sum (rare: no second exchange,
+nothing more exchanged on the common path).
 
 Under TRITON_INTERPRET=1 programs run one after another, so a program cannot wait for a later one:
-the interpreter launches the split kernel twice (PHASES = publish, then wait + outputs), the same
-body.
+the interpreter launches the split kernel twice (PHASES = publish, then wait + outputs),
+the same body.
 """
 
 from __future__ import annotations

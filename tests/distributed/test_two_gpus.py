@@ -324,7 +324,7 @@ def test_migration_example_on_two_gpus_with_nccl():
     import sys
 
     needs_two_gpus()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(
         [
             sys.executable,

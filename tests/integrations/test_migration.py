@@ -11,7 +11,7 @@ import torch
 from fusion_bridge.cli.matrix import embedded, markdown
 from migration.examples.deepseek_moe import DeepSeekMoEBlock, MoEConfig, run_rank
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_example_before_and_after_agree_on_two_gloo_ranks_with_shadow_stats():

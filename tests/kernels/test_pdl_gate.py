@@ -10,14 +10,14 @@ import torch
 from fusion_bridge.kernels import pdl as P
 from fusion_bridge.kernels.symm import twoshot as symm_twoshot
 from fusion_bridge.kernels.tp1 import launch as tp1_launch
-from fusion_bridge.kernels.tp1.shapes import local_shape
+from fusion_bridge.kernels.tp1.shapes import tp1_shape
 from fusion_bridge.kernels.layer import LayerRecord
 from fusion_bridge.spec import EpilogueSpec
 
 
 def _plan(launcher, tokens, pdl):
     hidden = launcher.layer.hidden
-    shape = local_shape(tokens, hidden, 0, launcher.num_sms)._replace(pdl=pdl)
+    shape = tp1_shape(tokens, hidden, 0, launcher.num_sms)._replace(pdl=pdl)
     return launcher.plan(tokens, 8, True, True, (tokens, 0), shape)
 
 

@@ -63,7 +63,7 @@ def test_fused_tp1_pdl_reads_its_routing_weights_after_the_writer(quant, writer)
     (PDL on) right after a kernel that writes its routing weights; eager, then a CUDA graph
     replayed on new inputs."""
     needs_pdl()
-    from fusion_bridge.kernels.tp1.shapes import local_shape
+    from fusion_bridge.kernels.tp1.shapes import tp1_shape
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
@@ -74,7 +74,7 @@ def test_fused_tp1_pdl_reads_its_routing_weights_after_the_writer(quant, writer)
     problems = []
     torch_only = writer == "torch"
     for tokens in (1, 16, 300):
-        assert local_shape(tokens, 4096, launcher.layer.quant.code, launcher.num_sms).pdl
+        assert tp1_shape(tokens, 4096, launcher.layer.quant.code, launcher.num_sms).pdl
         static = make_inputs(spec, tokens, seed=tokens, device="cuda")
         src = static.expert_weights.clone()
         for _ in range(3):  # eager (the first call compiles)

@@ -30,7 +30,7 @@ import triton
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.oracle.synthetic import make_inputs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 if not all(os.path.exists(os.path.join(NVIDIA_BIN, t)) for t in ("ptxas", "nvdisasm")):
@@ -103,11 +103,11 @@ DISCARDING = ("twoshot_reduce", "twoshot_gather")  # L2=2: they drop the slot ro
 
 def _tp1_compiled(quant: str, tokens: int, num_sms: int):
     from benchmarks import offline_sass as offline
-    from fusion_bridge.kernels import row_epilogue as oneshot_local
+    from fusion_bridge.kernels.tp1 import whole_rows
     from fusion_bridge.kernels.tp1 import split_rows as tp1_split
     from fusion_bridge.kernels.tp1.shapes import MAX_POLLS
 
-    kernel = tp1_split._tp1_split_kernel if num_sms else oneshot_local._tp1_kernel
+    kernel = tp1_split._tp1_split_kernel if num_sms else whole_rows._tp1_kernel
     args, kwargs = offline.recorded_launch(kernel, offline._tp1_launch(quant, tokens, num_sms))
     gpu = {"USE_PDL": 1, "RECIP": int(quant == "fp8")}
     if num_sms:  # both phases in one launch, as a GPU call

@@ -17,7 +17,8 @@ from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.quant import row_block
 from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, QuantArgs
 from fusion_bridge.kernels.rounding import round_to
-from fusion_bridge.kernels.tp1.shapes import LOCAL_PDL, local_shape
+from fusion_bridge.kernels.tp1.shapes import TP1_PDL, tp1_shape
+from fusion_bridge.kernels.symm.protocol import ONESHOT
 from fusion_bridge.kernels.symm.oneshot import OneshotShape, default_shape
 from fusion_bridge.kernels.symm.protocol import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS
 from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group, launch_with_hooks
@@ -92,7 +93,6 @@ class Group:
         self.spec, self.world, self.quant, self.layout = spec, world, quant, layout
         swizzled = layout is SFLayout.SWIZZLED_128x4
         self.g = emulated_group(
-            "oneshot",
             spec,
             world,
             cap,
@@ -208,18 +208,6 @@ def test_emulated_ranks_match_the_float64_oracle(
 
 
 @emulation
-def test_world_size_one_takes_the_local_path_and_leaves_the_protocol_alone():
-    """At W=1 the kernel keeps each row's partial in registers: no slot written, no device state
-    touched (tests/kernels/test_tp1.py checks its outputs)."""
-    spec = EpilogueSpec(hidden_size=96, top_k=8)
-    grp = Group(spec, 1, 4)
-    residual_out, norm_out, *_ = grp.call(3, seed=2)[0]
-    assert torch.isfinite(norm_out).all() and torch.isfinite(residual_out).all()
-    assert not grp.g.states.any() and grp.error(0) == 0
-    assert (grp.g.data(0, torch.int16) == SENTINEL_BITS).all()
-
-
-@emulation
 def test_model_width_single_token():
     """H=7168 (DeepSeek-V3), T=1, K=8, split into the default launch's column chunks (each program
     of the row reads the whole row for its sum of squares and stores its chunk)."""
@@ -252,11 +240,11 @@ def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
     assert default_shape(64, 7168) == (8192, 3584, 8)  # 2 programs per row
     assert default_shape(256, 7168) == (8192, 7168, 8)
     # world size 1 (no SM count: whole rows): 16 warps per 8192 columns at every T (measured, see
-    # local_warps), no prefetch; programmatic dependent launch as LOCAL_PDL says (the exchange
+    # whole_row_warps), no prefetch; programmatic dependent launch as TP1_PDL says (the exchange
     # kernel's shapes never ask for it)
-    assert local_shape(1, 7168) == (8192, 16, 0, LOCAL_PDL)
-    assert local_shape(1024, 7168) == (8192, 16, 0, LOCAL_PDL)
-    assert local_shape(16, 4096) == (4096, 8, 0, LOCAL_PDL)
+    assert tp1_shape(1, 7168) == (8192, 16, 0, TP1_PDL)
+    assert tp1_shape(1024, 7168) == (8192, 16, 0, TP1_PDL)
+    assert tp1_shape(16, 4096) == (4096, 8, 0, TP1_PDL)
     for tokens in (1, 3, 16, 64, 129, 256):
         for hidden in (7168, 4096, 2880, 96):
             b1, b2 = default_shape(tokens, hidden)[:2]
@@ -369,7 +357,6 @@ def test_a_clear_never_touches_what_a_rank_one_call_ahead_published():
     def part(call, rank, phases):
         inputs, outs = calls[call]
         launch_with_hooks(
-            "oneshot",
             grp.g.layers[rank],
             shape=OneshotShape(64, 64, 4),
             phases=phases,
@@ -512,7 +499,7 @@ def test_strategy_declarations():
     )
     assert cls.error_bound(spec, GOOD_ENV) == pytest.approx(math.sqrt(3) * 2.0**-8)
     assert (
-        cls.max_tokens_per_call(spec, GOOD_ENV) == sw.MAX_CAP_TOKENS["oneshot"]
+        cls.max_tokens_per_call(spec, GOOD_ENV) == ONESHOT.max_cap_tokens
     )  # larger T overflows elsewhere
     assert (
         cls.max_tokens_per_call(EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64), GOOD_ENV)
@@ -585,7 +572,7 @@ def test_launch_shape_variants_for_tune():
         shapes = {v: variant_shape(v, tokens, 7168, 132, 2) for v in SHAPE_VARIANTS}
         assert shapes["rows"][:2] == (8192, 8192)
         assert shapes["pub512"][:2] == (512, 8192)
-        assert shapes["pub1024"][:2] == (1024, default_shape(tokens, 7168, 132, 2).block2)
+        assert shapes["pub1024"][:2] == (1024, default_shape(tokens, 7168, 132).block2)
         assert all(s.block1 % 64 == 0 and s.block2 % 64 == 0 for s in shapes.values())
     with pytest.raises(ValueError, match="unknown launch variant 'wide'"):
         variant_shape("wide", 1, 7168, 132, 2)

@@ -28,12 +28,12 @@ def needs_gpu():
         pytest.skip("needs a CUDA GPU (on a GPU machine: `python -m pytest -m gpu`)")
 
 
-def _group(kind, spec, world, cap, timeout_s=10.0):
+def _group(spec, world, cap, timeout_s=10.0):
     """W ranks' buffers (each its own allocation), states, pinned error words and layers, with at
     most SMs / W programs per rank (kernels/symm_testing)."""
     from fusion_bridge.testing.symm_oneshot_rig import emulated_group
 
-    return emulated_group(kind, spec, world, cap, device="cuda", timeout=int(timeout_s * 1e6))
+    return emulated_group(spec, world, cap, device="cuda", timeout=int(timeout_s * 1e6))
 
 
 def _call(kernel, group, streams, spec, inputs):
@@ -101,8 +101,8 @@ def _problems(spec, outs, inputs, bound, tag):
     return found
 
 
-@pytest.mark.parametrize("kind,world", [("oneshot", 2)])
-def test_emulated_ranks_on_one_gpu(kind, world):
+@pytest.mark.parametrize("world", [2])
+def test_emulated_ranks_on_one_gpu(world):
     needs_gpu()
     from fusion_bridge.kernels.symm import oneshot as symm_oneshot
     from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout
@@ -128,7 +128,7 @@ def test_emulated_ranks_on_one_gpu(kind, world):
                 quant=quant,
                 max_tokens=cap,
             )
-            group = _group(kind, spec, world, cap)
+            group = _group(spec, world, cap)
             for tokens in (1, 3, 129, cap - 1, cap):
                 inputs = [
                     make_inputs(
@@ -142,11 +142,11 @@ def test_emulated_ranks_on_one_gpu(kind, world):
                     outs,
                     inputs,
                     bound,
-                    f"{kind} W={world} H={hidden} {quant.kind.value} T={tokens}",
+                    f"oneshot W={world} H={hidden} {quant.kind.value} T={tokens}",
                 )
     # many calls at changing T through one set of buffers: slots rotate and are cleared behind
     spec = EpilogueSpec(hidden_size=4096, top_k=8, max_tokens=cap)
-    group = _group(kind, spec, world, cap)
+    group = _group(spec, world, cap)
     rng = random.Random(7)
     pool = {
         t: [make_inputs(spec, t, rank=r, seed=t, device="cuda") for r in range(world)]
@@ -157,7 +157,7 @@ def test_emulated_ranks_on_one_gpu(kind, world):
         outs = _call(kernel, group, streams, spec, pool[tokens])
         if call % 50 == 0:
             problems += _problems(
-                spec, outs, pool[tokens], bound, f"{kind} W={world} stress call {call} T={tokens}"
+                spec, outs, pool[tokens], bound, f"oneshot W={world} stress call {call} T={tokens}"
             )
     torch.cuda.synchronize()
     errors = [int(e) for e in group.errs[:, 0]]
@@ -177,7 +177,7 @@ def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
     from fusion_bridge.oracle.synthetic import make_inputs
 
     spec = EpilogueSpec(hidden_size=2880, top_k=4, max_tokens=8)
-    group = _group("oneshot", spec, 2, 8, timeout_s=0.5)
+    group = _group(spec, 2, 8, timeout_s=0.5)
     calls = []
     for seed in (1, 2):
         inputs = [make_inputs(spec, 5, rank=r, seed=seed, device="cuda") for r in range(2)]
@@ -192,7 +192,7 @@ def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
     def part(call, rank, phases):
         inputs, outs = calls[call]
         launch_with_hooks(
-            "oneshot", group.layers[rank], phases=phases, **call_tensors(inputs[rank], outs[rank])
+            group.layers[rank], phases=phases, **call_tensors(inputs[rank], outs[rank])
         )
 
     publish, clear, reduce, epoch = P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH
@@ -211,8 +211,7 @@ def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("kind", ["oneshot"])
-def test_compiled_symmetric_memory_kernels_normalize_huge_rows(kind):
+def test_compiled_symmetric_memory_kernels_normalize_huge_rows():
     """The compiled one-shot's norm on rows scaled by 2e19, 1e25 and 1e36 (their fp32 sum of squares
     overflows): within one rounding of the float64 oracle, never an all-zero row (the
     interpreter
@@ -232,7 +231,7 @@ def test_compiled_symmetric_memory_kernels_normalize_huge_rows(kind):
     for row, scale in zip((1, 2, 3), (2e19, 1e25, 1e36)):
         residual[row] = (residual[row].float() * scale).to(torch.bfloat16)
     inputs = [i._replace(residual=residual, gamma=inputs[0].gamma) for i in inputs]
-    group = _group(kind, spec, world, 8)
+    group = _group(spec, world, 8)
     outs = _call(kernel, group, [torch.cuda.Stream() for _ in range(world)], spec, inputs)
     torch.cuda.synchronize()
     assert [int(e) for e in group.errs[:, 0]] == [0] * world

@@ -15,6 +15,7 @@ from fusion_bridge.kernels.symm import (
     protocol as symm_protocol,
     twoshot as symm_twoshot,
 )
+from fusion_bridge.kernels.symm.protocol import ONESHOT, TWOSHOT
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
 from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
 
@@ -26,7 +27,8 @@ def test_protocol_and_sizing_import_no_triton():
     code = (
         "import sys; import fusion_bridge.strategies.symm_workspace as sw; "
         "from fusion_bridge.spec import EpilogueSpec; "
-        "sw.capacity(EpilogueSpec(hidden_size=7168, top_k=8), 2, 'twoshot'); "
+        "from fusion_bridge.kernels.symm.protocol import TWOSHOT; "
+        "sw.capacity(EpilogueSpec(hidden_size=7168, top_k=8), 2, TWOSHOT); "
         "sw.buffer_bytes(EpilogueSpec(hidden_size=7168, top_k=8), 2); "
         "print('triton' in sys.modules)"
     )
@@ -75,12 +77,10 @@ def test_hooks_stay_out_of_production_launchers_and_strategies():
 
 
 def test_sizes_follow_the_layouts():
-    assert symm_protocol.buffer_bytes("oneshot", 2, 16, 64, 2) == 256 + 3 * 2 * 16 * 64 * 2
+    assert ONESHOT.buffer_bytes(2, 16, 64, 2) == 256 + 3 * 2 * 16 * 64 * 2
     # the two-shot: 2 slots of [2][W][ceil(1024 / W)][H] (reduce-scatter, all-gather), any cap
     for cap in (1, 7, 4096, 100_000):
-        assert (
-            symm_protocol.buffer_bytes("twoshot", 3, cap, 64, 2) == 256 + 2 * 2 * 3 * 342 * 64 * 2
-        )
+        assert TWOSHOT.buffer_bytes(3, cap, 64, 2) == 256 + 2 * 2 * 3 * 342 * 64 * 2
 
 
 def test_capacity_at_every_world_size():
@@ -95,14 +95,14 @@ def test_capacity_at_every_world_size():
     budget = 512 << 20
     for world in range(2, 9):
         oneshot = min(2048, budget // (3 * world * row))  # 2048 up to W=6, 1783 at 7, 1560 at 8
-        assert sw.capacity(spec, world, "oneshot") == oneshot, world
-        assert sw.capacity(spec, world, "twoshot") == 8192, world
-    assert [sw.capacity(spec, w, "oneshot") for w in (7, 8)] == [1783, 1560]
+        assert sw.capacity(spec, world, ONESHOT) == oneshot, world
+        assert sw.capacity(spec, world, TWOSHOT) == 8192, world
+    assert [sw.capacity(spec, w, ONESHOT) for w in (7, 8)] == [1783, 1560]
     # a max_tokens below the layout's bound is the capacity
     small = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=100)
-    assert sw.capacity(small, 8, "twoshot") == sw.capacity(small, 8, "oneshot") == 100
+    assert sw.capacity(small, 8, TWOSHOT) == sw.capacity(small, 8, ONESHOT) == 100
     big = EpilogueSpec(hidden_size=16384, top_k=8, max_tokens=65536)
-    assert [sw.capacity(big, w, "twoshot") for w in (2, 4, 8)] == [65536] * 3
+    assert [sw.capacity(big, w, TWOSHOT) for w in (2, 4, 8)] == [65536] * 3
 
 
 def test_the_twoshot_workspace_is_fixed_whatever_t():
@@ -118,11 +118,11 @@ def test_the_twoshot_workspace_is_fixed_whatever_t():
         sizes = set()
         for max_tokens in (1, 256, 4096, 8192, 65536):
             spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=max_tokens)
-            sizes.add(sw.buffer_bytes(spec, world, "twoshot"))
+            sizes.add(sw.buffer_bytes(spec, world, TWOSHOT))
             at_world = env.replace(world_size=world)
             assert SymmFusedTwoshotStrategy.max_tokens_per_call(spec, at_world) == max_tokens
             codes = [
-                r.code for r in sw.reasons(spec, at_world, "t", probe=lambda: None, kind="twoshot")
+                r.code for r in sw.reasons(spec, at_world, "t", probe=lambda: None, layout=TWOSHOT)
             ]
             assert codes == [], (world, max_tokens, codes)
         assert len(sizes) == 1, (world, sizes)
@@ -131,7 +131,7 @@ def test_the_twoshot_workspace_is_fixed_whatever_t():
         assert size <= 64_000_000, (world, size)
     # 58.7 MB at W=2 (2 slots x 2 regions x 1024 rows of 7168 bf16 values)
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=4096)
-    assert sw.buffer_bytes(spec, 2, "twoshot") == 256 + 2 * 2 * 1024 * 7168 * 2
+    assert sw.buffer_bytes(spec, 2, TWOSHOT) == 256 + 2 * 2 * 1024 * 7168 * 2
 
 
 def test_the_world_size_one_kernels_can_take_the_launch_cache():
@@ -141,7 +141,8 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
     none, the exchange kernel does (the protocol's constants). Compiled-mode JIT objects: a
     subprocess without the interpreter."""
     code = (
-        "from fusion_bridge.kernels import oneshot_local as l, symm_oneshot as m, tp1_split as s; "
+        "from fusion_bridge.kernels.tp1 import whole_rows as l, split_rows as s; "
+        "from fusion_bridge.kernels.symm import oneshot as m; "
         "l._tp1_kernel.cache_key; s._tp1_split_kernel.cache_key; m._oneshot_kernel.cache_key; "
         "print(len(l._tp1_kernel.used_global_vals), len(s._tp1_split_kernel.used_global_vals), "
         "len(m._oneshot_kernel.used_global_vals) > 0)"
@@ -177,7 +178,8 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     assert twoshot_launch.variant_shape("f_after_x", 5, 96, 132, 2, 0) == "f_after_x"
     with pytest.raises(ValueError, match="variant: expected one of"):
         twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0)
-    words, dtype = symm_protocol.state_words(SymmFusedTwoshotStrategy.workspace_kind)
+    layout = SymmFusedTwoshotStrategy.workspace_layout
+    words, dtype = layout.state_words, layout.state_dtype
     assert (words, dtype) == (STATE_WORDS, torch.int64)
     spec = EpilogueSpec(hidden_size=96, top_k=2)
     ws = SimpleNamespace(

@@ -13,6 +13,7 @@ from fusion_bridge.environment import Environment
 from fusion_bridge.epilogue_tensors import EpilogueOutputs
 from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.finalize_add import finalize_add_into
+from fusion_bridge.kernels.tp1.shapes import Tp1Shape
 from fusion_bridge.oracle.numerics import rel_err
 from fusion_bridge.spec import EpilogueSpec, QuantKind, QuantSpec, SFLayout, Stage
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF
@@ -125,14 +126,14 @@ def test_a_row_whose_sum_of_squares_overflows_fp32_is_normalized():
 
 
 def test_zero_tokens_launch_nothing():
-    from fusion_bridge.kernels.symm import oneshot as symm_oneshot
     from fusion_bridge.kernels.layer import LayerRecord
+    from fusion_bridge.kernels.tp1 import launch as tp1_launch
 
     spec = EpilogueSpec(hidden_size=64, top_k=2)
     inp = make_inputs(spec, 0, device=DEVICE)
     none = torch.empty(0, dtype=torch.uint8, device=DEVICE)
     out = torch.empty(0, 64, dtype=spec.dtype, device=DEVICE)
-    symm_oneshot.launch(
+    tp1_launch.launch(
         LayerRecord.of(spec),
         residual_out=out,
         norm_out=out,
@@ -215,7 +216,7 @@ def test_split_rows_under_the_interpreter(quant):
     path's), norm_out against the float64 oracle, quant codes and scales (padding included) those
     of its own norm_out. Calls alternate chunk counts and T, so each count's arrival counter and
     tags must stay in step while the others run; H=160 ends in a partial chunk."""
-    from fusion_bridge.kernels.tp1.launch import OneshotShape, split_ok
+    from fusion_bridge.kernels.tp1.shapes import Tp1Shape, split_ok
 
     problems = []
     for hidden, chunks_of in ((320, (64, 128)), (160, (64,))):
@@ -231,7 +232,7 @@ def test_split_rows_under_the_interpreter(quant):
                 whole = strat.run(inp)
                 x64, norm64 = epilogue64_from(spec, [inp])
                 for chunk in chunks_of:
-                    shape = OneshotShape(chunk, chunk, 2)
+                    shape = Tp1Shape(chunk, 2)
                     assert split_ok(shape, tokens, hidden, 16)
                     got = _launch_with(strat, inp, shape, like=whole)
                     tag = f"H={hidden} T={tokens} chunk={chunk} rep={rep}"
@@ -257,7 +258,7 @@ def test_split_rows_under_the_interpreter(quant):
 def test_split_rows_overflowing_the_sum_of_squares_are_normalized():
     """|x| ~ 1e25 in one row: its chunks' fp32 sum overflows; every program of the row rescales
     from the row's largest exponent (exchanged with the sums), as whole rows do."""
-    from fusion_bridge.kernels.tp1.launch import OneshotShape
+    from fusion_bridge.kernels.tp1.shapes import Tp1Shape
 
     spec = EpilogueSpec(hidden_size=320, top_k=2, has_shared_output=False)
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
@@ -265,7 +266,7 @@ def test_split_rows_overflowing_the_sum_of_squares_are_normalized():
     strat._launch.num_sms = 16
     inp = make_inputs(spec, 2, seed=4, device=DEVICE, skip_fraction=0.0)
     inp.residual[0, :70].mul_(1e25)  # the largest values in the first two chunks only
-    got = _launch_with(strat, inp, OneshotShape(64, 64, 2))
+    got = _launch_with(strat, inp, Tp1Shape(64, 2))
     _, norm64 = epilogue64_from(spec, [inp])
     assert torch.isfinite(got.norm_out).all()
     assert rel_err(got.norm_out, norm64) <= FusedTp1Strategy.error_bound(spec, ENV)
@@ -281,7 +282,7 @@ def test_a_split_row_whose_partner_never_arrives_is_nan_not_a_hang():
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
     strat._launch.num_sms = 16
-    shape = L.OneshotShape(64, 64, 2)
+    shape = Tp1Shape(64, 2)
     inp = make_inputs(spec, 1, seed=5, device=DEVICE)
     out = _launch_with(strat, inp, shape)  # one full call: tags of epoch 1
     assert torch.isfinite(out.norm_out).all()
@@ -313,7 +314,7 @@ def test_a_split_row_whose_partner_never_arrives_is_reported_not_silent():
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
     strat._launch.num_sms = 16
-    shape = L.OneshotShape(64, 64, 2)
+    shape = Tp1Shape(64, 2)
     inp = make_inputs(spec, 1, seed=5, device=DEVICE)
     out = _launch_with(strat, inp, shape)
     launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = strat._launch.plan(

@@ -6,6 +6,8 @@ norm_out; CUDA-graph replays on new inputs."""
 import pytest
 import torch
 
+from fusion_bridge.kernels.tp1.shapes import Tp1Shape
+
 pytestmark = pytest.mark.gpu
 TOKENS = (1, 3, 16, 64, 129, 256, 1000, 4096)
 
@@ -121,7 +123,7 @@ def test_split_rows_match_whole_rows_at_every_chunk(quant):
             inp = make_inputs(spec, tokens, seed=rep * 100 + tokens, device="cuda")
             whole = strat.run(inp)
             for chunk, warps in ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8)):
-                shape = L.OneshotShape(chunk, chunk, warps)
+                shape = Tp1Shape(chunk, warps)
                 if not L.split_ok(shape, tokens, 7168, strat._launch.num_sms):
                     continue
                 got = strat.run(inp)

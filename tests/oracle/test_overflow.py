@@ -186,8 +186,7 @@ def test_every_cpu_strategy_normalizes_a_huge_row(strategy):
     reason="interpreter emulation; tests/kernels/test_symm_oneshot_emulated_on_one_gpu.py covers "
     "the compiled kernels",
 )
-@pytest.mark.parametrize("kind", ["oneshot"])
-def test_symmetric_memory_kernels_normalize_huge_rows(kind):
+def test_symmetric_memory_kernels_normalize_huge_rows():
     """The one-shot symmetric-memory kernel's norm on rows scaled by 1e18 (control), 2e19, 1e25 and
     1e36, two emulated ranks (kernels/symm_testing runs the production kernel body; the
     two-shot
@@ -203,7 +202,7 @@ def test_symmetric_memory_kernels_normalize_huge_rows(kind):
     for row, scale in zip((1, 2, 3, 4), (1e18, 2e19, 1e25, 1e36)):
         residual[row] = (residual[row].float() * scale).to(torch.bfloat16)
     inputs = [i._replace(residual=residual, gamma=inputs[0].gamma) for i in inputs]
-    group = emulated_group(kind, spec, world, tokens)
+    group = emulated_group(spec, world, tokens)
     none = torch.empty(0, dtype=torch.uint8)
     outs = [
         (

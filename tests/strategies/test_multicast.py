@@ -10,6 +10,7 @@ import pytest
 from fusion_bridge import EpilogueSpec
 from fusion_bridge.environment import NO_MULTICAST_ENV, Environment, detect
 from fusion_bridge.plan.planner import static_statuses
+from fusion_bridge.kernels.symm.protocol import LAYOUTS
 from fusion_bridge.strategies import symm_workspace as sw
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +44,9 @@ def test_the_symmetric_memory_strategies_do_not_ask_for_the_multicast_variables(
     for status in static_statuses(spec, env):
         if status.name in SYMM:
             assert status.reasons == (), (status.name, status.reasons)
-    for kind in ("oneshot", "twoshot"):
-        assert sw.reasons(spec, env, f"symm_fused_{kind}", probe=lambda: None, kind=kind) == []
+    for layout in LAYOUTS:
+        who = f"symm_fused_{layout.name}"
+        assert sw.reasons(spec, env, who, probe=lambda: None, layout=layout) == []
 
 
 def test_no_kernel_holds_a_multimem_instruction_or_reads_a_multicast_pointer():
