@@ -193,35 +193,3 @@ def finalize_add(
         perm.shape[0], gemm2_out.shape[1], dtype=gemm2_out.dtype, device=gemm2_out.device
     )
     return finalize_add_into(out, gemm2_out, perm, weights, shared, routed_scaling)
-
-
-@triton.jit
-def finalize_routed(
-    gemm2_ptr,
-    src,
-    weight,
-    shared_ptr,
-    row,
-    cols,
-    hidden,
-    routed_scaling,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-):
-    """`finalize_row` with the routing already loaded (a persistent kernel loads the next item's
-    routing before this item's gathers, so one memory latency per item, not two): src int64 and
-    weight fp32 [R, KP] (KP >= TOP_K, columns past TOP_K unused), rows `row` int64 [R, 1], cols
-    [R, C] -> fp32 [R, C], the same sum in the same order as finalize_row."""
-    kk = tl.arange(0, src.shape[1])[None, :]
-    in_row = cols < hidden
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        src_k = tl.sum(tl.where(kk == k, src, 0), axis=1)[:, None]
-        w_k = tl.sum(tl.where(kk == k, weight, 0.0), axis=1)[:, None]
-        valid = (cols * 0 + src_k) >= 0
-        x = tl.load(gemm2_ptr + src_k * hidden + cols, mask=in_row & valid, other=0.0)
-        acc += tl.where(valid, x.to(tl.float32) * w_k, 0.0)
-    acc = acc * routed_scaling
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-    return acc

@@ -95,6 +95,8 @@ def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
 
     if not env_vars.read(ENV_VAR):
         return None, f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the first reason: nothing is compiled
+        return None, "TRITON_INTERPRET=1: no compiled launcher"
     version = triton_version()
     if version not in TESTED_TRITON:
         tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON)

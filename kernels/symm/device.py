@@ -181,12 +181,6 @@ def clear_item(item, slot_ptr, hidden, CLEAR_BLOCK: tl.constexpr):
     )
 
 
-@triton.jit
-def clear_row(ptr, hidden, ROW_BLOCK: tl.constexpr):
-    cols = tl.arange(0, ROW_BLOCK)
-    tl.store(ptr + cols, tl.full([ROW_BLOCK], SENTINEL, tl.int16), mask=cols < hidden)
-
-
 # ---- GPU only: inline PTX -----------------------------------------------------------------------
 @triton.jit
 def _globaltimer():
