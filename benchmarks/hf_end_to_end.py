@@ -179,9 +179,10 @@ def build(family: str, layers: int, device: torch.device, smoke: bool) -> torch.
 
     torch.manual_seed(0)
     config, class_name = _config(family, layers, smoke)
+    # built on the device in bf16, with the modules transformers keeps in fp32 (routers) in fp32
     with torch.device(device):
         model = getattr(transformers, class_name)._from_config(config, dtype=torch.bfloat16)
-    return model.to(device=device, dtype=torch.bfloat16).eval()
+    return model.eval()
 
 
 class Clock:
