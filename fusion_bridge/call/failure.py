@@ -144,20 +144,19 @@ def agree_on_call(
         collective_device(group, device),
         call=call,
         bridge=bridge_index,
-        fingerprint=replicated_fingerprint(inputs) if error is None else 0,
+        fingerprint=replicated_fingerprint(inputs) if error is None else (0, 0, 0),
     )
     return planned if tokens else None
 
 
-def replicated_fingerprint(inputs: EpilogueInputs) -> int:
-    """A checksum of the inputs every rank of the TP group holds identical (residual, index map,
-    expert weights), for debug mode: ranks whose fingerprints differ are not on the same step.
-    Reads every byte (a sync and a pass over [T, H]): debug mode only."""
-    total = 0
-    for i, t in enumerate(
-        (inputs.residual, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights)
-    ):
+def replicated_fingerprint(inputs: EpilogueInputs) -> tuple[int, int, int]:
+    """A checksum of each input every rank of the TP group holds identical (residual, index map,
+    expert weights: rank_agreement.REPLICATED), for debug mode: ranks whose fingerprints differ are
+    not on the same step, and the message says which input differs. Reads every byte (a sync and
+    a pass over [T, H]): debug mode only."""
+    out = []
+    for t in (inputs.residual, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights):
         raw = t.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
         weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) % 65521 + 1
-        total = (total * 1000003 + int((raw * weights).sum()) + i) % (1 << 61)
-    return total
+        out.append(int((raw * weights).sum()) % (1 << 61))
+    return tuple(out)

@@ -6,9 +6,14 @@ Split over a group of W ranks (every rank holds the whole model; only the work i
   - shared expert: rank r computes intermediate columns [r*I//W, (r+1)*I//W) of gate/up and the
     matching columns of down_proj (tensor-parallel), a partial sum of the shared output.
 The bridge's all-reduce adds the W partials.
+
+The expert path reads the layout flags transformers' `use_experts_implementation` sets on the
+experts (is_transposed, has_bias) and calls their `_apply_gate`, so one path serves every family.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -21,24 +26,23 @@ def block_of(rank: int, world: int, count: int) -> range:
     return range(rank * count // world, (rank + 1) * count // world)
 
 
-def _grouped_linear(
-    rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor
-) -> torch.Tensor:
-    """rows [S, in] (sorted by group), weights [G, out, in], ends [G] int32 cumulative row counts
-    -> [S, out]; rows past ends[-1] are left uninitialised (nobody reads them). One grouped GEMM
-    on CUDA (no host sync: CUDA-graph safe); else one GEMM per group (syncs on counts)."""
+def _grouped_linear(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [S, in] (sorted by group), weights [G, in, out] (any strides), ends [G] int32 cumulative
+    row counts -> [S, out]; rows past ends[-1] are left uninitialised (nobody reads them). One
+    grouped GEMM on CUDA (no host sync: CUDA-graph safe); else one GEMM per group (syncs on
+    ends)."""
     if _GROUPED_MM is not None and _grouped_mm_ok(rows, weights):
-        return _GROUPED_MM(rows, weights.transpose(-2, -1), offs=ends)
-    out = rows.new_empty(rows.shape[0], weights.shape[1])
+        return _GROUPED_MM(rows, weights, offs=ends)
+    out = rows.new_empty(rows.shape[0], weights.shape[2])
     # on CPU in fp32: bf16 GEMMs there are several times slower, and a bf16 GEMM accumulates in
     # fp32 and rounds its output once, which is what the cast back does
     compute = torch.float32 if rows.device.type == "cpu" else rows.dtype
     start = 0
-    for g, n in enumerate(counts.tolist()):
-        if n:
-            rows_g = rows[start : start + n].to(compute)
-            out[start : start + n] = F.linear(rows_g, weights[g].to(compute)).to(rows.dtype)
-        start += n
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            rows_g = rows[start:end].to(compute)
+            out[start:end] = (rows_g @ weights[g].to(compute)).to(rows.dtype)
+        start = end
     return out
 
 
@@ -46,18 +50,35 @@ def _grouped_mm_ok(rows: torch.Tensor, weights: torch.Tensor) -> bool:
     # CUDA SM80+ only: torch's CPU grouped_mm is far slower than one GEMM per group (and on CPU
     # nothing is captured, so the host sync of the loop costs nothing). The kernel wants 16-byte
     # aligned rows and strides (bf16/fp16: inner dims multiples of 8).
-    aligned = all(d % 8 == 0 for d in (rows.shape[1], weights.shape[1])) and rows.shape[0] > 0
-    return (
-        rows.device.type == "cuda"
-        and aligned
-        and torch.cuda.get_device_capability(rows.device) >= (8, 0)
-    )
+    aligned = all(d % 8 == 0 for d in weights.shape[1:]) and rows.shape[0] > 0
+    return rows.device.type == "cuda" and aligned and _sm80_or_newer(rows.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm80_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _group_bounds(groups: int, device: torch.device) -> torch.Tensor:
+    """[1, 2, ..., groups] int64: searchsorted against it gives each group's cumulative end. Made
+    once per (groups, device), so a call (or a captured CUDA graph) reuses it."""
+    return torch.arange(1, groups + 1, device=device)
+
+
+def _in_out(weights: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """transformers' [G, out, in] expert weights (or [G, in, out] when the experts say
+    is_transposed) as the [G, in, out] view a grouped GEMM multiplies rows by."""
+    return weights if transposed else weights.transpose(-2, -1)
 
 
 def routed_rows(
     x: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module, local: range
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's routed experts on x [T, H] with top-k ids [T, K].
+    """This rank's routed experts on x [T, H] with top-k ids [T, K], computed as transformers'
+    grouped_mm / batched_mm experts compute one row: gate_up GEMM (+ its bias, added in the
+    activation dtype), the experts' own `_apply_gate` (concatenated or interleaved gate/up, the
+    family's activation and clamps), down GEMM (+ its bias).
 
     Returns gemm2_out [T*K, H] x.dtype (the down projection's output, unweighted, rows sorted by
     expert: the permuted layout a grouped GEMM produces; rows of slots this rank does not hold are
@@ -68,22 +89,30 @@ def routed_rows(
     held = (flat >= local.start) & (flat < local.stop)
     n_local = len(local)
     # sort key: local expert index, or n_local for slots held elsewhere (sorted to the end)
-    key = torch.where(held, flat - local.start, torch.full_like(flat, n_local))
-    _, order = torch.sort(key, stable=True)  # permuted row p holds slot order[p]
+    key = torch.where(held, flat - local.start, n_local)
+    sorted_key, order = torch.sort(key, stable=True)  # permuted row p holds slot order[p]
     row_of_slot = torch.empty_like(order)
     row_of_slot[order] = torch.arange(order.numel(), device=x.device)
     index_map = torch.where(held, row_of_slot, -1).view(tokens, top_k).to(torch.int32)
-    # histc (float input, bins of width 1) counts without a host sync; bincount would sync for its
-    # output size
-    counts = torch.histc(key.float(), bins=n_local + 1, min=0, max=n_local + 1)[:n_local]
-    counts = counts.to(torch.int32)
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    # each local expert's cumulative row end, read off the sorted keys without a host sync (one
+    # launch; a bincount would sync for its output size)
+    ends = torch.searchsorted(sorted_key, _group_bounds(n_local, x.device), out_int32=True)
     rows = x[order // top_k]
-    gate_up = experts.gate_up_proj[local.start : local.stop]
-    down = experts.down_proj[local.start : local.stop]
-    gate, up = _grouped_linear(rows, gate_up, ends, counts).chunk(2, dim=-1)
-    hidden = experts.act_fn(gate) * up
-    return _grouped_linear(hidden, down, ends, counts), index_map
+    transposed = bool(getattr(experts, "is_transposed", False))
+    held_experts = slice(local.start, local.stop)
+    gate_up = _in_out(experts.gate_up_proj[held_experts], transposed)
+    down = _in_out(experts.down_proj[held_experts], transposed)
+    biased = bool(getattr(experts, "has_bias", False))
+    if biased:  # each row's expert's biases (rows held elsewhere: any expert, never read)
+        expert_of_row = sorted_key.clamp(max=n_local - 1)
+    projected = _grouped_linear(rows, gate_up, ends)
+    if biased:
+        projected.add_(experts.gate_up_proj_bias[held_experts][expert_of_row])
+    hidden = experts._apply_gate(projected)
+    out = _grouped_linear(hidden, down, ends)
+    if biased:
+        out.add_(experts.down_proj_bias[held_experts][expert_of_row])
+    return out, index_map
 
 
 def shared_partial(x: torch.Tensor, shared: torch.nn.Module, columns: range) -> torch.Tensor:

@@ -6,31 +6,41 @@
     print(patch.explain())                               # per MoE layer: strategy per token count
     patch.unpatch()                                      # the model's own code again
 
-Supported families (`config.model_type`): 'deepseek_v3' (DeepSeek-V3: shared expert, routed
-scaling, grouped routing) and 'qwen3_moe' (Qwen3-MoE: no shared expert); anything else raises
-UnsupportedModelError naming them. transformers 5.x (expert weights as 3-D tensors).
+Supported families (the language model's `config.model_type`; hf_families has one module per
+family, read from transformers' own modeling file of that family): DeepSeek-V3 ('deepseek_v3', and
+'kimi_k2', the type Kimi-K2's config carries; 'kimi_k25', Kimi-K2.5's vision-language wrapper),
+DeepSeek-V2, GLM-4-MoE, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE (the 'qwen3_5_moe' wrapper or its
+language model alone), Mixtral, MiniMax-M2 and gpt-oss; anything else raises UnsupportedModelError
+naming them. transformers 5.x (expert weights as 3-D tensors). A wrapper's vision tower and image
+inputs are untouched: only its language model's MoE layers move.
 
 What changes in the model, per MoE decoder layer (what an engine does when it adopts the fused
-epilogue): the layer's own router picks the experts; this rank computes the routed experts it holds
+epilogue): the block's own router picks the experts; this rank computes the routed experts it holds
 and its slice of the shared expert (see hf_experts), leaving the routed output unfinalized (permuted
 rows + [T, K] index map); the bridge finalizes, adds the shared partial, all-reduces over the group,
 adds the residual and applies the *next* RMSNorm (the next layer's input_layernorm, or the model's
-final norm after the last layer). The layer returns residual_out as its hidden states; the next
-norm, when called on exactly that tensor, returns the bridge's norm_out instead of computing the
-norm again. Attention, caches, dense layers, embeddings, lm_head and `generate` are the model's own
-code, untouched. Every rank holds the whole model and runs the same forward (same inputs); only the
-MoE work is split.
+final norm after the last layer). The decoder layer's own forward runs unchanged: the block returns
+a handoff that its `residual + mlp(...)` turns into the bridge's call (hf_handoff), and the next
+norm, called on exactly the bridge's residual_out, returns its norm_out instead of computing it
+again. Attention (full or linear), caches, dense layers, embeddings, lm_head and `generate` are the
+model's own code, untouched.
 
-Nothing is copied: the patch sets instance attributes (`forward` of the MoE decoder layers and of
-the norms they feed, plus `moe_epilogue` on each MoE layer) and `unpatch()` removes them, so
-parameters, state_dict and the class are the model's own throughout.
+Contract: every rank holds the whole model and runs the same forward calls with identical inputs
+(input_ids, attention mask, positions, cache state, generation settings); only the MoE work is
+split, and the bridge sums the ranks' partial outputs token by token. Ranks fed different inputs of
+the same length get wrong outputs without an error; `MoEEpiloguePatch.check_same_inputs` checks
+the contract with one small all-gather, and debug mode (`debug=True`) checks it on every MoE call.
+
+Nothing is copied: the patch sets instance attributes (`forward` of the MoE blocks and of the norms
+they feed, plus `moe_epilogue` on each MoE layer) and `unpatch()` removes them, so parameters,
+state_dict and the classes are the model's own throughout. The patched model runs in eval mode only:
+a patched block in training mode raises.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +49,6 @@ from fusion_bridge import EpilogueOutputs, EpilogueSpec, FusionBridge
 
 from fusion_bridge.integrations.hf_experts import block_of, routed_rows, shared_partial
 from fusion_bridge.integrations.hf_families import (
-    BRIDGE_DTYPES,
     Family,
     UnsupportedModelError,
     check_moe_block,
@@ -47,6 +56,7 @@ from fusion_bridge.integrations.hf_families import (
     family_of,
     is_moe_block,
 )
+from fusion_bridge.integrations.hf_handoff import HANDOFF_ATTR, block_forward, handoff_forward
 
 __all__ = [
     "patch_moe_epilogues",
@@ -57,8 +67,6 @@ __all__ = [
 ]
 
 _PATCH_ATTR = "_fusion_bridge_patch"
-# on a norm: (residual_out, norm_out) of the MoE layer that just ran, or None
-_HANDOFF_ATTR = "_fusion_bridge_handoff"
 
 
 @dataclass
@@ -80,14 +88,38 @@ class PatchedMoELayer:
         """The bridge's report for this layer (strategy per token bucket, every rejection)."""
         return self.bridge.explain(tokens)
 
-    def epilogue(self, x: torch.Tensor, residual: torch.Tensor) -> EpilogueOutputs:
-        """x [T, H]: the post-attention-norm activations; residual [T, H]: the stream before it."""
+    def expert_share(self, x: torch.Tensor):
+        """This rank's share of the block on x [T, H] (the post-attention-norm activations):
+        (gemm2_out, index map, expert weights, shared output or None), the bridge's inputs."""
         weights, ids = self.family.routing(self.block, x)
         gemm2_out, index_map = routed_rows(x, ids, self.block.experts, self.local_experts)
         shared = None
         if self.shared_columns is not None:
-            shared_mlp = getattr(self.block, self.family.shared_expert_attr)
-            shared = shared_partial(x, shared_mlp, self.shared_columns)
+            mlp = getattr(self.block, self.family.shared_expert_attr)
+            partial = shared_partial(x, mlp, self.shared_columns)
+            shared = self.family.shared_output(self.block, x, partial)
+        return gemm2_out, index_map, weights, shared
+
+    def epilogue(self, x: torch.Tensor, residual: torch.Tensor) -> EpilogueOutputs:
+        """x [T, H]: the post-attention-norm activations; residual [T, H]: the stream before it."""
+        return self._finalize(self.expert_share(x), residual)
+
+    def start(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The block's work on x [T, H] up to the bridge; returns finish(residual [..., H]) ->
+        residual_out, which runs the bridge and leaves its norm_out for the next norm."""
+        share = self.expert_share(x)
+
+        def finish(residual: torch.Tensor) -> torch.Tensor:
+            out = self._finalize(share, residual.reshape(-1, residual.shape[-1]))
+            residual_out = out.residual_out.view(residual.shape)
+            norm_out = out.norm_out.view(residual.shape)
+            self.norm_module.__dict__[HANDOFF_ATTR] = (residual_out, norm_out)
+            return residual_out
+
+        return finish
+
+    def _finalize(self, share, residual: torch.Tensor) -> EpilogueOutputs:
+        gemm2_out, index_map, weights, shared = share
         gamma = self.norm_module.weight.detach()
         return self.bridge.finalize_epilogue(gemm2_out, index_map, weights, shared, residual, gamma)
 
@@ -120,6 +152,27 @@ class MoEEpiloguePatch:
             )
         return "\n\n".join(parts)
 
+    def check_same_inputs(self, *tensors: torch.Tensor) -> None:
+        """Collective over the group: raise ValueError on every rank, naming the argument and the
+        ranks, unless every rank passed equal tensors (shape, dtype and bytes). Call it with what
+        a forward or generate call is given (input_ids, attention_mask, ...) before the call: one
+        pass over those tensors and one small all-gather, so once per request is cheap."""
+        if self.world_size == 1:
+            return
+        mine = [(tuple(t.shape), str(t.dtype), _checksum(t)) for t in tensors]
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for i in range(len(tensors)):
+            differ = [r for r in range(1, self.world_size) if everyone[r][i] != everyone[0][i]]
+            if differ:
+                shapes = ", ".join(f"rank {r}: {everyone[r][i][:2]}" for r in [0] + differ)
+                raise ValueError(
+                    f"check_same_inputs: argument {i} must be identical on every rank of the "
+                    f"group (shape, dtype, values), but rank(s) {differ} differ from rank 0 "
+                    f"({shapes}). Every rank runs the same forward; the bridge sums the ranks' "
+                    "expert outputs token by token, so different inputs give wrong outputs"
+                )
+
     def unpatch(self) -> None:
         """Restore the model's own forwards and free the bridges. Idempotent; not collective."""
         for module, name, previous in reversed(self._restore):
@@ -138,6 +191,9 @@ class MoEEpiloguePatch:
         self._restore.append((module, name, module.__dict__.get(name)))
         module.__dict__[name] = value  # a plain instance attribute: not a submodule, not state
 
+    def _norm_reused(self) -> None:
+        self.norms_reused += 1
+
 
 def patch_moe_epilogues(
     model: torch.nn.Module,
@@ -150,45 +206,41 @@ def patch_moe_epilogues(
     """Move every MoE layer of a transformers model onto FusionBridge. Collective over `group`
     (every rank calls it, with the same model, in the same order).
 
-    model: a DeepSeek-V3 or Qwen3-MoE model (…ForCausalLM or …Model), bf16 or fp16, on one device.
-    group: the TP process group (None: the default group if torch.distributed is initialised, else
-    a single process). strategy / bridge_options: passed to every FusionBridge. max_tokens: the
-    largest T (batch x sequence) one forward carries before larger calls take the overflow route.
+    model: a model of a supported family (…ForCausalLM, …Model, or a supported vision-language
+    wrapper), bf16 or fp16, on one device, in eval mode. group: the TP process group (None: the
+    default group if torch.distributed is initialised, else a single process). strategy /
+    bridge_options: passed to every FusionBridge (e.g. debug=True). max_tokens: the largest T
+    (batch x sequence) one forward carries before larger calls take the overflow route.
     Returns the MoEEpiloguePatch (`.unpatch()` restores the model). Raises UnsupportedModelError
     for a model it cannot patch and ValueError for a group that does not match the model."""
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise ValueError("patch_moe_epilogues: model is already patched (call .unpatch() first)")
-    family = family_of(model)
+    family, text = family_of(model)
     if model.training:
         raise ValueError(
             "patch_moe_epilogues: model must be in eval mode (call model.eval()): the bridge is "
             "an inference epilogue, without autograd"
         )
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
-    layers, final_norm = getattr(base, "layers", None), getattr(base, "norm", None)
-    if not isinstance(layers, torch.nn.ModuleList) or final_norm is None:
-        raise UnsupportedModelError(
-            f"patch_moe_epilogues: expected the decoder stack at .layers and the final norm at "
-            f".norm of {type(base).__name__}"
-        )
-    hidden = model.config.hidden_size
+    paths = {id(m): name for name, m in model.named_modules()}
+    layers, final_norm = text.layers, text.norm
+    hidden = text.config.hidden_size
     moe_indices = [i for i, layer in enumerate(layers) if is_moe_block(layer.mlp)]
     if not moe_indices:
         raise UnsupportedModelError("patch_moe_epilogues: the model has no MoE layer")
-    next_norms = {}
-    for i in moe_indices:
-        where = f"layers.{i}.mlp"
-        check_moe_block(family, layers[i].mlp, where, hidden)
-        name = f"layers.{i + 1}.input_layernorm" if i + 1 < len(layers) else "norm"
-        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        next_norms[i] = (name, norm, check_rmsnorm(norm, name, hidden))
-    first = layers[moe_indices[0]].mlp.experts.gate_up_proj
-    dtype, device = first.dtype, first.device
-    if dtype not in BRIDGE_DTYPES:
+    dtype = layers[moe_indices[0]].mlp.experts.gate_up_proj.dtype
+    if dtype in (torch.float32, torch.float64):
         raise UnsupportedModelError(
             f"patch_moe_epilogues: model dtype must be bf16 or fp16 (the bridge's activation "
-            f"dtypes), got {dtype}"
+            f"dtypes), got {dtype} ({'fp32' if dtype == torch.float32 else 'fp64'}): "
+            "cast it first, e.g. model.to(torch.bfloat16)"
         )
+    next_norms = {}
+    for i in moe_indices:
+        check_moe_block(family, layers[i].mlp, paths[id(layers[i].mlp)], hidden)
+        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        name = paths[id(norm)]
+        next_norms[i] = (name, norm, check_rmsnorm(family, norm, name, hidden))
+    device = layers[moe_indices[0]].mlp.experts.gate_up_proj.device
     group, rank, world = _resolve_group(group, device)
     num_experts = layers[moe_indices[0]].mlp.experts.gate_up_proj.shape[0]
     if world > num_experts:
@@ -207,9 +259,10 @@ def patch_moe_epilogues(
             name, norm, eps = next_norms[i]
             spec = EpilogueSpec(
                 hidden_size=hidden,
-                top_k=int(block.gate.top_k),
+                top_k=family.top_k(block),
                 dtype=dtype,
                 eps=eps,
+                weight_bias=family.weight_bias,
                 routed_scaling_factor=family.routed_scaling(block),
                 has_shared_output=family.shared_expert_attr is not None,
                 max_tokens=max_tokens,
@@ -233,10 +286,11 @@ def patch_moe_epilogues(
             )
             patch.layers[i] = layer_patch
             patch._set(layers[i], "moe_epilogue", layer_patch)
-            patch._set(layers[i], "forward", _moe_layer_forward(layers[i], layer_patch))
-            if _HANDOFF_ATTR not in norm.__dict__:
-                patch._set(norm, "forward", _handoff_forward(norm, patch))
-                patch._set(norm, _HANDOFF_ATTR, None)
+            where = paths[id(block)]
+            patch._set(block, "forward", block_forward(block, where, layer_patch.start, family))
+            if HANDOFF_ATTR not in norm.__dict__:
+                patch._set(norm, "forward", handoff_forward(norm, patch._norm_reused))
+                patch._set(norm, HANDOFF_ATTR, None)
     except Exception:
         patch.unpatch()
         raise
@@ -251,52 +305,11 @@ def unpatch_moe_epilogues(model: torch.nn.Module) -> None:
         patch.unpatch()
 
 
-def _moe_layer_forward(layer: torch.nn.Module, state: PatchedMoELayer):
-    """The decoder layer's forward with the MoE epilogue on the bridge. The pre-norm structure
-    (input_layernorm -> self_attn -> add -> post_attention_layernorm -> mlp -> add) is the one both
-    families' layers run; the arguments go to self_attn exactly as the layer's own forward passes
-    them (whatever this transformers version names them)."""
-    signature = inspect.signature(type(layer).forward)
-    var_keyword = next(
-        (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
-    )
-
-    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        # every named parameter of the layer's own forward (defaults included) goes to self_attn,
-        # as the layer's own forward passes them
-        bound = signature.bind(layer, hidden_states, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
-        kwargs = {k: v for k, v in arguments.items() if k not in ("self", "hidden_states")}
-        kwargs.update(extra)
-        residual = hidden_states
-        attn = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
-        hidden = residual + (attn[0] if isinstance(attn, tuple) else attn)
-        normed = layer.post_attention_layernorm(hidden)
-        shape = hidden.shape
-        out = state.epilogue(normed.reshape(-1, shape[-1]), hidden.reshape(-1, shape[-1]))
-        residual_out = out.residual_out.view(shape)
-        state.norm_module.__dict__[_HANDOFF_ATTR] = (residual_out, out.norm_out.view(shape))
-        return residual_out
-
-    return forward
-
-
-def _handoff_forward(norm: torch.nn.Module, patch: MoEEpiloguePatch):
-    """The norm's forward, except on the exact tensor an MoE layer just returned: then the bridge
-    already computed this norm (norm_out), and it is returned instead of computed twice."""
-    own_forward = norm.forward  # bound before the patch replaces it
-
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        handoff = norm.__dict__.get(_HANDOFF_ATTR)
-        norm.__dict__[_HANDOFF_ATTR] = None  # used at most once; never held past the next call
-        if handoff is not None and handoff[0] is hidden_states:
-            patch.norms_reused += 1
-            return handoff[1]
-        return own_forward(hidden_states)
-
-    return forward
+def _checksum(t: torch.Tensor) -> int:
+    """An exact fingerprint of a tensor's bytes (position-weighted sum, modulo a prime)."""
+    raw = t.detach().contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+    weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) % 65521 + 1
+    return int((raw * weights).sum()) % ((1 << 61) - 1)
 
 
 def _resolve_group(group, device: torch.device):
@@ -328,7 +341,7 @@ def _fingerprint(model: torch.nn.Module, moe_indices: list[int]) -> dict:
     every parameter."""
     return {
         "model_type": model.config.model_type,
-        "hidden_size": model.config.hidden_size,
+        "hidden_size": model.config.get_text_config().hidden_size,
         "moe_layers": moe_indices,
         "checksums": {
             name: float(torch.sum(t.detach(), dtype=torch.float64))

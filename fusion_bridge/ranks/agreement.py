@@ -20,7 +20,7 @@ Each is a plain function of its arguments and the process group; none knows abou
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -223,7 +223,7 @@ def agree_call(
     *,
     call: int = 0,
     bridge: int = 0,
-    fingerprint: int = 0,
+    fingerprint: Sequence[int] = (0, 0, 0),
 ) -> int:
     """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
     the same T and is on the same call of the bridge (`call`, counted per bridge).
@@ -231,9 +231,11 @@ def agree_call(
 
     ok: this rank's local checks passed. tokens: this rank's T (-1 when it could not be read).
     error: this rank's reason when not ok. device: the bridge's device (the flags travel on the GPU
-    for NCCL, on the CPU for gloo). Collective: one all_gather of 3 int64 per rank; only when some
-    rank failed, one all_gather_object of the reasons. Every rank must call it once per call,
-    whatever its own checks said.
+    for NCCL, on the CPU for gloo). call / bridge: this rank's call number of bridge number
+    `bridge`. fingerprint: a checksum of each input every rank must hold identical (REPLICATED:
+    residual, index map, expert weights). Collective: one all_gather of 7 int64 per rank; only
+    when some rank failed, one all_gather_object of the reasons. Every rank must call it once per
+    call, whatever its own checks said.
 
     Raises GroupInputError (an EpilogueInputError) on every rank with the same message when any rank
     failed (naming each failing rank and its reason) or T differs (naming T on each rank).
@@ -243,8 +245,14 @@ def agree_call(
         if not ok:
             raise _call_error({0: error or "no reason given"}, [tokens], group)
         return tokens
+    prints_mine = [int(f) for f in fingerprint]
+    if len(prints_mine) != len(REPLICATED):
+        raise ValueError(
+            f"agree_call: fingerprint must hold {len(REPLICATED)} checksums (one per "
+            f"{', '.join(REPLICATED)}), got {len(prints_mine)}"
+        )
     flags = torch.tensor(
-        [int(bool(ok)), int(tokens), int(call), int(bridge), int(fingerprint)],
+        [int(bool(ok)), int(tokens), int(call), int(bridge), *prints_mine],
         dtype=torch.int64,
         device=collective_device(group, torch.device(device)),
     )
@@ -253,28 +261,10 @@ def agree_call(
     table = torch.stack(gathered).tolist()  # one device-to-host copy
     oks, token_counts = [bool(row[0]) for row in table], [int(row[1]) for row in table]
     calls = [(int(row[3]), int(row[2])) for row in table]  # (bridge, call number)
-    prints = [int(row[4]) for row in table]
+    prints = [tuple(int(v) for v in row[4:]) for row in table]
     same_t = len(set(token_counts)) == 1  # else the T message below says more
     if all(oks) and same_t and (len(set(calls)) > 1 or len(set(prints)) > 1):
-        # A rank skipped a call or made an extra one: its calls would pair with the peers' other
-        # calls from here on. The replicated inputs tell steps apart where call numbers cannot (a
-        # rank that skipped one call of a bridge is on the same count at its next one).
-        raise GroupInputError(
-            "finalize_epilogue (debug mode): the ranks of the group are on different calls: "
-            + ", ".join(f"bridge {b} call {c} on rank {r}" for r, (b, c) in enumerate(calls))
-            + (
-                "; their replicated inputs (residual, index map, expert weights) differ, so they "
-                "are not the same step"
-                if len(set(prints)) > 1
-                else ""
-            )
-            + ". A rank skipped a call or made an extra one, or passed inputs that are not "
-            "replicated across the group; every rank must call every bridge the same number of "
-            "times, in the same order, with the same residual and routing. None of the epilogue's "
-            "collectives ran for this call; every rank raises this error.",
-            {},
-            token_counts,
-        )
+        raise GroupInputError(_out_of_step(calls, prints), {}, token_counts)
     if all(oks) and len(set(token_counts)) == 1:
         return token_counts[0]
     failed: dict[int, str] = {}
@@ -284,6 +274,45 @@ def agree_call(
         dist.all_gather_object(reasons, mine, group=group)
         failed = {r: reasons[r] for r in range(world) if not oks[r]}
     raise _call_error(failed, token_counts, group)
+
+
+REPLICATED = ("residual", "index map", "expert weights")  # what every rank passes identical
+
+
+def _out_of_step(calls: list[tuple[int, int]], prints: list[tuple[int, ...]]) -> str:
+    """Debug mode's message when the ranks' calls do not belong together: their call numbers
+    differ (say which), or the numbers agree and their replicated inputs differ (say which inputs,
+    on which ranks)."""
+    if len(set(calls)) > 1:
+        head = "the ranks of the group are on different calls: " + ", ".join(
+            f"bridge {b} call {c} on rank {r}" for r, (b, c) in enumerate(calls)
+        )
+    else:
+        b, c = calls[0]
+        head = f"the ranks of the group are on the same call (bridge {b} call {c})"
+    differ = []
+    for i, name in enumerate(REPLICATED):
+        others = [r for r in range(1, len(prints)) if prints[r][i] != prints[0][i]]
+        if others:
+            differ.append(
+                f"the {name} {'differ' if name.endswith('s') else 'differs'} on "
+                f"rank{'s' if len(others) > 1 else ''} "
+                + (", ".join(map(str, others)))
+                + " from rank 0"
+            )
+    if differ:
+        head += (
+            "; also " if len(set(calls)) > 1 else " but with different replicated inputs: "
+        ) + "; ".join(differ)
+    return (
+        "finalize_epilogue (debug mode): "
+        + head
+        + ". Every rank must call every bridge the same number of times, in the same order, with "
+        "the same residual, index map and expert weights (in a model: every rank runs the same "
+        "forward on the same inputs, e.g. the same prompt); ranks fed different inputs, or a rank "
+        "that skipped a call or made an extra one, get here. None of the epilogue's collectives "
+        "ran for this call; every rank raises this error."
+    )
 
 
 def _call_error(failed: dict[int, str], token_counts: list[int], group) -> GroupInputError:

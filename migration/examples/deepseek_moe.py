@@ -171,13 +171,17 @@ def run_rank(rank: int, world: int, tokens: int, shadow: bool) -> dict:
     normed_before, residual_before = block.forward_before(x, residual, group)
     with block.make_bridge(group, shadow="reference:1" if shadow else None) as bridge:
         normed_after, residual_after = block.forward_after(x, residual, bridge)
-        report = bridge.explain(tokens).to_dict()
+        explained = bridge.explain(tokens)
+        report = explained.to_dict()
+        # the report's own text of the shadow statistics (what print(bridge.explain()) shows)
+        shadow_text = str(explained).split("\nshadow ", 1)[1] if report["shadow"] else None
     return {
         "strategy": report["selected"],
         "device": device.type,
         "norm_rel_diff": rel_err(normed_after, normed_before),
         "residual_rel_diff": rel_err(residual_after, residual_before),
         "shadow": report["shadow"],
+        "shadow_text": None if shadow_text is None else "shadow " + shadow_text.rstrip(),
     }
 
 
@@ -212,6 +216,8 @@ def main(argv=None) -> int:
                 "norm_out "
                 f"{r['norm_rel_diff']:.2e}, residual_out {r['residual_rel_diff']:.2e}"
             )
+            if r["shadow_text"]:
+                print("  " + r["shadow_text"].replace("\n", "\n  "))
         print("before and after agree" if agree else "before and after DISAGREE")
     return 0 if agree else 1
 

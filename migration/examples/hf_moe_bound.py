@@ -9,27 +9,59 @@ import torch
 
 U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 
+# Roundings to the activation dtype in one call of a family's RMSNorm (its forward, quoted):
+#   Llama style (default), `return self.weight * hidden_states.to(input_dtype)`: the normalized
+#   row, then its product with the weight: 2;
+#   GptOssRMSNorm, `return (self.weight * hidden_states).to(input_dtype)`: 1;
+#   Qwen3_5MoeRMSNorm, `output = output * (1.0 + self.weight.float()); return
+#   output.type_as(x)`: 1.
+NORM_ROUNDINGS = {"GptOssRMSNorm": 1, "Qwen3_5MoeRMSNorm": 1}
+# A^2 of a token mixer (see logits_bound): attention passes on its input's relative error once
+# (1); Qwen3.5's full attention multiplies its output by sigmoid(gate(x)), a second linear path
+# of the same input whose error adds in quadrature (2); Qwen3.5's gated DeltaNet reaches its
+# output through seven projections of its input (q; k twice: the state's erase and write terms;
+# v; the output gate z; the decay a; the write strength b), each passing on the input's relative
+# error at most once (normalised q and k, slopes of silu, sigmoid and softplus at most about 1 at
+# these small random weights), so seven paths in quadrature (7).
+MIXER_GAIN = {"Qwen3_5MoeAttention": 2, "Qwen3_5MoeGatedDeltaNet": 7}
 
-def epilogue_roundings(model: torch.nn.Module, world: int) -> int:
+
+def norm_roundings(norm: torch.nn.Module) -> int:
+    """Roundings in one call of `norm` (NORM_ROUNDINGS)."""
+    return NORM_ROUNDINGS.get(type(norm).__name__, 2)
+
+
+def epilogue_roundings(model: torch.nn.Module, world: int, weights_dtype: torch.dtype) -> int:
     """Roundings (in u^2 units) by which one MoE layer's output differs between the unmodified
-    model and the patched one, relative to that output:
+    model and the patched one, relative to that output; weights_dtype: the dtype of the router's
+    top-k weights (recorded by Recorder).
       - unmodified: transformers' grouped_mm (its default) and batched_mm experts round the top-k
-        sum once (DeepSeek's weights are fp32; Qwen3's are bf16, so each of the K weighted rows is
-        rounded too: K more), and DeepSeek rounds routed + shared once more; the eager experts
-        round every weighted row and every index_add (2K, + 1 for the shared add);
-      - bridge: each rank rounds its partial once (W), the all-reduce rounds W-1 sums, and a
-        shared expert split over W ranks rounds W partial down_proj outputs instead of one (W-1)."""
-    cfg = model.config
-    top_k, shared = cfg.num_experts_per_tok, bool(getattr(cfg, "n_shared_experts", 0))
+        sum once when the router's weights are fp32 (the weighted rows are fp32 then), and each
+        of the K weighted rows too when they are in the activation dtype (K more); the eager
+        experts round every weighted row and every index_add (2K); a shared expert is added to the
+        routed output with one more rounding, and a gated one (Qwen2-MoE, Qwen3.5-MoE) is
+        multiplied by its sigmoid gate with one more;
+      - bridge: each rank rounds its partial once (W) and the all-reduce rounds W-1 sums;
+      - split shared expert (W > 1): each rank rounds its partial down_proj output (and its gated
+        product) where the unmodified model rounds the whole once: 1 + W each, at most at the
+        whole's size (at W = 1 the patched shared expert runs the same ops on the same values)."""
+    lm = language_model(model)
+    cfg = lm.config
+    moe = next(layer.mlp for layer in lm.layers if hasattr(layer.mlp, "experts"))
+    top_k = cfg.num_experts_per_tok
+    shared = any(hasattr(moe, a) for a in ("shared_experts", "shared_expert"))
+    gated = hasattr(moe, "shared_expert_gate")
     if getattr(cfg, "_experts_implementation", None) == "eager":
-        unmodified = 2 * top_k + int(shared)
+        unmodified = 2 * top_k
     else:
-        unmodified = 2 if shared else top_k + 1
-    return unmodified + world + (world - 1) + ((world - 1) if shared else 0)
+        unmodified = 1 + (top_k if weights_dtype != torch.float32 else 0)
+    unmodified += int(shared) + int(gated)
+    split = (1 + world) * (int(shared) + int(gated)) if world > 1 else 0
+    return unmodified + world + (world - 1) + split
 
 
 def logits_bound(
-    magnitudes: dict, moe_layers: list, epilogue: int
+    magnitudes: dict, moe_layers: list, epilogue: int, norm: int, gains: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, norm-wise: (bound on |n_patched - n_unmodified| / |n_unmodified| for the final
     normed hidden state n, bound on |logits_patched - logits_unmodified| / |logits_unmodified|),
@@ -37,22 +69,23 @@ def logits_bound(
     to, to the same experts.
 
     One rounding to bf16 moves an element by <= u = 2^-8 relative; independent roundings add in
-    quadrature (n of them: sqrt(n)*u norm-wise). E tracks |residual_patched - residual_unmodified|^2
-    in units of u^2, layer by layer, from the unmodified model's own per-token magnitudes
-    (`magnitudes[layer]`: |layer input|, |attention output|, |after attention|, |MLP output|,
-    |layer output|):
+    quadrature (n of them: sqrt(n)*u norm-wise), and a rounding step both models take on values
+    that differ counts once per model. E tracks |residual_patched - residual_unmodified|^2 in
+    units of u^2, layer by layer, from the unmodified model's own per-token magnitudes
+    (`magnitudes[layer]`: |layer input|, |token mixer output|, |after it|, |MLP output|, |layer
+    output|):
       - a residual add rounds in both models once their inputs differ: 2 at the sum's size;
-      - the RMSNorm the bridge computes: the unmodified model rounds the normalized row and then
-        its product with the weight (2), the bridge once (1): 3; a norm both compute on differing
-        inputs: 2; the norm passes on its input's relative error (it is scale-invariant);
+      - an RMSNorm of `norm` roundings (norm_roundings): where the bridge computes it, the
+        unmodified model's `norm` and the bridge's one; where both compute it on differing
+        inputs, 2 * norm; the norm passes on its input's relative error (it is scale-invariant);
       - a sublayer passes on its input's relative error amplified by A^2 norm-wise at its output's
-        size: attention A^2 = 1 (linear in its input at fixed softmax weights; the weights move by
-        the same relative amount, times the spread of the scores, which random small weights keep
-        below 1), gated MLP / experts A^2 = 2 (silu(gate) * up: two linear maps of the input whose
-        errors add in quadrature);
+        size: the token mixer `gains[layer]` (MIXER_GAIN; plain attention 1: linear in its input
+        at fixed softmax weights, the weights moving by the same relative amount times the spread
+        of the scores, which random small weights keep below 1), gated MLP / experts A^2 = 2
+        (silu(gate) * up: two linear maps of the input whose errors add in quadrature);
       - an MoE layer adds `epilogue` roundings (epilogue_roundings) at its output's size;
-      - at the end: the final norm (3 if the bridge computed it, else 2) and the lm_head's output
-        rounding (2); the lm_head, a random linear map, keeps the relative error.
+      - at the end: the final norm (as above) and the lm_head's output rounding (2); the lm_head,
+        a random linear map, keeps the relative error.
     """
     err = None
     prev_moe = False
@@ -61,40 +94,56 @@ def logits_bound(
         if err is None:
             err = torch.zeros_like(r0)
         differs = bool(err.any()) or prev_moe
-        eps_in = err / r0**2 + (3 if prev_moe else (2 if differs else 0))
-        err = err + attn**2 * eps_in + (2 * r1**2 if differs else 0)
+        eps_in = err / r0**2 + (norm + 1 if prev_moe else (2 * norm if differs else 0))
+        err = err + gains.get(layer, 1) * attn**2 * eps_in + (2 * r1**2 if differs else 0)
         differs = differs or layer in moe_layers
-        eps_mlp = err / r1**2 + (2 if bool(err.any()) else 0)
+        eps_mlp = err / r1**2 + (2 * norm if bool(err.any()) else 0)
         err = err + 2 * mlp**2 * eps_mlp + (epilogue * mlp**2 if layer in moe_layers else 0)
         err = err + (2 * r2**2 if differs else 0)
         prev_moe = layer in moe_layers
     last = magnitudes[max(magnitudes)][4]
-    hidden = err / last**2 + (3 if prev_moe else 2)
+    hidden = err / last**2 + (norm + 1 if prev_moe else 2 * norm)
     return torch.sqrt(hidden) * U_BF16, torch.sqrt(hidden + 2) * U_BF16
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module holding the decoder layers (`.layers`) and the final norm (`.norm`): the base
+    model, or a vision-language wrapper's language model."""
+    base = getattr(model, model.base_model_prefix)
+    return getattr(base, "language_model", base)
 
 
 class Recorder:
     """Forward hooks on the model's own modules (the same modules run in the unmodified and the
-    patched model), per forward call: each MoE layer's top-k experts (sorted), and in the unmodified
-    model the per-token magnitudes logits_bound needs."""
+    patched model), per forward call: each MoE layer's top-k experts (sorted) and the dtype of its
+    router's weights, and in the unmodified model the per-token magnitudes logits_bound needs."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        layers = getattr(model, model.base_model_prefix).layers
+        lm = language_model(model)
+        layers = lm.layers
         self.moe_layers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
         self.last_layer = len(layers) - 1
+        self.norm = norm_roundings(lm.norm)
+        mixers = [type(self._mixer(layer)).__name__ for layer in layers]
+        self.gains = {i: MIXER_GAIN.get(name, 1) for i, name in enumerate(mixers)}
+        self.weights_dtype = None
         self.calls: list[dict] = []
-        self._handles = [
-            getattr(model, model.base_model_prefix).norm.register_forward_hook(self._final)
-        ]
+        self._handles = [lm.norm.register_forward_hook(self._final)]
         for i, layer in enumerate(layers):
             self._handles += [
                 layer.register_forward_pre_hook(self._pre(i), with_kwargs=True),
-                layer.self_attn.register_forward_hook(self._store(i, "attn")),
+                self._mixer(layer).register_forward_hook(self._store(i, "attn")),
                 layer.mlp.register_forward_hook(self._store(i, "mlp")),
                 layer.register_forward_hook(self._store(i, "out")),
             ]
             if i in self.moe_layers:
-                self._handles.append(layer.mlp.gate.register_forward_hook(self._route(i)))
+                router = getattr(layer.mlp, "router", None) or layer.mlp.gate
+                self._handles.append(router.register_forward_hook(self._route(i)))
+
+    @staticmethod
+    def _mixer(layer: torch.nn.Module) -> torch.nn.Module:
+        """The layer's token mixer: attention, or Qwen3.5's linear attention."""
+        return getattr(layer, "self_attn", None) or layer.linear_attn
 
     @staticmethod
     def _norms(t: torch.Tensor) -> torch.Tensor:
@@ -120,11 +169,17 @@ class Recorder:
     def _route(self, index: int):
         def hook(module, args, output):
             self.calls[-1]["routing"][index] = output[2].sort(-1).values.cpu()
+            self.weights_dtype = output[1].dtype
 
         return hook
 
     def start(self) -> None:
         self.calls = []
+
+    def bound(self, call: dict, model: torch.nn.Module, world: int):
+        """logits_bound for one recorded call of the unmodified model."""
+        epilogue = epilogue_roundings(model, world, self.weights_dtype)
+        return logits_bound(self.magnitudes(call), self.moe_layers, epilogue, self.norm, self.gains)
 
     def magnitudes(self, call: dict) -> dict:
         out = {}

@@ -275,7 +275,7 @@ REASON = "finalize_epilogue: residual.shape must be [5, 256], got [4, 256]"
 
 def _agree_call_cases(rank, world_size, failing):
     group = _short_group(world_size)
-    bad = rank in failing
+    bad, last = rank in failing, world_size - 1
     out = [
         _caught(agree_call, not bad, 5, REASON if bad else None, group, torch.device("cpu")),
         _caught(agree_call, True, 3 + (rank == world_size - 1), None, group),  # unequal T
@@ -289,6 +289,10 @@ def _agree_call_cases(rank, world_size, failing):
         ),
         _caught(agree_call, True, 5, None, group),  # still in step
         _caught(agree_call, True, 0, None, group),  # T=0 everywhere
+        # the same call number, the last rank's residual differs (e.g. fed another prompt)
+        _caught(agree_call, True, 5, None, group, call=7, fingerprint=(1 + (rank == last), 2, 3)),
+        # the last rank is one call ahead, with the same inputs
+        _caught(agree_call, True, 5, None, group, call=8 + (rank == last), fingerprint=(1, 2, 3)),
     ]
     _finish(group)
     return out
@@ -303,7 +307,7 @@ def test_debug_agreement_raises_the_same_clear_error_on_every_rank(world_size, f
         f"rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))} of the "
         f"{world_size}-rank group"
     )
-    for rank, (one_bad, uneven, zero, unknown, good, idle) in enumerate(results):
+    for rank, (one_bad, uneven, zero, unknown, good, idle, inputs, ahead) in enumerate(results):
         kind, message, failed, is_input_error = one_bad
         assert kind == "GroupInputError" and is_input_error and set(failed) == set(failing), (
             rank,
@@ -330,6 +334,17 @@ def test_debug_agreement_raises_the_same_clear_error_on_every_rank(world_size, f
             unknown
         )  # an unreadable T is not reported as a mismatch
         assert (good, idle) == (("ok", 5), ("ok", 0)), rank
+        # debug mode says what differs: the inputs on the same call, or the call numbers
+        assert inputs[0] == "GroupInputError", (rank, inputs)
+        assert (
+            "on the same call (bridge 0 call 7) but with different replicated inputs" in inputs[1]
+        )
+        assert f"the residual differs on rank {world_size - 1} from rank 0" in inputs[1]
+        assert "index map differs" not in inputs[1] and "different calls" not in inputs[1]
+        assert ahead[0] == "GroupInputError", (rank, ahead)
+        assert "on different calls: bridge 0 call 8 on rank 0" in ahead[1]
+        assert f"bridge 0 call 9 on rank {world_size - 1}" in ahead[1]
+        assert "differs" not in ahead[1], ahead[1]
     for case in range(4):
         assert len({r[case][1] for r in results}) == 1, "the same message on every rank"
 

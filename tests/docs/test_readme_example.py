@@ -193,3 +193,14 @@ def test_explain_was_printed_once(launched):
     printed = launched[0].stdout
     assert printed.count("plan (") == 1, printed  # rank 0 prints, rank 1 does not
     assert "separate" in printed and "flashinfer_fused" in printed
+
+
+def test_every_rank_checked_and_printed_its_outputs(launched, ranks):
+    printed, r = launched[0].stdout, ranks[0]
+    T, H = r["T"], r["H"]
+    for rank in range(2):  # the example's own check passed (an assert), then its line
+        assert (
+            f"rank {rank}: residual_out ({T}, {H}) torch.bfloat16, rms(norm_out / gamma) "
+            in printed
+        ), printed
+        assert f"quant ({T}, {H // 2}), scale {tuple(r['scale'].shape)}" in printed, printed

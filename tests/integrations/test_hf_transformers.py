@@ -1,7 +1,11 @@
-"""fusion_bridge.integrations.transformers on real transformers models (small random configs, bf16,
-CPU): the patched model against the unmodified one on 1 and 2 gloo ranks (real processes), the way
-back, and the refusals. The bound is derived in migration/examples/hf_moe_bound.py
-(logits_bound)."""
+"""fusion_bridge.integrations.transformers on real transformers models (tiny random configs of every
+supported family, bf16, CPU): the patched model against the unmodified one on 1 rank (in this
+process) and on 2 gloo ranks (one spawned group running every family), greedy generate with a KV
+cache, the way back, and the refusals. The bound is derived in migration/examples/hf_moe_bound.py
+(logits_bound). Whatever transformers release is installed is the one tested (CI runs both ends of
+the supported range)."""
+
+import re
 
 import pytest
 import torch
@@ -14,14 +18,26 @@ from fusion_bridge.integrations.transformers import (  # noqa: E402
     patch_moe_epilogues,
     unpatch_moe_epilogues,
 )
-from migration.examples.hf_moe import SMALL, build_model, run_rank, tainted_positions  # noqa: E402
+from migration.examples.hf_moe import FAMILIES, TINY, build_model, run_rank  # noqa: E402
+from migration.examples.hf_moe_bound import Recorder, tainted_positions  # noqa: E402
+from migration.examples.hf_moe_models import available  # noqa: E402
 
-NEW_TOKENS = 16
+NEW_TOKENS = 6
 
 
-def check_summary(r: dict, config: dict = SMALL) -> None:
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread per process does each op in microseconds, while
+    several threads on a shared or busy CPU spend far longer waiting for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def check_summary(r: dict, config: dict = TINY) -> None:
     """The assertions every (family, rank) result must pass; below-bound steps are only printed.
-    config: the model size the result was built with (SMALL on CPU, LARGE on the GPU)."""
+    config: the model size the result was built with (TINY on CPU, LARGE on the GPU)."""
     where = f"{r['family']} rank {r['rank']}"
     # the first MoE layer sees identical inputs in both models, so it must route identically
     assert r["first_moe_layer_routing_equal"], where
@@ -43,48 +59,85 @@ def check_summary(r: dict, config: dict = SMALL) -> None:
         section = r["explain"].split(f"layer {layer} (")[1].split("\nlayer ")[0]
         assert f"spec: H={config['hidden']} K={config['top_k']} bf16" in section
         assert isinstance(strategy, str) and strategy in section
+    # unpatch() gave the model back exactly: its own logits, bit for bit, no attribute left
+    assert r["unpatch_restores_logits"] and not r["left_patched"], (where, r["left_patched"])
 
 
-def test_patched_model_matches_unmodified_on_one_rank():
-    for r in run_rank(0, 1, new_tokens=NEW_TOKENS):
+def test_every_family_on_one_rank():
+    results = run_rank(0, 1, new_tokens=NEW_TOKENS)
+    assert [r["family"] for r in results] == list(FAMILIES)
+    for r in results:
+        if "skipped" in r:  # a family this transformers release does not have
+            print(r["family"], r["skipped"])
+            continue
         check_summary(r)
 
 
+def _refusal(build) -> str:
+    try:
+        patch_moe_epilogues(build())
+    except ValueError as exc:
+        return str(exc)
+    return "patched"
+
+
 def _two_ranks(rank: int, world: int) -> dict:
+    """Everything the 2-rank test needs, in one spawned group."""
+    torch.set_num_threads(1)  # as one_thread: tiny models, two processes on a shared CPU
     results = run_rank(rank, world, new_tokens=NEW_TOKENS)
+    out = {"results": results}
     # a group whose ranks hold different models is refused on every rank
-    other = build_model("qwen3_moe", SMALL, seed=rank)
+    out["mismatch"] = _refusal(lambda: build_model("qwen3_moe", TINY, seed=rank))
+    out["too_few"] = _refusal(lambda: build_model("qwen3_moe", dict(TINY, experts=1, top_k=1)))
+    # ranks fed different prompts: check_same_inputs says so on every rank; debug mode says, at
+    # the first MoE layer, that the ranks are on the same call with different inputs
+    model = build_model("qwen3_moe", TINY)
+    prompt = torch.randint(1, TINY["vocab"], (2, 8), generator=torch.Generator().manual_seed(rank))
+    patch = patch_moe_epilogues(model, debug=True)
     try:
-        patch_moe_epilogues(other)
-        mismatch = None
+        patch.check_same_inputs(prompt)
+        out["check_same_inputs"] = "passed"
     except ValueError as exc:
-        mismatch = str(exc)
-    few = build_model("qwen3_moe", dict(SMALL, experts=1, top_k=1), seed=0)
+        out["check_same_inputs"] = str(exc)
+    patch.check_same_inputs(torch.arange(6))  # equal on both ranks: passes
     try:
-        patch_moe_epilogues(few)
-        too_few = None
-    except ValueError as exc:
-        too_few = str(exc)
-    return {"results": results, "mismatch": mismatch, "too_few": too_few}
+        with torch.no_grad():
+            model(prompt)
+        out["debug"] = "ran"
+    except Exception as exc:  # noqa: BLE001 - the parent asserts on type and text
+        out["debug"] = f"{type(exc).__name__}: {exc}"
+    patch.unpatch()
+    return out
 
 
-def test_patched_model_matches_unmodified_on_two_gloo_ranks():
+def test_every_family_on_two_gloo_ranks():
     per_rank = run_distributed(_two_ranks, 2, timeout_s=600)
-    for family_index in range(2):
+    for family_index, family in enumerate(FAMILIES):
         ranks = [per_rank[r]["results"][family_index] for r in range(2)]
+        if "skipped" in ranks[0]:
+            continue
         for r in ranks:
             check_summary(r)
         # each rank computes half the experts; after the all-reduce both hold the same outputs
-        assert ranks[0]["logits_checksum"] == ranks[1]["logits_checksum"]
-        assert ranks[0]["sequences"] == ranks[1]["sequences"]
+        assert ranks[0]["logits_checksum"] == ranks[1]["logits_checksum"], family
+        assert ranks[0]["sequences"] == ranks[1]["sequences"], family
     for r in range(2):
-        assert "every rank of the group must hold the same model" in per_rank[r]["mismatch"]
-        assert "at most the number of routed experts (1)" in per_rank[r]["too_few"]
+        out = per_rank[r]
+        assert "every rank of the group must hold the same model" in out["mismatch"]
+        assert "at most the number of routed experts (1)" in out["too_few"]
+        assert "argument 0 must be identical on every rank" in out["check_same_inputs"]
+        assert "rank(s) [1] differ from rank 0" in out["check_same_inputs"]
+        assert out["debug"].startswith("GroupInputError"), out["debug"]
+        assert re.search(
+            r"on the same call \(bridge \d+ call 1\) but with different replicated inputs",
+            out["debug"],
+        ), out["debug"]
+        assert "the residual differs on rank 1 from rank 0" in out["debug"]
 
 
 def test_unpatch_restores_the_model_and_refuses_a_second_patch():
-    model = build_model("deepseek_v3", SMALL)
-    prompt = torch.randint(1, 512, (1, 7), generator=torch.Generator().manual_seed(3))
+    model = build_model("deepseek_v3", TINY)
+    prompt = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(3))
     keys = list(model.state_dict())
     with torch.no_grad():
         before = model(prompt).logits
@@ -92,12 +145,11 @@ def test_unpatch_restores_the_model_and_refuses_a_second_patch():
         with pytest.raises(ValueError, match="already patched"):
             patch_moe_epilogues(model)
         assert sorted(patch.layers) == [1, 2]
-        assert patch.layers[2].next_norm == "norm" and patch.layers[1].next_norm.endswith(
-            "layers.2.input_layernorm"
-        )
+        assert patch.layers[2].next_norm == "model.norm"
+        assert patch.layers[1].next_norm == "model.layers.2.input_layernorm"
         assert model.model.layers[1].moe_epilogue is patch.layers[1]
         text = patch.explain(7)
-        assert "layer 1" in text and "layer 2" in text and "routed experts 0..15" in text
+        assert "layer 1" in text and "layer 2" in text and "routed experts 0..7" in text
         during = model(prompt).logits
         assert list(model.state_dict()) == keys  # nothing registered as a module or parameter
         unpatch_moe_epilogues(model)
@@ -108,26 +160,69 @@ def test_unpatch_restores_the_model_and_refuses_a_second_patch():
         assert "forward" not in vars(module) and "moe_epilogue" not in vars(module)
 
 
-def test_refuses_an_unsupported_family():
-    config = transformers.MixtralConfig(
+def test_a_deepseek_v3_model_whose_config_says_kimi_k2_is_patched():
+    """Kimi-K2's config.json says model_type 'kimi_k2' with the DeepSeek-V3 architecture; built
+    through DeepseekV3Config it keeps that type."""
+    model = build_model("deepseek_v3", TINY)
+    model.config.model_type = "kimi_k2"
+    prompt = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(5))
+    recorder = Recorder(model)
+    with torch.no_grad():
+        ref = model(prompt).logits.float()
+        patch = patch_moe_epilogues(model)
+        assert patch.family.name == "DeepSeek-V3" and sorted(patch.layers) == [1, 2]
+        new = model(prompt).logits.float()
+        patch.unpatch()
+    bound = recorder.bound(recorder.calls[0], model, 1)[1].view(2, 8)
+    tainted, _ = tainted_positions(
+        [recorder.calls[0]["routing"]], [recorder.calls[1]["routing"]], recorder, 2
+    )
+    recorder.remove()
+    rel = (new - ref).norm(dim=-1) / ref.norm(dim=-1)
+    clean = torch.tensor([[p not in tainted[b] for p in range(8)] for b in range(2)])
+    assert int(clean.sum()) >= 8 and float((rel / bound)[clean].max()) <= 1.0
+
+
+def test_refuses_an_unsupported_family_naming_the_supported_types():
+    config = transformers.OlmoeConfig(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        num_local_experts=4,
+        num_experts=4,
         num_experts_per_tok=2,
     )
-    model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    model = transformers.OlmoeForCausalLM(config).to(torch.bfloat16).eval()
     with pytest.raises(UnsupportedModelError) as err:
         patch_moe_epilogues(model)
-    for name in ("'mixtral'", "'deepseek_v3'", "'qwen3_moe'"):
-        assert name in str(err.value)
+    assert "model_type='olmoe'" in str(err.value)
+    for name in (
+        "'deepseek_v3'",
+        "'kimi_k2'",
+        "'kimi_k25'",
+        "'deepseek_v2'",
+        "'glm4_moe'",
+        "'qwen2_moe'",
+        "'qwen3_moe'",
+        "'qwen3_5_moe'",
+        "'mixtral'",
+        "'minimax_m2'",
+        "'gpt_oss'",
+    ):
+        assert name in str(err.value), name
 
 
-def test_refuses_a_quantized_expert_layout_and_a_quantized_model():
-    model = build_model("qwen3_moe", SMALL)
+def test_refuses_remote_code_a_quantized_expert_layout_and_a_quantized_model():
+    model = build_model("deepseek_v3", TINY)
+    block = model.model.layers[1].mlp
+    # what trust_remote_code=True loads: the repository's own classes, not transformers'
+    remote = type(type(block).__name__, (type(block),), {"__module__": "transformers_modules.kimi"})
+    block.__class__ = remote
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp must be transformers"):
+        patch_moe_epilogues(model)
+    model = build_model("qwen3_moe", TINY)
     experts = model.model.layers[2].mlp.experts
     experts.gate_up_proj = torch.nn.Parameter(
         experts.gate_up_proj.detach().to(torch.float8_e4m3fn), requires_grad=False
@@ -136,9 +231,9 @@ def test_refuses_a_quantized_expert_layout_and_a_quantized_model():
         UnsupportedModelError, match=r"layers\.2\.mlp\.experts\.gate_up_proj.*float8"
     ):
         patch_moe_epilogues(model)
-    model = build_model("qwen3_moe", SMALL)
+    model = build_model("qwen3_moe", TINY)
     experts = model.model.layers[0].mlp.experts
-    experts.register_buffer("down_proj_scale_inv", torch.ones(SMALL["experts"]))
+    experts.register_buffer("down_proj_scale_inv", torch.ones(TINY["experts"]))
     with pytest.raises(UnsupportedModelError, match="down_proj_scale_inv"):
         patch_moe_epilogues(model)
     model.config.quantization_config = {"quant_method": "fp8"}
@@ -148,11 +243,11 @@ def test_refuses_a_quantized_expert_layout_and_a_quantized_model():
         assert "forward" not in vars(module)
 
 
-def test_refuses_a_group_without_torch_distributed_and_a_float32_model():
-    model = build_model("deepseek_v3", SMALL)
+def test_refuses_a_group_without_torch_distributed_and_a_float32_model_naming_fp32():
+    model = build_model("deepseek_v3", TINY)
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
         patch_moe_epilogues(model, group=object())
-    with pytest.raises(UnsupportedModelError, match="bf16 or fp16"):
+    with pytest.raises(UnsupportedModelError, match=r"torch\.float32 \(fp32\).*model\.to"):
         patch_moe_epilogues(model.float())
 
 
@@ -173,21 +268,36 @@ def test_a_routing_flip_taints_its_token_and_before_the_last_layer_every_later_o
     assert [p in tainted[1] for p in range(5)] == [False, False, True, True, True]
 
 
-def test_a_patched_layer_takes_its_arguments_by_position_as_by_keyword_and_needs_eval_mode():
-    model = build_model("qwen3_moe", SMALL)
+def test_eval_mode_only_arguments_by_position_and_a_layer_that_misuses_the_block_output():
+    model = build_model("qwen3_moe", TINY)
     with pytest.raises(ValueError, match="eval mode"):
         patch_moe_epilogues(model.train())
     model.eval()
     patch = patch_moe_epilogues(model)
     layer = model.model.layers[0]
-    hidden = torch.randn(1, 5, SMALL["hidden"]).to(torch.bfloat16)
+    hidden = torch.randn(1, 5, TINY["hidden"]).to(torch.bfloat16)
     position_ids = torch.arange(5).unsqueeze(0)
     rope = model.model.rotary_emb(hidden, position_ids)
     with torch.no_grad():
         by_keyword = layer(hidden, position_ids=position_ids, position_embeddings=rope)
         by_position = layer(hidden, None, position_ids, None, False, rope)
+        assert torch.equal(by_keyword, by_position)
+        # the block's output is the bridge's handoff: anything but `residual + it` is refused
+        out = layer.mlp(hidden)
+        with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp used its MoE "):
+            out * 2
+    # model.train() after patching: the patched block refuses to run, saying what to do
+    model.train()
+    with pytest.raises(RuntimeError, match=r"training mode \(model\.train\(\) was called after"):
+        model(torch.arange(1, 6).unsqueeze(0))
     patch.unpatch()
-    assert torch.equal(by_keyword, by_position)
+    model(torch.arange(1, 6).unsqueeze(0)).logits.sum().backward()  # their own code again
+
+
+def test_the_families_this_transformers_has():
+    """Every family exists from transformers 5.17 on; a release without one is refused by model
+    type (see test_refuses_an_unsupported_family_naming_the_supported_types)."""
+    assert all(available(f) for f in FAMILIES), [f for f in FAMILIES if not available(f)]
 
 
 def test_the_package_never_imports_transformers_itself():

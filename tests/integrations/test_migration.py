@@ -66,3 +66,13 @@ def test_readme_matrix_is_the_generated_one():
     assert embedded(readme) == markdown(), (
         "README matrix is stale: run `python -m fusion_bridge matrix`"
     )
+
+
+def test_shadow_statistics_are_printed_in_text_mode(capsys):
+    from migration.examples.deepseek_moe import main
+
+    assert main(["--world-size", "1", "--shadow"]) == 0
+    out = capsys.readouterr().out
+    assert "shadow reference every 1 calls: 1 sampled of 1" in out, out
+    for name in ("residual_out", "norm_out"):
+        assert f"{name}".ljust(13) + " max rel err" in out, out

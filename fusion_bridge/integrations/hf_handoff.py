@@ -1,0 +1,113 @@
+"""How a patched MoE block hands its work to the bridge inside transformers' own decoder layer.
+
+Every supported decoder layer ends, in its own forward:
+
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)          # (gpt-oss: `hidden_states, _ = ...`)
+    hidden_states = residual + hidden_states
+
+The patch leaves that forward (and the token mixer before it: attention, linear attention, caches,
+whatever this transformers release passes) untouched and replaces only the block's `forward`. The
+patched block routes with the block's own router and computes this rank's expert rows and shared
+partial, then returns a `Handoff`: an empty tensor subclass standing for the block's output. The
+layer's `residual + hidden_states` reaches `Handoff.__torch_function__` before any kernel runs;
+there the bridge finalizes, all-reduces, adds exactly that residual and computes the next RMSNorm,
+and the add returns the bridge's residual_out. So the residual is the layer's own, nothing is
+computed twice, and any other use of the block's output (a layer structure the patch does not
+know) raises instead of computing something else.
+
+The next norm (the next layer's input_layernorm, or the final norm) returns the bridge's norm_out
+when it is called on exactly that residual_out, instead of computing the norm again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fusion_bridge.integrations.hf_families import UnsupportedModelError
+
+# on a norm: (residual_out, norm_out) of the MoE layer that just ran, or None
+HANDOFF_ATTR = "_fusion_bridge_handoff"
+_ADDS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add}
+_SHOWN = {torch.Tensor.__repr__, torch.Tensor.__format__}
+
+
+class Handoff(torch.Tensor):
+    """What a patched MoE block returns in place of its output: no data (an empty tensor); adding
+    it to the residual runs the bridge (`finish(residual)`) and returns the bridge's
+    residual_out. Used once."""
+
+    finish: Callable[[torch.Tensor], torch.Tensor]
+    where: str
+
+    @staticmethod
+    def make(where: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> "Handoff":
+        handoff = torch.Tensor._make_subclass(Handoff, _EMPTY)
+        handoff.finish, handoff.where = finish, where
+        return handoff
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        handoffs = [a for a in args if isinstance(a, Handoff)]
+        if func in _SHOWN and handoffs:
+            return f"<fusion_bridge handoff of {handoffs[0].where}: add it to the residual>"
+        if func in _ADDS and len(args) == 2 and not kwargs and len(handoffs) == 1:
+            handoff = handoffs[0]
+            residual = args[1] if args[0] is handoff else args[0]
+            finish = handoff.__dict__.pop("finish", None)
+            if isinstance(residual, torch.Tensor) and finish is not None:
+                return finish(residual)
+        name = getattr(func, "__name__", repr(func))
+        where = handoffs[0].where if handoffs else "a patched MoE block"
+        raise UnsupportedModelError(
+            f"patch_moe_epilogues: the decoder layer of {where} used its MoE block's output in "
+            f"{name}(...); the patch supports exactly one `residual + mlp(...)` per call, the "
+            "structure every supported family's decoder layer has, and refuses anything else "
+            "rather than compute it without the block's output"
+        )
+
+
+_EMPTY = torch.empty(0)
+
+
+def block_forward(block: torch.nn.Module, where: str, start: Callable, family) -> Callable:
+    """The MoE block's forward on the bridge: `start(x [T, H])` routes and computes this rank's
+    share and returns finish(residual [..., H]) -> residual_out; the block returns the handoff
+    as its family's block returns its output."""
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs):
+        if block.training:
+            raise RuntimeError(
+                f"patch_moe_epilogues: {where} is in training mode (model.train() was called "
+                "after patching); the bridge is an inference epilogue without autograd. Call "
+                "patch.unpatch() before training, or model.eval() to keep running patched"
+            )
+        if args or kwargs:
+            raise UnsupportedModelError(
+                f"patch_moe_epilogues: {where} must be called with the hidden states alone, as "
+                f"its decoder layer calls it; got {len(args)} more positional and keyword "
+                f"arguments {sorted(kwargs)}"
+            )
+        shape = hidden_states.shape
+        return family.block_output(Handoff.make(where, start(hidden_states.reshape(-1, shape[-1]))))
+
+    return forward
+
+
+def handoff_forward(norm: torch.nn.Module, on_reuse: Callable[[], None]) -> Callable:
+    """The norm's forward, except on the exact tensor an MoE layer just returned: then the bridge
+    already computed this norm (norm_out), and it is returned instead of computed twice."""
+    own_forward = norm.forward  # bound before the patch replaces it
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        handoff = norm.__dict__.get(HANDOFF_ATTR)
+        norm.__dict__[HANDOFF_ATTR] = None  # used at most once; never held past the next call
+        if handoff is not None and handoff[0] is hidden_states:
+            on_reuse()
+            return handoff[1]
+        return own_forward(hidden_states)
+
+    return forward

@@ -1,0 +1,166 @@
+"""Random-weight transformers models of every family the adapter supports, from transformers' own
+config and model classes (no download), at a size the caller picks.
+
+`build_model(family, size)` builds one in eval mode, bf16. A size is a dict: hidden, inter (dense
+MLP), moe_inter (one expert), shared_inter (the shared expert where the family has one), experts,
+top_k, layers, vocab, heads, head_dim. Each family keeps its own structure: DeepSeek-V3 / -V2 and
+GLM-4-MoE a dense first layer, a shared expert, routed scaling and grouped routing; Qwen2-MoE and
+Qwen3-MoE a dense layer between MoE layers (Qwen2 with its gated shared expert); Qwen3.5-MoE linear
+attention around a full-attention layer and a gated shared expert; Mixtral, MiniMax-M2 and gpt-oss
+MoE in every layer (gpt-oss with sliding-window layers and expert biases). Kimi-K2.5 and Qwen3.5-MoE
+are their vision-language wrappers with a one-layer vision tower.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = (
+    "deepseek_v3",
+    "kimi_k25",
+    "deepseek_v2",
+    "glm4_moe",
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "mixtral",
+    "minimax_m2",
+    "gpt_oss",
+)
+# the transformers config class each family needs (a family whose class this transformers lacks
+# is not built: `available` says so)
+CONFIG_CLASS = {
+    "deepseek_v3": "DeepseekV3Config",
+    "kimi_k25": "Kimi_K25Config",
+    "deepseek_v2": "DeepseekV2Config",
+    "glm4_moe": "Glm4MoeConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen3_5_moe": "Qwen3_5MoeConfig",
+    "mixtral": "MixtralConfig",
+    "minimax_m2": "MiniMaxM2Config",
+    "gpt_oss": "GptOssConfig",
+}
+
+# CPU tests: small enough that every family builds and generates in well under a second
+TINY = dict(hidden=64, inter=128, moe_inter=32, shared_inter=64, experts=8, top_k=4, layers=3)
+TINY.update(vocab=256, heads=4, head_dim=16)
+# the one-GPU test (hidden 2048)
+LARGE = dict(hidden=2048, inter=4096, moe_inter=256, shared_inter=512, experts=16, top_k=4)
+LARGE.update(layers=3, vocab=512, heads=16, head_dim=128)
+
+
+def available(family: str) -> bool:
+    """Whether the installed transformers has this family's model code."""
+    import transformers
+
+    return hasattr(transformers, CONFIG_CLASS[family])
+
+
+def _deepseek(s: dict, **extra) -> dict:
+    """DeepSeek-V3 / -V2 shape: MLA attention, a dense first layer, one shared expert, grouped
+    routing (4 groups, the best 2), routed scaling."""
+    return dict(
+        intermediate_size=s["inter"],
+        moe_intermediate_size=s["moe_inter"],
+        num_key_value_heads=s["heads"],
+        n_routed_experts=s["experts"],
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=None,
+        kv_lora_rank=s["head_dim"] * 2,
+        qk_rope_head_dim=s["head_dim"] // 2,
+        qk_nope_head_dim=s["head_dim"],
+        v_head_dim=s["head_dim"],
+        **extra,
+    )
+
+
+def _configs(family: str, s: dict, common: dict) -> tuple[str, dict]:
+    """(model class name, config keyword arguments) of `family` at size s."""
+    heads = dict(num_key_value_heads=2, head_dim=s["head_dim"])
+    qwen = dict(heads, moe_intermediate_size=s["moe_inter"], num_experts=s["experts"])
+    if family == "deepseek_v3":
+        return "DeepseekV3ForCausalLM", dict(common, **_deepseek(s))
+    if family == "kimi_k25":
+        text = dict(common, model_type="kimi_k2", **_deepseek(s))
+        vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+        vision.update(intermediate_size=32)
+        return "Kimi_K25ForConditionalGeneration", dict(text_config=text, vision_config=vision)
+    if family == "deepseek_v2":
+        return "DeepseekV2ForCausalLM", dict(
+            common, **_deepseek(s, topk_method="group_limited_greedy")
+        )
+    if family == "glm4_moe":
+        glm = dict(heads, intermediate_size=s["inter"], moe_intermediate_size=s["moe_inter"])
+        glm.update(n_routed_experts=s["experts"], n_group=4, topk_group=2)
+        glm.update(first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5)
+        return "Glm4MoeForCausalLM", dict(common, **glm)
+    if family == "qwen2_moe":
+        return "Qwen2MoeForCausalLM", dict(
+            common,
+            **qwen,
+            intermediate_size=s["inter"],
+            shared_expert_intermediate_size=s["shared_inter"],
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        )
+    if family == "qwen3_moe":
+        return "Qwen3MoeForCausalLM", dict(
+            common, **qwen, intermediate_size=s["inter"], mlp_only_layers=[1], norm_topk_prob=True
+        )
+    if family == "qwen3_5_moe":
+        text = dict(common, **qwen, shared_expert_intermediate_size=s["shared_inter"])
+        text.update(layer_types=["linear_attention", "full_attention", "linear_attention"])
+        text.update(linear_num_key_heads=2, linear_num_value_heads=2)
+        text.update(linear_key_head_dim=s["head_dim"], linear_value_head_dim=s["head_dim"])
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
+        vision.update(out_hidden_size=s["hidden"])
+        return "Qwen3_5MoeForConditionalGeneration", dict(text_config=text, vision_config=vision)
+    every = dict(heads, intermediate_size=s["moe_inter"], num_local_experts=s["experts"])
+    if family == "mixtral":
+        return "MixtralForCausalLM", dict(common, **every)
+    if family == "minimax_m2":
+        return "MiniMaxM2ForCausalLM", dict(common, **every)
+    if family == "gpt_oss":
+        kinds = ["sliding_attention", "full_attention", "sliding_attention"]
+        return "GptOssForCausalLM", dict(common, **every, layer_types=kinds, sliding_window=4)
+    raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
+
+
+def build_model(family: str, size: dict, seed: int = 0, device="cpu") -> torch.nn.Module:
+    """A random-weight bf16 model of `family` in eval mode. Norm weights, routing correction biases
+    and expert biases are randomised too (their defaults, ones and zeros, would hide a wrong gamma
+    or bias)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    device = torch.device(device)
+    common = dict(
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_experts_per_tok=size["top_k"],
+        max_position_embeddings=256,
+        # transformers' default experts path (grouped_mm) is CUDA-graph safe but slow on CPU
+        experts_implementation="batched_mm" if device.type == "cpu" else None,
+    )
+    class_name, kwargs = _configs(family, size, common)
+    if "text_config" in kwargs:  # a wrapper: its model sets the experts path of every sub-model
+        kwargs["experts_implementation"] = common["experts_implementation"]
+    config = getattr(transformers, CONFIG_CLASS[family])(**kwargs)
+    model = getattr(transformers, class_name)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape))
+            elif name.endswith("proj_bias"):  # gpt-oss expert biases
+                p.copy_(0.5 * torch.randn(p.shape))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape))
+    return model.to(device=device, dtype=torch.bfloat16).eval()
