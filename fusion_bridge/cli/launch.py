@@ -112,11 +112,13 @@ def run_distributed(
                     f"run_distributed: the {world_size}-rank group did not finish in "
                     f"{timeout_s:.0f} s (a collective hang?)"
                 )
-        results = []
+        results, errors = [], []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
                 status, value = pickle.load(f)
-            if status != "ok":
-                raise RuntimeError(value)
-            results.append(value)
+            (results if status == "ok" else errors).append(value)
+        if errors:
+            # every failing rank's error: the first in rank order may only be the echo of another
+            # rank's (a peer that raised and left while this one was still connecting)
+            raise RuntimeError("\n".join(errors))
         return results
