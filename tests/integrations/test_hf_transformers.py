@@ -108,6 +108,34 @@ def test_unpatch_restores_the_model_and_refuses_a_second_patch():
         assert "forward" not in vars(module) and "moe_epilogue" not in vars(module)
 
 
+def test_a_hook_that_replaces_an_moe_layers_output_gets_the_norm_of_what_it_returned():
+    """The bridge computes the next norm of the tensor the MoE layer returns; a forward hook that
+    returns another tensor must get that tensor's norm, not the bridge's. Hooked on the last MoE
+    layer, returning a fixed tensor: everything after it (the final norm, lm_head) is then the
+    model's own code on the same values, so the logits equal the unmodified model's bit for bit
+    (with the bridge's norm of the layer's own output they were 0.134 off, relative)."""
+    model = build_model("deepseek_v3", SMALL)
+    prompt = torch.randint(1, 512, (1, 7), generator=torch.Generator().manual_seed(5))
+    fixed = torch.randn(1, 7, SMALL["hidden"], generator=torch.Generator().manual_seed(6))
+    fixed = fixed.to(torch.bfloat16)
+    hook = model.model.layers[2].register_forward_hook(lambda module, args, out: fixed.clone())
+    try:
+        with torch.no_grad():
+            unmodified = model(prompt).logits
+            # the handoff is the patch's, whatever the strategy: the cheapest one, no self-test
+            patch = patch_moe_epilogues(model, strategy="separate", self_test=False)
+            try:
+                assert patch.layers[2].next_norm == "norm"
+                patched = model(prompt).logits
+                reused = patch.norms_reused
+            finally:
+                patch.unpatch()
+    finally:
+        hook.remove()
+    assert reused == 1  # layer 1's norm (layer 2's input norm) still came from the bridge
+    assert torch.equal(patched, unmodified)
+
+
 def test_refuses_an_unsupported_family():
     config = transformers.MixtralConfig(
         vocab_size=64,
