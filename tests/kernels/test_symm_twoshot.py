@@ -14,6 +14,7 @@ import torch
 
 from fusion_bridge.kernels.symm.protocol import (
     ERR_ABORTED,
+    ERR_RANK_SHIFT,
     ERR_TIMEOUT,
     TWOSHOT_ARRIVED_BYTE,
     TWOSHOT_REDUCED_BYTE,
@@ -345,6 +346,33 @@ def test_a_flag_wait_needs_every_rank_at_this_chunk(flag, byte):
     emu.flags(byte)[:, 3] = 8
     _sync(emu, 2, 5, WAIT=flag)
     assert int(emu.states[2, 2]) == 0 and not emu.aborts.any()
+
+
+def test_a_flag_wait_stops_at_once_when_a_peer_has_aborted():
+    """Rank 1 aborted (its abort word, copied to every rank, already set): rank 0's arrival wait
+    must stop at once, not wait out its whole timeout (60 s by default on a GPU) for a flag that
+    will not come. Under the interpreter the timeout is a poll count, so the time is the measure:
+    the aborted wait, given 16 times the polls, must end sooner than a plain wait that runs out 64
+    polls (at once: a few milliseconds against the run-out wait's hundreds; waiting it out: about
+    16 times longer). Both end in the error word: the timeout, or the peer's abort."""
+    import time
+
+    _interpreter_loop_bounds()  # the failed wait poisons the partials: a loop over a launch arg
+    emu = EmulatedTwoshot(2, 4, 64)
+    start = time.perf_counter()
+    _sync(emu, 0, 1, timeout=64, SIGNAL=1, WAIT=1)
+    ran_out = time.perf_counter() - start
+    assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10, hex(int(emu.states[0, 2]))
+    emu = EmulatedTwoshot(2, 4, 64)
+    word = int(ERR_ABORTED) | (1 << ERR_RANK_SHIFT) | 0b01  # rank 1 timed out waiting for rank 0
+    emu.aborts[:] = word
+    start = time.perf_counter()
+    _sync(emu, 0, 1, timeout=64 * 16, SIGNAL=1, WAIT=1)
+    aborted = time.perf_counter() - start
+    assert int(emu.states[0, 2]) == word, hex(int(emu.states[0, 2]))
+    assert aborted < ran_out, (
+        f"the aborted wait took {aborted:.3f} s, a 64-poll one {ran_out:.3f} s"
+    )
 
 
 def test_the_twoshot_launch_exposes_no_test_hooks():
