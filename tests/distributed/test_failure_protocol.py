@@ -24,7 +24,6 @@ from tests.distributed.test_rank_disagreement import (
     RUN_TIMEOUT_S,
     _assert_correct,
     _assert_nan,
-    _bad,
     _build,
     _call,
     _finish,
@@ -96,40 +95,6 @@ def test_any_failure_before_the_collective_takes_part_and_the_next_call_is_corre
                 _assert_correct(r, where)
             else:
                 _assert_nan(r, where)
-
-
-def _fails_once_with_a_shadow(rank, world_size):
-    group = _group(world_size)
-    out = []
-    # the shadow is `separate` itself: its collective is the selected route's (same shape and
-    # dtype), so a rank whose runs drift out of step pairs calls silently instead of crashing gloo
-    with _build(group, shadow="separate:2") as bridge:
-        for i in range(4):
-            inputs, exact = _good(world_size, rank, 4, seed=70 + i)
-            if rank == 1 and i == 0:
-                inputs = _bad(inputs, "gamma_dtype")
-            out.append(_call(bridge, inputs, exact))
-        calls = bridge.explain().to_dict()["shadow"]["calls"]
-    _finish(group)
-    return out, calls
-
-
-def test_a_rank_that_fails_takes_part_in_the_sampled_shadow_run_too():
-    """Shadow sampling every 2nd call, rank 1's first call fails before its collective: it takes
-    part in the call's route and, as its peers sample that call, in the shadow's run too, so the
-    group stays in step. Had it skipped the shadow, its counter would lag and every later run pair
-    with a peer's other one (calls 1 and 3 wrong on rank 1; with a shadow of another collective
-    shape gloo aborts the process)."""
-    results = run_distributed(_fails_once_with_a_shadow, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S)
-    for rank, (calls, sampled_counter) in enumerate(results):
-        first = calls[0]
-        if rank == 1:
-            assert first["input_error"] and "gamma.dtype" in first["msg"], first
-        else:
-            _assert_nan(first, (rank, "call 0"))
-        for i, r in enumerate(calls[1:], start=1):
-            _assert_correct(r, (rank, f"call {i} after the failed one"))
-        assert sampled_counter == 4, (rank, "shadow calls counted", sampled_counter)
 
 
 def _skips_a_call_in_debug_mode(rank, world_size):
