@@ -198,10 +198,12 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
 
 
 def whole_rows(spec) -> Tp1Shape:
-    """The whole-row launch shape of `spec` (one program per row), named explicitly."""
+    """The whole-row launch shape of `spec` (one program per row, its production warps), named
+    explicitly."""
     from fusion_bridge.kernels.quant import row_block
+    from fusion_bridge.kernels.tp1.shapes import whole_row_warps
 
-    return Tp1Shape(row_block(spec.hidden_size), 4)
+    return Tp1Shape(row_block(spec.hidden_size), whole_row_warps(1, spec.hidden_size))
 
 
 def poisoned_outputs(spec, tokens, device=DEVICE) -> EpilogueOutputs:
@@ -216,11 +218,11 @@ def poisoned_outputs(spec, tokens, device=DEVICE) -> EpilogueOutputs:
 
 
 def _launch_with(strat, inp, shape):
-    """One call through the strategy's launcher with the launch shape `shape` forced, into
-    poisoned outputs. Checks that the kernel the shape names ran, whatever an earlier call of this
-    launcher cached: a split launch advances its chunk count's arrival counter of every row by one
-    call's worth, a whole-row launch touches no counter."""
-    from fusion_bridge.kernels.tp1.shapes import MAX_CHUNKS, split_ok
+    """One call through the strategy's launcher with the launch shape `shape` forced (None: the
+    production shape for T, `tp1_shape`), into poisoned outputs. Checks that the kernel the shape
+    names ran, whatever an earlier call of this launcher cached: a split launch advances its chunk
+    count's arrival counter of every row by one call's worth, a whole-row launch touches none."""
+    from fusion_bridge.kernels.tp1.shapes import MAX_CHUNKS, split_ok, tp1_shape
     from fusion_bridge.testing.symm_oneshot_rig import call_tensors
 
     tokens, hidden = inp.residual.shape
@@ -230,11 +232,14 @@ def _launch_with(strat, inp, shape):
     words = strat._launch.sync_words()
     before = words.clone()
     strat._launch(**call_tensors(inp, (out.residual_out, out.norm_out, q, sf)), shape=shape)
-    counters = (words - before)[: tokens * (MAX_CHUNKS + 1)].view(tokens, MAX_CHUNKS + 1)
+    counters = (words - before)[: tokens * (MAX_CHUNKS + 1)].view(-1, MAX_CHUNKS + 1)
+    named = shape or tp1_shape(
+        tokens, hidden, strat._launch.layer.quant.code, strat._launch.num_sms
+    )
     expected = torch.zeros_like(counters)
-    if split_ok(shape, tokens, hidden, strat._launch.num_sms):
-        expected[:, triton.cdiv(hidden, shape.columns)] = 2 * MAX_CHUNKS
-    assert torch.equal(counters, expected), f"{shape} did not run as named: {counters.tolist()}"
+    if split_ok(named, tokens, hidden, strat._launch.num_sms):
+        expected[:, triton.cdiv(hidden, named.columns)] = 2 * MAX_CHUNKS
+    assert torch.equal(counters, expected), f"{named} did not run as named: {counters.tolist()}"
     return out
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fusion_bridge.kernels.tp1.shapes import Tp1Shape
+from tests.kernels.test_tp1 import _launch_with, whole_rows
 
 pytestmark = pytest.mark.gpu
 TOKENS = (1, 3, 16, 64, 129, 256, 1000, 4096)
@@ -95,7 +96,7 @@ def test_fused_tp1_parity_grid(hidden, top_k, quant):
         inp = make_inputs(
             spec, tokens, seed=tokens + hidden + top_k, device="cuda", skip_fraction=0.2
         )
-        out = strat.run(inp)
+        out = _launch_with(strat, inp, None)  # the default shape for T, into poisoned outputs
         tag = f"H={hidden} K={top_k} {quant} T={tokens}"
         problems += _problems(spec, strat, env, inp, out, tag)
         if not torch.equal(out.residual_out, two.run(inp).residual_out):
@@ -111,7 +112,6 @@ def test_split_rows_match_whole_rows_at_every_chunk(quant):
     of one chunk count must stay in step while other counts run)."""
     needs_gpu()
     from fusion_bridge.kernels.tp1 import launch as L
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
@@ -121,21 +121,13 @@ def test_split_rows_match_whole_rows_at_every_chunk(quant):
     for rep in range(3):
         for tokens in (1, 3, 16, 64):
             inp = make_inputs(spec, tokens, seed=rep * 100 + tokens, device="cuda")
-            whole = strat.run(inp)
+            # both shapes named (the default at small T is itself a split), outputs poisoned
+            whole = _launch_with(strat, inp, whole_rows(spec))
             for chunk, warps in ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8)):
                 shape = Tp1Shape(chunk, warps)
                 if not L.split_ok(shape, tokens, 7168, strat._launch.num_sms):
                     continue
-                got = strat.run(inp)
-                for t in (got.residual_out, got.norm_out):
-                    t.fill_(float("nan"))
-                q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
-                sf = got.scale if got.scale is not None else strat._unused
-                if got.quant is not None:
-                    q.fill_(0xFF)
-                strat._launch(
-                    **call_tensors(inp, (got.residual_out, got.norm_out, q, sf)), shape=shape
-                )
+                got = _launch_with(strat, inp, shape)
                 tag = f"{quant} T={tokens} chunk={chunk} rep={rep}"
                 problems += _problems(spec, strat, env, inp, got, tag)
                 if not torch.equal(got.residual_out, whole.residual_out):
