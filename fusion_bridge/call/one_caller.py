@@ -9,11 +9,12 @@ overlap: `one_call_at_a_time` wraps `FusionBridge.finalize_epilogue` and refuses
 ConcurrentCallError.
 
 The test is a flag with no lock: one token in a list, taken with `list.pop()` and given back with
-`append()` in a `finally`, each one atomic in CPython (the GIL, or the list's own lock in a free-
-threaded build), so of two threads that arrive together exactly one gets it. A refused call never
-touched the group; on one rank that is all. With peers, they may have made the call this rank
-refused, so this rank's next call would pair with their next one: the bridge refuses every later
-call (`FusionBridge._break`, the failure protocol's broken state: rebuild on every rank).
+`append()` in a `finally`, each of them atomic in CPython (under the GIL, and by the list's own lock
+in a free-threaded build), so of two threads that arrive together exactly one gets it. A refused
+call never touched the group; on one rank that is all. With peers, they may have made the call
+this rank refused, so this rank's next call would pair with their next one: the bridge refuses
+every later call (`FusionBridge._break`, the failure protocol's broken state: rebuild on every
+rank).
 
 It does not see two threads that call one after the other in different orders on different ranks
 (nothing overlaps on a rank); the README states the contract: call each bridge from one thread, or
@@ -34,24 +35,37 @@ class ConcurrentCallError(RuntimeError):
 
 def one_call_at_a_time(method):
     """Wrap FusionBridge.finalize_epilogue: refuse a call that overlaps a running one (see the
-    module docstring). Tracing under torch.compile runs no call (the custom op runs the eager call
-    later), so it passes through."""
+    module docstring). The wrapper has the method's own parameters (a forwarding of *args and
+    **kwargs costs more than the flag), so it serves that one method. Under torch.compile's
+    tracing it passes the call through: tracing runs no call (the compiled graph's custom op
+    makes the eager call later, through here), and a traced token would be a list mutation that
+    the compiled code replays."""
 
     @functools.wraps(method)
-    def call(bridge, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return method(bridge, *args, **kwargs)
-        tokens = bridge.__dict__.setdefault("_call_tokens", [True])
+    def finalize_epilogue(
+        bridge, gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual,
+        gamma,
+    ):  # fmt: skip
+        if torch.compiler.is_dynamo_compiling():
+            return method(
+                bridge, gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output,
+                residual, gamma,
+            )  # fmt: skip
+        held = bridge.__dict__
+        tokens = held.get("_call_tokens") or held.setdefault("_call_tokens", [True])
         try:
             token = tokens.pop()
         except IndexError:
             raise _refused(bridge) from None
         try:
-            return method(bridge, *args, **kwargs)
+            return method(
+                bridge, gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output,
+                residual, gamma,
+            )  # fmt: skip
         finally:
             tokens.append(token)
 
-    return call
+    return finalize_epilogue
 
 
 def _refused(bridge) -> ConcurrentCallError:
