@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fusion_bridge.kernels.tp1.shapes import Tp1Shape
-from tests.kernels.test_tp1 import _launch_with, whole_rows
+from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+from tests.kernels.test_tp1 import _launch_with, poisoned_outputs, whole_rows
 
 pytestmark = pytest.mark.gpu
 TOKENS = (1, 3, 16, 64, 129, 256, 1000, 4096)
@@ -56,6 +57,13 @@ def _problems(spec, strat, env, inp, out, tag):
         if not (torch.equal(out.quant, q) and torch.equal(out.scale, sf)):
             found.append(f"{tag}: nvfp4 codes or scales differ from the quantized norm_out")
     return found
+
+
+def _poison(out):
+    """Every output of `out` (EpilogueOutputs) poisoned: NaN activations, 0xFF bytes."""
+    for t in (out.residual_out, out.norm_out, out.quant, out.scale):
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
 
 
 def _quant(name):
@@ -160,6 +168,7 @@ def test_fused_tp1_graph_replays_on_new_inputs():
                 for dst, src in zip(static, fresh):
                     if dst is not None:
                         dst.copy_(src)
+                _poison(got)  # the replay must rewrite every output
                 graph.replay()
                 torch.cuda.synchronize()
                 tag = f"graph {quant.kind.value} T={tokens} replay seed {seed}"
@@ -191,6 +200,8 @@ def test_split_rows_in_one_graph_and_on_two_streams():
             for dst, src in zip(statics[t], inp):
                 if dst is not None:
                     dst.copy_(src)
+        for out in outs.values():
+            _poison(out)  # the replay must rewrite every output
         graph.replay()
         torch.cuda.synchronize()
         for t in statics:
@@ -201,8 +212,11 @@ def test_split_rows_in_one_graph_and_on_two_streams():
     torch.cuda.synchronize()
     for _ in range(20):
         for i, stream in enumerate(streams):
-            with torch.cuda.stream(stream):
-                got[i] = strat.run(inputs[i])
+            with torch.cuda.stream(stream):  # the strategy's launch, into poisoned outputs
+                got[i] = poisoned_outputs(spec, 16, "cuda")  # fp8: codes, no scales
+                q = got[i].quant.view(torch.uint8)
+                out = (got[i].residual_out, got[i].norm_out, q, strat._unused)
+                strat._launch(**call_tensors(inputs[i], out))
     torch.cuda.synchronize()
     for i in range(2):
         problems += _problems(spec, strat, env, inputs[i], got[i], f"stream {i}")
