@@ -13,7 +13,8 @@ OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: two
 default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add, the two-shot's
 launches (symm_twoshot, default TwoshotShape, rank 0) twoshot_rows_w1_none, twoshot_finalize_w1,
 twoshot_rows_w2_none, twoshot_gather_w2_none, twoshot_rows_w3_none, twoshot_rows_w8_none with l2=2
-and PDL as a GPU call (each also `_l0`: l2=0, no PDL; the rows ones not LAST), tp1_*, *_nvfp4;
+and PDL as a GPU call (each also `_l0`: l2=0, no PDL; the rows ones not LAST), tp1_*, *_fp8 and
+*_nvfp4 (the kernels that quantize without LEAN);
 `all` for every one. A tree without one of the kernels (kernels/symm_twoshot.py: the ring
 replaced it) prints its cases as skipped.
 The SASS carries line info (nvdisasm -g), so instructions can be attributed to source lines.
@@ -191,46 +192,40 @@ def _emulated_group(kind: str, spec, world: int, cap: int, num_sms: int):
     return emulated_group(*lead, spec, world, cap, device="cpu", num_sms=num_sms)
 
 
-def _nvfp4_outputs(spec, tokens: int) -> tuple:
-    """residual_out, norm_out, q (packed fp4 as uint8), sf (swizzled) of an NVFP4 call."""
+def quant_cases() -> dict:
+    """The kernels that quantize without LEAN, to FP8 and to NVFP4: the standalone quant kernel,
+    the norm kernel, the one-shot exchange kernel (its windowed quantize_span)."""
     from fusion_bridge.epilogue_tensors import quant_buffers
-
-    ro = torch.empty(tokens, H, dtype=spec.dtype)
-    q, sf = quant_buffers(tokens, H, spec.quant.kind, spec.quant.sf_layout, ro.device)
-    return ro, torch.empty_like(ro), q.view(torch.uint8), sf
-
-
-def nvfp4_cases() -> dict:
-    """The kernels that quantize to NVFP4 without LEAN: the standalone quant kernel, the norm
-    kernel, the one-shot exchange kernel (its windowed quantize_span)."""
     from fusion_bridge.kernels import quant
 
-    call_tensors = _module(*_RIG).call_tensors
+    call_tensors, table = _module(*_RIG).call_tensors, {}
+    for kind, code, scale in (("fp8", 1, 0.05), ("nvfp4", 2, 336.0)):
+        qspec = QuantSpec.fp8(scale) if code == 1 else QuantSpec.nvfp4(scale)
+        spec = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=qspec)
+        inp = make_inputs(spec, T, seed=0, device="cpu", skip_fraction=0.0)
+        ro = torch.empty(T, H, dtype=spec.dtype)
+        q, sf = quant_buffers(T, H, spec.quant.kind, spec.quant.sf_layout, ro.device)
+        out = (ro, torch.empty_like(ro), q.view(torch.uint8), torch.empty(0) if sf is None else sf)
+        norm = dict(eps=spec.eps, weight_bias=0.0, quant=code, quant_scale=scale, swizzled=True)
 
-    spec = EpilogueSpec(
-        hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=QuantSpec.nvfp4(336.0)
-    )
-    inp = make_inputs(spec, T, seed=0, device="cpu", skip_fraction=0.0)
-    ro, no, q, sf = _nvfp4_outputs(spec, T)
-    norm = dict(eps=spec.eps, weight_bias=0.0, quant=2, quant_scale=336.0, swizzled=True)
+        def oneshot(spec=spec, inp=inp, out=out):
+            group = _emulated_group("oneshot", spec, 2, 2048, num_sms=66)
+            symm_oneshot.launch(group.layers[0], **call_tensors(inp, out))
 
-    def oneshot():
-        group = _emulated_group("oneshot", spec, 2, 2048, num_sms=66)
-        symm_oneshot.launch(group.layers[0], **call_tensors(inp, (ro, no, q, sf)))
-
-    return {
-        "quantize_nvfp4": (
+        table[f"quantize_{kind}"] = (
             quant,
             "_quantize_kernel",
-            lambda: quant.quantize_into(q, sf, ro, 2, 336.0, True),
-        ),
-        "add_rmsnorm_nvfp4": (
+            lambda out=out, c=code, s=scale: quant.quantize_into(*out[2:], out[0], c, s, True),
+        )
+        table[f"add_rmsnorm_{kind}"] = (
             add_rmsnorm,
             "_add_rmsnorm_kernel",
-            lambda: add_rmsnorm.add_rmsnorm_into(ro, no, q, sf, ro, ro, inp.gamma, **norm),
-        ),
-        "oneshot_w2_nvfp4": (symm_oneshot, "_oneshot_kernel", oneshot),
-    }
+            lambda out=out, g=inp.gamma, n=norm: add_rmsnorm.add_rmsnorm_into(
+                *out, out[0], out[0], g, **n
+            ),
+        )
+        table[f"oneshot_w2_{kind}"] = (symm_oneshot, "_oneshot_kernel", oneshot)
+    return table
 
 
 def _tp1_launch(quant: str, tokens: int, num_sms: int):
@@ -391,7 +386,7 @@ def main() -> int:
     outdir, wanted = sys.argv[1], sys.argv[2:] or ["twoshot_w1_none"]
     os.makedirs(outdir, exist_ok=True)
     inp = make_inputs(SPEC, T, seed=0, device="cpu", skip_fraction=0.0)
-    table = cases(inp, _outputs()) | nvfp4_cases()
+    table = cases(inp, _outputs()) | quant_cases()
     for name in list(table) if wanted == ["all"] else wanted:
         module, kernel_name, launch = table[name]
         try:

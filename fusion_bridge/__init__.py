@@ -25,6 +25,7 @@ __all__ = [
     "QuantSpec",
     "EpilogueOutputs",
     "EpilogueInputError",
+    "ConcurrentCallError",
     "NoStrategyAvailable",
     "__version__",
 ]
@@ -36,6 +37,7 @@ _LAZY = {
     "EpilogueSpec": ".spec",
     "QuantSpec": ".spec",
     "EpilogueInputError": ".epilogue_tensors",
+    "ConcurrentCallError": ".call.one_caller",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
@@ -44,6 +46,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from fusion_bridge.plan.planner import NoStrategyAvailable
     from fusion_bridge.spec import EpilogueSpec, QuantSpec
     from fusion_bridge.epilogue_tensors import EpilogueInputError
+    from fusion_bridge.call.one_caller import ConcurrentCallError
 
 
 def __getattr__(name: str):

@@ -28,6 +28,7 @@ import torch
 from fusion_bridge import log
 from fusion_bridge.build.build import build_bridge, close_instances
 from fusion_bridge.call import custom_op, direct, failure, routes as call_routes, tools
+from fusion_bridge.call.one_caller import one_call_at_a_time
 from fusion_bridge.call.validation import (
     EpilogueInputError,
     input_check,
@@ -130,6 +131,7 @@ class FusionBridge:
         self._overflow = routes.overflow
 
     # ---------------------------------------------------------------- call
+    @one_call_at_a_time  # a call overlapping a running one is refused (call/one_caller.py)
     def finalize_epilogue(
         self,
         gemm2_out: torch.Tensor,

@@ -11,6 +11,8 @@ e2m1 rounding compares against exact thresholds, so results match the torch refe
            quotient before the e2m1 rounding), 0 where sf == 0; 2 codes per byte, low
            nibble first; sf in FlashInfer's 128x4 swizzled layout (padding rows/cols written 0) or
            linear [T, H/16].
+    NaN stays NaN: an fp8 code 0x7F, an NVFP4 block holding one gets the NaN scale 0x7F (its codes
+    only signs); +-inf saturates (docs/math.md section 3).
 """
 
 from __future__ import annotations
@@ -23,27 +25,27 @@ import triton
 import triton.language as tl
 
 from fusion_bridge.kernels.launch_cache import KernelLauncher
+from fusion_bridge.kernels.rounding import block_amax
 
 from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4  # noqa: F401 (re-exported)
 
 
 @triton.jit
 def _e4m3_rne_satfinite(v):
-    """fp32 -> (e4m3 code as int32 incl. sign bit 0x80, |value| after rounding as fp32)."""
-    a = tl.minimum(tl.abs(v), 448.0)
+    """fp32 -> (e4m3 code as int32 incl. sign bit 0x80, |value| after rounding as fp32); NaN ->
+    (e4m3's NaN 0x7F | v's sign bit, NaN), as torch's cast (quant_ref). The clamp keeps a NaN."""
+    a = tl.minimum(tl.abs(v), 448.0, propagate_nan=tl.PropagateNan.ALL)
     exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)  # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9
-    quantum = ((exponent - 3 + 127) << 23).to(
-        tl.float32, bitcast=True
-    )  # 2^(exponent-3): 3 mantissa bits
-    magic = (
-        quantum * 8388608.0
-    )  # 2^23 * quantum: adding it rounds a to the quantum grid, ties to even
+    # 2^(exponent-3) (3 mantissa bits); adding 2^23 times it rounds a to that grid, ties to even
+    quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = quantum * 8388608.0
     r = (a + magic) - magic
     rbits = r.to(tl.int32, bitcast=True)
     normal_code = ((((rbits >> 23) & 0xFF) - 127 + 7) << 3) | ((rbits >> 20) & 7)
     subnormal_code = (r * 512.0).to(tl.int32)
     code = tl.where(r >= 0.015625, normal_code, subnormal_code)
+    code = tl.where(r != r, 0x7F, code)
     sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
     return code | sign, r
 
@@ -72,10 +74,9 @@ def _block_scale_hw(v):
     """(e4m3 code, its value as fp32) of div_rn(v, 6.0) as `_e4m3_rne_satfinite` gives them, for
     v = global_scale * amax >= 0 or NaN (a GPU only): the quotient through `_div_by_scale` (its
     e4m3 code is div_rn's: 6 is in its range), the rounding by the GPU's RNE satfinite conversion
-    after the same clamp to 448 (a NaN clamps to 448 there too: minimum keeps the number). The sign
-    bit the software form ORs in is 0 here: v is +0, positive, or the GPU's canonical NaN
-    (0x7fffffff), so the code is the magnitude's."""
-    q = tl.minimum(_div_by_scale(v, 6.0), 448.0)
+    after the same clamp to 448, which keeps a NaN (converted to 0x7F). The sign bit the software
+    form ORs in is 0 here: v is +0, positive, or the GPU's canonical NaN (0x7fffffff)."""
+    q = tl.minimum(_div_by_scale(v, 6.0), 448.0, propagate_nan=tl.PropagateNan.ALL)
     code = q.to(tl.float8e4nv)
     return code.to(tl.uint8, bitcast=True).to(tl.int32), code.to(tl.float32)
 
@@ -228,11 +229,10 @@ def quantize_span(
         else:
             v = tl.math.div_rn(y.to(tl.float32), quant_scale)
         if HW_CVT:
-            code = (
-                tl.minimum(tl.maximum(v, -448.0), 448.0)
-                .to(tl.float8e4nv)
-                .to(tl.uint8, bitcast=True)
-            )
+            # a clamp keeping a NaN (a plain one returns the number): the conversion gives 0x7F
+            v = tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.minimum(v, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             code, _ = _e4m3_rne_satfinite(v)
         if LEAN:
@@ -240,7 +240,7 @@ def quantize_span(
         tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=keep)
     if QUANT == 2:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
-        amax = tl.max(tl.abs(yb), axis=1)
+        amax = block_amax(yb, HW_CVT)
         if LEAN and HW_CVT:
             sf_code, sf = _block_scale_hw(quant_scale * amax)
         else:

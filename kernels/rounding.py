@@ -1,5 +1,5 @@
-"""Rounding to the output dtype that is round-to-nearest-even on the GPU and in the
-interpreter alike.
+"""Numerics that must come out the same on the GPU and in the interpreter: rounding to the output
+dtype (round to nearest even on both), and a block max that keeps a NaN (`block_amax`).
 
 The Triton interpreter (measured with triton 3.9) casts fp32 -> bf16 by truncation, the GPU by RNE.
 We round fp32 to the bf16 grid ourselves (integer ops, free in a memory-bound kernel); the cast of
@@ -38,3 +38,22 @@ def round_cast(x, dtype: tl.constexpr, HW_CVT: tl.constexpr):
         return x.to(dtype)
     else:
         return round_to(x, dtype)
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def block_amax(yb, HW_CVT: tl.constexpr):
+    """max |y| per row of yb [blocks, 16] (NVFP4's block amax), NaN where a block holds one, as
+    quant_ref's: a plain max drops a NaN (the GPU's maxnum, the interpreter's nanmax). HW_CVT (a
+    GPU): a NaN-keeping float max. The interpreter runs a custom combine element by element in
+    Python: there the integer max of the magnitudes' bits (a NaN's are above inf's), the same."""
+    if HW_CVT:
+        return tl.reduce(tl.abs(yb), 1, _max_keeping_nan)
+    else:
+        return tl.max(yb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(
+            tl.float32, bitcast=True
+        )

@@ -122,3 +122,50 @@ def scaled_inputs(inputs: EpilogueInputs, factor: float) -> EpilogueInputs:
         shared_output=scale(inputs.shared_output),
         residual=scale(inputs.residual),
     )
+
+
+def quant_problems(quant, norm_out, q, sf, nan_rows=()) -> list:
+    """Why the quantized outputs q (uint8 view) and sf are not quant_ref's of `norm_out` bit for
+    bit, scale padding included (empty: they are); quant_ref runs on norm_out's device, whose
+    arithmetic decides a NaN's sign (a GPU's NaN is positive). nan_rows: rows whose norm_out must
+    be all NaN and stay NaN once quantized: every fp8 code e4m3's NaN (0x7F, with the sign bit),
+    every NVFP4 block scale of the row e4m3's NaN 0x7F (its codes then carry only signs)."""
+    from fusion_bridge.oracle.quant_ref import quantize_fp8, quantize_nvfp4, swizzled_sf_offset
+    from fusion_bridge.spec import QuantKind, SFLayout
+
+    problems = []
+    on_device, norm_out, q = norm_out, norm_out.cpu(), q.cpu().view(torch.uint8)
+    rows = list(nan_rows)
+    if rows and not torch.isnan(norm_out[rows].float()).all():
+        problems.append(f"norm_out rows {rows} are not all NaN")
+    if quant.kind is QuantKind.FP8:
+        ref = quantize_fp8(on_device, quant.scale).view(torch.uint8).cpu()
+        if not torch.equal(q, ref):
+            bad = (q != ref).nonzero()[:4].tolist()
+            problems.append(f"fp8 codes differ from quant_ref at {bad}")
+        if rows and not ((q[rows] & 0x7F) == 0x7F).all():
+            problems.append(f"fp8 codes of NaN rows {rows} are not NaN: {q[rows][:, :8].tolist()}")
+    elif quant.kind is QuantKind.NVFP4:
+        sf = sf.cpu()
+        ref_q, ref_sf = quantize_nvfp4(on_device, quant.global_scale, quant.sf_layout)
+        ref_q, ref_sf = ref_q.cpu(), ref_sf.cpu()
+        if not torch.equal(q, ref_q):
+            problems.append(
+                f"nvfp4 codes differ from quant_ref at {(q != ref_q).nonzero()[:4].tolist()}"
+            )
+        if not torch.equal(sf, ref_sf):
+            problems.append(
+                f"nvfp4 scales differ from quant_ref at {(sf != ref_sf).nonzero()[:4].tolist()}"
+            )
+        blocks = norm_out.shape[1] // 16
+        for row in rows:
+            if quant.sf_layout is SFLayout.LINEAR:
+                scales = sf[row]
+            else:
+                k = torch.arange(blocks)
+                scales = sf.reshape(-1)[swizzled_sf_offset(torch.full_like(k, row), k, blocks)]
+            if not (scales == 0x7F).all():
+                problems.append(
+                    f"nvfp4 block scales of NaN row {row} are not NaN: {scales.tolist()}"
+                )
+    return problems

@@ -1,5 +1,7 @@
 """A strategy defined outside the package, to show registration is one line."""
 
+import threading
+
 from fusion_bridge.strategies import Probe, Reason
 from fusion_bridge.strategies.separate import SeparateStrategy
 
@@ -102,3 +104,28 @@ class PrepareFailsOnRankOne(SeparateStrategy):
     def close(self) -> None:
         PrepareFailsOnRankOne.closed += 1
         super().close()
+
+
+class PausingSeparate(SeparateStrategy):
+    """The separate path whose run, while `hold` is set, signals `entered` and waits for `release`
+    before computing (so before its collective): a call that stays in flight, in this process,
+    while another thread calls the same bridge. `reset()` before each use."""
+
+    name = "pausing_separate"
+    summary = "the separate path, pausing inside its run on request"
+    hold = False
+    entered = threading.Event()
+    release = threading.Event()
+
+    @classmethod
+    def reset(cls, hold: bool) -> None:
+        cls.hold = hold
+        cls.entered, cls.release = threading.Event(), threading.Event()
+
+    def run(self, inputs, variant="default"):
+        if PausingSeparate.hold:
+            if PausingSeparate.entered.is_set():  # a second call got in while one is held
+                raise AssertionError("two calls inside pausing_separate's run at once")
+            PausingSeparate.entered.set()
+            assert PausingSeparate.release.wait(60), "never released"
+        return super().run(inputs, variant)

@@ -10,6 +10,11 @@ Conventions (docs/math.md section 3, matching FlashInfer 0.7.2.post1 through 0.7
          differ only where that rounding crosses an e2m1 rounding boundary.
          Two e2m1 codes per byte, element 2i in the low nibble. Scales in the 128x4 swizzled layout
          ([round_up(T,128), round_up(H/16,4)], padding 0) or linear ([T, H/16]).
+- special values: a NaN gives e4m3's NaN (0x7F, with the NaN's sign bit for fp8); +-inf saturates
+  to +-448. A block holding a NaN has amax NaN, so its scale is the NaN 0x7F and every quotient in
+  it NaN, whose e2m1 magnitude is 0. Every element keeps the sign of x * global_scale (code 8 for
+  a negative one that rounds to 0, in a block of scale 0 or NaN too), as FlashInfer's kernels and
+  ours do: the scale carries the NaN, the codes only signs.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> e2m1 codes (uint8, sign in bit 3): nearest representable value, ties to the even
-    code, saturating at 6. Found by distance to every value, independent of the kernel's
-    threshold method."""
+    code, saturating at 6; NaN -> 0 (e2m1 has no NaN: only in a block whose scale is NaN, which
+    carries it). Found by distance to every value, independent of the kernel's threshold method."""
     values = e2m1_values(x.device)
     mag = x.abs().clamp(max=6.0)
+    mag = torch.where(torch.isnan(mag), 0.0, mag)
     dist = (mag.unsqueeze(-1) - values).abs()
     best = dist.min(dim=-1, keepdim=True).values
     ties = dist == best
@@ -85,12 +91,15 @@ def quantize_nvfp4(
     sf_f = sf.float().unsqueeze(-1)
     # the quotient is taken exactly (float64 holds it far beyond the e2m1 thresholds' resolution)
     # and rounded once, to e2m1; the product x * global_scale is an fp32 product, as in the kernel
+    product = blocks * gs
     scaled = torch.where(
         sf_f == 0,
         torch.zeros_like(blocks, dtype=torch.float64),
-        (blocks * gs).double() / torch.where(sf_f == 0, 1.0, sf_f).double(),
+        product.double() / torch.where(sf_f == 0, 1.0, sf_f).double(),
     )
-    codes = e2m1_codes(scaled).reshape(tokens, hidden)
+    # the sign from the product: a quotient of 0 (scale 0) or NaN (scale NaN) has lost it
+    sign = (product < 0).to(torch.uint8) << 3
+    codes = (e2m1_codes(scaled) | sign).reshape(tokens, hidden)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     sf_bytes = sf.view(torch.uint8)
     if layout is SFLayout.LINEAR:

@@ -193,6 +193,22 @@ def test_text_level_hostility_never_raises(tmp_path):
     assert read_table(path, expect)["measured_us"] == GOOD["measured_us"]
 
 
+def test_the_nesting_check_reads_escapes_inside_strings(tmp_path):
+    """A string holding an escaped quote and brackets is text: a valid table with one is read (it
+    was refused as "nested 14 deep" when the check did not honour the escape). A string ending in a
+    backslash still ends at its quote: a list nested past MAX_NESTING after it is refused."""
+    expect = {"gpu": "NVIDIA H200", "world_size": 1, "spec": {"hidden_size": 64}}
+    note = 'he typed "[[[[[[[[[[[[{{{{ by mistake'
+    path = tmp_path / "escaped.json"
+    path.write_text(json.dumps(dict(GOOD, note=note, folder="C:\\")))
+    assert read_table(path, expect)["note"] == note
+    deep = [[[[[[[[[]]]]]]]]]  # 9 lists inside the table's object: 10 deep
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps(dict(GOOD, folder="C:\\", extra=deep)))
+    with pytest.warns(UserWarning, match="nested 10 deep"):
+        assert read_table(path, expect) is None
+
+
 @pytest.mark.parametrize(
     "args, why",
     [

@@ -22,7 +22,10 @@ import triton.language as tl
 
 from fusion_bridge.kernels.pdl import gdc_launch_dependents
 from fusion_bridge.kernels.symm.device import _globaltimer
-from tests.kernels.test_tp1_shapes_and_graphs import _problems, _quant, _strategy, needs_gpu
+from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+from tests.kernels.test_tp1 import poisoned_outputs
+from tests.kernels.test_tp1_shapes_and_graphs import _poison, _problems, _quant, _strategy
+from tests.kernels.test_tp1_shapes_and_graphs import needs_gpu
 
 pytestmark = pytest.mark.gpu
 SPIN_NS = 200_000  # the writer's delay after it lets dependents launch: far beyond our kernels
@@ -77,9 +80,12 @@ def test_fused_tp1_pdl_reads_its_routing_weights_after_the_writer(quant, writer)
         assert tp1_shape(tokens, 4096, launcher.layer.quant.code, launcher.num_sms).pdl
         static = make_inputs(spec, tokens, seed=tokens, device="cuda")
         src = static.expert_weights.clone()
-        for _ in range(3):  # eager (the first call compiles)
-            _write_late(static.expert_weights, src, torch_only)
-            got = strat.run(static)
+        for _ in range(3):  # eager (the first call compiles), into poisoned outputs
+            got = poisoned_outputs(spec, tokens, "cuda")
+            q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
+            sf = got.scale if got.scale is not None else strat._unused
+            _write_late(static.expert_weights, src, torch_only)  # the launch right after it
+            strat._launch(**call_tensors(static, (got.residual_out, got.norm_out, q, sf)))
         torch.cuda.synchronize()
         # every launch this strategy made went through a PDL launcher
         assert all(plan[0].options.get("launch_pdl") for plan in launcher._plans.values())
@@ -95,6 +101,7 @@ def test_fused_tp1_pdl_reads_its_routing_weights_after_the_writer(quant, writer)
                     dst.copy_(new)
             src.copy_(fresh.expert_weights)
             static.expert_weights.fill_(float("nan"))
+            _poison(got)  # the replay must rewrite every output
             graph.replay()
             torch.cuda.synchronize()
             problems += _problems(spec, strat, env, fresh, got, f"graph T={tokens} seed {seed}")
@@ -128,6 +135,8 @@ def test_twoshot_pdl_after_a_late_writer_and_bitwise_without_pdl(tokens):
     outs = [_outputs(spec, static[0])]
     problems = []
     for _ in range(2):
+        for t in outs[0]:
+            t.view(torch.uint8).fill_(0xFF)  # poisoned: this call must rewrite every output
         _write_late(static[0].residual, src)
         _call(layers_on, spec, static, shape=on, outs=outs)
     torch.cuda.synchronize()
@@ -142,6 +151,8 @@ def test_twoshot_pdl_after_a_late_writer_and_bitwise_without_pdl(tokens):
             if dst is not None:
                 dst.copy_(new)
         src.copy_(fresh[0].residual)
+        for t in outs[0]:
+            t.view(torch.uint8).fill_(0xFF)  # the replay must rewrite every output
         graph.replay()
         torch.cuda.synchronize()
         tag = f"graph T={tokens} seed {seed}"

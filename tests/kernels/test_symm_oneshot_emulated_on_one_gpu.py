@@ -246,3 +246,26 @@ def test_compiled_symmetric_memory_kernels_normalize_huge_rows():
         # a GPU rounds once too, but FMA contraction may move the fp32 value: 2^-20 slack as on CPU
         oracle64.check_rounded_once(residual_out.cpu()[1:], residual_exact[1:], 2.0**-20)
         oracle64.check_rounded_once(norm_out[1:], norm_exact[1:], 2.0**-20)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_a_nan_residual_row_stays_nan_in_the_compiled_quantized_outputs(quant):
+    """Issue 41 on a GPU: a residual row of NaN on both emulated ranks; every rank's quantized row
+    is NaN as quant_ref writes it (fp8 NaN codes, NVFP4 NaN block scales), through the GPU's own
+    conversions."""
+    needs_gpu()
+    from fusion_bridge.kernels.symm import oneshot as symm_oneshot
+    from fusion_bridge.oracle.synthetic import make_inputs
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+    from tests.helpers import quant_problems
+
+    q = QuantSpec.fp8(0.05) if quant == "fp8" else QuantSpec.nvfp4(448 * 6 / 8.0)
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=q, max_tokens=16)
+    group = _group(spec, 2, 16)
+    inputs = [make_inputs(spec, 5, rank=r, seed=41, device="cuda") for r in range(2)]
+    for inp in inputs:
+        inp.residual[2] = float("nan")
+    outs = _call(symm_oneshot, group, [torch.cuda.Stream() for _ in range(2)], spec, inputs)
+    torch.cuda.synchronize()
+    problems = [quant_problems(q, out[1], out[2], out[3], nan_rows=[2]) for out in outs]
+    assert not any(problems), problems

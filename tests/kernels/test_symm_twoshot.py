@@ -14,6 +14,7 @@ import torch
 
 from fusion_bridge.kernels.symm.protocol import (
     ERR_ABORTED,
+    ERR_RANK_SHIFT,
     ERR_TIMEOUT,
     TWOSHOT_ARRIVED_BYTE,
     TWOSHOT_REDUCED_BYTE,
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter emulation; the GPU tests cover a GPU"
 )
 U = UNIT_ROUNDOFF[torch.bfloat16]
+GUARD_ROWS = 16  # rows past T a wrong row count could reach (chunk + W at most, in these cases)
 SLOTS = MAX_SLOTS  # EmulatedTwoshot's default: 4 slots (the production 2: test_calls_at_changing_t)
 QUANTS = {
     "none": QuantSpec.none(),
@@ -88,16 +90,21 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
         )  # fmt: skip
         for r in range(emu.world)
     ]
-    outs = []
+    outs, guards = [], []
     for _ in inputs:
-        ro = torch.full((tokens, hidden), float("nan"), dtype=spec.dtype)
-        no = torch.full((tokens, hidden), float("nan"), dtype=spec.dtype)
         q, sf = quant_buffers(tokens, hidden, spec.quant.kind, spec.quant.sf_layout, "cpu")
-        q = torch.empty(0, dtype=torch.uint8) if q is None else q.view(torch.uint8)
-        sf = torch.empty(0, dtype=torch.uint8) if sf is None else sf
-        q.fill_(0xFF)
-        sf.fill_(0xFF)
-        outs.append((ro, no, q, sf))
+        # every output poisoned (NaN / 0xFF) and followed by poisoned rows (a whole 128-row tile
+        # for swizzled scales), so a row launch that writes past T fails the check below instead
+        # of corrupting the heap (a process abort that names nothing)
+        swizzled = spec.quant.sf_layout is SFLayout.SWIZZLED_128x4
+        got = [
+            _guarded((tokens, hidden), spec.dtype),
+            _guarded((tokens, hidden), spec.dtype),
+            _guarded(() if q is None else q.shape, torch.uint8),
+            _guarded(() if sf is None else sf.shape, torch.uint8, 128 if swizzled else GUARD_ROWS),
+        ]
+        outs.append(tuple(view for view, _ in got))
+        guards.append(got)
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
     shape = TwoshotShape(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots, f_ahead=f_ahead)
     if merged:
@@ -106,7 +113,22 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
             fn()
     else:
         twoshot_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
+    for rank, got in enumerate(guards):
+        for name, (view, full) in zip(("residual_out", "norm_out", "quant", "scale"), got):
+            past = full[view.shape[0] :].reshape(-1).view(torch.uint8)
+            assert (past == 0xFF).all(), f"rank {rank} wrote {name} past its {view.shape[0]} rows"
     return outs
+
+
+def _guarded(shape, dtype, extra=None):
+    """(a [shape] view, the poisoned buffer it starts) with `extra` poisoned rows after the view
+    (GUARD_ROWS by default); shape () is an unused output: an empty tensor."""
+    if not shape:
+        empty = torch.empty(0, dtype=dtype)
+        return empty, empty
+    full = torch.empty((shape[0] + (extra or GUARD_ROWS), *shape[1:]), dtype=dtype)
+    full.view(torch.uint8).fill_(0xFF)  # NaN for the activations
+    return full[: shape[0]], full
 
 
 CASES = [  # tokens, hidden, top_k, world, chunk
@@ -324,6 +346,33 @@ def test_a_flag_wait_needs_every_rank_at_this_chunk(flag, byte):
     emu.flags(byte)[:, 3] = 8
     _sync(emu, 2, 5, WAIT=flag)
     assert int(emu.states[2, 2]) == 0 and not emu.aborts.any()
+
+
+def test_a_flag_wait_stops_at_once_when_a_peer_has_aborted():
+    """Rank 1 aborted (its abort word, copied to every rank, already set): rank 0's arrival wait
+    must stop at once, not wait out its whole timeout (60 s by default on a GPU) for a flag that
+    will not come. Under the interpreter the timeout is a poll count, so the time is the measure:
+    the aborted wait, given 16 times the polls, must end sooner than a plain wait that runs out 64
+    polls (at once: a few milliseconds against the run-out wait's hundreds; waiting it out: about
+    16 times longer). Both end in the error word: the timeout, or the peer's abort."""
+    import time
+
+    _interpreter_loop_bounds()  # the failed wait poisons the partials: a loop over a launch arg
+    emu = EmulatedTwoshot(2, 4, 64)
+    start = time.perf_counter()
+    _sync(emu, 0, 1, timeout=64, SIGNAL=1, WAIT=1)
+    ran_out = time.perf_counter() - start
+    assert int(emu.states[0, 2]) == int(ERR_TIMEOUT) | 0b10, hex(int(emu.states[0, 2]))
+    emu = EmulatedTwoshot(2, 4, 64)
+    word = int(ERR_ABORTED) | (1 << ERR_RANK_SHIFT) | 0b01  # rank 1 timed out waiting for rank 0
+    emu.aborts[:] = word
+    start = time.perf_counter()
+    _sync(emu, 0, 1, timeout=64 * 16, SIGNAL=1, WAIT=1)
+    aborted = time.perf_counter() - start
+    assert int(emu.states[0, 2]) == word, hex(int(emu.states[0, 2]))
+    assert aborted < ran_out, (
+        f"the aborted wait took {aborted:.3f} s, a 64-poll one {ran_out:.3f} s"
+    )
 
 
 def test_the_twoshot_launch_exposes_no_test_hooks():

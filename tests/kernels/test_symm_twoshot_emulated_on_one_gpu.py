@@ -258,3 +258,23 @@ def test_twoshot_a_rank_that_skips_a_call_gives_nan_and_the_error_word(world, sk
         assert torch.isnan(ro).any() and torch.isnan(no).any(), rank
         if err & int(ERR_TIMEOUT) and not err & int(ERR_ABORTED):
             assert err & (1 << skip), (rank, hex(err))  # names the rank that never came
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("quant", ("fp8", "nvfp4_swizzled"))
+def test_twoshot_a_nan_residual_row_stays_nan_in_the_quantized_outputs(world, quant):
+    """Issue 41 on a GPU: a residual row of NaN; every rank's quantized row is NaN as quant_ref
+    writes it (fp8 NaN codes, NVFP4 NaN block scales), through the GPU's own conversions."""
+    needs_gpu()
+    from fusion_bridge.spec import EpilogueSpec
+    from tests.helpers import quant_problems
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8, quant=_quant_spec(quant))
+    layers, errs = _setup(world, spec)
+    inputs = _inputs(spec, 5, world, seed=41)
+    for inp in inputs:
+        inp.residual[2] = float("nan")
+    outs = _call(layers, spec, inputs)
+    torch.cuda.synchronize()
+    problems = [quant_problems(spec.quant, out[1], out[2], out[3], nan_rows=[2]) for out in outs]
+    assert not any(problems), problems

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from fusion_bridge.environment import Environment
-from fusion_bridge.epilogue_tensors import EpilogueOutputs
+import triton
+
+from fusion_bridge.epilogue_tensors import EpilogueOutputs, allocate_outputs
 from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.finalize_add import finalize_add_into
 from fusion_bridge.kernels.tp1.shapes import Tp1Shape
@@ -36,7 +38,7 @@ QUANTS = [
 def two_launch(spec, inp):
     """The two-launch path's residual_out: our finalize kernel, then our add+RMSNorm kernel."""
     tokens, hidden = inp.residual.shape
-    partial = torch.empty_like(inp.residual)
+    partial = torch.full_like(inp.residual, float("nan"))  # poisoned: an unwritten element shows
     finalize_add_into(
         partial,
         inp.gemm2_out,
@@ -45,7 +47,10 @@ def two_launch(spec, inp):
         inp.shared_output,
         spec.routed_scaling_factor,
     )
-    residual_out, norm_out = torch.empty_like(partial), torch.empty_like(partial)
+    residual_out, norm_out = (
+        torch.full_like(partial, float("nan")),
+        torch.full_like(partial, float("nan")),
+    )
     none = torch.empty(0, dtype=torch.uint8, device=partial.device)
     add_rmsnorm_into(
         residual_out,
@@ -84,7 +89,7 @@ def test_matches_the_oracle_and_the_two_launch_path(tokens, hidden, top_k, quant
         make_inputs(spec, tokens, seed=tokens + hidden, device=DEVICE, skip_fraction=0.3)
     )
     before = [t.clone() for t in inp if t is not None]
-    out = strat.run(inp)
+    out = _launch_with(strat, inp, whole_rows(spec))
     after = [t for t in inp if t is not None]  # the caller's tensors untouched (bits: NaN weights)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
     x64, norm64 = epilogue64_from(spec, [inp])
@@ -119,7 +124,7 @@ def test_a_row_whose_sum_of_squares_overflows_fp32_is_normalized():
     strat.prepare()
     inp = make_inputs(spec, 2, seed=4, device=DEVICE, skip_fraction=0.0)
     inp.residual[0].mul_(1e25)
-    out = strat.run(inp)
+    out = _launch_with(strat, inp, whole_rows(spec))
     x64, norm64 = epilogue64_from(spec, [inp])
     assert torch.isfinite(out.norm_out).all()
     assert rel_err(out.norm_out, norm64) <= FusedTp1Strategy.error_bound(spec, ENV)
@@ -156,9 +161,15 @@ def test_capability_and_declarations():
         r.code for r in FusedTp1Strategy.not_supported_reasons(spec, gpu.replace(world_size=2))
     }
     assert codes == {"world_size_unsupported"}
-    wide = EpilogueSpec(hidden_size=20000, top_k=8)
-    codes = {r.code for r in FusedTp1Strategy.not_supported_reasons(wide, gpu)}
-    assert codes == {"hidden_too_large"}
+    for hidden, codes in (
+        (16384, set()),
+        (16400, {"hidden_too_large"}),
+        (20000, {"hidden_too_large"}),
+    ):
+        # 16384 (the largest row block held in registers) is accepted, the next multiple of 16 not
+        wide = EpilogueSpec(hidden_size=hidden, top_k=8)
+        got = {r.code for r in FusedTp1Strategy.not_supported_reasons(wide, gpu)}
+        assert got == codes, (hidden, got)
     (step,) = FusedTp1Strategy.steps(spec, gpu)
     assert step.stages == (Stage.FINALIZE, Stage.SHARED_ADD, Stage.RESIDUAL_NORM, Stage.QUANT)
     assert FusedTp1Strategy.is_auto_selectable(spec, gpu)
@@ -181,31 +192,54 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
     assert rel_err(without_eps[rows], norm[rows]) > 0.5  # the case observes eps
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
-    out = strat.run(inp)
+    out = _launch_with(strat, inp, whole_rows(spec))
     assert (out.residual_out[1] == 0).all() and (out.norm_out[1] == 0).all()
     assert rel_err(out.norm_out, norm) <= FusedTp1Strategy.error_bound(spec, ENV)
 
 
-def _launch_with(strat, inp, shape, like=None):
-    """The strategy's launcher with an explicit launch shape, into NaN-poisoned outputs (shaped as
-    `like`, an earlier call's outputs for these inputs; without it, a call of its own allocates
-    them: under the interpreter that call costs as much as the launch itself)."""
+def whole_rows(spec) -> Tp1Shape:
+    """The whole-row launch shape of `spec` (one program per row, its production warps), named
+    explicitly."""
+    from fusion_bridge.kernels.quant import row_block
+    from fusion_bridge.kernels.tp1.shapes import whole_row_warps
+
+    return Tp1Shape(row_block(spec.hidden_size), whole_row_warps(1, spec.hidden_size))
+
+
+def poisoned_outputs(spec, tokens, device=DEVICE) -> EpilogueOutputs:
+    """Every output of one call, poisoned: NaN activations, 0xFF code and scale bytes (-NaN in
+    e4m3, never a code of a finite row), padding included. An element a kernel leaves unwritten
+    shows up."""
+    out = allocate_outputs(spec, tokens, torch.device(device))
+    for t in (out.residual_out, out.norm_out, out.quant, out.scale):
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
+    return out
+
+
+def _launch_with(strat, inp, shape):
+    """One call through the strategy's launcher with the launch shape `shape` forced (None: the
+    production shape for T, `tp1_shape`), into poisoned outputs. Checks that the kernel the shape
+    names ran, whatever an earlier call of this launcher cached: a split launch advances its chunk
+    count's arrival counter of every row by one call's worth, a whole-row launch touches none."""
+    from fusion_bridge.kernels.tp1.shapes import MAX_CHUNKS, split_ok, tp1_shape
     from fusion_bridge.testing.symm_oneshot_rig import call_tensors
 
-    if like is None:
-        out = strat.run(inp)
-    else:
-        fields = (like.residual_out, like.norm_out, like.quant, like.scale)
-        out = EpilogueOutputs(*(None if t is None else t.clone() for t in fields))
-    for t in (out.residual_out, out.norm_out):
-        t.fill_(float("nan"))
+    tokens, hidden = inp.residual.shape
+    out = poisoned_outputs(strat.spec, tokens, inp.residual.device)
     q = out.quant.view(torch.uint8) if out.quant is not None else strat._unused
     sf = out.scale if out.scale is not None else strat._unused
-    if out.quant is not None:
-        q.fill_(0xFF)
-        if out.scale is not None:
-            sf.fill_(0xFF)
+    words = strat._launch.sync_words()
+    before = words.clone()
     strat._launch(**call_tensors(inp, (out.residual_out, out.norm_out, q, sf)), shape=shape)
+    counters = (words - before)[: tokens * (MAX_CHUNKS + 1)].view(-1, MAX_CHUNKS + 1)
+    named = shape or tp1_shape(
+        tokens, hidden, strat._launch.layer.quant.code, strat._launch.num_sms
+    )
+    expected = torch.zeros_like(counters)
+    if split_ok(named, tokens, hidden, strat._launch.num_sms):
+        expected[:, triton.cdiv(hidden, named.columns)] = 2 * MAX_CHUNKS
+    assert torch.equal(counters, expected), f"{named} did not run as named: {counters.tolist()}"
     return out
 
 
@@ -229,12 +263,12 @@ def test_split_rows_under_the_interpreter(quant):
         for rep in range(2):
             for tokens in (1, 3):
                 inp = make_inputs(spec, tokens, seed=rep * 10 + tokens, device=DEVICE)
-                whole = strat.run(inp)
+                whole = _launch_with(strat, inp, whole_rows(spec))
                 x64, norm64 = epilogue64_from(spec, [inp])
                 for chunk in chunks_of:
                     shape = Tp1Shape(chunk, 2)
                     assert split_ok(shape, tokens, hidden, 16)
-                    got = _launch_with(strat, inp, shape, like=whole)
+                    got = _launch_with(strat, inp, shape)
                     tag = f"H={hidden} T={tokens} chunk={chunk} rep={rep}"
                     if not torch.equal(got.residual_out, whole.residual_out):
                         problems.append(f"{tag}: residual_out")
@@ -256,20 +290,24 @@ def test_split_rows_under_the_interpreter(quant):
 
 
 def test_split_rows_overflowing_the_sum_of_squares_are_normalized():
-    """|x| ~ 1e25 in one row: its chunks' fp32 sum overflows; every program of the row rescales
-    from the row's largest exponent (exchanged with the sums), as whole rows do."""
-    from fusion_bridge.kernels.tp1.shapes import Tp1Shape
-
-    spec = EpilogueSpec(hidden_size=320, top_k=2, has_shared_output=False)
+    """|x| ~ 1e25 in one chunk of a row: its chunks' fp32 sum overflows; every program of the row
+    rescales from the row's largest magnitude (found by recomputing every chunk of the row), as
+    whole rows do. Row 0 holds its huge values in its last chunk only (H=288: a partial chunk),
+    row 1 in its first only, row 2 none: a rescue that skips a chunk at either end is off by
+    orders of magnitude (3.9e24 relative where the last was skipped)."""
+    spec = EpilogueSpec(hidden_size=288, top_k=2, has_shared_output=False)
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
     strat._launch.num_sms = 16
-    inp = make_inputs(spec, 2, seed=4, device=DEVICE, skip_fraction=0.0)
-    inp.residual[0, :70].mul_(1e25)  # the largest values in the first two chunks only
+    inp = make_inputs(spec, 3, seed=4, device=DEVICE, skip_fraction=0.0)
+    inp.residual[0, 256:].mul_(1e25)
+    inp.residual[1, :64].mul_(1e25)
     got = _launch_with(strat, inp, Tp1Shape(64, 2))
     _, norm64 = epilogue64_from(spec, [inp])
     assert torch.isfinite(got.norm_out).all()
-    assert rel_err(got.norm_out, norm64) <= FusedTp1Strategy.error_bound(spec, ENV)
+    for row in range(3):  # per row: the rows differ by 25 orders of magnitude
+        err = rel_err(got.norm_out[row : row + 1], norm64[row : row + 1])
+        assert err <= FusedTp1Strategy.error_bound(spec, ENV), (row, err)
 
 
 def test_a_split_row_whose_partner_never_arrives_is_nan_not_a_hang():

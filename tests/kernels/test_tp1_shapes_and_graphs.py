@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from fusion_bridge.kernels.tp1.shapes import Tp1Shape
+from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+from tests.kernels.test_tp1 import _launch_with, poisoned_outputs, whole_rows
 
 pytestmark = pytest.mark.gpu
 TOKENS = (1, 3, 16, 64, 129, 256, 1000, 4096)
@@ -57,6 +59,13 @@ def _problems(spec, strat, env, inp, out, tag):
     return found
 
 
+def _poison(out):
+    """Every output of `out` (EpilogueOutputs) poisoned: NaN activations, 0xFF bytes."""
+    for t in (out.residual_out, out.norm_out, out.quant, out.scale):
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)
+
+
 def _quant(name):
     from fusion_bridge.spec import QuantSpec, SFLayout
 
@@ -95,7 +104,7 @@ def test_fused_tp1_parity_grid(hidden, top_k, quant):
         inp = make_inputs(
             spec, tokens, seed=tokens + hidden + top_k, device="cuda", skip_fraction=0.2
         )
-        out = strat.run(inp)
+        out = _launch_with(strat, inp, None)  # the default shape for T, into poisoned outputs
         tag = f"H={hidden} K={top_k} {quant} T={tokens}"
         problems += _problems(spec, strat, env, inp, out, tag)
         if not torch.equal(out.residual_out, two.run(inp).residual_out):
@@ -111,7 +120,6 @@ def test_split_rows_match_whole_rows_at_every_chunk(quant):
     of one chunk count must stay in step while other counts run)."""
     needs_gpu()
     from fusion_bridge.kernels.tp1 import launch as L
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
@@ -121,21 +129,13 @@ def test_split_rows_match_whole_rows_at_every_chunk(quant):
     for rep in range(3):
         for tokens in (1, 3, 16, 64):
             inp = make_inputs(spec, tokens, seed=rep * 100 + tokens, device="cuda")
-            whole = strat.run(inp)
+            # both shapes named (the default at small T is itself a split), outputs poisoned
+            whole = _launch_with(strat, inp, whole_rows(spec))
             for chunk, warps in ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8)):
                 shape = Tp1Shape(chunk, warps)
                 if not L.split_ok(shape, tokens, 7168, strat._launch.num_sms):
                     continue
-                got = strat.run(inp)
-                for t in (got.residual_out, got.norm_out):
-                    t.fill_(float("nan"))
-                q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
-                sf = got.scale if got.scale is not None else strat._unused
-                if got.quant is not None:
-                    q.fill_(0xFF)
-                strat._launch(
-                    **call_tensors(inp, (got.residual_out, got.norm_out, q, sf)), shape=shape
-                )
+                got = _launch_with(strat, inp, shape)
                 tag = f"{quant} T={tokens} chunk={chunk} rep={rep}"
                 problems += _problems(spec, strat, env, inp, got, tag)
                 if not torch.equal(got.residual_out, whole.residual_out):
@@ -168,6 +168,7 @@ def test_fused_tp1_graph_replays_on_new_inputs():
                 for dst, src in zip(static, fresh):
                     if dst is not None:
                         dst.copy_(src)
+                _poison(got)  # the replay must rewrite every output
                 graph.replay()
                 torch.cuda.synchronize()
                 tag = f"graph {quant.kind.value} T={tokens} replay seed {seed}"
@@ -199,6 +200,8 @@ def test_split_rows_in_one_graph_and_on_two_streams():
             for dst, src in zip(statics[t], inp):
                 if dst is not None:
                     dst.copy_(src)
+        for out in outs.values():
+            _poison(out)  # the replay must rewrite every output
         graph.replay()
         torch.cuda.synchronize()
         for t in statics:
@@ -209,8 +212,11 @@ def test_split_rows_in_one_graph_and_on_two_streams():
     torch.cuda.synchronize()
     for _ in range(20):
         for i, stream in enumerate(streams):
-            with torch.cuda.stream(stream):
-                got[i] = strat.run(inputs[i])
+            with torch.cuda.stream(stream):  # the strategy's launch, into poisoned outputs
+                got[i] = poisoned_outputs(spec, 16, "cuda")  # fp8: codes, no scales
+                q = got[i].quant.view(torch.uint8)
+                out = (got[i].residual_out, got[i].norm_out, q, strat._unused)
+                strat._launch(**call_tensors(inputs[i], out))
     torch.cuda.synchronize()
     for i in range(2):
         problems += _problems(spec, strat, env, inputs[i], got[i], f"stream {i}")

@@ -22,6 +22,7 @@ from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from tests import oracle64
 from tests.helpers import cpu_strategy_names
 
+NAN = float("nan")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 error before the one rounding, relative (see test_kernels_cpu): 2^-20
 SLACK = 2.0**-20
@@ -90,7 +91,8 @@ def _kernel_norm(x_bf16, gamma, eps, weight_bias):
     tokens, hidden = x_bf16.shape
     residual = x_bf16.to(DEVICE)
     zeros = torch.zeros_like(residual)
-    residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
+    # poisoned: an element the kernel leaves unwritten shows as NaN
+    residual_out, norm_out = torch.full_like(residual, NAN), torch.full_like(residual, NAN)
     none = torch.empty(0, dtype=torch.uint8, device=DEVICE)
     add_rmsnorm_into(
         residual_out,

@@ -20,7 +20,7 @@ import torch
 from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
 from fusion_bridge.oracle.synthetic import make_inputs
 from tests import oracle64
-from tests.helpers import cpu_strategy_names, scaled_inputs
+from tests.helpers import cpu_strategy_names, quant_problems, scaled_inputs
 
 STRATEGIES = cpu_strategy_names()
 # Dequantized quant output vs the exact norm_out, norm-wise, measured with `separate` over 40 seeds
@@ -144,6 +144,29 @@ def test_quantized_outputs_match_the_oracle_bit_for_bit(quant, dtype):
                     deq, bound = oracle64.dequantize_nvfp4(q, linear, scale), NVFP4_DEQUANT_BOUND
                 err = oracle64.normwise_rel_err(deq, norm_exact)
                 assert err <= bound, f"{name} {kind}: dequantized rel err {err:.4f} > {bound:.4f}"
+
+
+@pytest.mark.parametrize(
+    "quant", [QuantSpec.fp8(0.02), QuantSpec.nvfp4(448.0, "linear")], ids=["fp8", "nvfp4"]
+)
+def test_a_nan_row_stays_nan_in_every_strategys_quantized_outputs(quant):
+    """A residual row of NaN at world size 1 (what the peers of a failing rank get; measured on a
+    GPU: fused_tp1 and local_fused_nccl wrote its fp8 codes finite and its NVFP4 scales not NaN):
+    every strategy's norm_out row is NaN and its quantized row quant_ref's of it, NaN codes or NaN
+    block scales; the other rows finite. Linear scales: a swizzled launch of the whole-row kernels
+    is 128 programs under the interpreter (tests/kernels/test_quant_ranges.py has the swizzled
+    layout's NaN rows)."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2, quant=quant)
+    inp = make_inputs(spec, 3, seed=4)
+    inp.residual[1] = float("nan")
+    problems = {}
+    with FusionBridge(spec, self_test=False) as bridge:
+        for name in STRATEGIES:
+            got = bridge.run_strategy(name, inp)
+            problems[name] = quant_problems(quant, got.norm_out, got.quant, got.scale, [1])
+            if not torch.isfinite(got.norm_out[[0, 2]]).all():
+                problems[name].append("rows 0 and 2 not finite")
+    assert not any(problems.values()), problems
 
 
 def test_tokens_above_max_tokens_are_rerouted_and_computed_correctly():

@@ -78,6 +78,7 @@ def test_the_public_surfaces_are_small():
         "QuantSpec",
         "EpilogueOutputs",
         "EpilogueInputError",
+        "ConcurrentCallError",
         "NoStrategyAvailable",
         "__version__",
     }
