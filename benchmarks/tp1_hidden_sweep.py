@@ -218,8 +218,8 @@ def main() -> None:
                     f"  x{us / floor:5.2f}",
                     flush=True,
                 )
-                del sets
-            del strat
+                sets = None  # free before the next T
+            strat = None
             torch.cuda.empty_cache()
     checks = check_targets(times, floors)
     missed = [c for c in checks if not c["ok"]]
