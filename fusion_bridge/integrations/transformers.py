@@ -38,6 +38,7 @@ import torch.distributed as dist
 from fusion_bridge import EpilogueOutputs, EpilogueSpec, FusionBridge
 
 from fusion_bridge.integrations.hf_experts import block_of, routed_rows, shared_partial
+from fusion_bridge.integrations.weights_digest import parameter_digests
 from fusion_bridge.integrations.hf_families import (
     BRIDGE_DTYPES,
     Family,
@@ -324,16 +325,13 @@ def _resolve_group(group, device: torch.device):
 
 
 def _fingerprint(model: torch.nn.Module, moe_indices: list[int]) -> dict:
-    """What must be equal on every rank: the architecture and a float64 checksum of
-    every parameter."""
+    """What must be equal on every rank: the architecture and a content hash of every parameter
+    (weights_digest: it sees a permutation, and treats NaN alike)."""
     return {
         "model_type": model.config.model_type,
         "hidden_size": model.config.hidden_size,
         "moe_layers": moe_indices,
-        "checksums": {
-            name: float(torch.sum(t.detach(), dtype=torch.float64))
-            for name, t in model.named_parameters()
-        },
+        "checksums": parameter_digests(model),
     }
 
 

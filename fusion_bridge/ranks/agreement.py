@@ -224,6 +224,7 @@ def agree_call(
     call: int = 0,
     bridge: int = 0,
     fingerprint: int = 0,
+    previous: int = 0,
 ) -> int:
     """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
     the same T and is on the same call of the bridge (`call`, counted per bridge).
@@ -231,9 +232,11 @@ def agree_call(
 
     ok: this rank's local checks passed. tokens: this rank's T (-1 when it could not be read).
     error: this rank's reason when not ok. device: the bridge's device (the flags travel on the GPU
-    for NCCL, on the CPU for gloo). Collective: one all_gather of 3 int64 per rank; only when some
-    rank failed, one all_gather_object of the reasons. Every rank must call it once per call,
-    whatever its own checks said.
+    for NCCL, on the CPU for gloo). fingerprint: a checksum of what every rank holds identical at
+    this step (0: none); previous: this rank's fingerprint at its previous call, so a rank whose
+    step is a peer's previous one is named as behind. Collective: one all_gather of 6 int64 per
+    rank; only when some rank failed, one all_gather_object of the reasons. Every rank must call it
+    once per call, whatever its own checks said.
 
     Raises GroupInputError (an EpilogueInputError) on every rank with the same message when any rank
     failed (naming each failing rank and its reason) or T differs (naming T on each rank).
@@ -244,7 +247,7 @@ def agree_call(
             raise _call_error({0: error or "no reason given"}, [tokens], group)
         return tokens
     flags = torch.tensor(
-        [int(bool(ok)), int(tokens), int(call), int(bridge), int(fingerprint)],
+        [int(bool(ok)), int(tokens), int(call), int(bridge), int(fingerprint), int(previous)],
         dtype=torch.int64,
         device=collective_device(group, torch.device(device)),
     )
@@ -253,7 +256,7 @@ def agree_call(
     table = torch.stack(gathered).tolist()  # one device-to-host copy
     oks, token_counts = [bool(row[0]) for row in table], [int(row[1]) for row in table]
     calls = [(int(row[3]), int(row[2])) for row in table]  # (bridge, call number)
-    prints = [int(row[4]) for row in table]
+    prints, previous_prints = [int(row[4]) for row in table], [int(row[5]) for row in table]
     same_t = len(set(token_counts)) == 1  # else the T message below says more
     if all(oks) and same_t and (len(set(calls)) > 1 or len(set(prints)) > 1):
         # A rank skipped a call or made an extra one: its calls would pair with the peers' other
@@ -263,8 +266,8 @@ def agree_call(
             "finalize_epilogue (debug mode): the ranks of the group are on different calls: "
             + ", ".join(f"bridge {b} call {c} on rank {r}" for r, (b, c) in enumerate(calls))
             + (
-                "; their replicated inputs (residual, index map, expert weights) differ, so they "
-                "are not the same step"
+                "; their residuals differ, so they are not the same step"
+                + _behind_text(prints, previous_prints, group)
                 if len(set(prints)) > 1
                 else ""
             )
@@ -284,6 +287,22 @@ def agree_call(
         dist.all_gather_object(reasons, mine, group=group)
         failed = {r: reasons[r] for r in range(world) if not oks[r]}
     raise _call_error(failed, token_counts, group)
+
+
+def _behind_text(prints: list[int], previous: list[int], group) -> str:
+    """'; rank 1 is one call behind rank 0 (...)' for each rank whose step is a peer's previous
+    one; '' when no rank's is."""
+    pairs = [
+        (r, q)
+        for r, p in enumerate(prints)
+        for q, before in enumerate(previous)
+        if r != q and p != 0 and p == before and prints[q] != p
+    ]
+    return "".join(
+        f"; rank {ranks_text([r], group)} is one call behind rank {ranks_text([q], group)} (its "
+        f"residual is the one rank {ranks_text([q], group)} passed at its previous call)"
+        for r, q in pairs
+    )
 
 
 def _call_error(failed: dict[int, str], token_counts: list[int], group) -> GroupInputError:

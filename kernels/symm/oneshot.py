@@ -351,7 +351,8 @@ def call_args(
     return max(1, min(layer.num_sms, items)), args, constexprs
 
 
-KERNEL = _oneshot_kernel  # the exchange kernel (world size >= 2), for fusion_bridge/testing/symm_oneshot_rig.py
+# the exchange kernel (world size >= 2), for fusion_bridge/testing/symm_oneshot_rig.py
+KERNEL = _oneshot_kernel
 
 
 def launch(layer: SymmLayer, *, shape: Optional[OneshotShape] = None, **tensors) -> None:

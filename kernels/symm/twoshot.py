@@ -64,9 +64,9 @@ only its X(c - 1) / Y(c - 1)); X(c) follows F(c), which follows the gate of its 
 1 - SLOTS) / X(c + 1 - SLOTS), earlier in this rank's order: by induction over the chunks every wait
 is for a launch that is made. tests/kernels/test_symm_twoshot_interleavings.py runs both orders
 under random interleavings of 2-4 ranks. Emulated ranks on one GPU launch every rank's stages in one
-global order on one stream (`fusion_bridge.testing.symm_twoshot_rig.twoshot_call`), the syncs split into their signal
-and wait halves (per chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G, release),
-so that no spinning launch holds the SMs a peer's earlier stage needs.
+global order on one stream (`fusion_bridge.testing.symm_twoshot_rig.twoshot_call`), the syncs split
+into their signal and wait halves (per chunk: gate, F, signal / wait arrived, R, signal / wait
+reduced, G, release), so that no spinning launch holds the SMs a peer's earlier stage needs.
 
 Errors: a wait that runs out (time, or the abort word a peer that timed out set) reports the error
 word and sets every rank's abort word (`report_error`); every row launch of that call after it on
