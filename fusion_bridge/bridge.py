@@ -34,7 +34,7 @@ from fusion_bridge.plan.buckets import bucket_index
 from fusion_bridge.plan.planner import AUTO
 from fusion_bridge.plan.report import Report
 from fusion_bridge.spec import EpilogueSpec
-from fusion_bridge.strategies.base import DEFAULT_VARIANT, CallStage, Strategy
+from fusion_bridge.strategies.base import CallStage, Strategy
 
 _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
@@ -200,11 +200,11 @@ class FusionBridge:
                     self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
                 )
             except BaseException as exc:  # noqa: BLE001 - the shadow's collective, as the route's
-                self._failed_in(shadow, DEFAULT_VARIANT, inputs, exc, shadow_next=False)
+                self._failed_in(shadow, None, inputs, exc, shadow_next=False)
         return out
 
     def _failed_in(
-        self, strategy: Strategy, variant: str, inputs: EpilogueInputs, error, shadow_next: bool
+        self, strategy: Strategy, variant, inputs: EpilogueInputs, error, shadow_next: bool
     ) -> NoReturn:
         """`strategy`'s run raised `error`; where it stood decides what keeps the group in step:
         before its collective, take part in it (and in the shadow's, when `shadow_next` and this

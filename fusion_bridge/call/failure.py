@@ -43,7 +43,7 @@ from fusion_bridge.environment import Environment
 from fusion_bridge.epilogue_tensors import EpilogueInputs
 from fusion_bridge.plan.planner import Plan
 from fusion_bridge.spec import EpilogueSpec
-from fusion_bridge.strategies.base import DEFAULT_VARIANT, CallStage, Strategy
+from fusion_bridge.strategies.base import CallStage, Strategy
 
 PlannedRoute = Callable[[int], Optional[tuple[Strategy, str]]]
 
@@ -93,14 +93,14 @@ def take_part(
             f"half of them must agree; {votes_text(inputs)}), so it cannot tell which T its peers "
             "run"
         )
-    runs: list[tuple[Strategy, str]] = []
+    runs: list[tuple[Strategy, Optional[str]]] = []
     if route is not None:
         planned = route(tokens) if callable(route) else route
         if planned is None:
             return f"before its collective, and T={tokens} has no route"
         runs.append(planned)
     if shadow is not None and shadow_strategy is not None and shadow.due():
-        runs.append((shadow_strategy, DEFAULT_VARIANT))  # the peers sample this call too
+        runs.append((shadow_strategy, None))  # the peers sample this call too (run's default)
     if closed and any(inst.partial_dtype() is None for inst, _ in runs):
         names = ", ".join(inst.name for inst, _ in runs if inst.partial_dtype() is None)
         return f"after close(), which freed what {names} needs to take part in its collective"
@@ -118,7 +118,10 @@ def take_part(
 
 
 def _join(
-    runs: Iterable[tuple[Strategy, str]], spec: EpilogueSpec, device: torch.device, tokens: int
+    runs: Iterable[tuple[Strategy, Optional[str]]],
+    spec: EpilogueSpec,
+    device: torch.device,
+    tokens: int,
 ) -> None:
     """Each (strategy, variant)'s collectives on NaN: reserved NaN rows for a strategy whose
     collective is an all-reduce of the partial, its own run on the NaN payload otherwise."""

@@ -199,17 +199,17 @@ class Strategy:
 
     def take_part(
         self,
-        payload: EpilogueInputs,
-        variant: str = DEFAULT_VARIANT,
+        payload: Optional[EpilogueInputs],
+        variant: Optional[str] = None,
         nan_partial: Optional[torch.Tensor] = None,
     ) -> None:
         """Join one call's collectives on behalf of a rank whose own call failed before them, so
-        the peers, running `variant` on their inputs, stay in step and get NaN outputs. nan_partial:
-        [T, H] NaN rows in partial_dtype(), given when that is not None; all-reduced in place (NaN
-        plus anything stays NaN). Otherwise `run` on the NaN `payload` (its own kernels, their
-        outputs)."""
+        the peers, running `variant` on their inputs (None: run's own default, as shadow mode calls
+        it), stay in step and get NaN outputs. nan_partial: [T, H] NaN rows in partial_dtype(),
+        given when that is not None; all-reduced in place (NaN plus anything stays NaN). Otherwise
+        `run` on the NaN `payload` (its own kernels, their outputs)."""
         if nan_partial is None:
-            self.run(payload, variant)
+            self.run(payload) if variant is None else self.run(payload, variant)
             return
         with self.collective():
             dist.all_reduce(nan_partial, group=self.group)
