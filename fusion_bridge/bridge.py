@@ -213,8 +213,9 @@ class FusionBridge:
         if self.env.world_size > 1 and stage is CallStage.IN_COLLECTIVE:
             self._break(error, f"inside the collective of {strategy.name}")
             failure.add_note(error, self._broken)
-        if self.env.world_size > 1 and (stage is CallStage.BEFORE_COLLECTIVE or shadow_next):
-            route = (strategy, variant) if stage is CallStage.BEFORE_COLLECTIVE else None
+        before = stage is CallStage.BEFORE_COLLECTIVE
+        if self.env.world_size > 1 and (before or (shadow_next and self._shadow is not None)):
+            route = (strategy, variant) if before else None
             self._take_part_then_raise(inputs, error, route, shadow=shadow_next)
         raise error
 

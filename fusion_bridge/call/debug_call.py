@@ -32,7 +32,7 @@ from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import Strategy
 
 #: bytes the fingerprint reads per step: its temporaries are three int64 tensors of this length
-FINGERPRINT_CHUNK = 1 << 16
+FINGERPRINT_CHUNK = 1 << 18
 _MODULUS = 65521  # the largest prime below 2**16: position weights in [1, 65521]
 
 
@@ -98,14 +98,15 @@ def replicated_fingerprint(inputs: EpilogueInputs) -> int:
 
 
 def tensor_fingerprint(t: torch.Tensor) -> int:
-    """The position-weighted checksum of a dense tensor's bytes, in any dtype; never 0. A
-    contiguous tensor is read in place (what debug mode passes: validated inputs); another is
-    copied once."""
+    """The position-weighted checksum of a dense tensor's bytes, in any dtype; never 0. Each byte is
+    weighted by its offset within its chunk and each chunk's sum by the chunk's number, so moving a
+    byte anywhere changes it. A contiguous tensor is read in place (what debug mode passes:
+    validated inputs); another is copied once."""
     raw = t.contiguous().reshape(-1).view(torch.uint8)
-    steps = torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64, device=raw.device)
-    total = torch.zeros((), dtype=torch.int64, device=raw.device)
-    for start in range(0, raw.numel(), FINGERPRINT_CHUNK):
+    weights = torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64, device=raw.device) % _MODULUS + 1
+    total = raw.numel()
+    for number, start in enumerate(range(0, raw.numel(), FINGERPRINT_CHUNK), start=1):
         chunk = raw[start : start + FINGERPRINT_CHUNK].to(torch.int64)
-        weights = (steps[: chunk.numel()] + start) % _MODULUS + 1
-        total += (chunk * weights).sum()  # < 2**40 per chunk: no int64 overflow below 2**23 chunks
-    return (int(total) * 1000003 + raw.numel()) % (1 << 61) or 1
+        part = int((chunk * weights[: chunk.numel()]).sum())  # < 2**42: exact in int64
+        total = (total * 1000003 + number * part) % (1 << 61)
+    return total or 1

@@ -22,10 +22,19 @@ all-reduce, a tie whose peer calls on). The oracle is tests/oracle64.py over eve
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fusion_bridge.cli.launch import run_distributed
+from fusion_bridge.environment import Environment
+from fusion_bridge.oracle.synthetic import make_inputs
+from fusion_bridge.spec import EpilogueSpec
 from tests.distributed.round_two_cases import TIES, every_item
-from tests.distributed.test_rank_disagreement import RUN_TIMEOUT_S, _assert_correct, _assert_nan
+from tests.distributed.test_rank_disagreement import (
+    RUN_TIMEOUT_S,
+    SPEC,
+    _assert_correct,
+    _assert_nan,
+)
 
 ERRING = 1
 
@@ -222,3 +231,77 @@ def test_an_interrupt_entering_the_all_reduce_breaks_the_group_on_every_rank(ran
     for r in (erring["entering_later"], peer["entering_later"]):
         assert r["kind"] == "EpilogueInputError" and "unusable" in r["msg"], r
         assert r["seconds"] < 2, r
+
+
+# ---------------------------------------------------------------- in one process, no spawn
+def _fingerprint_function():
+    try:
+        from fusion_bridge.call.debug_call import replicated_fingerprint
+    except ImportError:  # the code as issue 42 found it
+        from fusion_bridge.call.failure import replicated_fingerprint
+    return replicated_fingerprint
+
+
+def test_5_the_debug_fingerprint_needs_no_copy_the_size_of_the_input(monkeypatch):
+    from torch.profiler import ProfilerActivity, profile
+
+    import fusion_bridge.call as call
+
+    fingerprint = _fingerprint_function()
+    # a small chunk, so a small residual spans many (the real chunk is FINGERPRINT_CHUNK bytes)
+    monkeypatch.setattr(getattr(call, "debug_call", call), "FINGERPRINT_CHUNK", 4096, raising=False)
+    residual = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    inputs = make_inputs(SPEC, 64, seed=1)._replace(residual=residual.to(torch.bfloat16))
+    size = residual.numel() * 2  # 64 KiB of bf16: 16 chunks
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        first = fingerprint(inputs)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest < size, (largest, size)  # its temporaries are bounded, not [T, H] x8
+    assert fingerprint(inputs) == first  # deterministic
+    swapped = inputs.residual.clone()
+    swapped[[0, 40]] = swapped[[40, 0]]  # a permutation of rows is another step
+    assert fingerprint(inputs._replace(residual=swapped)) != first
+
+
+def test_8_fused_tp1_refuses_a_negative_view():
+    from fusion_bridge import FusionBridge
+    from fusion_bridge.call.validation import EpilogueInputError
+
+    inputs = make_inputs(SPEC, 5, seed=3)
+    with FusionBridge(SPEC, strategy="fused_tp1", self_test=False, tuning="off") as bridge:
+        for name in ("gemm2_out", "residual", "shared_output", "gamma", "expert_weights"):
+            bad = inputs._replace(**{name: torch._neg_view(getattr(inputs, name))})
+            with pytest.raises(EpilogueInputError, match=f"{name} must be a tensor whose mem"):
+                bridge(*bad)
+        bridge(*inputs)  # and a good call right after
+
+
+def test_9_the_cli_names_what_is_wrong(capfd, monkeypatch, tmp_path):
+    import json
+
+    from fusion_bridge.cli.main import main
+    from fusion_bridge.tuning import tables
+
+    assert main(["--version", "--json"]) == 0
+    doc = json.loads(capfd.readouterr().out)
+    assert doc["command"] == "version" and doc["version"]
+    small = ["--hidden", "64", "--top-k", "2", "--tokens", "3", "--max-tokens", "8"]
+    assert main(["parity", *small, "--seed", str(2**63 - 1)]) == 0, capfd.readouterr().err
+    capfd.readouterr()
+    monkeypatch.setenv("FUSION_BRIDGE_STRATEGY", "reference")
+    assert main(["parity", *small]) == 2
+    assert "FUSION_BRIDGE_STRATEGY=reference leaves nothing to compare" in capfd.readouterr().err
+    monkeypatch.delenv("FUSION_BRIDGE_STRATEGY")
+    # a shipped table whose content was measured for another GPU is not used by `explain`
+    monkeypatch.setattr(tables, "TABLES_DIR", tmp_path)
+    described = ["explain", "--gpu", "NVIDIA H200", "--world-size", "2", *small[:4]]
+    spec = EpilogueSpec(hidden_size=64, top_k=2, max_tokens=8192)
+    env = Environment(world_size=2, gpu_name="NVIDIA H200", device_type="cuda", sm=90)
+    table = tables.make_table(spec, env, {"separate": {"default": {1: 5.0}}})
+    table["gpu"] = "NVIDIA H100"
+    path = tables.default_table_path(spec, env)
+    path.write_text(json.dumps(table))
+    with pytest.warns(UserWarning, match="measured for gpu='NVIDIA H100'"):
+        main(described)
+    out = capfd.readouterr().out
+    assert "no tuning table ships" in out and str(path) not in out, out
