@@ -305,3 +305,19 @@ def test_9_the_cli_names_what_is_wrong(capfd, monkeypatch, tmp_path):
         main(described)
     out = capfd.readouterr().out
     assert "no tuning table ships" in out and str(path) not in out, out
+
+
+@pytest.mark.gpu
+def test_8_on_a_gpu_fused_tp1_refuses_a_negative_view():
+    from fusion_bridge import FusionBridge
+    from fusion_bridge.call.validation import EpilogueInputError
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = make_inputs(SPEC, 5, seed=3, device=device)
+    with FusionBridge(SPEC, strategy="fused_tp1", device=device) as bridge:
+        for name in ("gemm2_out", "residual", "shared_output", "gamma", "expert_weights"):
+            bad = inputs._replace(**{name: torch._neg_view(getattr(inputs, name))})
+            with pytest.raises(EpilogueInputError, match=f"{name} must be a tensor whose mem"):
+                bridge(*bad)
+        out = bridge(*inputs)
+        assert not torch.isnan(out.norm_out).any()
