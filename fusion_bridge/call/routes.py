@@ -53,12 +53,25 @@ def bind_plan(
     not, and every rank raises naming it), then raised when every rank failed alike."""
     failed = isinstance(plan, Exception)
     if world_size > 1:
+        # the error's class is compared (its text may name per-rank reasons); when it differs, every
+        # rank gathers every failing rank's text for the message
         settings = (
-            {"planning_failed": f"{type(plan).__name__}: {str(plan)[:300]}"}
+            {"planning_failed": type(plan).__name__}
             if failed
             else rank_agreement.plan_settings(plan)
         )
-        rank_agreement.agree_on_settings(settings, group, what="the plan")
+        try:
+            rank_agreement.agree_on_settings(settings, group, what="the plan")
+        except rank_agreement.RankAgreementError as exc:
+            if "planning_failed" not in exc.fields:
+                raise
+            mine = f"{type(plan).__name__}: {plan}" if failed else None
+            reasons = rank_agreement.gather_reasons(mine, group)
+            raise rank_agreement.RankAgreementError(
+                f"{exc}\nplanning failed on "
+                + "; ".join(f"rank {r}: {reason}" for r, reason in reasons.items()),
+                fields=exc.fields,
+            ) from (plan if failed else None)
     if failed:
         raise plan
     shape_checked = {

@@ -194,6 +194,16 @@ def agree_on_settings(
     return gathered
 
 
+def gather_reasons(reason: Optional[str], group) -> dict[int, str]:
+    """{rank: its reason} for every rank of `group` whose `reason` is not None (each cut to
+    MAX_REASON_CHARS). Collective: one all_gather_object; every rank calls it, with or without a
+    reason of its own."""
+    gathered: list = [None] * world_size(group)
+    mine = None if reason is None else reason[:MAX_REASON_CHARS]
+    dist.all_gather_object(gathered, mine, group=group)
+    return {r: text for r, text in enumerate(gathered) if text is not None}
+
+
 def plan_settings(plan) -> dict:
     """The part of a plan that decides which collectives a call runs, as plain values for
     agree_on_settings(..., what="the plan"): the (strategy, launch variant) per token bucket and the
