@@ -13,6 +13,7 @@ collectives time out after SHORT_TIMEOUT.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -390,8 +391,9 @@ def item7_hf_patch(rank, world_size, group) -> dict:
     from migration.examples.hf_moe import build_model
 
     out = {}
+    built = build_model("deepseek_v3", TINY, seed=0)  # the same on every rank; copied per case
     for case in ("experts_swapped", "rows_swapped", "same_nan", "debug"):
-        model = build_model("deepseek_v3", TINY, seed=0)
+        model = copy.deepcopy(built)
         experts = model.model.layers[1].mlp.experts
         with torch.no_grad():
             if case == "experts_swapped" and rank == ERRING:
