@@ -246,8 +246,8 @@ def test_build_timeout_comes_from_the_argument_then_the_environment(monkeypatch)
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds in [0.001, 86400], "
-            "got 'soon'"
+            "FUSION_BRIDGE_BUILD_TIMEOUT_S must be a number of seconds in [0.001, 86400] in "
+            "ASCII digits, got 'soon'"
         ),
     ):
         build_timeout_s()
