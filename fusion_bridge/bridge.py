@@ -6,15 +6,8 @@ and dispatches by token bucket in O(1) to the planned (strategy, launch variant)
 this module. When one rank's call fails: call/failure.py; one strategy run directly (parity,
 benchmarks): call/direct.py; tuning and the reports: call/tools.py.
 
-Environment variables:
-  FUSION_BRIDGE_STRATEGY=<name>   overrides the `strategy` argument (an explicit request: raises if
-                                  that strategy cannot run, never falls back)
-  FUSION_BRIDGE_DEBUG=1           value checks at every call (index range, T equal on all ranks);
-                                  they sync, so keep it off on the hot path and under CUDA graphs
-  FUSION_BRIDGE_SELF_TEST=0       skip the self-test at build time
-  FUSION_BRIDGE_SHADOW=name[:N]   shadow mode: run `name` beside the selected strategy every N-th
-                                  call and record divergence in explain() (its cost: shadow.py)
-  FUSION_BRIDGE_EXCLUDE=a,b       keep these strategies out of auto (as the `exclude` argument)
+Its environment variables (FUSION_BRIDGE_STRATEGY, _DEBUG, _SHADOW, _EXCLUDE, ...) are read and
+checked in env_vars.py, which says what each changes.
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ import torch
 from fusion_bridge import log
 from fusion_bridge.build.build import build_bridge, close_instances
 from fusion_bridge.call import custom_op, direct, failure, routes as call_routes, tools
+from fusion_bridge.call.debug_call import CallAgreement
 from fusion_bridge.call.one_caller import one_call_at_a_time
 from fusion_bridge.call.validation import (
     EpilogueInputError,
@@ -111,7 +105,12 @@ class FusionBridge:
         self._capturing = (
             torch.cuda.is_current_stream_capturing if self.device.type == "cuda" else bool
         )
-        self._agree_each_call = self.debug and self.env.world_size > 1  # one collective per call
+        # debug mode over several ranks: one small collective per call (call/debug_call.py)
+        self._agreement = (
+            CallAgreement(self.spec, self.device, self.group, self.build_index)
+            if self.debug and self.env.world_size > 1
+            else None
+        )
         self.reroutes = 0
         # calls per (strategy, variant, captured?): counted on the host, so a replayed CUDA graph
         # (which never reaches the host) is not counted; its capture is
@@ -149,8 +148,6 @@ class FusionBridge:
         dtype; quant/scale when the spec quantizes). The inputs are never modified. Collective when
         world > 1.
         """
-        if self._closed:
-            raise RuntimeError("finalize_epilogue: this FusionBridge was closed")
         if torch.compiler.is_compiling():  # one opaque node in the graph; the op runs this eagerly
             return custom_op.outputs_from_op(
                 self.spec,
@@ -170,9 +167,11 @@ class FusionBridge:
         if self._broken is not None:
             raise EpilogueInputError(self._broken)
         self.calls += 1
-        if self._agree_each_call:
+        if self._agreement is not None:
             return self._agreed_call(inputs)
         try:
+            if self._closed:  # a failure like any other: this rank still takes part
+                raise failure.BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
             if not self._looks_valid(inputs):
                 validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
             tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
@@ -181,31 +180,46 @@ class FusionBridge:
             if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
                 return allocate_outputs(self.spec, 0, self.device)
             strategy, variant = self._route(inputs, tokens)
-        except Exception as exc:  # noqa: BLE001 - any failure here comes before the collective
-            self._take_part_then_raise(inputs, exc)
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: all before the collective
+            self._take_part_then_raise(inputs, exc, self._planned_route)
         return self._run(inputs, strategy, variant)
 
     __call__ = finalize_epilogue
 
     def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
-        key = (strategy.name, variant, bool(self._capturing()))
-        self._calls[key] = self._calls.get(key, 0) + 1
-        strategy.call_stage = CallStage.BEFORE_COLLECTIVE
         try:
+            key = (strategy.name, variant, bool(self._capturing()))
+            self._calls[key] = self._calls.get(key, 0) + 1
+            strategy.call_stage = CallStage.BEFORE_COLLECTIVE
             out = strategy.run(inputs, variant)
-        except Exception as exc:  # noqa: BLE001 - where it failed decides what keeps the group in step
-            stage = strategy.call_stage if strategy.marks_collective else CallStage.IN_COLLECTIVE
-            if self.env.world_size == 1 or stage is CallStage.AFTER_COLLECTIVE:
-                raise  # the group is in step: this rank's collective ran
-            if stage is CallStage.BEFORE_COLLECTIVE:
-                self._take_part_then_raise(inputs, exc)
-            self._break(exc, f"inside the collective of {strategy.name}")
-            raise
+        except BaseException as exc:  # noqa: BLE001 - where it failed decides what keeps the group in step
+            self._failed_in(strategy, variant, inputs, exc, shadow_next=True)
         if self._shadow is not None and self._shadow.due():
-            self._shadow.run_beside(
-                self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
-            )
+            shadow = self._instances[self._shadow.strategy]
+            try:
+                shadow.call_stage = CallStage.BEFORE_COLLECTIVE
+                self._shadow.run_beside(
+                    self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
+                )
+            except BaseException as exc:  # noqa: BLE001 - the shadow's collective, as the route's
+                self._failed_in(shadow, None, inputs, exc, shadow_next=False)
         return out
+
+    def _failed_in(
+        self, strategy: Strategy, variant, inputs: EpilogueInputs, error, shadow_next: bool
+    ) -> NoReturn:
+        """`strategy`'s run raised `error`; where it stood decides what keeps the group in step:
+        before its collective, take part in it (and in the shadow's, when `shadow_next` and this
+        call is sampled); inside it, the group is broken; after it, only the shadow's remains."""
+        stage = failure.stage_of(strategy)
+        if self.env.world_size > 1 and stage is CallStage.IN_COLLECTIVE:
+            self._break(error, f"inside the collective of {strategy.name}")
+            failure.add_note(error, self._broken)
+        before = stage is CallStage.BEFORE_COLLECTIVE
+        if self.env.world_size > 1 and (before or (shadow_next and self._shadow is not None)):
+            route = (strategy, variant) if before else None
+            self._take_part_then_raise(inputs, error, route, shadow=shadow_next)
+        raise error
 
     def _bucket_route(self, tokens: int) -> tuple[Strategy, str, bool]:
         """(strategy, variant, checks shapes?) this call's mode (eager or captured) plans for
@@ -238,41 +252,32 @@ class FusionBridge:
         return route
 
     # ---------------------------------------------------------------- failure (call/failure.py)
-    def _take_part_then_raise(self, inputs: EpilogueInputs, error: BaseException) -> NoReturn:
-        """This rank's call failed before its collective: take part with a NaN payload so the group
-        stays in step, then raise `error`; where it cannot, refuse every later call and raise
-        EpilogueInputError saying what recovers."""
+    def _take_part_then_raise(self, inputs, error, route, shadow: bool = True) -> NoReturn:
+        """This rank's call failed before a collective of `route` (a (strategy, variant), a function
+        of T planning it, or None when only the shadow's is left): take part with a NaN payload so
+        the group stays in step, then raise `error`; where it cannot, refuse every later call on
+        this process group and raise EpilogueInputError saying what recovers."""
+        sampler = self._shadow if shadow else None
         where = failure.take_part(
-            inputs,
-            error,
-            spec=self.spec,
-            device=self.device,
-            world_size=self.env.world_size,
-            call=self.calls,
-            planned_route=self._planned_route,
-            shadow=self._shadow,
-            instances=self._instances,
-        )
-        if where is None:
-            raise error
-        self._break(error, where)
-        raise EpilogueInputError(self._broken) from error
+            inputs, error, spec=self.spec, device=self.device, world_size=self.env.world_size,
+            call=self.calls, route=route, shadow=sampler, closed=self._closed,
+            shadow_strategy=self._instances[sampler.strategy] if sampler else None,
+        )  # fmt: skip
+        if where is not None:
+            self._break(error, where)
+            if isinstance(error, Exception):  # a KeyboardInterrupt stays one, with the message
+                raise EpilogueInputError(self._broken) from error
+            failure.add_note(error, self._broken)
+        raise error
 
     def _break(self, error: BaseException, where: str) -> None:
-        self._broken = failure.broken_message(self.calls, error, where)
+        message = failure.broken_message(self.calls, error, where)
+        failure.break_group(list(_LIVE_BRIDGES), self, message)
 
     def _agreed_call(self, inputs: EpilogueInputs) -> EpilogueOutputs:
         """Debug mode over several ranks: every rank checks, then all agree, then run (or all
         raise the same error)."""
-        route = failure.agree_on_call(
-            inputs,
-            spec=self.spec,
-            device=self.device,
-            group=self.group,
-            call=self.calls,
-            bridge_index=self.build_index,
-            route=self._route,
-        )
+        route = self._agreement.agree(inputs, self.calls, self._route, self._closed)
         if route is None:
             return allocate_outputs(self.spec, 0, self.device)
         return self._run(inputs, *route)
@@ -330,6 +335,8 @@ class FusionBridge:
         )
         self.table = tuned.table
         plan = tuned.plan(self.statuses, self.spec, self.requested)
+        shadow = (self._shadow.strategy,) if self._shadow else ()
+        failure.reserve_for(plan, self._instances, shadow, self.spec, self.device, self.env)
         self._use_routes(
             call_routes.bind_plan(plan, self._instances, self.env.world_size, self.group)
         )

@@ -10,10 +10,11 @@ The README's table of variables is generated from `VARIABLES` and a test keeps t
 from __future__ import annotations
 
 import difflib
-
 import logging
 import math
+import numbers
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -61,30 +62,41 @@ def _flag(raw: str, var: Variable) -> bool:
     raise EnvVarError(var.name, var.expected, raw)
 
 
+def finite_float(value: object) -> Optional[float]:
+    """`value` as a finite float when it is a real number (int, float, numpy scalar; not a bool or
+    a string), else None. Never raises: an int too large for a float is None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        as_float = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return as_float if math.isfinite(as_float) else None
+
+
 def timeout_ms(seconds: float, what: str) -> int:
     """Seconds -> whole milliseconds (rounded up, so a positive timeout never becomes 0, which the
-    stores read as "wait forever"). Raises ValueError naming `what` outside
-    [MIN_TIMEOUT_S, MAX_TIMEOUT_S] or when not a finite number."""
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, (int, float))
-        or not math.isfinite(seconds)
-        or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S
-    ):
+    stores read as "wait forever"). Any real number type (numpy's too). Raises ValueError naming
+    `what` outside [MIN_TIMEOUT_S, MAX_TIMEOUT_S] or when not a finite number."""
+    value = finite_float(seconds)
+    if value is None or not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
         raise ValueError(
             f"{what} must be a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], "
-            f"got {seconds!r}"
+            f"got {str(seconds)[:60] if isinstance(seconds, int) else repr(seconds)}"
         )
-    return max(1, math.ceil(seconds * 1000 - 1e-9))
+    return max(1, math.ceil(value * 1000 - 1e-9))
+
+
+# a plain decimal number in ASCII: digits, an optional fraction, an optional exponent; no sign, no
+# underscores, no other script's digits, no padding but spaces and tabs around it
+_DECIMAL = re.compile(r"[ \t]*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?[ \t]*")
 
 
 def _seconds(raw: str, var: Variable) -> float:
+    if not _DECIMAL.fullmatch(raw):
+        raise EnvVarError(var.name, var.expected, raw)
     try:
-        value = float(raw)
-    except ValueError:
-        raise EnvVarError(var.name, var.expected, raw) from None
-    try:
-        return timeout_ms(value, var.name) / 1000
+        return timeout_ms(float(raw), var.name) / 1000
     except ValueError:
         raise EnvVarError(var.name, var.expected, raw) from None
 
@@ -105,6 +117,23 @@ def _text(raw: str, var: Variable) -> str:
     return text
 
 
+SHADOW_PATTERN = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<every>[1-9][0-9]{0,8}))?")
+
+
+def _shadow(raw: str, var: Variable) -> str:
+    """'name' or 'name:N' (N in ASCII digits, 1 .. 999999999); whether `name` is a strategy is
+    checked where the registry is (call/shadow.py), naming this variable too."""
+    text = raw.strip()
+    if not SHADOW_PATTERN.fullmatch(text):
+        raise EnvVarError(var.name, var.expected, raw)
+    return text
+
+
+def _directory(raw: str, var: Variable) -> str:
+    """A path, with `~` expanded as a shell would."""
+    return os.path.expanduser(_text(raw, var))
+
+
 def _names(raw: str, var: Variable) -> tuple[str, ...]:
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     if not all(n.isidentifier() for n in names):
@@ -112,7 +141,7 @@ def _names(raw: str, var: Variable) -> tuple[str, ...]:
     return names
 
 
-_SECONDS = f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]"
+_SECONDS = f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] in ASCII digits"
 _FLAG = f"one of {', '.join(TRUE_WORDS + FALSE_WORDS)} (any case)"
 
 VARIABLES: dict[str, Variable] = {
@@ -154,10 +183,10 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             "FUSION_BRIDGE_SHADOW",
-            "'name' or 'name:N' (a strategy, every N-th call)",
+            "'name' or 'name:N' (a registered strategy; N in 1..999999999, every N-th call)",
             "",
             "Shadow mode: run `name` beside the selected strategy and record the divergence.",
-            _text,
+            _shadow,
             None,
         ),
         Variable(
@@ -188,10 +217,10 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             "FUSION_BRIDGE_CACHE_DIR",
-            "a directory path",
+            "a directory path (`~` expanded)",
             "~/.cache/fusion_bridge",
             "Where `tune` writes measured tables and bridges look for them.",
-            _text,
+            _directory,
             None,
         ),
         Variable(
@@ -218,14 +247,15 @@ def read(name: str, environ: Optional[Mapping[str, str]] = None):
 
 
 def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
-    """Validate every FUSION_BRIDGE_* variable that is set, and refuse unknown ones (a typo such as
-    FUSION_BRIDGE_DEBG would otherwise be ignored silently). Raises EnvVarError on the
-    first bad one."""
+    """Validate every FUSION_BRIDGE_* variable that is set, and refuse unknown ones: a typo such as
+    FUSION_BRIDGE_DEBG, or a name meant to be ours without the exact prefix (fusion_bridge_debug,
+    FUSION-BRIDGE-DEBUG), would otherwise be ignored silently. Raises EnvVarError on the first bad
+    one."""
     environ = os.environ if environ is None else environ
     for key in sorted(environ):
-        if key.startswith(PREFIX) and key not in VARIABLES:
-            close = difflib.get_close_matches(key, sorted(VARIABLES), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+        if _looks_ours(key) and key not in VARIABLES:
+            close = difflib.get_close_matches(_squeezed(key), list(_SQUEEZED), n=1)
+            hint = f" (did you mean {_SQUEEZED[close[0]]}?)" if close else ""
             raise EnvVarError(
                 key,
                 f"one of the known variables {sorted(VARIABLES)}{hint}",
@@ -234,6 +264,21 @@ def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
             )
     for name in VARIABLES:
         read(name, environ)
+
+
+def _squeezed(name: str) -> str:
+    """A variable name upper-cased with everything but letters and digits dropped: what a name
+    meant to be ours looks like whatever its case and separators."""
+    return re.sub(r"[^A-Z0-9]", "", name.upper())
+
+
+_SQUEEZED = {_squeezed(name): name for name in VARIABLES}
+
+
+def _looks_ours(key: str) -> bool:
+    """FUSION_BRIDGE_X, and the names meant to be (fusion_bridge_x, FUSION-BRIDGE-X, FUSIONBRIDGE_X,
+    a stray space), which would otherwise be ignored silently."""
+    return key.startswith(PREFIX) or _squeezed(key).startswith("FUSIONBRIDGE")
 
 
 def markdown_table() -> str:

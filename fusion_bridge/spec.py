@@ -21,6 +21,8 @@ FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number
 INT32_MAX = 2**31 - 1
 MAX_TOP_K = 1024
 MAX_HIDDEN_SIZE = 1 << 20
+MAX_EPS = 1.0  # RMSNorm eps regularises mean(x^2); models use 1e-6 .. 1e-5
+MAX_ROUTED_SCALING = 1024.0  # DeepSeek-V3 2.5, Kimi-K2 2.827; fp16 holds 65504
 
 
 class QuantKind(str, enum.Enum):
@@ -139,17 +141,26 @@ class EpilogueSpec:
             _real_field(
                 "eps",
                 self.eps,
-                f"a positive float in [{FP32_TINY:.3g}, {FP32_MAX:.3g}] (a normal fp32 number; an "
-                "eps that is 0 in fp32 turns an all-zero row into NaN)",
+                f"a positive float in [{FP32_TINY:.3g}, {MAX_EPS:g}] (a normal fp32 number; an "
+                "eps that is 0 in fp32 turns an all-zero row into NaN, one above 1 outweighs the "
+                "mean square it regularises)",
                 positive=True,
                 low=FP32_TINY,
+                high=MAX_EPS,
             ),
         )
         finite32 = f"a float of magnitude <= {FP32_MAX:.3g} (finite in fp32)"
         set_("weight_bias", _real_field("weight_bias", self.weight_bias, finite32))
         set_(
             "routed_scaling_factor",
-            _real_field("routed_scaling_factor", self.routed_scaling_factor, finite32),
+            _real_field(
+                "routed_scaling_factor",
+                self.routed_scaling_factor,
+                f"a positive float <= {MAX_ROUTED_SCALING:g} (models scale the routed sum by a "
+                "small positive factor; a larger one overflows bf16/fp16 partials)",
+                positive=True,
+                high=MAX_ROUTED_SCALING,
+            ),
         )
         _require(
             isinstance(self.has_shared_output, bool),
@@ -231,22 +242,46 @@ def _int_field(name: str, value: object) -> int:
 
 
 def _real_field(
-    name: str, value: object, expected: str, positive: bool = False, low: float = 0.0
+    name: str,
+    value: object,
+    expected: str,
+    positive: bool = False,
+    low: float = 0.0,
+    high: float = FP32_MAX,
 ) -> float:
-    """A real number (int or float, not bool, not str) finite in fp32, as float; >= `low` and > 0
-    when `positive`."""
+    """A real number (int or float, numpy's too; not bool, not str) finite in fp32, as float; at
+    most `high`; >= `low` and > 0 when `positive`."""
     is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    try:
+        as_float = float(value) if is_real else math.nan
+    except OverflowError:  # an int too large for a float
+        as_float = math.inf
     _require(
-        is_real
-        and math.isfinite(value)
-        and abs(value) <= FP32_MAX
-        and (not positive or (value > 0 and value >= low)),
+        math.isfinite(as_float)
+        and abs(as_float) <= FP32_MAX
+        and (not positive or (as_float > 0 and as_float >= low))
+        and as_float <= high,
         name,
         expected,
-        value,
+        _shown(value, as_float),
         show_type=not is_real,
     )
-    return float(value)
+    return as_float
+
+
+class _Shown(str):
+    """A value described in words in an error (its repr would be unreadable or refused)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _shown(value: object, as_float: float) -> object:
+    """What an error shows for `value`: an int too large for a float by its size (its repr can be
+    thousands of digits, or refused by Python beyond 4300)."""
+    if isinstance(value, numbers.Integral) and math.isinf(as_float):
+        return _Shown(f"an int of {int(value).bit_length()} bits (too large for a float)")
+    return value
 
 
 def _enum_field(name: str, enum_cls: type, value: object):

@@ -4,7 +4,7 @@ kept out of auto (the `exclude` argument with FUSION_BRIDGE_EXCLUDE)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -45,12 +45,17 @@ def requested_exclusions(exclude: Sequence[str], requested: str) -> dict[str, st
     return dict(sorted(out.items()))
 
 
-def check_measurements(**tables) -> None:
-    """measured_us / eager_us as given (None: not given); raises naming the first bad one."""
+def check_measurements(**tables) -> dict[str, Optional[dict]]:
+    """measured_us / eager_us as given (None: not given); raises naming the first bad one, before
+    any collective. Returns each normalized ({strategy: {variant: {int: float}}}, None when not
+    given): what the planner reads, whatever key and number types the caller used."""
+    out: dict[str, Optional[dict]] = {}
     for name, given in tables.items():
         problem = None if given is None else table_format.measurements_problem(given, name)
         if problem:
             raise ValueError(f"FusionBridge: {problem}")
+        out[name] = None if given is None else table_format.normalized_measurements(given)
+    return out
 
 
 def requested_strategy(strategy: str) -> str:

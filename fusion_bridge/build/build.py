@@ -7,11 +7,12 @@ Collective over `group` (every rank builds its bridges in the same order), in th
      on every setting that must be equal on every rank;
   3. admission (admission.py): capabilities, resources, workspaces and the self-test, each agreed
      across ranks, so every rank keeps the same prepared strategies;
-  4. on several ranks, the NaN payload a failing call takes part with is reserved (call/payload.py);
-  5. the plan: planner.select_for_modes over the agreed statuses and the measurements (given, or
-     rank 0's cached or shipped table), agreed across ranks and bound to the prepared instances
-     (call/routes.py).
-If step 5 fails, the prepared strategies are closed before the error propagates.
+  4. the plan: planner.select_for_modes over the agreed statuses and the measurements (given, or
+     rank 0's cached or shipped table), and on several ranks the NaN payload a failing call takes
+     part with, reserved for the plan's routes and the shadow (call/failure.py); the plan, or the
+     error planning or reserving raised, is agreed across ranks (so a failure on one rank raises on
+     every rank) and bound to the prepared instances (call/routes.py).
+If step 4 fails, the prepared strategies are closed before the error propagates.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fusion_bridge.build.arguments import (
     requested_exclusions,
     requested_strategy,
 )
-from fusion_bridge.call.payload import reserve
+from fusion_bridge.call.failure import reserve_for
 from fusion_bridge.call.routes import Routes, bind_plan
 from fusion_bridge.call.shadow import Shadow
 from fusion_bridge.environment import Environment, default_device, detect
@@ -96,13 +97,15 @@ def build_bridge(
     env_vars.check_all()
     log.configure_once()
     check_group_membership(group)
-    check_measurements(measured_us=measured_us, eager_us=eager_us)
+    given = check_measurements(measured_us=measured_us, eager_us=eager_us)
+    measured_us, eager_us = given["measured_us"], given["eager_us"]
     requested = requested_strategy(strategy)
     excluded = requested_exclusions(exclude, requested)
     if tuning not in ("auto", "off"):
         raise ValueError(f"FusionBridge: tuning must be 'auto' or 'off', got {tuning!r}")
+    source = "shadow" if shadow is not None else "FUSION_BRIDGE_SHADOW"
     shadow = shadow if shadow is not None else env_vars.read("FUSION_BRIDGE_SHADOW")
-    sampler = Shadow.parse(shadow, list(registry.REGISTRY)) if shadow else None
+    sampler = Shadow.parse(shadow, list(registry.REGISTRY), source) if shadow else None
     debug = env_vars.read("FUSION_BRIDGE_DEBUG") if debug is None else debug
     run_self_test = env_vars.read("FUSION_BRIDGE_SELF_TEST") if self_test is None else self_test
     device = default_device(device)
@@ -136,8 +139,6 @@ def build_bridge(
         run_self_test=run_self_test,
         excluded=excluded,
     )
-    if env.world_size > 1:  # the NaN payload a failing call takes part with
-        reserve(device, spec.dtype, spec.hidden_size, spec.top_k, spec.max_tokens)
     try:
         _check_shadow_admitted(sampler, admitted)
         table: Optional[dict] = None
@@ -146,14 +147,19 @@ def build_bridge(
             if table is not None:
                 measured_us = tuning_tables.as_measurements(table)
                 eager_us = tuning_tables.as_measurements(table, "eager_us")
-        plan = select_for_modes(
-            admitted.statuses,
-            spec,
-            requested,
-            measured_us,
-            eager_us,
-            tuning_tables.margin_of(table),
-        )
+        try:
+            plan = select_for_modes(
+                admitted.statuses,
+                spec,
+                requested,
+                measured_us,
+                eager_us,
+                tuning_tables.margin_of(table),
+            )
+            also = (sampler.strategy,) if sampler else ()
+            reserve_for(plan, admitted.instances, also, spec, device, env)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it in the plan's agreement
+            plan = exc
         routes = bind_plan(plan, admitted.instances, env.world_size, group)
     except Exception:
         close_instances(admitted.instances)

@@ -1,22 +1,31 @@
 """What a call does when something fails on one rank, so the group's collectives stay in step.
 
-Every rank of a TP group runs each call's collectives in the same order. A rank that fails and
-simply raises leaves its peers waiting in the call's collective, and its *next* call would pair with
-the peers' pending one: plausible but wrong values everywhere. So a failure anywhere before this
-rank's collective (validation, reading an exotic tensor's metadata, allocation, a kernel launch)
-makes the rank take part in the call anyway (`take_part`), with a NaN payload of the group's T
-through the route its peers run (payload.py), and only then raise. The peers get NaN outputs (loud,
-never plausible), and the next call is in step on every rank.
+Every rank of a TP group runs each call's collectives in the same order: the route's, then the
+shadow strategy's on a sampled call. A rank that fails and simply raises leaves its peers waiting in
+the call's collective, and its *next* call would pair with the peers' pending one: plausible but
+wrong values everywhere. So whatever leaves a rank's call before one of its collectives (any
+BaseException: a validation error, a tensor whose metadata cannot be read, an allocation or launch
+failure, KeyboardInterrupt, SystemExit, asyncio's CancelledError, a call on a closed bridge) makes
+the rank take part in the collectives its peers still run in that call (`take_part`), with a NaN
+payload of the group's T (payload.py), and only then re-raise the original. The peers get NaN
+outputs (loud, never plausible), and the next call is in step on every rank. A failure after the
+route's collective still takes part in the shadow strategy's, when the call is sampled.
 
-Where a rank cannot take part, its bridge is marked broken (every later call raises) with a message
-that says what recovers (`broken_message`); that happens when T itself is unreadable (none of the
-[T, ...] inputs is a 2-D tensor), when the planned route for T does not exist, when taking part
-fails too, or when the failure came while this rank was inside the collective (it cannot tell
-whether the peers finished it).
+Taking part needs nothing that may just have failed: the payload is reserved at build, a route
+whose collective is a torch.distributed all-reduce joins it with reserved NaN rows alone
+(`Strategy.take_part`), so neither an allocation that just failed nor a closed bridge's freed
+workspaces stand in the way. Only routes whose collective lives inside their own kernels run them.
+
+Where a rank cannot take part, the process group is out of step on this rank: every bridge of this
+process on that group is marked broken (`break_group`; every later call raises at once) with a
+message that says what recovers (`broken_message`). That happens when T itself cannot be told
+(none of the [T, ...] inputs is a 2-D tensor, or they disagree with no majority), when the planned
+route for T does not exist, when taking part fails too, when a closed bridge's route needed the
+workspaces close() freed, or when the failure came while this rank was inside a collective (it
+cannot tell whether the peers finished it).
 
 Debug mode over several ranks replaces all this with one small collective per call before the
-epilogue's own (`agree_on_call`): if any rank failed its checks, T differs or a rank is on another
-call, every rank raises the same error and none runs the epilogue.
+epilogue's own (debug_call.py).
 
 These are functions of explicit arguments; FusionBridge (bridge.py) calls them from its failure
 path and keeps the resulting state (the broken message) itself.
@@ -24,20 +33,29 @@ path and keeps the resulting state (the broken message) itself.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
-from fusion_bridge.call.payload import group_tokens, nan_payload
+from fusion_bridge.call.payload import group_tokens, nan_payload, nan_rows, reserve, votes_text
 from fusion_bridge.call.shadow import Shadow
-from fusion_bridge.call.validation import validate_index_values, validate_inputs
+from fusion_bridge.environment import Environment
 from fusion_bridge.epilogue_tensors import EpilogueInputs
-from fusion_bridge.ranks import agreement as rank_agreement
-from fusion_bridge.ranks.process_group import collective_device
+from fusion_bridge.plan.planner import Plan
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import CallStage, Strategy
 
 PlannedRoute = Callable[[int], Optional[tuple[Strategy, str]]]
+
+
+class BridgeClosedError(RuntimeError):
+    """finalize_epilogue on a FusionBridge after its close()."""
+
+
+def stage_of(strategy: Strategy) -> CallStage:
+    """Where `strategy`'s last run stood when it raised: a strategy that does not mark its
+    collective is taken to have been inside it (the bridge cannot tell where it failed)."""
+    return strategy.call_stage if strategy.marks_collective else CallStage.IN_COLLECTIVE
 
 
 def take_part(
@@ -48,47 +66,98 @@ def take_part(
     device: torch.device,
     world_size: int,
     call: int,
-    planned_route: PlannedRoute,
+    route: Optional[tuple[Strategy, str]] | PlannedRoute,
     shadow: Optional[Shadow],
-    instances: Mapping[str, Strategy],
+    shadow_strategy: Optional[Strategy],
+    closed: bool = False,
 ) -> Optional[str]:
-    """This rank's call number `call` failed with `error` before its collective, but its peers are
-    already in (or on their way to) the call's collectives. Run the launches and collectives they
-    run for the group's T (`planned_route(T)`: the (strategy, variant) the bridge plans for T), on a
-    NaN payload, so the group stays in step and the peers get NaN outputs; the shadow strategy runs
-    too when the peers sample this call.
+    """This rank's call number `call` failed with `error` before one of its collectives, but its
+    peers are already in (or on their way to) them. Join, on a NaN payload of the group's T, the
+    collectives they still run: `route`'s (the (strategy, variant) they run, or a function of T
+    that plans it; None when the route's collective already ran), then `shadow_strategy`'s when
+    `shadow` samples this call (every rank advances its counter here, as the peers do). `closed`:
+    the bridge was closed, so only a route that needs nothing prepare() built can take part.
 
     Returns None when the group is in step: this rank took part (then `error` carries a note saying
     so), or there was nothing to take part in (one rank, or T == 0); the caller raises `error`.
-    Otherwise returns why this rank could not take part (the `where` of broken_message): T is
-    unreadable, T has no route, or taking part failed too; the caller marks its bridge broken."""
-    tokens = group_tokens(inputs)
-    if world_size == 1 or tokens == 0:
+    Otherwise returns why this rank could not take part (the `where` of broken_message); the caller
+    marks the group broken on this rank."""
+    if world_size == 1:
         return None
-    route = planned_route(tokens) if tokens is not None else None
-    if route is None:
+    tokens = group_tokens(inputs, spec.has_shared_output)
+    if tokens == 0:
+        return None
+    if tokens is None:
         return (
-            "before its collective, and none of its [T, ...] inputs is a 2-D tensor, so it "
-            "cannot tell the group's T"
-            if tokens is None
-            else f"before its collective, and T={tokens} has no route"
+            "before its collective, and its [T, ...] inputs do not give the group's T (more than "
+            f"half of them must agree; {votes_text(inputs)}), so it cannot tell which T its peers "
+            "run"
         )
+    runs: list[tuple[Strategy, Optional[str]]] = []
+    if route is not None:
+        planned = route(tokens) if callable(route) else route
+        if planned is None:
+            return f"before its collective, and T={tokens} has no route"
+        runs.append(planned)
+    if shadow is not None and shadow_strategy is not None and shadow.due():
+        runs.append((shadow_strategy, None))  # the peers sample this call too (run's default)
+    if closed and any(inst.partial_dtype() is None for inst, _ in runs):
+        names = ", ".join(inst.name for inst, _ in runs if inst.partial_dtype() is None)
+        return f"after close(), which freed what {names} needs to take part in its collective"
     try:
-        poison = nan_payload(
-            device, spec.dtype, spec.hidden_size, spec.top_k, tokens, spec.has_shared_output
-        )
-        route[0].call_stage = CallStage.BEFORE_COLLECTIVE
-        route[0].run(poison, route[1])
-        if shadow is not None and shadow.due():  # the peers sample this call too
-            instances[shadow.strategy].run(poison)
-    except Exception as exc:  # noqa: BLE001 - reported with the original error
+        _join(runs, spec, device, tokens)
+    except BaseException as exc:  # noqa: BLE001 - reported with the original error
         return f"before its collective; taking part with a NaN payload failed too ({exc!r})"
-    add_note(
-        error,
-        f"fusion_bridge: this rank took part in call {call} with a NaN payload of "
-        f"T={tokens}, so its peers got NaN outputs and the next call is in step",
-    )
+    if runs:
+        add_note(
+            error,
+            f"fusion_bridge: this rank took part in call {call} with a NaN payload of "
+            f"T={tokens}, so its peers got NaN outputs and the next call is in step",
+        )
     return None
+
+
+def _join(
+    runs: Iterable[tuple[Strategy, Optional[str]]],
+    spec: EpilogueSpec,
+    device: torch.device,
+    tokens: int,
+) -> None:
+    """Each (strategy, variant)'s collectives on NaN: reserved NaN rows for a strategy whose
+    collective is an all-reduce of the partial, its own run on the NaN payload otherwise."""
+    payload = None
+    for inst, variant in runs:
+        dtype = inst.partial_dtype()
+        inst.call_stage = CallStage.BEFORE_COLLECTIVE
+        if dtype is not None:
+            inst.take_part(None, variant, nan_rows(device, dtype, spec.hidden_size, tokens))
+            continue
+        if payload is None:
+            payload = nan_payload(
+                device, spec.dtype, spec.hidden_size, spec.top_k, tokens, spec.has_shared_output
+            )
+        inst.take_part(payload, variant)
+
+
+def reserve_for(
+    plan: Plan,
+    instances: Mapping[str, Strategy],
+    also: Iterable[str],
+    spec: EpilogueSpec,
+    device: torch.device,
+    env: Environment,
+) -> None:
+    """On several ranks, reserve what taking part needs (payload.reserve) for a bridge that runs
+    `plan` and the strategies named in `also` (the shadow): the NaN payload, and NaN rows in the
+    dtype of each all-reduced partial among them."""
+    if env.world_size == 1:
+        return
+    names = {*plan.choice, *getattr(plan, "eager_choice", ()), *also}
+    if plan.overflow:
+        names.add(plan.overflow)
+    dtypes = [instances[n].partial_dtype() for n in sorted(names) if n in instances]
+    partials = tuple(dict.fromkeys(d for d in dtypes if d is not None))
+    reserve(device, spec.dtype, spec.hidden_size, spec.top_k, spec.max_tokens, partials)
 
 
 def broken_message(call: int, error: BaseException, where: str) -> str:
@@ -105,58 +174,29 @@ def broken_message(call: int, error: BaseException, where: str) -> str:
     )
 
 
+def break_group(bridges: Iterable, broken, message: str) -> None:
+    """Mark `broken` and every other bridge among `bridges` on the same process group unusable:
+    the group is out of step on this rank, so a call on any of them would pair with a peer's
+    pending collective. The others say which bridge broke first."""
+    broken._broken = message
+    for bridge in bridges:
+        same = bridge.group is broken.group or (
+            {bridge.group, broken.group} <= {None, _world_group()}
+        )
+        if bridge is not broken and same and bridge._broken is None:
+            bridge._broken = (
+                f"finalize_epilogue: this FusionBridge is unusable: another FusionBridge on the "
+                f"same process group ({broken.name}) broke it: {message}"
+            )
+
+
+def _world_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 def add_note(error: BaseException, note: str) -> None:
     """Attach `note` to the exception's report where Python supports notes (3.11+)."""
     if hasattr(error, "add_note"):
         error.add_note(note)
-
-
-def agree_on_call(
-    inputs: EpilogueInputs,
-    *,
-    spec: EpilogueSpec,
-    device: torch.device,
-    group,
-    call: int,
-    bridge_index: int,
-    route: Callable[[EpilogueInputs, int], tuple[Strategy, str]],
-) -> Optional[tuple[Strategy, str]]:
-    """Debug mode over several ranks: local checks (index range included) and the route for T
-    (`route(inputs, T)`, which may raise), then one small collective on (ok, T, call number `call`
-    of bridge `bridge_index`, a fingerprint of the replicated inputs) before the epilogue's
-    collectives. If any rank failed, T differs or a rank is on another call, every rank raises the
-    same GroupInputError. Returns the (strategy, variant) to run, or None when T == 0 (nothing to
-    run, on every rank)."""
-    tokens = group_tokens(inputs)
-    error, planned = None, None
-    try:
-        validate_inputs(spec, inputs, device)
-        validate_index_values(inputs)
-        if tokens:
-            planned = route(inputs, tokens)
-    except Exception as exc:  # noqa: BLE001 - every rank learns it below
-        error = exc
-    rank_agreement.agree_call(
-        error is None,
-        -1 if tokens is None else tokens,
-        None if error is None else f"{type(error).__name__}: {error}",
-        group,
-        collective_device(group, device),
-        call=call,
-        bridge=bridge_index,
-        fingerprint=replicated_fingerprint(inputs) if error is None else (0, 0, 0),
-    )
-    return planned if tokens else None
-
-
-def replicated_fingerprint(inputs: EpilogueInputs) -> tuple[int, int, int]:
-    """A checksum of each input every rank of the TP group holds identical (residual, index map,
-    expert weights: rank_agreement.REPLICATED), for debug mode: ranks whose fingerprints differ are
-    not on the same step, and the message says which input differs. Reads every byte (a sync and
-    a pass over [T, H]): debug mode only."""
-    out = []
-    for t in (inputs.residual, inputs.expanded_idx_to_permuted_idx, inputs.expert_weights):
-        raw = t.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
-        weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) % 65521 + 1
-        out.append(int((raw * weights).sum()) % (1 << 61))
-    return tuple(out)

@@ -1,17 +1,24 @@
 """What a rank that failed before its collective takes part with: the group's T and a NaN payload.
 
-The group's T is the first dimension most of the [T, ...] inputs agree on (`group_tokens`: the
-index map, the expert weights, the shared output and `residual`, all replicated in T on every rank
-of the TP group; on a tie, residual's). Every input is validated against it (validation.py), so a
-rank with one malformed tensor still knows which T its peers are running.
+The group's T (`group_tokens`) is the first dimension that more than half of the [T, ...] inputs the
+spec expects give: the index map, the expert weights, residual and, when the spec has one, the
+shared output (all replicated in T on every rank of the TP group), so three of four, or two of
+three. One malformed tensor never changes it, and every input is validated against it
+(validation.py). When no T holds such a majority (a tie, or two inputs of four wrong), this rank
+cannot tell which T its peers run, and it does not guess: a payload of the wrong size would crash
+or corrupt the peers' collective (gloo aborts a process that receives more bytes than it expects).
+`token_votes` lists what each input says, for the error.
 
 The NaN payload (`nan_payload`) is valid inputs of that T whose every row sums to NaN, so the peers
 get NaN outputs (loud, never plausible). Its tensors are views of buffers shared by every bridge of
 the process, one per (device, dtype, H) of [largest max_tokens, H] elements (117 MB at H=7168,
 T=8192, bf16) plus [max_tokens, K] index/weight maps, reserved (`reserve`) when a multi-rank bridge
-is built, so a failing call (perhaps failing for lack of memory) does not allocate them. Taking part
-then allocates only what the planned route allocates itself for T tokens (its outputs and, for some
-routes, one [T, H] partial), the same memory the failed call had just released.
+is built, so a failing call (perhaps failing for lack of memory) does not allocate them. A route
+whose one collective is a torch.distributed all-reduce of the [T, H] partial takes part by
+all-reducing rows of that buffer in place (NaN plus anything stays NaN), allocating nothing; a
+route whose collective is inside its own kernels runs them on the payload (`Strategy.take_part`).
+A partial in another dtype than the activations' (the fp32 `reference`) has its own buffer,
+reserved only when such a strategy is a route or the shadow.
 
 The protocol that uses them is in failure.py.
 """
@@ -30,6 +37,9 @@ _nan_rows: dict[tuple, torch.Tensor] = {}  # (device, dtype, H) -> [rows, H] of 
 _index_maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, K) -> (perm, weights)
 _gammas: dict[tuple, torch.Tensor] = {}  # (device, dtype, H) -> [H] of ones
 
+#: the [T, ...] inputs in the order the error lists them, by their argument names
+T_INPUTS = ("expanded_idx_to_permuted_idx", "expert_weights", "shared_output", "residual")
+
 
 def _first_dim(t: object) -> Optional[int]:
     if not isinstance(t, torch.Tensor):
@@ -40,32 +50,59 @@ def _first_dim(t: object) -> Optional[int]:
         return None
 
 
-def group_tokens(inputs: EpilogueInputs) -> Optional[int]:
-    """The call's T: the first dimension most of the [T, ...] inputs (index map, expert weights,
-    shared output, residual; each counted when it is a 2-D tensor) agree on; on a tie, residual's,
-    then the index map's. None when none of them is readable. Never raises, whatever objects or
-    exotic tensor layouts the caller passed. One malformed tensor never changes T."""
-    named = (
-        ("residual", inputs.residual),
-        ("index map", inputs.expanded_idx_to_permuted_idx),
-        ("weights", inputs.expert_weights),
-        ("shared", inputs.shared_output),
+def token_votes(inputs: EpilogueInputs) -> dict[str, Optional[int]]:
+    """{argument name: its first dimension} for each [T, ...] input (None: not a 2-D tensor).
+    Never raises, whatever objects or exotic tensor layouts the caller passed."""
+    return {name: _first_dim(getattr(inputs, name)) for name in T_INPUTS}
+
+
+def group_tokens(inputs: EpilogueInputs, has_shared_output: bool) -> Optional[int]:
+    """The call's T: the first dimension more than half of the [T, ...] inputs the spec expects
+    give (four with a shared output, else three; one that is missing or not a 2-D tensor counts
+    against every T). None when no T holds that majority: none is readable, or they tie or
+    scatter. Never raises; one malformed tensor never changes T."""
+    votes = token_votes(inputs)
+    if not has_shared_output and votes["shared_output"] is not None:
+        expected = 4  # a shared output the spec does not expect still holds a T
+    else:
+        expected = 4 if has_shared_output else 3
+    dims = [d for d in votes.values() if d is not None]
+    for d in dims:
+        if 2 * dims.count(d) > expected:
+            return d
+    return None
+
+
+def votes_text(inputs: EpilogueInputs) -> str:
+    """What each [T, ...] input says T is, for an error: 'expert_weights 5, residual 0, ...'."""
+    return ", ".join(
+        f"{name} {'not a 2-D tensor' if d is None else f'{d} rows'}"
+        for name, d in token_votes(inputs).items()
+        if d is not None or getattr(inputs, name) is not None
     )
-    dims = [d for d in (_first_dim(t) for _, t in named) if d is not None]
-    if not dims:
-        return None
-    best = max(dims.count(d) for d in dims)
-    return next(d for d in dims if dims.count(d) == best)  # dims keep the tie order above
 
 
-def reserve(device: torch.device, dtype: torch.dtype, hidden: int, top_k: int, rows: int) -> None:
-    """Make sure the shared NaN payload holds at least `rows` tokens for this (device, dtype, H, K).
-    Called when a multi-rank bridge is built, so a failing call never allocates its payload."""
+def reserve(
+    device: torch.device,
+    dtype: torch.dtype,
+    hidden: int,
+    top_k: int,
+    rows: int,
+    partial_dtypes: tuple[torch.dtype, ...] = (),
+) -> None:
+    """Make sure the shared NaN payload holds at least `rows` tokens for this (device, dtype, H, K),
+    and NaN rows in each of `partial_dtypes` (the all-reduced partials of the routes that take part
+    by all-reducing NaN rows). Called when a multi-rank bridge is built, so a failing call never
+    allocates its payload."""
     with _lock:
+        for rows_dtype in (dtype, *partial_dtypes):
+            key = (device, rows_dtype, hidden)
+            held = _nan_rows.get(key)
+            if held is None or held.shape[0] < rows:
+                _nan_rows[key] = torch.full(
+                    (rows, hidden), float("nan"), dtype=rows_dtype, device=device
+                )
         key = (device, dtype, hidden)
-        held = _nan_rows.get(key)
-        if held is None or held.shape[0] < rows:
-            _nan_rows[key] = torch.full((rows, hidden), float("nan"), dtype=dtype, device=device)
         if key not in _gammas:
             _gammas[key] = torch.ones(hidden, dtype=dtype, device=device)
         maps = _index_maps.get((device, top_k))
@@ -74,6 +111,18 @@ def reserve(device: torch.device, dtype: torch.dtype, hidden: int, top_k: int, r
                 torch.zeros(rows, top_k, dtype=torch.int32, device=device),
                 torch.ones(rows, top_k, dtype=torch.float32, device=device),
             )
+
+
+def nan_rows(device: torch.device, dtype: torch.dtype, hidden: int, tokens: int) -> torch.Tensor:
+    """[T, H] of NaN in `dtype`: a view of the reserved buffer (a T above the reservation, the
+    overflow route, allocates). All-reducing it in place keeps it NaN."""
+    with _lock:
+        held = _nan_rows.get((device, dtype, hidden))
+    if held is None or held.shape[0] < tokens:
+        reserve(device, dtype, hidden, 1, tokens)
+        with _lock:
+            held = _nan_rows[(device, dtype, hidden)]
+    return held[:tokens]
 
 
 def nan_payload(

@@ -42,13 +42,38 @@ class Routes:
     overflow: Optional[tuple[Strategy, str]]
 
 
-def bind_plan(plan: Plan, instances: Mapping[str, Strategy], world_size: int, group) -> Routes:
+def bind_plan(
+    plan: Plan | Exception, instances: Mapping[str, Strategy], world_size: int, group
+) -> Routes:
     """Check that every rank will execute the same plan (collective when world_size > 1: raises
     RankAgreementError on every rank when they differ), then bind it to the prepared `instances`:
     one (instance, variant, checks shapes?) per bucket. Every strategy the plan names is prepared
-    (the planner picks among the admitted ones)."""
+    (the planner picks among the admitted ones). `plan` may be the exception planning raised on
+    this rank: it is agreed like a plan (a rank whose planning failed differs from one whose did
+    not, and every rank raises naming it), then raised when every rank failed alike."""
+    failed = isinstance(plan, Exception)
     if world_size > 1:
-        rank_agreement.agree_on_settings(rank_agreement.plan_settings(plan), group, what="the plan")
+        # the error's class is compared (its text may name per-rank reasons); when it differs, every
+        # rank gathers every failing rank's text for the message
+        settings = (
+            {"planning_failed": type(plan).__name__}
+            if failed
+            else rank_agreement.plan_settings(plan)
+        )
+        try:
+            rank_agreement.agree_on_settings(settings, group, what="the plan")
+        except rank_agreement.RankAgreementError as exc:
+            if "planning_failed" not in exc.fields:
+                raise
+            mine = f"{type(plan).__name__}: {plan}" if failed else None
+            reasons = rank_agreement.gather_reasons(mine, group)
+            raise rank_agreement.RankAgreementError(
+                f"{exc}\nplanning failed on "
+                + "; ".join(f"rank {r}: {reason}" for r, reason in reasons.items()),
+                fields=exc.fields,
+            ) from (plan if failed else None)
+    if failed:
+        raise plan
     shape_checked = {
         name: type(inst).accepts is not Strategy.accepts for name, inst in instances.items()
     }

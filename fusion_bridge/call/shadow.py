@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from fusion_bridge import log
+from fusion_bridge import env_vars, log
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from fusion_bridge.oracle.numerics import compare
 from fusion_bridge.plan.status import StrategyStatus
@@ -42,22 +42,21 @@ class Shadow:
             raise ValueError(f"FusionBridge: shadow_every must be an int >= 1, got {self.every!r}")
 
     @staticmethod
-    def parse(value: str, known: list[str]) -> "Shadow":
-        """'reference' or 'reference:100' (every 100th call; the default) -> Shadow."""
-        name, _, every = str(value).partition(":")
-        if name not in known:
-            raise ValueError(
-                f"FusionBridge: shadow must be '<strategy>[:<every>]' with a strategy among "
-                f"{known}, got {value!r}"
+    def parse(value: str, known: list[str], source: str = "shadow") -> "Shadow":
+        """'reference' or 'reference:100' (every 100th call; the default) -> Shadow. `source`: the
+        argument or the environment variable the value came from, named in the error (a
+        ValueError; EnvVarError for the variable)."""
+        text = value.strip() if isinstance(value, str) else value
+        match = env_vars.SHADOW_PATTERN.fullmatch(text) if isinstance(text, str) else None
+        if match is None or match["name"] not in known:
+            expected = (
+                f"'<strategy>[:<every>]' with a strategy among {known} and an int period "
+                "<every> in 1..999999999, in ASCII digits"
             )
-        try:
-            period = int(every) if every else 100
-        except ValueError:
-            raise ValueError(
-                f"FusionBridge: shadow must be '<strategy>[:<every>]' with an int period, got "
-                f"{value!r}"
-            ) from None
-        return Shadow(name, period)
+            if source.startswith(env_vars.PREFIX):
+                raise env_vars.EnvVarError(source, expected, str(value))
+            raise ValueError(f"FusionBridge: {source} must be {expected}, got {value!r}")
+        return Shadow(match["name"], int(match["every"]) if match["every"] else 100)
 
     def due(self) -> bool:
         """Advance the call counter; True on every `every`-th call (the first call included)."""

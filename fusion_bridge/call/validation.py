@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fusion_bridge.call.payload import group_tokens
+from fusion_bridge.call.payload import group_tokens, token_votes, votes_text
 from fusion_bridge.epilogue_tensors import EpilogueInputs
 from fusion_bridge.epilogue_tensors import EpilogueInputError  # noqa: F401 (re-exported)
 from fusion_bridge.spec import EXPERT_WEIGHT_DTYPES, EpilogueSpec
@@ -36,24 +36,40 @@ def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: tor
 
 
 def _require_dense(name: str, t: torch.Tensor) -> None:
-    """Sparse and nested tensors: their other metadata (shape, strides) may not even be readable."""
+    """Sparse and nested tensors: their other metadata (shape, strides) may not even be readable.
+    Negative and conjugate views: their memory holds other values than they show (a lazy bit),
+    and a kernel reading the memory (Triton, FlashInfer) would compute with those."""
     if t.is_nested or t.layout is not torch.strided:
         _fail(name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else t.layout)
+    if t.is_neg() or t.is_conj():
+        lazy = "a negative view" if t.is_neg() else "a conjugate view"
+        _fail(
+            name,
+            "a tensor whose memory holds its values (call .resolve_neg() or .resolve_conj())",
+            lazy,
+        )
 
 
 def validate_inputs(spec: EpilogueSpec, inputs: EpilogueInputs, device: torch.device) -> None:
     """Metadata checks: types, dtypes, shapes, device, contiguity. No sync, capture-safe.
 
-    The call's T is the first dimension most of the [T, ...] inputs agree on
+    The call's T is the first dimension more than half of the [T, ...] inputs give
     (payload.group_tokens), so a rank with one malformed tensor still knows the T its peers
     run; every tensor is checked against it."""
-    tokens, hidden = group_tokens(inputs), spec.hidden_size
-    if tokens is None:
+    tokens, hidden = group_tokens(inputs, spec.has_shared_output), spec.hidden_size
+    if tokens is None and all(d is None for d in token_votes(inputs).values()):
         _fail(
             "residual",
             "a dense 2-D tensor [T, hidden_size] (T is the first dimension the [T, ...] inputs "
             "agree on, and none of them is a 2-D tensor)",
             type(inputs.residual).__name__,
+        )
+    if tokens is None:
+        majority = "three of four" if spec.has_shared_output else "two of three"
+        _fail(
+            "the token count T of the [T, ...] inputs",
+            f"given by more than half of them (the same first dimension in {majority})",
+            votes_text(inputs),
         )
     perm = inputs.expanded_idx_to_permuted_idx
     if not isinstance(perm, torch.Tensor):
@@ -139,10 +155,13 @@ def input_check(spec: EpilogueSpec, device: torch.device) -> Callable[[EpilogueI
                 and w.is_contiguous()
                 and r.is_contiguous()
                 and gamma.is_contiguous()
+                and not (g.is_neg() or w.is_neg() or r.is_neg() or gamma.is_neg() or p.is_neg())
             ):
                 return False
             if shared:
-                if s is None or not (s.dtype is dtype and s.shape == r_shape and s.is_contiguous()):
+                if s is None or not (
+                    s.dtype is dtype and s.shape == r_shape and s.is_contiguous() and not s.is_neg()
+                ):
                     return False
             elif s is not None:
                 return False

@@ -11,9 +11,11 @@ tune and bench live in timing_commands.py; what every command shares (spec, outp
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
+from fusion_bridge import __version__
 from fusion_bridge.cli.args import STRATEGY_ENV, build_parser, check_combinations, sm_of_gpu
 
 # re-exported: what the parser accepts
@@ -132,8 +134,8 @@ def cmd_explain(args) -> int:
     table, table_line = None, None
     if env.device_type == "cuda":
         path = tuning.default_table_path(spec, env)
-        if path.is_file():
-            table = tuning.read_table(path)
+        if path.is_file():  # as a bridge reads it: measured for this GPU, world size and spec
+            table = tuning.read_table(path, tuning.table_expectation(spec, env))
         if table is None:
             table_line = (
                 f"no tuning table ships for {env.gpu_name or f'SM{env.sm}'} TP{env.world_size} "
@@ -196,6 +198,11 @@ def cmd_parity(args) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     from fusion_bridge.cli.parity import run_parity_report
 
+    if os.environ.get(STRATEGY_ENV, "").strip() == "reference":
+        raise ValueError(
+            f"parity compares strategies with the reference, and {STRATEGY_ENV}=reference leaves "
+            "nothing to compare: unset it, or set it to the strategy to compare"
+        )
     spec = spec_from_args(args)
     if not args.json:
         print(
@@ -257,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     argv = sys.argv[1:] if argv is None else list(argv)
+    if sorted(argv) == ["--json", "--version"]:  # the version as every command's JSON document
+        emit(argparse.Namespace(json=True, command="version"), {"version": __version__}, "")
+        return 0
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv = ["explain", *argv]  # no command: explain (with any options given)
     args = parser.parse_args(argv)

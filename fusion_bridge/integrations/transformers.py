@@ -57,6 +57,7 @@ from fusion_bridge.integrations.hf_families import (
     is_moe_block,
 )
 from fusion_bridge.integrations.hf_handoff import HANDOFF_ATTR, block_forward, handoff_forward
+from fusion_bridge.integrations.weights_digest import parameter_digests
 
 __all__ = [
     "patch_moe_epilogues",
@@ -337,16 +338,13 @@ def _resolve_group(group, device: torch.device):
 
 
 def _fingerprint(model: torch.nn.Module, moe_indices: list[int]) -> dict:
-    """What must be equal on every rank: the architecture and a float64 checksum of
-    every parameter."""
+    """What must be equal on every rank: the architecture and a content hash of every parameter
+    (weights_digest: it sees a permutation, and treats NaN alike)."""
     return {
         "model_type": model.config.model_type,
         "hidden_size": model.config.get_text_config().hidden_size,
         "moe_layers": moe_indices,
-        "checksums": {
-            name: float(torch.sum(t.detach(), dtype=torch.float64))
-            for name, t in model.named_parameters()
-        },
+        "checksums": parameter_digests(model),
     }
 
 

@@ -28,7 +28,10 @@ def make_inputs(
     """
     dev = torch.device(device)
     common = torch.Generator(device=dev).manual_seed(seed)
-    per_rank = torch.Generator(device=dev).manual_seed(seed * 7919 + 1000003 * (rank + 1))
+    # the per-rank seed wraps at 2**64 (what a generator takes), so any seed a caller may pass works
+    per_rank = torch.Generator(device=dev).manual_seed(
+        (seed * 7919 + 1000003 * (rank + 1)) % (1 << 64)
+    )
     hidden, k = spec.hidden_size, spec.top_k
     slots = tokens * k
     rows = slots + padding_rows

@@ -194,6 +194,16 @@ def agree_on_settings(
     return gathered
 
 
+def gather_reasons(reason: Optional[str], group) -> dict[int, str]:
+    """{rank: its reason} for every rank of `group` whose `reason` is not None (each cut to
+    MAX_REASON_CHARS). Collective: one all_gather_object; every rank calls it, with or without a
+    reason of its own."""
+    gathered: list = [None] * world_size(group)
+    mine = None if reason is None else reason[:MAX_REASON_CHARS]
+    dist.all_gather_object(gathered, mine, group=group)
+    return {r: text for r, text in enumerate(gathered) if text is not None}
+
+
 def plan_settings(plan) -> dict:
     """The part of a plan that decides which collectives a call runs, as plain values for
     agree_on_settings(..., what="the plan"): the (strategy, launch variant) per token bucket and the
@@ -223,7 +233,8 @@ def agree_call(
     *,
     call: int = 0,
     bridge: int = 0,
-    fingerprint: Sequence[int] = (0, 0, 0),
+    fingerprint: Sequence[int] = (0, 0),
+    previous: Sequence[int] = (0, 0),
 ) -> int:
     """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
     the same T and is on the same call of the bridge (`call`, counted per bridge).
@@ -232,10 +243,12 @@ def agree_call(
     ok: this rank's local checks passed. tokens: this rank's T (-1 when it could not be read).
     error: this rank's reason when not ok. device: the bridge's device (the flags travel on the GPU
     for NCCL, on the CPU for gloo). call / bridge: this rank's call number of bridge number
-    `bridge`. fingerprint: a checksum of each input every rank must hold identical (REPLICATED:
-    residual, index map, expert weights). Collective: one all_gather of 7 int64 per rank; only
-    when some rank failed, one all_gather_object of the reasons. Every rank must call it once per
-    call, whatever its own checks said.
+    `bridge`. fingerprint: a checksum of each input every rank must hold identical at this step
+    (REPLICATED: residual, expert weights; 0: none, e.g. this rank's checks failed); previous: this
+    rank's fingerprint at its previous call of the bridge, so a rank whose step is a peer's
+    previous one is named as behind. Collective: one all_gather of 8 int64 per rank; only when
+    some rank failed, one all_gather_object of the reasons. Every rank must call it once per call,
+    whatever its own checks said.
 
     Raises GroupInputError (an EpilogueInputError) on every rank with the same message when any rank
     failed (naming each failing rank and its reason) or T differs (naming T on each rank).
@@ -245,14 +258,15 @@ def agree_call(
         if not ok:
             raise _call_error({0: error or "no reason given"}, [tokens], group)
         return tokens
-    prints_mine = [int(f) for f in fingerprint]
-    if len(prints_mine) != len(REPLICATED):
-        raise ValueError(
-            f"agree_call: fingerprint must hold {len(REPLICATED)} checksums (one per "
-            f"{', '.join(REPLICATED)}), got {len(prints_mine)}"
-        )
+    prints_mine, previous_mine = [int(f) for f in fingerprint], [int(f) for f in previous]
+    for what, values in (("fingerprint", prints_mine), ("previous", previous_mine)):
+        if len(values) != len(REPLICATED):
+            raise ValueError(
+                f"agree_call: {what} must hold {len(REPLICATED)} checksums (one per "
+                f"{', '.join(REPLICATED)}), got {len(values)}"
+            )
     flags = torch.tensor(
-        [int(bool(ok)), int(tokens), int(call), int(bridge), *prints_mine],
+        [int(bool(ok)), int(tokens), int(call), int(bridge), *prints_mine, *previous_mine],
         dtype=torch.int64,
         device=collective_device(group, torch.device(device)),
     )
@@ -261,10 +275,16 @@ def agree_call(
     table = torch.stack(gathered).tolist()  # one device-to-host copy
     oks, token_counts = [bool(row[0]) for row in table], [int(row[1]) for row in table]
     calls = [(int(row[3]), int(row[2])) for row in table]  # (bridge, call number)
-    prints = [tuple(int(v) for v in row[4:]) for row in table]
+    n = len(REPLICATED)
+    prints = [tuple(int(v) for v in row[4 : 4 + n]) for row in table]
+    previous_prints = [tuple(int(v) for v in row[4 + n : 4 + 2 * n]) for row in table]
     same_t = len(set(token_counts)) == 1  # else the T message below says more
     if all(oks) and same_t and (len(set(calls)) > 1 or len(set(prints)) > 1):
-        raise GroupInputError(_out_of_step(calls, prints), {}, token_counts)
+        # A rank skipped a call or made an extra one (its calls would pair with the peers' other
+        # calls from here on), or the ranks were fed different inputs. The replicated inputs tell
+        # steps apart where call numbers cannot (a rank that skipped one call of a bridge is on the
+        # same count at its next one).
+        raise GroupInputError(_out_of_step(calls, prints, previous_prints, group), {}, token_counts)
     if all(oks) and len(set(token_counts)) == 1:
         return token_counts[0]
     failed: dict[int, str] = {}
@@ -276,13 +296,22 @@ def agree_call(
     raise _call_error(failed, token_counts, group)
 
 
-REPLICATED = ("residual", "index map", "expert weights")  # what every rank passes identical
+#: what every rank of the group passes identical at each step, in the order of the fingerprint. The
+#: index map is not among them: it is per rank in an expert-parallel layout (the Hugging Face
+#: patch's: -1 for the slots another rank's experts hold).
+REPLICATED = ("residual", "expert weights")
 
 
-def _out_of_step(calls: list[tuple[int, int]], prints: list[tuple[int, ...]]) -> str:
+def _out_of_step(
+    calls: list[tuple[int, int]],
+    prints: list[tuple[int, ...]],
+    previous: list[tuple[int, ...]],
+    group,
+) -> str:
     """Debug mode's message when the ranks' calls do not belong together: their call numbers
     differ (say which), or the numbers agree and their replicated inputs differ (say which inputs,
-    on which ranks)."""
+    on which ranks); and each rank whose inputs are the ones a peer passed at its previous call is
+    named as one call behind that peer."""
     if len(set(calls)) > 1:
         head = "the ranks of the group are on different calls: " + ", ".join(
             f"bridge {b} call {c} on rank {r}" for r, (b, c) in enumerate(calls)
@@ -307,11 +336,29 @@ def _out_of_step(calls: list[tuple[int, int]], prints: list[tuple[int, ...]]) ->
     return (
         "finalize_epilogue (debug mode): "
         + head
+        + _behind_text(prints, previous, group)
         + ". Every rank must call every bridge the same number of times, in the same order, with "
-        "the same residual, index map and expert weights (in a model: every rank runs the same "
-        "forward on the same inputs, e.g. the same prompt); ranks fed different inputs, or a rank "
-        "that skipped a call or made an extra one, get here. None of the epilogue's collectives "
-        "ran for this call; every rank raises this error."
+        "the same residual and expert weights (in a model: every rank runs the same forward on "
+        "the same inputs, e.g. the same prompt); ranks fed different inputs, or a rank that "
+        "skipped a call or made an extra one, get here. None of the epilogue's collectives ran "
+        "for this call; every rank raises this error."
+    )
+
+
+def _behind_text(prints: list[tuple[int, ...]], previous: list[tuple[int, ...]], group) -> str:
+    """'; rank 1 is one call behind rank 0 (...)' for each rank whose replicated inputs are the
+    ones a peer passed at its previous call; '' when no rank's are."""
+    pairs = [
+        (r, q)
+        for r, p in enumerate(prints)
+        for q, before in enumerate(previous)
+        if r != q and all(p) and p == before and prints[q] != p
+    ]
+    return "".join(
+        f"; rank {ranks_text([r], group)} is one call behind rank {ranks_text([q], group)} (its "
+        f"replicated inputs are the ones rank {ranks_text([q], group)} passed at its previous "
+        "call)"
+        for r, q in pairs
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from fusion_bridge.environment import Environment, Probe
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
@@ -188,6 +189,30 @@ class Strategy:
         this rank still take part with a NaN payload; a failure inside it breaks the bridge; after
         it, the group is in step. A plain object, not a generator: it sits on every call's path."""
         return _CollectiveMark(self)
+
+    def partial_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the [T, H] partial whose torch.distributed all-reduce is this strategy's one
+        collective, or None when its collective is inside its own kernels (or it has none). A
+        strategy that says so takes part in a call its rank failed by all-reducing NaN rows alone
+        (`take_part`), which needs nothing that prepare() built or the failed call allocated."""
+        return None
+
+    def take_part(
+        self,
+        payload: Optional[EpilogueInputs],
+        variant: Optional[str] = None,
+        nan_partial: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Join one call's collectives on behalf of a rank whose own call failed before them, so
+        the peers, running `variant` on their inputs (None: run's own default, as shadow mode calls
+        it), stay in step and get NaN outputs. nan_partial: [T, H] NaN rows in partial_dtype(),
+        given when that is not None; all-reduced in place (NaN plus anything stays NaN). Otherwise
+        `run` on the NaN `payload` (its own kernels, their outputs)."""
+        if nan_partial is None:
+            self.run(payload) if variant is None else self.run(payload, variant)
+            return
+        with self.collective():
+            dist.all_reduce(nan_partial, group=self.group)
 
     def close(self) -> None:
         """Free what prepare() built. Idempotent."""

@@ -77,6 +77,9 @@ class LocalFusedNcclStrategy(Strategy):
         self._quant = kernel_quant_args(self.spec)
         self._kind = self.spec.quant.kind
 
+    def partial_dtype(self):
+        return self.spec.dtype if self.env.world_size > 1 else None
+
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         spec = self.spec
         partial = finalize_partial(self._ops, spec, inputs)

@@ -43,6 +43,9 @@ class SeparateStrategy(Strategy):
         # finalize output, shared add, each hop of a ring all-reduce (world-1), norm output
         return 1 + int(spec.has_shared_output) + (env.world_size - 1) + 1
 
+    def partial_dtype(self):
+        return self.spec.dtype if self.env.world_size > 1 else None
+
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
         partial = finalize_fp32(
             inputs.gemm2_out,

@@ -11,16 +11,22 @@ Limits (what a table written by `tune` always meets):
   measured on another machine or for another layer says nothing about this one);
 - measured_us (and the optional eager_us) is {strategy: {variant: {bucket: us}}}; a bucket is an
   ASCII decimal power of two in [1, MAX_BUCKET]; a time is a number of microseconds in
-  (0, MAX_US], finite;
+  [MIN_US, MAX_US] (no epilogue call, not even one kernel replayed in a CUDA graph, takes less
+  than MIN_US: a smaller time is not a measurement, and it would win every bucket);
 - the optional `spread` ({"fraction": ..., "cases": ..., "how": ...}, what `tune` measured between
-  its two passes) is read by tuning.margin_of: a fraction outside [0, 1) is ignored (the planner's
-  default margin applies).
+  its two passes; tuning.margin_of reads it as the planner's margin) has a fraction in
+  [0, MAX_SPREAD]: two passes further apart than that are too noisy to plan from, and a margin that
+  large would keep every measured route out.
+
+A caller's table may use ints or ASCII decimal strings as buckets and any real number type (numpy
+scalars too) as times; `normalized_measurements` turns it into {strategy: {variant: {int: float}}}.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +35,8 @@ MAX_TABLE_BYTES = 4 << 20  # a real table is tens of kilobytes
 MAX_NESTING = 8  # {"measured_us": {strategy: {variant: {bucket: us}}}} is 4 deep
 MAX_BUCKET = 1 << 24
 MAX_US = 1e7  # ten seconds per call: far beyond any real epilogue
+MIN_US = 0.5  # below any CUDA-graph replay of a kernel, and well below every shipped table's times
+MAX_SPREAD = 0.5
 
 
 def _nesting_depth(text: str) -> int:
@@ -53,21 +61,39 @@ def _nesting_depth(text: str) -> int:
     return deepest
 
 
+def _real(value: object) -> Optional[float]:
+    """`value` as a finite float when it is a real number (int, float, numpy scalar; not a bool,
+    not a string), else None. Never raises (a 400-digit int overflows a float: None)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        as_float = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return as_float if math.isfinite(as_float) else None
+
+
+def _bucket(key: object) -> Optional[int]:
+    """A bucket key (an int, numpy's too, or its ASCII decimal string) as an int when it is a power
+    of two in [1, MAX_BUCKET], else None."""
+    if isinstance(key, str):
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            return None
+        value = int(key)
+    elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        value = int(key)
+    else:
+        return None
+    return value if 1 <= value <= MAX_BUCKET and value & (value - 1) == 0 else None
+
+
 def _is_bucket(key: object) -> bool:
-    if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
-        return False
-    value = int(key)
-    return 1 <= value <= MAX_BUCKET and value & (value - 1) == 0
+    return _bucket(key) is not None
 
 
 def _is_time(us: object) -> bool:
-    if isinstance(us, bool) or not isinstance(us, (int, float)):
-        return False
-    try:
-        value = float(us)  # a 400-digit int overflows here
-    except OverflowError:
-        return False
-    return math.isfinite(value) and 0 < value <= MAX_US
+    value = _real(us)
+    return value is not None and MIN_US <= value <= MAX_US
 
 
 def measurements_problem(measured: object, what: str) -> Optional[str]:
@@ -82,22 +108,49 @@ def measurements_problem(measured: object, what: str) -> Optional[str]:
         for variant, per in variants.items():
             if not isinstance(variant, str) or not isinstance(per, dict):
                 return f"{what}[{name!r}][{variant!r}] is not {{bucket: us}}"
+            seen: dict[int, object] = {}
             for bucket, us in per.items():
-                key = (
-                    str(bucket)
-                    if isinstance(bucket, int) and not isinstance(bucket, bool)
-                    else bucket
-                )
-                if not _is_bucket(key):
+                value = _bucket(bucket)
+                if value is None:
                     return (
                         f"{what}[{name!r}][{variant!r}] has bucket {str(bucket)[:40]!r}, not a "
-                        f"power of two in [1, {MAX_BUCKET}] written in ASCII digits"
+                        f"power of two in [1, {MAX_BUCKET}] written as an int or in ASCII digits"
                     )
+                if value in seen:
+                    return (
+                        f"{what}[{name!r}][{variant!r}] has bucket {value} twice "
+                        f"({seen[value]!r} and {bucket!r})"
+                    )
+                seen[value] = bucket
                 if not _is_time(us):
                     return (
-                        f"{what}[{name!r}][{variant!r}][{key}] is {str(us)[:40]!r}, not a number "
-                        f"of microseconds in (0, {MAX_US:g}]"
+                        f"{what}[{name!r}][{variant!r}][{value}] is {str(us)[:40]!r}, not a "
+                        f"number of microseconds in [{MIN_US:g}, {MAX_US:g}]"
                     )
+    return None
+
+
+def normalized_measurements(measured: dict) -> dict[str, dict[str, dict[int, float]]]:
+    """A table that passed measurements_problem, as {strategy: {variant: {int bucket: float us}}}:
+    what the planner reads, whatever key and number types the caller wrote."""
+    return {
+        name: {v: {_bucket(b): float(us) for b, us in per.items()} for v, per in variants.items()}
+        for name, variants in measured.items()
+    }
+
+
+def spread_problem(spread: object) -> Optional[str]:
+    """Why a table's `spread` cannot serve as the planner's margin (None: it can, or there is
+    none)."""
+    if spread is None:
+        return None
+    fraction = spread.get("fraction") if isinstance(spread, dict) else None
+    value = _real(fraction)
+    if value is None or not 0.0 <= value <= MAX_SPREAD:
+        return (
+            f"spread.fraction is {repr(fraction)[:40]}, not a number in [0, {MAX_SPREAD:g}] (two "
+            "passes further apart are too noisy to plan from)"
+        )
     return None
 
 
@@ -118,7 +171,7 @@ def table_problem(table: object, expect: Optional[dict] = None) -> Optional[str]
     problem = measurements_problem(table.get("measured_us"), "measured_us")
     if problem is None and "eager_us" in table:
         problem = measurements_problem(table["eager_us"], "eager_us")
-    return problem
+    return problem or spread_problem(table.get("spread"))
 
 
 def read_table(path: Path, expect: Optional[dict] = None) -> tuple[Optional[dict], Optional[str]]:

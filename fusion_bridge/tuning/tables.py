@@ -140,17 +140,15 @@ def spread_summary(differences: list[float]) -> Optional[dict]:
 
 def margin_of(table: Optional[dict]):
     """The planner's Margin from a table's recorded spread; None (the planner's default) when the
-    table has none (tables tuned before `tune` recorded it)."""
+    table has none (tables tuned before `tune` recorded it) or one outside the format's limits
+    (format.spread_problem). Never raises."""
     from fusion_bridge.plan.planner import Margin
 
     spread = (table or {}).get("spread")
-    fraction = spread.get("fraction") if isinstance(spread, dict) else None
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-        return None
-    if not math.isfinite(fraction) or not 0.0 <= fraction < 1.0:
+    if spread is None or table_format.spread_problem(spread):  # never raises, whatever it holds
         return None
     return Margin(
-        float(fraction),
+        float(spread["fraction"]),
         f"spread between tune's two passes (90th percentile of {spread.get('cases', '?')} cases)",
     )
 

@@ -104,7 +104,7 @@ def test_a_cuda_device_on_a_machine_without_one_is_named():
     "measured, why",
     [
         ({"separate": {"default": {3: 5.0}}}, "has bucket '3', not a power of two"),
-        ({"separate": {"default": {1: -5.0}}}, "not a number of microseconds in (0, 1e+07]"),
+        ({"separate": {"default": {1: -5.0}}}, "not a number of microseconds in [0.5, 1e+07]"),
         ({"separate": {"default": {1: float("nan")}}}, "not a number of microseconds"),
         ({"separate": [1, 2]}, "is not {variant: {bucket: us}}"),
         ("fast", "is not a dict"),
@@ -239,5 +239,5 @@ def test_every_cli_command_names_a_malformed_variable_in_one_line():
     assert proc.returncode == 2, proc.stderr[-1000:]
     assert proc.stderr.strip().splitlines() == [
         "error: environment variable FUSION_BRIDGE_SYMM_TIMEOUT_S must be a number of seconds in "
-        "[0.001, 86400], got 'garbage'"
+        "[0.001, 86400] in ASCII digits, got 'garbage'"
     ]

@@ -11,51 +11,59 @@ import torch
 from fusion_bridge.spec import EpilogueSpec, QuantKind, QuantSpec, SFLayout
 
 OK = dict(hidden_size=64, top_k=2)
+RSF = (
+    "routed_scaling_factor must be a positive float <= 1024 (models scale the routed sum by a "
+    "small positive factor; a larger one overflows bf16/fp16 partials), got "
+)
+EPS = (
+    "eps must be a positive float in [1.18e-38, 1] (a normal fp32 number; an eps that is 0 in "
+    "fp32 turns an all-zero row into NaN, one above 1 outweighs the mean square it regularises), "
+    "got "
+)
 
 BAD_SPECS = [
     (
         dict(routed_scaling_factor="2"),
-        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got '2' "
-        "(a str)",
+        RSF + "'2' (a str)",
     ),
     (
         dict(routed_scaling_factor=float("nan")),
-        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got nan",
+        RSF + "nan",
     ),
     (
         dict(routed_scaling_factor=float("-inf")),
-        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got -inf",
+        RSF + "-inf",
     ),
     (
         dict(routed_scaling_factor=True),
-        "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got True "
-        "(a bool)",
+        RSF + "True (a bool)",
     ),
     (
         dict(eps=float("inf")),
-        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
-        "0 in fp32 turns an all-zero row into NaN), got inf",
+        EPS + "inf",
     ),
     (
         dict(eps=float("nan")),
-        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
-        "0 in fp32 turns an all-zero row into NaN), got nan",
+        EPS + "nan",
     ),
     (
         dict(eps=0.0),
-        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
-        "0 in fp32 turns an all-zero row into NaN), got 0.0",
+        EPS + "0.0",
     ),
     (
         dict(eps=-1e-6),
-        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
-        "0 in fp32 turns an all-zero row into NaN), got -1e-06",
+        EPS + "-1e-06",
     ),
     (
         dict(eps="1e-6"),
-        "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps that is "
-        "0 in fp32 turns an all-zero row into NaN), got '1e-6' (a str)",
+        EPS + "'1e-6' (a str)",
     ),
+    (dict(eps=1.5), EPS + "1.5"),
+    (dict(eps=3.4e38), EPS + "3.4e+38"),
+    (dict(routed_scaling_factor=-3.4e38), RSF + "-3.4e+38"),
+    (dict(routed_scaling_factor=0.0), RSF + "0.0"),
+    (dict(routed_scaling_factor=2000), RSF + "2000"),
+    (dict(eps=10**400), EPS + "an int of 1329 bits (too large for a float)"),
     (
         dict(weight_bias=float("inf")),
         "weight_bias must be a float of magnitude <= 3.4e+38 (finite in fp32), got inf",

@@ -127,6 +127,8 @@ def test_debug_mode_names_a_skipped_call_on_every_rank(world_size):
         assert "the ranks of the group are on the same call (bridge 0 call 2)" in message, message
         assert "the residual differs on rank 1 from rank 0" in message, message
         assert "the expert weights differ on rank 1 from rank 0" in message, message
+        # from the call after, the peers' inputs are the ones rank 1 passed at its previous call
+        assert "rank 0 is one call behind rank 1" in calls[2]["msg"], calls[2]["msg"]
         assert all(c["kind"] == "GroupInputError" for c in calls[1:]), (rank, calls)
         assert all(c["unchanged"] for c in calls), (rank, "inputs modified")
 

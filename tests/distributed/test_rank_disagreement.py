@@ -662,50 +662,53 @@ def test_7_unequal_t_and_t0_on_one_rank_under_debug_raise_the_same_error_everywh
 
 # ================================================================ case 9: bad spec values (one
 # process)
+RSF_EXPECTED = (
+    "routed_scaling_factor must be a positive float <= 1024 (models scale the routed sum by a "
+    "small positive factor; a larger one overflows bf16/fp16 partials), got "
+)
+EPS_EXPECTED = (
+    "eps must be a positive float in [1.18e-38, 1] (a normal fp32 number; an eps that is 0 in fp32 "
+    "turns an all-zero row into NaN, one above 1 outweighs the mean square it regularises), got "
+)
+
+
 @pytest.mark.parametrize(
     "field,value,expected",
     [
         (
             "routed_scaling_factor",
             "2",
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
-            "'2' (a str)",
+            RSF_EXPECTED + "'2' (a str)",
         ),
         (
             "routed_scaling_factor",
             float("nan"),
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
-            "nan",
+            RSF_EXPECTED + "nan",
         ),
         (
             "routed_scaling_factor",
             float("inf"),
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
-            "inf",
+            RSF_EXPECTED + "inf",
         ),
         (
             "routed_scaling_factor",
             True,
-            "routed_scaling_factor must be a float of magnitude <= 3.4e+38 (finite in fp32), got "
-            "True (a bool)",
+            RSF_EXPECTED + "True (a bool)",
         ),
         (
             "eps",
             float("inf"),
-            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
-            "that is 0 in fp32 turns an all-zero row into NaN), got inf",
+            EPS_EXPECTED + "inf",
         ),
         (
             "eps",
             0.0,
-            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
-            "that is 0 in fp32 turns an all-zero row into NaN), got 0.0",
+            EPS_EXPECTED + "0.0",
         ),
         (
             "eps",
             -1e-6,
-            "eps must be a positive float in [1.18e-38, 3.4e+38] (a normal fp32 number; an eps "
-            "that is 0 in fp32 turns an all-zero row into NaN), got -1e-06",
+            EPS_EXPECTED + "-1e-06",
         ),
         (
             "weight_bias",

@@ -58,6 +58,11 @@ class Recorder(SeparateStrategy):
             inputs.residual.float() + partial.float(), inputs.gamma, self.spec
         )
 
+    def take_part(self, payload, variant=None, nan_partial=None):
+        """What a failing rank joins instead of a run (its collective), recorded as run records
+        it (None: run's default variant)."""
+        RUNS.append((self.name, variant or "a"))
+
 
 class ShadowRecorder(Recorder):
     """A shadow strategy (as `reference`, it would run its own all-reduce): records its runs."""
