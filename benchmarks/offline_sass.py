@@ -13,11 +13,15 @@ OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: two
 default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add, the two-shot's
 launches (symm_twoshot, default TwoshotShape, rank 0) twoshot_rows_w1_none, twoshot_finalize_w1,
 twoshot_rows_w2_none, twoshot_gather_w2_none, twoshot_rows_w3_none, twoshot_rows_w8_none with l2=2
-and PDL as a GPU call (each also `_l0`: l2=0, no PDL; the rows ones not LAST), tp1_*, *_fp8 and
-*_nvfp4 (the kernels that quantize without LEAN);
+and PDL as a GPU call (each also `_l0`: l2=0, no PDL; the rows ones not LAST),
+twoshot_sync_w2 / _w8 (each also `_pdl`; every step on), tp1_*, *_fp8 and *_nvfp4 (the kernels
+that quantize without LEAN, and the two-shot's row launches at W=2);
 `all` for every one. A tree without one of the kernels (kernels/symm_twoshot.py: the ring
 replaced it) prints its cases as skipped.
 The SASS carries line info (nvdisasm -g), so instructions can be attributed to source lines.
+OUTDIR/<case>.params.json labels the kernel's parameters, in the order the compiled code has them
+(records flattened), by the value each receives: `benchmarks/sass_diff.py OLD NEW` compares two
+trees' SASS with the constant-bank offsets read as those labels.
 """
 
 from __future__ import annotations
@@ -114,18 +118,64 @@ def recorded_launch(kernel, launch, others=()) -> tuple:
     return calls[0]
 
 
-def compile_for_sm90(kernel, args, kwargs, gpu_constexprs=None):
+_NAMES: dict = {}  # data_ptr -> the name of a tensor a case passes (its parameter labels)
+_REDUCED: list = []  # the finalize case's output
+
+
+def name_tensors(**tensors) -> None:
+    """Remember which tensor is which (EpilogueInputs fields, outputs, workspace tensors), so the
+    kernel parameters of a case are labelled by what they receive (`<case>.params.json`)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.data_ptr():
+            _NAMES[t.data_ptr()] = name
+
+
+def _label(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _NAMES.get(value.data_ptr(), f"tensor {value.dtype} {tuple(value.shape)}")
+    if type(value) is int and value in _NAMES:  # an address passed as an int (own_addr)
+        return "&" + _NAMES[value]
+    return f"{type(value).__name__} {value!r}"
+
+
+def param_labels(values, types) -> list:
+    """The kernel's parameters as the compiled code has them (records flattened, constexprs and
+    None left out), each labelled by the value it receives."""
+    out = []
+    for value, ty in zip(values, types):
+        if isinstance(ty, tuple):
+            out += param_labels(value, ty)
+        elif ty != "constexpr":
+            out.append(_label(value))
+    return out
+
+
+def _with_gpu_values(kernel, kwargs: dict, gpu: dict) -> dict:
+    """kwargs with a GPU call's constexprs: a kernel parameter by name, or a field of a
+    constexpr record (a NamedTuple: RowForm.HW_CVT, the two-shot's PIPE.USE_PDL) that has it."""
+    kwargs = dict(kwargs)
+    for name, value in gpu.items():
+        if name in kernel.arg_names:
+            kwargs[name] = value
+            continue
+        for key, rec in kwargs.items():
+            if hasattr(rec, "_fields") and name in rec._fields:
+                kwargs[key] = rec._replace(**{name: value})
+    return kwargs
+
+
+def compile_for_sm90(kernel, args, kwargs, gpu_constexprs=None, labels=None):
+    """Compile for sm_90 as a GPU call would; `labels` (a list) receives the parameter labels."""
     backend = make_backend(TARGET)
     kwargs = {"debug": False, "instrumentation_mode": "", **kwargs}
-    if "HW_CVT" in kernel.arg_names:
-        kwargs["HW_CVT"] = True
-    for name, value in (gpu_constexprs or {}).items():
-        kwargs[name] = value
+    kwargs = _with_gpu_values(kernel, kwargs, {"HW_CVT": True} | (gpu_constexprs or {}))
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(
         backend, kwargs, bound, specialization, options
     )
+    if labels is not None:
+        labels += param_labels(list(bound.values()), list(signature.values()))
     source = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=TARGET, options=options.__dict__)
 
@@ -181,6 +231,7 @@ def _symm_launch(module, world: int, inp, out):
     cap = 2048 if module is symm_oneshot else 4096
     kind = "oneshot" if module is symm_oneshot else "twoshot"
     group = _emulated_group(kind, SPEC, world, cap, num_sms=132 // world)
+    name_tensors(ptrs=group.layers[0].ptrs, state=group.layers[0].state)
     return lambda: module.launch(group.layers[0], **call_tensors(inp, out))
 
 
@@ -209,23 +260,42 @@ def quant_cases() -> dict:
         norm = dict(eps=spec.eps, weight_bias=0.0, quant=code, quant_scale=scale, swizzled=True)
 
         def oneshot(spec=spec, inp=inp, out=out):
+            _name_call(inp, out)
             group = _emulated_group("oneshot", spec, 2, 2048, num_sms=66)
+            name_tensors(ptrs=group.layers[0].ptrs, state=group.layers[0].state)
             symm_oneshot.launch(group.layers[0], **call_tensors(inp, out))
 
         table[f"quantize_{kind}"] = (
             quant,
             "_quantize_kernel",
-            lambda out=out, c=code, s=scale: quant.quantize_into(*out[2:], out[0], c, s, True),
+            lambda inp=inp, out=out, c=code, s=scale: (
+                _name_call(inp, out),
+                quant.quantize_into(*out[2:], out[0], c, s, True),
+            ),
         )
         table[f"add_rmsnorm_{kind}"] = (
             add_rmsnorm,
             "_add_rmsnorm_kernel",
-            lambda out=out, g=inp.gamma, n=norm: add_rmsnorm.add_rmsnorm_into(
-                *out, out[0], out[0], g, **n
+            lambda inp=inp, out=out, n=norm: (
+                _name_call(inp, out),
+                add_rmsnorm.add_rmsnorm_into(*out, out[0], out[0], inp.gamma, **n),
             ),
         )
         table[f"oneshot_w2_{kind}"] = (symm_oneshot, "_oneshot_kernel", oneshot)
+        for stage in ("rows", "gather"):  # the two-shot's row launches, quantizing
+            table[f"twoshot_{stage}_w2_{kind}"] = (
+                symm_twoshot_kernels,
+                "_rows_kernel",
+                lambda inp=inp, out=out, spec=spec: _twoshot_launch(2, inp, out, spec)(),
+            )
     return table
+
+
+def _name_call(inp, out) -> None:
+    """Name a call's inputs and outputs for the parameter labels."""
+    fields = ("gemm2_out", "perm", "weights", "shared", "residual", "gamma")
+    name_tensors(**dict(zip(fields, inp)))
+    name_tensors(**dict(zip(("residual_out", "norm_out", "q", "sf"), out)))
 
 
 def _tp1_launch(quant: str, tokens: int, num_sms: int):
@@ -251,10 +321,10 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
         from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
 
         launcher = Tp1Dispatcher(LayerRecord.of(spec), num_sms, ro.device)
-    return lambda: launcher(**call_tensors(inp, out))
+    return lambda: (_name_call(inp, out), launcher(**call_tensors(inp, out)))
 
 
-def _twoshot_launch(world: int, inp, out):
+def _twoshot_launch(world: int, inp, out, spec=SPEC):
     """symm_twoshot.launch (the large-T two-shot, default TwoshotShape) of rank 0 of `world`
     emulated ranks on CPU tensors; the other twoshot kernels' launches are stubbed out
     (`twoshot_others`). A G launch has the R launch's arguments (GATHER set by gpu_constexprs)."""
@@ -263,11 +333,14 @@ def _twoshot_launch(world: int, inp, out):
     pipeline = _module("fusion_bridge.kernels.symm_staged", "fusion_bridge.kernels.symm.twoshot")
     rig, call_tensors = _module(*_TWOSHOT_RIG), _module(*_RIG).call_tensors
     shape_type = getattr(pipeline, "TwoshotShape", None) or pipeline.StagedShape
-    shape = shape_type(stream_mode="one")
+    fields = getattr(shape_type, "__dataclass_fields__", None) or shape_type._fields
+    shape = shape_type(**({"stream_mode": "one"} if "stream_mode" in fields else {}))
     group = rig.EmulatedTwoshot(world, shape.chunk, H, shape.slots)
-    scalars = (2.5, SPEC.eps, 0.0)
+    _name_call(inp, out)
+    name_tensors(ptrs=group.ptrs[0], state=group.states[0], buffer=group.bufs[0])
+    scalars = (2.5, spec.eps, 0.0)
     layer = rig.twoshot_layer(group.ptrs[0], group.states[0], world, 0, 132 // world, 3, H,
-                              scalars, quant_args(SPEC))  # fmt: skip
+                              scalars, quant_args(spec))  # fmt: skip
     return lambda: pipeline.launch(layer, shape=shape, **call_tensors(inp, out))
 
 
@@ -283,6 +356,9 @@ def gpu_constexprs(name: str) -> dict:
     """What a GPU call passes where the CPU launch differs (HW_CVT aside): fp8 divides through
     the reciprocal; the split kernel runs both phases in one launch and polls for ~1 s."""
     # the pipeline's launches (twoshot_w1_none / _w2_none: the persistent kernel, no such options)
+    if name.startswith("twoshot_sync"):  # a GPU call's every step, the G launch's wait
+        steps = dict(SIGNAL=1, WAIT=1, RELEASE=True, ADVANCE=True, GATE=True, EMU=False)
+        return steps | {"USE_PDL": name.endswith("_pdl")}
     if name.startswith(("twoshot_rows", "twoshot_finalize", "twoshot_gather")):
         # a GPU call: L2 hints (l2=2) and PDL unless `_l0`; not LAST
         got = {"L2": 0, "USE_PDL": False} if name.endswith("_l0") else {"L2": 2, "USE_PDL": True}
@@ -302,6 +378,7 @@ def cases(inp, out) -> dict:
     without one of them (the tree before the restructure) skips that case alone."""
     ro, no, q, sf = out
     reduced = torch.empty_like(ro)
+    _REDUCED[:] = [reduced]
     norm = dict(eps=SPEC.eps, weight_bias=0.0, quant=0, quant_scale=1.0, swizzled=False)
     perm, weights = inp.expanded_idx_to_permuted_idx, inp.expert_weights
     return (
@@ -350,6 +427,15 @@ def cases(inp, out) -> dict:
             )
             for suffix in (("_none", "_none_l0") if kind != "finalize" else ("", "_l0"))
         }
+        | {  # the two-shot's sync launch (the call's first, every step on as gpu_constexprs says)
+            f"twoshot_sync_w{world}{suffix}": (
+                symm_twoshot_kernels,
+                "_sync_kernel",
+                lambda world=world: _twoshot_launch(world, inp, out)(),
+            )
+            for world in (2, 8)
+            for suffix in ("", "_pdl")
+        }
         | {
             f"tp1_{quant}_{kind}": (
                 tp1_launch_module(kind),
@@ -386,17 +472,25 @@ def main() -> int:
     outdir, wanted = sys.argv[1], sys.argv[2:] or ["twoshot_w1_none"]
     os.makedirs(outdir, exist_ok=True)
     inp = make_inputs(SPEC, T, seed=0, device="cpu", skip_fraction=0.0)
-    table = cases(inp, _outputs()) | quant_cases()
+    outputs = _outputs()
+    table = cases(inp, outputs) | quant_cases()
+    reduced = _REDUCED[0]
     for name in list(table) if wanted == ["all"] else wanted:
         module, kernel_name, launch = table[name]
+        _NAMES.clear()  # an address freed by an earlier case may be another tensor's now
+        _name_call(inp, outputs)
+        name_tensors(reduced=reduced)
         try:
             kernel = getattr(module, kernel_name)
             args, kwargs = recorded_launch(kernel, launch, twoshot_others(kernel_name))
         except (AttributeError, ImportError, TypeError) as exc:  # a case this tree does not have
             print(f"{name}: skipped ({type(exc).__name__}: {exc})")
             continue
-        compiled = compile_for_sm90(kernel, args, kwargs, gpu_constexprs(name))
+        labels = []
+        compiled = compile_for_sm90(kernel, args, kwargs, gpu_constexprs(name), labels)
         found = summary(compiled, os.path.join(outdir, name))
+        with open(os.path.join(outdir, name + ".params.json"), "w") as f:
+            json.dump(labels, f, indent=0)
         with open(os.path.join(outdir, name + ".json"), "w") as f:
             json.dump(found, f, indent=1)
         shown = {k: v for k, v in found.items() if k != "ops"}
