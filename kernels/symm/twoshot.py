@@ -96,27 +96,26 @@ from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.pdl import PDL_OPTIONS, pdl_ok
 from fusion_bridge.kernels.quant import row_block, row_num_warps, sf_padding_items
 from fusion_bridge.kernels.quant_codes import QUANT_NVFP4
-from fusion_bridge.kernels.symm.protocol import SymmLayer
+from fusion_bridge.kernels.symm.protocol import SymmLayer, TwoshotSlots
 from fusion_bridge.kernels.symm.twoshot_device import CHUNK, MAX_SLOTS, SLOTS
+from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
 from fusion_bridge.kernels.symm.twoshot_kernels import (
     FLAG_ARRIVED,
     FLAG_REDUCED,
+    Pipeline,
+    SyncSteps,
     _finalize_kernel,
     _rows_kernel,
+    _sync_kernel,
 )
-from fusion_bridge.kernels.symm.twoshot_kernels import _sync_kernel
 from fusion_bridge.kernels.symm.twoshot_streams import two_streams
 
 __all__ = ["TwoshotShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS", "L2", "USE_PDL")
-_R_CONSTS = (
-    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS", "L2",
-    "USE_PDL",
-)  # fmt: skip
-_S_CONSTS = (
-    "WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU", "NAN_BITS", "USE_PDL",
-)  # fmt: skip
+# each kernel's constexprs, by name, in the order the launches pass them
+_F_CONSTS = ("PIPE", "FORM", "F_COLS")
+_R_CONSTS = ("PIPE", "FORM", "GATHER", "LAST")
+_S_CONSTS = ("PIPE", "STEPS", "NAN_BITS")
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
 _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
@@ -269,21 +268,28 @@ def _call_launches(layer: SymmLayer, shape: TwoshotShape, tensors: dict, emulate
         raise ValueError(
             "symm_twoshot: layer.own_addr must be this rank's buffer address (ptrs[rank]), got 0"
         )
-    f_args = (
-        layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
-        shared if shared is not None else residual,
-    )  # fmt: skip
     # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
     l2 = min(shape.l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
     pdl = bool(shape.pdl) and pdl_ok(residual.device)
     launch_f, launch_r, launch_s = (
         (_LAUNCH_F_PDL, _LAUNCH_R_PDL, _LAUNCH_S_PDL) if pdl else (_LAUNCH_F, _LAUNCH_R, _LAUNCH_S)
     )
-    f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2, pdl)
-    r_ptrs = (
-        layer.ptrs, layer.own_addr, residual, tensors["gamma"], tensors["residual_out"],
-        tensors["norm_out"], tensors["q"], sf,
+    # the call's records, bound once: each kernel's source leaves None what it does not read
+    pipe = Pipeline(WORLD=world, SLOTS=shape.slots, L2=l2, USE_PDL=pdl, EMU=emulated)
+    form = RowForm(
+        TOP_K=top_k, HAS_SHARED=shared is not None, QUANT=quant.code, SWIZZLED=swz, ROW_BLOCK=rb,
+        HW_CVT=residual.is_cuda,
     )  # fmt: skip
+    f_src = RowSource(
+        tensors["gemm2_out"], tensors["perm"], tensors["weights"],
+        shared if shared is not None else residual, None, None,
+    )  # fmt: skip
+    r_src = RowSource(None, None, None, None, residual, tensors["gamma"])
+    out = RowOutputs(tensors["residual_out"], tensors["norm_out"], tensors["q"], sf)
+    slots = TwoshotSlots(hidden, shape.chunk)
+    # each kernel's scalars: what it reads (None: no parameter)
+    f_scalars = layer.scalars._replace(eps=None, weight_bias=None, quant_scale=None)
+    r_scalars = layer.scalars._replace(routed_scaling=None)
     row_warps = shape.row_warps or row_num_warps(rb, quant.code)
     pad_items = sf_padding_items(tokens, sf_rows, sf_cols) if swz else 0
     plans = call_plan(tokens, world, rank, hidden, shape)
@@ -291,25 +297,26 @@ def _call_launches(layer: SymmLayer, shape: TwoshotShape, tensors: dict, emulate
     nan_bits = _NAN_BITS[residual.dtype]
 
     def f_launch(p):
-        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
-        return lambda: launch_f((p.f_items,), args, f_consts, shape.f_warps)
+        args = (layer.ptrs, layer.state, f_src, tokens, slots, p.index, rank, f_scalars)
+        consts = (pipe, form, f_cols)
+        return lambda: launch_f((p.f_items,), args, consts, shape.f_warps)
 
     def r_launch(p, gather):
         rows = p.other_rows if gather else p.own_rows
         last = p.index == nchunks - 1 and (gather or world == 1)
-        args = r_ptrs + (
-            tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
-            quant.scale, sf_rows, sf_cols, pad_items if last else 0,
-        )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2, pdl)
+        args = (layer.ptrs, layer.own_addr, r_src, out, tokens, slots, p.index, rank, r_scalars)
+        args += (sf_rows, sf_cols, pad_items if last else 0)
+        consts = (pipe, form, gather, last)
         return lambda: launch_r((max(1, rows),), args, consts, row_warps)
 
     def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):
         args = (layer.ptrs, layer.state, c, c if release is None else release, gate[0], gate[1])
-        args += (nchunks, rank, layer.timeout_us, hidden, shape.chunk)
-        consts = (world, signal, wait, release is not None, advance, gate[1] > 0, shape.slots)
-        consts += (emulated, nan_bits, pdl)
-        return lambda: launch_s((1,), args, consts, 1)
+        args += (nchunks, rank, layer.timeout_us, slots)
+        steps = SyncSteps(
+            SIGNAL=signal, WAIT=wait, RELEASE=release is not None, ADVANCE=advance,
+            GATE=gate[1] > 0,
+        )  # fmt: skip
+        return lambda: launch_s((1,), args, (pipe, steps, nan_bits), 1)
 
     return SimpleNamespace(
         plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync,

@@ -1,10 +1,12 @@
 """The shape of our kernel layer, checked mechanically: the protocol and sizing import no Triton, no
 Python function in the product takes more than 12 positional parameters (Triton @jit kernels are
-exempt), and the test/benchmark hooks reach no production launcher or strategy."""
+exempt) and no @triton.jit function more than 16 (records instead of walls; flags by keyword), and
+the test/benchmark hooks reach no production launcher or strategy."""
 
 import ast
 import inspect
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,6 +53,53 @@ def test_no_function_in_the_product_takes_more_than_12_positional_parameters():
                     if count > 12 and not jit:
                         wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {count}")
     assert not wide, wide
+
+
+def _jit_functions():
+    """(path, function node, source lines) of every @triton.jit function in the product."""
+    for root in ("fusion_bridge", "kernels"):
+        for path in (ROOT / root).rglob("*.py"):
+            if "kernels" in path.parts and root == "fusion_bridge":
+                continue  # the symlink to kernels/
+            text = path.read_text()
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.FunctionDef) and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list
+                ):
+                    yield path, node, text.splitlines()
+
+
+def test_no_jit_function_takes_more_than_16_parameters():
+    """Our kernels take records (kernels/records.py), not walls of positional arguments: at most
+    16 parameters per @triton.jit function, constexprs included."""
+    wide = []
+    for path, node, _ in _jit_functions():
+        a = node.args
+        count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+        if count > 16:
+            wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {count}")
+    assert not wide, wide
+
+
+def test_no_flag_is_passed_by_position_inside_a_kernel():
+    """Inside @triton.jit code a flag is passed by keyword (`LEAN=True`): no positional True /
+    False, and no positional argument whose line comment names the parameter it stands for
+    (`True,  # LEAN`, `HW_CVT,  # GPU_MUL_RN: on a GPU`)."""
+    named_by_comment = re.compile(r"#\s*[A-Z][A-Z0-9_]+\b(:|$)")
+    found = []
+    for path, node, lines in _jit_functions():
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            for arg in call.args:
+                where = f"{path.relative_to(ROOT)}:{arg.lineno} {ast.unparse(call)[:60]}"
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, bool):
+                    found.append(where)
+                line = lines[arg.end_lineno - 1]
+                comment = line[arg.end_col_offset :].partition("#")
+                if comment[1] and named_by_comment.search("#" + comment[2]):
+                    found.append(where)
+    assert not found, found
 
 
 def test_hooks_stay_out_of_production_launchers_and_strategies():
@@ -226,5 +275,5 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     # the row launches take this rank's buffer address, the others the device state
     own = ws.buffer.data_ptr()
     assert all(args[1] == own if n == "_LAUNCH_R" else args[1] is ws.state for n, args, _ in made)
-    assert all(consts[0] == 2 for _, _, consts in made)  # WORLD
-    assert made[1][2][1] == 2  # the finalize's TOP_K
+    assert all(consts[0].WORLD == 2 for _, _, consts in made)  # PIPE, the call's Pipeline
+    assert made[1][2][1].TOP_K == 2  # the finalize's FORM

@@ -306,12 +306,15 @@ def test_a_bad_twoshot_shape_names_the_field(field, value):
 
 def _sync(emu, rank, c, timeout=3, **flags):
     """One sync launch of rank `rank` at chunk c (`symm_twoshot_kernels._sync_kernel`)."""
-    from fusion_bridge.kernels.symm.twoshot_kernels import _sync_kernel
+    from fusion_bridge.kernels.symm.protocol import TwoshotSlots
+    from fusion_bridge.kernels.symm.twoshot_kernels import Pipeline, SyncSteps, _sync_kernel
 
-    what = dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags
-    gate = (c, 1) if what["GATE"] else (0, 0)
-    args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout, emu.hidden, emu.chunk)
-    _sync_kernel[(1,)](*args, WORLD=emu.world, SLOTS=emu.slots, EMU=True, NAN_BITS=0x7FC0, **what)
+    steps = SyncSteps(**(dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags))
+    gate = (c, 1) if steps.GATE else (0, 0)
+    args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout)
+    args += (TwoshotSlots(emu.hidden, emu.chunk),)
+    pipe = Pipeline(WORLD=emu.world, SLOTS=emu.slots, L2=0, USE_PDL=False, EMU=True)
+    _sync_kernel[(1,)](*args, PIPE=pipe, STEPS=steps, NAN_BITS=0x7FC0)
 
 
 def test_the_gate_waits_for_every_rank_to_release_the_slot():
