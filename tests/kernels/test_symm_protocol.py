@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 from fusion_bridge.kernels.symm import (
     oneshot as symm_oneshot,
@@ -204,8 +203,9 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
 
 
 def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
-    """symm_fused_twoshot launches kernels/twoshot_launch (the two-shot pipeline; its variant names
-    agree with the strategy's): its workspace's device state has the two-shot's shape (int64
+    """symm_fused_twoshot launches kernels/symm/twoshot (the two-shot pipeline, one launch shape:
+    the strategy declares the default variant only): its workspace's device state has the
+    two-shot's shape (int64
     [TWOSHOT_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare() does) with
     the keywords the strategy's run() passes gives launches on the bound pointers and state, at
     this group's world size. The launches are recorded, not made (the kernels use inline
@@ -216,17 +216,12 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
 
     import torch
 
-    from fusion_bridge.kernels.symm import twoshot_variants as twoshot_launch
     from fusion_bridge.kernels.symm.twoshot_device import STATE_WORDS
     from fusion_bridge.spec import EpilogueSpec
-    from fusion_bridge.strategies.symm_fused_twoshot import TWOSHOT_VARIANTS
     from fusion_bridge.oracle.synthetic import make_inputs
 
-    assert SymmFusedTwoshotStrategy._kernel_module(None) is twoshot_launch
-    assert twoshot_launch.VARIANTS == TWOSHOT_VARIANTS
-    assert twoshot_launch.variant_shape("f_after_x", 5, 96, 132, 2, 0) == "f_after_x"
-    with pytest.raises(ValueError, match="variant: expected one of"):
-        twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0)
+    assert SymmFusedTwoshotStrategy._kernel_module(None) is symm_twoshot
+    assert SymmFusedTwoshotStrategy.variants(None, None) == ("default",)
     layout = SymmFusedTwoshotStrategy.workspace_layout
     words, dtype = layout.state_words, layout.state_dtype
     assert (words, dtype) == (STATE_WORDS, torch.int64)
@@ -252,7 +247,7 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
             name,
             lambda grid, args, consts, warps, n=name: made.append((n, args, consts)),
         )
-    twoshot_launch.launch(
+    symm_twoshot.launch(
         layer,
         residual_out=torch.empty_like(inp.residual),
         norm_out=torch.empty_like(inp.residual),
