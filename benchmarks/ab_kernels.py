@@ -1,10 +1,12 @@
 """Same-run A/B of our kernels between two trees: run it once per tree in the same device call, from
 that tree's root (PYTHONPATH selects the tree; it adapts to the launch API before and after the
-kernel restructure). H=7168, K=8; T from AB_TOKENS (1,64,1024,4096); the two-launch local path and
-the symmetric-memory kernels from AB_CASES (kind:world, W ranks emulated on one GPU, one CUDA graph
-per rank; a tree without kernels/symm_twoshot.py, which the ring replaced, skips the twoshot
-cases); graph and eager; inputs rotated past L2. JSON rows on stdout and in
-$OUT/ab_<label>.jsonl.
+kernel restructure). H=7168, K=8; T from AB_TOKENS (1,64,1024,4096); quant modes from AB_QUANTS
+(none; also fp8, nvfp4: the local path, tp1 and W=2 cases); the two-launch local path (AB_LOCAL=0:
+not) and the kernels from AB_CASES (kind:world: tp1:1 is `fused_tp1`'s launch as its strategy
+makes it; oneshot / twoshot the symmetric-memory kernels, W ranks emulated on one GPU, one CUDA
+graph per rank; a tree without kernels/symm_twoshot.py, which the ring replaced, skips the twoshot
+cases, one without kernels/tp1/ the tp1 ones); graph and eager; inputs rotated past L2. JSON rows
+on stdout and in $OUT/ab_<label>.jsonl.
 
     cd <tree> && PYTHONPATH=$PWD OUT=... python <this file> <label> [reps]
 
@@ -59,6 +61,7 @@ CASES = [
 CASES = [(k, int(w)) for k, w in CASES]
 TOKENS = [int(t) for t in os.environ.get("AB_TOKENS", "1,64,1024,4096").split(",")]
 LOCAL = os.environ.get("AB_LOCAL", "1") == "1"
+QUANTS = os.environ.get("AB_QUANTS", "none").split(",")  # none, fp8, nvfp4
 H, K = 7168, 8
 NEW = hasattr(symm_oneshot, "launch")
 try:
@@ -96,8 +99,25 @@ def outs_for(spec, T):
     return ro, no, q, sf
 
 
+def tp1_group(spec):
+    """`fused_tp1`'s launch as the strategy makes it (its dispatcher over this GPU's SMs): one
+    closure fn(inputs, outs); None where the tree has no kernels/tp1/."""
+    try:
+        from fusion_bridge.kernels.layer import LayerRecord
+        from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
+    except ImportError:
+        return None
+    rig = _first("fusion_bridge.kernels.symm_testing", "fusion_bridge.testing.symm_oneshot_rig")
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    launch = Tp1Dispatcher(LayerRecord.of(spec), sms, device)
+    return [lambda inp, out: launch(**rig.call_tensors(inp, out))], launch
+
+
 def kernel_group(kind, spec, world, cap):
     """Per-rank launch closures fn(rank, inputs, outs)."""
+    if kind == "tp1":
+        return tp1_group(spec)
     kern = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
     if NEW:
         rig = _first("fusion_bridge.kernels.symm_testing", "fusion_bridge.testing.symm_oneshot_rig")
@@ -211,7 +231,8 @@ def main() -> None:
     ap.add_argument("reps", nargs="?", type=int, default=2, help="timings per point (2)")
     args = ap.parse_args()
     label, reps = args.label, args.reps
-    quants = {"none": QuantSpec.none()}
+    every = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
+    quants = {q: every[q] for q in QUANTS}
     for qname, qspec in quants.items():
         for T in TOKENS:
             spec = EpilogueSpec(
@@ -239,7 +260,7 @@ def main() -> None:
                 emit(f"local_2launch_{qname}", T, 1, "graph", time_graph(local, sets=n))
                 emit(f"local_2launch_{qname}", T, 1, "eager", time_eager(local, sets=n))
             for kind, world in CASES:
-                if qname != "none" and world != 2:
+                if qname != "none" and world != 2 and kind != "tp1":
                     continue
                 if kind == "twoshot" and symm_twoshot is None:
                     print("symm_twoshot: skipped (this tree has no kernels/symm_twoshot.py)")
@@ -247,7 +268,11 @@ def main() -> None:
                 if kind == "oneshot" and T > 2048:
                     continue
                 cap = 2048 if kind == "oneshot" else 4096
-                fns, keep = kernel_group(kind, spec, world, cap)
+                group = kernel_group(kind, spec, world, cap)
+                if group is None:
+                    print(f"{kind}: skipped (this tree has no such kernels)")
+                    continue
+                fns, keep = group
                 nw = max(1, n // world) if world > 1 else n
                 sets = [
                     [
@@ -266,8 +291,9 @@ def main() -> None:
                 per_rank = [(lambda i, r=r: fns[r](sets[i][r], outs[r])) for r in range(world)]
                 for _ in range(reps):
                     g = time_graph(fn, sets=nw) if world == 1 else time_ranks(per_rank, sets=nw)
-                    emit(f"symm_{kind}_{qname}", T, world, "graph", g)
-                    emit(f"symm_{kind}_{qname}", T, world, "eager", time_eager(fn, sets=nw))
+                    path = f"{'fused' if kind == 'tp1' else 'symm'}_{kind}_{qname}"
+                    emit(path, T, world, "graph", g)
+                    emit(path, T, world, "eager", time_eager(fn, sets=nw))
                 torch.cuda.synchronize()
             torch.cuda.empty_cache()
     out = os.environ.get("OUT")

@@ -101,15 +101,17 @@ def _finalize_launchers(inp, spec):
     out = torch.empty(tokens, H, dtype=inp.gemm2_out.dtype, device=inp.gemm2_out.device)
     shared = inp.shared_output
     blocks, constexprs, warps = fa._launch_shape(H, K, shared is not None, tokens <= 32, None, None)
-    args = (
+    routed = (
         inp.gemm2_out,
         inp.expanded_idx_to_permuted_idx,
         inp.expert_weights,
         out if shared is None else shared,
-        out,
-        H,
-        float(spec.routed_scaling_factor),
     )
+    if fa._finalize_add_kernel.arg_names[0] == "src":  # the kernel takes a record (issue 37)
+        from fusion_bridge.kernels.records import RowSource
+
+        routed = (RowSource(*routed, None, None),)
+    args = (*routed, out, H, float(spec.routed_scaling_factor))
     named = dict(zip(fa._LAUNCH.constexpr_names, constexprs))
     grid = (tokens, blocks)
     kernel, launch = fa._finalize_add_kernel, fa._LAUNCH

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.harness import Rows, add_common, parser  # noqa: E402
 from fusion_bridge.kernels.add_rmsnorm import rms_norm_row  # noqa: E402
 from fusion_bridge.kernels.finalize_add import finalize_row  # noqa: E402
+from fusion_bridge.kernels.records import RowSource  # noqa: E402
 from fusion_bridge.kernels.rounding import round_to  # noqa: E402
 
 
@@ -152,9 +153,10 @@ def _ticket_kernel(
                 acc += tl.load(shared_ptr + row * hidden + f_cols, mask=f_cols < hidden,
                                other=0.0).to(tl.float32)  # fmt: skip
             else:
+                src = RowSource(gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, None, None)
                 acc = finalize_row(
-                    gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, f_cols, hidden,
-                    routed_scaling, TOP_K, True, STREAM_ONCE=L2 >= 1,
+                    src, row, f_cols, hidden, routed_scaling, TOP_K=TOP_K, HAS_SHARED=True,
+                    STREAM_ONCE=L2 >= 1,
                 )  # fmt: skip
             val = round_to(acc, slot_ptr.dtype.element_ty)
             if L2 >= 1:
@@ -197,7 +199,7 @@ def _ticket_kernel(
             tl.store(residual_out_ptr + offs, round_to(x, residual_out_ptr.dtype.element_ty),
                      mask=in_row)  # fmt: skip
             g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
-            y = round_to(rms_norm_row(x, g, hidden, eps, True), norm_out_ptr.dtype.element_ty)
+            y = round_to(rms_norm_row(x, g, hidden, eps), norm_out_ptr.dtype.element_ty)
             tl.store(norm_out_ptr + offs, y, mask=in_row)
             tl.debug_barrier()  # every thread's slot loads before the release
             _lane0_atomic_add(ctr_ptr + 1 + n_chunks + c, 1, "release")

@@ -8,32 +8,113 @@ two-shot <= finalize + add_rmsnorm.
 
 Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
 sum, each two-shot row's time, its ratio to the sum and its workspace per rank (MB). Labels: the
-SHAPES launch shapes (`symm_twoshot.TwoshotShape` fields, each on buffers laid out for it) and the
-VARIANTS labels (the strategy's launch variants, `kernels/symm/twoshot_variants.py`). Every row is
-first checked against the two standalone kernels' outputs (residual_out bitwise equal: the same
-roundings; norm_out close: the two-shot norms the rounded residual_out) and its error word.
-`--ablate` adds, per label, its finalize launches alone (`_only_F`), its row launches alone
-(`_only_R`) and everything but the finalize on one stream (`_no_F`): the slot counters preset so
-no gate holds them, outputs not all written. CUDA graphs, inputs rotated past L2, median us per
-call.
+SHAPES launch shapes (`AblationShape` fields, each on buffers laid out for it: the product's
+launch choices made free again, built here from the product's own launch helpers) and the
+VARIANTS labels (the strategy's launches as it makes them). Every row is first checked against
+the two standalone kernels' outputs (residual_out bitwise equal: the same roundings; norm_out
+close: the two-shot norms the rounded residual_out) and its error word. `--ablate` adds, per
+label, its finalize launches alone (`_only_F`), its row launches alone (`_only_R`) and everything
+but the finalize on one stream (`_no_F`): the slot counters preset so no gate holds them, outputs
+not all written. CUDA graphs, inputs rotated past L2, median us per call.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass, fields
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.harness import Rows, add_common, parser  # noqa: E402
+from fusion_bridge.kernels.symm import twoshot as symm_twoshot  # noqa: E402
+from fusion_bridge.kernels.symm.twoshot_kernels import FLAG_ARRIVED, FLAG_REDUCED  # noqa: E402
+from fusion_bridge.kernels.symm.twoshot_streams import two_streams  # noqa: E402
 from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time_graph  # noqa: E402
 
-# label -> TwoshotShape fields. "default" is the default shape (2 slots x 1024 tokens, F on 2 side
-# streams, L2 2, PDL, row launches on a high-priority stream, f_ahead). The labels after it were
-# measured against the earlier default, "f_after_x" (rows on the caller's stream, F(c + 1) gated
-# by X(c)), and keep meaning a change to that one
+
+@dataclass(frozen=True)
+class AblationShape:
+    """A two-shot launch with the choices the product fixes made free again (defaults: the
+    product's, kernels/symm/twoshot.py). chunk, f_cols, slots, pdl: `TwoshotShape`'s. f_warps:
+    the finalize items' warps; row_warps: the row launches' (0: our add+RMSNorm kernel's choice);
+    l2: 0 no L2 hints, 1 the hints, 2 the hints and the read slot rows dropped; stream_mode: "two"
+    (F on f_streams side streams, the rest on the caller's stream), "two_prio" (the rest on a
+    high-priority stream; a call of one chunk as "two") or "one" (every launch in order on the
+    caller's stream); f_ahead: False is the earlier order ("f_after_x"): F(c + 1) gated by X(c),
+    after F(c), instead of by V(c) right after R(c - 1) / G(c - 1)."""
+
+    chunk: int = symm_twoshot.CHUNK
+    f_cols: int = 1024
+    slots: int = symm_twoshot.SLOTS
+    pdl: bool = True
+    f_warps: int = symm_twoshot.F_WARPS
+    row_warps: int = 0
+    stream_mode: str = "two_prio"
+    f_streams: int = symm_twoshot.F_STREAMS
+    l2: int = symm_twoshot.L2_HINTS
+    f_ahead: bool = True
+
+    def __post_init__(self):
+        if self.stream_mode not in ("one", "two", "two_prio"):
+            raise ValueError(f"stream_mode: expected one, two or two_prio: {self.stream_mode!r}")
+        if self.l2 not in (0, 1, 2) or self.f_streams not in (1, 2):
+            raise ValueError(f"l2 0..2, f_streams 1..2: got {self.l2}, {self.f_streams}")
+
+    def product(self) -> symm_twoshot.TwoshotShape:
+        """The product's shape these fields contain (its validation included)."""
+        names = {f.name for f in fields(symm_twoshot.TwoshotShape)}
+        return symm_twoshot.TwoshotShape(**{n: getattr(self, n) for n in names})
+
+
+def launches(layer, shape: AblationShape, tensors: dict) -> tuple:
+    """(the product's launch callables, this shape's sequence of them): the same kernels and
+    arguments the product launches (`symm_twoshot._call_launches`), the choices of `shape`."""
+    calls = symm_twoshot._call_launches(
+        layer, shape.product(), tensors, False, l2=shape.l2, f_warps=shape.f_warps,
+        row_warps=shape.row_warps,
+    )  # fmt: skip
+    seq = symm_twoshot._sequence(calls, split=False) if shape.f_ahead else _f_after_x(calls)
+    return calls, seq
+
+
+def launch(layer, shape: AblationShape, tensors: dict) -> None:
+    """One call in `shape` (as `symm_twoshot.launch` makes one in the product's)."""
+    calls, seq = launches(layer, shape, tensors)
+    if shape.stream_mode == "one":
+        for _, _, fn, _ in seq:
+            fn()
+    else:
+        prio = shape.stream_mode == "two_prio" and len(calls.plans) > 1
+        two_streams(tensors["residual"].device, seq, prio, shape.f_streams)
+
+
+def _f_after_x(calls) -> list:
+    """The earlier order (the product's before issue 37): F(c), then X(c) releasing chunk c - 1
+    and gating chunk c - 1 + SLOTS, R(c), Y(c), G(c); one gate first, one release last."""
+    n, world, sync, slots = len(calls.plans), calls.world, calls.sync, calls.slots
+    first = min(slots, n)
+    seq = [("Q", 0, sync(0, gate=(0, first)), list(range(first)))]
+    for p in calls.plans:
+        c = p.index
+        g = c - 1 + slots  # the chunk whose slot chunk c - 1 frees
+        gated = [g] if c > 0 and g < n else []
+        release = c - 1 if c > 0 else None
+        seq += [("F", c, calls.f(p), [])]
+        x = sync(c, FLAG_ARRIVED, FLAG_ARRIVED, release, False, (g, len(gated)))
+        seq += [("X", c, x, gated), ("R", c, calls.r(p, False), [])]
+        if world > 1:
+            seq += [("Y", c, sync(c, FLAG_REDUCED, FLAG_REDUCED), [])]
+            seq += [("G", c, calls.r(p, True), [])]
+    return seq + [("Z", n - 1, sync(n - 1, release=n - 1, advance=True), [])]
+
+
+# label -> AblationShape fields. "default" is the product's shape (2 slots x 1024 tokens, F on 2
+# side streams, L2 2, PDL, row launches on a high-priority stream, f_ahead). The labels after it
+# were measured against the earlier default, "f_after_x" (rows on the caller's stream, F(c + 1)
+# gated by X(c)), and keep meaning a change to that one
 _F_AFTER_X = dict(stream_mode="two", f_ahead=False)
 SHAPES = {
     "default": dict(),
@@ -62,8 +143,8 @@ SHAPES = {
     "fw8": _F_AFTER_X | dict(f_warps=8),
     "f2048_w8": _F_AFTER_X | dict(f_cols=2048, f_warps=8),
 }
-# the two-shot strategy's launch variants (kernels/symm/twoshot_variants.py)
-VARIANTS = {"twoshot_default": None, "twoshot_f_after_x": "f_after_x"}
+# the two-shot strategy's launch (its one variant, "default": symm_twoshot.launch)
+VARIANTS = {"twoshot_default": None}
 
 
 def main() -> None:
@@ -153,23 +234,16 @@ def main() -> None:
 
 def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
     """The two-shot at world size 1 in shape SHAPES[label], or (VARIANTS labels) as the strategy
-    launches a variant: checked against the standalone kernels' outputs, then timed; `ablate`
-    adds its finalize launches alone, its R launches alone and every launch but F on one stream
-    (the slot counters preset so no gate holds them; outputs not all written)."""
-    from fusion_bridge.kernels.symm import (
-        twoshot as symm_twoshot,
-        twoshot_variants as twoshot_launch,
-    )
+    launches it: checked against the standalone kernels' outputs, then timed; `ablate` adds its
+    finalize launches alone, its R launches alone and every launch but F on one stream (the slot
+    counters preset so no gate holds them; outputs not all written)."""
     from fusion_bridge.kernels.symm.twoshot_device import FREED_BYTE, MAX_SLOTS
     from fusion_bridge.testing.symm_oneshot_rig import call_tensors
-    from fusion_bridge.testing.symm_twoshot_rig import twoshot_launches, twoshot_layers_on_one_gpu
+    from fusion_bridge.testing.symm_twoshot_rig import twoshot_layers_on_one_gpu
 
     hidden, tokens = part.shape[1], part.shape[0]
-    variant = VARIANTS.get(label, False)
-    if variant is False:
-        shape = symm_twoshot.TwoshotShape(**SHAPES[label])
-    else:
-        shape = twoshot_launch._TWOSHOT[variant]
+    strategy = label in VARIANTS  # the strategy's launch, else an ablation shape
+    shape = AblationShape(**({} if strategy else SHAPES[label]))
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
 
     def group_for():
@@ -183,10 +257,10 @@ def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
     mb = group.buffers[0].numel() / 1e6
 
     def twoshot(i):
-        if variant is False:
-            symm_twoshot.launch(layer, shape=shape, **call_tensors(sets[i], out))
+        if strategy:
+            symm_twoshot.launch(layer, **call_tensors(sets[i], out))
         else:
-            twoshot_launch.launch(layer, shape=variant, **call_tensors(sets[i], out))
+            launch(layer, shape, call_tensors(sets[i], out))
 
     twoshot(0)
     torch.cuda.synchronize()
@@ -206,9 +280,8 @@ def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
 
         def only(stages):
             def fn_of(i):
-                for stage, _, fn in twoshot_launches(
-                    group_f.layers[0], call_tensors(sets[i], out), shape, False, False
-                ):
+                _, seq = launches(group_f.layers[0], shape, call_tensors(sets[i], out))
+                for stage, _, fn, _ in seq:
                     if stage in stages:
                         fn()
 

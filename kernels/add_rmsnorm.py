@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.quant import QUANT_NVFP4, launch_rows, quantize_row, row_launch_shape
+from fusion_bridge.kernels.records import RowOutputs
 from fusion_bridge.kernels.rounding import round_to
 
 
@@ -35,24 +37,23 @@ def overflow_scale(amax_exp):
 
 
 @triton.jit
-def rms_norm_row(x, g, hidden, eps, OVERFLOW_SAFE: tl.constexpr):
-    """The building block (the symmetric-memory kernels call it too): fp32 x [BLOCK] (0 past H),
-    g = gamma + weight_bias (0 past H) -> x * rsqrt(mean(x^2) + eps) * g in fp32, not rounded.
+def rms_norm_row(x, g, hidden, eps):
+    """The building block (every kernel of ours that norms a whole row calls it): fp32 x [BLOCK]
+    (0 past H), g = gamma + weight_bias (0 past H) -> x * rsqrt(mean(x^2) + eps) * g in fp32, not
+    rounded.
 
-    OVERFLOW_SAFE: a finite row with |x| >~ 1.8e19 (bf16 holds up to 3.4e38) overflows the fp32 sum
-    of squares, and rsqrt(inf) = 0 would zero the row. Such a row is scaled by the power of two s
-    bringing its largest magnitude into [2^31, 2^32) (exact), with eps*s^2 in place of eps. The
+    Overflow-safe: a finite row with |x| >~ 1.8e19 (bf16 holds up to 3.4e38) overflows the fp32
+    sum of squares, and rsqrt(inf) = 0 would zero the row. Such a row is scaled by the power of two
+    s bringing its largest magnitude into [2^31, 2^32) (exact), with eps*s^2 in place of eps. The
     branch is uniform over the program and taken only then; every other row computes the plain
     formula (a branch-free form, two more row reductions for every row, measured slower in the
-    world-size-1 kernel: docs/performance.md#world-size-1-fused_tp1). Every kernel of ours passes
-    True; off is the plain formula."""
+    world-size-1 kernel: docs/performance.md#world-size-1-fused_tp1)."""
     sum_sq = tl.sum(x * x, axis=0)
     y = rms_apply(x, g, sum_sq, hidden, eps)
-    if OVERFLOW_SAFE:
-        if sum_sq == float("inf"):
-            s = overflow_scale((tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
-            x_s = x * s
-            y = rms_apply(x_s, g, tl.sum(x_s * x_s, axis=0), hidden, eps * s * s)
+    if sum_sq == float("inf"):
+        s = overflow_scale((tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF)
+        x_s = x * s
+        y = rms_apply(x_s, g, tl.sum(x_s * x_s, axis=0), hidden, eps * s * s)
     return y
 
 
@@ -61,10 +62,7 @@ def _add_rmsnorm_kernel(
     residual_ptr,
     reduced_ptr,
     gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
+    out,
     tokens,
     hidden,
     eps,
@@ -76,6 +74,8 @@ def _add_rmsnorm_kernel(
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
+    """One program per row (and per swizzled scale padding row): residual + reduced -> out (a
+    `records.RowOutputs`)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     # programs past T only write the swizzled scale padding; vector form of `row < tokens` because
@@ -84,10 +84,10 @@ def _add_rmsnorm_kernel(
     offs = row * hidden + cols
     x = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(reduced_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(residual_out_ptr + offs, round_to(x, residual_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out.residual_out + offs, round_to(x, out.residual_out.dtype.element_ty), mask=mask)
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
-    y = round_to(rms_norm_row(x, g, hidden, eps, True), norm_out_ptr.dtype.element_ty)
-    tl.store(norm_out_ptr + offs, y, mask=mask)
+    y = round_to(rms_norm_row(x, g, hidden, eps), out.norm_out.dtype.element_ty)
+    tl.store(out.norm_out + offs, y, mask=mask)
     quantize_row(
         y,
         row,
@@ -95,47 +95,28 @@ def _add_rmsnorm_kernel(
         BLOCK,
         tokens,
         hidden,
-        q_ptr,
-        sf_ptr,
+        out,
         quant_scale,
         sf_cols,
-        QUANT,
-        SWIZZLED,
-        BLOCK,
-        HW_CVT,
-        False,
+        QUANT=QUANT,
+        SWIZZLED=SWIZZLED,
+        HW_CVT=HW_CVT,
+        WINDOW=False,
     )
 
 
 @triton.jit
-def norm_quant_row(
-    x,
-    g,
-    row,
-    lo,
-    hi,
-    tokens,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
-    hidden,
-    eps,
-    quant_scale,
-    sf_cols,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    OVERFLOW_SAFE: tl.constexpr,
-):
-    """x: fp32 [ROW_BLOCK], the whole row (0 past H, row < tokens); g: gamma + weight_bias. Stores
-    norm_out = round(rms_norm_row(x)) and its FP8 / NVFP4 codes for columns [lo, hi) only (multiples
-    of 64): the programs that share a row each compute the whole row's norm and store their part."""
-    cols = tl.arange(0, ROW_BLOCK)
+def norm_quant_row(x, g, row, lo, hi, tokens, hidden, out, scalars, sf_cols, FORM: tl.constexpr):
+    """x: fp32 [ROW_BLOCK], the whole row (0 past H, row < tokens); g: gamma + weight_bias; out: a
+    `records.RowOutputs`, scalars: `records.LayerScalars` (eps, quant_scale read), FORM:
+    `records.RowForm`. Stores norm_out = round(rms_norm_row(x)) and its FP8 / NVFP4 codes for
+    columns [lo, hi) only (multiples of 64): the programs that share a row each compute the whole
+    row's norm and store their part."""
+    cols = tl.arange(0, FORM.ROW_BLOCK)
     in_row = cols < hidden
-    y = round_to(rms_norm_row(x, g, hidden, eps, OVERFLOW_SAFE), norm_out_ptr.dtype.element_ty)
-    tl.store(norm_out_ptr + row * hidden + cols, y, mask=in_row & (cols >= lo) & (cols < hi))
-    if QUANT == 2:
+    y = round_to(rms_norm_row(x, g, hidden, scalars.eps), out.norm_out.dtype.element_ty)
+    tl.store(out.norm_out + row * hidden + cols, y, mask=in_row & (cols >= lo) & (cols < hi))
+    if FORM.QUANT == QC.QUANT_NVFP4:
         y = tl.where(in_row, y, 0.0)  # a NaN row (failed wait) stays NaN only inside the row
     quantize_row(
         y,
@@ -144,15 +125,13 @@ def norm_quant_row(
         hi,
         tokens,
         hidden,
-        q_ptr,
-        sf_ptr,
-        quant_scale,
+        out,
+        scalars.quant_scale,
         sf_cols,
-        QUANT,
-        SWIZZLED,
-        ROW_BLOCK,
-        HW_CVT,
-        True,
+        QUANT=FORM.QUANT,
+        SWIZZLED=FORM.SWIZZLED,
+        HW_CVT=FORM.HW_CVT,
+        WINDOW=True,
     )
 
 
@@ -189,10 +168,7 @@ def add_rmsnorm_into(
             residual,
             reduced,
             gamma,
-            residual_out,
-            norm_out,
-            q,
-            sf,
+            RowOutputs(residual_out, norm_out, q, sf),
             tokens,
             hidden,
             float(eps),

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from fusion_bridge.kernels.launch_cache import KernelLauncher
+from fusion_bridge.kernels.records import RowSource
 from fusion_bridge.kernels.rounding import round_to
 
 
@@ -29,10 +30,7 @@ def _mul_rn(a, b):
 
 @triton.jit
 def finalize_row(
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
+    src,
     row,
     cols,
     hidden,
@@ -44,32 +42,37 @@ def finalize_row(
     STREAM_ONCE: tl.constexpr = False,
 ):
     """The building block (the symmetric-memory kernels call it too): fp32 [len(cols)] =
-    routed_scaling * sum_k w[row,k] * gemm2_out[perm[row,k], cols] (+ shared[row, cols]), row int64.
+    routed_scaling * sum_k w[row,k] * gemm2_out[perm[row,k], cols] (+ shared[row, cols]), row int64;
+    src: a `records.RowSource` (gemm2_out, perm, weights, shared read).
     Slots with perm == -1 are never read; where, not x * 0: a skipped slot's weight may be garbage
     (NaN). SELECT_ONCE: the same sum bit for bit with the skipped slot's weight set to 0 once per
     slot instead of a select per element (its masked load gives +0, and +0 * 0 added to the sum,
     which is never -0 as it starts at +0, leaves it as it is); the world-size-1 kernels take it
-    (measured there), the others keep the code they were measured with. Without the select
-    between them, ptxas fuses the product and the sum into one FMA (one rounding, not two: other
-    bits than the select form's), so on a GPU SELECT_ONCE needs GPU_MUL_RN: the product by an
-    explicit `mul.rn.f32`, which ptxas never contracts. The interpreter rounds both anyway.
-    STREAM_ONCE: the expert rows are loaded with the L2 evict-first hint (read once: they should
-    not push out data a later kernel reads from L2; the two-shot's slot rows)."""
+    (which kernel takes which form, and why: docs/performance.md#one-form-per-building-block).
+    Without the select between them, ptxas fuses the product and the sum into one FMA (one
+    rounding, not two: other bits than the select form's), so on a GPU SELECT_ONCE needs
+    GPU_MUL_RN: the product by an explicit `mul.rn.f32`, which ptxas never contracts. The
+    interpreter rounds both anyway. STREAM_ONCE: the expert rows are loaded with the L2
+    evict-first hint (read once: they should not push out data a later kernel reads from L2; the
+    two-shot's slot rows)."""
+    gemm2_ptr, perm_ptr, weight_ptr, shared_ptr = src.gemm2_out, src.perm, src.weights, src.shared
     in_row = cols < hidden
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        src = tl.load(perm_ptr + row * TOP_K + k).to(tl.int64)
+        expert_row = tl.load(perm_ptr + row * TOP_K + k).to(tl.int64)
         weight = tl.load(weight_ptr + row * TOP_K + k).to(tl.float32)
         if SELECT_ONCE:
-            weight = tl.where(src >= 0, weight, 0.0)
-        valid = (cols * 0 + src) >= 0  # vector form: the interpreter rejects a scalar-bool mask
+            weight = tl.where(expert_row >= 0, weight, 0.0)
+        valid = (
+            cols * 0 + expert_row
+        ) >= 0  # vector form: the interpreter rejects a scalar-bool mask
         if STREAM_ONCE:
             x = tl.load(
-                gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0,
+                gemm2_ptr + expert_row * hidden + cols, mask=in_row & valid, other=0.0,
                 eviction_policy="evict_first",
             ).to(tl.float32)  # fmt: skip
         else:
-            x = tl.load(gemm2_ptr + src * hidden + cols, mask=in_row & valid, other=0.0)
+            x = tl.load(gemm2_ptr + expert_row * hidden + cols, mask=in_row & valid, other=0.0)
             x = x.to(tl.float32)
         if SELECT_ONCE:
             if GPU_MUL_RN:
@@ -86,10 +89,7 @@ def finalize_row(
 
 @triton.jit
 def _finalize_add_kernel(
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
+    src,
     out_ptr,
     hidden,
     routed_scaling,
@@ -97,20 +97,10 @@ def _finalize_add_kernel(
     HAS_SHARED: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """src: a `records.RowSource` with residual and gamma None -> out [T, H]."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    acc = finalize_row(
-        gemm2_ptr,
-        perm_ptr,
-        weight_ptr,
-        shared_ptr,
-        token,
-        cols,
-        hidden,
-        routed_scaling,
-        TOP_K,
-        HAS_SHARED,
-    )
+    acc = finalize_row(src, token, cols, hidden, routed_scaling, TOP_K=TOP_K, HAS_SHARED=HAS_SHARED)
     tl.store(
         out_ptr + token * hidden + cols, round_to(acc, out_ptr.dtype.element_ty), mask=cols < hidden
     )
@@ -166,10 +156,7 @@ def finalize_add_into(
     _LAUNCH(
         (tokens, blocks),
         (
-            gemm2_out,
-            perm,
-            weights,
-            out if shared is None else shared,
+            RowSource(gemm2_out, perm, weights, out if shared is None else shared, None, None),
             out,
             hidden,
             float(routed_scaling),

@@ -15,6 +15,9 @@ tests/kernels/test_launch_cache.py) and is never coarser than it:
 - int arguments: type, `== 1` (Triton passes 1 as a constexpr), `% 16 == 0` and the int32 / int64
   range (i32 / i64 / u64); so T = 1, T = 16 and T = 3 are three keys, T = 3 and T = 5 one;
 - float arguments: type only (Triton never specializes them);
+- a None argument: that it is None (Triton makes it a compile-time constant);
+- a tuple argument (a record of kernels/records.py): each field as above, in order, as Triton
+  specializes a tuple field by field;
 - the constexpr values, num_warps, the current device, `knobs.runtime.debug` and
   `knobs.compilation.instrumentation_mode` (the options in Triton's key).
 
@@ -123,40 +126,61 @@ def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
         return None, f"Triton runtime internals unavailable: {type(exc).__name__}: {exc}"
 
 
-def _make_key_fn(kinds: Sequence[str]) -> Callable:
-    """A key function for arguments of these kinds ('t' tensor, 's' scalar), generated once (as
-    Triton generates its binder): one call, no loop. Raises (AttributeError, TypeError) on an
-    argument of an unexpected kind, which the caller treats as 'no fast path'."""
+def _make_key_fn(kinds: Sequence) -> Callable:
+    """A key function for arguments of these kinds ('t' tensor, 's' scalar, 'n' None, a tuple of
+    kinds: a record, keyed field by field as Triton specializes it), generated once (as Triton
+    generates its binder): one call, no loop; a record is unpacked once. Raises (AttributeError,
+    TypeError, ValueError) on an argument of an unexpected kind, which the caller treats as 'no
+    fast path'."""
     names = [f"a{i}" for i in range(len(kinds))]
-    parts = []
-    for name, kind in zip(names, kinds):
-        if kind == "t":
+    lines, parts = [], []
+
+    def key_of(name, kind):
+        if isinstance(kind, tuple):  # a record: its fields, flattened in order
+            fields = [f"{name}_{j}" for j in range(len(kind))]
+            lines.append(f"    {', '.join(fields)}{',' if len(fields) == 1 else ''} = {name}")
+            for field_name, field_kind in zip(fields, kind):
+                key_of(field_name, field_kind)
+        elif kind == "t":
             parts.append(f"{name}.dtype, {name}.data_ptr() & 15")
+        elif kind == "n":  # None: a compile-time constant to Triton
+            parts.append(f"{name} is None")
         else:
             parts.append(
                 f"type({name}), (None if type({name}) is float else ({name} == 1, {name} % 16 == "
                 "0, "
                 f"-2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807))"
             )
+
+    for name, kind in zip(names, kinds):
+        key_of(name, kind)
+    head = "device, debug, instrumentation, num_warps, constexprs"
     src = (
-        f"def key(device, debug, instrumentation, num_warps, constexprs, {', '.join(names)}):\n"
-        f"    return (device, debug, instrumentation, num_warps, constexprs, {', '.join(parts)})\n"
+        f"def key({head}, {', '.join(names)}):\n"
+        + "".join(line + "\n" for line in lines)
+        + f"    return ({head}, {', '.join(parts)})\n"
     )
     namespace: dict = {}
     exec(src, namespace)  # noqa: S102 (generated from a fixed template, no user input)
     return namespace["key"]
 
 
-def _kinds(args: Sequence[Any]) -> Optional[tuple[str, ...]]:
-    kinds = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            kinds.append("t")
-        elif type(a) in (int, float):
-            kinds.append("s")
-        else:
-            return None  # None, bools, tuples: Triton specializes them otherwise; not cached
-    return tuple(kinds)
+def _kind(a: Any):
+    if isinstance(a, torch.Tensor):
+        return "t"
+    if type(a) in (int, float):
+        return "s"
+    if a is None:
+        return "n"
+    if isinstance(a, tuple):  # a record (kernels/records.py): Triton specializes each field
+        fields = tuple(_kind(f) for f in a)
+        return None if None in fields else fields
+    return None  # bools and anything else: Triton specializes them otherwise; not cached
+
+
+def _kinds(args: Sequence[Any]) -> Optional[tuple]:
+    kinds = tuple(_kind(a) for a in args)
+    return None if None in kinds else kinds
 
 
 class KernelLauncher:

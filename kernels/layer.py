@@ -4,21 +4,28 @@ kernels extend it with their workspace (kernels/symm/protocol.py, `SymmLayer`)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fusion_bridge.kernels.quant_codes import QuantArgs, quant_args
+from fusion_bridge.kernels.records import LayerScalars
 
 
 @dataclass(frozen=True)
 class LayerRecord:
     """hidden: H; routed_scaling, eps, weight_bias: the spec's, as Python floats; quant: the
-    output format's kernel code, layout and scale (`quant_codes.QuantArgs`)."""
+    output format's kernel code, layout and scale (`quant_codes.QuantArgs`). scalars: the same
+    values as the kernels take them, one `records.LayerScalars` built with the record."""
 
     hidden: int
     routed_scaling: float
     eps: float
     weight_bias: float
     quant: QuantArgs
+    scalars: LayerScalars = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        scalars = LayerScalars(self.routed_scaling, self.eps, self.weight_bias, self.quant.scale)
+        object.__setattr__(self, "scalars", scalars)
 
     @classmethod
     def of(cls, spec) -> "LayerRecord":

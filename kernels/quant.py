@@ -24,17 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.launch_cache import KernelLauncher
-from fusion_bridge.kernels.rounding import block_amax
-
 from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4  # noqa: F401 (re-exported)
+from fusion_bridge.kernels.records import RowOutputs
+from fusion_bridge.kernels.rounding import block_amax
 
 
 @triton.jit
 def _e4m3_rne_satfinite(v):
     """fp32 -> (e4m3 code as int32 incl. sign bit 0x80, |value| after rounding as fp32); NaN ->
     (e4m3's NaN 0x7F | v's sign bit, NaN), as torch's cast (quant_ref). The clamp keeps a NaN."""
-    a = tl.minimum(tl.abs(v), 448.0, propagate_nan=tl.PropagateNan.ALL)
+    a = tl.minimum(tl.abs(v), QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)  # below 2^-6 e4m3 is subnormal with a fixed step of 2^-9
     # 2^(exponent-3) (3 mantissa bits); adding 2^23 times it rounds a to that grid, ties to even
@@ -45,7 +46,7 @@ def _e4m3_rne_satfinite(v):
     normal_code = ((((rbits >> 23) & 0xFF) - 127 + 7) << 3) | ((rbits >> 20) & 7)
     subnormal_code = (r * 512.0).to(tl.int32)
     code = tl.where(r >= 0.015625, normal_code, subnormal_code)
-    code = tl.where(r != r, 0x7F, code)
+    code = tl.where(r != r, QC.E4M3_NAN, code)
     sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
     return code | sign, r
 
@@ -76,7 +77,7 @@ def _block_scale_hw(v):
     e4m3 code is div_rn's: 6 is in its range), the rounding by the GPU's RNE satfinite conversion
     after the same clamp to 448, which keeps a NaN (converted to 0x7F). The sign bit the software
     form ORs in is 0 here: v is +0, positive, or the GPU's canonical NaN (0x7fffffff)."""
-    q = tl.minimum(_div_by_scale(v, 6.0), 448.0, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(_div_by_scale(v, QC.E2M1_MAX), QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     code = q.to(tl.float8e4nv)
     return code.to(tl.uint8, bitcast=True).to(tl.int32), code.to(tl.float32)
 
@@ -145,33 +146,32 @@ def quantize_row(
     hi,
     tokens,
     hidden,
-    q_ptr,
-    sf_ptr,
+    out,
     quant_scale,
     sf_cols,
     QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr,
-    BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
     RECIP: tl.constexpr = False,
     LEAN: tl.constexpr = False,
 ):
     """The building block (every kernel that quantizes calls it): quantize row `row` (y [BLOCK], the
-    whole row already rounded to the activation dtype, 0 past H) and store it.
+    whole row already rounded to the activation dtype, 0 past H) and store it into out.q / out.sf
+    (a `records.RowOutputs`).
     WINDOW False: the whole row; rows at or past `tokens` store only swizzled scale padding (zeros).
     WINDOW True: only columns [lo, hi) (multiples of 64, so the chunks of a row together also cover
     the swizzled padding columns, written 0) of a row below `tokens`.
     HW_CVT: use the GPU's round-to-nearest-even fp8 conversion (the interpreter's is not RNE, so it
     takes the software one). RECIP (HW_CVT only): fp8 divides through `_div_by_scale` (the caller
     checked `recip_ok(quant_scale)`), the same codes with no division per element. LEAN: the same
-    codes in fewer instructions (the world-size-1 kernels, measured there; the others keep the
-    code they were measured with): the codes stored in the row's own register layout (offsets
-    contiguous over 8 fp8 / 4 packed NVFP4 bytes only, so the store does not convert every row
-    tensor of the kernel to a 16-per-thread layout), NVFP4 codes by `_e2m1_nibbles` (the search
-    with no predicates) and, with HW_CVT, block scales by `_block_scale_hw`; y past H may then be
-    anything, NaN included (H is a multiple of 16, so a block lies wholly in or past the row, and
-    a block past H stores nothing but a zero scale)."""
+    codes in fewer instructions (the world-size-1 kernels take it; which kernel takes which form,
+    and why, is docs/performance.md#one-form-per-building-block): the codes stored in the row's own
+    register layout (offsets contiguous over 8 fp8 / 4 packed NVFP4 bytes only, so the store does
+    not convert every row tensor of the kernel to a 16-per-thread layout), NVFP4 codes by
+    `_e2m1_nibbles` (the search with no predicates) and, with HW_CVT, block scales by
+    `_block_scale_hw`; y past H may then be anything, NaN included (H is a multiple of 16, so a
+    block lies wholly in or past the row, and a block past H stores nothing but a zero scale)."""
     quantize_span(
         y,
         row,
@@ -180,17 +180,15 @@ def quantize_row(
         hi,
         tokens,
         hidden,
-        q_ptr,
-        sf_ptr,
+        out,
         quant_scale,
         sf_cols,
-        QUANT,
-        SWIZZLED,
-        BLOCK,
-        HW_CVT,
-        WINDOW,
-        RECIP,
-        LEAN,
+        QUANT=QUANT,
+        SWIZZLED=SWIZZLED,
+        HW_CVT=HW_CVT,
+        WINDOW=WINDOW,
+        RECIP=RECIP,
+        LEAN=LEAN,
     )
 
 
@@ -203,13 +201,11 @@ def quantize_span(
     hi,
     tokens,
     hidden,
-    q_ptr,
-    sf_ptr,
+    out,
     quant_scale,
     sf_cols,
     QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr,
-    BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
     WINDOW: tl.constexpr,
     RECIP: tl.constexpr = False,
@@ -218,33 +214,35 @@ def quantize_span(
     """`quantize_row` for y [BLOCK] holding columns col0 .. col0 + BLOCK of the row (col0 a
     multiple of 64; 0 past H): a program that owns only a part of a row quantizes only that part
     (WINDOW True, [lo, hi) within it). col0 = 0 is `quantize_row`."""
+    BLOCK: tl.constexpr = y.shape[0]
+    q_ptr, sf_ptr = out.q, out.sf
     cols = col0 + tl.arange(0, BLOCK)
     if WINDOW:
         keep = (cols < hidden) & (cols >= lo) & (cols < hi)
     else:
         keep = (cols < hidden) & ((cols * 0 + row) < tokens)  # vector form: no scalar-bool masks
-    if QUANT == 1:
+    if QUANT == QC.QUANT_FP8:
         if RECIP:
             v = _div_by_scale(y.to(tl.float32), quant_scale)
         else:
             v = tl.math.div_rn(y.to(tl.float32), quant_scale)
         if HW_CVT:
             # a clamp keeping a NaN (a plain one returns the number): the conversion gives 0x7F
-            v = tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL)
-            v = tl.minimum(v, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.maximum(v, -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.minimum(v, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
             code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             code, _ = _e4m3_rne_satfinite(v)
         if LEAN:
             cols = (cols // 8) * 8 + cols % 8  # the same offsets, contiguous over 8 only
         tl.store(q_ptr + row * hidden + cols, code.to(tl.uint8), mask=keep)
-    if QUANT == 2:
+    if QUANT == QC.QUANT_NVFP4:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = block_amax(yb, HW_CVT)
         if LEAN and HW_CVT:
             sf_code, sf = _block_scale_hw(quant_scale * amax)
         else:
-            sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, 6.0))
+            sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, QC.E2M1_MAX))
         scaled = yb * quant_scale
         if LEAN:
             codes = _e2m1_nibbles(scaled, sf[:, None])
@@ -285,8 +283,7 @@ def quantize_span(
 @triton.jit
 def _quantize_kernel(
     x_ptr,
-    q_ptr,
-    sf_ptr,
+    out,
     tokens,
     hidden,
     quant_scale,
@@ -296,6 +293,8 @@ def _quantize_kernel(
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
+    """x [T, H] -> out.q / out.sf (out: a `records.RowOutputs`, residual_out and norm_out
+    None)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     y = tl.load(
@@ -308,15 +307,13 @@ def _quantize_kernel(
         BLOCK,
         tokens,
         hidden,
-        q_ptr,
-        sf_ptr,
+        out,
         quant_scale,
         sf_cols,
-        QUANT,
-        SWIZZLED,
-        BLOCK,
-        HW_CVT,
-        False,
+        QUANT=QUANT,
+        SWIZZLED=SWIZZLED,
+        HW_CVT=HW_CVT,
+        WINDOW=False,
     )
 
 
@@ -393,7 +390,7 @@ def quantize_into(
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
     _LAUNCH(
         (launch_rows(quant, swizzled, tokens, sf),),
-        (x, q, sf, tokens, hidden, float(quant_scale), sf_cols),
+        (x, RowOutputs(None, None, q, sf), tokens, hidden, float(quant_scale), sf_cols),
         constexprs,
         warps,
     )

@@ -12,6 +12,13 @@ from typing import NamedTuple
 from fusion_bridge.spec import EpilogueSpec, QuantKind, SFLayout
 
 QUANT_NONE, QUANT_FP8, QUANT_NVFP4 = 0, 1, 2
+
+# the number formats' special values, as the kernels read them (`quant_codes.E4M3_MAX` inside a
+# kernel: a module attribute, which Triton folds at compile time without re-checking it per
+# launch, unlike a constexpr global; the launch cache needs that)
+E4M3_MAX = 448.0  # the largest finite e4m3 magnitude (satfinite clamps to it)
+E4M3_NAN = 0x7F  # e4m3's NaN code (| the sign bit 0x80)
+E2M1_MAX = 6.0  # the largest e2m1 magnitude: an NVFP4 block's scale is amax / E2M1_MAX
 _CODE = {QuantKind.NONE: QUANT_NONE, QuantKind.FP8: QUANT_FP8, QuantKind.NVFP4: QUANT_NVFP4}
 _KIND = {code: kind for kind, code in _CODE.items()}
 

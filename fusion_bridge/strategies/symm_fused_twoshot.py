@@ -12,13 +12,14 @@ residual_out bits with the same code, so all outputs are bitwise identical on ev
 bytes per rank: 2 (W - 1) / W of T * H * elem (at W = 8 a quarter of a one-shot's). Error against
 the fp32 oracle: 3 roundings (the partial, residual_out, norm_out).
 
-Launch variants (`kernels/symm/twoshot_variants.py`, measured per bucket by `tune`): "default", the
-two-shot pipeline (`kernels/symm/twoshot.py`: one launch per stage per chunk of 1024 tokens in 2
-slots, the chunks' finalize launches on two side streams in turn, a chunk's arrival one flag per
-rank, L2 hints that keep a chunk's slot rows in L2 between its finalize and its reduce, the row
-launches on a high-priority stream, a chunk's finalize free to start once its slot is released);
-"f_after_x" (row launches on the caller's stream, the finalize of chunk c + 1 only after that of
-chunk c). How the default's local work compares with our standalone finalize + add+RMSNorm:
+One launch shape, the two-shot pipeline (`kernels/symm/twoshot.py`: one launch per stage per chunk
+of 1024 tokens in 2 slots, the chunks' finalize launches on two side streams in turn, a chunk's
+arrival one flag per rank, L2 hints that keep a chunk's slot rows in L2 between its finalize and
+its reduce, the row launches on a high-priority stream, a chunk's finalize free to start once its
+slot is released). The earlier shape, "f_after_x" (row launches on the caller's stream, the
+finalize of chunk c + 1 only after that of chunk c), was a launch variant until issue 37 and is
+now built by the benchmark alone (benchmarks/twoshot_local.py). How the default's local work
+compares with our standalone finalize + add+RMSNorm, and with the earlier shape:
 docs/performance.md#the-large-t-two-shot-the-two-shot-pipeline.
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
@@ -36,9 +37,6 @@ from __future__ import annotations
 from fusion_bridge.kernels.symm.protocol import TWOSHOT
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, required_stages
 from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
-
-# kernels/twoshot_launch.VARIANTS (named here: the class-level declarations import no kernel)
-TWOSHOT_VARIANTS = ("f_after_x",)
 
 
 class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
@@ -59,16 +57,14 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
 
     @classmethod
     def variants(cls, spec, env):
-        """ "default" (the two-shot pipeline) and "f_after_x" (row launches on the caller's
-        stream, each finalize after the one before it); `tune` measures them per bucket
-        (kernels/symm/twoshot_variants.py)."""
-        return (DEFAULT_VARIANT,) + TWOSHOT_VARIANTS
+        """ "default" only: the two-shot pipeline's one launch shape."""
+        return (DEFAULT_VARIANT,)
 
     @classmethod
     def roundings(cls, spec, env):
         return 3  # the partial, residual_out (the norm reads it, on every rank) and each output
 
     def _kernel_module(self):
-        from fusion_bridge.kernels.symm import twoshot_variants as twoshot_launch
+        from fusion_bridge.kernels.symm import twoshot as symm_twoshot
 
-        return twoshot_launch
+        return symm_twoshot

@@ -95,14 +95,18 @@ def start_clock(EMULATED: tl.constexpr):
 @triton.jit
 def _poll_status(v, abort_ptr, start, timeout, polls, EMULATED: tl.constexpr):
     """One int32, the same in every thread of the program (a block reduction, so every warp leaves
-    the poll on the same iteration): bit 0 some value is still the sentinel, bit 1 the time
-    (EMULATED: the poll count) ran out, bit 2 the abort word is set."""
+    the poll on the same iteration): POLL_PENDING some value is still the sentinel, POLL_LATE the
+    time (EMULATED: the poll count) ran out, POLL_ABORTED the abort word is set (protocol)."""
     if EMULATED:
         late = polls >= timeout
     else:
         late = (_globaltimer() - start) > timeout
     ab = tl.load(abort_ptr, volatile=True)
-    flags = (v == SENTINEL).to(tl.int32) | (late.to(tl.int32) << 1) | ((ab != 0).to(tl.int32) << 2)
+    flags = (
+        (v == SENTINEL).to(tl.int32) * P.POLL_PENDING
+        | (late.to(tl.int32) * P.POLL_LATE)
+        | ((ab != 0).to(tl.int32) * P.POLL_ABORTED)
+    )
     return tl.max(
         tl.max(flags, axis=0), axis=0
     )  # sources first: they sit in each thread's registers
@@ -126,7 +130,7 @@ def wait_row(
     """Poll row `row` of the WORLD sources (int16 bits [WP, ROW_BLOCK], source q at src_ptr +
     q * src_stride) until no value is the sentinel, the time runs out or the abort word is set.
     skip_q: a source never read (a rank's own partial, kept in registers; -1 for none), read as 0.
-    Returns (bits, status); status & 5 != 0: the wait failed (`report_error`)."""
+    Returns (bits, status); status & POLL_FAILED != 0: the wait failed (`report_error`)."""
     q = tl.arange(0, WP)[:, None]
     cols = tl.arange(0, ROW_BLOCK)[None, :]
     mask = (q < WORLD) & (cols < hidden) & (q != skip_q)
@@ -134,7 +138,7 @@ def wait_row(
     v = tl.load(ptrs, mask=mask, other=0, volatile=True)
     polls = 1
     status = _poll_status(v, abort_ptr, start, timeout, polls, EMULATED)
-    while status == 1:
+    while status == P.POLL_PENDING:
         v = tl.load(ptrs, mask=mask, other=0, volatile=True)
         polls += 1
         status = _poll_status(v, abort_ptr, start, timeout, polls, EMULATED)
@@ -156,8 +160,8 @@ def report_error(who, ptrs_ptr, state_ptr, abort_ptr, rank, WORLD: tl.constexpr)
     It goes to the pinned host word (ptrs[WORLD], read without a sync) and state; if no abort is
     under way, every rank (itself included) is told to stop waiting from now on."""
     ab = tl.load(abort_ptr, volatile=True)
-    own = ((ab >> ERR_RANK_SHIFT) & 0xFF) == rank
-    err = tl.where(ab == 0, ERR_TIMEOUT | who, tl.where(own, ERR_TIMEOUT | (ab & 0xFFFF), ab))
+    own = ((ab >> ERR_RANK_SHIFT) & P.ERR_RANK_MASK) == rank
+    err = tl.where(ab == 0, ERR_TIMEOUT | who, tl.where(own, ERR_TIMEOUT | (ab & P.ERR_MISSED), ab))
     tl.store(tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32)), err)
     tl.store(state_ptr + STATE_ERROR, err)
     if ab == 0:

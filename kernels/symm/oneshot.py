@@ -77,9 +77,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_bridge.kernels.symm import protocol as P
+from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.finalize_add import finalize_row
+from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
 from fusion_bridge.kernels.row_epilogue import row_outputs
+from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.symm.oneshot_shapes import (  # noqa: F401 (SHAPE_VARIANTS, variant_shape: re-exported)
     SHAPE_VARIANTS,
     OneshotShape,
@@ -124,47 +126,35 @@ def _rank_ordered_sum(v, dtype: tl.constexpr, WORLD: tl.constexpr, WP: tl.conste
 
 @triton.jit(do_not_specialize=["tokens", "sf_rows", "rank", "timeout"])  # one compile per BLOCK1
 def _oneshot_kernel(
-    ptrs_ptr,
-    state_ptr,
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
-    residual_ptr,
-    gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
+    ws,
+    src,
+    out,
     tokens,
-    hidden,
-    cap,
-    data_off,
+    slots,
     rank,
-    routed_scaling,
-    eps,
-    weight_bias,
-    quant_scale,
+    scalars,
     sf_rows,
     sf_cols,
     timeout,
     block2,
     WORLD: tl.constexpr,
-    WP: tl.constexpr,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
+    FORM: tl.constexpr,
     BLOCK1: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    CLEAR_BLOCK: tl.constexpr,
     PHASES: tl.constexpr = P.ALL_PHASES,  # test/benchmark hook (protocol.py)
     EMULATED: tl.constexpr = False,  # test hook (protocol.py)
 ):
+    """ws: the workspace (`protocol.SymmBuffers`), slots: where a row lies in it
+    (`protocol.OneshotSlots`), src: `records.RowSource`, out: `records.RowOutputs`, scalars:
+    `records.LayerScalars`, FORM: `records.RowForm`; timeout: us (EMULATED: polls); block2: the
+    columns a program stores in phase C (a multiple of 64)."""
+    WP: tl.constexpr = triton.next_power_of_2(WORLD)
+    ROW_BLOCK: tl.constexpr = FORM.ROW_BLOCK
+    CLEAR_BLOCK: tl.constexpr = min(1024, ROW_BLOCK)
+    ptrs_ptr, state_ptr = ws.ptrs, ws.state
+    hidden, cap, data_off = slots.hidden, slots.cap, slots.data_off
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    dtype: tl.constexpr = out.residual_out.dtype.element_ty
     slot, prev, prev_rows = call_state(state_ptr)
     start = start_clock(EMULATED)
     slot_stride = cap.to(tl.int64) * hidden  # one source's rows
@@ -179,20 +169,17 @@ def _oneshot_kernel(
             cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
             if FINALIZE & PHASES:
                 acc = finalize_row(
-                    gemm2_ptr,
-                    perm_ptr,
-                    weight_ptr,
-                    shared_ptr,
+                    src,
                     row,
                     cols,
                     hidden,
-                    routed_scaling,
-                    TOP_K,
-                    HAS_SHARED,
+                    scalars.routed_scaling,
+                    TOP_K=FORM.TOP_K,
+                    HAS_SHARED=FORM.HAS_SHARED,
                 )
                 bits = payload_bits(acc, dtype)
             else:
-                bits = tl.full([BLOCK1], 0x3F80, tl.int16)
+                bits = tl.full([BLOCK1], P.CONSTANT_PARTIAL_BITS, tl.int16)
             for q in tl.static_range(WORLD):
                 tl.store(
                     peer_ptr(ptrs_ptr, q, tl.int16) + dst + row * hidden + cols,
@@ -214,7 +201,7 @@ def _oneshot_kernel(
     # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
     if REDUCE & PHASES:
         abort_ptr = abort_word_ptr(ptrs_ptr, rank)
-        src = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
+        src_rows = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
         if EMULATED:
             timeout_ns = timeout  # polls
         else:
@@ -224,7 +211,7 @@ def _oneshot_kernel(
             row = (item // chunks2).to(tl.int64)
             lo = tl.multiple_of((item % chunks2) * block2, 64)
             v, status = wait_row(
-                src,
+                src_rows,
                 slot_stride,
                 row,
                 hidden,
@@ -232,12 +219,13 @@ def _oneshot_kernel(
                 start,
                 timeout_ns,
                 -1,
-                WORLD,
-                WP,
-                ROW_BLOCK,
-                EMULATED,
+                WORLD=WORLD,
+                WP=WP,
+                ROW_BLOCK=ROW_BLOCK,
+                EMULATED=EMULATED,
             )
-            bad = ((status & 5) != 0).to(tl.int32)  # still pending after the timeout, or aborted
+            # still pending after the timeout, or aborted
+            bad = ((status & P.POLL_FAILED) != 0).to(tl.int32)
             if bad != 0:  # `status` is uniform over the program, so is this branch
                 report_error(
                     missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
@@ -250,30 +238,20 @@ def _oneshot_kernel(
                     lo + block2,
                     bad,
                     tokens,
-                    residual_ptr,
-                    gamma_ptr,
-                    residual_out_ptr,
-                    norm_out_ptr,
-                    q_ptr,
-                    sf_ptr,
                     hidden,
-                    eps,
-                    weight_bias,
-                    quant_scale,
+                    src,
+                    out,
+                    scalars,
                     sf_cols,
-                    QUANT,
-                    SWIZZLED,
-                    ROW_BLOCK,
-                    HW_CVT,
-                    True,  # overflow-safe, as every norm of ours (a branch taken only on overflow)
+                    FORM,
                 )
     if NORM & PHASES:
-        if QUANT == 2:
-            if SWIZZLED:
+        if FORM.QUANT == QC.QUANT_NVFP4:
+            if FORM.SWIZZLED:
                 for item in range(
                     pid, tl.cdiv(sf_rows - tokens, 32) * tl.cdiv(sf_cols, 128), nprog
                 ):
-                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+                    sf_padding_item(item, out.sf, tokens, sf_rows, sf_cols)
 
     # D. the last ticket advances the epoch, records this slot's rows for the next clear
     if EPOCH & PHASES:
@@ -309,45 +287,29 @@ def call_args(
     items = max(tokens * triton.cdiv(hidden, block1), tokens * triton.cdiv(hidden, block2))
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
     args = (
-        layer.ptrs,
-        layer.state,
-        gemm2_out,
-        perm,
-        weights,
-        shared if shared is not None else residual,
-        residual,
-        gamma,
-        residual_out,
-        norm_out,
-        q,
-        sf,
+        layer.buffers,
+        RowSource(
+            gemm2_out, perm, weights, shared if shared is not None else residual, residual, gamma
+        ),
+        RowOutputs(residual_out, norm_out, q, sf),
         tokens,
-        hidden,
-        layer.cap,
-        layer.data_off,
+        layer.slots,
         layer.rank,
-        layer.routed_scaling,
-        layer.eps,
-        layer.weight_bias,
-        quant.scale,
+        layer.scalars,
         sf_rows,
         sf_cols,
         layer.timeout_us,
         block2,
     )
-    constexprs = dict(
-        WORLD=layer.world,
-        WP=triton.next_power_of_2(layer.world),
+    form = RowForm(
         TOP_K=top_k,
         HAS_SHARED=shared is not None,
         QUANT=quant.code,
         SWIZZLED=quant.swizzled,
-        BLOCK1=block1,
         ROW_BLOCK=rb,
         HW_CVT=residual.is_cuda,
-        CLEAR_BLOCK=min(1024, rb),
-        num_warps=warps,
     )
+    constexprs = dict(WORLD=layer.world, FORM=form, BLOCK1=block1, num_warps=warps)
     return max(1, min(layer.num_sms, items)), args, constexprs
 
 

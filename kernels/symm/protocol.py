@@ -18,8 +18,8 @@ activation dtype, all the sentinel at creation:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -40,9 +40,19 @@ STATE_WORDS = 8
 
 # error word: bits 0-15 the ranks missed; bit 16 this rank timed out; bit 17 a peer timed out
 # earlier (then bits 20-27 name that peer)
+ERR_MISSED = 0xFFFF  # the bits of the ranks missed
 ERR_TIMEOUT = 1 << 16
 ERR_ABORTED = 1 << 17
 ERR_RANK_SHIFT = 20
+ERR_RANK_MASK = 0xFF  # (word >> ERR_RANK_SHIFT) & ERR_RANK_MASK: the peer that timed out
+
+# the one-shot's poll status (device.wait_row), the same in every thread of a program: a value is
+# still the sentinel, the time ran out, the abort word is set; the wait failed when a value is
+# still pending (after the timeout) or an abort is under way
+POLL_PENDING = 1
+POLL_LATE = 2
+POLL_ABORTED = 4
+POLL_FAILED = POLL_PENDING | POLL_ABORTED
 
 # ---- test and benchmark hooks -------------------------------------------------------------------
 # Both kernels take two constexprs that default to production and compile away there:
@@ -61,6 +71,7 @@ CLEAR = 8  # the previous call's slot back to the sentinel
 EPOCH = 16  # the end-of-call ticket: record this slot's rows, advance the slot
 FINALIZE = 32  # partials from the top-k gathers (off: a constant partial; the exchange alone)
 ALL_PHASES = PUBLISH | REDUCE | NORM | CLEAR | EPOCH | FINALIZE
+CONSTANT_PARTIAL_BITS = 0x3F80  # the partial without FINALIZE: 1.0 in bf16 (int16 bits)
 
 
 # ---- the two-shot (kernels/symm/twoshot.py, behind `symm_fused_twoshot`) ------------------------
@@ -79,6 +90,10 @@ TWOSHOT_MAX_SLOTS = 4  # the header's arrays (a launch shape may use 2..4 slots)
 TWOSHOT_FREED_BYTE = 64
 TWOSHOT_ARRIVED_BYTE = 96
 TWOSHOT_REDUCED_BYTE = 128
+# the two-shot's per-slot flags (its sync launch's SIGNAL / WAIT): this rank's partials of the
+# chunk are in every owner's slot; this rank's reduced rows of it are in every other rank's slot
+TWOSHOT_ARRIVED = 1
+TWOSHOT_REDUCED = 2
 TWOSHOT_STATE_WORDS = 4
 # one chunk's releases add exactly this to its slot's counter
 TWOSHOT_UNIT = 1 << 20
@@ -137,6 +152,32 @@ def fill_sentinel(t: torch.Tensor) -> None:
     t.view(torch.int16).fill_(SENTINEL_BITS)
 
 
+class SymmBuffers(NamedTuple):
+    """The workspace as a kernel record: ptrs (int64 [W + 1]: every rank's buffer, then the error
+    word's address), state (this rank's device state)."""
+
+    ptrs: Any
+    state: Any
+
+
+class OneshotSlots(NamedTuple):
+    """Where a row lies in the one-shot's slots (a kernel record): hidden (H, a row's elements),
+    cap (rows per source: the tokens one call may carry), data_off (int16 elements before slot 0:
+    the header). Row r of source q in slot s: data_off + ((s * W + q) * cap + r) * H."""
+
+    hidden: int
+    cap: int
+    data_off: int
+
+
+class TwoshotSlots(NamedTuple):
+    """Where a row lies in the two-shot's slots (a kernel record): hidden (H), chunk (tokens per
+    chunk: a slot holds [2][W][ceil(chunk / W)][H] rows)."""
+
+    hidden: int
+    chunk: int
+
+
 @dataclass(frozen=True)
 class SymmLayer(LayerRecord):
     """What every launch of one layer shares, bound once in prepare(): the spec's scalars
@@ -155,6 +196,14 @@ class SymmLayer(LayerRecord):
     # this rank's buffer address (ptrs[rank], known on the host): the two-shot's row launches take
     # it as an argument so that no load precedes their data loads
     own_addr: int = 0
+    # the workspace as the one-shot kernel takes it (two record arguments), built with the layer
+    buffers: SymmBuffers = field(init=False, repr=False, compare=False)
+    slots: OneshotSlots = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "buffers", SymmBuffers(self.ptrs, self.state))
+        object.__setattr__(self, "slots", OneshotSlots(self.hidden, self.cap, self.data_off))
 
     @classmethod
     def bind(cls, ws, spec) -> "SymmLayer":
@@ -177,8 +226,9 @@ def describe_error(word: int, rank: int, who: str = "symm_fused_oneshot") -> str
     """The kernel's error word as a message naming the rank(s) that did not arrive."""
     missed = [r for r in range(16) if word & (1 << r)]
     if word & ERR_ABORTED:
+        peer = (word >> ERR_RANK_SHIFT) & ERR_RANK_MASK
         return (
-            f"{who}: rank {rank} stopped because rank {(word >> ERR_RANK_SHIFT) & 0xFF} timed out "
+            f"{who}: rank {rank} stopped because rank {peer} timed out "
             f"waiting for rank(s) {missed} in an earlier call; its outputs since then are NaN. The "
             "peers are out of step: rebuild the bridge (close it and create a new one on every "
             "rank)"

@@ -1,4 +1,4 @@
-"""The large-T two-shot (`symm_fused_twoshot`, through `twoshot_variants`): rows cut into chunks
+"""The large-T two-shot (`symm_fused_twoshot`): rows cut into chunks
 that take a few fixed slots in turn (so the workspace does not grow with T), and every stage of
 every chunk its own launch with a grid sized to its work (one row or one finalize item per
 program, as our standalone kernels); a chunk's arrival is one flag per (rank, slot), so the row
@@ -18,12 +18,11 @@ launches know a chunk's slot without reading the base), kernels in `twoshot_kern
 
   F(c): the finalize items of chunk c into the owners' reduce-scatter rows [rank][i] of slot s
         (one item, a row segment, per program); never waits.
-  V(c): (f_ahead, the default; c > 0 and chunk c - 1 + SLOTS in the call) one program, right
-        after R(c - 1) / G(c - 1): release slot s' (chunk c - 1) on this rank's counter, wait
-        until every rank released it (the gate of chunk c - 1 + SLOTS: its F may then start).
+  V(c): (c > 0 and chunk c - 1 + SLOTS in the call) one program, right after R(c - 1) /
+        G(c - 1): release slot s' (chunk c - 1) on this rank's counter, wait until every rank
+        released it (the gate of chunk c - 1 + SLOTS: its F may then start).
   X(c): one program: (without V(c)) release chunk c - 1's slot; raise this rank's "arrived" flag
-        of s to base + c + 1; wait until every rank's "arrived" flag of s shows chunk c; (without
-        V(c)) gate chunk c - 1 + SLOTS.
+        of s to base + c + 1; wait until every rank's "arrived" flag of s shows chunk c.
   R(c): the rows this rank owns: the W partials summed in rank order, residual, one rounding,
         pushed into every other rank's all-gather rows, this rank's outputs.
   Y(c): (W > 1) one program: raise the "reduced" flag of s, wait for every rank's.
@@ -31,17 +30,17 @@ launches know a chunk's slot without reading the base), kernels in `twoshot_kern
 A call starts with one gate for the first SLOTS chunks and ends with one release of its last chunk
 (which also advances the base, as above).
 
-F runs on side streams (chunk c on side stream c % f_streams), everything else on the caller's
-stream (or, "two_prio", on a high-priority stream forked from it): F(c + 1) overlaps R(c) / G(c)
-(and the link; with V, also X(c) and the end of F(c): the row launches' priority keeps the early
+F runs on two side streams (chunk c on side stream c % 2), everything else on a high-priority
+stream forked from the caller's (a call of one chunk: on the caller's stream): F(c + 1) overlaps
+R(c) / G(c), the link, X(c) and the end of F(c) (the row launches' priority keeps the early
 finalize programs from taking the SMs R(c) needs). F(c) waits for the event of the launch that gated
 its slot, X(c) for F(c)'s; the side streams fork from the caller's stream at the start of the call
 and join it through X (the caller's stream waits for every F; CUDA-graph capture sees a closed
 fork / join). The side streams are per thread.
 
-L2 (`TwoshotShape.l2`, GPU only): F loads the expert rows with the evict-first hint and stores the
-slot rows with evict-last, R loads the residual evict-first, so R(c) finds chunk c's slot rows in
-L2 while F(c + 1) streams its expert rows through it; with l2 = 2 (rows on 128-byte lines) R / G
+L2 (`L2_HINTS`, GPU only): F loads the expert rows with the evict-first hint and stores the slot
+rows with evict-last, R loads the residual evict-first, so R(c) finds chunk c's slot rows in L2
+while F(c + 1) streams its expert rows through it; with rows on 128-byte lines (H % 64 == 0) R / G
 then drop the slot rows they read from L2 (`discard.global.L2`) instead of writing them back to
 HBM: nothing reads a slot row again before the slot's next chunk writes it.
 
@@ -62,8 +61,8 @@ waits only for the peers' release of chunk c - 1 and signals of chunk c, which t
 / Y(c) make before any of their waits (a rank reaches V(c) after R(c - 1) / G(c - 1), which follow
 only its X(c - 1) / Y(c - 1)); X(c) follows F(c), which follows the gate of its slot, made by V(c +
 1 - SLOTS) / X(c + 1 - SLOTS), earlier in this rank's order: by induction over the chunks every wait
-is for a launch that is made. tests/kernels/test_symm_twoshot_interleavings.py runs both orders
-under random interleavings of 2-4 ranks. Emulated ranks on one GPU launch every rank's stages in one
+is for a launch that is made. tests/kernels/test_symm_twoshot_interleavings.py runs it under
+random interleavings of 2-4 ranks. Emulated ranks on one GPU launch every rank's stages in one
 global order on one stream (`testing/symm_twoshot_rig.twoshot_call`), the syncs split into their
 signal and wait halves (per chunk: gate, F, signal / wait arrived, R, signal / wait reduced, G,
 release), so that no spinning launch holds the SMs a peer's earlier stage needs.
@@ -96,27 +95,26 @@ from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.pdl import PDL_OPTIONS, pdl_ok
 from fusion_bridge.kernels.quant import row_block, row_num_warps, sf_padding_items
 from fusion_bridge.kernels.quant_codes import QUANT_NVFP4
-from fusion_bridge.kernels.symm.protocol import SymmLayer
+from fusion_bridge.kernels.symm.protocol import SymmLayer, TwoshotSlots
 from fusion_bridge.kernels.symm.twoshot_device import CHUNK, MAX_SLOTS, SLOTS
+from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
 from fusion_bridge.kernels.symm.twoshot_kernels import (
     FLAG_ARRIVED,
     FLAG_REDUCED,
+    Pipeline,
+    SyncSteps,
     _finalize_kernel,
     _rows_kernel,
+    _sync_kernel,
 )
-from fusion_bridge.kernels.symm.twoshot_kernels import _sync_kernel
 from fusion_bridge.kernels.symm.twoshot_streams import two_streams
 
 __all__ = ["TwoshotShape", "DEFAULT_SHAPE", "launch", "call_plan"]
 
-_F_CONSTS = ("WORLD", "TOP_K", "HAS_SHARED", "F_COLS", "SLOTS", "L2", "USE_PDL")
-_R_CONSTS = (
-    "WORLD", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "GATHER", "LAST", "SLOTS", "L2",
-    "USE_PDL",
-)  # fmt: skip
-_S_CONSTS = (
-    "WORLD", "SIGNAL", "WAIT", "RELEASE", "ADVANCE", "GATE", "SLOTS", "EMU", "NAN_BITS", "USE_PDL",
-)  # fmt: skip
+# each kernel's constexprs, by name, in the order the launches pass them
+_F_CONSTS = ("PIPE", "FORM", "F_COLS")
+_R_CONSTS = ("PIPE", "FORM", "GATHER", "LAST")
+_S_CONSTS = ("PIPE", "STEPS", "NAN_BITS")
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
 _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
@@ -127,59 +125,45 @@ _LAUNCH_R_PDL = KernelLauncher(_rows_kernel, _R_CONSTS, options=PDL_OPTIONS)
 _LAUNCH_S_PDL = KernelLauncher(_sync_kernel, _S_CONSTS, options=PDL_OPTIONS)
 
 
+# the pipeline's launch choices, each measured at world size 1 on one H200 against the
+# alternatives the benchmark still builds (benchmarks/twoshot_local.py; docs/performance.md, "The
+# current default"): the finalize items in 4 warps (as our standalone finalize), the row launches
+# in our add+RMSNorm kernel's warps, the L2 hints with the read slot rows dropped (L2_HINTS 2;
+# 1: the hints only, 0: none), the chunks' finalize launches on two side streams in turn, the
+# row launches on a high-priority stream (a call of one chunk on the caller's stream: nothing
+# overlaps, so the fork and join would only add time), each chunk's finalize gated right after
+# the row launches that free its slot (V(c))
+F_WARPS = 4
+L2_HINTS = 2
+F_STREAMS = 2
+
+
 @dataclass(frozen=True)
 class TwoshotShape:
-    """A launch variant.
+    """A launch shape.
 
     chunk / slots: tokens per chunk and the slots chunks turn through (the workspace holds
     slots x [2][chunk][H]: 58.7 MB at 2 x 1024 or 4 x 512, H=7168 bf16; every call on one
-    workspace must use the same slots). f_cols / f_warps: the finalize item (one row segment, as
-    our standalone finalize's 1024 columns x 4 warps). row_warps: 0 = our add+RMSNorm kernel's
-    choice. stream_mode: "two" (F on side streams, overlapping R / G), "two_prio" (the same with
-    R / G on a high-priority stream; a call of one chunk runs as "two": nothing overlaps, so the
-    high-priority stream's fork and join would only add time) or "one" (every stage in order on
-    the caller's stream). f_streams: side streams the chunks' F launches take in turn (2: F(c + 1)
-    starts while F(c) drains). f_ahead: F(c + 1) waits only for its slot's gate, made by a launch
-    V(c) right after R(c - 1) / G(c - 1) (else by X(c), after F(c)), so a chunk's finalize can
-    start before the one before it has finished. l2: 1 = L2 hints (expert rows and residual
-    evict-first, slot rows evict-last), 2 = those and the row launches drop the slot rows they read
-    from L2 unwritten. pdl: every launch with programmatic dependent launch (sm_90+ GPUs only, else
-    ignored): a launch's scheduling overlaps the tail of the launch before it on its stream, and
-    every kernel waits for that launch's completion before its first memory access
-    (kernels/pdl.py), so the flag protocol below is unchanged. That holds whatever an event wait
-    across streams becomes under capture: every kernel waits for all the grids it depends on,
-    programmatic or not."""
+    workspace must use the same slots). f_cols: the finalize item's columns (one row segment, as
+    our standalone finalize's 1024; the CPU emulation takes narrower ones). pdl: every launch with
+    programmatic dependent launch (sm_90+ GPUs only, else ignored): a launch's scheduling overlaps
+    the tail of the launch before it on its stream, and every kernel waits for that launch's
+    completion before its first memory access (kernels/pdl.py), so the flag protocol below is
+    unchanged. That holds whatever an event wait across streams becomes under capture: every
+    kernel waits for all the grids it depends on, programmatic or not."""
 
     chunk: int = CHUNK
     f_cols: int = 1024
-    f_warps: int = 4
-    row_warps: int = 0
-    # the row launches on a high-priority stream (a call of one chunk on the caller's stream)
-    stream_mode: str = "two_prio"
     slots: int = SLOTS
-    f_streams: int = 2
-    l2: int = 2
     # on: faster at world size 1 on one H200, never slower beyond noise (docs/performance.md,
     # its PDL table of the two-shot)
     pdl: bool = True
-    # with two_prio, faster at T >= 4096 at world size 1 on one H200 (without the priority slower
-    # at H=7168: the early finalize launches take the SMs the row launches need;
-    # docs/performance.md, "The current default")
-    f_ahead: bool = True
 
     def __post_init__(self):
-        if self.stream_mode not in ("one", "two", "two_prio"):
-            raise ValueError(
-                f"stream_mode: expected 'one', 'two' or 'two_prio', got {self.stream_mode!r}"
-            )
         if self.chunk < 1:
             raise ValueError(f"chunk: expected >= 1, got {self.chunk}")
         if not 2 <= self.slots <= MAX_SLOTS:
             raise ValueError(f"slots: expected 2..{MAX_SLOTS}, got {self.slots}")
-        if self.l2 not in (0, 1, 2):
-            raise ValueError(f"l2: expected 0, 1 or 2, got {self.l2}")
-        if self.f_streams not in (1, 2):
-            raise ValueError(f"f_streams: expected 1 or 2, got {self.f_streams}")
 
 
 DEFAULT_SHAPE = TwoshotShape()
@@ -223,12 +207,11 @@ def launch(layer: SymmLayer, *, shape: Optional[TwoshotShape] = None, **tensors)
     calls = _call_launches(layer, shape, tensors, emulated=False)
     seq = _sequence(calls, split=False)
     residual = tensors["residual"]
-    if shape.stream_mode == "one" or not residual.is_cuda:
+    if not residual.is_cuda:  # the interpreter: one launch after another
         for _, _, fn, _ in seq:
             fn()
     else:
-        prio = shape.stream_mode == "two_prio" and len(calls.plans) > 1
-        two_streams(residual.device, seq, prio, shape.f_streams)
+        two_streams(residual.device, seq, len(calls.plans) > 1, F_STREAMS)
 
 
 def check_layout(layer: SymmLayer, shape: TwoshotShape) -> None:
@@ -249,11 +232,22 @@ def check_layout(layer: SymmLayer, shape: TwoshotShape) -> None:
         )
 
 
-def _call_launches(layer: SymmLayer, shape: TwoshotShape, tensors: dict, emulated: bool):
+def _call_launches(
+    layer: SymmLayer,
+    shape: TwoshotShape,
+    tensors: dict,
+    emulated: bool,
+    *,
+    l2: int = L2_HINTS,
+    f_warps: int = F_WARPS,
+    row_warps: int = 0,
+):
     """A call's launches, not yet made: a namespace of the chunk plans, the world and callables
     f(p), r(p, gather) and sync(c, **what) (the `_sync_kernel` flags: signal, wait, release = the
     chunk released or None, advance, gate = (first chunk, count)). emulated: the CPU
-    interpreter's poll-count timer (the test rig only)."""
+    interpreter's poll-count timer (the test rig only). l2, f_warps, row_warps (0: our
+    add+RMSNorm kernel's warps): the launch choices above, which only the benchmark's ablations
+    change (benchmarks/twoshot_local.py)."""
     check_layout(layer, shape)
     tokens, top_k = tensors["perm"].shape
     world, rank, hidden = layer.world, layer.rank, layer.hidden
@@ -269,51 +263,58 @@ def _call_launches(layer: SymmLayer, shape: TwoshotShape, tensors: dict, emulate
         raise ValueError(
             "symm_twoshot: layer.own_addr must be this rank's buffer address (ptrs[rank]), got 0"
         )
-    f_args = (
-        layer.ptrs, layer.state, tensors["gemm2_out"], tensors["perm"], tensors["weights"],
-        shared if shared is not None else residual,
-    )  # fmt: skip
     # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
-    l2 = min(shape.l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
+    l2 = min(l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
     pdl = bool(shape.pdl) and pdl_ok(residual.device)
     launch_f, launch_r, launch_s = (
         (_LAUNCH_F_PDL, _LAUNCH_R_PDL, _LAUNCH_S_PDL) if pdl else (_LAUNCH_F, _LAUNCH_R, _LAUNCH_S)
     )
-    f_consts = (world, top_k, shared is not None, f_cols, shape.slots, l2, pdl)
-    r_ptrs = (
-        layer.ptrs, layer.own_addr, residual, tensors["gamma"], tensors["residual_out"],
-        tensors["norm_out"], tensors["q"], sf,
+    # the call's records, bound once: each kernel's source leaves None what it does not read
+    pipe = Pipeline(WORLD=world, SLOTS=shape.slots, L2=l2, USE_PDL=pdl, EMU=emulated)
+    form = RowForm(
+        TOP_K=top_k, HAS_SHARED=shared is not None, QUANT=quant.code, SWIZZLED=swz, ROW_BLOCK=rb,
+        HW_CVT=residual.is_cuda,
     )  # fmt: skip
-    row_warps = shape.row_warps or row_num_warps(rb, quant.code)
+    f_src = RowSource(
+        tensors["gemm2_out"], tensors["perm"], tensors["weights"],
+        shared if shared is not None else residual, None, None,
+    )  # fmt: skip
+    r_src = RowSource(None, None, None, None, residual, tensors["gamma"])
+    out = RowOutputs(tensors["residual_out"], tensors["norm_out"], tensors["q"], sf)
+    slots = TwoshotSlots(hidden, shape.chunk)
+    # each kernel's scalars: what it reads (None: no parameter)
+    f_scalars = layer.scalars._replace(eps=None, weight_bias=None, quant_scale=None)
+    r_scalars = layer.scalars._replace(routed_scaling=None)
+    row_warps = row_warps or row_num_warps(rb, quant.code)
     pad_items = sf_padding_items(tokens, sf_rows, sf_cols) if swz else 0
     plans = call_plan(tokens, world, rank, hidden, shape)
     nchunks = len(plans)
     nan_bits = _NAN_BITS[residual.dtype]
 
     def f_launch(p):
-        args = f_args + (tokens, hidden, shape.chunk, p.index, rank, layer.routed_scaling)
-        return lambda: launch_f((p.f_items,), args, f_consts, shape.f_warps)
+        args = (layer.ptrs, layer.state, f_src, tokens, slots, p.index, rank, f_scalars)
+        consts = (pipe, form, f_cols)
+        return lambda: launch_f((p.f_items,), args, consts, f_warps)
 
     def r_launch(p, gather):
         rows = p.other_rows if gather else p.own_rows
         last = p.index == nchunks - 1 and (gather or world == 1)
-        args = r_ptrs + (
-            tokens, hidden, shape.chunk, p.index, rank, layer.eps, layer.weight_bias,
-            quant.scale, sf_rows, sf_cols, pad_items if last else 0,
-        )  # fmt: skip
-        consts = (world, quant.code, swz, rb, residual.is_cuda, gather, last, shape.slots, l2, pdl)
+        args = (layer.ptrs, layer.own_addr, r_src, out, tokens, slots, p.index, rank, r_scalars)
+        args += (sf_rows, sf_cols, pad_items if last else 0)
+        consts = (pipe, form, gather, last)
         return lambda: launch_r((max(1, rows),), args, consts, row_warps)
 
     def sync(c, signal=0, wait=0, release=None, advance=False, gate=(0, 0)):
         args = (layer.ptrs, layer.state, c, c if release is None else release, gate[0], gate[1])
-        args += (nchunks, rank, layer.timeout_us, hidden, shape.chunk)
-        consts = (world, signal, wait, release is not None, advance, gate[1] > 0, shape.slots)
-        consts += (emulated, nan_bits, pdl)
-        return lambda: launch_s((1,), args, consts, 1)
+        args += (nchunks, rank, layer.timeout_us, slots)
+        steps = SyncSteps(
+            SIGNAL=signal, WAIT=wait, RELEASE=release is not None, ADVANCE=advance,
+            GATE=gate[1] > 0,
+        )  # fmt: skip
+        return lambda: launch_s((1,), args, (pipe, steps, nan_bits), 1)
 
     return SimpleNamespace(
-        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync,
-        f_ahead=shape.f_ahead,
+        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync
     )  # fmt: skip
 
 
@@ -337,23 +338,19 @@ def _sequence(calls, split: bool) -> list:
         return seq
     first = min(slots, n)
     seq = [("Q", 0, sync(0, gate=(0, first)), list(range(first)))]
-    if calls.f_ahead:
-        seq += [("F", 0, calls.f(calls.plans[0]), [])]
+    seq += [("F", 0, calls.f(calls.plans[0]), [])]
     for p in calls.plans:
         c = p.index
         g = c - 1 + slots  # the chunk whose slot chunk c - 1 frees
         gated = [g] if c > 0 and g < n else []
         release = c - 1 if c > 0 else None
-        if calls.f_ahead:
-            # V(c): release chunk c - 1, gate chunk c - 1 + SLOTS, right after R(c - 1) / G(c - 1),
-            # so F(c + 1) may start before F(c) is done; X(c) then only signals and waits
-            if gated:
-                seq += [("V", c, sync(c, release=release, gate=(g, 1)), gated)]
-                release, gated = None, []
-            if c + 1 < n:
-                seq += [("F", c + 1, calls.f(calls.plans[c + 1]), [])]
-        else:
-            seq += [("F", c, calls.f(p), [])]
+        # V(c): release chunk c - 1, gate chunk c - 1 + SLOTS, right after R(c - 1) / G(c - 1),
+        # so F(c + 1) may start before F(c) is done; X(c) then only signals and waits
+        if gated:
+            seq += [("V", c, sync(c, release=release, gate=(g, 1)), gated)]
+            release, gated = None, []
+        if c + 1 < n:
+            seq += [("F", c + 1, calls.f(calls.plans[c + 1]), [])]
         x = sync(c, FLAG_ARRIVED, FLAG_ARRIVED, release, False, (g, len(gated)))
         seq += [("X", c, x, gated), ("R", c, calls.r(p, False), [])]
         if world > 1:

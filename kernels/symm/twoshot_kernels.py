@@ -9,9 +9,12 @@ fence (the interpreter runs one launch at a time).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
+from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.quant import sf_padding_item
 from fusion_bridge.kernels.symm.device import (
@@ -34,12 +37,36 @@ from fusion_bridge.kernels.symm.twoshot_device import (
 from fusion_bridge.kernels.symm.twoshot_device import _slot_base
 from fusion_bridge.kernels.symm.twoshot_device import _poison_own_partials, _wait_slot_free
 
-FLAG_ARRIVED = 1  # this rank's partials of the chunk are in every owner's slot
-FLAG_REDUCED = 2  # this rank's reduced rows of the chunk are in every other rank's slot
-_FLAG_BYTE = {FLAG_ARRIVED: P.TWOSHOT_ARRIVED_BYTE, FLAG_REDUCED: P.TWOSHOT_REDUCED_BYTE}
+FLAG_ARRIVED = P.TWOSHOT_ARRIVED  # this rank's partials of the chunk are in every owner's slot
+FLAG_REDUCED = P.TWOSHOT_REDUCED  # this rank's reduced rows of it are in every other rank's slot
 _ARRIVED_BYTE = tl.constexpr(P.TWOSHOT_ARRIVED_BYTE)
 _WAIT_ARRIVED = tl.constexpr(FLAG_ARRIVED)
 _REDUCED_BYTE = tl.constexpr(P.TWOSHOT_REDUCED_BYTE)
+
+
+class Pipeline(NamedTuple):
+    """The compile-time shape every launch of one call shares (one `tl.constexpr`, PIPE): WORLD
+    ranks, SLOTS the chunks turn through, L2 the hints (0 none, 1 hints, 2 hints and the read slot
+    rows dropped), USE_PDL (programmatic dependent launch), EMU (the interpreter's poll-count
+    timer and no system fence; the sync launch's only)."""
+
+    WORLD: int
+    SLOTS: int
+    L2: int
+    USE_PDL: bool
+    EMU: bool
+
+
+class SyncSteps(NamedTuple):
+    """What one sync launch does (one `tl.constexpr`, STEPS): SIGNAL / WAIT a flag
+    (FLAG_ARRIVED / FLAG_REDUCED, 0 none), RELEASE a chunk's slot, ADVANCE the chunk base (the
+    call's last launch), GATE the slots of later chunks."""
+
+    SIGNAL: int
+    WAIT: int
+    RELEASE: bool
+    ADVANCE: bool
+    GATE: bool
 
 
 @triton.jit
@@ -64,28 +91,26 @@ def _f_place(i, n_c, groups, c, chunk, WORLD: tl.constexpr):
 
 @triton.jit
 def _row_outputs(
-    x, bad, t, cols, in_row, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
-    tokens, hidden, eps, quant_scale, sf_cols, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, HW_CVT: tl.constexpr,
+    x, bad, t, cols, in_row, tokens, hidden, src, out, scalars, sf_cols, FORM: tl.constexpr
 ):  # fmt: skip
     """Row t's outputs from its residual_out value x (fp32, exact in the activation dtype; NaN
-    where a wait failed): residual_out, norm_out and its FP8 / NVFP4 codes."""
+    where a wait failed): residual_out, norm_out and its FP8 / NVFP4 codes (records: src a
+    RowSource, gamma read; out a RowOutputs; scalars the LayerScalars; FORM the RowForm)."""
     x = tl.where((cols * 0 + bad) != 0, float("nan"), x)
-    xr = x.to(residual_out_ptr.dtype.element_ty)  # exact (or NaN)
-    tl.store(residual_out_ptr + t * hidden + cols, xr, mask=in_row)
+    xr = x.to(out.residual_out.dtype.element_ty)  # exact (or NaN)
+    tl.store(out.residual_out + t * hidden + cols, xr, mask=in_row)
     # gamma reloaded per row (L2-hot): held across the loop it costs registers
-    g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
+    g = tl.load(src.gamma + cols, mask=in_row, other=0.0).to(tl.float32) + scalars.weight_bias
     norm_quant_row(
-        tl.where(in_row, xr.to(tl.float32), 0.0), g, t, 0, ROW_BLOCK, tokens, norm_out_ptr, q_ptr,
-        sf_ptr, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
-        True,  # overflow-safe, as every norm of ours
+        tl.where(in_row, xr.to(tl.float32), 0.0), g, t, 0, FORM.ROW_BLOCK, tokens, hidden, out,
+        scalars, sf_cols, FORM,
     )  # fmt: skip
 
 
 @triton.jit
 def _flag_ptrs(ptrs_ptr, q, slot, FLAG: tl.constexpr):
     """Rank q's (tensor of ranks) flag of `slot` (int64, in its header)."""
-    off = _ARRIVED_BYTE if FLAG == 1 else _REDUCED_BYTE
+    off = _ARRIVED_BYTE if FLAG == P.TWOSHOT_ARRIVED else _REDUCED_BYTE
     return (tl.load(ptrs_ptr + q) + off).to(tl.pointer_type(tl.int64)) + slot
 
 
@@ -159,12 +184,12 @@ def _discard_rows(row_ptr, stride, hidden, ROW_BLOCK: tl.constexpr, ROWS: tl.con
 
 @triton.jit(do_not_specialize=["c", "rel_c", "gate_lo", "gate_n", "nchunks", "rank", "timeout"])
 def _sync_kernel(
-    ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout, hidden, chunk,
-    WORLD: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, RELEASE: tl.constexpr,
-    ADVANCE: tl.constexpr, GATE: tl.constexpr, SLOTS: tl.constexpr, EMU: tl.constexpr,
-    NAN_BITS: tl.constexpr, USE_PDL: tl.constexpr = False,
+    ptrs_ptr, state_ptr, c, rel_c, gate_lo, gate_n, nchunks, rank, timeout, slots,
+    PIPE: tl.constexpr, STEPS: tl.constexpr, NAN_BITS: tl.constexpr,
 ):  # fmt: skip
-    """One program, in this order: RELEASE this rank's readers of chunk rel_c are done (one unit on
+    """slots: where a row lies in them (`protocol.TwoshotSlots`); PIPE: the call's `Pipeline`;
+    STEPS: this launch's `SyncSteps`; NAN_BITS: the activation dtype's quiet NaN (int16 bits).
+    One program, in this order: RELEASE this rank's readers of chunk rel_c are done (one unit on
     its counter of that chunk's slot); SIGNAL (FLAG_ARRIVED / FLAG_REDUCED, 0 none) this rank's
     writes of chunk c are done (its flag of the slot := the chunk's sequence number + 1, a
     system-scope release after a system fence); WAIT (a flag, 0 none) until every rank's flag of the
@@ -178,7 +203,11 @@ def _sync_kernel(
     follows the previous row launch's reads and its flag reads precede nothing; it does not let the
     next grid be scheduled early (a row launch's programs parked on the SMs while this one waits for
     the peers would take them from the next chunk's finalize)."""
-    pdl_enter(USE_PDL, False)
+    pdl_enter(PIPE.USE_PDL, LAUNCH_DEPENDENTS=False)
+    WORLD: tl.constexpr = PIPE.WORLD
+    SLOTS: tl.constexpr = PIPE.SLOTS
+    EMU: tl.constexpr = PIPE.EMU
+    hidden, chunk = slots.hidden, slots.chunk
     timeout_ns = timeout
     if not EMU:
         timeout_ns = timeout.to(tl.int64) * 1000
@@ -188,24 +217,25 @@ def _sync_kernel(
     seq = base + c
     slot = seq % SLOTS
     lane = tl.arange(0, 32)
-    if RELEASE:
+    if STEPS.RELEASE:
         _release(ptrs_ptr, rank, (base + rel_c) % SLOTS, 0, 1)
-    if SIGNAL != 0:
+    if STEPS.SIGNAL != 0:
         tl.debug_barrier()
         _fence_sys(EMU)
-        flag = _flag_ptrs(ptrs_ptr, rank + lane * 0, slot, SIGNAL)
+        flag = _flag_ptrs(ptrs_ptr, rank + lane * 0, slot, FLAG=STEPS.SIGNAL)
         tl.atomic_xchg(flag, lane * 0 + seq + 1, mask=lane == 0, sem="release", scope="sys")
     missing = 0
-    if WAIT != 0:
+    if STEPS.WAIT != 0:
         missing = _wait_flags(
-            ptrs_ptr, slot, seq + 1, abort_ptr, start, timeout_ns, WAIT, WORLD, EMU
-        )
-    if GATE:
+            ptrs_ptr, slot, seq + 1, abort_ptr, start, timeout_ns, FLAG=STEPS.WAIT, WORLD=WORLD,
+            EMU=EMU,
+        )  # fmt: skip
+    if STEPS.GATE:
         for g in range(gate_lo, gate_lo + gate_n):
             s = base + g
             missing = missing | _wait_slot_free(
-                ptrs_ptr, s % SLOTS, (s // SLOTS) * _UNIT, abort_ptr, start, timeout_ns, WORLD,
-                EMU,
+                ptrs_ptr, s % SLOTS, (s // SLOTS) * _UNIT, abort_ptr, start, timeout_ns,
+                WORLD=WORLD, EMULATED=EMU,
             )  # fmt: skip
     # an abort under way fails this launch even when every wait above was already met (a late
     # rank finds the flags and releases an aborted peer left behind): its rows are NaN, and the
@@ -213,9 +243,11 @@ def _sync_kernel(
     aborted = tl.load(abort_ptr, volatile=True) != 0
     if (missing != 0) | aborted:
         _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
-        if WAIT == _WAIT_ARRIVED:  # the row launch R(c) comes next: its sums come out NaN
-            _poison_own_partials(ptrs_ptr, rank, slot, hidden, chunk, NAN_BITS, WORLD)
-    if ADVANCE:
+        if STEPS.WAIT == _WAIT_ARRIVED:  # the row launch R(c) comes next: its sums come out NaN
+            _poison_own_partials(
+                ptrs_ptr, rank, slot, hidden, chunk, NAN_BITS=NAN_BITS, WORLD=WORLD
+            )
+    if STEPS.ADVANCE:
         # the next call starts on slot 0 (so F / R find a chunk's slot from its index alone):
         # the sequence numbers up to the next multiple of SLOTS are skipped, each released here
         # (this rank never wrote their slots in this call), so every slot's counter still counts
@@ -228,19 +260,24 @@ def _sync_kernel(
 
 @triton.jit(do_not_specialize=["tokens", "c", "rank"])
 def _finalize_kernel(
-    ptrs_ptr, state_ptr, gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, tokens, hidden, chunk, c,
-    rank, routed_scaling,
-    WORLD: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, F_COLS: tl.constexpr,
-    SLOTS: tl.constexpr, L2: tl.constexpr, USE_PDL: tl.constexpr = False,
+    ptrs_ptr, state_ptr, src, tokens, slots, c, rank, scalars, PIPE: tl.constexpr,
+    FORM: tl.constexpr, F_COLS: tl.constexpr,
 ):  # fmt: skip
     """F(c): one finalize item per program (the grid is the chunk's item count: an owner's row,
     F_COLS columns): this rank's partial of the row (`finalize_row`, one rounding, -0.0 -> +0.0)
-    into the owner's reduce-scatter rows [rank][i] of the chunk's slot. The launch that gated the
-    slot came before it; this one never waits and makes no system-scope access. L2 > 0: the expert
-    rows loaded evict-first, the slot rows stored evict-last (the row launch reads them from L2).
-    USE_PDL: every program first waits for the grid before it on its stream (kernels/pdl.py)."""
-    pdl_enter(USE_PDL, True)
-    dtype: tl.constexpr = gemm2_ptr.dtype.element_ty
+    into the owner's reduce-scatter rows [rank][i] of the chunk's slot. src: a
+    `records.RowSource` (the finalize's four fields; residual and gamma None), slots: where a
+    row lies in them (`protocol.TwoshotSlots`), scalars: `records.LayerScalars` (routed_scaling
+    only), PIPE: the call's `Pipeline`, FORM: `records.RowForm`. The launch that
+    gated the slot came before it; this one never waits and makes no system-scope access.
+    PIPE.L2 > 0: the expert rows loaded evict-first, the slot rows stored evict-last (the row
+    launch reads them from L2). PIPE.USE_PDL: every program first waits for the grid before it on
+    its stream (kernels/pdl.py)."""
+    pdl_enter(PIPE.USE_PDL, LAUNCH_DEPENDENTS=True)
+    WORLD: tl.constexpr = PIPE.WORLD
+    SLOTS: tl.constexpr = PIPE.SLOTS
+    hidden, chunk = slots.hidden, slots.chunk
+    dtype: tl.constexpr = src.gemm2_out.dtype.element_ty
     # (base + c) % SLOTS == c % SLOTS (every call starts on slot 0), but the load stays: without
     # it ptxas ordered the K gathers differently and F took longer (docs/performance.md, "The
     # current default"); F's stores wait on it, its loads do not
@@ -249,15 +286,15 @@ def _finalize_kernel(
     q, ii, live, row, cb = _f_place(tl.program_id(0), n_c, tl.cdiv(n_c, WORLD), c, chunk, WORLD)
     cols = cb * F_COLS + tl.arange(0, F_COLS)
     acc = finalize_row(
-        gemm2_ptr, perm_ptr, weight_ptr, shared_ptr, row, cols, hidden, routed_scaling, TOP_K,
-        HAS_SHARED, False, False, L2 > 0,
+        src, row, cols, hidden, scalars.routed_scaling, TOP_K=FORM.TOP_K,
+        HAS_SHARED=FORM.HAS_SHARED, STREAM_ONCE=PIPE.L2 > 0,
     )  # fmt: skip
     # the offset within the owner's buffer fits in int32 (the workspace is < 2^31 elements)
     cw = tl.cdiv(chunk, WORLD)
     off = ((slot * 2 * WORLD + rank) * cw + ii) * hidden
     dst = _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + off
     mask = ((cols * 0 + live) != 0) & (cols < hidden)
-    if L2 > 0:
+    if PIPE.L2 > 0:
         tl.store(dst + cols, payload_bits(acc, dtype), mask=mask, eviction_policy="evict_last")
     else:
         tl.store(dst + cols, payload_bits(acc, dtype), mask=mask)
@@ -265,13 +302,14 @@ def _finalize_kernel(
 
 @triton.jit(do_not_specialize=["own_addr", "tokens", "c", "rank", "sf_rows", "sf_pad_items"])
 def _rows_kernel(
-    ptrs_ptr, own_addr, residual_ptr, gamma_ptr, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
-    tokens, hidden, chunk, c, rank, eps, weight_bias, quant_scale, sf_rows, sf_cols, sf_pad_items,
-    WORLD: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    HW_CVT: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr, SLOTS: tl.constexpr,
-    L2: tl.constexpr, USE_PDL: tl.constexpr = False,
+    ptrs_ptr, own_addr, src, out, tokens, slots, c, rank, scalars, sf_rows, sf_cols, sf_pad_items,
+    PIPE: tl.constexpr, FORM: tl.constexpr, GATHER: tl.constexpr, LAST: tl.constexpr,
 ):  # fmt: skip
-    """R(c) (GATHER False): the rows this rank owns: the W partials (plain loads) summed in rank
+    """src: a `records.RowSource` (residual and gamma; the finalize's fields None), out:
+    `records.RowOutputs`, slots: where a row lies in them (`protocol.TwoshotSlots`), scalars:
+    `records.LayerScalars` (eps, weight_bias, quant_scale), PIPE: the call's `Pipeline`, FORM:
+    `records.RowForm`.
+    R(c) (GATHER False): the rows this rank owns: the W partials (plain loads) summed in rank
     order in fp32, the residual added, one rounding (-0.0 -> +0.0): residual_out's bits, pushed into
     every other rank's all-gather rows [rank][i], and this rank's outputs of the row. G(c) (GATHER
     True): the rows other ranks own, from this rank's all-gather rows: residual_out and its norm (+
@@ -290,10 +328,15 @@ def _rows_kernel(
     summed, G after the row's outputs), never written back to HBM. USE_PDL: every program first
     waits for the grid before it (the sync launch, whose flag waits must be done before a slot row
     is read; kernels/pdl.py)."""
-    pdl_enter(USE_PDL, True)
+    pdl_enter(PIPE.USE_PDL, LAUNCH_DEPENDENTS=True)
+    WORLD: tl.constexpr = PIPE.WORLD
+    SLOTS: tl.constexpr = PIPE.SLOTS
+    L2: tl.constexpr = PIPE.L2
+    ROW_BLOCK: tl.constexpr = FORM.ROW_BLOCK
+    hidden, chunk = slots.hidden, slots.chunk
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    dtype: tl.constexpr = out.residual_out.dtype.element_ty
     # this rank's buffer from the host (its address, a launch argument) and the slot from the
     # chunk index: no load stands between a row program's start and its data loads
     own = tl.multiple_of(own_addr.to(tl.pointer_type(tl.int16)), 16)
@@ -314,25 +357,24 @@ def _rows_kernel(
             per: tl.constexpr = WORLD - 1 + (WORLD == 1)
             p = m % per
             j = (m // per) * WORLD + p + (p >= rank).to(tl.int32)
-            src = ag + (j % WORLD) * src_stride + (j // WORLD) * row_elems
-            v = tl.load(src + cols, mask=in_row, other=0, cache_modifier=".cg")
+            row_ptr = ag + (j % WORLD) * src_stride + (j // WORLD) * row_elems
+            v = tl.load(row_ptr + cols, mask=in_row, other=0, cache_modifier=".cg")
             bad = (tl.load(abort_ptr, volatile=True) != 0).to(tl.int32)
             _row_outputs(
                 v.to(dtype, bitcast=True).to(tl.float32), bad, (c * chunk + j).to(tl.int64), cols,
-                in_row, gamma_ptr, weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr,
-                tokens, hidden, eps, quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
+                in_row, tokens, hidden, src, out, scalars, sf_cols, FORM,
             )  # fmt: skip
             if L2 == 2:
                 tl.debug_barrier()
-                _discard_rows(src, 0, hidden, ROW_BLOCK, 1)
+                _discard_rows(row_ptr, 0, hidden, ROW_BLOCK, 1)
     else:
         for ii in range(pid, n_own, nprog):
             t = (c * chunk + rank + WORLD * ii).to(tl.int64)
             if L2 > 0:
-                res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0,
+                res = tl.load(src.residual + t * row_elems + cols, mask=in_row, other=0.0,
                               eviction_policy="evict_first")  # fmt: skip
             else:
-                res = tl.load(residual_ptr + t * row_elems + cols, mask=in_row, other=0.0)
+                res = tl.load(src.residual + t * row_elems + cols, mask=in_row, other=0.0)
             s = tl.zeros([ROW_BLOCK], dtype=tl.float32)
             for q in range(WORLD):  # rank order (a loop, not unrolled: fewer live pointers)
                 v = tl.load(here + q * src_stride + ii * row_elems + cols, mask=in_row, other=0,
@@ -351,12 +393,11 @@ def _rows_kernel(
                     tl.store(dst + (WORLD + rank) * src_stride + ii * row_elems + cols, bits,
                              mask=in_row)  # fmt: skip
             _row_outputs(
-                bits.to(dtype, bitcast=True).to(tl.float32), 0, t, cols, in_row, gamma_ptr,
-                weight_bias, residual_out_ptr, norm_out_ptr, q_ptr, sf_ptr, tokens, hidden, eps,
-                quant_scale, sf_cols, QUANT, SWIZZLED, ROW_BLOCK, HW_CVT,
+                bits.to(dtype, bitcast=True).to(tl.float32), 0, t, cols, in_row, tokens, hidden,
+                src, out, scalars, sf_cols, FORM,
             )  # fmt: skip
     if LAST:
-        if QUANT == 2:
-            if SWIZZLED:
+        if FORM.QUANT == QC.QUANT_NVFP4:
+            if FORM.SWIZZLED:
                 for item in range(pid, sf_pad_items, nprog):
-                    sf_padding_item(item, sf_ptr, tokens, sf_rows, sf_cols)
+                    sf_padding_item(item, out.sf, tokens, sf_rows, sf_cols)

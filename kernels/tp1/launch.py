@@ -5,24 +5,13 @@ launcher (kernels/launch_cache.py), so an eager call is the argument tuple and o
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
 
 from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.pdl import PDL_OPTIONS, pdl_ok
-from fusion_bridge.kernels.tp1.whole_rows import _tp1_kernel
-from fusion_bridge.kernels.tp1.split_rows import _tp1_split_kernel
-from fusion_bridge.kernels.tp1.shapes import (
-    MAX_CHUNKS,
-    MAX_POLLS,
-    SYNC_ROWS,
-    SYNC_WORDS,
-    Tp1Shape,
-    tp1_shape,
-    split_ok,
-)
 from fusion_bridge.kernels.quant import (
     QUANT_FP8,
     QUANT_NVFP4,
@@ -30,26 +19,57 @@ from fusion_bridge.kernels.quant import (
     row_block,
     sf_padding_items,
 )
+from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
+from fusion_bridge.kernels.tp1.shapes import (  # noqa: F401 (limits and phase bits: re-exported)
+    BOTH_PHASES,
+    MAX_CHUNKS,
+    MAX_POLLS,
+    OUTPUT_PHASE,
+    PUBLISH_PHASE,
+    SYNC_ROWS,
+    SYNC_WORDS,
+    SplitSync,
+    Tp1Shape,
+    split_ok,
+    tp1_shape,
+)
+from fusion_bridge.kernels.tp1.split_rows import _tp1_split_kernel
+from fusion_bridge.kernels.tp1.whole_rows import _tp1_kernel
 
-PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
-BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
 
-_WHOLE_ROWS_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "ROW_BLOCK", "HW_CVT", "PREFETCH")
-_WHOLE_ROWS_NAMES += ("RECIP", "USE_PDL")
-_WHOLE_ROWS = KernelLauncher(_tp1_kernel, _WHOLE_ROWS_NAMES)
+class WholeRows(NamedTuple):
+    """The whole-row kernel's constexprs, by name (`whole_rows._tp1_kernel`)."""
+
+    FORM: RowForm
+    PREFETCH: int
+    RECIP: int
+    USE_PDL: int
+
+
+class SplitRows(NamedTuple):
+    """The split-row kernel's constexprs, by name (`split_rows._tp1_split_kernel`)."""
+
+    FORM: RowForm
+    CHUNK: int
+    PREFETCH: int
+    RECIP: int
+    USE_PDL: int
+    MAX_POLLS: int
+    PHASES: int
+
+
+_WHOLE_ROWS = KernelLauncher(_tp1_kernel, WholeRows._fields)
 # whole rows in 16 warps: registers capped at 64 so that two programs always share an SM (every
 # quant compiles to at most 64 uncapped today: the cap guards against a later change's registers)
-_WHOLE_ROWS_CAPPED = KernelLauncher(_tp1_kernel, _WHOLE_ROWS_NAMES, options={"maxnreg": 64})
-_SPLIT_NAMES = ("TOP_K", "HAS_SHARED", "QUANT", "SWIZZLED", "CHUNK", "HW_CVT", "SYNC_ROWS")
-_SPLIT_NAMES += ("MAX_CHUNKS", "PREFETCH", "RECIP", "USE_PDL", "MAX_POLLS", "PHASES")
-_SPLIT = KernelLauncher(_tp1_split_kernel, _SPLIT_NAMES)
+_WHOLE_ROWS_CAPPED = KernelLauncher(_tp1_kernel, WholeRows._fields, options={"maxnreg": 64})
+_SPLIT = KernelLauncher(_tp1_split_kernel, SplitRows._fields)
 # the same kernels launched with programmatic dependent launch (kernels/pdl.py): compile options
 # are fixed per launcher, and USE_PDL (a constexpr of the key) is True exactly on these
-_WHOLE_ROWS_PDL = KernelLauncher(_tp1_kernel, _WHOLE_ROWS_NAMES, options=PDL_OPTIONS)
+_WHOLE_ROWS_PDL = KernelLauncher(_tp1_kernel, WholeRows._fields, options=PDL_OPTIONS)
 _WHOLE_ROWS_CAPPED_PDL = KernelLauncher(
-    _tp1_kernel, _WHOLE_ROWS_NAMES, options={"maxnreg": 64} | PDL_OPTIONS
+    _tp1_kernel, WholeRows._fields, options={"maxnreg": 64} | PDL_OPTIONS
 )
-_SPLIT_PDL = KernelLauncher(_tp1_split_kernel, _SPLIT_NAMES, options=PDL_OPTIONS)
+_SPLIT_PDL = KernelLauncher(_tp1_split_kernel, SplitRows._fields, options=PDL_OPTIONS)
 
 
 GRAPH_WORDS = "graph"  # the key of the one set every CUDA-graph capture uses
@@ -134,11 +154,19 @@ class Tp1Dispatcher:
         # fp8 on a GPU: the division by the scale through one reciprocal (quant._div_by_scale)
         recip = int(is_cuda and quant.code == QUANT_FP8 and recip_ok(quant.scale))
         pdl = int(bool(shape.pdl) and is_cuda and self.pdl_ok)
+        prefetch = int(shape.prefetch and is_cuda)
+        form = RowForm(
+            TOP_K=top_k,
+            HAS_SHARED=has_shared,
+            QUANT=quant.code,
+            SWIZZLED=quant.swizzled,
+            ROW_BLOCK=row_block(hidden),
+            HW_CVT=is_cuda,
+        )
         sf_rows, sf_cols = sf_shape if nvfp4 else (tokens, 0)
         if not split_ok(shape, tokens, hidden, self.num_sms):
             rows = sf_rows if nvfp4 and quant.swizzled else tokens
-            fixed = (top_k, has_shared, quant.code, quant.swizzled, row_block(hidden), is_cuda)
-            fixed += (int(shape.prefetch and is_cuda), recip, pdl)
+            fixed = WholeRows(FORM=form, PREFETCH=prefetch, RECIP=recip, USE_PDL=pdl)
             capped = shape.warps == 16
             if pdl:
                 launcher = _WHOLE_ROWS_CAPPED_PDL if capped else _WHOLE_ROWS_PDL
@@ -147,10 +175,16 @@ class Tp1Dispatcher:
             return launcher, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
         chunks = triton.cdiv(hidden, shape.columns)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
-        fixed = (top_k, has_shared, quant.code, quant.swizzled, shape.columns, is_cuda)
-        # the interpreter publishes every chunk before any wait: a few polls suffice there
-        fixed += (SYNC_ROWS, MAX_CHUNKS, int(shape.prefetch and is_cuda), recip, pdl)
-        fixed += (MAX_POLLS if is_cuda else 4,)  # last: a test bounds the wait by replacing it
+        fixed = SplitRows(
+            FORM=form,
+            CHUNK=shape.columns,
+            PREFETCH=prefetch,
+            RECIP=recip,
+            USE_PDL=pdl,
+            # the interpreter publishes every chunk before any wait: a few polls suffice there
+            MAX_POLLS=MAX_POLLS if is_cuda else 4,
+            PHASES=BOTH_PHASES,
+        )
         return (
             _SPLIT_PDL if pdl else _SPLIT,
             (tokens * chunks + padding,),
@@ -175,21 +209,21 @@ class Tp1Dispatcher:
         gamma,
         shape,
     ):
-        """(launcher, grid, args, constexprs without PHASES, warps, chunks) of one call."""
+        """(launcher, grid, args, constexprs, warps, chunks) of one call."""
         tokens, top_k = perm.shape
-        layer = self.layer
-        is_cuda = residual.is_cuda
         launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
-            tokens, top_k, shared is not None, is_cuda, tuple(sf.shape), shape
+            tokens, top_k, shared is not None, residual.is_cuda, tuple(sf.shape), shape
         )
-        head = (gemm2_out, perm, weights, residual if shared is None else shared, residual, gamma)
-        head += (residual_out, norm_out, q, sf)
-        scalars = (layer.routed_scaling, layer.eps, layer.weight_bias, layer.quant.scale)
+        src = RowSource(
+            gemm2_out, perm, weights, residual if shared is None else shared, residual, gamma
+        )
+        out = RowOutputs(residual_out, norm_out, q, sf)
+        hidden, scalars = self.layer.hidden, self.layer.scalars
         if not chunks:
-            args = head + (tokens, layer.hidden) + scalars + (sf_cols,)
+            args = (src, out, tokens, hidden, scalars, sf_cols)
         else:
-            args = head + (self.sync_words(), self.error_address, tokens, layer.hidden) + scalars
-            args += (sf_rows, sf_cols, chunks)
+            sync = SplitSync(self.sync_words(), self.error_address)
+            args = (src, out, sync, tokens, hidden, scalars, sf_rows, sf_cols, chunks)
         return launcher, grid, args, fixed, warps, chunks
 
     def __call__(
@@ -216,20 +250,16 @@ class Tp1Dispatcher:
         launcher, grid, args, fixed, warps, chunks = self._launch_args(
             residual_out, norm_out, q, sf, gemm2_out, perm, weights, shared, residual, gamma, shape
         )
-        if not chunks:
+        if not chunks or residual.is_cuda:
             launcher(grid, args, fixed, warps)
-        elif residual.is_cuda:
-            launcher(grid, args, fixed + (BOTH_PHASES,), warps)
         else:  # the interpreter runs programs one after another: publish all, then wait
             for phase in (PUBLISH_PHASE, OUTPUT_PHASE):
-                launcher(grid, args, fixed + (phase,), warps)
+                launcher(grid, args, fixed._replace(PHASES=phase), warps)
 
     def bound(self, *tensors: torch.Tensor, shape: Optional[Tp1Shape] = None) -> Callable:
         """The call's bare launch with everything precomputed (`__call__`'s tensors, in its order):
         what an eager call is measured against (benchmarks). GPU only."""
-        launcher, grid, args, fixed, warps, chunks = self._launch_args(*tensors, shape)
-        if chunks:
-            fixed = fixed + (BOTH_PHASES,)
+        launcher, grid, args, fixed, warps, _ = self._launch_args(*tensors, shape)
         return lambda: launcher(grid, args, fixed, warps)
 
 

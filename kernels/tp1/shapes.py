@@ -3,16 +3,29 @@ several programs while T is small, and the split kernel's limits (its exchange w
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import triton
 
 from fusion_bridge.kernels.quant import QUANT_NONE, row_block
 
+# the split kernel's limits (read by the kernel as attributes of this module, compile-time)
 MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set per count)
 SYNC_ROWS = 256  # rows the split kernel serves (T * chunks <= the SM count)
 SYNC_WORDS = SYNC_ROWS * (MAX_CHUNKS + 1 + MAX_CHUNKS * (MAX_CHUNKS + 1) // 2)
 MAX_POLLS = 1 << 22  # ~1 s of polls: a partner that never arrives shows as NaN, not a hang
+# the split kernel's PHASES bits: a GPU launch runs both; the interpreter, whose programs run one
+# after another, launches the publish phase, then the wait and the outputs
+PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
+BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
+
+
+class SplitSync(NamedTuple):
+    """The split kernel's exchange (one record argument): words, int64 [SYNC_WORDS] (the counters,
+    then the tagged sums); error_address, int64 [1] holding the address of the int32 error word."""
+
+    words: Any
+    error_address: Any
 
 
 class Tp1Shape(NamedTuple):

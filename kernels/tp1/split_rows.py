@@ -38,44 +38,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.add_rmsnorm import overflow_scale, rms_apply
-from fusion_bridge.kernels.row_epilogue import prefetch_row, residual_plus_finalize
 from fusion_bridge.kernels.pdl import pdl_enter
 from fusion_bridge.kernels.quant import quantize_span, sf_padding_item
 from fusion_bridge.kernels.rounding import round_cast
+from fusion_bridge.kernels.row_epilogue import prefetch_row, residual_plus_finalize
+from fusion_bridge.kernels.tp1 import shapes as S
 
 
 @triton.jit
 def _tp1_split_kernel(
-    gemm2_ptr,
-    perm_ptr,
-    weight_ptr,
-    shared_ptr,
-    residual_ptr,
-    gamma_ptr,
-    residual_out_ptr,
-    norm_out_ptr,
-    q_ptr,
-    sf_ptr,
-    sync_ptr,
-    error_address_ptr,
+    src,
+    out,
+    sync,
     tokens,
     hidden,
-    routed_scaling,
-    eps,
-    weight_bias,
-    quant_scale,
+    scalars,
     sf_rows,
     sf_cols,
     chunks,
-    TOP_K: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    QUANT: tl.constexpr,
-    SWIZZLED: tl.constexpr,
+    FORM: tl.constexpr,
     CHUNK: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    SYNC_ROWS: tl.constexpr,
-    MAX_CHUNKS: tl.constexpr,
     PREFETCH: tl.constexpr,
     RECIP: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -84,14 +68,20 @@ def _tp1_split_kernel(
 ):
     """World size 1, split rows: program pid owns columns [c * CHUNK, (c + 1) * CHUNK) of row
     pid // chunks (c = pid % chunks); programs past T * chunks write swizzled scale padding.
-    sync_ptr: int64 [SYNC_ROWS * (MAX_CHUNKS + 1)] counters, then [SYNC_ROWS * words] tagged
-    sums (see the module docstring). error_address_ptr: int64 [1], the address of an int32 word
-    (pinned host memory on a GPU) set to 1 when a wait gives up. PHASES: both on a GPU; one at a
+    src: a `records.RowSource`, out: `records.RowOutputs`, scalars: `records.LayerScalars`, FORM:
+    `records.RowForm`. sync (`shapes.SplitSync`): words, int64 [SYNC_ROWS * (MAX_CHUNKS + 1)]
+    counters, then [SYNC_ROWS * words] tagged sums (see the module docstring); error_address,
+    int64 [1], the address of an int32 word (pinned host memory on a GPU) set to 1 when a wait
+    gives up. PHASES (`shapes.PUBLISH_PHASE` | `shapes.OUTPUT_PHASE`): both on a GPU; one at a
     time under the interpreter. USE_PDL (programmatic dependent launch): every program waits for
     the grid before it first, before its ticket or any other memory access (kernels/pdl.py), so
     one call's tickets stay consecutive and a call never sees the words of one still running."""
-    pdl_enter(USE_PDL, True)
-    dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+    pdl_enter(USE_PDL, LAUNCH_DEPENDENTS=True)
+    SYNC_ROWS: tl.constexpr = S.SYNC_ROWS
+    MAX_CHUNKS: tl.constexpr = S.MAX_CHUNKS
+    HW_CVT: tl.constexpr = FORM.HW_CVT
+    sync_ptr, error_address_ptr = sync.words, sync.error_address
+    dtype: tl.constexpr = out.residual_out.dtype.element_ty
     pid = tl.program_id(0)
     row = (pid // chunks).to(tl.int64)
     if row < tokens:
@@ -106,7 +96,7 @@ def _tp1_split_kernel(
             + chunks * (chunks - 1) // 2
         )
         lane = tl.arange(0, MAX_CHUNKS)
-        if PHASES & 1:
+        if PHASES & S.PUBLISH_PHASE:
             # the ticket first, so its round trip overlaps the gathers: one lane of a tensor
             # atomic laid out as the row data (no replicated lanes, so no broadcast through
             # shared memory and no barrier here); its result waits in a register until used
@@ -119,38 +109,15 @@ def _tp1_split_kernel(
                 scope="gpu",
             )
         if PREFETCH:
-            prefetch_row(
-                gemm2_ptr,
-                perm_ptr,
-                shared_ptr,
-                residual_ptr,
-                row,
-                c * CHUNK,
-                hidden,
-                CHUNK,
-                TOP_K,
-                HAS_SHARED,
-            )
-        x = residual_plus_finalize(
-            gemm2_ptr,
-            perm_ptr,
-            weight_ptr,
-            shared_ptr,
-            residual_ptr,
-            row,
-            cols,
-            hidden,
-            routed_scaling,
-            TOP_K,
-            HAS_SHARED,
-            dtype,
-            HW_CVT,
-        )
+            prefetch_row(src, row, c * CHUNK, hidden, CHUNK, FORM)
+        x = residual_plus_finalize(src, row, cols, hidden, scalars, FORM, dtype)
         # gamma before the exchange: no memory access of its own after the wait
-        g = tl.load(gamma_ptr + cols, mask=in_row, other=0.0).to(tl.float32) + weight_bias
-        if PHASES & 1:
+        g = tl.load(src.gamma + cols, mask=in_row, other=0.0).to(tl.float32) + scalars.weight_bias
+        if PHASES & S.PUBLISH_PHASE:
             tl.store(
-                residual_out_ptr + row * hidden + cols, round_cast(x, dtype, HW_CVT), mask=in_row
+                out.residual_out + row * hidden + cols,
+                round_cast(x, dtype, HW_CVT=HW_CVT),
+                mask=in_row,
             )
             sum_sq = tl.sum(x * x, axis=0)
             # the word is packed where the ticket landed (lane 0), with no reduction before the
@@ -161,7 +128,7 @@ def _tp1_split_kernel(
             epoch = tl.sum(tl.where(first, ticket, 0), axis=0) // (2 * MAX_CHUNKS) + 1
         else:  # the interpreter's second launch: the publish launch advanced the counter
             epoch = tl.load(counter) // (2 * MAX_CHUNKS)
-        if PHASES & 2:
+        if PHASES & S.OUTPUT_PHASE:
             mine = lane < chunks
             w = tl.load(words + lane, mask=mine, other=0, volatile=True)
             tag = epoch & 0xFFFFFFFF
@@ -175,7 +142,7 @@ def _tp1_split_kernel(
                 tl.store(tl.load(error_address_ptr).to(tl.pointer_type(tl.int32)), 1)
             sums = tl.where(mine, (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
             total = tl.sum(sums, axis=0)
-            y = rms_apply(x, g, total, hidden, eps)
+            y = rms_apply(x, g, total, hidden, scalars.eps)
             if total == float("inf"):  # uniform over the row's programs: they read the same sums
                 amax = 0.0
                 sum_s = 0.0
@@ -184,19 +151,13 @@ def _tp1_split_kernel(
                     while j < chunks:  # the row's chunks in order, as every partner does (a
                         # while: the interpreter's range() cannot take a kernel argument)
                         x_j = residual_plus_finalize(
-                            gemm2_ptr,
-                            perm_ptr,
-                            weight_ptr,
-                            shared_ptr,
-                            residual_ptr,
+                            src,
                             row,
                             j * CHUNK + tl.arange(0, CHUNK),
                             hidden,
-                            routed_scaling,
-                            TOP_K,
-                            HAS_SHARED,
+                            scalars,
+                            FORM,
                             dtype,
-                            HW_CVT,
                         )
                         if scaled:
                             x_j = x_j * overflow_scale(
@@ -207,11 +168,13 @@ def _tp1_split_kernel(
                             amax = tl.maximum(amax, tl.max(tl.abs(x_j), axis=0))
                         j += 1
                 s = overflow_scale((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
-                y = rms_apply(x * s, g, sum_s, hidden, eps * s * s)
+                y = rms_apply(x * s, g, sum_s, hidden, scalars.eps * s * s)
             y = tl.where((cols * 0 + pending) != 0, float("nan"), y)  # a partner never arrived
-            y = round_cast(y, dtype, HW_CVT)
-            tl.store(norm_out_ptr + row * hidden + cols, y, mask=in_row)
-            # (LEAN: y past H needs no zeroing for NVFP4)
+            y = round_cast(y, dtype, HW_CVT=HW_CVT)
+            tl.store(out.norm_out + row * hidden + cols, y, mask=in_row)
+            # (LEAN: y past H needs no zeroing for NVFP4.) WINDOW off: the window would be the
+            # whole span (and row < T), and its masks cost whole-word stores (the codes went out
+            # byte by byte)
             quantize_span(
                 y,
                 row,
@@ -220,20 +183,17 @@ def _tp1_split_kernel(
                 c * CHUNK + CHUNK,
                 tokens,
                 hidden,
-                q_ptr,
-                sf_ptr,
-                quant_scale,
+                out,
+                scalars.quant_scale,
                 sf_cols,
-                QUANT,
-                SWIZZLED,
-                CHUNK,
-                HW_CVT,
-                False,  # WINDOW off: the window would be the whole span (and row < T), and its
-                # masks cost whole-word stores (the codes went out byte by byte)
-                RECIP,
-                True,  # LEAN
+                QUANT=FORM.QUANT,
+                SWIZZLED=FORM.SWIZZLED,
+                HW_CVT=HW_CVT,
+                WINDOW=False,
+                RECIP=RECIP,
+                LEAN=True,
             )
-    elif PHASES & 2:
-        if QUANT == 2:
-            if SWIZZLED:
-                sf_padding_item(pid - tokens * chunks, sf_ptr, tokens, sf_rows, sf_cols)
+    elif PHASES & S.OUTPUT_PHASE:
+        if FORM.QUANT == QC.QUANT_NVFP4:
+            if FORM.SWIZZLED:
+                sf_padding_item(pid - tokens * chunks, out.sf, tokens, sf_rows, sf_cols)

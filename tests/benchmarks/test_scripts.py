@@ -24,7 +24,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-MODULES = ("harness.py",)  # imported by the scripts, not run
+MODULES = ("harness.py", "offline_cases.py")  # imported by the scripts, not run
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name not in MODULES)
 SHELL = sorted(p.name for p in BENCH.glob("*.sh"))
 OURS = ("fusion_bridge", "benchmarks")
@@ -248,12 +248,13 @@ def test_shell_script_parses_and_prints_its_usage(script):
 def test_the_scripts_launch_tables_build_on_cpu():
     """The launch shapes the GPU scripts time are host values: build them all here."""
     from benchmarks import tp1_sweep, twoshot_local
-    from fusion_bridge.kernels.symm import twoshot, twoshot_variants
+    from fusion_bridge.kernels.symm import twoshot
     from fusion_bridge.kernels.tp1.shapes import Tp1Shape
 
     for fields in twoshot_local.SHAPES.values():
-        twoshot.TwoshotShape(**fields)
-    assert set(twoshot_local.VARIANTS.values()) <= set(twoshot_variants._TWOSHOT)
+        twoshot_local.AblationShape(**fields).product()  # the product's part validates too
+    # the ablation shape's defaults are the product's launch
+    assert twoshot_local.AblationShape().product() == twoshot.DEFAULT_SHAPE
     assert not set(twoshot_local.SHAPES) & set(twoshot_local.VARIANTS)
     for tokens in (1, 16, 64, 4096):
         for quant in ("none", "nvfp4"):

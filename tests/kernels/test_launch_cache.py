@@ -16,6 +16,7 @@ import torch
 
 from fusion_bridge.kernels import add_rmsnorm, finalize_add, launch_cache as launcher, quant
 from fusion_bridge.kernels.launch_cache import KernelLauncher, Runtime, _make_key_fn
+from fusion_bridge.kernels.records import RowOutputs, RowSource
 
 STREAM = 1234
 
@@ -164,6 +165,46 @@ def test_token_counts_that_share_a_key_and_those_that_do_not():
     assert k[3] == k[5] == k[1000]  # 1000 % 16 == 8
     assert len({k[1], k[3], k[16]}) == 3  # 1 is a constexpr to Triton, 16 divisible by 16
     assert k[16] == k[32] == k[64]
+
+
+def test_a_record_is_keyed_field_by_field_as_triton_specializes_it():
+    """Two calls that differ in one field of a record (kernels/records.py: a tuple argument) get
+    different keys exactly where Triton specializes the record differently (it would compile
+    another kernel) and the same key where it does not: per field, each of a few values against
+    the record's base value."""
+    from fusion_bridge.kernels.records import LayerScalars
+    from fusion_bridge.kernels.symm.protocol import OneshotSlots
+
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    tensors = [torch.zeros(64, dtype=torch.bfloat16)[i * 8 :] for i in range(6)]
+    src = RowSource(*tensors)
+    other = {
+        "same dtype, aligned": torch.zeros(32, dtype=torch.bfloat16),
+        "one element in": base[1:],
+        "fp16": torch.zeros(64, dtype=torch.float16),
+        "None": None,
+    }
+    cases = [(src, field, value) for field in src._fields for value in other.values()]
+    slots = OneshotSlots(7168, 2048, 128)
+    for field in slots._fields:
+        cases += [(slots, field, v) for v in (4096, 16, 1, 7, 2**31, 2**31 + 16)]
+    scalars = LayerScalars(2.5, 1e-6, 0.0, 1.0)
+    for field in scalars._fields:
+        cases += [(scalars, field, v) for v in (1.0, 0.0, -3.5, None)]
+    outcomes = set()
+    for record, field, value in cases:
+        changed = record._replace(**{field: value})
+        key = _make_key_fn(launcher._kinds((record,)))
+        # another layout of the record (None for a tensor): the key function refuses it, so the
+        # launcher takes the normal launch and never serves it from the cached entry
+        same_layout = launcher._kinds((changed,)) == launcher._kinds((record,))
+        same_key = same_layout and key(0, False, "", 4, (), record) == key(
+            0, False, "", 4, (), changed
+        )
+        same_spec = triton_spec(record) == triton_spec(changed)
+        assert same_key == same_spec, (type(record).__name__, field, value)
+        outcomes.add(same_key)
+    assert outcomes == {True, False}  # both kinds of change are among the cases
 
 
 # ---- keying and fallback with a fake launcher
@@ -495,10 +536,7 @@ def test_finalize_add_outputs_identical_through_the_cache(cached):
         expected = torch.empty(tokens, H, dtype=torch.bfloat16)
         block = finalize_add.block_h_for(H, tokens)
         finalize_add._finalize_add_kernel[(tokens, -(-H // block))](
-            g,
-            perm,
-            w,
-            s if shared else expected,
+            RowSource(g, perm, w, s if shared else expected, None, None),
             expected,
             H,
             0.75,
@@ -581,10 +619,7 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
                     residual,
                     reduced,
                     gamma,
-                    r_out,
-                    n_out,
-                    q,
-                    sf,
+                    RowOutputs(r_out, n_out, q, sf),
                     tokens,
                     H,
                     1e-6,
@@ -595,7 +630,7 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
                 )
                 if quant_mode != quant.QUANT_NONE:
                     quant._quantize_kernel[(rows,)](
-                        n_out, q2, sf2, tokens, H, scale, sf_cols, **named
+                        n_out, RowOutputs(None, None, q2, sf2), tokens, H, scale, sf_cols, **named
                     )
             outs.append((r_out, n_out, q, sf, q2, sf2))
         assert torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()

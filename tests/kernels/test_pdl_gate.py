@@ -79,6 +79,7 @@ def test_fused_tp1_takes_the_pdl_launchers_exactly_where_allowed(tokens):
 def test_the_twoshot_launches_use_pdl_only_where_allowed(monkeypatch):
     """Every launch of a twoshot call (F, R, sync) records its launcher: with TwoshotShape.pdl on,
     PDL launchers with USE_PDL True only where `pdl_ok` says so."""
+    from fusion_bridge.kernels.records import LayerScalars
     from fusion_bridge.kernels.symm.twoshot import _call_launches
 
     names = [n + s for n in ("_LAUNCH_F", "_LAUNCH_R", "_LAUNCH_S") for s in ("", "_PDL")]
@@ -96,6 +97,7 @@ def test_the_twoshot_launches_use_pdl_only_where_allowed(monkeypatch):
         layer.ptrs = layer.state = torch.zeros(2, dtype=torch.int64)
         layer.own_addr = layer.ptrs.data_ptr()
         layer.routed_scaling, layer.eps, layer.weight_bias, layer.timeout_us = 1.0, 1e-6, 0.0, 1
+        layer.scalars = LayerScalars(1.0, 1e-6, 0.0, 1.0)
         x = torch.zeros(3, 256, dtype=torch.bfloat16)
         tensors = dict(
             residual_out=x, norm_out=x, q=x, sf=x, gemm2_out=x, weights=x, shared=None,
@@ -108,5 +110,5 @@ def test_the_twoshot_launches_use_pdl_only_where_allowed(monkeypatch):
         calls.sync(0, signal=1)()
         assert len(made) == 3
         for real, consts in made:
-            assert consts[-1] is allowed, (real.name, consts)
+            assert consts[0].USE_PDL is allowed, (real.name, consts)  # PIPE, the call's Pipeline
             assert bool(real.options.get("launch_pdl")) is allowed, real.name

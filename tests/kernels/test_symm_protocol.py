@@ -1,14 +1,15 @@
 """The shape of our kernel layer, checked mechanically: the protocol and sizing import no Triton, no
 Python function in the product takes more than 12 positional parameters (Triton @jit kernels are
-exempt), and the test/benchmark hooks reach no production launcher or strategy."""
+exempt) and no @triton.jit function more than 16 (records instead of walls; flags by keyword), and
+the test/benchmark hooks reach no production launcher or strategy."""
 
 import ast
 import inspect
 import pathlib
+import re
 import subprocess
 import sys
 
-import pytest
 
 from fusion_bridge.kernels.symm import (
     oneshot as symm_oneshot,
@@ -51,6 +52,53 @@ def test_no_function_in_the_product_takes_more_than_12_positional_parameters():
                     if count > 12 and not jit:
                         wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {count}")
     assert not wide, wide
+
+
+def _jit_functions():
+    """(path, function node, source lines) of every @triton.jit function in the product."""
+    for root in ("fusion_bridge", "kernels"):
+        for path in (ROOT / root).rglob("*.py"):
+            if "kernels" in path.parts and root == "fusion_bridge":
+                continue  # the symlink to kernels/
+            text = path.read_text()
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.FunctionDef) and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list
+                ):
+                    yield path, node, text.splitlines()
+
+
+def test_no_jit_function_takes_more_than_16_parameters():
+    """Our kernels take records (kernels/records.py), not walls of positional arguments: at most
+    16 parameters per @triton.jit function, constexprs included."""
+    wide = []
+    for path, node, _ in _jit_functions():
+        a = node.args
+        count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+        if count > 16:
+            wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {count}")
+    assert not wide, wide
+
+
+def test_no_flag_is_passed_by_position_inside_a_kernel():
+    """Inside @triton.jit code a flag is passed by keyword (`LEAN=True`): no positional True /
+    False, and no positional argument whose line comment names the parameter it stands for
+    (`True,  # LEAN`, `HW_CVT,  # GPU_MUL_RN: on a GPU`)."""
+    named_by_comment = re.compile(r"#\s*[A-Z][A-Z0-9_]+\b(:|$)")
+    found = []
+    for path, node, lines in _jit_functions():
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            for arg in call.args:
+                where = f"{path.relative_to(ROOT)}:{arg.lineno} {ast.unparse(call)[:60]}"
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, bool):
+                    found.append(where)
+                line = lines[arg.end_lineno - 1]
+                comment = line[arg.end_col_offset :].partition("#")
+                if comment[1] and named_by_comment.search("#" + comment[2]):
+                    found.append(where)
+    assert not found, found
 
 
 def test_hooks_stay_out_of_production_launchers_and_strategies():
@@ -155,8 +203,9 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
 
 
 def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
-    """symm_fused_twoshot launches kernels/twoshot_launch (the two-shot pipeline; its variant names
-    agree with the strategy's): its workspace's device state has the two-shot's shape (int64
+    """symm_fused_twoshot launches kernels/symm/twoshot (the two-shot pipeline, one launch shape:
+    the strategy declares the default variant only): its workspace's device state has the
+    two-shot's shape (int64
     [TWOSHOT_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare() does) with
     the keywords the strategy's run() passes gives launches on the bound pointers and state, at
     this group's world size. The launches are recorded, not made (the kernels use inline
@@ -167,17 +216,12 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
 
     import torch
 
-    from fusion_bridge.kernels.symm import twoshot_variants as twoshot_launch
     from fusion_bridge.kernels.symm.twoshot_device import STATE_WORDS
     from fusion_bridge.spec import EpilogueSpec
-    from fusion_bridge.strategies.symm_fused_twoshot import TWOSHOT_VARIANTS
     from fusion_bridge.oracle.synthetic import make_inputs
 
-    assert SymmFusedTwoshotStrategy._kernel_module(None) is twoshot_launch
-    assert twoshot_launch.VARIANTS == TWOSHOT_VARIANTS
-    assert twoshot_launch.variant_shape("f_after_x", 5, 96, 132, 2, 0) == "f_after_x"
-    with pytest.raises(ValueError, match="variant: expected one of"):
-        twoshot_launch.variant_shape("ring", 5, 96, 132, 2, 0)
+    assert SymmFusedTwoshotStrategy._kernel_module(None) is symm_twoshot
+    assert SymmFusedTwoshotStrategy.variants(None, None) == ("default",)
     layout = SymmFusedTwoshotStrategy.workspace_layout
     words, dtype = layout.state_words, layout.state_dtype
     assert (words, dtype) == (STATE_WORDS, torch.int64)
@@ -203,7 +247,7 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
             name,
             lambda grid, args, consts, warps, n=name: made.append((n, args, consts)),
         )
-    twoshot_launch.launch(
+    symm_twoshot.launch(
         layer,
         residual_out=torch.empty_like(inp.residual),
         norm_out=torch.empty_like(inp.residual),
@@ -226,5 +270,5 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     # the row launches take this rank's buffer address, the others the device state
     own = ws.buffer.data_ptr()
     assert all(args[1] == own if n == "_LAUNCH_R" else args[1] is ws.state for n, args, _ in made)
-    assert all(consts[0] == 2 for _, _, consts in made)  # WORLD
-    assert made[1][2][1] == 2  # the finalize's TOP_K
+    assert all(consts[0].WORLD == 2 for _, _, consts in made)  # PIPE, the call's Pipeline
+    assert made[1][2][1].TOP_K == 2  # the finalize's FORM

@@ -68,7 +68,7 @@ def _exact_inputs(spec, world, tokens, partial_values, residual_value):
     return out
 
 
-def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False, f_ahead=False):
+def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False):
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first. merged (W = 1):
     the production sequence, the syncs not split."""
     from fusion_bridge.epilogue_tensors import quant_buffers
@@ -106,7 +106,7 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
         outs.append(tuple(view for view, _ in got))
         guards.append(got)
     per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
-    shape = TwoshotShape(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots, f_ahead=f_ahead)
+    shape = TwoshotShape(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots)
     if merged:
         _interpreter_loop_bounds()
         for _, _, fn in twoshot_launches(layers[0], per_rank[0], shape, emulated=True, split=False):
@@ -182,19 +182,15 @@ def test_every_rank_gets_the_same_bits_and_the_oracle_within_three_roundings(
     assert emu.flags(TWOSHOT_REDUCED_BYTE).tolist() == [last] * world
 
 
-@pytest.mark.parametrize(
-    "merged,f_ahead",
-    [(False, False), (True, False), (True, True)],
-    ids=["split", "production", "production_f_ahead"],
-)
-def test_world_of_one_reuses_the_slots(merged, f_ahead):
+@pytest.mark.parametrize("merged", [False, True], ids=["split", "production"])
+def test_world_of_one_reuses_the_slots(merged):
     """W = 1 (no G) over 6 chunks (the 4 slots reused), the syncs split and as the production
-    sequence merges them (one gate for the first 4 chunks, X(c) releasing chunk c - 1 and gating
-    chunk c + 3, one final release)."""
+    sequence merges them (one gate for the first 4 chunks, V(c) releasing chunk c - 1 and gating
+    chunk c + 3 right after R(c - 1), one final release)."""
     spec = EpilogueSpec(hidden_size=160, top_k=4, routed_scaling_factor=2.5)
     emu = EmulatedTwoshot(1, 4, 160)
     inputs = _inputs(spec, 21, 1, seed=3)
-    outs = _run(emu, spec, inputs, merged=merged, f_ahead=f_ahead)
+    outs = _run(emu, spec, inputs, merged=merged)
     x64, norm64 = epilogue64_from(spec, inputs)
     assert not emu.states[0, 2], hex(int(emu.states[0, 2]))
     assert rel_err(outs[0][0], x64) <= math.sqrt(2) * U
@@ -297,7 +293,7 @@ def test_the_plan_covers_every_row_once():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("stream_mode", "three"), ("chunk", 0), ("slots", 1), ("slots", 5), ("f_streams", 3)],
+    [("chunk", 0), ("slots", 1), ("slots", 5)],
 )
 def test_a_bad_twoshot_shape_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}: expected .* got"):
@@ -306,12 +302,15 @@ def test_a_bad_twoshot_shape_names_the_field(field, value):
 
 def _sync(emu, rank, c, timeout=3, **flags):
     """One sync launch of rank `rank` at chunk c (`symm_twoshot_kernels._sync_kernel`)."""
-    from fusion_bridge.kernels.symm.twoshot_kernels import _sync_kernel
+    from fusion_bridge.kernels.symm.protocol import TwoshotSlots
+    from fusion_bridge.kernels.symm.twoshot_kernels import Pipeline, SyncSteps, _sync_kernel
 
-    what = dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags
-    gate = (c, 1) if what["GATE"] else (0, 0)
-    args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout, emu.hidden, emu.chunk)
-    _sync_kernel[(1,)](*args, WORLD=emu.world, SLOTS=emu.slots, EMU=True, NAN_BITS=0x7FC0, **what)
+    steps = SyncSteps(**(dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags))
+    gate = (c, 1) if steps.GATE else (0, 0)
+    args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout)
+    args += (TwoshotSlots(emu.hidden, emu.chunk),)
+    pipe = Pipeline(WORLD=emu.world, SLOTS=emu.slots, L2=0, USE_PDL=False, EMU=True)
+    _sync_kernel[(1,)](*args, PIPE=pipe, STEPS=steps, NAN_BITS=0x7FC0)
 
 
 def test_the_gate_waits_for_every_rank_to_release_the_slot():

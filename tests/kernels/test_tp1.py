@@ -324,20 +324,13 @@ def test_a_split_row_whose_partner_never_arrives_is_nan_not_a_hang():
     inp = make_inputs(spec, 1, seed=5, device=DEVICE)
     out = _launch_with(strat, inp, shape)  # one full call: tags of epoch 1
     assert torch.isfinite(out.norm_out).all()
-    launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = strat._launch.plan(
-        1, 2, True, False, (0,), shape
-    )
     t = call_tensors(inp, (out.residual_out, out.norm_out, strat._unused, strat._unused))
-    args = (t["gemm2_out"], t["perm"], t["weights"], t["shared"], t["residual"], t["gamma"])
-    args += (out.residual_out, out.norm_out, strat._unused, strat._unused)
-    args += (strat._launch.sync_words(), strat._launch.error_address, 1, 320, 1.0, spec.eps, 0.0)
-    args += (1.0, sf_rows, sf_cols, chunks)
+    launcher, grid, args, fixed, warps, chunks = strat._launch._launch_args(*t.values(), shape)
     words = strat._launch.sync_words()
     counter = words[0 * (L.MAX_CHUNKS + 1) + chunks]
     assert counter.item() == 2 * L.MAX_CHUNKS  # what one call adds to its chunk count's counter
     words[0 * (L.MAX_CHUNKS + 1) + chunks] += 2 * L.MAX_CHUNKS  # as after a publish: tags stay 1
-    fixed = fixed[:-1] + (3, L.OUTPUT_PHASE)  # MAX_POLLS = 3
-    launcher(grid, args, fixed, warps)
+    launcher(grid, args, fixed._replace(MAX_POLLS=3, PHASES=L.OUTPUT_PHASE), warps)
     assert torch.isnan(out.norm_out).all()
 
 
@@ -355,16 +348,10 @@ def test_a_split_row_whose_partner_never_arrives_is_reported_not_silent():
     shape = Tp1Shape(64, 2)
     inp = make_inputs(spec, 1, seed=5, device=DEVICE)
     out = _launch_with(strat, inp, shape)
-    launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = strat._launch.plan(
-        1, 2, True, False, (0,), shape
-    )
     t = call_tensors(inp, (out.residual_out, out.norm_out, strat._unused, strat._unused))
-    args = (t["gemm2_out"], t["perm"], t["weights"], t["shared"], t["residual"], t["gamma"])
-    args += (out.residual_out, out.norm_out, strat._unused, strat._unused)
-    args += (strat._launch.sync_words(), strat._launch.error_address, 1, 320, 1.0, spec.eps, 0.0)
-    args += (1.0, sf_rows, sf_cols, chunks)
+    launcher, grid, args, fixed, warps, chunks = strat._launch._launch_args(*t.values(), shape)
     strat._launch.sync_words()[chunks] += 2 * L.MAX_CHUNKS  # as after a publish: tags stay 1
-    launcher(grid, args, fixed[:-1] + (3, L.OUTPUT_PHASE), warps)
+    launcher(grid, args, fixed._replace(MAX_POLLS=3, PHASES=L.OUTPUT_PHASE), warps)
     assert torch.isnan(out.norm_out).all()  # the failed wait happened
     with pytest.raises(RuntimeError, match="fused_tp1: an earlier call's split rows timed out"):
         strat.run(inp)
