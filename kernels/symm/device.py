@@ -43,7 +43,9 @@ def take_ticket(state_ptr, slot, prev_rows, LANES: tl.constexpr):
     return tl.atomic_add(
         state_ptr + STATE_TICKET + lane * 0,
         lane * 0 + 1,
-        mask=(lane == 0) & (slot >= 0) & (prev_rows >= 0),
+        # the scalars compared as blocks: Triton 3.7+'s interpreter gives `block & scalar`
+        # an int32 mask, which its atomics refuse (the compiled code is the same)
+        mask=(lane == 0) & (lane * 0 + slot >= 0) & (lane * 0 + prev_rows >= 0),
         sem="relaxed",
         scope="gpu",
     )
@@ -168,7 +170,9 @@ def report_error(who, ptrs_ptr, state_ptr, abort_ptr, rank, WORLD: tl.constexpr)
         for q in tl.static_range(WORLD):
             tl.atomic_xchg(
                 abort_word_ptr(ptrs_ptr, q),
-                ERR_ABORTED | (rank << ERR_RANK_SHIFT) | who,
+                # the tensor first: under Triton 3.7+'s interpreter `constexpr | tensor` stays a
+                # constexpr wrapping the tensor, which atomic_xchg cannot take
+                who | (rank << ERR_RANK_SHIFT) | ERR_ABORTED,
                 sem="relaxed",
                 scope="sys",
             )
