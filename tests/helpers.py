@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from typing import NamedTuple
+
 import torch
 
 from fusion_bridge.epilogue_tensors import EpilogueInputs
@@ -169,3 +176,67 @@ def quant_problems(quant, norm_out, q, sf, nan_rows=()) -> list:
                     f"nvfp4 block scales of NaN row {row} are not NaN: {scales.tolist()}"
                 )
     return problems
+
+
+class CliRun(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, env_vars: dict | None = None) -> CliRun:
+    """`python -m fusion_bridge ARGS` run in this process (`fusion_bridge.cli.main.main(argv)`, the
+    function `python -m fusion_bridge` calls): its exit status and what it wrote to stdout and
+    stderr, as a process of its own would have them. File descriptors 1 and 2 go to files for the
+    call, with sys.stdout and sys.stderr written through them, so `--json` (which points fd 1 at
+    stderr and keeps a copy for the document) and C libraries' prints land where they would. As in
+    a process with Python's defaults, log records of WARNING and above reach stderr (pytest's
+    handlers are set aside) and so does every warning raised (pytest would record them instead).
+    The environment: FUSION_BRIDGE_STRATEGY unset, then `env_vars` (name -> value; None unsets);
+    os.environ is restored afterwards, whatever the command set.
+
+    Saves the ~2-5 s of CPU a subprocess pays to import torch, triton and flashinfer again. What
+    only a process of its own shows (nothing imported at --help, a reader that leaves, parity's
+    ranks, the module entry point itself) is tested with one (tests/cli/test_cli.py)."""
+    from fusion_bridge.cli import common
+    from fusion_bridge.cli.main import main
+
+    saved_env = dict(os.environ)
+    os.environ.pop("FUSION_BRIDGE_STRATEGY", None)
+    for name, value in (env_vars or {}).items():
+        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds, saved_sys = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
+    saved_handlers, json_fds = logging.root.handlers[:], len(common._JSON_FD)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        logging.root.handlers = []  # no handler anywhere: logging's last resort, on sys.stderr
+        try:
+            with warnings.catch_warnings(record=True) as raised:
+                try:
+                    code = main(list(args))
+                except SystemExit as exc:  # argparse: errors (2), --help and --version (0)
+                    code = exc.code
+            for w in raised:
+                text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                sys.stderr.write(text)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = saved_sys
+            logging.root.handlers = saved_handlers
+            for target, fd in zip((1, 2), saved_fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            for fd in common._JSON_FD[json_fds:]:  # --json's copies of fd 1, as process exit would
+                os.close(fd)
+            del common._JSON_FD[json_fds:]
+            os.environ.clear()
+            os.environ.update(saved_env)
+        out.seek(0)
+        err.seek(0)
+        return CliRun(0 if code is None else code, out.read().decode(), err.read().decode())
