@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import os
 import sys
@@ -240,3 +242,84 @@ def run_cli(*args: str, env_vars: dict | None = None) -> CliRun:
         out.seek(0)
         err.seek(0)
         return CliRun(0 if code is None else code, out.read().decode(), err.read().decode())
+
+
+class InterpreterPatchOncePerLaunch:
+    """The Triton interpreter, minus work it repeats for nothing: it swaps `triton.language`'s
+    builtins for interpreted ones when a kernel launch starts (`_patch_lang`, undone when the launch
+    ends) and again at every call of a @triton.jit helper inside the launch, each time scanning the
+    language modules with inspect.getmembers: about a third of an interpreted kernel's CPU time
+    here (tests/kernels/test_symm_twoshot_interleavings.py: 7.3 s -> 4.7 s). A helper call whose
+    module sees only language modules the running launch already patched finds every builtin
+    swapped already (the scan swaps only builtins; its other assignments put back equal
+    replacements), so the repeat changes nothing and is skipped; any other call is patched as
+    Triton does. Nothing else of the interpreter changes: the kernels run the same operations.
+
+    Installed (tests/conftest.py, under TRITON_INTERPRET=1) only for a `_patch_lang` whose source
+    is the one this was written against (Triton 3.6.0 and 3.9.0 ship it unchanged) and whose two
+    callers (the launch, which undoes its patch at the end, and the helper call) are as read
+    there; otherwise the interpreter is left as it is. `enabled = False` turns it off (a test
+    compares)."""
+
+    PATCH_LANG_SHA256 = "e5beeba74ada48294c1d0dbee3e55a5ac185992e2197b7ee706f3f061d880989"
+
+    def __init__(self):
+        self.enabled, self.installed = True, False
+        self.patched: set[int] = set()  # ids of the language modules the running launch patched
+        self.skipped = 0
+        try:
+            import triton.language as tl
+            from triton.runtime import interpreter
+        except ImportError:
+            return
+        try:
+            as_read = (
+                hashlib.sha256(inspect.getsource(interpreter._patch_lang).encode()).hexdigest()
+                == self.PATCH_LANG_SHA256
+                and "patch_scope = _patch_lang(self.fn)"
+                in inspect.getsource(interpreter.GridExecutor.__call__)
+                and "patch_scope.restore()" in inspect.getsource(interpreter.GridExecutor.__call__)
+                and "_patch_lang(self.fn)"
+                in inspect.getsource(interpreter.InterpretedFunction.__call__)
+            )
+        except (AttributeError, OSError, TypeError):
+            as_read = False
+        if not as_read:
+            return
+        self.tl, self.interpreter, self.original = tl, interpreter, interpreter._patch_lang
+        self.launch_code = interpreter.GridExecutor.__call__.__code__
+        interpreter._patch_lang = self.patch_lang
+        self.installed = True
+
+    def patch_lang(self, fn):
+        langs = {
+            id(v) for v in fn.__globals__.values() if v is self.tl or v is self.tl.core
+        }  # what Triton's _patch_lang patches for fn (it asserts there is one)
+        if sys._getframe(1).f_code is self.launch_code:  # a launch: patched until it ends
+            scope = self.original(fn)
+            restore = scope.restore
+
+            def restore_and_forget():
+                self.patched.clear()
+                restore()
+
+            scope.restore, self.patched = restore_and_forget, langs
+            return scope
+        if self.enabled and self.patched and langs and langs <= self.patched:
+            self.skipped += 1
+            return self.interpreter._LangPatchScope()  # a helper's repeat: nothing to add
+        scope = self.original(fn)  # a helper seeing another language module: as Triton does
+        if self.patched:
+            self.patched |= langs
+        return scope
+
+
+_INTERPRETER: list = []
+
+
+def patch_the_interpreter_once_per_launch() -> InterpreterPatchOncePerLaunch:
+    """Install InterpreterPatchOncePerLaunch in this process (once; tests/conftest.py does, under
+    TRITON_INTERPRET=1, before any kernel runs) and return it."""
+    if not _INTERPRETER:
+        _INTERPRETER.append(InterpreterPatchOncePerLaunch())
+    return _INTERPRETER[0]

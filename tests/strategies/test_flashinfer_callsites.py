@@ -383,6 +383,9 @@ def _workspace_sharing(rank: int, group) -> dict:
 def _all_cases(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
+    from tests.helpers import patch_the_interpreter_once_per_launch
+
+    patch_the_interpreter_once_per_launch()  # as tests/conftest.py does in the test process
     install_fake_flashinfer()
     group = dist.new_group(list(range(world_size)), backend="gloo")
     result = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"), "cases": {}, "errors": {}}
