@@ -629,11 +629,16 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
         sf = torch.zeros(0, dtype=torch.uint8) if sf is None else sf
         return q.fill_(0xFF), sf.fill_(0xFF)  # poisoned, as the activations (NaN)
 
+    # T=3 launches normally (`KernelLauncher._launch_normally`, the path every interpreted test of
+    # these kernels takes: the real launch cache is off under the interpreter; the arguments it
+    # passes: test_same_key_calls_the_cached_launcher_with_grid_stream_and_args) and fills the
+    # cache; T=5 takes the cached launcher, whose outputs must be the direct launch's. Only that
+    # one is compared (a swizzled NVFP4 launch is 128 interpreted programs, the padding rows').
     for tokens in (3, 5):
         residual, reduced = torch.randn(2, tokens, H, dtype=torch.bfloat16)
         gamma = torch.randn(H, dtype=torch.bfloat16)
         outs = []
-        for through_cache in (False, True):
+        for through_cache in (False, True) if tokens == 5 else (True,):
             r_out = torch.full_like(residual, float("nan"))
             n_out = torch.full_like(residual, float("nan"))
             q, sf = buffers(tokens)
@@ -677,9 +682,10 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
                         n_out, RowOutputs(None, None, q2, sf2), tokens, H, scale, sf_cols, **named
                     )
             outs.append((r_out, n_out, q, sf, q2, sf2))
-        assert torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()
-        for a, b in zip(*outs):  # bit for bit (NaN poison would compare unequal as values)
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        if tokens == 5:
+            assert torch.isfinite(outs[0][0]).all() and torch.isfinite(outs[0][1]).all()
+            for a, b in zip(*outs):  # bit for bit (NaN poison would compare unequal as values)
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert norm_kernel.cached_launches == 1  # T=5 reused T=3's key
     assert quant_kernel.cached_launches == (1 if quant_mode != quant.QUANT_NONE else 0)
 
