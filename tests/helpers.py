@@ -249,7 +249,7 @@ class InterpreterPatchOncePerLaunch:
     builtins for interpreted ones when a kernel launch starts (`_patch_lang`, undone when the launch
     ends) and again at every call of a @triton.jit helper inside the launch, each time scanning the
     language modules with inspect.getmembers: about a third of an interpreted kernel's CPU time
-    here (tests/kernels/test_symm_twoshot_interleavings.py: 7.3 s -> 4.7 s). A helper call whose
+    here (one W=4 case of test_symm_twoshot_interleavings.py: 7.3 -> 4.7 s). A helper call whose
     module sees only language modules the running launch already patched finds every builtin
     swapped already (the scan swaps only builtins; its other assignments put back equal
     replacements), so the repeat changes nothing and is skipped; any other call is patched as
