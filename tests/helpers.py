@@ -6,14 +6,19 @@ import hashlib
 import inspect
 import logging
 import os
+import pickle
+import shutil
 import sys
 import tempfile
 import warnings
-from typing import NamedTuple
+from pathlib import Path
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 
 from fusion_bridge.epilogue_tensors import EpilogueInputs
+
+_Result = TypeVar("_Result")
 
 
 def garbage_weights_where_skipped(inputs: EpilogueInputs) -> EpilogueInputs:
@@ -323,3 +328,30 @@ def patch_the_interpreter_once_per_launch() -> InterpreterPatchOncePerLaunch:
     if not _INTERPRETER:
         _INTERPRETER.append(InterpreterPatchOncePerLaunch())
     return _INTERPRETER[0]
+
+
+def once_per_run(tmp_path_factory, name: str, compute: Callable[[Path], _Result]) -> _Result:
+    """compute(directory) once per pytest run, for a module fixture whose work is slow (a spawned
+    group, torchrun, a child compiling kernels): under pytest-xdist a module's tests are spread over
+    the workers, and each worker that gets one would set the module fixture up again (the same
+    processes, the same result, twice on `-n 2`). The first worker to get here computes, in a fresh
+    directory shared by the run's workers, and leaves the result pickled there; the others wait
+    for it (a file lock) and load it. A compute that raises leaves nothing: the next worker tries
+    again (and fails the same way, so each worker's tests report it). Without xdist: computed here,
+    in a fresh directory of this session."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute(tmp_path_factory.mktemp(name))
+    from filelock import FileLock  # a dependency of torch
+
+    shared = tmp_path_factory.getbasetemp().parent  # the run's base: one per run, every worker's
+    directory, done = shared / f"once-{name}", shared / f"once-{name}.pkl"
+    with FileLock(str(shared / f"once-{name}.lock")):
+        if done.is_file():
+            return pickle.loads(done.read_bytes())
+        shutil.rmtree(directory, ignore_errors=True)  # what a failed compute left
+        directory.mkdir()
+        value = compute(directory)
+        partial = done.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(value))
+        partial.replace(done)
+        return value

@@ -410,10 +410,15 @@ def _all_cases(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def ranks(tmp_path_factory):
     from fusion_bridge.cli.launch import run_distributed
+    from tests.helpers import once_per_run
 
-    return run_distributed(_all_cases, WORLD, backend="gloo", timeout_s=RUN_TIMEOUT_S)
+    return once_per_run(  # one spawned group per run: xdist workers share it
+        tmp_path_factory,
+        "flashinfer_callsites",
+        lambda _: run_distributed(_all_cases, WORLD, backend="gloo", timeout_s=RUN_TIMEOUT_S),
+    )
 
 
 def tensor(rec: dict) -> torch.Tensor:
