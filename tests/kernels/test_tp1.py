@@ -249,7 +249,13 @@ def test_split_rows_under_the_interpreter(quant):
     phases run one after the other: residual_out bit for bit the whole rows' (and so the two-launch
     path's), norm_out against the float64 oracle, quant codes and scales (padding included) those
     of its own norm_out. Calls alternate chunk counts and T, so each count's arrival counter and
-    tags must stay in step while the others run; H=160 ends in a partial chunk."""
+    tags must stay in step while the others run; H=160 ends in a partial chunk.
+
+    The whole rows' residual_out comes from the same spec without quantization: the whole-row
+    kernel stores residual_out before its norm and quantization read it (kernels/tp1/whole_rows.py),
+    and launches one program per row, where a swizzled NVFP4 launch is 128 (the scale padding
+    rows': three quarters of this test's interpreted time). The whole rows with each quantization,
+    their padding included, are test_matches_the_oracle_and_the_two_launch_path's."""
     from fusion_bridge.kernels.tp1.shapes import Tp1Shape, split_ok
 
     problems = []
@@ -260,10 +266,13 @@ def test_split_rows_under_the_interpreter(quant):
         strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
         strat.prepare()
         strat._launch.num_sms = 16
+        plain_spec = EpilogueSpec(**{**spec.__dict__, "quant": QuantSpec.none()})
+        plain = FusedTp1Strategy(plain_spec, ENV, device=torch.device(DEVICE))
+        plain.prepare()
         for rep in range(2):
             for tokens in (1, 3):
                 inp = make_inputs(spec, tokens, seed=rep * 10 + tokens, device=DEVICE)
-                whole = _launch_with(strat, inp, whole_rows(spec))
+                whole = _launch_with(plain, inp, whole_rows(plain_spec))
                 x64, norm64 = epilogue64_from(spec, [inp])
                 for chunk in chunks_of:
                     shape = Tp1Shape(chunk, 2)
