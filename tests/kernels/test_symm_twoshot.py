@@ -308,6 +308,7 @@ def _sync(emu, rank, c, timeout=3, **flags):
     from fusion_bridge.kernels.symm.protocol import TwoshotSlots
     from fusion_bridge.kernels.symm.twoshot_kernels import Pipeline, SyncSteps, _sync_kernel
 
+    _interpreter_loop_bounds()  # the gate loops over launch args (range(gate_lo, gate_lo + gate_n))
     steps = SyncSteps(**(dict(SIGNAL=0, WAIT=0, RELEASE=False, ADVANCE=False, GATE=False) | flags))
     gate = (c, 1) if steps.GATE else (0, 0)
     args = (emu.ptrs[rank], emu.states[rank], c, c, *gate, 8, rank, timeout)
