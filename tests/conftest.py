@@ -23,6 +23,12 @@ from fusion_bridge.environment import NO_MULTICAST_ENV  # noqa: E402  (after TRI
 os.environ.update(NO_MULTICAST_ENV)
 
 
+if not HAS_CUDA:  # about a third less CPU per interpreted kernel (tests/helpers.py says why)
+    from tests.helpers import patch_the_interpreter_once_per_launch  # noqa: E402
+
+    patch_the_interpreter_once_per_launch()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import logging
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable, NamedTuple, TypeVar
+
 import torch
 
 from fusion_bridge.epilogue_tensors import EpilogueInputs
+
+_Result = TypeVar("_Result")
 
 
 def garbage_weights_where_skipped(inputs: EpilogueInputs) -> EpilogueInputs:
@@ -169,3 +183,175 @@ def quant_problems(quant, norm_out, q, sf, nan_rows=()) -> list:
                     f"nvfp4 block scales of NaN row {row} are not NaN: {scales.tolist()}"
                 )
     return problems
+
+
+class CliRun(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, env_vars: dict | None = None) -> CliRun:
+    """`python -m fusion_bridge ARGS` run in this process (`fusion_bridge.cli.main.main(argv)`, the
+    function `python -m fusion_bridge` calls): its exit status and what it wrote to stdout and
+    stderr, as a process of its own would have them. File descriptors 1 and 2 go to files for the
+    call, with sys.stdout and sys.stderr written through them, so `--json` (which points fd 1 at
+    stderr and keeps a copy for the document) and C libraries' prints land where they would. As in
+    a process with Python's defaults, log records of WARNING and above reach stderr (pytest's
+    handlers are set aside) and so does every warning raised (pytest would record them instead).
+    The environment: FUSION_BRIDGE_STRATEGY unset, then `env_vars` (name -> value; None unsets);
+    os.environ is restored afterwards, whatever the command set.
+
+    Saves the ~2-5 s of CPU a subprocess pays to import torch, triton and flashinfer again. What
+    only a process of its own shows (nothing imported at --help, a reader that leaves, parity's
+    ranks, the module entry point itself) is tested with one (tests/cli/test_cli.py)."""
+    from fusion_bridge.cli import common
+    from fusion_bridge.cli.main import main
+
+    saved_env = dict(os.environ)
+    os.environ.pop("FUSION_BRIDGE_STRATEGY", None)
+    for name, value in (env_vars or {}).items():
+        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds, saved_sys = (os.dup(1), os.dup(2)), (sys.stdout, sys.stderr)
+    saved_handlers, json_fds = logging.root.handlers[:], len(common._JSON_FD)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        logging.root.handlers = []  # no handler anywhere: logging's last resort, on sys.stderr
+        try:
+            with warnings.catch_warnings(record=True) as raised:
+                try:
+                    code = main(list(args))
+                except SystemExit as exc:  # argparse: errors (2), --help and --version (0)
+                    code = exc.code
+            for w in raised:
+                text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                sys.stderr.write(text)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = saved_sys
+            logging.root.handlers = saved_handlers
+            for target, fd in zip((1, 2), saved_fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            for fd in common._JSON_FD[json_fds:]:  # --json's copies of fd 1, as process exit would
+                os.close(fd)
+            del common._JSON_FD[json_fds:]
+            os.environ.clear()
+            os.environ.update(saved_env)
+        out.seek(0)
+        err.seek(0)
+        return CliRun(0 if code is None else code, out.read().decode(), err.read().decode())
+
+
+class InterpreterPatchOncePerLaunch:
+    """The Triton interpreter, minus work it repeats for nothing: it swaps `triton.language`'s
+    builtins for interpreted ones when a kernel launch starts (`_patch_lang`, undone when the launch
+    ends) and again at every call of a @triton.jit helper inside the launch, each time scanning the
+    language modules with inspect.getmembers: about a third of an interpreted kernel's CPU time
+    here (one W=4 case of test_symm_twoshot_interleavings.py: 7.3 -> 4.7 s). A helper call whose
+    module sees only language modules the running launch already patched finds every builtin
+    swapped already (the scan swaps only builtins; its other assignments put back equal
+    replacements), so the repeat changes nothing and is skipped; any other call is patched as
+    Triton does. Nothing else of the interpreter changes: the kernels run the same operations.
+
+    Installed (tests/conftest.py, under TRITON_INTERPRET=1) only for a `_patch_lang` whose source
+    is the one this was written against (Triton 3.6.0 and 3.9.0 ship it unchanged) and whose two
+    callers (the launch, which undoes its patch at the end, and the helper call) are as read
+    there; otherwise the interpreter is left as it is. `enabled = False` turns it off (a test
+    compares)."""
+
+    PATCH_LANG_SHA256 = "e5beeba74ada48294c1d0dbee3e55a5ac185992e2197b7ee706f3f061d880989"
+
+    def __init__(self):
+        self.enabled, self.installed = True, False
+        self.patched: set[int] = set()  # ids of the language modules the running launch patched
+        self.skipped = 0
+        try:
+            import triton.language as tl
+            from triton.runtime import interpreter
+        except ImportError:
+            return
+        try:
+            as_read = (
+                hashlib.sha256(inspect.getsource(interpreter._patch_lang).encode()).hexdigest()
+                == self.PATCH_LANG_SHA256
+                and "patch_scope = _patch_lang(self.fn)"
+                in inspect.getsource(interpreter.GridExecutor.__call__)
+                and "patch_scope.restore()" in inspect.getsource(interpreter.GridExecutor.__call__)
+                and "_patch_lang(self.fn)"
+                in inspect.getsource(interpreter.InterpretedFunction.__call__)
+            )
+        except (AttributeError, OSError, TypeError):
+            as_read = False
+        if not as_read:
+            return
+        self.tl, self.interpreter, self.original = tl, interpreter, interpreter._patch_lang
+        self.launch_code = interpreter.GridExecutor.__call__.__code__
+        interpreter._patch_lang = self.patch_lang
+        self.installed = True
+
+    def patch_lang(self, fn):
+        langs = {
+            id(v) for v in fn.__globals__.values() if v is self.tl or v is self.tl.core
+        }  # what Triton's _patch_lang patches for fn (it asserts there is one)
+        if sys._getframe(1).f_code is self.launch_code:  # a launch: patched until it ends
+            scope = self.original(fn)
+            restore = scope.restore
+
+            def restore_and_forget():
+                self.patched.clear()
+                restore()
+
+            scope.restore, self.patched = restore_and_forget, langs
+            return scope
+        if self.enabled and self.patched and langs and langs <= self.patched:
+            self.skipped += 1
+            return self.interpreter._LangPatchScope()  # a helper's repeat: nothing to add
+        scope = self.original(fn)  # a helper seeing another language module: as Triton does
+        if self.patched:
+            self.patched |= langs
+        return scope
+
+
+_INTERPRETER: list = []
+
+
+def patch_the_interpreter_once_per_launch() -> InterpreterPatchOncePerLaunch:
+    """Install InterpreterPatchOncePerLaunch in this process (once; tests/conftest.py does, under
+    TRITON_INTERPRET=1, before any kernel runs) and return it."""
+    if not _INTERPRETER:
+        _INTERPRETER.append(InterpreterPatchOncePerLaunch())
+    return _INTERPRETER[0]
+
+
+def once_per_run(tmp_path_factory, name: str, compute: Callable[[Path], _Result]) -> _Result:
+    """compute(directory) once per pytest run, for a module fixture whose work is slow (a spawned
+    group, torchrun, a child compiling kernels): under pytest-xdist a module's tests are spread over
+    the workers, and each worker that gets one would set the module fixture up again (the same
+    processes, the same result, twice on `-n 2`). The first worker to get here computes, in a fresh
+    directory shared by the run's workers, and leaves the result pickled there; the others wait
+    for it (a file lock) and load it. A compute that raises leaves nothing: the next worker tries
+    again (and fails the same way, so each worker's tests report it). Without xdist: computed here,
+    in a fresh directory of this session."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute(tmp_path_factory.mktemp(name))
+    from filelock import FileLock  # a dependency of torch
+
+    shared = tmp_path_factory.getbasetemp().parent  # the run's base: one per run, every worker's
+    directory, done = shared / f"once-{name}", shared / f"once-{name}.pkl"
+    with FileLock(str(shared / f"once-{name}.lock")):
+        if done.is_file():
+            return pickle.loads(done.read_bytes())
+        shutil.rmtree(directory, ignore_errors=True)  # what a failed compute left
+        directory.mkdir()
+        value = compute(directory)
+        partial = done.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(value))
+        partial.replace(done)
+        return value

@@ -18,6 +18,7 @@ from fusion_bridge import EpilogueSpec, FusionBridge, env_vars
 from fusion_bridge.tuning import format as table_format
 from fusion_bridge.env_vars import EnvVarError
 from fusion_bridge.tuning.tables import read_table
+from tests.helpers import run_cli
 
 SPEC = EpilogueSpec(hidden_size=64, top_k=2, max_tokens=8)
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -218,24 +219,13 @@ def test_the_nesting_check_reads_escapes_inside_strings(tmp_path):
     ],
 )
 def test_parity_refuses_values_it_cannot_use_before_any_work(args, why):
-    proc = subprocess.run(
-        [sys.executable, "-m", "fusion_bridge", "parity", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # the CLI in this process (tests.helpers.run_cli): a parser error, nothing run
+    proc = run_cli("parity", *args)
     assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-1000:]
 
 
 def test_every_cli_command_names_a_malformed_variable_in_one_line():
-    env = {**__import__("os").environ, "FUSION_BRIDGE_SYMM_TIMEOUT_S": "garbage"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "fusion_bridge", "info"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    proc = run_cli("info", env_vars={"FUSION_BRIDGE_SYMM_TIMEOUT_S": "garbage"})
     assert proc.returncode == 2, proc.stderr[-1000:]
     assert proc.stderr.strip().splitlines() == [
         "error: environment variable FUSION_BRIDGE_SYMM_TIMEOUT_S must be a number of seconds in "

@@ -107,26 +107,51 @@ def test_parse_level(value, level):
 
 def test_first_build_with_the_env_var_prints_to_stderr_and_without_it_prints_nothing():
     """The variable is read when the first bridge is built (never at import): a malformed value then
-    fails the build naming the variable (tests/test_env_vars.py)."""
+    fails the build naming the variable (tests/test_env_vars.py). One process imports the package
+    (and FlashInfer, which the first build would) without the variable and forks twice: each child
+    is a process whose first bridge is still to be built, one with the variable set, one without
+    (one import for both instead of one each)."""
     code = (
-        "import logging; from fusion_bridge import FusionBridge, EpilogueSpec; "
-        "from fusion_bridge.log import logger; "
-        "FusionBridge(EpilogueSpec(hidden_size=64, top_k=2)).close(); "
-        "logger.info('hello info'); logger.warning('hello warning')"
+        "import os, sys, traceback\n"
+        "from fusion_bridge import FusionBridge, EpilogueSpec\n"
+        "from fusion_bridge.environment import detect\n"
+        "from fusion_bridge.log import logger\n"
+        "detect()  # imports what the build probes (FlashInfer), once, before the fork\n"
+        "for level in ('INFO', None):\n"
+        "    r, w = os.pipe()\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        status = 1\n"
+        "        try:\n"
+        "            os.close(r)\n"
+        "            os.dup2(w, 2)\n"
+        "            if level:\n"
+        "                os.environ['FUSION_BRIDGE_LOG_LEVEL'] = level\n"
+        "            FusionBridge(EpilogueSpec(hidden_size=64, top_k=2)).close()\n"
+        "            logger.info('hello info'); logger.warning('hello warning')\n"
+        "            status = 0\n"
+        "        except BaseException:\n"
+        "            traceback.print_exc()\n"
+        "        finally:\n"
+        "            sys.stderr.flush()\n"
+        "            os._exit(status)\n"
+        "    os.close(w)\n"
+        "    with os.fdopen(r) as f:\n"
+        "        err = f.read()\n"
+        "    print(repr((os.waitpid(pid, 0)[1], err)))\n"
     )
-    env = dict(os.environ, FUSION_BRIDGE_LOG_LEVEL="INFO")
-    on = subprocess.run(
+    env = dict(os.environ)
+    env.pop("FUSION_BRIDGE_LOG_LEVEL", None)
+    proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-    assert on.returncode == 0, on.stderr
-    assert "INFO fusion_bridge: hello info" in on.stderr and "hello warning" in on.stderr
-    env.pop("FUSION_BRIDGE_LOG_LEVEL")
-    off = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert off.returncode == 0, off.stderr
+    assert proc.returncode == 0, proc.stderr
+    (on_status, on), (off_status, off) = (eval(line) for line in proc.stdout.splitlines())
+    assert on_status == 0, on
+    assert "INFO fusion_bridge: hello info" in on and "hello warning" in on
+    assert off_status == 0, off
     # unconfigured: Python's defaults, WARNING and above on stderr, INFO hidden
-    assert "hello warning" in off.stderr and "hello info" not in off.stderr
+    assert "hello warning" in off and "hello info" not in off
 
 
 def test_once_logs_a_key_the_first_time_only(clean_logger, caplog):

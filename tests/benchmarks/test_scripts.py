@@ -22,6 +22,8 @@ import sys
 
 import pytest
 
+from tests.helpers import once_per_run
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 MODULES = ("harness.py", "offline_cases.py")  # imported by the scripts, not run
@@ -52,7 +54,12 @@ print(json.dumps(got))
 
 
 @pytest.fixture(scope="module")
-def helps() -> dict:
+def helps(tmp_path_factory) -> dict:
+    # one child per run: xdist workers share it (tests.helpers.once_per_run)
+    return once_per_run(tmp_path_factory, "benchmark_helps", lambda _: _helps())
+
+
+def _helps() -> dict:
     paths = [str(BENCH / name) for name in SCRIPTS]
     done = subprocess.run(
         [sys.executable, "-c", _DRIVER, *paths],

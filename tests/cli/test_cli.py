@@ -1,4 +1,10 @@
-"""The CLI as users run it: a subprocess, JSON on stdout only, the documented fields."""
+"""The CLI as users run it: JSON on stdout only, the documented fields, one-line errors.
+
+Most tests run it in this process (`cli`: tests.helpers.run_cli calls `main(argv)` with file
+descriptors 1 and 2 captured, as `python -m fusion_bridge` does, without paying torch's import per
+call); those about the process itself start one (`cli_process`, or `python -c`): parity over
+spawned ranks with TRITON_INTERPRET unset, --help without importing torch, the console script, a
+reader that leaves early."""
 
 import importlib.util
 import json
@@ -7,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import run_cli
 
 # `explain` and the shipped table's preview describe the strategies this process can run; without
 # the flashinfer package the FlashInfer strategies are off (reason `flashinfer_missing`), so the
@@ -21,6 +29,16 @@ needs_flashinfer = pytest.mark.skipif(
 
 
 def cli(*args, check=True, env_vars=None):
+    """The CLI in this process: returncode, stdout, stderr as `python -m fusion_bridge ARGS` would
+    give them (tests.helpers.run_cli)."""
+    proc = run_cli(*args, env_vars=env_vars)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def cli_process(*args, check=True, env_vars=None):
+    """`python -m fusion_bridge ARGS` in a process of its own."""
     env = dict(os.environ)
     env.pop("FUSION_BRIDGE_STRATEGY", None)
     for name, value in (env_vars or {}).items():  # None: unset
@@ -38,6 +56,8 @@ def cli(*args, check=True, env_vars=None):
 
 
 def test_no_arguments_explains_the_deepseek_v3_shape():
+    # the README's first command (`python -m fusion_bridge`: main with no arguments; the module's
+    # own entry point runs as a process in the parity and early-reader tests)
     out = cli().stdout
     assert "H=7168 K=8" in out and "SELECTED" in out and "selected for T=16: separate" in out
     # this machine was not described: no "described machine" footer
@@ -216,8 +236,10 @@ def test_explain_routes_gpt_oss_hidden_size_away_from_the_fused_kernel():
 
 
 def test_parity_world_size_two_json():
-    # TRITON_INTERPRET unset, as a user runs it: on CPU parity sets it for local_fused_nccl
-    proc = cli(
+    # a process of its own (stdout is only the JSON document at the file-descriptor level; ranks
+    # spawned from it), TRITON_INTERPRET unset, as a user runs it: on CPU parity sets it for
+    # local_fused_nccl
+    proc = cli_process(
         "parity",
         "--world-size",
         "2",
@@ -559,25 +581,23 @@ def test_bench_draws_its_png_with_the_plot_extra(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-def test_the_measuring_tools_set_the_multicast_variables_in_their_processes_and_say_so():
+def test_the_measuring_tools_set_the_multicast_variables_in_their_processes_and_say_so(
+    monkeypatch, capsys
+):
     # tune, bench and parity (on GPUs) call this before anything starts NCCL; spawned ranks set the
     # same variables again (cli/launch.py) before init_process_group
-    code = (
-        "import os; from fusion_bridge.cli.main import set_multicast_off; "
-        "set_multicast_off('tune'); "
-        "print(os.environ['NCCL_NVLS_ENABLE'], os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'],"
-        " os.environ['NVSHMEM_DISABLE_NVLS'])"
-    )
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.stdout.split() == ["0", "1", "1"], proc.stderr
-    assert proc.stderr.startswith("tune: every process it starts runs with NCCL_NVLS_ENABLE=0")
+    from fusion_bridge.cli.main import set_multicast_off
+
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    set_multicast_off("tune")
+    assert [
+        os.environ[k]
+        for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+    ] == ["0", "1", "1"]
+    captured = capsys.readouterr()
+    assert not captured.out
+    assert captured.err.startswith("tune: every process it starts runs with NCCL_NVLS_ENABLE=0")
 
 
 @pytest.mark.parametrize("typed", ["H200", "h200", "nvidia h200", "NVIDIA  H200", "Nvidia H200"])

@@ -24,6 +24,7 @@ import pytest
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
 from tests import oracle64
+from tests.helpers import once_per_run
 from tests.distributed.test_rank_disagreement import (
     RUN_TIMEOUT_S,
     TOL,
@@ -122,8 +123,12 @@ def _failure_paths(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def failure_paths():
-    return run_distributed(_failure_paths, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S)
+def failure_paths(tmp_path_factory):
+    return once_per_run(  # one spawned group per run: xdist workers share it
+        tmp_path_factory,
+        "failure_paths",
+        lambda _: run_distributed(_failure_paths, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S),
+    )
 
 
 def test_a_rank_that_fails_takes_part_in_the_sampled_shadow_run_too(failure_paths):

@@ -35,13 +35,18 @@ from tests.distributed.test_rank_disagreement import (
     _assert_correct,
     _assert_nan,
 )
+from tests.helpers import once_per_run
 
 ERRING = 1
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_distributed(every_item, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S)
+def ranks(tmp_path_factory):
+    return once_per_run(  # one spawned group per run: xdist workers share it
+        tmp_path_factory,
+        "round_two",
+        lambda _: run_distributed(every_item, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S),
+    )
 
 
 def _per_rank(ranks, item):

@@ -45,6 +45,7 @@ import torch
 
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.spec import EpilogueSpec
+from tests.helpers import once_per_run
 
 GROUP_TIMEOUT = timedelta(
     seconds=20
@@ -521,8 +522,12 @@ def _settings_cases(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def settings_results():
-    return run_distributed(_settings_cases, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S)
+def settings_results(tmp_path_factory):
+    return once_per_run(  # one spawned group per run: xdist workers share it
+        tmp_path_factory,
+        "settings_results",
+        lambda _: run_distributed(_settings_cases, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S),
+    )
 
 
 def _assert_disagreement(results, case, fields):

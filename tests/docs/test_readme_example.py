@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fusion_bridge.cli.launch import free_port
+from tests.helpers import once_per_run
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -62,8 +63,12 @@ def torchrun() -> list[str]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """`torchrun --nproc-per-node 2 example.py` (with a free port: other test runs may share this
-    host) from a clean environment: no process-group variables inherited from this process."""
-    tmp = tmp_path_factory.mktemp("readme_example")
+    host) from a clean environment: no process-group variables inherited from this process. Once
+    per run (tests.helpers.once_per_run: xdist workers share it)."""
+    return once_per_run(tmp_path_factory, "readme_example", _launch)
+
+
+def _launch(tmp):
     (tmp / "example.py").write_text(readme_example() + SAVE_RESULTS)
     env = {
         k: v

@@ -163,9 +163,14 @@ def compile_and_check(outdir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled_cases(tmp_path_factory):
+    from tests.helpers import once_per_run  # here: this file is also the child's script
+
+    return once_per_run(tmp_path_factory, "pdl_sass", _compile_cases)  # xdist workers share it
+
+
+def _compile_cases(outdir):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    outdir = tmp_path_factory.mktemp("pdl_sass")
     run = subprocess.run(
         [sys.executable, os.path.abspath(__file__), str(outdir)],
         capture_output=True,

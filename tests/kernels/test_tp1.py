@@ -69,10 +69,24 @@ def two_launch(spec, inp):
     return residual_out
 
 
-@pytest.mark.parametrize(
-    "tokens,hidden,top_k", [(1, 96, 8), (3, 160, 1), (5, 2880, 8), (2, 320, 4), (129, 64, 2)]
-)
-@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: f"{q.kind.value}-{q.sf_layout.value}")
+def _oracle_cases():
+    """Every quantization at every shape, except that T=129 (a second 128-row tile of swizzled
+    NVFP4 scales, its padding written by programs past T) runs at T=7 under the interpreter unless
+    the scales are swizzled NVFP4. For the others a whole-row launch at T=129 is T=7's with more
+    programs (one per row, the same constexprs: whole_rows(spec) depends on H alone), about 7 s of
+    interpreted programs for the three. residual_out against the two-launch path at T=129 (it does
+    not depend on the quantization) is checked in the swizzled case. A GPU runs T=129 for all."""
+    shapes = ((1, 96, 8), (3, 160, 1), (5, 2880, 8), (2, 320, 4), (129, 64, 2))
+    for quant in QUANTS:
+        swizzled = quant.kind is QuantKind.NVFP4 and quant.sf_layout is SFLayout.SWIZZLED_128x4
+        for tokens, hidden, top_k in shapes:
+            if tokens > 128 and DEVICE == "cpu" and not swizzled:
+                tokens = 7
+            name = f"{quant.kind.value}-{quant.sf_layout.value}-{tokens}-{hidden}-{top_k}"
+            yield pytest.param(tokens, hidden, top_k, quant, id=name)
+
+
+@pytest.mark.parametrize("tokens,hidden,top_k,quant", list(_oracle_cases()))
 def test_matches_the_oracle_and_the_two_launch_path(tokens, hidden, top_k, quant):
     spec = EpilogueSpec(
         hidden_size=hidden,
@@ -249,7 +263,13 @@ def test_split_rows_under_the_interpreter(quant):
     phases run one after the other: residual_out bit for bit the whole rows' (and so the two-launch
     path's), norm_out against the float64 oracle, quant codes and scales (padding included) those
     of its own norm_out. Calls alternate chunk counts and T, so each count's arrival counter and
-    tags must stay in step while the others run; H=160 ends in a partial chunk."""
+    tags must stay in step while the others run; H=160 ends in a partial chunk.
+
+    The whole rows' residual_out comes from the same spec without quantization: the whole-row
+    kernel stores residual_out before its norm and quantization read it (kernels/tp1/whole_rows.py),
+    and launches one program per row, where a swizzled NVFP4 launch is 128 (the scale padding
+    rows': three quarters of this test's interpreted time). The whole rows with each quantization,
+    their padding included, are test_matches_the_oracle_and_the_two_launch_path's."""
     from fusion_bridge.kernels.tp1.shapes import Tp1Shape, split_ok
 
     problems = []
@@ -260,10 +280,13 @@ def test_split_rows_under_the_interpreter(quant):
         strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
         strat.prepare()
         strat._launch.num_sms = 16
+        plain_spec = EpilogueSpec(**{**spec.__dict__, "quant": QuantSpec.none()})
+        plain = FusedTp1Strategy(plain_spec, ENV, device=torch.device(DEVICE))
+        plain.prepare()
         for rep in range(2):
             for tokens in (1, 3):
                 inp = make_inputs(spec, tokens, seed=rep * 10 + tokens, device=DEVICE)
-                whole = _launch_with(strat, inp, whole_rows(spec))
+                whole = _launch_with(plain, inp, whole_rows(plain_spec))
                 x64, norm64 = epilogue64_from(spec, [inp])
                 for chunk in chunks_of:
                     shape = Tp1Shape(chunk, 2)

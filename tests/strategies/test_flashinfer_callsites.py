@@ -383,6 +383,9 @@ def _workspace_sharing(rank: int, group) -> dict:
 def _all_cases(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
+    from tests.helpers import patch_the_interpreter_once_per_launch
+
+    patch_the_interpreter_once_per_launch()  # as tests/conftest.py does in the test process
     install_fake_flashinfer()
     group = dist.new_group(list(range(world_size)), backend="gloo")
     result = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"), "cases": {}, "errors": {}}
@@ -407,10 +410,15 @@ def _all_cases(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def ranks(tmp_path_factory):
     from fusion_bridge.cli.launch import run_distributed
+    from tests.helpers import once_per_run
 
-    return run_distributed(_all_cases, WORLD, backend="gloo", timeout_s=RUN_TIMEOUT_S)
+    return once_per_run(  # one spawned group per run: xdist workers share it
+        tmp_path_factory,
+        "flashinfer_callsites",
+        lambda _: run_distributed(_all_cases, WORLD, backend="gloo", timeout_s=RUN_TIMEOUT_S),
+    )
 
 
 def tensor(rec: dict) -> torch.Tensor:
