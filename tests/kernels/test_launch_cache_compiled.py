@@ -14,6 +14,7 @@ import torch
 
 from fusion_bridge.epilogue_tensors import quant_buffers
 from fusion_bridge.kernels import add_rmsnorm, finalize_add, launch_cache as launcher, quant
+from fusion_bridge.kernels.records import RowOutputs, RowSource
 from fusion_bridge.spec import QuantKind, SFLayout
 
 pytestmark = pytest.mark.gpu
@@ -74,10 +75,7 @@ def finalize_normal(out, g, perm, w, shared, scale):
         H, K, shared is not None, tokens <= 32, None, None
     )
     finalize_add._finalize_add_kernel[(tokens, blocks)](
-        g,
-        perm,
-        w,
-        out if shared is None else shared,
+        RowSource(g, perm, w, out if shared is None else shared, None, None),
         out,
         H,
         float(scale),
@@ -210,10 +208,7 @@ def norm_normal(residual, reduced, gamma, quant_mode, swizzled):
         residual,
         reduced,
         gamma,
-        r_out,
-        n_out,
-        q,
-        sf,
+        RowOutputs(r_out, n_out, q, sf),
         tokens,
         H,
         1e-6,
@@ -254,8 +249,7 @@ def quant_normal(x, quant_mode, swizzled):
     sf_cols = sf.shape[1] if quant_mode == quant.QUANT_NVFP4 else 0
     quant._quantize_kernel[(quant.launch_rows(quant_mode, swizzled, tokens, sf),)](
         x,
-        q,
-        sf,
+        RowOutputs(None, None, q, sf),
         tokens,
         H,
         scale_for(quant_mode),
