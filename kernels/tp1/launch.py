@@ -149,7 +149,7 @@ class Tp1Dispatcher:
     def _make_plan(self, tokens, top_k, has_shared, is_cuda, sf_shape, shape):
         layer, quant = self.layer, self.layer.quant
         hidden = layer.hidden
-        shape = shape or tp1_shape(tokens, hidden, quant.code, self.num_sms)
+        shape = shape or tp1_shape(tokens, hidden, quant.code, self.num_sms, quant.swizzled)
         nvfp4 = quant.code == QUANT_NVFP4
         # fp8 on a GPU: the division by the scale through one reciprocal (quant._div_by_scale)
         recip = int(is_cuda and quant.code == QUANT_FP8 and recip_ok(quant.scale))

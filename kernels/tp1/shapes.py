@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import triton
 
-from fusion_bridge.kernels.quant import QUANT_NONE, row_block
+from fusion_bridge.kernels.quant import QUANT_NONE, QUANT_NVFP4, row_block
 
 # the split kernel's limits (read by the kernel as attributes of this module, compile-time)
 MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set per count)
@@ -53,13 +53,21 @@ def whole_row_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
     return max(4, 16 * row_block(hidden) // 8192)
 
 
-def tp1_shape(tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0) -> Tp1Shape:
+def tp1_shape(
+    tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0, swizzled: bool = False
+) -> Tp1Shape:
     """World size 1. Split rows while T * chunks programs are resident (num_sms; 0: never; see
     `split_ok`): T = 1 in 512-column chunks (4 warps) with the row prefetched into L2, else the
     smallest of 1024 / 2048 / 4096 columns that fits (8 columns per thread); whole rows otherwise
     (`whole_row_warps`), as measured on one H200 against the other shapes of the sweep; the
-    prefetch costs from T=16 on (docs/performance.md#world-size-1-fused_tp1)."""
+    prefetch costs from T=16 on (docs/performance.md#world-size-1-fused_tp1).
+
+    Swizzled NVFP4 scales with H not a multiple of 128 (an odd number of 4-scale column groups:
+    H = 1344, 2496, 2880, ...) take whole rows at every T: the split kernel is much slower there,
+    and only there (docs/performance.md#world-size-1-across-hidden-sizes)."""
     rb = row_block(hidden)
+    if swizzled and quant == QUANT_NVFP4 and hidden % 128:
+        return Tp1Shape(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
         warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
         shape = Tp1Shape(chunk, warps, int(tokens == 1), TP1_PDL)

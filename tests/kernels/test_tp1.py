@@ -379,3 +379,24 @@ def test_a_split_row_whose_partner_never_arrives_is_reported_not_silent():
     with pytest.raises(RuntimeError, match="fused_tp1: an earlier call's split rows timed out"):
         strat.run(inp)
     assert torch.isfinite(strat.run(inp).norm_out).all()  # reported once; the next call runs
+
+
+@pytest.mark.parametrize("hidden", [1344, 2880, 7744])
+def test_swizzled_nvfp4_with_an_odd_count_of_scale_groups_takes_whole_rows(hidden):
+    """H not a multiple of 128 (H/64 odd) with swizzled NVFP4 scales: whole rows at every T, where
+    every other output format, the linear scales and the next multiple of 128 keep the split."""
+    from fusion_bridge.kernels.quant import QUANT_NONE, QUANT_NVFP4, row_block
+    from fusion_bridge.kernels.tp1.shapes import tp1_shape
+
+    sms = 132
+    for tokens in (1, 16, 64):
+        whole = tp1_shape(tokens, hidden, QUANT_NVFP4, sms, swizzled=True)
+        assert whole.columns == row_block(hidden), (tokens, whole)
+        assert whole.prefetch == 0
+        for quant, swizzled, h in (
+            (QUANT_NVFP4, False, hidden),
+            (QUANT_NONE, False, hidden),
+            (QUANT_NVFP4, True, hidden + 64),
+        ):
+            split = tp1_shape(tokens, h, quant, sms, swizzled=swizzled)
+            assert split.columns < row_block(h), (tokens, h, quant, swizzled, split)
