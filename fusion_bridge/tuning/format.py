@@ -25,10 +25,11 @@ scalars too) as times; `normalized_measurements` turns it into {strategy: {varia
 from __future__ import annotations
 
 import json
-import math
 import numbers
 from pathlib import Path
 from typing import Optional
+
+from fusion_bridge.env_vars import finite_float
 
 SCHEMA_VERSION = 2
 MAX_TABLE_BYTES = 4 << 20  # a real table is tens of kilobytes
@@ -61,18 +62,6 @@ def _nesting_depth(text: str) -> int:
     return deepest
 
 
-def _real(value: object) -> Optional[float]:
-    """`value` as a finite float when it is a real number (int, float, numpy scalar; not a bool,
-    not a string), else None. Never raises (a 400-digit int overflows a float: None)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        as_float = float(value)
-    except (OverflowError, TypeError, ValueError):
-        return None
-    return as_float if math.isfinite(as_float) else None
-
-
 def _bucket(key: object) -> Optional[int]:
     """A bucket key (an int, numpy's too, or its ASCII decimal string) as an int when it is a power
     of two in [1, MAX_BUCKET], else None."""
@@ -92,7 +81,7 @@ def _is_bucket(key: object) -> bool:
 
 
 def _is_time(us: object) -> bool:
-    value = _real(us)
+    value = finite_float(us)
     return value is not None and MIN_US <= value <= MAX_US
 
 
@@ -145,7 +134,7 @@ def spread_problem(spread: object) -> Optional[str]:
     if spread is None:
         return None
     fraction = spread.get("fraction") if isinstance(spread, dict) else None
-    value = _real(fraction)
+    value = finite_float(fraction)
     if value is None or not 0.0 <= value <= MAX_SPREAD:
         return (
             f"spread.fraction is {repr(fraction)[:40]}, not a number in [0, {MAX_SPREAD:g}] (two "
