@@ -32,6 +32,7 @@ from typing import Iterable
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.harness import Rows, add_common, parser  # noqa: E402
+from benchmarks.tp1_local import QUANT_BYTES, _spec, _strategy  # noqa: E402
 
 # multiples of 64 in [1024, 8192]; not all powers of two, several not multiples of 256 or 512
 # (1344, 2496, 2880: GPT-OSS, 3520, 4160, 5440, 6720, 7744)
@@ -39,8 +40,6 @@ HIDDEN_SIZES = (1024, 1344, 1536, 2048, 2496, 2880, 3072, 3520, 4096, 4160, 5120
 HIDDEN_SIZES += (6720, 7168, 7744, 8192)
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 FORMATS = ("none", "fp8", "nvfp4", "nvfp4_linear")
-# bytes per element of norm_out's quantized copy
-QUANT_BYTES = {"none": 0.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "nvfp4_linear": 0.5 + 1 / 16}
 
 
 def floor_us(tokens: int, hidden: int, top_k: int, fmt: str, copy_gbs: float) -> float:
@@ -83,36 +82,6 @@ def check_targets(times: dict, floors: dict) -> list[dict]:
     return out
 
 
-def _spec(hidden: int, top_k: int, fmt: str, max_tokens: int):
-    from fusion_bridge.spec import EpilogueSpec, QuantSpec
-
-    quant = {
-        "none": QuantSpec.none(),
-        "fp8": QuantSpec.fp8(0.05),
-        "nvfp4": QuantSpec.nvfp4(336.0),
-        "nvfp4_linear": QuantSpec.nvfp4(336.0, "linear"),
-    }[fmt]
-    return EpilogueSpec(
-        hidden_size=hidden,
-        top_k=top_k,
-        routed_scaling_factor=2.5,
-        quant=quant,
-        max_tokens=max_tokens,
-    )
-
-
-def _strategy(spec):
-    import torch
-
-    from fusion_bridge.environment import detect
-    from fusion_bridge.registry import strategy_class
-
-    dev = torch.device("cuda", 0)
-    strat = strategy_class("fused_tp1")(spec, detect(device=dev, probe_flashinfer=False), None, dev)
-    strat.prepare()
-    return strat
-
-
 def _warm(task) -> str:
     """Compile one (H, format) at every T of the sweep (in a worker process)."""
     import torch
@@ -121,7 +90,7 @@ def _warm(task) -> str:
 
     hidden, top_k, fmt, tokens_list = task
     spec = _spec(hidden, top_k, fmt, max(tokens_list))
-    strat = _strategy(spec)
+    strat = _strategy("fused_tp1", spec)
     for tokens in tokens_list:
         strat.run(make_inputs(spec, tokens, seed=0, device="cuda"))
     torch.cuda.synchronize()
@@ -193,7 +162,7 @@ def main() -> None:
     for hidden in args.hidden:
         for fmt in args.quant:
             spec = _spec(hidden, args.top_k, fmt, max(args.tokens))
-            strat = _strategy(spec)
+            strat = _strategy("fused_tp1", spec)
             for tokens in args.tokens:
                 n = sets_to_rotate(tokens * hidden * 2 * (args.top_k + 5), max_sets=64)
                 sets = [

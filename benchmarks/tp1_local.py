@@ -31,13 +31,19 @@ from fusion_bridge.tuning.timing import (  # noqa: E402
     time_graphs_per_rank,
 )
 
-QUANT_BYTES = {"none": 0.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}  # per element of norm_out
+# per element of norm_out; nvfp4_linear: nvfp4 with linear (unswizzled) scales
+QUANT_BYTES = {"none": 0.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "nvfp4_linear": 0.5 + 1 / 16}
 
 
 def _spec(hidden, top_k, quant, max_tokens):
     from fusion_bridge.spec import EpilogueSpec, QuantSpec
 
-    q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
+    q = {
+        "none": QuantSpec.none(),
+        "fp8": QuantSpec.fp8(0.05),
+        "nvfp4": QuantSpec.nvfp4(336.0),
+        "nvfp4_linear": QuantSpec.nvfp4(336.0, "linear"),
+    }
     return EpilogueSpec(
         hidden_size=hidden,
         top_k=top_k,

@@ -28,7 +28,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("tp1_shape_probe.py needs a CUDA GPU")
-    from benchmarks.tp1_hidden_sweep import _spec, _strategy
+    from benchmarks.tp1_local import _spec, _strategy
     from benchmarks.tp1_sweep import _outputs, _run_one
     from fusion_bridge.kernels.quant import row_block
     from fusion_bridge.kernels.tp1.shapes import Tp1Shape, tp1_shape, whole_row_warps
@@ -39,7 +39,7 @@ def main() -> None:
     for hidden in args.hidden:
         for fmt in args.quant:
             spec = _spec(hidden, args.top_k, fmt, max(args.tokens))
-            strat = _strategy(spec)
+            strat = _strategy("fused_tp1", spec)
             layer_quant = strat._launch.layer.quant
             for tokens in args.tokens:
                 n = sets_to_rotate(tokens * hidden * 2 * (args.top_k + 5), max_sets=64)
