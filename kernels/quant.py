@@ -1,16 +1,17 @@
 """FP8 and NVFP4 quantization of a normalized row, in software (integer and fp32 ops).
 
 Software conversion runs on SM90, where FlashInfer's fused FP4 writes zeros, and under the Triton
-interpreter; on a GPU the fp8 cast uses the hardware's RNE conversion. Divisions use div_rn and the
-e2m1 rounding compares against exact thresholds, so results match the torch reference
-(fusion_bridge.oracle.quant_ref) bit for bit.
+interpreter; on a GPU the fp8 cast uses the hardware's RNE conversion. Every fp32 step is one IEEE
+operation (div_rn for divisions), and the e2m1 rounding compares against exact thresholds, so
+results match the torch reference (fusion_bridge.oracle.quant_ref) bit for bit.
 
     fp8:   q = e4m3_satfinite(x / scale)
-    nvfp4: per 16-element block: sf = e4m3(global_scale * amax / 6);
-           q = e2m1_rne_satfinite(x * global_scale / sf) of the exact quotient (no rounding of the
-           quotient before the e2m1 rounding), 0 where sf == 0; 2 codes per byte, low
-           nibble first; sf in FlashInfer's 128x4 swizzled layout (padding rows/cols written 0) or
-           linear [T, H/16].
+    nvfp4: per 16-element block, FlashInfer's steps with IEEE fp32 operations:
+           sf = e4m3_satfinite(global_scale * (amax * fp32(1/6)));
+           q = e2m1_rne_satfinite(x * (1 / (float(sf) * (1 / global_scale)))), the product
+           rounded to fp32 first; the sign bit is x's (code 8 for -0.0); codes +-0 where
+           sf == 0; 2 codes per byte, low nibble first; sf in FlashInfer's 128x4 swizzled layout
+           (padding rows/cols written 0) or linear [T, H/16].
     NaN stays NaN: an fp8 code 0x7F, an NVFP4 block holding one gets the NaN scale 0x7F (its codes
     only signs); +-inf saturates (docs/math.md section 3).
 """
@@ -52,56 +53,55 @@ def _e4m3_rne_satfinite(v):
 
 
 @triton.jit
-def _e2m1_codes(a, sf):
-    """e2m1 magnitude code of the exact quotient a / sf (a >= 0), round to nearest, ties to the even
-    code, saturating at 6; 0 where sf == 0. Compares a against threshold * sf instead of dividing:
-    each threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has <= 3 significant bits and sf (e4m3) 4,
-    so every product is exact in fp32 and the comparisons decide exactly as the real
-    quotient would."""
-    s = tl.where(sf == 0.0, float("inf"), sf)
+def _e2m1_codes(a):
+    """e2m1 magnitude code of a >= 0 (fp32; NaN -> 0), round to nearest, ties to the even code,
+    saturating at 6: how many of the rounding boundaries a passes (> for the boundaries below an
+    odd code, >= for those below an even one: a tie goes to the even code)."""
     return (
-        (a > 0.25 * s).to(tl.int32)
-        + (a >= 0.75 * s).to(tl.int32)
-        + (a > 1.25 * s).to(tl.int32)
-        + (a >= 1.75 * s).to(tl.int32)
-        + (a > 2.5 * s).to(tl.int32)
-        + (a >= 3.5 * s).to(tl.int32)
-        + (a > 5.0 * s).to(tl.int32)
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
     )
 
 
 @triton.jit
 def _block_scale_hw(v):
-    """(e4m3 code, its value as fp32) of div_rn(v, 6.0) as `_e4m3_rne_satfinite` gives them, for
-    v = global_scale * amax >= 0 or NaN (a GPU only): the quotient through `_div_by_scale` (its
-    e4m3 code is div_rn's: 6 is in its range), the rounding by the GPU's RNE satfinite conversion
-    after the same clamp to 448, which keeps a NaN (converted to 0x7F). The sign bit the software
-    form ORs in is 0 here: v is +0, positive, or the GPU's canonical NaN (0x7fffffff)."""
-    q = tl.minimum(_div_by_scale(v, QC.E2M1_MAX), QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    """(e4m3 code, its value as fp32) of v = global_scale * (amax * fp32(1/6)) >= 0 or NaN, as
+    `_e4m3_rne_satfinite` gives them (a GPU only): the GPU's RNE satfinite conversion after the
+    same clamp to 448, which keeps a NaN (converted to 0x7F). The sign bit the software form ORs in
+    is 0 here: v is +0, positive, or the GPU's canonical NaN (0x7fffffff)."""
+    q = tl.minimum(v, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     code = q.to(tl.float8e4nv)
     return code.to(tl.uint8, bitcast=True).to(tl.int32), code.to(tl.float32)
 
 
 @triton.jit
-def _e2m1_nibbles(scaled, sf):
-    """The nibble of each element (e2m1 code | sign << 3 for scaled < 0, as fp32 0..15): the code of
-    `_e2m1_codes` by a binary search with no predicates. The code is how many of the thresholds
-    0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (> for the odd codes' lower bounds, >= for the even ones:
-    ties to even) |scaled| / sf passes; they are nested, so three comparisons against threshold *
-    sf find it (1.75; then 0.75 or 3.5; then 0.25, 1.25, 2.5 or 5), each taken as 1.0 / 0.0, the
-    next threshold and the code as multiply-adds of those. Every product is exact (the thresholds
-    and their differences 2.75, 2.25, 1.5, 1 times an e4m3 sf: at most 8 significant bits; codes
-    are small integers), so the comparisons decide as the real quotient would. sf == 0 (every code
-    0) searches against 2^100 instead: the block's |scaled| <= 6 * 2^-10 passes no threshold of it,
-    and 0 * 2^100 stays finite (inf would make 0 * inf = NaN thresholds)."""
-    a = tl.abs(scaled)
-    s = tl.where(sf == 0.0, 1.2676506002282294e30, sf)
-    b2 = (a >= 1.75 * s).to(tl.float32)
-    b1 = (a >= b2 * (2.75 * s) + 0.75 * s).to(tl.float32)
-    lower = b2 * (2.25 * s) + 0.25 * s  # 0.25 s or 2.5 s
-    step = b2 * (1.5 * s) + s  # 1.25 s - 0.25 s or 5 s - 2.5 s
+def _nvfp4_encode_scale(sf, global_scale):
+    """The multiplier that takes a block's x to e2m1 units: 1 / (sf * (1 / global_scale)), each
+    step one IEEE fp32 operation as FlashInfer's kernels take them with exact reciprocals; 0 where
+    sf == 0 (a block of zeros, or one whose scale underflows to 0), NaN where sf is NaN."""
+    inv = tl.math.div_rn(1.0, sf * tl.math.div_rn(1.0, global_scale))
+    return tl.where(sf == 0.0, 0.0, inv)
+
+
+@triton.jit
+def _e2m1_nibbles(p, neg):
+    """The nibble of each element (e2m1 code of |p| | neg << 3, as fp32 0..15; neg 1.0 / 0.0):
+    the code of `_e2m1_codes` by a binary search with no predicates. The code is how many of the
+    boundaries 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (> for the odd codes' lower bounds, >= for the
+    even ones: ties to even) |p| passes; they are nested, so three comparisons find it (1.75; then
+    0.75 or 3.5; then 0.25, 1.25, 2.5 or 5), each taken as 1.0 / 0.0, the next boundary and the
+    code as multiply-adds of those (small exact numbers). NaN passes none: magnitude 0."""
+    a = tl.abs(p)
+    b2 = (a >= 1.75).to(tl.float32)
+    b1 = (a >= b2 * 2.75 + 0.75).to(tl.float32)
+    lower = b2 * 2.25 + 0.25  # 0.25 or 2.5
+    step = b2 * 1.5 + 1.0  # 1.25 - 0.25 or 5 - 2.5
     b0 = (a > b1 * step + lower).to(tl.float32)
-    neg = (scaled < 0).to(tl.float32)
     return neg * 8.0 + (b2 * 4.0 + (b1 * 2.0 + b0))
 
 
@@ -239,16 +239,18 @@ def quantize_span(
     if QUANT == QC.QUANT_NVFP4:
         yb = tl.reshape(y.to(tl.float32), [BLOCK // 16, 16])
         amax = block_amax(yb, HW_CVT)
+        v = quant_scale * (amax * QC.E2M1_MAX_RECIP)
         if LEAN and HW_CVT:
-            sf_code, sf = _block_scale_hw(quant_scale * amax)
+            sf_code, sf = _block_scale_hw(v)
         else:
-            sf_code, sf = _e4m3_rne_satfinite(tl.math.div_rn(quant_scale * amax, QC.E2M1_MAX))
-        scaled = yb * quant_scale
+            sf_code, sf = _e4m3_rne_satfinite(v)
+        p = yb * _nvfp4_encode_scale(sf, quant_scale)[:, None]
+        # x's sign bit (-0.0 included), none for a NaN: FlashInfer's conversion keeps the sign
+        neg = (yb.to(tl.int32, bitcast=True) < 0) & (yb == yb)
         if LEAN:
-            codes = _e2m1_nibbles(scaled, sf[:, None])
+            codes = _e2m1_nibbles(p, neg.to(tl.float32))
         else:
-            codes = _e2m1_codes(tl.abs(scaled), sf[:, None])
-            codes = codes | ((scaled < 0).to(tl.int32) << 3)
+            codes = _e2m1_codes(tl.abs(p)) | (neg.to(tl.int32) << 3)
         lo4, hi4 = tl.split(tl.reshape(codes, [BLOCK // 2, 2]))
         packed = col0 // 2 + tl.arange(0, BLOCK // 2)
         kb = col0 // 16 + tl.arange(0, BLOCK // 16)

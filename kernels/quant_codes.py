@@ -18,7 +18,9 @@ QUANT_NONE, QUANT_FP8, QUANT_NVFP4 = 0, 1, 2
 # launch, unlike a constexpr global; the launch cache needs that)
 E4M3_MAX = 448.0  # the largest finite e4m3 magnitude (satfinite clamps to it)
 E4M3_NAN = 0x7F  # e4m3's NaN code (| the sign bit 0x80)
-E2M1_MAX = 6.0  # the largest e2m1 magnitude: an NVFP4 block's scale is amax / E2M1_MAX
+# fp32(1 / 6), exactly (6: the largest e2m1 magnitude): an NVFP4 block's scale is
+# global_scale * (amax * E2M1_MAX_RECIP), a product as FlashInfer's kernels take it (no division)
+E2M1_MAX_RECIP = 0.16666667163372040
 _CODE = {QuantKind.NONE: QUANT_NONE, QuantKind.FP8: QUANT_FP8, QuantKind.NVFP4: QUANT_NVFP4}
 _KIND = {code: kind for kind, code in _CODE.items()}
 

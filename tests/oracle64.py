@@ -18,8 +18,12 @@ The math (what every strategy must compute):
     norm_out     = residual_out / sqrt(mean(residual_out^2) + eps) * (gamma + weight_bias)
 All of it in float64, unrounded. Quantization reads norm_out as the strategy rounded it, and follows
 the quant conventions: fp8 q = e4m3_rne_satfinite(x / scale) with the quotient in fp32; nvfp4 per
-16-element block sf = e4m3(fp32(fp32(global_scale * amax) / 6)), q = e2m1_rne_satfinite of the exact
-quotient fp32(x * global_scale) / sf (0 where sf == 0), two codes per byte, low nibble first.
+16-element block FlashInfer's steps, each rounded to fp32: sf = e4m3(gs * (amax * (1/6))),
+q = e2m1_rne_satfinite(x * (1 / (sf * (1/gs)))) (a multiplier of 0 where sf == 0), the sign bit x's
+(-0.0: code 8; NaN: none), two codes per byte, low nibble first. Each fp32 step is taken in float64
+and rounded once to fp32: exact for the products (at most 48 significant bits), and for the
+divisions a correct rounding too (float64 has more than 2 * 24 + 2 bits, so rounding the float64
+quotient to fp32 equals rounding the exact one).
 """
 
 from __future__ import annotations
@@ -256,12 +260,12 @@ def nvfp4(
     gs = fp32(torch.tensor(global_scale, dtype=F64))
     blocks = x.to(F64).reshape(tokens, hidden // 16, 16)
     amax = blocks.abs().amax(dim=-1)
-    sf = e4m3_value(fp32(fp32(gs * amax) / 6.0))  # >= 0
-    scaled = fp32(blocks * gs)  # an fp32 product, as the conventions say
-    quotient = torch.where(
-        sf.unsqueeze(-1) == 0, 0.0, scaled.abs() / torch.where(sf == 0, 1.0, sf).unsqueeze(-1)
-    )
-    codes = e2m1_code(quotient, scaled < 0).reshape(tokens, hidden).to(torch.int64)
+    sf = e4m3_value(fp32(gs * fp32(amax * fp32(torch.tensor(1.0 / 6.0, dtype=F64)))))  # >= 0
+    encode = torch.where(sf == 0, 0.0, fp32(1.0 / fp32(sf * fp32(1.0 / gs)))).unsqueeze(-1)
+    product = fp32(blocks * encode)
+    negative = torch.signbit(blocks) & ~torch.isnan(blocks)
+    magnitude = torch.where(torch.isnan(product), 0.0, product.abs())
+    codes = e2m1_code(magnitude, negative).reshape(tokens, hidden).to(torch.int64)
     packed = torch.zeros(tokens, hidden // 2, dtype=torch.int64)
     for i in range(hidden // 2):
         packed[:, i] = codes[:, 2 * i] | (codes[:, 2 * i + 1] << 4)

@@ -3,18 +3,20 @@ checked against.
 
 Conventions (docs/math.md section 3, matching FlashInfer 0.7.2.post1 through 0.7.4):
 - fp8:   q = e4m3_satfinite(x / scale), x already rounded to the activation dtype.
-- nvfp4: per 16-element block b: sf_b = e4m3(global_scale * amax_b / 6);
-         q = e2m1_rne_satfinite(x * global_scale / float(sf_b)), q = 0 where sf_b == 0; the quotient
-         is exact (not rounded to fp32 before the e2m1 rounding), which lets the kernel compare
-         against exact thresholds instead of dividing; rounding the quotient to fp32 first would
-         differ only where that rounding crosses an e2m1 rounding boundary.
+- nvfp4: per 16-element block b, FlashInfer's steps (its kernels' order of operations, with IEEE
+         fp32 operations where its fast path takes approximate reciprocals):
+         sf_b = e4m3(global_scale * (amax_b * fp32(1/6)));
+         q = e2m1_rne_satfinite(fp32(x * fp32(1 / fp32(float(sf_b) * fp32(1 / global_scale))))),
+         the sign bit x's (-0.0 gives code 8); q = +-0 where sf_b == 0 (FlashInfer multiplies by 0
+         for an all-zero block; a block whose scale underflows to 0 is written the same way here,
+         where FlashInfer's reciprocal of 0 would saturate its codes: sf 0 decodes every code to 0).
          Two e2m1 codes per byte, element 2i in the low nibble. Scales in the 128x4 swizzled layout
          ([round_up(T,128), round_up(H/16,4)], padding 0) or linear ([T, H/16]).
 - special values: a NaN gives e4m3's NaN (0x7F, with the NaN's sign bit for fp8); +-inf saturates
-  to +-448. A block holding a NaN has amax NaN, so its scale is the NaN 0x7F and every quotient in
-  it NaN, whose e2m1 magnitude is 0. Every element keeps the sign of x * global_scale (code 8 for
-  a negative one that rounds to 0, in a block of scale 0 or NaN too), as FlashInfer's kernels and
-  ours do: the scale carries the NaN, the codes only signs.
+  to +-448. A block holding a NaN has amax NaN, so its scale is the NaN 0x7F and every product in
+  it NaN, whose e2m1 magnitude is 0. Every element but a NaN keeps x's sign bit (code 8 for a
+  negative one or -0.0 that rounds to 0, in a block of scale 0 or NaN too), as FlashInfer's
+  conversion does: the scale carries the NaN, the codes only signs.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return e4m3_satfinite(x.float() / torch.tensor(scale, dtype=torch.float32))
 
 
-def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> e2m1 codes (uint8, sign in bit 3): nearest representable value, ties to the even
-    code, saturating at 6; NaN -> 0 (e2m1 has no NaN: only in a block whose scale is NaN, which
-    carries it). Found by distance to every value, independent of the kernel's threshold method."""
+def e2m1_codes(x: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e2m1 codes (uint8): the nearest magnitude to |x|, ties to the even code, saturating
+    at 6; NaN -> 0 (e2m1 has no NaN: only in a block whose scale is NaN, which carries it); bit 3
+    (the sign) where `negative`. Found by distance to every value, independent of the kernel's
+    threshold method."""
     values = e2m1_values(x.device)
     mag = x.abs().clamp(max=6.0)
     mag = torch.where(torch.isnan(mag), 0.0, mag)
@@ -61,8 +64,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     )
     any_first = torch.where(ties, codes, torch.full_like(codes, 99)).min(-1).values
     code = torch.where(even_first < 99, even_first, any_first)
-    sign = (x < 0).to(torch.int64) << 3  # a negative value keeps its sign even when it rounds to 0
-    return (code | sign).to(torch.uint8)
+    return (code | (negative.to(torch.int64) << 3)).to(torch.uint8)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -85,21 +87,15 @@ def quantize_nvfp4(
     """[T, H] activation-dtype -> (packed uint8 [T, H/2], uint8 e4m3 scales in `layout`)."""
     tokens, hidden = x.shape
     blocks = x.float().reshape(tokens, hidden // NVFP4_BLOCK, NVFP4_BLOCK)
+    one = torch.tensor(1.0, dtype=torch.float32)
     gs = torch.tensor(global_scale, dtype=torch.float32)
     amax = blocks.abs().amax(dim=-1)
-    sf = e4m3_satfinite(gs * amax / 6.0)
+    sf = e4m3_satfinite(gs * (amax * (one / 6.0)))
     sf_f = sf.float().unsqueeze(-1)
-    # the quotient is taken exactly (float64 holds it far beyond the e2m1 thresholds' resolution)
-    # and rounded once, to e2m1; the product x * global_scale is an fp32 product, as in the kernel
-    product = blocks * gs
-    scaled = torch.where(
-        sf_f == 0,
-        torch.zeros_like(blocks, dtype=torch.float64),
-        product.double() / torch.where(sf_f == 0, 1.0, sf_f).double(),
-    )
-    # the sign from the product: a quotient of 0 (scale 0) or NaN (scale NaN) has lost it
-    sign = (product < 0).to(torch.uint8) << 3
-    codes = (e2m1_codes(scaled) | sign).reshape(tokens, hidden)
+    # the multiplier to e2m1 units, one fp32 rounding per step; 0 where the scale is 0
+    encode = torch.where(sf_f == 0, 0.0, one / (sf_f * (one / gs)))
+    negative = torch.signbit(blocks) & ~torch.isnan(blocks)  # x's sign bit, -0.0 included
+    codes = e2m1_codes(blocks * encode, negative).reshape(tokens, hidden)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     sf_bytes = sf.view(torch.uint8)
     if layout is SFLayout.LINEAR:

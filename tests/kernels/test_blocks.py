@@ -324,40 +324,43 @@ from fusion_bridge.kernels.quant import _e2m1_codes, _e2m1_nibbles  # noqa: E402
 
 
 @triton.jit
-def _e2m1_both_kernel(a_ptr, sf_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _e2m1_both_kernel(p_ptr, out_ptr, n, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
-    a = tl.load(a_ptr + cols, mask=cols < n, other=0.0)
-    sf = tl.load(sf_ptr + cols, mask=cols < n, other=1.0)
+    p = tl.load(p_ptr + cols, mask=cols < n, other=0.0)
+    neg = (p.to(tl.int32, bitcast=True) < 0) & (p == p)
+    tl.store(out_ptr + cols, _e2m1_codes(tl.abs(p)) | (neg.to(tl.int32) << 3), mask=cols < n)
     tl.store(
-        out_ptr + cols, _e2m1_codes(tl.abs(a), sf) | ((a < 0).to(tl.int32) << 3), mask=cols < n
+        out_ptr + BLOCK + cols, _e2m1_nibbles(p, neg.to(tl.float32)).to(tl.int32), mask=cols < n
     )
-    tl.store(out_ptr + BLOCK + cols, _e2m1_nibbles(a, sf).to(tl.int32), mask=cols < n)
 
 
 def test_nvfp4_codes_by_search_equal_the_seven_comparisons():
     """`_e2m1_nibbles` (the world-size-1 kernels' NVFP4 codes, by search) against `_e2m1_codes`
-    (the seven comparisons) with the sign bit as the kernels set it (a < 0: -0.0 and NaN get none),
-    for every non-negative e4m3 scale (0 included) and, per scale, a at each threshold * sf and one
-    fp32 step either side of it (where ties-to-even decides), 0, 6 * sf and past it, inf and NaN,
-    each of either sign."""
-    sfs = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    sfs = sfs[torch.isfinite(sfs)]
-    edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0, 7.0, 100.0])
-    a = (edges[None, :] * sfs[:, None]).flatten()
-    a = torch.cat(
-        [a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(1e30))]
+    (the seven comparisons), both against the e2m1 rounding by distance (quant_ref), with the sign
+    bit as the kernels set it (x's sign bit: -0.0 gets code 8, NaN none), at each rounding
+    boundary and one fp32 step either side of it (where ties-to-even decides), 0, 6 and past it,
+    inf and NaN, each of either sign."""
+    from fusion_bridge.oracle.quant_ref import e2m1_codes
+
+    edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0, 7.0, 100.0, 1e-30])
+    p = torch.cat(
+        [
+            edges,
+            torch.nextafter(edges, torch.tensor(0.0)),
+            torch.nextafter(edges, torch.tensor(1e30)),
+        ]
     )
-    a = torch.cat([a, torch.tensor([float("inf"), float("nan")])])
-    sf = torch.cat([sfs.repeat_interleave(len(edges)).repeat(3), torch.tensor([448.0, 1.0])])
-    a, sf = torch.cat([a, -a]), torch.cat([sf, sf])
-    n = len(a)
+    p = torch.cat([p, torch.tensor([float("inf"), float("nan")])])
+    p = torch.cat([p, -p])
+    n = len(p)
     block = triton.next_power_of_2(n)
     out = torch.full((2 * block,), -1, dtype=torch.int32, device=DEVICE)
-    _e2m1_both_kernel[(1,)](a.to(DEVICE), sf.to(DEVICE), out, n, BLOCK=block)
+    _e2m1_both_kernel[(1,)](p.to(DEVICE), out, n, BLOCK=block)
     seven, nibbles = (out[i * block : i * block + n].cpu() for i in range(2))
-    assert (seven >= 0).all() and (seven <= 15).all()
-    assert ((seven >= 8) == (a < 0)).all() and bool((a == 0).any() & (a < 0).any())
-    bad = (seven != nibbles).nonzero().flatten()
-    assert len(bad) == 0, [
-        (float(a[i]), float(sf[i]), int(seven[i]), int(nibbles[i])) for i in bad[:5]
+    expected = e2m1_codes(p, torch.signbit(p) & ~torch.isnan(p)).to(torch.int32)
+    assert torch.equal(seven, expected), [
+        (float(p[i]), int(seven[i]), int(expected[i])) for i in (seven != expected).nonzero()[:5]
     ]
+    assert bool((seven[(p == 0) & torch.signbit(p)] == 8).all())  # -0.0
+    bad = (seven != nibbles).nonzero().flatten()
+    assert len(bad) == 0, [(float(p[i]), int(seven[i]), int(nibbles[i])) for i in bad[:5]]

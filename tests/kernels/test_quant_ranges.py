@@ -14,6 +14,7 @@ import torch
 from fusion_bridge.kernels.quant import QUANT_FP8, QUANT_NVFP4, quantize_into
 from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout, sf_shape
 from fusion_bridge.strategies.fused_tp1 import FusedTp1Strategy
+from tests import oracle64
 from tests.helpers import quant_problems
 from tests.kernels.test_tp1 import DEVICE, ENV, _launch_with, whole_rows
 
@@ -129,6 +130,38 @@ def test_nvfp4_codes_over_e2m1s_whole_range(global_scale):
     nan_blocks = torch.isnan(x.view(x.shape[0], -1, 16)).any(-1)
     assert nan_blocks.any() and not nan_blocks.all()
     assert not quant_problems(quant, x, q, sf), quant_problems(quant, x, q, sf)
+
+
+def _exact_quotient_codes(x: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """[T, H] e2m1 codes by the formula this library used before it took FlashInfer's steps:
+    sf = e4m3(fp32(gs * amax) / 6), the code of the exact quotient fp32(x * gs) / sf. Only to show
+    that a test's data tells the two apart."""
+    f64 = torch.float64
+    gs = torch.tensor(global_scale, dtype=torch.float32).to(f64)
+    blocks = x.to(f64).reshape(x.shape[0], -1, 16)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    sf = oracle64.e4m3_value((gs * amax).float().to(f64) / 6.0)
+    quotient = (blocks * gs).float().to(f64) / sf
+    return oracle64.e2m1_code(quotient.abs(), blocks < 0).reshape(x.shape)
+
+
+@pytest.mark.parametrize("global_scale", [3.0, 384.0])
+def test_nvfp4_codes_round_the_fp32_product_as_flashinfer_does(global_scale):
+    """Codes and scales bit for bit against the float64 oracle's statement of FlashInfer's steps
+    (sf = e4m3(gs * (amax * fp32(1/6))), the code of fp32(x * fp32(1 / fp32(sf * fp32(1 / gs))))),
+    on data where that formula and the exact quotient give different codes (the product rounded
+    to fp32 lands on or across a tie) or scales, and -0.0 written as code 8, in an all-zero block
+    and among other values."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 512, generator=g).to(torch.bfloat16)
+    x[0, :16] = -0.0
+    x[1, :8] = -0.0
+    q, sf = _quantized(QuantSpec.nvfp4(global_scale, SFLayout.LINEAR), x)
+    o_q, o_sf = oracle64.nvfp4(x, global_scale, False)
+    assert torch.equal(sf.cpu(), o_sf) and torch.equal(q.cpu(), o_q)
+    codes = torch.stack([q.cpu() & 0xF, q.cpu() >> 4], dim=-1).reshape(x.shape)
+    assert (codes[0, :16] == 8).all() and (codes[1, :8] == 8).all() and sf[0, 0] == 0
+    assert int((_exact_quotient_codes(x, global_scale) != codes).sum()) >= 10
 
 
 def _tp1_with_gamma(quant: QuantSpec, gamma: torch.Tensor, shape_of):

@@ -303,9 +303,9 @@ def test_fp8_division_through_one_reciprocal_is_exact():
 
 
 def test_nvfp4_block_scale_by_the_gpu_conversion_is_exact():
-    """`quant._block_scale_hw` (the world-size-1 kernels' NVFP4 block scale on a GPU: a Markstein
-    division by 6 and the GPU's e4m3 conversion) against the software form the other kernels use
-    (`_e4m3_rne_satfinite(div_rn(v, 6))`), code and value bit for bit, for v = 6 x every e4m3
+    """`quant._block_scale_hw` (the world-size-1 kernels' NVFP4 block scale on a GPU: the GPU's
+    e4m3 conversion of v = global_scale * (amax * fp32(1/6))) against the software form the other
+    kernels use (`_e4m3_rne_satfinite(v)`), code and value bit for bit, for v = every e4m3
     value, every midpoint between two of them (the ties) and one fp32 step either side, and random
     fp32 over the whole range, 0, subnormals, inf and NaN."""
     needs_gpu()
@@ -319,7 +319,7 @@ def test_nvfp4_block_scale_by_the_gpu_conversion_is_exact():
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(v_ptr + offs, mask=offs < n)
         hw_code, hw_value = _block_scale_hw(v)
-        sw_code, sw_value = _e4m3_rne_satfinite(tl.math.div_rn(v, 6.0))
+        sw_code, sw_value = _e4m3_rne_satfinite(v)
         tl.store(code_ptr + offs, hw_code, mask=offs < n)
         tl.store(code_ptr + n + offs, sw_code, mask=offs < n)
         tl.store(value_ptr + offs, hw_value, mask=offs < n)
@@ -328,8 +328,13 @@ def test_nvfp4_block_scale_by_the_gpu_conversion_is_exact():
     grid = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     grid = grid.float().cuda()
     points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([448.0 + 16.0]).cuda()])
-    v = points * 6.0
-    v = torch.cat([v, torch.nextafter(v, torch.zeros_like(v)), torch.nextafter(v, v + 1e30)])
+    v = torch.cat(
+        [
+            points,
+            torch.nextafter(points, torch.zeros_like(points)),
+            torch.nextafter(points, points + 1e30),
+        ]
+    )
     bits = torch.randint(0, 0x7F800000, (1 << 16,), dtype=torch.int32, device="cuda")
     special = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, float("inf"), float("nan")]).cuda()
     v = torch.cat([v, bits.view(torch.float32), special])

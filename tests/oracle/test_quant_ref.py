@@ -39,7 +39,7 @@ def test_e2m1_ties_go_to_the_even_code_and_saturate():
     # codes: 0.25->0 (0), 0.75->1.0 (2), 1.25->1.0 (2), 1.75->2 (4), 2.5->2 (4), 3.5->4 (6), 5->4
     # (6),
     # 7 and 100 saturate at 6 (7), 0.26->0.5 (1); negatives carry bit 3, also when they round to 0
-    assert e2m1_codes(x).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 7, 1, 8 | 2, 8 | 7, 8 | 0]
+    assert e2m1_codes(x, x < 0).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 7, 1, 8 | 2, 8 | 7, 8 | 0]
 
 
 def test_e2m1_values_are_the_format_table():
@@ -55,8 +55,8 @@ def test_nvfp4_hand_computed_blocks():
     q, sf = quantize_nvfp4(x, 1.0, SFLayout.LINEAR)
     assert sf.tolist() == [[0x38, 0x00, 0x38]]
     codes = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(1, 48)
-    # negatives carry bit 3; -0.0 is not < 0, so it encodes as +0 (code 0), in the kernel alike
-    assert codes[0, :16].tolist() == list(range(8)) + [0] + [8 | c for c in range(1, 8)]
+    # negatives carry bit 3, -0.0 too (code 8: its sign bit, as FlashInfer's conversion keeps it)
+    assert codes[0, :16].tolist() == list(range(8)) + [8] + [8 | c for c in range(1, 8)]
     assert codes[0, 16:32].tolist() == [0] * 16
     assert codes[0, 32:].tolist() == [7] * 16  # 6.375 / 1.0 saturates at 6
     assert q[0, 0].item() == (1 << 4) | 0  # element 2i in the low nibble
@@ -142,3 +142,17 @@ def test_the_three_swizzle_descriptions_agree():
                 assert off == swizzled_sf_offset(torch.tensor(m), torch.tensor(k), blocks).item()
                 assert tiled[off] == sf[m, k]
         assert torch.equal(oracle64.unswizzle(oracle64.swizzle(sf), tokens, blocks), sf)
+
+
+@pytest.mark.parametrize("global_scale", [1.0, 3.0, 384.0, 537.6])
+def test_nvfp4_reference_takes_flashinfers_steps(global_scale):
+    """Normal-distributed rows (where the fp32 product lands on an e2m1 tie now and then): the
+    reference's codes and scales equal the float64 oracle's statement of FlashInfer's steps, -0.0
+    included (code 8)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+    x[0, :5] = -0.0
+    q, sf = quantize_nvfp4(x, global_scale, SFLayout.LINEAR)
+    o_q, o_sf = oracle64.nvfp4(x, global_scale, False)
+    assert torch.equal(sf, o_sf) and torch.equal(q, o_q)
+    assert (q[0, :2] == 0x88).all()
