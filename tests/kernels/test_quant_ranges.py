@@ -326,3 +326,17 @@ def test_the_gpu_conversions_over_the_whole_ranges_and_a_nan_row():
         test_fused_tp1_quantizes_the_whole_ranges(quant, shape)
     for kind in ("fp8", "nvfp4"):
         test_every_quantizing_kernel_keeps_a_nan_row_nan(kind)
+
+
+def test_swizzled_nvfp4_at_a_hidden_size_of_32_writes_all_four_scale_columns():
+    """H=32 has 2 scale blocks a row and the swizzled layout 4 columns: the row kernel's block must
+    still span 4 blocks (64 columns), or columns 2 and 3 of every one of the 128 padded rows keep
+    the poisoned buffer's bytes instead of 0 (half of the 512 scale bytes)."""
+    from fusion_bridge.oracle.quant_ref import quantize_nvfp4
+
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    quant = QuantSpec.nvfp4(448.0, SFLayout.SWIZZLED_128x4)
+    q, sf = _quantized(quant, x)
+    ref_q, ref_sf = quantize_nvfp4(x, 448.0, SFLayout.SWIZZLED_128x4)
+    assert sf.shape == (128, 4) and int((sf.cpu() == 0xFF).sum()) == 0
+    assert torch.equal(sf.cpu(), ref_sf) and torch.equal(q.cpu(), ref_q)

@@ -229,3 +229,30 @@ def test_every_rank_uses_rank_zeros_table(tmp_path):
         del os.environ["FUSION_BRIDGE_CACHE_DIR"]
     r0, r1 = run_distributed(_load_on_ranks, 2, dirs, backend="gloo", timeout_s=120)
     assert r0 == r1 == {"separate": {"default": {"1": 3.0}}}
+
+
+def _load_on_a_subgroup(rank, world_size, cache_dirs):
+    """Ranks 1 and 2 of 3 form the TP group; rank 0 is not in it (and calls nothing of it)."""
+    group = torch.distributed.new_group([1, 2])
+    if rank == 0:
+        return None
+    os.environ["FUSION_BRIDGE_CACHE_DIR"] = cache_dirs[rank]
+    env = H200_TP2.replace(gpu_name="NVIDIA test GPU")
+    table = load_table(DSV3, env, group)
+    return None if table is None else table["measured_us"]
+
+
+def test_a_group_without_global_rank_zero_uses_its_own_first_ranks_table(tmp_path):
+    """The table is broadcast from the group's first rank (global rank 1 here), not from global
+    rank 0, which is not in the group: both members get rank 1's table."""
+    dirs = [str(tmp_path / f"rank{r}") for r in range(3)]
+    env = H200_TP2.replace(gpu_name="NVIDIA test GPU")
+    os.environ["FUSION_BRIDGE_CACHE_DIR"] = dirs[1]
+    try:
+        save_table(
+            make_table(DSV3, env, {"separate": {"default": {1: 5.0}}}), cache_path(DSV3, env)
+        )
+    finally:
+        del os.environ["FUSION_BRIDGE_CACHE_DIR"]
+    r0, r1, r2 = run_distributed(_load_on_a_subgroup, 3, dirs, backend="gloo", timeout_s=120)
+    assert r0 is None and r1 == r2 == {"separate": {"default": {"1": 5.0}}}
