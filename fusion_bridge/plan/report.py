@@ -303,7 +303,12 @@ class Report:
             more = len(st.reasons) - 1 - len(excluded)
             return [
                 f"{st.name:22s} {state}: {NEEDS_GPU[need.code]} [{need.code}]"
-                + (f" (+{more} more for GPU machines: --json lists them)" if more else "")
+                + (
+                    f" (+{more} more for GPU machines: in the report's JSON, `to_dict()` in "
+                    "Python, `--json` on the command line)"
+                    if more
+                    else ""
+                )
             ] + [f"{'':22s} [{r.code}] {r.message}" for r in excluded]
         extra = f", self-test: {st.self_test}" + (
             f" (rel err {st.self_test_error:.2e})" if st.self_test_error is not None else ""

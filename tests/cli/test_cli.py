@@ -77,7 +77,8 @@ def test_no_arguments_explains_the_deepseek_v3_shape():
         fi = [line for line in lines if line.startswith("flashinfer_fused ")]
         assert fi == [
             "flashinfer_fused       rejected: needs a CUDA GPU [needs_cuda] "
-            "(+1 more for GPU machines: --json lists them)"
+            "(+1 more for GPU machines: in the report's JSON, `to_dict()` in Python, `--json` on "
+            "the command line)"
         ]
         assert "hint:" not in out.split("strategies:")[1].split("flashinfer_fused_fp4")[0]
         assert "MULTICAST" not in out and "world sizes" not in out
