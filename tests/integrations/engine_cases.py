@@ -89,13 +89,15 @@ def oracle(
     weight_bias: float = 0.0,
     replicated_shared: bool = False,
     shared: bool = True,
+    ranks: Optional[int] = None,
     **kw,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual_out, norm_out) float64 of the layer: every rank's routed partial with the
-    model's factor applied once, the shared output once per rank (a partial) or once in all
-    (replicated), the residual, the norm with (weight + weight_bias)."""
+    """(residual_out, norm_out) float64 of the layer: the routed partial of each of the first
+    `ranks` (default: all `world`) ranks with the model's factor applied once, the shared output
+    once per rank (a partial) or once in all (replicated), the residual, the norm with
+    (weight + weight_bias)."""
     rank_inputs = []
-    for r in range(world):
+    for r in range(world if ranks is None else ranks):
         p = pieces(tokens, t_buf, world, r, replicated_shared=replicated_shared, **kw)
         s = p.shared if shared and (r == 0 or not replicated_shared) else None
         w = handoff_weights(p, folded, w_dtype)[:tokens]
