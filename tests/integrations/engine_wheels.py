@@ -14,9 +14,9 @@ whole runtime. So:
   `ast` (the attributes `__init__` sets, what the forward multiplies by), and a stand-in module of
   the same module and qualified name holds the same attributes (`engine_norm`).
 
-The wheels are looked for in $FUSION_BRIDGE_TEST_WHEELS, /tmp/wheels51 and
+The wheels are looked for in $ENGINE_WHEELS_DIR, /tmp/wheels51 and
 ~/.cache/fusion_bridge/test-wheels, and otherwise downloaded there with `pip download --no-deps`
-(the download is skipped when FUSION_BRIDGE_TEST_NO_DOWNLOAD=1). Where a wheel cannot be had, the
+(the download is skipped when ENGINE_WHEELS_NO_DOWNLOAD=1). Where a wheel cannot be had, the
 tests that need it skip with one reason.
 """
 
@@ -49,7 +49,7 @@ SGL_FUSED_GAMMA = "sglang/srt/layers/layer_boundary/fusions/norm.py"
 
 
 def _dirs() -> list[Path]:
-    dirs = [os.environ.get("FUSION_BRIDGE_TEST_WHEELS"), "/tmp/wheels51"]
+    dirs = [os.environ.get("ENGINE_WHEELS_DIR"), "/tmp/wheels51"]
     dirs.append(str(Path.home() / ".cache" / "fusion_bridge" / "test-wheels"))
     return [Path(d) for d in dirs if d]
 
@@ -62,7 +62,7 @@ def wheel(name: str, version: str) -> Optional[Path]:
         found = sorted(d.glob(f"{name}-{version}-*.whl"))
         if found:
             return found[0]
-    if os.environ.get("FUSION_BRIDGE_TEST_NO_DOWNLOAD") == "1":
+    if os.environ.get("ENGINE_WHEELS_NO_DOWNLOAD") == "1":
         return None
     cache = _dirs()[-1]
     cache.mkdir(parents=True, exist_ok=True)
