@@ -24,7 +24,10 @@ in another shape (1-D, or [..., H]) is viewed as [-1, H], which is exact. A [P, 
 H_pad != H is refused, because it is either padded rows or packed rows in a padded allocation, and
 only its producer knows which; the message gives both fixes.
 
-Refusals here depend only on what is alike on every rank of the group (the spec, the handoff's
+Nothing here reads a tensor's values or synchronizes: the checks read metadata, the views are
+views, and a replicated shared output costs one zeroed buffer on the ranks other than 0, so the
+call can be captured in a CUDA graph like the bridge's own. Refusals here depend only on what is
+alike on every rank of the group (the spec, the handoff's
 classes, flags, scaling factor and buffer sizes), so every rank refuses together before the
 collective; what differs per rank (a tensor's device, an index value) is left to the bridge's own
 checks, which keep the group in step when one rank fails.

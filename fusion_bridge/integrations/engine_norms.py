@@ -60,12 +60,18 @@ def class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def norm_class(norm: torch.nn.Module | type) -> Optional[EngineNorm]:
+    """What the bridge needs from a norm class or module (EngineNorm), or None for a class it does
+    not know (exact class only). The one lookup of norm classes: every check here goes through
+    it."""
+    cls = norm if isinstance(norm, type) else type(norm)
+    return ENGINE_NORMS.get(class_path(cls))
+
+
 def engine_norm_offset(norm: torch.nn.Module | type) -> Optional[float]:
     """The weight offset of an engine norm class or module (0.0 for `RMSNorm`, 1.0 for
-    `GemmaRMSNorm`, vLLM's and SGLang's), or None for a class that is not one of them (exact class
-    only). The one lookup of engine classes."""
-    cls = norm if isinstance(norm, type) else type(norm)
-    known = ENGINE_NORMS.get(class_path(cls))
+    `GemmaRMSNorm`, vLLM's and SGLang's), or None for a class that is not one of them."""
+    known = norm_class(norm)
     return None if known is None else known.offset
 
 
@@ -131,7 +137,7 @@ def norm_gamma(
 def _module_gamma(spec: EpilogueSpec, norm: torch.nn.Module, who: str) -> torch.Tensor:
     """The stored weight of an engine norm module, after checking its class, offset and eps
     against the spec."""
-    known = ENGINE_NORMS.get(class_path(type(norm)))
+    known = norm_class(norm)
     if known is None:
         _fail(
             who,
