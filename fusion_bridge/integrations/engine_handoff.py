@@ -26,11 +26,13 @@ only its producer knows which; the message gives both fixes.
 
 Nothing here reads a tensor's values or synchronizes: the checks read metadata, the views are
 views, and a replicated shared output costs one zeroed buffer on the ranks other than 0, so the
-call can be captured in a CUDA graph like the bridge's own. Refusals here depend only on what is
-alike on every rank of the group (the spec, the handoff's
-classes, flags, scaling factor and buffer sizes), so every rank refuses together before the
-collective; what differs per rank (a tensor's device, an index value) is left to the bridge's own
-checks, which keep the group in step when one rank fails.
+call can be captured in a CUDA graph like the bridge's own.
+
+Refusals here come before the bridge's call, so they depend only on what is alike on every rank of
+the group by the engines' contracts (the spec, the handoff's classes, flags and scaling factor, the
+buffers' sizes for the replicated T and K): every rank refuses together and no collective is left
+waiting. What may differ per rank (a tensor's device, dtype or rows, an index value) is left to the
+bridge's own checks, whose failure protocol keeps the group in step when one rank fails.
 """
 
 from __future__ import annotations
