@@ -153,18 +153,19 @@ def flashinfer_buffers(p: ec.Pieces, w_dtype, t_buf: int):
 def test_sglang_deferred_finalize_from_flashinfer_buffers_longer_than_m(w_dtype):
     tokens, t_buf = 5, 9
     p = ec.pieces(tokens, t_buf, 2, 0)
-    handoff = ew.sglang_from_flashinfer(
-        flashinfer_buffers(p, w_dtype, t_buf), gated_shared_output=p.shared, m=tokens
-    )
+    buffers = flashinfer_buffers(p, w_dtype, t_buf)
+    inputs = (*(getattr(buffers, f) for f in sg.FLASHINFER_FIELDS[:3]), p.shared, p.residual)
+    before = [t.clone() for t in (*inputs, p.norm_weight)]
+    handoff = ew.sglang_from_flashinfer(buffers, gated_shared_output=p.shared, m=tokens)
     out = sg.finalize_deferred(bridge(), handoff, p.residual, norm_weight=p.norm_weight)
     exact = ec.oracle(tokens, t_buf, 2, folded=True, w_dtype=w_dtype, ranks=1)
     ec.check(out, exact)
     # SGLang's MoEOutput with the raw buffers: the same, its model factor not applied again
-    moe_output = ew.sglang_classes()["MoEOutput"](
-        flashinfer_buffers(p, w_dtype, t_buf), p.shared, None, ec.FACTOR, False
-    )
+    moe_output = ew.sglang_classes()["MoEOutput"](buffers, p.shared, None, ec.FACTOR, False)
     out = sg.finalize_moe_output(bridge(), moe_output, p.residual, norm_weight=p.norm_weight)
     ec.check(out, exact)
+    for a, b in zip(before, (*inputs, p.norm_weight)):  # never modified (gemm2_out's NaN rows too)
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
 def test_sglang_refuses_the_model_factor_a_short_buffer_and_a_finalized_output():
