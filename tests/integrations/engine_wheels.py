@@ -88,13 +88,14 @@ def source(engine: tuple, member: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _vllm_module():
     text = source(VLLM, MOE_OUTPUT)
-    folder = Path(tempfile.mkdtemp(prefix="fb_vllm_moe_output_"))
-    (folder / "moe_output.py").write_text(text)
-    name = "_fusion_bridge_test_vllm_moe_output"
-    spec = importlib.util.spec_from_file_location(name, folder / "moe_output.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses looks its module up there
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="fb_vllm_moe_output_") as folder:
+        path = Path(folder) / "moe_output.py"
+        path.write_text(text)
+        name = "_fusion_bridge_test_vllm_moe_output"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses looks its module up there
+        spec.loader.exec_module(module)
     return module
 
 
