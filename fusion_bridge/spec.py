@@ -106,9 +106,14 @@ class EpilogueSpec:
     """Static per-layer description of the MoE epilogue.
 
     hidden_size: H. top_k: K (columns of the index map). dtype: activation dtype, bf16 or fp16.
-    eps, weight_bias: RMSNorm uses (gamma + weight_bias). routed_scaling_factor multiplies
-    the top-k sum.
-    has_shared_output: whether shared_output is passed. max_tokens: the largest T a call may carry;
+    eps, weight_bias: RMSNorm uses (gamma + weight_bias): 1.0 for a zero-centred (Gemma-style)
+    norm whose stored weight is gamma, 0.0 when gamma is already the multiplier as applied (e.g.
+    SGLang's fused_norm_gamma()). routed_scaling_factor multiplies the top-k sum: the factor the
+    expert weights do not carry yet, so 1.0 where the routing folded the model's factor into them
+    (never the model's value then: it would apply twice).
+    has_shared_output: whether shared_output is passed; it is each rank's partial, summed over the
+    ranks (a shared output replicated on every rank goes in on one rank only, as
+    fusion_bridge.integrations.engine_handoff does). max_tokens: the largest T a call may carry;
     workspaces are sized for it.
     """
 

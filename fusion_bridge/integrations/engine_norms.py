@@ -1,0 +1,177 @@
+"""The next RMSNorm's weight for an engine handoff: a norm module, or a tensor named by its meaning.
+
+An RMSNorm multiplies the normalized row by `weight + offset`: offset 0 for the Llama-style norm,
+1 for a zero-centred (Gemma-style) norm whose stored weight is `w` and whose applied multiplier is
+`1 + w`. The bridge computes `(gamma + spec.weight_bias)`, so the two conventions differ by exactly
+the offset, and a wrong offset is a silently wrong norm_out. The norm reaches the bridge one of
+three ways, exactly one per call:
+
+- `norm=` the module itself (vLLM's or SGLang's `RMSNorm` / `GemmaRMSNorm`): its class says the
+  offset (`engine_norm_offset`, the one lookup for engine classes), the spec's `weight_bias` must
+  equal it, and its `eps` must equal the module's. Its stored weight is read (SGLang's
+  `GemmaRMSNorm.weight`, never its pre-folded `gemma_weight`). Any other class is refused.
+- `norm_weight=` a tensor holding the weight as stored; the spec's `weight_bias` is added to it.
+- `applied_gamma=` a tensor holding the multiplier as applied (SGLang's `fused_norm_gamma()`:
+  `1 + w` for a Gemma-style norm, with no offset left to add); the spec's `weight_bias` must be 0.
+
+Classes are matched by module and qualified name, never by importing the engine, and exactly:
+a subclass may change what its forward computes, so it is refused like any unknown class.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from fusion_bridge import EpilogueInputError, EpilogueSpec
+
+
+class HandoffError(EpilogueInputError):
+    """An engine handoff (or a norm given with it) the bridge cannot take as it is; the message
+    names the argument, what was expected, what was seen, and the fix."""
+
+
+class EngineNorm(NamedTuple):
+    """What the bridge needs from an engine norm class: the offset its forward adds to the stored
+    weight, and the attribute names of the stored weight and of eps."""
+
+    offset: float
+    weight_attr: str
+    eps_attr: str
+
+
+# The engine norm classes, by `module.qualname`, as their sources define them: vLLM 0.34.0
+# `vllm/model_executor/layers/layernorm.py`, SGLang 0.5.23 `sglang/srt/layers/layernorm.py`.
+# vLLM's GemmaRMSNorm forward multiplies by `self.weight.float() + 1.0`; SGLang's by
+# `1.0 + self.weight.float()` (its `gemma_weight` buffer holds that sum, pre-folded).
+ENGINE_NORMS = {
+    "vllm.model_executor.layers.layernorm.RMSNorm": EngineNorm(0.0, "weight", "variance_epsilon"),
+    "vllm.model_executor.layers.layernorm.GemmaRMSNorm": EngineNorm(
+        1.0, "weight", "variance_epsilon"
+    ),
+    "sglang.srt.layers.layernorm.RMSNorm": EngineNorm(0.0, "weight", "variance_epsilon"),
+    "sglang.srt.layers.layernorm.GemmaRMSNorm": EngineNorm(1.0, "weight", "variance_epsilon"),
+}
+
+
+def class_path(cls: type) -> str:
+    """`module.qualname` of a class: the key of ENGINE_NORMS."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def norm_class(norm: torch.nn.Module | type) -> Optional[EngineNorm]:
+    """What the bridge needs from a norm class or module (EngineNorm), or None for a class it does
+    not know (exact class only). The one lookup of norm classes: every check here goes through
+    it."""
+    cls = norm if isinstance(norm, type) else type(norm)
+    return ENGINE_NORMS.get(class_path(cls))
+
+
+def engine_norm_offset(norm: torch.nn.Module | type) -> Optional[float]:
+    """The weight offset of an engine norm class or module (0.0 for `RMSNorm`, 1.0 for
+    `GemmaRMSNorm`, vLLM's and SGLang's), or None for a class that is not one of them."""
+    known = norm_class(norm)
+    return None if known is None else known.offset
+
+
+def _fail(who: str, name: str, expected: str, actual: object, fix: str = "") -> None:
+    raise HandoffError(
+        f"{who}: {name} must be {expected}, got {actual}" + (f"; {fix}" if fix else "")
+    )
+
+
+def norm_gamma(
+    spec: EpilogueSpec,
+    *,
+    norm: Optional[torch.nn.Module] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    applied_gamma: Optional[torch.Tensor] = None,
+    who: str = "the handoff",
+) -> torch.Tensor:
+    """The `gamma` to pass to finalize_epilogue with `spec`, from exactly one of `norm`,
+    `norm_weight` and `applied_gamma` (module docstring). Returns a [H] tensor in spec.dtype (the
+    module's weight itself, never a copy: the bridge never modifies it). Raises HandoffError naming
+    the argument, the expected and the actual value, and the fix."""
+    given = [n for n, v in (("norm", norm), ("norm_weight", norm_weight)) if v is not None]
+    given += ["applied_gamma"] if applied_gamma is not None else []
+    if len(given) != 1:
+        _fail(
+            who,
+            "the next norm",
+            "given exactly once: norm= (the module), norm_weight= (its stored weight; "
+            "spec.weight_bias is added) or applied_gamma= (the multiplier as applied)",
+            f"{len(given)} of them ({', '.join(given) or 'none'})",
+        )
+    if norm is not None:
+        gamma = _module_gamma(spec, norm, who)
+    elif applied_gamma is not None:
+        if spec.weight_bias != 0.0:
+            _fail(
+                who,
+                "spec.weight_bias with applied_gamma=",
+                "0.0 (applied_gamma is the multiplier as applied, e.g. SGLang's "
+                "fused_norm_gamma() = 1 + w; adding weight_bias would apply the offset twice)",
+                spec.weight_bias,
+                "pass the stored weight as norm_weight= (or the module as norm=) instead, or "
+                "build the spec with weight_bias=0.0",
+            )
+        gamma = applied_gamma
+    else:
+        gamma = norm_weight
+    name = given[0]
+    if not isinstance(gamma, torch.Tensor):
+        _fail(who, name, "a torch.Tensor [hidden_size]", type(gamma).__name__)
+    if tuple(gamma.shape) != (spec.hidden_size,) or gamma.dtype != spec.dtype:
+        _fail(
+            who,
+            f"{name} (shape, dtype)",
+            f"([{spec.hidden_size}], {spec.dtype}) as spec says",
+            f"({list(gamma.shape)}, {gamma.dtype})",
+            "cast the weight once at load time (weight.data = weight.data.to(spec.dtype)); "
+            "a per-call cast would round it anew each call",
+        )
+    return gamma.detach()
+
+
+def _module_gamma(spec: EpilogueSpec, norm: torch.nn.Module, who: str) -> torch.Tensor:
+    """The stored weight of an engine norm module, after checking its class, offset and eps
+    against the spec."""
+    known = norm_class(norm)
+    if known is None:
+        _fail(
+            who,
+            "norm",
+            f"one of the engine norm classes {sorted(ENGINE_NORMS)} (exact class: a subclass may "
+            "compute another norm)",
+            class_path(type(norm)),
+            "pass its weight as norm_weight= with the spec's weight_bias set to the offset its "
+            "forward adds (1.0 for a zero-centred, Gemma-style norm), or the multiplier it "
+            "applies as applied_gamma=",
+        )
+    if getattr(norm, "variance_size_override", None) is not None:
+        _fail(
+            who,
+            "norm.variance_size_override",
+            "None (the bridge's RMSNorm takes the mean square over the whole row)",
+            norm.variance_size_override,
+        )
+    if spec.weight_bias != known.offset:
+        _fail(
+            who,
+            "spec.weight_bias",
+            f"{known.offset} for {class_path(type(norm))} (its forward multiplies by "
+            f"weight + {known.offset})",
+            spec.weight_bias,
+            f"build the bridge's EpilogueSpec with weight_bias={known.offset}",
+        )
+    eps = float(getattr(norm, known.eps_attr))
+    if eps != spec.eps:
+        _fail(
+            who,
+            "spec.eps",
+            f"the norm's {known.eps_attr} ({eps})",
+            spec.eps,
+            f"build the bridge's EpilogueSpec with eps={eps}",
+        )
+    return getattr(norm, known.weight_attr)
