@@ -63,7 +63,7 @@ def copy_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
         src,
         dst,
         symlinks=True,
-        # build/ only at the root (setuptools' scratch folder): fusion_bridge/build/ is product code
+        # build/ only at the root (setuptools' scratch folder), not a source folder of that name
         ignore=lambda d, names: [
             n
             for n in names

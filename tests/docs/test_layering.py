@@ -2,7 +2,9 @@
 import circle, and no module imports a layer above its own. A module's layer is its room's: the
 folder it sits in (`fusion_bridge/plan/`, `kernels/`, ...) or, at the top of the package, its own
 name. A new module in an existing folder is placed the moment it is created; a new room must be
-given a layer here.
+given a layer here. Every module is read: every .py file under fusion_bridge/ and under the
+top-level kernels/ (fusion_bridge.kernels), checked against a second listing of the tree, so no
+folder can drop out of the walk; and no product module imports the test rigs (testing/).
 
     values        spec, reasons, environment, env_vars, log, registry: plain values, the
                   environment variables and the strategy registry ("module:Class" strings)
