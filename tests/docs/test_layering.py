@@ -14,7 +14,7 @@ folder can drop out of the walk; and no product module imports the test rigs (te
     plan          plan/: token buckets, the strategies' statuses, the pure selection, the report
     tuning        tuning/: measured tables, their format and the timing harness
     call          call/: input checks, the failure protocol, shadow mode, the custom op, tools
-    build         build/: arguments, admission, self-test
+    assembly      assembly/: arguments, admission, self-test
     bridge        bridge.py: FusionBridge
     testing       testing/: the emulated-ranks rigs (no product module imports them)
     facade        fusion_bridge itself (the model author's names)
@@ -51,7 +51,7 @@ LAYERS = {
     "plan": {"plan"},
     "tuning": {"tuning"},
     "call": {"call"},
-    "build": {"build"},
+    "assembly": {"assembly"},
     "bridge": {"bridge"},
     "testing": {"testing"},
     "facade": {""},
