@@ -1,7 +1,7 @@
 """FusionBridge: built once per layer; one `finalize_epilogue` call per forward.
 
 Building it is collective over `group` (every rank builds its bridge in the same order); that is
-build/build.py, which returns the BuiltBridge the bridge keeps. A call validates metadata (no sync)
+assembly/build.py, returning the BuiltBridge the bridge keeps. A call validates metadata (no sync)
 and dispatches by token bucket in O(1) to the planned (strategy, launch variant): that hot path is
 this module. When one rank's call fails: call/failure.py; one strategy run directly (parity,
 benchmarks): call/direct.py; tuning and the reports: call/tools.py.
@@ -19,7 +19,7 @@ from typing import Callable, NoReturn, Optional, Sequence
 import torch
 
 from fusion_bridge import log
-from fusion_bridge.build.build import build_bridge, close_instances
+from fusion_bridge.assembly.build import build_bridge, close_instances
 from fusion_bridge.call import custom_op, direct, failure, routes as call_routes, tools
 from fusion_bridge.call.debug_call import CallAgreement
 from fusion_bridge.call.one_caller import one_call_at_a_time

@@ -1,12 +1,12 @@
 """Launch a Triton kernel at the cost of a launch: after the first normal launch, call the compiled
 kernel's low-level launcher directly, keyed by what Triton's own cache key depends on.
 
-Why: `kernel[grid](...)` (Triton 3.6) re-derives per call what is fixed for us: it binds the
-arguments by name, specializes each one in C, formats the options dict into a string for the cache
-key, looks the kernel up, builds a launch-metadata dict for the (empty) launch hooks and goes
-through `CudaLauncher.__call__`. `KernelLauncher` keeps, per specialization key, the compiled
-kernel's launch function and everything that is constant for it, and launches with the grid, the
-current stream and the arguments.
+Why: `kernel[grid](...)` re-derives per call what is fixed for us: it binds the arguments by
+name, specializes each one in C, formats the options dict into a string for the cache key, looks
+the kernel up, builds a launch-metadata dict for the (empty) launch hooks and goes through
+`CudaLauncher.__call__`. `KernelLauncher` keeps, per specialization key, the compiled kernel's
+launch function and everything that is constant for it, and launches with the grid, the current
+stream and the arguments.
 
 The key mirrors Triton's specialization (checked against `native_specialize_impl` by
 tests/kernels/test_launch_cache.py) and is never coarser than it:
@@ -19,111 +19,38 @@ tests/kernels/test_launch_cache.py) and is never coarser than it:
 - a tuple argument (a record of kernels/records.py): each field as above, in order, as Triton
   specializes a tuple field by field;
 - the constexpr values, num_warps, the current device, `knobs.runtime.debug` and
-  `knobs.compilation.instrumentation_mode` (the options in Triton's key).
+  the compile options of `triton_launchers.KEY_OPTIONS` (the options in Triton's key).
 
 Anything else falls back to the normal launch, which compiles or finds the right kernel; its result
 is then remembered under the new key (at most `MAX_ENTRIES` per kernel, oldest dropped first). The
-fast path is never taken while a launch hook is registered (profilers such as proton), and the
-normal launch is used forever, without an error, when any internal below is missing: under
-TRITON_INTERPRET=1 (no compiled launcher), with another Triton minor version, or with
-FUSION_BRIDGE_LAUNCH_CACHE=0. `KernelLauncher.disabled_reason` says why.
+fast path is never taken while a launch hook or a stages-inspection hook is registered (profilers
+such as proton), and the normal launch is used forever, without an error, when a Triton internal
+it needs is missing: under TRITON_INTERPRET=1 (no compiled launcher), with a Triton minor version
+whose launcher layout is not known, or with FUSION_BRIDGE_LAUNCH_CACHE=0.
+`KernelLauncher.disabled_reason` says why.
 
-Triton internals relied on (verified on Triton 3.6.0; `TESTED_TRITON` guards the minor version,
-because the launcher's positional layout below cannot be feature-detected):
-
-- `JITFunction.run(...)` (what `kernel[grid](...)` calls) returns the `CompiledKernel` it launched;
-  `JITFunction.arg_names`, `.used_global_vals` and `.pre_run_hooks` (we cache only when both are
-  empty: Triton re-checks globals per call and runs the hooks);
-- `CompiledKernel.run` (a `CudaLauncher`, callable as `run(gx, gy, gz, stream, function,
-  packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args_in_param_order)`, constexpr
-  slots included), `CompiledKernel.function` and `.packed_metadata`; an object with `.result`
-  (asynchronous compile) is not cached;
-- `CudaLauncher.launch` (the compiled C `launch(gx, gy, gz, stream, function, cooperative, pdl,
-  global_scratch, profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`)
-  with `.launch_cooperative_grid`, `.launch_pdl`, `.global_scratch_size` and
-  `.profile_scratch_size`:
-  called directly when both scratch sizes are 0, else through `CudaLauncher.__call__`;
-- `triton.runtime.driver.active.get_current_device` / `.get_current_stream` (the same functions
-  Triton's launch uses) and `triton.knobs.runtime.launch_enter_hook` / `launch_exit_hook`
-  (`HookChain`s; the fast path needs their `.calls` empty and passes None, as Triton does
-  without hooks).
+Which Triton internals it relies on, and how each Triton minor version that pyproject allows (3.6
+to 3.9) lays out its launchers' arguments: kernels/triton_launchers.py.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from fusion_bridge.kernels.triton_launchers import (  # noqa: F401 (ENV_VAR, triton_version: re-exported)
+    ENV_VAR,
+    Runtime,
+    launch_entry,
+    triton_runtime,
+    triton_version,
+)
 from fusion_bridge.log import get_logger
 
-TESTED_TRITON = ((3, 6),)
 MAX_ENTRIES = 64
-ENV_VAR = "FUSION_BRIDGE_LAUNCH_CACHE"  # "0" switches the fast path off
 
 _log = get_logger("kernels.launcher")
-
-
-class Runtime:
-    """What a fast launch reads from Triton per call. Tests pass a fake one."""
-
-    def __init__(
-        self,
-        get_current_device: Callable[[], int],
-        get_current_stream: Callable[[int], int],
-        runtime_knobs: Any,
-        compilation_knobs: Any,
-    ):
-        self.get_current_device = get_current_device
-        self.get_current_stream = get_current_stream
-        self.runtime_knobs = runtime_knobs  # .launch_enter_hook, .launch_exit_hook, .debug
-        self.compilation_knobs = compilation_knobs  # .instrumentation_mode
-
-
-def triton_version() -> Optional[tuple[int, int]]:
-    try:
-        import triton
-
-        m = re.match(r"(\d+)\.(\d+)", triton.__version__)
-        return (int(m.group(1)), int(m.group(2))) if m else None
-    except Exception:
-        return None
-
-
-def triton_runtime() -> tuple[Optional[Runtime], Optional[str]]:
-    """(the installed Triton's runtime, None) or (None, why the fast path is off)."""
-    from fusion_bridge import env_vars
-
-    if not env_vars.read(ENV_VAR):
-        return None, f"{ENV_VAR}={os.environ.get(ENV_VAR)}"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the first reason: nothing is compiled
-        return None, "TRITON_INTERPRET=1: no compiled launcher"
-    version = triton_version()
-    if version not in TESTED_TRITON:
-        tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON)
-        return None, (
-            f"Triton {version} is not a version whose launcher layout was verified ({tested}); "
-            "the normal launch is used"
-        )
-    try:
-        from triton import knobs
-        from triton.runtime import driver
-
-        if knobs.runtime.interpret:
-            return None, "TRITON_INTERPRET=1: no compiled launcher"
-        active = driver.active
-        rt = Runtime(
-            active.get_current_device, active.get_current_stream, knobs.runtime, knobs.compilation
-        )
-        for chain in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
-            if not hasattr(chain, "calls"):
-                return None, "triton.knobs.runtime launch hooks are not HookChains"
-        knobs.runtime.debug, knobs.compilation.instrumentation_mode  # noqa: B018 (feature detection)
-        return rt, None
-    except Exception as exc:  # any missing internal: the normal launch
-        return None, f"Triton runtime internals unavailable: {type(exc).__name__}: {exc}"
 
 
 def _make_key_fn(kinds: Sequence) -> Callable:
@@ -154,7 +81,7 @@ def _make_key_fn(kinds: Sequence) -> Callable:
 
     for name, kind in zip(names, kinds):
         key_of(name, kind)
-    head = "device, debug, instrumentation, num_warps, constexprs"
+    head = "device, debug, options, num_warps, constexprs"
     src = (
         f"def key({head}, {', '.join(names)}):\n"
         + "".join(line + "\n" for line in lines)
@@ -204,7 +131,6 @@ class KernelLauncher:
         # Triton's key, and constant here, so the launcher's own key needs no field for them
         self.options = dict(options or {})
         self.max_entries = max_entries
-        self.normal_launches = 0
         self._entries: dict = {}
         self._key_fn: Optional[Callable] = None
         self._kinds: Optional[tuple[str, ...]] = None
@@ -250,14 +176,18 @@ class KernelLauncher:
             return
         knobs = self._knobs
         try:
-            if knobs.launch_enter_hook.calls or knobs.launch_exit_hook.calls:
-                key = None  # hooks expect Triton's own launch
+            if (
+                knobs.launch_enter_hook.calls
+                or knobs.launch_exit_hook.calls
+                or knobs.add_stages_inspection_hook is not None
+            ):
+                key = None  # hooks expect Triton's own launch; a stages hook changes Triton's key
             else:
                 device = self._get_device()
                 key = key_fn(
                     device,
                     knobs.debug,
-                    self._compilation_knobs.instrumentation_mode,
+                    self._key_options(self._compilation_knobs),
                     num_warps,
                     constexprs,
                     *args,
@@ -270,23 +200,32 @@ class KernelLauncher:
         if entry is None:
             self._normal(grid, args, constexprs, num_warps, key)
             return
-        fn, prefix = entry
+        fn, prefix, as_tuple, _ = entry
         n = len(grid)
         try:
-            fn(
-                grid[0],
-                grid[1] if n > 1 else 1,
-                grid[2] if n > 2 else 1,
-                self._get_stream(device),
-                *prefix,
-                *args,
-                *constexprs,
-            )
+            if as_tuple:  # the shared C launcher (3.7+): the arguments as one tuple
+                fn(
+                    grid[0],
+                    grid[1] if n > 1 else 1,
+                    grid[2] if n > 2 else 1,
+                    self._get_stream(device),
+                    *prefix,
+                    (*args, *constexprs),
+                )
+            else:
+                fn(
+                    grid[0],
+                    grid[1] if n > 1 else 1,
+                    grid[2] if n > 2 else 1,
+                    self._get_stream(device),
+                    *prefix,
+                    *args,
+                    *constexprs,
+                )
         except Exception as exc:
             self._fast_failed(exc, grid, args, constexprs, num_warps)
 
     def _launch_normally(self, grid, args, constexprs, num_warps):
-        self.normal_launches += 1
         kwargs = dict(zip(self.constexpr_names, constexprs))
         return self.kernel[grid](*args, **kwargs, num_warps=num_warps, **self.options)
 
@@ -332,6 +271,7 @@ class KernelLauncher:
         rt = self._runtime
         if self._kinds is None:
             self._knobs, self._compilation_knobs = rt.runtime_knobs, rt.compilation_knobs
+            self._key_options = rt.key_options
             self._get_device, self._get_stream = rt.get_current_device, rt.get_current_stream
             self._kinds, self._key_fn = kinds, _make_key_fn(kinds)
         elif kinds != self._kinds:
@@ -341,10 +281,12 @@ class KernelLauncher:
             knobs = rt.runtime_knobs
             if not (_idle(knobs.launch_enter_hook) and _idle(knobs.launch_exit_hook)):
                 return
+            if getattr(knobs, "add_stages_inspection_hook", None) is not None:
+                return
             key = self._key_fn(
                 rt.get_current_device(),
                 knobs.debug,
-                rt.compilation_knobs.instrumentation_mode,
+                rt.key_options(rt.compilation_knobs),
                 num_warps,
                 constexprs,
                 *args,
@@ -352,35 +294,8 @@ class KernelLauncher:
         self._entries.pop(key, None)
         while len(self._entries) >= self.max_entries:
             del self._entries[next(iter(self._entries))]
-        self._entries[key] = _entry(compiled)
+        self._entries[key] = launch_entry(compiled, rt.launch_layout)
 
 
 def _idle(hook) -> bool:
     return hook is None or not getattr(hook, "calls", True)
-
-
-def _entry(compiled) -> tuple[Callable, tuple]:
-    """(launch function, the arguments between the stream and the kernel's own arguments)."""
-    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
-    if not callable(run):
-        raise TypeError("CompiledKernel.run is not callable")
-    launch = getattr(run, "launch", None)
-    if (
-        callable(launch)
-        and getattr(run, "global_scratch_size", None) == 0
-        and getattr(run, "profile_scratch_size", None) == 0
-        and hasattr(run, "launch_cooperative_grid")
-        and hasattr(run, "launch_pdl")
-    ):
-        return launch, (
-            function,
-            run.launch_cooperative_grid,
-            run.launch_pdl,
-            None,
-            None,
-            packed,
-            None,
-            None,
-            None,
-        )
-    return run, (function, packed, None, None, None)

@@ -58,12 +58,12 @@ def load_mutants(path: pathlib.Path) -> list[dict]:
 
 
 def copy_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
-    """The working tree (symlinks kept as links: fusion_bridge/kernels -> ../kernels)."""
+    """The working tree (symlinks kept as links)."""
     shutil.copytree(
         src,
         dst,
         symlinks=True,
-        # build/ only at the root (setuptools' scratch folder): fusion_bridge/build/ is product code
+        # build/ only at the root (setuptools' scratch folder), not a source folder of that name
         ignore=lambda d, names: [
             n
             for n in names
@@ -72,9 +72,6 @@ def copy_tree(src: pathlib.Path, dst: pathlib.Path) -> None:
             or (n == "build" and pathlib.Path(d).resolve() == src.resolve())
         ],
     )
-    link = dst / "fusion_bridge" / "kernels"
-    if not link.exists():  # a checkout without the package's link to the kernels folder
-        link.symlink_to("../kernels")
 
 
 def apply(tree: pathlib.Path, mutant: dict) -> tuple[Optional[str], Optional[str]]:

@@ -169,7 +169,7 @@ def test_once_logs_a_key_the_first_time_only(clean_logger, caplog):
 def test_the_slow_build_notice_comes_before_gpu_builds_only():
     import torch
 
-    from fusion_bridge.build.admission import slow_build_notice
+    from fusion_bridge.assembly.admission import slow_build_notice
 
     line = slow_build_notice(["local_fused_nccl"], torch.device("cuda", 0), True, 1)
     assert line.startswith("fusion_bridge: rank 1: preparing and self-testing local_fused_nccl.")

@@ -38,7 +38,7 @@ def item6_settings(rank, world_size, group) -> dict:
     0.999 spread, a 1e-3 us time), loaded collectively as a bridge on a GPU would."""
     import numpy as np
 
-    import fusion_bridge.build.build as build_module
+    import fusion_bridge.assembly.build as build_module
     from fusion_bridge.environment import Environment
     from fusion_bridge.tuning import tables
 

@@ -111,7 +111,7 @@ def test_every_strategy_matches_the_oracle_over_the_grid():
 def _graphs_routing_and_fp4(rank, world_size):
     from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
     from fusion_bridge.oracle.quant_ref import quantize_nvfp4
-    from fusion_bridge.build.selftest import self_test
+    from fusion_bridge.assembly.selftest import self_test
     from fusion_bridge.strategies.flashinfer_fused import FlashInferFusedStrategy
     from fusion_bridge.strategies.flashinfer_fused_fp4 import FlashInferFusedFp4Strategy
     from fusion_bridge.oracle.numerics import compare, failures

@@ -2,7 +2,9 @@
 import circle, and no module imports a layer above its own. A module's layer is its room's: the
 folder it sits in (`fusion_bridge/plan/`, `kernels/`, ...) or, at the top of the package, its own
 name. A new module in an existing folder is placed the moment it is created; a new room must be
-given a layer here.
+given a layer here. Every module is read: every .py file under fusion_bridge/ and under the
+top-level kernels/ (fusion_bridge.kernels), checked against a second listing of the tree, so no
+folder can drop out of the walk; and no product module imports the test rigs (testing/).
 
     values        spec, reasons, environment, env_vars, log, registry: plain values, the
                   environment variables and the strategy registry ("module:Class" strings)
@@ -12,7 +14,7 @@ given a layer here.
     plan          plan/: token buckets, the strategies' statuses, the pure selection, the report
     tuning        tuning/: measured tables, their format and the timing harness
     call          call/: input checks, the failure protocol, shadow mode, the custom op, tools
-    build         build/: arguments, admission, self-test
+    assembly      assembly/: arguments, admission, self-test
     bridge        bridge.py: FusionBridge
     testing       testing/: the emulated-ranks rigs (no product module imports them)
     facade        fusion_bridge itself (the model author's names)
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -47,7 +51,7 @@ LAYERS = {
     "plan": {"plan"},
     "tuning": {"tuning"},
     "call": {"call"},
-    "build": {"build"},
+    "assembly": {"assembly"},
     "bridge": {"bridge"},
     "testing": {"testing"},
     "facade": {""},
@@ -69,16 +73,32 @@ CLI_TOOL_MODULES = {
 }
 
 
+# Where each package's modules live on disk: the package folder, and the top-level kernels/ folder
+# that fusion_bridge/kernels/__init__.py names as fusion_bridge.kernels' __path__ (the project's
+# layout keeps kernels/ at the top level). Every .py file under these folders is a module.
+SOURCE_ROOTS = {PACKAGE: ROOT / PACKAGE, f"{PACKAGE}.kernels": ROOT / "kernels"}
+# top-level folders that hold no package modules (everything else with .py files must be mapped)
+NOT_PACKAGE = {"tests", "benchmarks", "migration", "docs", "build", "dist"}
+
+
+def _walk(top: Path):
+    """Every .py file under `top`, recursively (os.walk lists a directory link without entering
+    it, so nothing is read twice and nothing hides behind a link: test_every_python_file_...)."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+        yield from (Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+
+
 def _modules() -> dict[str, tuple[Path, bool]]:
-    """Dotted name -> (file, is a package); the top-level kernels/ is fusion_bridge.kernels."""
-    out = {}
-    files = [(p, p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / PACKAGE).rglob("*.py")]
-    files += [(p, (PACKAGE, "kernels", p.stem)) for p in (ROOT / "kernels").glob("*.py")]
-    for path, parts in files:
-        if parts[:2] == (PACKAGE, "kernels") and path.is_relative_to(ROOT / PACKAGE):
-            continue  # the symlink to ../kernels, counted once above
-        is_package = parts[-1] == "__init__"
-        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    """Dotted name -> (file, is a package), for every .py file under SOURCE_ROOTS."""
+    out: dict[str, tuple[Path, bool]] = {}
+    for prefix, top in SOURCE_ROOTS.items():
+        for path in _walk(top):
+            parts = (*prefix.split("."), *path.relative_to(top).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_package else parts)
+            assert name not in out, f"{name} is both {out[name][0]} and {path}"
+            out[name] = (path, is_package)
     return out
 
 
@@ -210,3 +230,67 @@ def test_the_integrations_use_the_model_authors_names_only():
                 f"{name} imports {imported or module!r} from {module}; an integration uses the "
                 f"names in fusion_bridge.__all__ {sorted(public)} only"
             )
+
+
+def test_every_python_file_of_the_package_is_a_module_here():
+    """The walk misses no folder: every .py file of the repository outside the non-package folders
+    (found by a second, independent listing: pathlib's glob from the repository root) is one of
+    MODULES, and each module is where Python's import system finds it (so the dotted names are
+    right; kernels/tp1 and kernels/symm were once skipped)."""
+    on_disk = {
+        path.resolve()
+        for top in ROOT.iterdir()
+        if top.is_dir() and top.name not in NOT_PACKAGE and not top.name.startswith(".")
+        for path in top.glob("**/*.py")
+        if "__pycache__" not in path.parts
+    }
+    found = {path.resolve() for path, _ in MODULES.values()}
+    assert found == on_disk, (
+        f"not walked: {sorted(map(str, on_disk - found))}; walked twice or outside the tree: "
+        f"{sorted(map(str, found - on_disk))}"
+    )
+    assert len(MODULES) == len(on_disk)
+    for folder in ("kernels/tp1", "kernels/symm", "fusion_bridge/kernels"):
+        assert any(p.parent == ROOT / folder for p, _ in MODULES.values()), folder
+    for name, (path, _) in MODULES.items():
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and Path(spec.origin).resolve() == path.resolve(), (name, spec)
+
+
+def test_no_product_module_imports_the_test_rigs():
+    """fusion_bridge/testing/ (the emulated-ranks rigs) serves tests and benchmarks only: no other
+    module of the package, kernels/ included, imports it (at any depth, in any function)."""
+    rigs = f"{PACKAGE}.testing"
+    assert any(name.startswith(rigs + ".") for name in MODULES), f"no {rigs} modules found"
+    found = [
+        (name, module)
+        for name in MODULES
+        if not (name == rigs or name.startswith(rigs + "."))
+        for module, _ in imports_of(name)
+        if module == rigs or module.startswith(rigs + ".")
+    ]
+    assert not found, f"product modules import the test rigs: {found}"
+
+
+def test_the_wheel_packages_every_module_folder():
+    """pyproject lists its packages by hand: a folder of modules missing from the list (or mapped
+    to the wrong folder by package-dir) would be left out of the wheel, though every test run from
+    the source tree passes. Each folder that holds modules is exactly one listed package."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = setup.get("package-dir", {})
+
+    def folder(package: str) -> Path:
+        parts = package.split(".")
+        for i in range(len(parts), 0, -1):  # the longest mapped prefix, as setuptools resolves it
+            if ".".join(parts[:i]) in package_dir:
+                return ROOT / package_dir[".".join(parts[:i])] / Path(*parts[i:])
+        return ROOT / Path(*parts)
+
+    listed = {folder(p).resolve(): p for p in setup["packages"]}
+    folders = {path.parent.resolve() for path, _ in MODULES.values()}
+    folders.discard((ROOT / PACKAGE / "kernels").resolve())  # the source tree's pointer only
+    assert set(listed) == folders, (
+        f"folders of modules not packaged: {sorted(map(str, folders - set(listed)))}; listed "
+        f"packages without modules: {sorted(listed[f] for f in set(listed) - folders)}"
+    )

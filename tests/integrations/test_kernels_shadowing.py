@@ -8,7 +8,8 @@ installed package and transformers would fail with `cannot import name ... from 
 Our
 folder has no `__init__.py`, so it is at most a namespace portion, which never wins over an
 installed
-regular package; the product reaches it as `fusion_bridge.kernels` (a link inside the package).
+regular package; the product reaches it as `fusion_bridge.kernels` (fusion_bridge/kernels/
+__init__.py names the folder as its __path__).
 """
 
 from __future__ import annotations

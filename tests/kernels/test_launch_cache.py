@@ -8,13 +8,16 @@ maps the positional arguments back onto the kernel's parameter names."""
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fusion_bridge.kernels import add_rmsnorm, finalize_add, launch_cache as launcher, quant
+from fusion_bridge.kernels import triton_launchers
 from fusion_bridge.kernels.launch_cache import KernelLauncher, Runtime, _make_key_fn
 from fusion_bridge.kernels.records import RowOutputs, RowSource
 
@@ -28,14 +31,20 @@ class Chain:
         self.calls = []
 
 
-def fake_runtime(device=0, stream=STREAM):
+def fake_runtime(device=0, stream=STREAM, version=(3, 6)):
     state = SimpleNamespace(device=device, stream=stream)
-    knobs = SimpleNamespace(launch_enter_hook=Chain(), launch_exit_hook=Chain(), debug=False)
+    knobs = SimpleNamespace(
+        launch_enter_hook=Chain(),
+        launch_exit_hook=Chain(),
+        add_stages_inspection_hook=None,
+        debug=False,
+    )
     rt = Runtime(
         lambda: state.device,
         lambda dev: state.stream + dev,
         knobs,
-        SimpleNamespace(instrumentation_mode=""),
+        SimpleNamespace(instrumentation_mode="", fpsan_homomorphic_casts=False),
+        version,
     )
     rt.state = state
     return rt
@@ -387,6 +396,51 @@ def test_instrumentation_mode_is_part_of_the_key():
     assert len(kernel.normal) == 2  # the new mode's launcher is cached in turn
 
 
+def test_a_stages_inspection_hook_takes_the_normal_launch():
+    """From Triton 3.7 a stages-inspection hook adds a field to Triton's key: while one is set,
+    every launch is Triton's own, and nothing is cached under it."""
+    rt = fake_runtime(version=(3, 9))
+    kernel, launch = make(runtime=rt)
+    x, y = tensors()
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    rt.runtime_knobs.add_stages_inspection_hook = lambda: ("key", "hash")
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    assert len(kernel.normal) == 3 and launch.entries == 1
+    rt.runtime_knobs.add_stages_inspection_hook = None
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    assert len(kernel.normal) == 3
+
+
+def test_fpsan_is_part_of_the_key_from_triton_3_9():
+    """Triton 3.9's JITFunction.run adds knobs.compilation.fpsan_homomorphic_casts to its compile
+    options: a change of it must launch normally (test_launch_cache_versions checks the list)."""
+    rt = fake_runtime(version=(3, 9))
+    kernel, launch = make(runtime=rt)
+    x, y = tensors()
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    assert len(kernel.normal) == 1
+    rt.compilation_knobs.fpsan_homomorphic_casts = True
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    assert len(kernel.normal) == 2
+
+
+def test_an_entry_keeps_its_compiled_kernel_alive():
+    """From Triton 3.9 a CompiledKernel unloads its module when it is collected: a cached launch
+    function must never outlive it (were Triton's own cache dropped)."""
+    kernel, launch = make()
+    x, y = tensors()
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)
+    compiled = weakref.ref(kernel.compiled[0])
+    kernel.compiled.clear()
+    gc.collect()
+    assert compiled() is not None
+    launch._entries.clear()
+    gc.collect()
+    assert compiled() is None
+
+
 @pytest.mark.parametrize("missing", ["packed_metadata", "function", "run"])
 def test_a_missing_internal_means_normal_launches_forever_without_error(missing):
     kernel, launch = make(FakeKernel(lambda i: FakeCompiled(i, drop=(missing,))))
@@ -466,10 +520,10 @@ def test_real_runtime_is_off_under_the_interpreter_and_says_why():
     assert runtime is None and "TRITON_INTERPRET" in reason
 
 
-def test_an_untested_triton_version_or_the_env_switch_turns_it_off(monkeypatch):
+def test_an_unported_triton_version_or_the_env_switch_turns_it_off(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # else the interpreter is the reason
-    monkeypatch.setattr(launcher, "triton_version", lambda: (3, 7))
-    assert "3, 7" in launcher.triton_runtime()[1]
+    monkeypatch.setattr(triton_launchers, "triton_version", lambda: (3, 10))
+    assert "(3, 10) is not a version whose launcher layout is known" in launcher.triton_runtime()[1]
     monkeypatch.setenv(launcher.ENV_VAR, "0")
     assert launcher.triton_runtime()[1] == f"{launcher.ENV_VAR}=0"
 

@@ -10,7 +10,7 @@ import torch
 
 from fusion_bridge import EpilogueSpec, QuantSpec
 from fusion_bridge.environment import Environment
-from fusion_bridge.build.selftest import self_test
+from fusion_bridge.assembly.selftest import self_test
 from fusion_bridge.strategies.separate import SeparateStrategy
 
 SPECS = [

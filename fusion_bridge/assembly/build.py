@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 import torch
 
 from fusion_bridge import env_vars, log, registry
-from fusion_bridge.build.admission import Admission, admit
-from fusion_bridge.build.arguments import (
+from fusion_bridge.assembly.admission import Admission, admit
+from fusion_bridge.assembly.arguments import (
     check_group_membership,
     check_measurements,
     requested_exclusions,

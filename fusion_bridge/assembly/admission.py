@@ -22,7 +22,7 @@ from fusion_bridge.environment import Environment
 from fusion_bridge.plan.planner import AUTO
 from fusion_bridge.plan.status import StrategyStatus
 from fusion_bridge.reasons import Reason, excluded_by_request
-from fusion_bridge.build.selftest import self_test
+from fusion_bridge.assembly.selftest import self_test
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import Strategy
 
