@@ -102,14 +102,19 @@ def test_no_flag_is_passed_by_position_inside_a_kernel():
 
 
 def test_hooks_stay_out_of_production_launchers_and_strategies():
-    assert not HOOKS & set(inspect.signature(symm_oneshot.launch).parameters)
+    verbs = ("__init__", "__call__", "bound", "config_for")
+    for verb in verbs + ("variant_config",):
+        method = getattr(symm_oneshot.OneshotLauncher, verb)
+        assert not HOOKS & set(inspect.signature(method).parameters), verb
     assert not HOOKS & set(inspect.signature(symm_oneshot.call_args).parameters)
     # the kernel's hooks default to production
     params = inspect.signature(symm_oneshot.KERNEL.fn).parameters
     assert params["PHASES"].default == symm_protocol.ALL_PHASES
     assert params["EMULATED"].default is False
     # the two-shot (behind symm_fused_twoshot): its one hook, EMU, is the testing module's to set
-    assert not (HOOKS | {"EMU"}) & set(inspect.signature(symm_twoshot.launch).parameters)
+    for verb in verbs:
+        method = getattr(symm_twoshot.TwoshotLauncher, verb)
+        assert not (HOOKS | {"EMU"}) & set(inspect.signature(method).parameters), verb
     for cls in (SymmFusedOneshotStrategy, SymmFusedTwoshotStrategy):
         assert list(inspect.signature(cls.run).parameters) == ["self", "inputs", "variant"]
     # no production module imports the testing modules (symm_testing*.py)
@@ -203,11 +208,11 @@ def test_the_world_size_one_kernels_can_take_the_launch_cache():
 
 
 def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
-    """symm_fused_twoshot launches kernels/symm/twoshot (the two-shot pipeline, one launch shape:
+    """symm_fused_twoshot launches kernels/symm/twoshot (the two-shot pipeline, one launch config:
     the strategy declares the default variant only): its workspace's device state has the
     two-shot's shape (int64
     [TWOSHOT_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare() does) with
-    the keywords the strategy's run() passes gives launches on the bound pointers and state, at
+    the records the strategy's run() passes gives launches on the bound pointers and state, at
     this group's world size. The launches are recorded, not made (the kernels use inline
     PTX,
     which the interpreter cannot run; tests/distributed/test_symm_twoshot_two_gpus.py launches
@@ -216,15 +221,17 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
 
     import torch
 
-    from fusion_bridge.kernels.symm.twoshot_device import STATE_WORDS
+    from fusion_bridge.epilogue_tensors import allocate_outputs
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+    from fusion_bridge.kernels.symm.protocol import TWOSHOT_STATE_WORDS
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
-    assert SymmFusedTwoshotStrategy._kernel_module(None) is symm_twoshot
+    assert SymmFusedTwoshotStrategy._launcher_class(None) is symm_twoshot.TwoshotLauncher
     assert SymmFusedTwoshotStrategy.variants(None, None) == ("default",)
     layout = SymmFusedTwoshotStrategy.workspace_layout
     words, dtype = layout.state_words, layout.state_dtype
-    assert (words, dtype) == (STATE_WORDS, torch.int64)
+    assert (words, dtype) == (TWOSHOT_STATE_WORDS, torch.int64)
     spec = EpilogueSpec(hidden_size=96, top_k=2)
     ws = SimpleNamespace(
         ptrs=torch.zeros(3, dtype=torch.int64),
@@ -247,19 +254,8 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
             name,
             lambda grid, args, consts, warps, n=name: made.append((n, args, consts)),
         )
-    symm_twoshot.launch(
-        layer,
-        residual_out=torch.empty_like(inp.residual),
-        norm_out=torch.empty_like(inp.residual),
-        q=none,
-        sf=none,
-        gemm2_out=inp.gemm2_out,
-        perm=inp.expanded_idx_to_permuted_idx,
-        weights=inp.expert_weights,
-        shared=inp.shared_output,
-        residual=inp.residual,
-        gamma=inp.gamma,
-    )
+    out = allocate_outputs(spec, 5, inp.residual.device)  # as the strategy's run() makes them
+    symm_twoshot.TwoshotLauncher(layer)(RowSource.of(inp), RowOutputs.of(out, none))
     # one chunk at W = 2: the gate, F, X, R, Y, G and the final release
     assert [n for n, _, _ in made] == ["_LAUNCH_S", "_LAUNCH_F", "_LAUNCH_S", "_LAUNCH_R"] + [
         "_LAUNCH_S",
