@@ -144,7 +144,7 @@ CONFIGS = {
     "fw8": _F_AFTER_X | dict(f_warps=8),
     "f2048_w8": _F_AFTER_X | dict(f_cols=2048, f_warps=8),
 }
-# the two-shot strategy's launch (its one variant, "default": symm_twoshot.launch)
+# the two-shot strategy's launch (its one variant, "default": symm_twoshot.TwoshotLauncher)
 VARIANTS = {"twoshot_default": None}
 
 
