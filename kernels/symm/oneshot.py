@@ -104,13 +104,6 @@ from fusion_bridge.kernels.symm.device import (
 )
 from fusion_bridge.kernels.symm.protocol import SymmLayer
 
-PUBLISH = tl.constexpr(P.PUBLISH)
-REDUCE = tl.constexpr(P.REDUCE)
-NORM = tl.constexpr(P.NORM)
-CLEAR = tl.constexpr(P.CLEAR)
-EPOCH = tl.constexpr(P.EPOCH)
-FINALIZE = tl.constexpr(P.FINALIZE)
-
 
 @triton.jit
 def _rank_ordered_sum(v, dtype: tl.constexpr, WORLD: tl.constexpr, WP: tl.constexpr):
@@ -161,13 +154,13 @@ def _oneshot_kernel(
     local = peer_ptr(ptrs_ptr, rank, tl.int16)
 
     # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
-    if PUBLISH & PHASES:
+    if P.PUBLISH & PHASES:
         chunks1 = tl.cdiv(hidden, BLOCK1)
         dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
         for item in range(pid, tokens * chunks1, nprog):
             row = (item // chunks1).to(tl.int64)
             cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
-            if FINALIZE & PHASES:
+            if P.FINALIZE & PHASES:
                 acc = finalize_row(
                     src,
                     row,
@@ -186,12 +179,12 @@ def _oneshot_kernel(
                     bits,
                     mask=cols < hidden,
                 )
-    if EPOCH & PHASES:
+    if P.EPOCH & PHASES:
         ticket = take_ticket(state_ptr, slot, prev_rows, BLOCK1)
 
     # B. the previous call's slot back to the sentinel (its rows, every source), overlapping
     # the wait
-    if CLEAR & PHASES:
+    if P.CLEAR & PHASES:
         prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
         chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
         for q in tl.static_range(WORLD):
@@ -199,7 +192,7 @@ def _oneshot_kernel(
                 clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
 
     # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
-    if REDUCE & PHASES:
+    if P.REDUCE & PHASES:
         abort_ptr = abort_word_ptr(ptrs_ptr, rank)
         src_rows = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
         if EMULATED:
@@ -230,7 +223,7 @@ def _oneshot_kernel(
                 report_error(
                     missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
                 )
-            if NORM & PHASES:
+            if P.NORM & PHASES:
                 row_outputs(
                     _rank_ordered_sum(v, dtype, WORLD, WP),
                     row,
@@ -245,7 +238,7 @@ def _oneshot_kernel(
                     sf_cols,
                     FORM,
                 )
-    if NORM & PHASES:
+    if P.NORM & PHASES:
         if FORM.QUANT == QC.QUANT_NVFP4:
             if FORM.SWIZZLED:
                 for item in range(
@@ -254,7 +247,7 @@ def _oneshot_kernel(
                     sf_padding_item(item, out.sf, tokens, sf_rows, sf_cols)
 
     # D. the last ticket advances the epoch, records this slot's rows for the next clear
-    if EPOCH & PHASES:
+    if P.EPOCH & PHASES:
         advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
 
 

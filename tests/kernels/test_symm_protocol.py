@@ -187,24 +187,27 @@ def test_the_twoshot_workspace_is_fixed_whatever_t():
     assert sw.buffer_bytes(spec, 2, TWOSHOT) == 256 + 2 * 2 * 1024 * 7168 * 2
 
 
-def test_the_world_size_one_kernels_can_take_the_launch_cache():
+def test_every_family_s_kernels_can_take_the_launch_cache():
     """The cached launcher (kernels/launch_cache.py) refuses a kernel whose source reaches
-    module-level
-    values (Triton re-checks them per launch); the local kernels (whole rows, split rows) reach
-    none, the exchange kernel does (the protocol's constants). Compiled-mode JIT objects: a
-    subprocess without the interpreter."""
+    module-level values (Triton re-checks them per launch): no kernel of the three families
+    (`fused_tp1`'s whole and split rows, the one-shot, the two-shot's three) reaches one; their
+    constants are attributes of a module (`protocol.SENTINEL_BITS`, `configs.MAX_POLLS`), which
+    Triton folds. Compiled-mode JIT objects: a subprocess without the interpreter."""
     code = (
         "from fusion_bridge.kernels.tp1 import whole_rows as l, split_rows as s; "
-        "from fusion_bridge.kernels.symm import oneshot as m; "
-        "l._tp1_kernel.cache_key; s._tp1_split_kernel.cache_key; m._oneshot_kernel.cache_key; "
-        "print(len(l._tp1_kernel.used_global_vals), len(s._tp1_split_kernel.used_global_vals), "
-        "len(m._oneshot_kernel.used_global_vals) > 0)"
+        "from fusion_bridge.kernels.symm import oneshot as m, twoshot_kernels as t; "
+        "kernels = (l._tp1_kernel, s._tp1_split_kernel, m._oneshot_kernel, t._finalize_kernel, "
+        "t._rows_kernel, t._sync_kernel); "
+        "[k.cache_key for k in kernels]; "
+        "print(*[f'{k.fn.__name__}={sorted(n for n, _ in k.used_global_vals)}' for k in kernels])"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
     )
-    assert out.stdout.split() == ["0", "0", "True"], out
+    names = ("_tp1_kernel", "_tp1_split_kernel", "_oneshot_kernel", "_finalize_kernel")
+    names += ("_rows_kernel", "_sync_kernel")
+    assert out.stdout.split() == [f"{name}=[]" for name in names], out.stdout
 
 
 def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
