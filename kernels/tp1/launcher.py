@@ -111,7 +111,7 @@ class Tp1Launcher:
         self.layer, self.num_sms, self.device = layer, num_sms, device
         # a config's pdl is honoured only where the device has it (sm_90+, not the interpreter)
         self.pdl_ok = pdl_ok(device)
-        self._plans: dict[tuple, tuple] = {}
+        self._plans: dict[tuple, Tp1Plan] = {}
         cuda = device.type == "cuda"
         if cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(

@@ -1,7 +1,9 @@
 """The shape of our kernel layer, checked mechanically: the protocol and sizing import no Triton, no
 Python function in the product takes more than 12 positional parameters (Triton @jit kernels are
-exempt) and no @triton.jit function more than 16 (records instead of walls; flags by keyword), and
-the test/benchmark hooks reach no production launcher or strategy."""
+exempt) and no @triton.jit function more than 16 (records instead of walls; flags by keyword), the
+test/benchmark hooks reach no production launcher or strategy, every kernel family has one launcher
+with the same verbs, called with a call's records, and every family's kernels can take the launch
+cache."""
 
 import ast
 import inspect
@@ -271,3 +273,60 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     assert all(args[1] == own if n == "_LAUNCH_R" else args[1] is ws.state for n, args, _ in made)
     assert all(consts[0].WORLD == 2 for _, _, consts in made)  # PIPE, the call's Pipeline
     assert made[1][2][1].TOP_K == 2  # the finalize's FORM
+
+
+def test_every_kernel_family_has_one_launcher_with_the_same_verbs():
+    """`fused_tp1`, the one-shot and the two-shot: one launcher class each, with the verbs of
+    `layer.FamilyLauncher` (a call with the records and an optional config, `config_for(tokens)`,
+    `bound`) under the protocol's parameter names, and no other launch function beside it."""
+    from fusion_bridge.kernels.layer import FamilyLauncher
+    from fusion_bridge.kernels.tp1 import launcher as tp1_launcher
+
+    launchers = (tp1_launcher.Tp1Launcher, symm_oneshot.OneshotLauncher)
+    launchers += (symm_twoshot.TwoshotLauncher,)
+    for cls in launchers:
+        for verb in ("__call__", "config_for", "bound"):
+            want = list(inspect.signature(getattr(FamilyLauncher, verb)).parameters)
+            got = list(inspect.signature(getattr(cls, verb)).parameters)
+            assert got == want, (cls.__name__, verb, got)
+        for verb in ("__call__", "bound"):
+            assert inspect.signature(getattr(cls, verb)).parameters["config"].default is None
+    for module in (tp1_launcher, symm_oneshot, symm_twoshot):
+        assert not hasattr(module, "launch"), module.__name__
+
+
+def test_a_call_s_records_hold_its_tensors_as_the_kernels_name_them():
+    """`RowSource.of(inputs)`: the six inputs under the kernels' names (a call without a shared
+    output keeps None, and `for_kernel` puts the residual in its place); `RowOutputs.of`: the
+    allocated outputs, FP8 codes viewed as uint8, the unused tensor where a quant mode has no
+    codes or no scales."""
+    import torch
+
+    from fusion_bridge.epilogue_tensors import allocate_outputs
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+    from fusion_bridge.oracle.synthetic import make_inputs
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+
+    unused = torch.empty(0, dtype=torch.uint8)
+    for quant in (QuantSpec.none(), QuantSpec.fp8(0.5), QuantSpec.nvfp4(336.0)):
+        for shared in (True, False):
+            spec = EpilogueSpec(hidden_size=64, top_k=2, quant=quant, has_shared_output=shared)
+            inp = make_inputs(spec, 3, seed=1)
+            src = RowSource.of(inp)
+            want = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights)
+            want += (inp.shared_output, inp.residual, inp.gamma)
+            assert all(a is b for a, b in zip(src, want)) and len(src) == len(want)
+            assert (src.shared is None) is not shared
+            kernel_src = src.for_kernel()
+            assert kernel_src.shared is (inp.shared_output if shared else inp.residual)
+            assert kernel_src._replace(shared=None) == src._replace(shared=None)
+            out = allocate_outputs(spec, 3, torch.device("cpu"))
+            got = RowOutputs.of(out, unused)
+            assert got.residual_out is out.residual_out and got.norm_out is out.norm_out
+            kind = quant.kind.value
+            if kind == "none":
+                assert got.q is unused and got.sf is unused
+            else:
+                assert got.q.dtype == torch.uint8 and got.q.shape == out.quant.shape
+                assert got.q.data_ptr() == out.quant.data_ptr()
+                assert got.sf is (out.scale if kind == "nvfp4" else unused)
