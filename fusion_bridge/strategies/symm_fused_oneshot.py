@@ -131,8 +131,10 @@ class SymmFusedOneshotStrategy(FamilyCall, Strategy):
         config = None
         if variant != DEFAULT_VARIANT:
             config = self._launcher.variant_config(variant, tokens)
+        out, src, dst = self.call_records(inputs)
         with self.collective():
-            return self.call_launcher(inputs, config)
+            self._launcher(src, dst, config)
+        return out
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None
