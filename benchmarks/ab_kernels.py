@@ -63,7 +63,9 @@ TOKENS = [int(t) for t in os.environ.get("AB_TOKENS", "1,64,1024,4096").split(",
 LOCAL = os.environ.get("AB_LOCAL", "1") == "1"
 QUANTS = os.environ.get("AB_QUANTS", "none").split(",")  # none, fp8, nvfp4
 H, K = 7168, 8
-NEW = hasattr(symm_oneshot, "launch")
+# the launch API after the kernel restructure: a module function `launch`, or (issue 46) a launcher
+# class per kernel family called with the records
+NEW = hasattr(symm_oneshot, "launch") or hasattr(symm_oneshot, "OneshotLauncher")
 try:
     fast = ops.direct_when_eager
 except AttributeError:  # trees before it
@@ -99,19 +101,37 @@ def outs_for(spec, T):
     return ro, no, q, sf
 
 
+def _family_call(launcher, rig):
+    """fn(inputs, outs) calling a kernel family's launcher as the tree takes its arguments: the
+    records (issue 46: `call_records`) or the tensors by keyword (before)."""
+    if hasattr(rig, "call_records"):
+        return lambda inp, out: launcher(*rig.call_records(inp, out))
+    return lambda inp, out: launcher(**rig.call_tensors(inp, out))
+
+
 def tp1_group(spec):
-    """`fused_tp1`'s launch as the strategy makes it (its dispatcher over this GPU's SMs): one
+    """`fused_tp1`'s launch as the strategy makes it (its launcher over this GPU's SMs): one
     closure fn(inputs, outs); None where the tree has no kernels/tp1/."""
-    try:
-        from fusion_bridge.kernels.layer import LayerRecord
-        from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
-    except ImportError:
+    from fusion_bridge.kernels.layer import LayerRecord
+
+    launcher_module = _first_or_none(
+        "fusion_bridge.kernels.tp1.launch", "fusion_bridge.kernels.tp1.launcher"
+    )
+    if launcher_module is None:
         return None
+    cls = getattr(launcher_module, "Tp1Launcher", None) or launcher_module.Tp1Dispatcher
     rig = _first("fusion_bridge.kernels.symm_testing", "fusion_bridge.testing.symm_oneshot_rig")
     device = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    launch = Tp1Dispatcher(LayerRecord.of(spec), sms, device)
-    return [lambda inp, out: launch(**rig.call_tensors(inp, out))], launch
+    launcher = cls(LayerRecord.of(spec), sms, device)
+    return [_family_call(launcher, rig)], launcher
+
+
+def _first_or_none(*names: str):
+    try:
+        return _first(*names)
+    except ModuleNotFoundError:
+        return None
 
 
 def kernel_group(kind, spec, world, cap):
@@ -121,12 +141,15 @@ def kernel_group(kind, spec, world, cap):
     kern = {"oneshot": symm_oneshot, "twoshot": symm_twoshot}[kind]
     if NEW:
         rig = _first("fusion_bridge.kernels.symm_testing", "fusion_bridge.testing.symm_oneshot_rig")
-        call_tensors, emulated_group = rig.call_tensors, rig.emulated_group
+        emulated_group = rig.emulated_group
         # the one-shot's rig took the kernel kind first until the two-shot got its own
         lead = (kind,) if "kind" in inspect.signature(emulated_group).parameters else ()
         g = emulated_group(*lead, spec, world, cap, device="cuda", timeout=10_000_000)
+        cls = getattr(kern, "OneshotLauncher", None) or getattr(kern, "TwoshotLauncher", None)
+        if cls is not None:  # issue 46: one launcher per family, called with the records
+            return [_family_call(cls(layer), rig) for layer in g.layers], g
         return [
-            (lambda inp, out, layer=layer: kern.launch(layer, **call_tensors(inp, out)))
+            (lambda inp, out, layer=layer: kern.launch(layer, **rig.call_tensors(inp, out)))
             for layer in g.layers
         ], g
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))

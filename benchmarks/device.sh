@@ -4,7 +4,7 @@
 #   bash benchmarks/device.sh NAME [ARGS...]
 #
 # NAME is a script benchmarks/NAME.py (tp1_local, tp1_sweep, tp1_warm, twoshot_local,
-# bench_local_kernels, ticket_pipeline_local, ab_kernels, eager_cost --world-sizes 1, ...), run with
+# bench_local_kernels, ab_kernels, eager_cost --world-sizes 1, ...), run with
 # ARGS, or `tune` / `bench`: python -m fusion_bridge NAME --world-size 1 ARGS. The process sees one
 # GPU (CUDA_VISIBLE_DEVICES=0) with NCCL NVLS and NVLink multicast off (NCCL_NVLS_ENABLE=0
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1); .device/fi-env.sh is sourced first

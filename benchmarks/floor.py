@@ -8,8 +8,8 @@ Measured: peer copy bandwidth over NVLink (each rank writes into its peer's symm
 at once), HBM copy bandwidth, our finalize kernel alone, NCCL all-reduce alone, FlashInfer
 one-shot/two-shot all-reduce alone and AR+residual+RMSNorm alone, FlashInfer's fused MoE-finalize
 kernel (weights pre-cast), today's composition (our finalize, then FlashInfer AR+norm) with and
-without programmatic dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-shape sweep; stage
-ablations) and `symm_fused_twoshot` (none, nvfp4; the two-shot pipeline, default shape), with the
+without programmatic dependent launch, `symm_fused_oneshot` (none, nvfp4; launch-config sweep; stage
+ablations) and `symm_fused_twoshot` (none, nvfp4; the two-shot pipeline, default config), with the
 two-shot composition (our finalize, then FlashInfer's two-shot AR+norm) beside it at large T.
 Every time is the max over ranks of the median per call in a CUDA graph with inputs rotated past L2.
 
@@ -87,7 +87,7 @@ def rank_main(
     from fusion_bridge.strategies import flashinfer_common as fic
     from fusion_bridge.strategies.symm_fused_oneshot import SymmFusedOneshotStrategy
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
-    from fusion_bridge.kernels.symm.oneshot_shapes import OneshotShape, default_shape
+    from fusion_bridge.kernels.symm.oneshot_configs import OneshotConfig, default_config
     from fusion_bridge.testing import symm_oneshot_rig as symm_testing
     from fusion_bridge.kernels.symm import protocol as P
 
@@ -194,20 +194,20 @@ def rank_main(
                     weight_bias=spec.weight_bias,
                 )
 
-            def symm_run(strat, shape=None, phases=None):
-                """The strategy's call; with a launch shape or an ablation (a subset of the
+            def symm_run(strat, config=None, phases=None):
+                """The strategy's call; with a launch config or an ablation (a subset of the
                 kernel's phases: results are then wrong), its kernel through the test hooks."""
 
                 def fn(i):
                     s = sets[i]
-                    if shape is None and phases is None:
+                    if config is None and phases is None:
                         strat.run(s)
                     else:
                         symm_testing.launch_with_hooks(
                             strat._layer,
-                            shape=shape,
+                            *symm_testing.call_records(s, (outs[0], outs[1], outs[2], outs[2])),
+                            config=config,
                             phases=P.ALL_PHASES if phases is None else phases,
-                            **symm_testing.call_tensors(s, (outs[0], outs[1], outs[2], outs[2])),
                         )
 
                 return fn
@@ -248,7 +248,7 @@ def rank_main(
                 paths = [p for p in paths if p[0] != "compose_fin_fi_ar_norm_twoshot"]
             if sweep and tokens <= 16 and hidden == 7168:
                 rb = row_block(hidden)
-                b1d, b2d, _ = default_shape(tokens, hidden, symm._ws.num_sms)
+                b1d, b2d, _ = default_config(tokens, hidden, symm._ws.num_sms)
                 for b1, b2, w in (
                     (256, b2d, 8),
                     (1024, b2d, 8),
@@ -260,7 +260,7 @@ def rank_main(
                     paths.append(
                         (
                             f"symm_v{b1 if b1 != rb else 'row'}_{b2 if b2 != rb else 'row'}_w{w}",
-                            symm_run(symm, OneshotShape(b1, b2, w)),
+                            symm_run(symm, OneshotConfig(b1, b2, w)),
                             hbm_all,
                             link_b,
                         )

@@ -91,8 +91,29 @@ def _outputs():
     return ro, torch.empty_like(ro), empty, empty
 
 
+def _call(launch, inp, out) -> None:
+    """`launch` (a kernel family's launcher, or a tree's launch function with its layer bound)
+    called as this tree takes a call's arguments: the records (`call_records`, issue 46), or the
+    tensors by keyword (`call_tensors`, before)."""
+    rig = _module(*_RIG)
+    if hasattr(rig, "call_records"):
+        launch(*rig.call_records(inp, out))
+    else:
+        launch(**rig.call_tensors(inp, out))
+
+
+def _family_launcher(module, class_name: str, layer):
+    """The family's launcher for `layer` (issue 46: a class), else the tree's module-level
+    `launch` with the layer bound."""
+    cls = getattr(module, class_name, None)
+    if cls is not None:
+        return cls(layer)
+    return lambda *args, **kwargs: module.launch(layer, *args, **kwargs)
+
+
 def _symm_launch(module, world: int, inp, out):
-    if not hasattr(module, "launch"):  # before the restructure (two-shot only, world 1)
+    if not hasattr(module, "launch") and not hasattr(module, "OneshotLauncher"):
+        # before the restructure (two-shot only, world 1)
         if world != 1:
             raise TypeError("this tree's launcher is adapted at world size 1 only")
         from types import SimpleNamespace
@@ -105,12 +126,11 @@ def _symm_launch(module, world: int, inp, out):
         args = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights)
         args += (inp.shared_output, inp.residual, inp.gamma, 2.5, SPEC.eps, 0.0, 0, 1.0, False)
         return lambda: module.fused_into(ws, *out, *args)
-    call_tensors = _module(*_RIG).call_tensors
     cap = 2048 if module is symm_oneshot else 4096
     kind = "oneshot" if module is symm_oneshot else "twoshot"
     group = _emulated_group(kind, SPEC, world, cap, num_sms=132 // world)
     name_tensors(ptrs=group.layers[0].ptrs, state=group.layers[0].state)
-    return lambda: module.launch(group.layers[0], **call_tensors(inp, out))
+    return lambda: _call(_family_launcher(module, "OneshotLauncher", group.layers[0]), inp, out)
 
 
 def _emulated_group(kind: str, spec, world: int, cap: int, num_sms: int):
@@ -127,7 +147,7 @@ def quant_cases() -> dict:
     from fusion_bridge.epilogue_tensors import quant_buffers
     from fusion_bridge.kernels import quant
 
-    call_tensors, table = _module(*_RIG).call_tensors, {}
+    table = {}
     for kind, code, scale in (("fp8", 1, 0.05), ("nvfp4", 2, 336.0)):
         qspec = QuantSpec.fp8(scale) if code == 1 else QuantSpec.nvfp4(scale)
         spec = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=qspec)
@@ -141,7 +161,7 @@ def quant_cases() -> dict:
             _name_call(inp, out)
             group = _emulated_group("oneshot", spec, 2, 2048, num_sms=66)
             name_tensors(ptrs=group.layers[0].ptrs, state=group.layers[0].state)
-            symm_oneshot.launch(group.layers[0], **call_tensors(inp, out))
+            _call(_family_launcher(symm_oneshot, "OneshotLauncher", group.layers[0]), inp, out)
 
         table[f"quantize_{kind}"] = (
             quant,
@@ -181,7 +201,6 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
     take it; PREFETCH and RECIP as a GPU call sets them), on CPU tensors."""
     from fusion_bridge.epilogue_tensors import quant_buffers
 
-    call_tensors = _module(*_RIG).call_tensors
     q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
     spec = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=q[quant])
     inp = make_inputs(spec, tokens, seed=0, device="cpu", skip_fraction=0.0)
@@ -196,30 +215,42 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
         launcher = old.LocalLauncher(SymmLayer.local(spec, ro.device), num_sms, ro.device)
     else:
         from fusion_bridge.kernels.layer import LayerRecord
-        from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
 
-        launcher = Tp1Dispatcher(LayerRecord.of(spec), num_sms, ro.device)
-    return lambda: (_name_call(inp, out), launcher(**call_tensors(inp, out)))
+        # kernels/tp1/launch.py's Tp1Dispatcher until issue 46 (tp1/launcher.py's Tp1Launcher)
+        host = _module("fusion_bridge.kernels.tp1.launch", "fusion_bridge.kernels.tp1.launcher")
+        cls = getattr(host, "Tp1Launcher", None) or host.Tp1Dispatcher
+        launcher = cls(LayerRecord.of(spec), num_sms, ro.device)
+    return lambda: (_name_call(inp, out), _call(launcher, inp, out))
 
 
 def _twoshot_launch(world: int, inp, out, spec=SPEC):
-    """symm_twoshot.launch (the large-T two-shot, default TwoshotShape) of rank 0 of `world`
-    emulated ranks on CPU tensors; the other twoshot kernels' launches are stubbed out
-    (`twoshot_others`). A G launch has the R launch's arguments (GATHER set by gpu_constexprs)."""
+    """The large-T two-shot's launch (its default config: TwoshotConfig, TwoshotShape before
+    issue 46) of rank 0 of `world` emulated ranks on CPU tensors; the other twoshot kernels'
+    launches are stubbed out (`twoshot_others`). A G launch has the R launch's arguments
+    (GATHER set by gpu_constexprs)."""
     from fusion_bridge.kernels.quant_codes import quant_args
 
     pipeline = _module("fusion_bridge.kernels.symm_staged", "fusion_bridge.kernels.symm.twoshot")
-    rig, call_tensors = _module(*_TWOSHOT_RIG), _module(*_RIG).call_tensors
-    shape_type = getattr(pipeline, "TwoshotShape", None) or pipeline.StagedShape
-    fields = getattr(shape_type, "__dataclass_fields__", None) or shape_type._fields
-    shape = shape_type(**({"stream_mode": "one"} if "stream_mode" in fields else {}))
-    group = rig.EmulatedTwoshot(world, shape.chunk, H, shape.slots)
+    rig = _module(*_TWOSHOT_RIG)
+    config_type = (
+        getattr(pipeline, "TwoshotConfig", None)
+        or getattr(pipeline, "TwoshotShape", None)
+        or pipeline.StagedShape
+    )
+    fields = getattr(config_type, "__dataclass_fields__", None) or config_type._fields
+    config = config_type(**({"stream_mode": "one"} if "stream_mode" in fields else {}))
+    group = rig.EmulatedTwoshot(world, config.chunk, H, config.slots)
     _name_call(inp, out)
     name_tensors(ptrs=group.ptrs[0], state=group.states[0], buffer=group.bufs[0])
     scalars = (2.5, spec.eps, 0.0)
     layer = rig.twoshot_layer(group.ptrs[0], group.states[0], world, 0, 132 // world, 3, H,
                               scalars, quant_args(spec))  # fmt: skip
-    return lambda: pipeline.launch(layer, shape=shape, **call_tensors(inp, out))
+    launcher = getattr(pipeline, "TwoshotLauncher", None)
+    if launcher is not None:  # issue 46: the records, the config by position
+        return lambda: _call(lambda src, dst: launcher(layer)(src, dst, config), inp, out)
+    return lambda: _call(
+        lambda **tensors: pipeline.launch(layer, shape=config, **tensors), inp, out
+    )
 
 
 def twoshot_others(kernel_name: str) -> tuple:
@@ -245,7 +276,9 @@ def gpu_constexprs(name: str) -> dict:
     if not name.startswith("tp1_"):
         return {}
     MAX_POLLS = _module(
-        "fusion_bridge.kernels.oneshot_shapes", "fusion_bridge.kernels.tp1.shapes"
+        "fusion_bridge.kernels.oneshot_shapes",
+        "fusion_bridge.kernels.tp1.shapes",
+        "fusion_bridge.kernels.tp1.configs",
     ).MAX_POLLS
     got = {"RECIP": int("_fp8_" in name)} | ({"USE_PDL": 1} if name.endswith("_pdl") else {})
     return got | ({"PHASES": 3, "MAX_POLLS": MAX_POLLS} if "split" in name else {})

@@ -11,7 +11,7 @@ CPU tensors (H=7168, K=8), records the launch instead of running it, binds the a
 Triton's own CUDA specialization (alignment, divisibility, constexprs), compiles, and writes
 OUTDIR/<case>.{cubin,ptx,ttgir,sass,json}. HW_CVT is set as on a GPU. Cases: twoshot_w1_none (the
 default), twoshot_w2_none, oneshot_w2_none, add_rmsnorm_none, finalize_add, the two-shot's
-launches (symm_twoshot, default TwoshotShape, rank 0) twoshot_rows_w1_none, twoshot_finalize_w1,
+launches (symm_twoshot, default TwoshotConfig, rank 0) twoshot_rows_w1_none, twoshot_finalize_w1,
 twoshot_rows_w2_none, twoshot_gather_w2_none, twoshot_rows_w3_none, twoshot_rows_w8_none with l2=2
 and PDL as a GPU call (each also `_l0`: l2=0, no PDL; the rows ones not LAST),
 twoshot_sync_w2 / _w8 (each also `_pdl`; every step on), tp1_*, *_fp8 and *_nvfp4 (the kernels

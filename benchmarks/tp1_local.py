@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument(
         "--pdl-ab",
         action="store_true",
-        help="also time the default launch shape with programmatic dependent launch off and on "
+        help="also time the default launch config with programmatic dependent launch off and on "
         "(twice each, alternating), back to back and each after a torch kernel writing its "
         "routing weights",
     )
@@ -85,8 +85,8 @@ def main() -> None:
     args = ap.parse_args()
     from fusion_bridge.kernels.symm import oneshot as symm_oneshot
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1.shapes import tp1_shape
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+    from fusion_bridge.testing.symm_oneshot_rig import call_records, emulated_group
     from fusion_bridge.oracle.synthetic import make_inputs
 
     bw = copy_bandwidth_gbs(1 << 30)
@@ -140,19 +140,15 @@ def main() -> None:
                     for path, us in _pdl_ab(one, sets, n, tokens, hidden):
                         emit(path, quant, hidden, tokens, us, floor)
                 if args.sweep:
-                    out = one.run(sets[0])
-                    q = out.quant.view(torch.uint8) if out.quant is not None else one._unused
-                    sf = out.scale if out.scale is not None else one._unused
-                    # whole rows at each warps count, PDL as in the strategy's default shape
-                    launcher = one._launch
-                    base = tp1_shape(tokens, hidden, launcher.layer.quant.code, launcher.num_sms)
+                    out = RowOutputs.of(one.run(sets[0]), one._unused)
+                    # whole rows at each warps count, PDL as in the strategy's default config
+                    launcher = one._launcher
+                    base = launcher.config_for(tokens)
                     for warps in (4, 8, 16, 32):
 
                         def fn(i, w=warps):
-                            one._launch(
-                                **call_tensors(sets[i], (out.residual_out, out.norm_out, q, sf)),
-                                shape=base._replace(columns=rb, warps=w, prefetch=0),
-                            )
+                            config = base._replace(columns=rb, warps=w, prefetch=0)
+                            launcher(RowSource.of(sets[i]), out, config)
 
                         emit(
                             f"one_launch_w{warps}",
@@ -164,12 +160,8 @@ def main() -> None:
                         )
                 if tokens == 1 and quant == "none" and hidden == args.hidden[0]:
                     # eager: the strategy's call vs one bare cached launch of the same kernel
-                    out = one.run(sets[0])
-                    launch = one._launch.bound(
-                        *call_tensors(
-                            sets[0], (out.residual_out, out.norm_out, one._unused, one._unused)
-                        ).values()
-                    )
+                    out = RowOutputs.of(one.run(sets[0]), one._unused)
+                    launch = one._launcher.bound(RowSource.of(sets[0]), out)
 
                     def bare(i):
                         launch()
@@ -219,9 +211,8 @@ def main() -> None:
         ]
 
         def rank_fn(r):
-            return lambda i: symm_oneshot.launch(
-                group.layers[r], **call_tensors(sets[i][r], outs[r])
-            )
+            launcher = symm_oneshot.OneshotLauncher(group.layers[r])
+            return lambda i: launcher(*call_records(sets[i][r], outs[r]))
 
         us = time_graphs_per_rank([rank_fn(r) for r in range(world)], sets=n)
         emit("emulated_w2_oneshot", "none", hidden, tokens, us, 0)
@@ -232,26 +223,22 @@ def main() -> None:
 
 
 def _pdl_ab(one, sets, n, tokens, hidden):
-    """The strategy's default launch shape with pdl 0 and 1 (alternating, two rounds): back to
+    """The strategy's default launch config with pdl 0 and 1 (alternating, two rounds): back to
     back ("pdl0" / "pdl1"), and each call after a torch kernel that rewrites its routing weights
     (the same values: "after_torch_pdl0" / "_pdl1"), as a router or GEMM would before it."""
-    from fusion_bridge.kernels.tp1.shapes import tp1_shape
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
 
-    out = one.run(sets[0])
-    q = out.quant.view(torch.uint8) if out.quant is not None else one._unused
-    sf = out.scale if out.scale is not None else one._unused
-    outs = (out.residual_out, out.norm_out, q, sf)
-    launcher = one._launch
-    base = tp1_shape(tokens, hidden, launcher.layer.quant.code, launcher.num_sms)
+    outs = RowOutputs.of(one.run(sets[0]), one._unused)
+    launcher = one._launcher
+    base = launcher.config_for(tokens)
     weights = [s.expert_weights.clone() for s in sets]
     got = []
     for _ in range(2):
         for pdl in (0, 1):
-            shape = base._replace(pdl=pdl)
+            config = base._replace(pdl=pdl)
 
-            def call(i, shape=shape):
-                launcher(**call_tensors(sets[i], outs), shape=shape)
+            def call(i, config=config):
+                launcher(RowSource.of(sets[i]), outs, config)
 
             def after_torch(i, call=call):
                 sets[i].expert_weights.copy_(weights[i])

@@ -1,10 +1,10 @@
-"""World size 1 on ONE GPU: `fused_tp1`'s default launch shape beside whole rows and split rows of
+"""World size 1 on ONE GPU: `fused_tp1`'s default launch config beside whole rows and split rows of
 512 / 1024 columns, for one output format, per hidden size and T (the probe behind the swizzled
-NVFP4 shape rule in `kernels/tp1/shapes.py`).
+NVFP4 config rule in `kernels/tp1/configs.py`).
 
     python benchmarks/tp1_shape_probe.py [--hidden 2880 3072] [--tokens 1 64] [--quant nvfp4]
 
-CUDA graphs, inputs rotated past L2, median us per call of the strategy's own launch at each shape.
+CUDA graphs, inputs rotated past L2, median us per call of the strategy's own launch at each config.
 """
 
 from __future__ import annotations
@@ -31,16 +31,15 @@ def main() -> None:
     from benchmarks.tp1_local import _spec, _strategy
     from benchmarks.tp1_sweep import _outputs, _run_one
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1.shapes import Tp1Shape, tp1_shape, whole_row_warps
+    from fusion_bridge.kernels.tp1.configs import Tp1Config, whole_row_warps
     from fusion_bridge.oracle.synthetic import make_inputs
     from fusion_bridge.tuning.timing import sets_to_rotate, time_graph
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for hidden in args.hidden:
         for fmt in args.quant:
             spec = _spec(hidden, args.top_k, fmt, max(args.tokens))
             strat = _strategy("fused_tp1", spec)
-            layer_quant = strat._launch.layer.quant
+            layer_quant = strat._launcher.layer.quant
             for tokens in args.tokens:
                 n = sets_to_rotate(tokens * hidden * 2 * (args.top_k + 5), max_sets=64)
                 sets = [
@@ -48,10 +47,10 @@ def main() -> None:
                     for i in range(n)
                 ]
                 out = _outputs(strat, sets[0])
-                default = tp1_shape(tokens, hidden, layer_quant.code, sms, layer_quant.swizzled)
-                shapes = {
+                default = strat._launcher.config_for(tokens)
+                configs = {
                     "default": default,
-                    "whole": Tp1Shape(
+                    "whole": Tp1Config(
                         row_block(hidden),
                         whole_row_warps(tokens, hidden, layer_quant.code),
                         0,
@@ -60,13 +59,15 @@ def main() -> None:
                 }
                 for chunk in (512, 1024):
                     warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
-                    shapes[f"split{chunk}"] = Tp1Shape(chunk, warps, int(tokens == 1), default.pdl)
-                got = []
-                for label, shape in shapes.items():
-                    us = time_graph(
-                        lambda i, shape=shape: _run_one(strat, sets[i], out, shape), sets=n
+                    configs[f"split{chunk}"] = Tp1Config(
+                        chunk, warps, int(tokens == 1), default.pdl
                     )
-                    got.append(f"{label}({shape.columns}x{shape.warps}) {us:.2f}")
+                got = []
+                for label, config in configs.items():
+                    us = time_graph(
+                        lambda i, config=config: _run_one(strat, sets[i], out, config), sets=n
+                    )
+                    got.append(f"{label}({config.columns}x{config.warps}) {us:.2f}")
                 print(f"{fmt:12s} H={hidden} T={tokens:3d}: " + "  ".join(got), flush=True)
                 sets = None
 

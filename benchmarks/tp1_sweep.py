@@ -1,6 +1,6 @@
 """World size 1 on ONE GPU: the launch shapes of `fused_tp1`'s kernel per T (whole rows, one program
 per row, vs rows split over several programs that exchange their sums of squares), beside the
-graph time of an empty one-program launch (what no kernel can go below) and the default shape.
+graph time of an empty one-program launch (what no kernel can go below) and the default config.
 
     python benchmarks/tp1_sweep.py [--tokens 1 16 64] [--hidden 7168] [--quant none fp8 nvfp4]
         [--csv P] [--jobs 12]
@@ -35,7 +35,7 @@ def _empty_kernel(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 1)
 
 
-def shapes(
+def configs(
     tokens: int,
     hidden: int,
     quant: str,
@@ -44,54 +44,55 @@ def shapes(
     row_warps=(16, 32),
     default_only=False,
 ) -> list:
-    """The shapes to time at T: the default, whole rows at `row_warps` warps per 8192 columns
-    (at least 4), split rows at each chunk that fits; each with each of `prefetches` (the L2
+    """The launch configs to time at T: the default, whole rows at `row_warps` warps per 8192
+    columns (at least 4), split rows at each chunk that fits; each with each of `prefetches` (the L2
     prefetch of the row), and programmatic dependent launch as in the default. default_only: the
     default alone."""
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1.shapes import Tp1Shape, split_ok, tp1_shape
+    from fusion_bridge.kernels.tp1.configs import Tp1Config, split_ok, tp1_config
 
     rb = row_block(hidden)
-    default = tp1_shape(tokens, hidden, QUANT_CODE[quant], num_sms)
+    default = tp1_config(tokens, hidden, QUANT_CODE[quant], num_sms, swizzled=quant == "nvfp4")
     out = [default]
     if default_only:
         return out
     for prefetch in prefetches:
         for warps in row_warps if tokens > 32 else ():  # whole rows lose below (tp1_sweep_h200*)
-            out.append(Tp1Shape(rb, max(4, warps * rb // 8192), prefetch, default.pdl))
+            out.append(Tp1Config(rb, max(4, warps * rb // 8192), prefetch, default.pdl))
         for chunk in (256, 512) if tokens == 1 else (512, 1024, 2048, 4096):
             for warps in (1, 2, 4, 8, 16):
                 per_thread = chunk // (warps * 32)
-                shape = Tp1Shape(chunk, warps, prefetch, default.pdl)
+                config = Tp1Config(chunk, warps, prefetch, default.pdl)
                 wanted = per_thread in ((4, 8) if tokens == 1 else (8,))
-                if wanted and split_ok(shape, tokens, hidden, num_sms):
-                    out.append(shape)
+                if wanted and split_ok(config, tokens, hidden, num_sms):
+                    out.append(config)
     return list(dict.fromkeys(out))  # the default once
 
 
-def _run_one(strat, inp, out, shape):
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+def _run_one(strat, inp, out, config):
+    """One call of the strategy's launcher into `out` (`_outputs`) in `config`."""
+    from fusion_bridge.kernels.records import RowSource
 
-    strat._launch(**call_tensors(inp, out), shape=shape)
+    strat._launcher(RowSource.of(inp), out, config)
 
 
 def _outputs(strat, inp):
-    got = strat.run(inp)
-    q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
-    sf = got.scale if got.scale is not None else strat._unused
-    return (got.residual_out, got.norm_out, q, sf)
+    """The launcher's output record of a call on `inp` (the strategy's own outputs)."""
+    from fusion_bridge.kernels.records import RowOutputs
+
+    return RowOutputs.of(strat.run(inp), strat._unused)
 
 
 def _warm(task) -> str:
     """Compile one variant (in a worker process)."""
-    hidden, top_k, quant, tokens, shape = task
-    from fusion_bridge.kernels.tp1.shapes import Tp1Shape
+    hidden, top_k, quant, tokens, config = task
+    from fusion_bridge.kernels.tp1.configs import Tp1Config
     from fusion_bridge.oracle.synthetic import make_inputs
 
     spec = _spec(hidden, top_k, quant, max(tokens, 1))
     strat = _strategy("fused_tp1", spec)
     inp = make_inputs(spec, tokens, seed=0, device="cuda")
-    _run_one(strat, inp, _outputs(strat, inp), Tp1Shape(*shape))
+    _run_one(strat, inp, _outputs(strat, inp), Tp1Config(*config))
     torch.cuda.synchronize()
     return "ok"
 
@@ -112,10 +113,9 @@ def main() -> None:
     ap.add_argument(
         "--row-warps", type=int, nargs="+", default=[16, 32], help="whole rows: warps per 8192"
     )
-    ap.add_argument("--default-only", action="store_true", help="time the default shape alone")
+    ap.add_argument("--default-only", action="store_true", help="time the default config alone")
     args = ap.parse_args()
     pick = dict(prefetches=args.prefetch, row_warps=args.row_warps, default_only=args.default_only)
-    from fusion_bridge.kernels.tp1.shapes import tp1_shape
     from fusion_bridge.oracle.synthetic import make_inputs
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -125,11 +125,11 @@ def main() -> None:
     rows = Rows()
     rows.add("empty_launch", "benchmarks", "1 program", 0, empty)
     plan = [
-        (hidden, quant, tokens, shape)
+        (hidden, quant, tokens, config)
         for hidden in args.hidden
         for quant in args.quant
         for tokens in tokens_for(args, quant)
-        for shape in shapes(tokens, hidden, quant, num_sms, **pick)
+        for config in configs(tokens, hidden, quant, num_sms, **pick)
     ]
     # one compile per Triton specialization of T (1, a multiple of 16, other)
     tasks = {(h, q, t if t == 1 else 16 * (t % 16 == 0), tuple(s)): t for h, q, t, s in plan}
@@ -150,16 +150,16 @@ def main() -> None:
                     for i in range(n)
                 ]
                 out = _outputs(strat, inputs[0])
-                default = tuple(tp1_shape(tokens, hidden, strat._launch.layer.quant.code, num_sms))
-                for shape in shapes(tokens, hidden, quant, num_sms, **pick):
-                    us = time_graph(lambda i, s=shape: _run_one(strat, inputs[i], out, s), sets=n)
-                    mark = " (default)" if tuple(shape) == default else ""
+                default = tuple(strat._launcher.config_for(tokens))
+                for config in configs(tokens, hidden, quant, num_sms, **pick):
+                    us = time_graph(lambda i, c=config: _run_one(strat, inputs[i], out, c), sets=n)
+                    mark = " (default)" if tuple(config) == default else ""
                     print(
-                        f"{quant:5s} H={hidden} T={tokens:4d} chunk={shape.columns:5d} "
-                        f"warps={shape.warps:2d} pf={shape.prefetch} {us:7.2f} us{mark}",
+                        f"{quant:5s} H={hidden} T={tokens:4d} chunk={config.columns:5d} "
+                        f"warps={config.warps:2d} pf={config.prefetch} {us:7.2f} us{mark}",
                         flush=True,
                     )
-                    launch = f"{shape.columns}x{shape.warps}" + "+pf" * shape.prefetch
+                    launch = f"{config.columns}x{config.warps}" + "+pf" * config.prefetch
                     rows.add(
                         "fused_tp1",
                         "fusion_bridge",

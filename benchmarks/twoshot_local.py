@@ -8,7 +8,7 @@ two-shot <= finalize + add_rmsnorm.
 
 Prints (and writes as CSV) one table: per (H, T) our finalize alone, our add+RMSNorm alone, their
 sum, each two-shot row's time, its ratio to the sum and its workspace per rank (MB). Labels: the
-SHAPES launch shapes (`AblationShape` fields, each on buffers laid out for it: the product's
+CONFIGS launch configs (`AblationConfig` fields, each on buffers laid out for it: the product's
 launch choices made free again, built here from the product's own launch helpers) and the
 VARIANTS labels (the strategy's launches as it makes them). Every row is first checked against
 the two standalone kernels' outputs (residual_out bitwise equal: the same roundings; norm_out
@@ -36,9 +36,9 @@ from fusion_bridge.tuning.timing import copy_bandwidth_gbs, sets_to_rotate, time
 
 
 @dataclass(frozen=True)
-class AblationShape:
+class AblationConfig:
     """A two-shot launch with the choices the product fixes made free again (defaults: the
-    product's, kernels/symm/twoshot.py). chunk, f_cols, slots, pdl: `TwoshotShape`'s. f_warps:
+    product's, kernels/symm/twoshot.py). chunk, f_cols, slots, pdl: `TwoshotConfig`'s. f_warps:
     the finalize items' warps; row_warps: the row launches' (0: our add+RMSNorm kernel's choice);
     l2: 0 no L2 hints, 1 the hints, 2 the hints and the read slot rows dropped; stream_mode: "two"
     (F on f_streams side streams, the rest on the caller's stream), "two_prio" (the rest on a
@@ -63,32 +63,33 @@ class AblationShape:
         if self.l2 not in (0, 1, 2) or self.f_streams not in (1, 2):
             raise ValueError(f"l2 0..2, f_streams 1..2: got {self.l2}, {self.f_streams}")
 
-    def product(self) -> symm_twoshot.TwoshotShape:
-        """The product's shape these fields contain (its validation included)."""
-        names = {f.name for f in fields(symm_twoshot.TwoshotShape)}
-        return symm_twoshot.TwoshotShape(**{n: getattr(self, n) for n in names})
+    def product(self) -> symm_twoshot.TwoshotConfig:
+        """The product's config these fields contain (its validation included)."""
+        names = {f.name for f in fields(symm_twoshot.TwoshotConfig)}
+        return symm_twoshot.TwoshotConfig(**{n: getattr(self, n) for n in names})
 
 
-def launches(layer, shape: AblationShape, tensors: dict) -> tuple:
-    """(the product's launch callables, this shape's sequence of them): the same kernels and
-    arguments the product launches (`symm_twoshot._call_launches`), the choices of `shape`."""
+def launches(layer, config: AblationConfig, records: tuple) -> tuple:
+    """(the product's launch callables, this config's sequence of them): the same kernels and
+    arguments the product launches (`symm_twoshot._call_launches`), the choices of `config`;
+    records: the call's (RowSource, RowOutputs)."""
     calls = symm_twoshot._call_launches(
-        layer, shape.product(), tensors, False, l2=shape.l2, f_warps=shape.f_warps,
-        row_warps=shape.row_warps,
+        layer, config.product(), *records, False, l2=config.l2, f_warps=config.f_warps,
+        row_warps=config.row_warps,
     )  # fmt: skip
-    seq = symm_twoshot._sequence(calls, split=False) if shape.f_ahead else _f_after_x(calls)
+    seq = symm_twoshot._sequence(calls, split=False) if config.f_ahead else _f_after_x(calls)
     return calls, seq
 
 
-def launch(layer, shape: AblationShape, tensors: dict) -> None:
-    """One call in `shape` (as `symm_twoshot.launch` makes one in the product's)."""
-    calls, seq = launches(layer, shape, tensors)
-    if shape.stream_mode == "one":
+def launch(layer, config: AblationConfig, records: tuple) -> None:
+    """One call in `config` (as `symm_twoshot.TwoshotLauncher` makes one in the product's)."""
+    calls, seq = launches(layer, config, records)
+    if config.stream_mode == "one":
         for _, _, fn, _ in seq:
             fn()
     else:
-        prio = shape.stream_mode == "two_prio" and len(calls.plans) > 1
-        two_streams(tensors["residual"].device, seq, prio, shape.f_streams)
+        prio = config.stream_mode == "two_prio" and len(calls.plans) > 1
+        two_streams(records[0].residual.device, seq, prio, config.f_streams)
 
 
 def _f_after_x(calls) -> list:
@@ -111,12 +112,12 @@ def _f_after_x(calls) -> list:
     return seq + [("Z", n - 1, sync(n - 1, release=n - 1, advance=True), [])]
 
 
-# label -> AblationShape fields. "default" is the product's shape (2 slots x 1024 tokens, F on 2
+# label -> AblationConfig fields. "default" is the product's config (2 slots x 1024 tokens, F on 2
 # side streams, L2 2, PDL, row launches on a high-priority stream, f_ahead). The labels after it
 # were measured against the earlier default, "f_after_x" (rows on the caller's stream, F(c + 1)
 # gated by X(c)), and keep meaning a change to that one
 _F_AFTER_X = dict(stream_mode="two", f_ahead=False)
-SHAPES = {
+CONFIGS = {
     "default": dict(),
     "f_after_x": _F_AFTER_X,
     # F(c + 1) gated by its own release-and-gate launch right after R(c - 1), not by X(c): without
@@ -137,13 +138,13 @@ SHAPES = {
     # dependent loads before its data loads; benchmarks/results/staged_rows_offline_sass.md)
     "c2048_s2": _F_AFTER_X | dict(chunk=2048),
     "c4096_s2": _F_AFTER_X | dict(chunk=4096),
-    # the launch shapes of the two halves: the row launches at 8 warps (our add+RMSNorm's choice
+    # the launch configs of the two halves: the row launches at 8 warps (our add+RMSNorm's choice
     # is 16 at H=7168), the finalize items at 8 warps over 1024 or 2048 columns
     "rw8": _F_AFTER_X | dict(row_warps=8),
     "fw8": _F_AFTER_X | dict(f_warps=8),
     "f2048_w8": _F_AFTER_X | dict(f_cols=2048, f_warps=8),
 }
-# the two-shot strategy's launch (its one variant, "default": symm_twoshot.launch)
+# the two-shot strategy's launch (its one variant, "default": symm_twoshot.TwoshotLauncher)
 VARIANTS = {"twoshot_default": None}
 
 
@@ -158,7 +159,7 @@ def main() -> None:
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
-    labels = list(SHAPES) + list(VARIANTS) if args.twoshot == ["all"] else args.twoshot
+    labels = list(CONFIGS) + list(VARIANTS) if args.twoshot == ["all"] else args.twoshot
     copy_gbs = round(copy_bandwidth_gbs(1 << 30), 1)
     rows = []  # one per (H, T, label): the table the target reads
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
@@ -233,21 +234,21 @@ def main() -> None:
 
 
 def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
-    """The two-shot at world size 1 in shape SHAPES[label], or (VARIANTS labels) as the strategy
+    """The two-shot at world size 1 in config CONFIGS[label], or (VARIANTS labels) as the strategy
     launches it: checked against the standalone kernels' outputs, then timed; `ablate` adds its
     finalize launches alone, its R launches alone and every launch but F on one stream (the slot
     counters preset so no gate holds them; outputs not all written)."""
     from fusion_bridge.kernels.symm.twoshot_device import FREED_BYTE, MAX_SLOTS
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.testing.symm_oneshot_rig import call_records
     from fusion_bridge.testing.symm_twoshot_rig import twoshot_layers_on_one_gpu
 
     hidden, tokens = part.shape[1], part.shape[0]
-    strategy = label in VARIANTS  # the strategy's launch, else an ablation shape
-    shape = AblationShape(**({} if strategy else SHAPES[label]))
+    strategy = label in VARIANTS  # the strategy's launch, else an ablation config
+    config = AblationConfig(**({} if strategy else CONFIGS[label]))
     none = torch.empty(0, dtype=torch.uint8, device="cuda")
 
     def group_for():
-        g = twoshot_layers_on_one_gpu(1, hidden, spec, 5.0, shape=shape)
+        g = twoshot_layers_on_one_gpu(1, hidden, spec, 5.0, config=config)
         keep.append(g)  # the layer holds raw pointers into its buffer
         return g
 
@@ -256,11 +257,13 @@ def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
     out = (torch.full_like(part, float("nan")), torch.full_like(part, float("nan")), none, none)
     mb = group.buffers[0].numel() / 1e6
 
+    product = symm_twoshot.TwoshotLauncher(layer)
+
     def twoshot(i):
         if strategy:
-            symm_twoshot.launch(layer, **call_tensors(sets[i], out))
+            product(*call_records(sets[i], out))
         else:
-            launch(layer, shape, call_tensors(sets[i], out))
+            launch(layer, config, call_records(sets[i], out))
 
     twoshot(0)
     torch.cuda.synchronize()
@@ -280,7 +283,7 @@ def _twoshot_rows(label, record, row, spec, sets, n, part, ref, keep, ablate):
 
         def only(stages):
             def fn_of(i):
-                _, seq = launches(group_f.layers[0], shape, call_tensors(sets[i], out))
+                _, seq = launches(group_f.layers[0], config, call_records(sets[i], out))
                 for stage, _, fn, _ in seq:
                     if stage in stages:
                         fn()

@@ -1,8 +1,10 @@
 """The records our kernels take instead of walls of positional arguments: one per concept, bound
 once where its values are known.
 
-- `RowSource` (per call): what a row of the epilogue is computed from, the call's six inputs.
-- `RowOutputs` (per call): what a row writes.
+- `RowSource` (per call): what a row of the epilogue is computed from, the call's six inputs
+  (`RowSource.of(inputs)` from an `EpilogueInputs`).
+- `RowOutputs` (per call): what a row writes (`RowOutputs.of(outputs, unused)` from an
+  `EpilogueOutputs` allocated before the call).
 - `LayerScalars` (per layer, built when a strategy is prepared: `layer.LayerRecord.scalars`).
 - `RowForm` (a compile-time record, one `tl.constexpr`): the shape of a row's work, fixed per
   layer, per call kind (shared output or not) and per device.
@@ -28,11 +30,16 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
+
 
 class RowSource(NamedTuple):
     """gemm2_out [P, H]; perm [T, K] int32 (-1: a skipped slot); weights [T, K]; shared [T, H]
     (any tensor when the call has none: RowForm.HAS_SHARED off, never read); residual [T, H];
-    gamma [H]. None where the kernel does not read the field."""
+    gamma [H]. None where the kernel does not read the field.
+
+    A call's record (`of`) holds None for a call without a shared output; `for_kernel` puts the
+    residual in its place, so a kernel has the same parameters either way."""
 
     gemm2_out: Any
     perm: Any
@@ -40,6 +47,27 @@ class RowSource(NamedTuple):
     shared: Any
     residual: Any
     gamma: Any
+
+    @classmethod
+    def of(cls, inputs) -> "RowSource":
+        """A call's record from an `EpilogueInputs` (the same six tensors, as the kernels name
+        them; shared None when the call has no shared output)."""
+        return cls(
+            inputs.gemm2_out,
+            inputs.expanded_idx_to_permuted_idx,
+            inputs.expert_weights,
+            inputs.shared_output,
+            inputs.residual,
+            inputs.gamma,
+        )
+
+    def for_kernel(self) -> "RowSource":
+        """The record as a kernel takes it: no shared output (None) is the residual in its place
+        (any tensor: RowForm.HAS_SHARED is off and it is never read)."""
+        if self.shared is not None:
+            return self
+        return RowSource(self.gemm2_out, self.perm, self.weights, self.residual, self.residual,
+                         self.gamma)  # fmt: skip
 
 
 class RowOutputs(NamedTuple):
@@ -51,6 +79,18 @@ class RowOutputs(NamedTuple):
     norm_out: Any
     q: Any
     sf: Any
+
+    @classmethod
+    def of(cls, outputs, unused: torch.Tensor) -> "RowOutputs":
+        """The record of an `EpilogueOutputs` allocated for a call (`allocate_outputs`): the FP8
+        codes viewed as uint8, as the kernels store them; `unused` (an empty uint8 tensor) where
+        the quant mode has no codes or no scales."""
+        q, sf = outputs.quant, outputs.scale
+        if q is None:
+            q = unused
+        elif q.dtype != torch.uint8:
+            q = q.view(torch.uint8)
+        return cls(outputs.residual_out, outputs.norm_out, q, unused if sf is None else sf)
 
 
 class LayerScalars(NamedTuple):

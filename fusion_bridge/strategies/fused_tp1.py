@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from fusion_bridge.reasons import Reason, collect, require_sm_at_least, require_triton
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
+from fusion_bridge.strategies.kernel_call import FamilyCall
 from fusion_bridge.strategies.local_common import needs_device
 
 MAX_HIDDEN = 16384  # a whole row (next power of two) in registers, as the one-shot kernel holds it
 
 
-class FusedTp1Strategy(Strategy):
+class FusedTp1Strategy(FamilyCall, Strategy):
     name = "fused_tp1"
     summary = (
         "world size 1: one Triton launch, finalize+shared in registers, residual+RMSNorm "
@@ -76,21 +77,19 @@ class FusedTp1Strategy(Strategy):
 
     def prepare(self) -> None:
         from fusion_bridge.kernels.layer import LayerRecord
-        from fusion_bridge.kernels.tp1.launch import Tp1Dispatcher
+        from fusion_bridge.kernels.tp1.launcher import Tp1Launcher
 
         num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda"
             else 0  # the interpreter: whole rows (tests/kernels/test_tp1.py runs the split)
         )
-        self._launch = Tp1Dispatcher(LayerRecord.of(self.spec), num_sms, self.device)
-        self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._kind = self.spec.quant.kind
+        self.bind_launcher(Tp1Launcher(LayerRecord.of(self.spec), num_sms, self.device))
 
     def check_error(self) -> None:
         """Raise (once) if an earlier call's split rows gave up waiting for their partner programs:
         that call's norm_out (and quantized) rows were written NaN. Reads pinned memory; no sync."""
-        if self._launch.take_error():
+        if self._launcher.take_error():
             raise RuntimeError(
                 "fused_tp1: an earlier call's split rows timed out waiting for the other programs "
                 "of their row (other work held the GPU's SMs for about a second), so that call's "
@@ -99,25 +98,8 @@ class FusedTp1Strategy(Strategy):
             )
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
-        """variant: the declared "default" (the per-T launch shape)."""
+        """variant: the declared "default" (the launch config per T)."""
         self.check_error()
-        spec = self.spec
-        residual = inputs.residual
-        tokens, hidden = residual.shape
-        residual_out, norm_out = torch.empty_like(residual), torch.empty_like(residual)
-        q, sf = quant_buffers(tokens, hidden, self._kind, spec.quant.sf_layout, residual.device)
-        q = self._unused if q is None else q
-        sf = self._unused if sf is None else sf
-        self._launch(
-            residual_out,
-            norm_out,
-            q.view(torch.uint8) if q.dtype != torch.uint8 else q,
-            sf,
-            inputs.gemm2_out,
-            inputs.expanded_idx_to_permuted_idx,
-            inputs.expert_weights,
-            inputs.shared_output,
-            residual,
-            inputs.gamma,
-        )
-        return EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf)
+        out, src, dst = self.call_records(inputs)
+        self._launcher(src, dst)
+        return out

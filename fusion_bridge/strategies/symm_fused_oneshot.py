@@ -17,20 +17,21 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 
 from fusion_bridge import env_vars
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from fusion_bridge.kernels.symm.protocol import ONESHOT, SymmLayer, describe_error
 from fusion_bridge.reasons import collect
 from fusion_bridge.strategies import symm_workspace as sw
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
+from fusion_bridge.strategies.kernel_call import FamilyCall
 
-# kernels/symm_oneshot.SHAPE_VARIANTS (named here: the class-level declarations import no kernel)
-SHAPE_VARIANTS = ("rows", "pub512", "pub1024")
+# kernels/symm/oneshot_configs.CONFIG_VARIANTS (named here: the class-level declarations import no
+# kernel)
+CONFIG_VARIANTS = ("rows", "pub512", "pub1024")
 
 
-class SymmFusedOneshotStrategy(Strategy):
+class SymmFusedOneshotStrategy(FamilyCall, Strategy):
     marks_collective = True
     name = "symm_fused_oneshot"
     summary = (
@@ -55,11 +56,13 @@ class SymmFusedOneshotStrategy(Strategy):
 
     @classmethod
     def variants(cls, spec, env):
-        """The exchange kernel's launch shapes (kernels/symm_oneshot.variant_shape), measured by
-        `tune` per bucket; "default" (the per-T rule) until a measured table says otherwise."""
-        if cls.workspace_layout is not ONESHOT:  # a subclass with another kernel has its own shapes
+        """The exchange kernel's launch configs (kernels/symm/oneshot_configs.variant_config),
+        measured by `tune` per bucket; "default" (the per-T rule) until a measured table says
+        otherwise."""
+        # a subclass with another kernel has its own configs
+        if cls.workspace_layout is not ONESHOT:
             return (DEFAULT_VARIANT,)
-        return (DEFAULT_VARIANT,) + SHAPE_VARIANTS
+        return (DEFAULT_VARIANT,) + CONFIG_VARIANTS
 
     @classmethod
     def roundings(cls, spec, env):
@@ -76,16 +79,13 @@ class SymmFusedOneshotStrategy(Strategy):
             )
         )
 
-    def _kernel_module(self):
-        from fusion_bridge.kernels.symm import oneshot as symm_oneshot
+    def _launcher_class(self):
+        """The kernel family's launcher (`kernels.layer.FamilyLauncher`), imported at prepare()."""
+        from fusion_bridge.kernels.symm.oneshot import OneshotLauncher
 
-        return symm_oneshot
+        return OneshotLauncher
 
     def prepare(self) -> None:
-        self._kernel = self._kernel_module()  # bound once: no import on the call path
-        self._unused = torch.empty(
-            0, dtype=torch.uint8, device=self.device
-        )  # q / sf the kernel never writes
         # the sharing key at acquire time, for the release
         self._ws_timeout_s = (
             self.timeout_s or env_vars.read("FUSION_BRIDGE_SYMM_TIMEOUT_S") or sw.DEFAULT_TIMEOUT_S
@@ -100,6 +100,7 @@ class SymmFusedOneshotStrategy(Strategy):
         )
         # what every launch of this layer shares: pointers, sizes, eps, scales, world, rank
         self._layer = SymmLayer.bind(self._ws, self.spec)
+        self.bind_launcher(self._launcher_class()(self._layer))
         # tokens one call may carry (a shared ring workspace may have been sized for another spec)
         self._cap = self.max_tokens_per_call(self.spec, self.env)
 
@@ -119,46 +120,21 @@ class SymmFusedOneshotStrategy(Strategy):
             raise RuntimeError(describe_error(word, self._ws.rank, self.name))
 
     def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
-        """variant: "default" (the per-T launch shape) or one of SHAPE_VARIANTS."""
+        """variant: "default" (the launch config per T) or one of CONFIG_VARIANTS."""
         self.check_error()
-        tokens, hidden = inputs.residual.shape
+        tokens = inputs.residual.shape[0]
         if tokens > self._cap:
             raise ValueError(
                 f"{self.name}: T={tokens} exceeds the workspace's {self._cap} tokens (the planner "
                 "routes such calls elsewhere)"
             )
-        spec = self.spec
-        residual_out, norm_out = (
-            torch.empty_like(inputs.residual),
-            torch.empty_like(inputs.residual),
-        )
-        q, sf = quant_buffers(
-            tokens, hidden, spec.quant.kind, spec.quant.sf_layout, inputs.residual.device
-        )
-        q = q if q is not None else self._unused
-        sf = sf if sf is not None else self._unused
-        shape = None
+        config = None
         if variant != DEFAULT_VARIANT:
-            layer = self._layer
-            shape = self._kernel.variant_shape(
-                variant, tokens, hidden, layer.num_sms, layer.world, layer.quant.code
-            )
+            config = self._launcher.variant_config(variant, tokens)
+        out, src, dst = self.call_records(inputs)
         with self.collective():
-            self._kernel.launch(
-                self._layer,
-                shape=shape,
-                residual_out=residual_out,
-                norm_out=norm_out,
-                q=q.view(torch.uint8) if q.dtype != torch.uint8 else q,
-                sf=sf,
-                gemm2_out=inputs.gemm2_out,
-                perm=inputs.expanded_idx_to_permuted_idx,
-                weights=inputs.expert_weights,
-                shared=inputs.shared_output,
-                residual=inputs.residual,
-                gamma=inputs.gamma,
-            )
-        return EpilogueOutputs.for_quant(spec.quant.kind, residual_out, norm_out, q, sf)
+            self._launcher(src, dst, config)
+        return out
 
     def close(self) -> None:
         ws, self._ws = getattr(self, "_ws", None), None

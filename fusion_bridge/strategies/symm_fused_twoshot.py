@@ -12,14 +12,14 @@ residual_out bits with the same code, so all outputs are bitwise identical on ev
 bytes per rank: 2 (W - 1) / W of T * H * elem (at W = 8 a quarter of a one-shot's). Error against
 the fp32 oracle: 3 roundings (the partial, residual_out, norm_out).
 
-One launch shape, the two-shot pipeline (`kernels/symm/twoshot.py`: one launch per stage per chunk
+One launch config, the two-shot pipeline (`kernels/symm/twoshot.py`: one launch per stage per chunk
 of 1024 tokens in 2 slots, the chunks' finalize launches on two side streams in turn, a chunk's
 arrival one flag per rank, L2 hints that keep a chunk's slot rows in L2 between its finalize and
 its reduce, the row launches on a high-priority stream, a chunk's finalize free to start once its
-slot is released). The earlier shape, "f_after_x" (row launches on the caller's stream, the
+slot is released). The earlier config, "f_after_x" (row launches on the caller's stream, the
 finalize of chunk c + 1 only after that of chunk c), was a launch variant until issue 37 and is
 now built by the benchmark alone (benchmarks/twoshot_local.py). How the default's local work
-compares with our standalone finalize + add+RMSNorm, and with the earlier shape:
+compares with our standalone finalize + add+RMSNorm, and with the earlier config:
 docs/performance.md#the-large-t-two-shot-the-two-shot-pipeline.
 
 It shares `symm_fused_oneshot`'s workspace handling (symmetric-memory rendezvous, the peers'
@@ -57,14 +57,14 @@ class SymmFusedTwoshotStrategy(SymmFusedOneshotStrategy):
 
     @classmethod
     def variants(cls, spec, env):
-        """ "default" only: the two-shot pipeline's one launch shape."""
+        """ "default" only: the two-shot pipeline's one launch config."""
         return (DEFAULT_VARIANT,)
 
     @classmethod
     def roundings(cls, spec, env):
         return 3  # the partial, residual_out (the norm reads it, on every rank) and each output
 
-    def _kernel_module(self):
-        from fusion_bridge.kernels.symm import twoshot as symm_twoshot
+    def _launcher_class(self):
+        from fusion_bridge.kernels.symm.twoshot import TwoshotLauncher
 
-        return symm_twoshot
+        return TwoshotLauncher

@@ -182,10 +182,10 @@ def memory_reason(
 @dataclass
 class SymmWorkspace:
     """One group's symmetric buffer and protocol state. ptrs: int64 [W + 1] device (every rank's
-    buffer, then the pinned error word); state: device, the layout's state words (one-shot int32
-    [STATE_WORDS], the two-shot int64 [TWOSHOT_STATE_WORDS]); err: int32 [4] pinned host. cap:
-    tokens one call may carry (the two-shot: its first user's max_tokens; each strategy checks its
-    own). A layer binds it with kernels.symm.protocol.SymmLayer.bind."""
+    buffer, then the pinned error word); state: device, the layout's state words (one-shot
+    int32 [ONESHOT_STATE_WORDS], the two-shot int64 [TWOSHOT_STATE_WORDS]); err: int32 [4] pinned
+    host. cap: tokens one call may carry (the two-shot: its first user's max_tokens; each strategy
+    checks its own). A layer binds it with kernels.symm.protocol.SymmLayer.bind."""
 
     buffer: torch.Tensor
     handle: object

@@ -25,6 +25,7 @@ import torch
 from fusion_bridge.kernels.symm import oneshot as symm_oneshot
 from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.quant_codes import QuantArgs, quant_args
+from fusion_bridge.kernels.records import RowOutputs, RowSource
 
 
 def call_parts() -> tuple[int, ...]:
@@ -34,27 +35,31 @@ def call_parts() -> tuple[int, ...]:
 
 def launch_with_hooks(
     layer: P.SymmLayer,
+    src: RowSource,
+    out: RowOutputs,
     *,
-    shape=None,
+    config=None,
     phases: int = P.ALL_PHASES,
     emulated: bool = False,
     programs: Optional[int] = None,
-    **tensors,
 ) -> None:
     """One launch of the one-shot exchange kernel with the hooks set (benchmark ablations: phases;
     CPU emulation: emulated). programs: the grid (default: the production launch's)."""
-    if tensors["perm"].shape[0] == 0:
+    if src.perm.shape[0] == 0:
         return
-    grid, args, constexprs = symm_oneshot.call_args(layer, shape, **tensors)
+    grid, args, constexprs, warps = symm_oneshot.call_args(layer, config, src, out)
     if emulated:
         _interpreter_loop_bounds()
-    symm_oneshot.KERNEL[(programs or grid,)](*args, **constexprs, PHASES=phases, EMULATED=emulated)
+    named = dict(zip(("WORLD", "FORM", "BLOCK1"), constexprs))
+    symm_oneshot.KERNEL[(programs or grid,)](
+        *args, **named, num_warps=warps, PHASES=phases, EMULATED=emulated
+    )
 
 
 @dataclass
 class EmulatedGroup:
     """W ranks' buffers (uint8, each laid out as on the GPU), device states (int32 [W,
-    STATE_WORDS]), error words (int32 [W, 4]; pinned host memory on a GPU) and layers."""
+    ONESHOT_STATE_WORDS]), error words (int32 [W, 4]; pinned host memory on a GPU) and layers."""
 
     bufs: list
     states: torch.Tensor
@@ -74,7 +79,7 @@ class EmulatedGroup:
     def abort_word(self, rank: int) -> torch.Tensor:
         return self.bufs[rank][:4].view(torch.int32)
 
-    def call(self, inputs, outputs, parts=None, skip_rank=None, programs=None, shape=None) -> None:
+    def call(self, inputs, outputs, parts=None, skip_rank=None, programs=None, config=None) -> None:
         """CPU: one call, part by part on every rank (skip_rank makes none of its launches).
         inputs / outputs: per rank, EpilogueInputs and (residual_out, norm_out, q, sf)."""
         for phases in parts if parts is not None else call_parts():
@@ -83,29 +88,17 @@ class EmulatedGroup:
                     continue
                 launch_with_hooks(
                     layer,
-                    shape=shape,
+                    *call_records(inputs[r], outputs[r]),
+                    config=config,
                     phases=phases,
                     emulated=True,
                     programs=programs,
-                    **call_tensors(inputs[r], outputs[r]),
                 )
 
 
-def call_tensors(inp, out) -> dict:
-    """The launch keywords from EpilogueInputs and (residual_out, norm_out, q, sf)."""
-    residual_out, norm_out, q, sf = out
-    return dict(
-        residual_out=residual_out,
-        norm_out=norm_out,
-        q=q,
-        sf=sf,
-        gemm2_out=inp.gemm2_out,
-        perm=inp.expanded_idx_to_permuted_idx,
-        weights=inp.expert_weights,
-        shared=inp.shared_output,
-        residual=inp.residual,
-        gamma=inp.gamma,
-    )
+def call_records(inp, out) -> tuple[RowSource, RowOutputs]:
+    """A launcher's records from EpilogueInputs and (residual_out, norm_out, q, sf)."""
+    return RowSource.of(inp), RowOutputs(*out)
 
 
 def emulated_group(
@@ -132,7 +125,7 @@ def emulated_group(
     errs = torch.zeros((world, 4), dtype=torch.int32)
     if device.type == "cuda":
         errs = errs.pin_memory()
-    states = torch.zeros((world, P.STATE_WORDS), dtype=torch.int32, device=device)
+    states = torch.zeros((world, P.ONESHOT_STATE_WORDS), dtype=torch.int32, device=device)
     if num_sms is None:
         num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count // world

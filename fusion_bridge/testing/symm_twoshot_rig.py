@@ -12,12 +12,8 @@ import torch
 
 from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.quant_codes import QuantArgs, quant_args
-from fusion_bridge.kernels.symm.twoshot_device import (
-    FREED_BYTE,
-    MAX_SLOTS,
-    STATE_WORDS,
-    buffer_bytes,
-)
+from fusion_bridge.kernels.symm.protocol import TWOSHOT_STATE_WORDS
+from fusion_bridge.kernels.symm.twoshot_device import FREED_BYTE, MAX_SLOTS, buffer_bytes
 from fusion_bridge.testing.symm_oneshot_rig import _interpreter_loop_bounds
 
 
@@ -43,7 +39,7 @@ class EmulatedTwoshot:
         self.world, self.chunk, self.hidden, self.slots = world, chunk, hidden, slots
         self.bufs = torch.full((world, elems), P.SENTINEL_BITS, dtype=torch.int16)
         self.bufs[:, : P.HEADER_BYTES // 2] = 0
-        self.states = torch.zeros((world, STATE_WORDS), dtype=torch.int64)
+        self.states = torch.zeros((world, TWOSHOT_STATE_WORDS), dtype=torch.int64)
         self.errors = torch.zeros((world, 4), dtype=torch.int32)
         self.ptrs = [
             torch.tensor(
@@ -69,17 +65,17 @@ class EmulatedTwoshot:
 
 
 def twoshot_layers_on_one_gpu(
-    world: int, hidden: int, spec, timeout_s: float = 10.0, device=None, shape=None
+    world: int, hidden: int, spec, timeout_s: float = 10.0, device=None, config=None
 ):
-    """W ranks' layers on ONE GPU: each rank's buffer its own allocation, laid out for `shape`
-    (a symm_twoshot.TwoshotShape; None: the default). Returns a namespace of layers, errs (pinned
+    """W ranks' layers on ONE GPU: each rank's buffer its own allocation, laid out for `config`
+    (a symm_twoshot.TwoshotConfig; None: the default). Returns a namespace of layers, errs (pinned
     int32 [4] per rank) and buffers: keep it alive while its layers are used (the layers hold raw
     pointers into the buffers)."""
     from fusion_bridge.kernels.symm import twoshot as symm_twoshot
 
-    shape = shape or symm_twoshot.DEFAULT_SHAPE
+    config = config or symm_twoshot.DEFAULT_CONFIG
     dev = torch.device("cuda", 0) if device is None else device
-    nbytes = buffer_bytes(world, hidden, 2, shape.chunk, shape.slots)
+    nbytes = buffer_bytes(world, hidden, 2, config.chunk, config.slots)
     bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(world)]
     for b in bufs:
         b[: P.HEADER_BYTES].zero_()
@@ -92,7 +88,7 @@ def twoshot_layers_on_one_gpu(
         ptrs = torch.tensor(
             [b.data_ptr() for b in bufs] + [err.data_ptr()], dtype=torch.int64, device=dev
         )
-        state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=dev)
+        state = torch.zeros(TWOSHOT_STATE_WORDS, dtype=torch.int64, device=dev)
         layers.append(
             twoshot_layer(
                 ptrs,
@@ -116,27 +112,27 @@ _STAGE_ORDER = {s: i for i, s in enumerate(("Q", "F", "A", "WA", "R", "D", "WD",
 
 def twoshot_launches(
     layer: P.SymmLayer,
-    tensors: dict,
-    shape=None,
+    records: tuple,
+    config=None,
     emulated: bool = False,
     split: bool = True,
 ) -> list:
     """One rank's launches of one twoshot call, not made: [(stage letter, chunk, callable)] in the
-    rank's order; split: every sync as its halves (per chunk: Q gate, F finalize, A / WA signal /
-    wait arrived, R reduce, D / WD signal / wait reduced, G gather, P release), else the
-    production sequence (`symm_twoshot._sequence`). emulated: the interpreter's poll-count
-    timer."""
+    rank's order; records: the call's (RowSource, RowOutputs) (`call_records`); split: every sync
+    as its halves (per chunk: Q gate, F finalize, A / WA signal / wait arrived, R reduce, D / WD
+    signal / wait reduced, G gather, P release), else the production sequence
+    (`symm_twoshot._sequence`). emulated: the interpreter's poll-count timer."""
     from fusion_bridge.kernels.symm import twoshot as symm_twoshot
 
-    shape = shape or symm_twoshot.DEFAULT_SHAPE
-    calls = symm_twoshot._call_launches(layer, shape, tensors, emulated)
+    config = config or symm_twoshot.DEFAULT_CONFIG
+    calls = symm_twoshot._call_launches(layer, config, *records, emulated)
     return [(stage, c, fn) for stage, c, fn, _ in symm_twoshot._sequence(calls, split=split)]
 
 
 def twoshot_call(
     layers: Sequence[P.SymmLayer],
-    per_rank: Sequence[dict],
-    shape=None,
+    per_rank: Sequence[tuple],
+    config=None,
     emulated: bool = False,
     skip_rank: Optional[int] = None,
 ) -> None:
@@ -144,11 +140,11 @@ def twoshot_call(
     rank's launches in ONE global order on the current stream, chunk by chunk and stage by stage
     (every rank's signals before any rank's wait), so every wait is for a launch made before it
     and no spinning launch holds SMs that an earlier one of a peer needs. per_rank[r]: rank r's
-    tensors as symm_twoshot.launch takes them; skip_rank makes none of its launches."""
+    (RowSource, RowOutputs) (`call_records`); skip_rank makes none of its launches."""
     queue = []
-    for rank, (layer, tensors) in enumerate(zip(layers, per_rank)):
+    for rank, (layer, records) in enumerate(zip(layers, per_rank)):
         if rank != skip_rank:
-            for stage, c, fn in twoshot_launches(layer, tensors, shape, emulated, True):
+            for stage, c, fn in twoshot_launches(layer, records, config, emulated, True):
                 queue.append(((c, _STAGE_ORDER[stage], rank), fn))
     if emulated:
         _interpreter_loop_bounds()

@@ -76,10 +76,6 @@ def _bucket(key: object) -> Optional[int]:
     return value if 1 <= value <= MAX_BUCKET and value & (value - 1) == 0 else None
 
 
-def _is_bucket(key: object) -> bool:
-    return _bucket(key) is not None
-
-
 def _is_time(us: object) -> bool:
     value = finite_float(us)
     return value is not None and MIN_US <= value <= MAX_US

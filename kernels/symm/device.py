@@ -16,14 +16,6 @@ import triton.language as tl
 from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.rounding import round_to
 
-SENTINEL = tl.constexpr(P.SENTINEL_BITS)
-ERR_TIMEOUT = tl.constexpr(P.ERR_TIMEOUT)
-ERR_ABORTED = tl.constexpr(P.ERR_ABORTED)
-ERR_RANK_SHIFT = tl.constexpr(P.ERR_RANK_SHIFT)
-STATE_TICKET = tl.constexpr(P.STATE_TICKET)
-STATE_ERROR = tl.constexpr(P.STATE_ERROR)
-STATE_ROWS = tl.constexpr(P.STATE_ROWS)
-
 
 # ---- the call's place in the epoch sequence -----------------------------------------------------
 @triton.jit
@@ -31,7 +23,7 @@ def call_state(state_ptr):
     """(slot, previous slot, rows the previous call used in it), from device state."""
     slot = tl.load(state_ptr)  # this call's slot, 0..2 (the epoch mod 3: it never wraps)
     prev = (slot + 2) % 3
-    return slot, prev, tl.load(state_ptr + STATE_ROWS + prev)
+    return slot, prev, tl.load(state_ptr + P.STATE_ROWS + prev)
 
 
 @triton.jit
@@ -41,7 +33,7 @@ def take_ticket(state_ptr, slot, prev_rows, LANES: tl.constexpr):
     it is issued only after they returned. The result is used only by `advance_epoch`."""
     lane = tl.arange(0, LANES)
     return tl.atomic_add(
-        state_ptr + STATE_TICKET + lane * 0,
+        state_ptr + P.STATE_TICKET + lane * 0,
         lane * 0 + 1,
         # the scalars compared as blocks: Triton 3.7+'s interpreter gives `block & scalar`
         # an int32 mask, which its atomics refuse (the compiled code is the same)
@@ -60,8 +52,8 @@ def advance_epoch(state_ptr, ticket, slot, tokens, LANES: tl.constexpr, EMULATED
     last = (lane == 0) & (ticket == tl.num_programs(0) - 1)
     if not EMULATED:
         last = last & (_fence_acq_rel_gpu_if(last.to(tl.int32)) == 0)  # stores depend on the fence
-    tl.store(state_ptr + STATE_ROWS + slot + lane * 0, lane * 0 + tokens, mask=last)
-    tl.store(state_ptr + STATE_TICKET + lane * 0, lane * 0, mask=last)
+    tl.store(state_ptr + P.STATE_ROWS + slot + lane * 0, lane * 0 + tokens, mask=last)
+    tl.store(state_ptr + P.STATE_TICKET + lane * 0, lane * 0, mask=last)
     tl.store(state_ptr + lane * 0, lane * 0 + (slot + 1) % 3, mask=last)
 
 
@@ -83,7 +75,7 @@ def payload_bits(acc, dtype: tl.constexpr):
     """fp32 -> the int16 bits to publish: one RNE rounding to `dtype`; -0.0 (the sentinel) -> +0.0
     (no sum changes: only an all-zero sum could differ, in the sign of its zero)."""
     bits = round_to(acc, dtype).to(tl.int16, bitcast=True)
-    return tl.where(bits == SENTINEL, 0, bits).to(tl.int16)
+    return tl.where(bits == P.SENTINEL_BITS, 0, bits).to(tl.int16)
 
 
 @triton.jit
@@ -105,7 +97,7 @@ def _poll_status(v, abort_ptr, start, timeout, polls, EMULATED: tl.constexpr):
         late = (_globaltimer() - start) > timeout
     ab = tl.load(abort_ptr, volatile=True)
     flags = (
-        (v == SENTINEL).to(tl.int32) * P.POLL_PENDING
+        (v == P.SENTINEL_BITS).to(tl.int32) * P.POLL_PENDING
         | (late.to(tl.int32) * P.POLL_LATE)
         | ((ab != 0).to(tl.int32) * P.POLL_ABORTED)
     )
@@ -150,7 +142,7 @@ def wait_row(
 @triton.jit
 def missing_ranks(v, WORLD: tl.constexpr, WP: tl.constexpr):
     """Bit q set when source q still holds a sentinel."""
-    pending = tl.max((v == SENTINEL).to(tl.int32), axis=1)  # [WP]
+    pending = tl.max((v == P.SENTINEL_BITS).to(tl.int32), axis=1)  # [WP]
     qs = tl.arange(0, WP)
     return tl.sum(tl.where(qs < WORLD, pending << qs, 0), axis=0)
 
@@ -162,17 +154,19 @@ def report_error(who, ptrs_ptr, state_ptr, abort_ptr, rank, WORLD: tl.constexpr)
     It goes to the pinned host word (ptrs[WORLD], read without a sync) and state; if no abort is
     under way, every rank (itself included) is told to stop waiting from now on."""
     ab = tl.load(abort_ptr, volatile=True)
-    own = ((ab >> ERR_RANK_SHIFT) & P.ERR_RANK_MASK) == rank
-    err = tl.where(ab == 0, ERR_TIMEOUT | who, tl.where(own, ERR_TIMEOUT | (ab & P.ERR_MISSED), ab))
+    own = ((ab >> P.ERR_RANK_SHIFT) & P.ERR_RANK_MASK) == rank
+    err = tl.where(
+        ab == 0, P.ERR_TIMEOUT | who, tl.where(own, P.ERR_TIMEOUT | (ab & P.ERR_MISSED), ab)
+    )
     tl.store(tl.load(ptrs_ptr + WORLD).to(tl.pointer_type(tl.int32)), err)
-    tl.store(state_ptr + STATE_ERROR, err)
+    tl.store(state_ptr + P.STATE_ERROR, err)
     if ab == 0:
         for q in tl.static_range(WORLD):
             tl.atomic_xchg(
                 abort_word_ptr(ptrs_ptr, q),
                 # the tensor first: under Triton 3.7+'s interpreter `constexpr | tensor` stays a
                 # constexpr wrapping the tensor, which atomic_xchg cannot take
-                who | (rank << ERR_RANK_SHIFT) | ERR_ABORTED,
+                who | (rank << P.ERR_RANK_SHIFT) | P.ERR_ABORTED,
                 sem="relaxed",
                 scope="sys",
             )
@@ -185,7 +179,9 @@ def clear_item(item, slot_ptr, hidden, CLEAR_BLOCK: tl.constexpr):
     r = (item // chunks).to(tl.int64)
     cols = (item % chunks) * CLEAR_BLOCK + tl.arange(0, CLEAR_BLOCK)
     tl.store(
-        slot_ptr + r * hidden + cols, tl.full([CLEAR_BLOCK], SENTINEL, tl.int16), mask=cols < hidden
+        slot_ptr + r * hidden + cols,
+        tl.full([CLEAR_BLOCK], P.SENTINEL_BITS, tl.int16),
+        mask=cols < hidden,
     )
 
 

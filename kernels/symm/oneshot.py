@@ -71,22 +71,22 @@ only caller.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
-import torch
 import triton
 import triton.language as tl
 
 from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.finalize_add import finalize_row
+from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
 from fusion_bridge.kernels.row_epilogue import row_outputs
 from fusion_bridge.kernels.symm import protocol as P
-from fusion_bridge.kernels.symm.oneshot_shapes import (  # noqa: F401 (SHAPE_VARIANTS, variant_shape: re-exported)
-    SHAPE_VARIANTS,
-    OneshotShape,
-    default_shape,
-    variant_shape,
+from fusion_bridge.kernels.symm.oneshot_configs import (  # noqa: F401 (CONFIG_VARIANTS, variant_config: re-exported)
+    CONFIG_VARIANTS,
+    OneshotConfig,
+    default_config,
+    variant_config,
 )
 from fusion_bridge.kernels.quant import QUANT_NVFP4, row_block, sf_padding_item
 from fusion_bridge.kernels.symm.device import (
@@ -103,13 +103,6 @@ from fusion_bridge.kernels.symm.device import (
     wait_row,
 )
 from fusion_bridge.kernels.symm.protocol import SymmLayer
-
-PUBLISH = tl.constexpr(P.PUBLISH)
-REDUCE = tl.constexpr(P.REDUCE)
-NORM = tl.constexpr(P.NORM)
-CLEAR = tl.constexpr(P.CLEAR)
-EPOCH = tl.constexpr(P.EPOCH)
-FINALIZE = tl.constexpr(P.FINALIZE)
 
 
 @triton.jit
@@ -161,13 +154,13 @@ def _oneshot_kernel(
     local = peer_ptr(ptrs_ptr, rank, tl.int16)
 
     # A. finalize + publish into slot [slot][rank] of every rank's buffer (never waits)
-    if PUBLISH & PHASES:
+    if P.PUBLISH & PHASES:
         chunks1 = tl.cdiv(hidden, BLOCK1)
         dst = data_off + (slot * WORLD + rank).to(tl.int64) * slot_stride
         for item in range(pid, tokens * chunks1, nprog):
             row = (item // chunks1).to(tl.int64)
             cols = (item % chunks1) * BLOCK1 + tl.arange(0, BLOCK1)
-            if FINALIZE & PHASES:
+            if P.FINALIZE & PHASES:
                 acc = finalize_row(
                     src,
                     row,
@@ -186,12 +179,12 @@ def _oneshot_kernel(
                     bits,
                     mask=cols < hidden,
                 )
-    if EPOCH & PHASES:
+    if P.EPOCH & PHASES:
         ticket = take_ticket(state_ptr, slot, prev_rows, BLOCK1)
 
     # B. the previous call's slot back to the sentinel (its rows, every source), overlapping
     # the wait
-    if CLEAR & PHASES:
+    if P.CLEAR & PHASES:
         prev_base = local + data_off + (prev * WORLD).to(tl.int64) * slot_stride
         chunks_c = tl.cdiv(hidden, CLEAR_BLOCK)
         for q in tl.static_range(WORLD):
@@ -199,7 +192,7 @@ def _oneshot_kernel(
                 clear_item(item, prev_base + q * slot_stride, hidden, CLEAR_BLOCK)
 
     # C. wait for the row's partials (the data is the flag), reduce in rank order, norm, quant
-    if REDUCE & PHASES:
+    if P.REDUCE & PHASES:
         abort_ptr = abort_word_ptr(ptrs_ptr, rank)
         src_rows = local + data_off + (slot * WORLD).to(tl.int64) * slot_stride
         if EMULATED:
@@ -230,7 +223,7 @@ def _oneshot_kernel(
                 report_error(
                     missing_ranks(v, WORLD, WP), ptrs_ptr, state_ptr, abort_ptr, rank, WORLD
                 )
-            if NORM & PHASES:
+            if P.NORM & PHASES:
                 row_outputs(
                     _rank_ordered_sum(v, dtype, WORLD, WP),
                     row,
@@ -245,7 +238,7 @@ def _oneshot_kernel(
                     sf_cols,
                     FORM,
                 )
-    if NORM & PHASES:
+    if P.NORM & PHASES:
         if FORM.QUANT == QC.QUANT_NVFP4:
             if FORM.SWIZZLED:
                 for item in range(
@@ -254,44 +247,37 @@ def _oneshot_kernel(
                     sf_padding_item(item, out.sf, tokens, sf_rows, sf_cols)
 
     # D. the last ticket advances the epoch, records this slot's rows for the next clear
-    if EPOCH & PHASES:
+    if P.EPOCH & PHASES:
         advance_epoch(state_ptr, ticket, slot, tokens, BLOCK1, EMULATED)
 
 
+# the kernel's constexprs, by name, in the order its launches pass them (PHASES and EMULATED: the
+# test and benchmark hooks, production values here; fusion_bridge/testing/symm_oneshot_rig.py
+# launches KERNEL with others)
+_CONSTEXPRS = ("WORLD", "FORM", "BLOCK1", "PHASES", "EMULATED")
+_ONESHOT = KernelLauncher(_oneshot_kernel, _CONSTEXPRS)
+_PRODUCTION = (P.ALL_PHASES, False)  # PHASES, EMULATED
+
+
 def call_args(
-    layer: SymmLayer,
-    shape: Optional[OneshotShape],
-    *,
-    residual_out: torch.Tensor,
-    norm_out: torch.Tensor,
-    q: torch.Tensor,
-    sf: torch.Tensor,
-    gemm2_out: torch.Tensor,
-    perm: torch.Tensor,
-    weights: torch.Tensor,
-    shared: Optional[torch.Tensor],
-    residual: torch.Tensor,
-    gamma: torch.Tensor,
-) -> tuple[int, tuple, dict]:
-    """(programs, positional args, constexprs + num_warps) of one call of the exchange kernel
-    (world size >= 2); T > 0."""
-    tokens, top_k = perm.shape
+    layer: SymmLayer, config: Optional[OneshotConfig], src: RowSource, out: RowOutputs
+) -> tuple[int, tuple, tuple, int]:
+    """(programs, runtime arguments, constexprs WORLD, FORM, BLOCK1, warps) of one call of the
+    exchange kernel (world size >= 2); T > 0. config None: `default_config`."""
+    tokens, top_k = src.perm.shape
     hidden = layer.hidden
     quant = layer.quant
-    block1, block2, warps = (shape or default_shape(tokens, hidden, layer.num_sms))[
-        :3
-    ]  # its prefetch field is the world-size-1 kernels' only
+    block1, block2, warps = config or default_config(tokens, hidden, layer.num_sms)
     rb = row_block(hidden)
     block1, block2 = min(block1, rb), min(block2, rb)
     assert block2 % 64 == 0 and block1 % 64 == 0
     items = max(tokens * triton.cdiv(hidden, block1), tokens * triton.cdiv(hidden, block2))
+    sf = out.sf
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
     args = (
         layer.buffers,
-        RowSource(
-            gemm2_out, perm, weights, shared if shared is not None else residual, residual, gamma
-        ),
-        RowOutputs(residual_out, norm_out, q, sf),
+        src.for_kernel(),
+        out,
         tokens,
         layer.slots,
         layer.rank,
@@ -303,26 +289,52 @@ def call_args(
     )
     form = RowForm(
         TOP_K=top_k,
-        HAS_SHARED=shared is not None,
+        HAS_SHARED=src.shared is not None,
         QUANT=quant.code,
         SWIZZLED=quant.swizzled,
         ROW_BLOCK=rb,
-        HW_CVT=residual.is_cuda,
+        HW_CVT=src.residual.is_cuda,
     )
-    constexprs = dict(WORLD=layer.world, FORM=form, BLOCK1=block1, num_warps=warps)
-    return max(1, min(layer.num_sms, items)), args, constexprs
+    return max(1, min(layer.num_sms, items)), args, (layer.world, form, block1), warps
 
 
 # the exchange kernel (world size >= 2), for fusion_bridge/testing/symm_oneshot_rig.py
 KERNEL = _oneshot_kernel
 
 
-def launch(layer: SymmLayer, *, shape: Optional[OneshotShape] = None, **tensors) -> None:
-    """One call: `tensors` are call_args's keywords (residual_out, norm_out, q, sf as uint8: [T, H]
-    fp8 codes / [T, H/2] packed fp4, gemm2_out, perm, weights, shared or None, residual, gamma).
-    T == 0 launches nothing (on every rank); T must be <= layer.cap. shape: None = default_shape.
-    World size >= 2 (world size 1 has no exchange: `fused_tp1`'s kernels, kernels/tp1/)."""
-    if tensors["perm"].shape[0] == 0:
-        return
-    programs, args, constexprs = call_args(layer, shape, **tensors)
-    _oneshot_kernel[(programs,)](*args, **constexprs)
+class OneshotLauncher:
+    """The one-shot's calls of one layer (`layer`: a `SymmLayer`, world size >= 2; the verbs of
+    `layer.FamilyLauncher`). World size 1 has no exchange: `fused_tp1`'s kernels, kernels/tp1/."""
+
+    def __init__(self, layer: SymmLayer):
+        self.layer = layer
+
+    def config_for(self, tokens: int) -> OneshotConfig:
+        """The config of a call of T tokens that names none (`default_config`)."""
+        return default_config(tokens, self.layer.hidden, self.layer.num_sms)
+
+    def variant_config(self, variant: str, tokens: int) -> Optional[OneshotConfig]:
+        """The config of a launch variant ("default": None, or one of CONFIG_VARIANTS) at T."""
+        layer = self.layer
+        return variant_config(
+            variant, tokens, layer.hidden, layer.num_sms, layer.world, layer.quant.code
+        )
+
+    def __call__(
+        self, src: RowSource, out: RowOutputs, config: Optional[OneshotConfig] = None
+    ) -> None:
+        """One call: `src` (`RowSource.of(inputs)`) into `out` (residual_out, norm_out [T, H];
+        q, sf uint8: [T, H] fp8 codes / [T, H/2] packed fp4 and the nvfp4 scales, any tensor when
+        unused). T == 0 launches nothing (on every rank); T must be <= layer.cap."""
+        if src.perm.shape[0] == 0:
+            return
+        programs, args, constexprs, warps = call_args(self.layer, config, src, out)
+        _ONESHOT((programs,), args, constexprs + _PRODUCTION, warps)
+
+    def bound(
+        self, src: RowSource, out: RowOutputs, config: Optional[OneshotConfig] = None
+    ) -> Callable[[], None]:
+        """The call's launch with its arguments decided (benchmarks); T > 0."""
+        programs, args, constexprs, warps = call_args(self.layer, config, src, out)
+        fixed = constexprs + _PRODUCTION
+        return lambda: _ONESHOT((programs,), args, fixed, warps)

@@ -31,12 +31,13 @@ assert HEADER_BYTES % 128 == 0
 ONESHOT_SLOTS = 3
 SENTINEL_BITS = -32768  # int16 view of -0.0 in bf16 and fp16 (0x8000)
 
-# device state, int32 [STATE_WORDS] per rank: the epoch lives here, so CUDA graphs replay it
+# the one-shot's device state, int32 [ONESHOT_STATE_WORDS] per rank: the epoch lives here, so
+# CUDA graphs replay it
 STATE_SLOT = 0  # this call's slot: the epoch mod ONESHOT_SLOTS (it never wraps)
 STATE_TICKET = 1  # programs that finished their loads this call (the last one advances the epoch)
 STATE_ERROR = 2  # the error word of a failed wait (also written to the pinned host word)
 STATE_ROWS = 4  # rows of slot 0, 1, 2 as the call that wrote them used them (the next clear's)
-STATE_WORDS = 8
+ONESHOT_STATE_WORDS = 8
 
 # error word: bits 0-15 the ranks missed; bit 16 this rank timed out; bit 17 a peer timed out
 # earlier (then bits 20-27 name that peer)
@@ -135,7 +136,7 @@ class Layout:
 
 
 #: one-shot: slots of W x cap rows, so a token cap (2048: the small-T path)
-ONESHOT = Layout("oneshot", STATE_WORDS, torch.int32, 2048, oneshot_buffer_bytes)
+ONESHOT = Layout("oneshot", ONESHOT_STATE_WORDS, torch.int32, 2048, oneshot_buffer_bytes)
 #: two-shot: a few chunk slots that the chunks of a call take in turn, so no token cap
 TWOSHOT = Layout(
     "twoshot",

@@ -5,7 +5,7 @@ program, as our standalone kernels); a chunk's arrival is one flag per (rank, sl
 launches read their slots with plain vectorized loads and never clear them. Each rank reduces
 only the rows it owns (rows j with j % W == rank): two-shot byte counts.
 
-The default shape: 2 slots x 1024 tokens, F on two side streams let ahead of X, the row launches
+The default config: 2 slots x 1024 tokens, F on two side streams let ahead of X, the row launches
 on a high-priority stream, the L2 hints with the read slot rows dropped, PDL on sm_90+. How its
 local work at world size 1 (no peer reads and no all-gather at W = 1, so the work the link
 overlaps with), and each of its halves alone, compare with our standalone finalize +
@@ -86,7 +86,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -109,7 +109,7 @@ from fusion_bridge.kernels.symm.twoshot_kernels import (
 )
 from fusion_bridge.kernels.symm.twoshot_streams import two_streams
 
-__all__ = ["TwoshotShape", "DEFAULT_SHAPE", "launch", "call_plan"]
+__all__ = ["TwoshotConfig", "DEFAULT_CONFIG", "TwoshotLauncher", "call_plan"]
 
 # each kernel's constexprs, by name, in the order the launches pass them
 _F_CONSTS = ("PIPE", "FORM", "F_COLS")
@@ -118,7 +118,7 @@ _S_CONSTS = ("PIPE", "STEPS", "NAN_BITS")
 _LAUNCH_F = KernelLauncher(_finalize_kernel, _F_CONSTS)
 _LAUNCH_R = KernelLauncher(_rows_kernel, _R_CONSTS)
 _LAUNCH_S = KernelLauncher(_sync_kernel, _S_CONSTS)
-# with programmatic dependent launch (TwoshotShape.pdl, kernels/pdl.py): options are fixed per
+# with programmatic dependent launch (TwoshotConfig.pdl, kernels/pdl.py): options are fixed per
 # launcher, and USE_PDL (a constexpr of the key) is True exactly on these
 _LAUNCH_F_PDL = KernelLauncher(_finalize_kernel, _F_CONSTS, options=PDL_OPTIONS)
 _LAUNCH_R_PDL = KernelLauncher(_rows_kernel, _R_CONSTS, options=PDL_OPTIONS)
@@ -139,8 +139,8 @@ F_STREAMS = 2
 
 
 @dataclass(frozen=True)
-class TwoshotShape:
-    """A launch shape.
+class TwoshotConfig:
+    """A launch config.
 
     chunk / slots: tokens per chunk and the slots chunks turn through (the workspace holds
     slots x [2][chunk][H]: 58.7 MB at 2 x 1024 or 4 x 512, H=7168 bf16; every call on one
@@ -166,7 +166,7 @@ class TwoshotShape:
             raise ValueError(f"slots: expected 2..{MAX_SLOTS}, got {self.slots}")
 
 
-DEFAULT_SHAPE = TwoshotShape()
+DEFAULT_CONFIG = TwoshotConfig()
 
 
 @dataclass(frozen=True)
@@ -179,12 +179,12 @@ class ChunkPlan:
     other_rows: int
 
 
-def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: TwoshotShape) -> list:
+def call_plan(tokens: int, world: int, rank: int, hidden: int, config: TwoshotConfig) -> list:
     """The chunks of a call and their grids (the kernel's own formulas, on the host)."""
     plans = []
-    f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
-    for c in range(-(-tokens // shape.chunk)):
-        n_c = min(shape.chunk, tokens - c * shape.chunk)
+    f_cols = min(config.f_cols, triton.next_power_of_2(hidden))
+    for c in range(-(-tokens // config.chunk)):
+        n_c = min(config.chunk, tokens - c * config.chunk)
         own = (n_c - rank + world - 1) // world if n_c > rank else 0
         items = world * -(-n_c // world) * -(-hidden // f_cols)
         plans.append(ChunkPlan(c, items, own, n_c - own))
@@ -195,47 +195,70 @@ def call_plan(tokens: int, world: int, rank: int, hidden: int, shape: TwoshotSha
 _NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 
 
-def launch(layer: SymmLayer, *, shape: Optional[TwoshotShape] = None, **tensors) -> None:
-    """One call. tensors: residual_out, norm_out [T, H], q, sf (FP8 / NVFP4 outputs, or empty),
-    gemm2_out [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H],
-    gamma [H]. The layer's buffer holds slots laid out for shape.chunk and shape.slots
-    (`twoshot_device.buffer_bytes`), its header zeroed at creation. T == 0 launches nothing
-    (on every rank)."""
-    if tensors["perm"].shape[0] == 0:
-        return
-    shape = shape or DEFAULT_SHAPE
-    calls = _call_launches(layer, shape, tensors, emulated=False)
-    seq = _sequence(calls, split=False)
-    residual = tensors["residual"]
-    if not residual.is_cuda:  # the interpreter: one launch after another
-        for _, _, fn, _ in seq:
-            fn()
-    else:
-        two_streams(residual.device, seq, len(calls.plans) > 1, F_STREAMS)
+class TwoshotLauncher:
+    """The two-shot's calls of one layer (`layer`: a `SymmLayer`; the verbs of
+    `layer.FamilyLauncher`). The layer's buffer holds slots laid out for the config's chunk and
+    slots (`twoshot_device.buffer_bytes`), its header zeroed at creation."""
+
+    def __init__(self, layer: SymmLayer):
+        self.layer = layer
+
+    def config_for(self, tokens: int) -> TwoshotConfig:
+        """The config of a call that names none: `DEFAULT_CONFIG` at every T."""
+        return DEFAULT_CONFIG
+
+    def __call__(
+        self, src: RowSource, out: RowOutputs, config: Optional[TwoshotConfig] = None
+    ) -> None:
+        """One call: `src` (`RowSource.of(inputs)`: gemm2_out [P, H], perm [T, K] int32, weights
+        [T, K], shared [T, H] or None, residual [T, H], gamma [H]) into `out` (residual_out,
+        norm_out [T, H]; q, sf: the FP8 / NVFP4 outputs as uint8, or empty). T == 0 launches
+        nothing (on every rank)."""
+        if src.perm.shape[0] == 0:
+            return
+        self.bound(src, out, config)()
+
+    def bound(
+        self, src: RowSource, out: RowOutputs, config: Optional[TwoshotConfig] = None
+    ) -> Callable[[], None]:
+        """The call's launches, decided and ordered, as one callable (benchmarks); T > 0."""
+        calls = _call_launches(self.layer, config or DEFAULT_CONFIG, src, out, emulated=False)
+        seq = _sequence(calls, split=False)
+        device = src.residual.device
+        if not src.residual.is_cuda:  # the interpreter: one launch after another
+            return lambda: _in_order(seq)
+        return lambda: two_streams(device, seq, len(calls.plans) > 1, F_STREAMS)
 
 
-def check_layout(layer: SymmLayer, shape: TwoshotShape) -> None:
+def _in_order(seq: list) -> None:
+    """The launches of `_sequence` one after another on the current stream (the interpreter)."""
+    for _, _, fn, _ in seq:
+        fn()
+
+
+def check_layout(layer: SymmLayer, config: TwoshotConfig) -> None:
     """Every call on one workspace must lay its slots out alike: the release counters count the
     uses of each slot, and slot regions of another chunk size overlap. The first call's (chunk,
     slots) is kept on the tensor that owns the workspace's state words (the state itself, or the
     tensor it is a view of), which lives as long as the workspace; another raises ValueError
     instead of a gate that times out or passes early."""
-    layout = (shape.chunk, shape.slots)
+    layout = (config.chunk, config.slots)
     owner = layer.state if layer.state._base is None else layer.state._base
     first = getattr(owner, "_twoshot_layout", None)
     if first is None:
         owner._twoshot_layout = layout
     elif first != layout:
         raise ValueError(
-            f"symm_twoshot: shape (chunk, slots) must be {first}, the layout of the first call "
+            f"symm_twoshot: config (chunk, slots) must be {first}, the layout of the first call "
             f"on this workspace (its release counters count uses per slot); got {layout}"
         )
 
 
 def _call_launches(
     layer: SymmLayer,
-    shape: TwoshotShape,
-    tensors: dict,
+    config: TwoshotConfig,
+    src: RowSource,
+    out: RowOutputs,
     emulated: bool,
     *,
     l2: int = L2_HINTS,
@@ -248,46 +271,41 @@ def _call_launches(
     interpreter's poll-count timer (the test rig only). l2, f_warps, row_warps (0: our
     add+RMSNorm kernel's warps): the launch choices above, which only the benchmark's ablations
     change (benchmarks/twoshot_local.py)."""
-    check_layout(layer, shape)
-    tokens, top_k = tensors["perm"].shape
+    check_layout(layer, config)
+    tokens, top_k = src.perm.shape
     world, rank, hidden = layer.world, layer.rank, layer.hidden
     quant = layer.quant
-    sf = tensors["sf"]
+    sf = out.sf
     swz = quant.code == QUANT_NVFP4 and bool(quant.swizzled)
     sf_rows, sf_cols = (sf.shape[0], sf.shape[1]) if quant.code == QUANT_NVFP4 else (tokens, 0)
-    residual = tensors["residual"]
-    shared = tensors["shared"]
+    residual = src.residual
     rb = row_block(hidden)
-    f_cols = min(shape.f_cols, triton.next_power_of_2(hidden))
+    f_cols = min(config.f_cols, triton.next_power_of_2(hidden))
     if not layer.own_addr:
         raise ValueError(
             "symm_twoshot: layer.own_addr must be this rank's buffer address (ptrs[rank]), got 0"
         )
     # the L2 hints need a GPU; dropping rows needs them on 128-byte lines
     l2 = min(l2, 1 if hidden % 64 else 2) if residual.is_cuda else 0
-    pdl = bool(shape.pdl) and pdl_ok(residual.device)
+    pdl = bool(config.pdl) and pdl_ok(residual.device)
     launch_f, launch_r, launch_s = (
         (_LAUNCH_F_PDL, _LAUNCH_R_PDL, _LAUNCH_S_PDL) if pdl else (_LAUNCH_F, _LAUNCH_R, _LAUNCH_S)
     )
     # the call's records, bound once: each kernel's source leaves None what it does not read
-    pipe = Pipeline(WORLD=world, SLOTS=shape.slots, L2=l2, USE_PDL=pdl, EMU=emulated)
+    pipe = Pipeline(WORLD=world, SLOTS=config.slots, L2=l2, USE_PDL=pdl, EMU=emulated)
     form = RowForm(
-        TOP_K=top_k, HAS_SHARED=shared is not None, QUANT=quant.code, SWIZZLED=swz, ROW_BLOCK=rb,
-        HW_CVT=residual.is_cuda,
+        TOP_K=top_k, HAS_SHARED=src.shared is not None, QUANT=quant.code, SWIZZLED=swz,
+        ROW_BLOCK=rb, HW_CVT=residual.is_cuda,
     )  # fmt: skip
-    f_src = RowSource(
-        tensors["gemm2_out"], tensors["perm"], tensors["weights"],
-        shared if shared is not None else residual, None, None,
-    )  # fmt: skip
-    r_src = RowSource(None, None, None, None, residual, tensors["gamma"])
-    out = RowOutputs(tensors["residual_out"], tensors["norm_out"], tensors["q"], sf)
-    slots = TwoshotSlots(hidden, shape.chunk)
+    f_src = src.for_kernel()._replace(residual=None, gamma=None)
+    r_src = RowSource(None, None, None, None, residual, src.gamma)
+    slots = TwoshotSlots(hidden, config.chunk)
     # each kernel's scalars: what it reads (None: no parameter)
     f_scalars = layer.scalars._replace(eps=None, weight_bias=None, quant_scale=None)
     r_scalars = layer.scalars._replace(routed_scaling=None)
     row_warps = row_warps or row_num_warps(rb, quant.code)
     pad_items = sf_padding_items(tokens, sf_rows, sf_cols) if swz else 0
-    plans = call_plan(tokens, world, rank, hidden, shape)
+    plans = call_plan(tokens, world, rank, hidden, config)
     nchunks = len(plans)
     nan_bits = _NAN_BITS[residual.dtype]
 
@@ -314,7 +332,7 @@ def _call_launches(
         return lambda: launch_s((1,), args, (pipe, steps, nan_bits), 1)
 
     return SimpleNamespace(
-        plans=plans, world=world, slots=shape.slots, f=f_launch, r=r_launch, sync=sync
+        plans=plans, world=world, slots=config.slots, f=f_launch, r=r_launch, sync=sync
     )  # fmt: skip
 
 

@@ -19,11 +19,7 @@ SLOTS = P.TWOSHOT_SLOTS
 CHUNK = P.TWOSHOT_CHUNK
 MAX_SLOTS = P.TWOSHOT_MAX_SLOTS
 FREED_BYTE = P.TWOSHOT_FREED_BYTE
-STATE_WORDS = P.TWOSHOT_STATE_WORDS
 UNIT = P.TWOSHOT_UNIT
-_FREED_BYTE = tl.constexpr(P.TWOSHOT_FREED_BYTE)
-_HEAD_ELEMS = tl.constexpr(P.HEADER_BYTES // 2)
-_UNIT = tl.constexpr(P.TWOSHOT_UNIT)
 
 
 def buffer_bytes(
@@ -35,7 +31,7 @@ def buffer_bytes(
 @triton.jit
 def _counter(ptrs_ptr, q, slot):
     """Rank q's release counter of `slot` (int64, in its header)."""
-    return (tl.load(ptrs_ptr + q) + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
+    return (tl.load(ptrs_ptr + q) + P.TWOSHOT_FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
 
 
 @triton.jit
@@ -45,7 +41,7 @@ def _read_counters(ptrs_ptr, slot, WORLD: tl.constexpr):
     lane = tl.arange(0, 32)
     on = lane < WORLD
     base = tl.load(ptrs_ptr + tl.where(on, lane, 0), mask=on, other=0)
-    cnt = (base + _FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
+    cnt = (base + P.TWOSHOT_FREED_BYTE).to(tl.pointer_type(tl.int64)) + slot
     got = tl.atomic_add(cnt, lane * 0, mask=on, sem="acquire", scope="sys")
     return tl.where(on, got, 1 << 62)
 
@@ -76,9 +72,10 @@ def _wait_slot_free(
 
 @triton.jit
 def _release(ptrs_ptr, rank, slot, pid, nprog):
-    """This program is done with `slot` (its reads): its share of _UNIT on its rank's counter, one
-    lane's system-scope release after a block barrier (the twoshot sync launch: one program)."""
-    share = tl.where(pid == 0, _UNIT - nprog + 1, 1).to(tl.int64)
+    """This program is done with `slot` (its reads): its share of P.TWOSHOT_UNIT on its rank's
+    counter, one lane's system-scope release after a block barrier (the twoshot sync launch: one
+    program)."""
+    share = tl.where(pid == 0, P.TWOSHOT_UNIT - nprog + 1, 1).to(tl.int64)
     tl.debug_barrier()  # every thread's reads precede the release
     lane = tl.arange(0, 32)
     cnt = _counter(ptrs_ptr, rank, slot)
@@ -102,7 +99,7 @@ def _slot_at(buf, slot, hidden, chunk, WORLD: tl.constexpr):
     region, [source][CW][H] rows apart."""
     cw = tl.cdiv(chunk, WORLD)
     src_stride = cw.to(tl.int64) * hidden
-    return buf + _HEAD_ELEMS + slot * 2 * WORLD * src_stride
+    return buf + P.HEADER_BYTES // 2 + slot * 2 * WORLD * src_stride
 
 
 @triton.jit

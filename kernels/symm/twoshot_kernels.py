@@ -27,8 +27,6 @@ from fusion_bridge.kernels.add_rmsnorm import norm_quant_row
 from fusion_bridge.kernels.finalize_add import finalize_row
 from fusion_bridge.kernels.pdl import pdl_enter
 from fusion_bridge.kernels.symm.twoshot_device import (
-    _HEAD_ELEMS,
-    _UNIT,
     _fail,
     _rank_buf,
     _release,
@@ -39,9 +37,6 @@ from fusion_bridge.kernels.symm.twoshot_device import _poison_own_partials, _wai
 
 FLAG_ARRIVED = P.TWOSHOT_ARRIVED  # this rank's partials of the chunk are in every owner's slot
 FLAG_REDUCED = P.TWOSHOT_REDUCED  # this rank's reduced rows of it are in every other rank's slot
-_ARRIVED_BYTE = tl.constexpr(P.TWOSHOT_ARRIVED_BYTE)
-_WAIT_ARRIVED = tl.constexpr(FLAG_ARRIVED)
-_REDUCED_BYTE = tl.constexpr(P.TWOSHOT_REDUCED_BYTE)
 
 
 class Pipeline(NamedTuple):
@@ -110,7 +105,7 @@ def _row_outputs(
 @triton.jit
 def _flag_ptrs(ptrs_ptr, q, slot, FLAG: tl.constexpr):
     """Rank q's (tensor of ranks) flag of `slot` (int64, in its header)."""
-    off = _ARRIVED_BYTE if FLAG == P.TWOSHOT_ARRIVED else _REDUCED_BYTE
+    off = P.TWOSHOT_ARRIVED_BYTE if FLAG == P.TWOSHOT_ARRIVED else P.TWOSHOT_REDUCED_BYTE
     return (tl.load(ptrs_ptr + q) + off).to(tl.pointer_type(tl.int64)) + slot
 
 
@@ -234,7 +229,7 @@ def _sync_kernel(
         for g in range(gate_lo, gate_lo + gate_n):
             s = base + g
             missing = missing | _wait_slot_free(
-                ptrs_ptr, s % SLOTS, (s // SLOTS) * _UNIT, abort_ptr, start, timeout_ns,
+                ptrs_ptr, s % SLOTS, (s // SLOTS) * P.TWOSHOT_UNIT, abort_ptr, start, timeout_ns,
                 WORLD=WORLD, EMULATED=EMU,
             )  # fmt: skip
     # an abort under way fails this launch even when every wait above was already met (a late
@@ -243,7 +238,7 @@ def _sync_kernel(
     aborted = tl.load(abort_ptr, volatile=True) != 0
     if (missing != 0) | aborted:
         _fail(missing, abort_ptr, ptrs_ptr, state_ptr, rank, WORLD)
-        if STEPS.WAIT == _WAIT_ARRIVED:  # the row launch R(c) comes next: its sums come out NaN
+        if STEPS.WAIT == P.TWOSHOT_ARRIVED:  # the row launch R(c) comes next: its sums come out NaN
             _poison_own_partials(
                 ptrs_ptr, rank, slot, hidden, chunk, NAN_BITS=NAN_BITS, WORLD=WORLD
             )
@@ -292,7 +287,7 @@ def _finalize_kernel(
     # the offset within the owner's buffer fits in int32 (the workspace is < 2^31 elements)
     cw = tl.cdiv(chunk, WORLD)
     off = ((slot * 2 * WORLD + rank) * cw + ii) * hidden
-    dst = _rank_buf(ptrs_ptr, q) + _HEAD_ELEMS + off
+    dst = _rank_buf(ptrs_ptr, q) + (P.HEADER_BYTES // 2) + off
     mask = ((cols * 0 + live) != 0) & (cols < hidden)
     if PIPE.L2 > 0:
         tl.store(dst + cols, payload_bits(acc, dtype), mask=mask, eviction_policy="evict_last")

@@ -8,5 +8,6 @@
   (the only exchange, inside the launch) and normalizes and quantizes its own columns; the
   protocol and its memory-ordering argument are in split_rows.py.
 
-`shapes` picks the launch per T, `launch` binds a layer once and launches with the cached launcher.
+`configs` picks the launch config per T; `launcher.Tp1Launcher` binds a layer once and launches
+through the launch cache.
 """

@@ -44,7 +44,7 @@ from fusion_bridge.kernels.pdl import pdl_enter
 from fusion_bridge.kernels.quant import quantize_span, sf_padding_item
 from fusion_bridge.kernels.rounding import round_cast
 from fusion_bridge.kernels.row_epilogue import prefetch_row, residual_plus_finalize
-from fusion_bridge.kernels.tp1 import shapes as S
+from fusion_bridge.kernels.tp1 import configs as S
 
 
 @triton.jit
@@ -69,10 +69,10 @@ def _tp1_split_kernel(
     """World size 1, split rows: program pid owns columns [c * CHUNK, (c + 1) * CHUNK) of row
     pid // chunks (c = pid % chunks); programs past T * chunks write swizzled scale padding.
     src: a `records.RowSource`, out: `records.RowOutputs`, scalars: `records.LayerScalars`, FORM:
-    `records.RowForm`. sync (`shapes.SplitSync`): words, int64 [SYNC_ROWS * (MAX_CHUNKS + 1)]
+    `records.RowForm`. sync (`configs.SplitSync`): words, int64 [SYNC_ROWS * (MAX_CHUNKS + 1)]
     counters, then [SYNC_ROWS * words] tagged sums (see the module docstring); error_address,
     int64 [1], the address of an int32 word (pinned host memory on a GPU) set to 1 when a wait
-    gives up. PHASES (`shapes.PUBLISH_PHASE` | `shapes.OUTPUT_PHASE`): both on a GPU; one at a
+    gives up. PHASES (`configs.PUBLISH_PHASE` | `configs.OUTPUT_PHASE`): both on a GPU; one at a
     time under the interpreter. USE_PDL (programmatic dependent launch): every program waits for
     the grid before it first, before its ticket or any other memory access (kernels/pdl.py), so
     one call's tickets stay consecutive and a call never sees the words of one still running."""

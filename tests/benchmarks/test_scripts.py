@@ -226,8 +226,8 @@ def test_the_static_check_catches_a_stale_name_a_removed_global_and_a_changed_si
     """The check itself: the three kinds of breakage the module moves made in these scripts."""
     source = """
 def f(spec):
-    from fusion_bridge.kernels.tp1.launch import OneshotShape
-    from fusion_bridge.kernels.tp1 import launch as tp1_launch
+    from fusion_bridge.kernels.tp1.launcher import OneshotConfig
+    from fusion_bridge.kernels.tp1 import launcher as tp1_launch
     from fusion_bridge.testing.symm_oneshot_rig import emulated_group
     tp1_launch.CAP_REGISTERS = True
     emulated_group("oneshot", spec, 2, 2048, device="cuda", timeout=10)
@@ -239,7 +239,7 @@ def g():
         symm_oneshot = None
 """
     found = "\n".join(_problems("broken.py", source))
-    assert "OneshotShape" in found
+    assert "OneshotConfig" in found
     assert "CAP_REGISTERS" in found
     assert "emulated_group(...)" in found and "device" in found
     assert "symm_oneshot" not in found
@@ -253,18 +253,18 @@ def test_shell_script_parses_and_prints_its_usage(script):
 
 
 def test_the_scripts_launch_tables_build_on_cpu():
-    """The launch shapes the GPU scripts time are host values: build them all here."""
+    """The launch configs the GPU scripts time are host values: build them all here."""
     from benchmarks import tp1_sweep, twoshot_local
     from fusion_bridge.kernels.symm import twoshot
-    from fusion_bridge.kernels.tp1.shapes import Tp1Shape
+    from fusion_bridge.kernels.tp1.configs import Tp1Config
 
-    for fields in twoshot_local.SHAPES.values():
-        twoshot_local.AblationShape(**fields).product()  # the product's part validates too
-    # the ablation shape's defaults are the product's launch
-    assert twoshot_local.AblationShape().product() == twoshot.DEFAULT_SHAPE
-    assert not set(twoshot_local.SHAPES) & set(twoshot_local.VARIANTS)
+    for fields in twoshot_local.CONFIGS.values():
+        twoshot_local.AblationConfig(**fields).product()  # the product's part validates too
+    # the ablation config's defaults are the product's launch
+    assert twoshot_local.AblationConfig().product() == twoshot.DEFAULT_CONFIG
+    assert not set(twoshot_local.CONFIGS) & set(twoshot_local.VARIANTS)
     for tokens in (1, 16, 64, 4096):
         for quant in ("none", "nvfp4"):
-            got = tp1_sweep.shapes(tokens, 7168, quant, 132)
-            assert got and all(isinstance(s, Tp1Shape) for s in got)
-            assert len({s.pdl for s in got}) == 1  # every shape launches as the default does
+            got = tp1_sweep.configs(tokens, 7168, quant, 132)
+            assert got and all(isinstance(s, Tp1Config) for s in got)
+            assert len({s.pdl for s in got}) == 1  # every config launches as the default does

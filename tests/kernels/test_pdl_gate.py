@@ -1,6 +1,6 @@
 """Programmatic dependent launch is gated (kernels/pdl.py): on CPU tensors, under the interpreter
 and below sm_90 our kernels are launched as before (USE_PDL 0, launchers without `launch_pdl`),
-whatever the launch shape asks; on sm_90+ a shape's pdl picks the PDL launchers, whose
+whatever the launch config asks; on sm_90+ a config's pdl picks the PDL launchers, whose
 USE_PDL constexpr is then 1 (the pair is what makes a PDL launch safe). Planning only: nothing is
 launched (the GPU behaviour: tests/kernels/test_pdl_late_writer.py)."""
 
@@ -9,22 +9,20 @@ import torch
 
 from fusion_bridge.kernels import pdl as P
 from fusion_bridge.kernels.symm import twoshot as symm_twoshot
-from fusion_bridge.kernels.tp1 import launch as tp1_launch
-from fusion_bridge.kernels.tp1.shapes import tp1_shape
+from fusion_bridge.kernels.tp1 import launcher as tp1_launch
 from fusion_bridge.kernels.layer import LayerRecord
 from fusion_bridge.spec import EpilogueSpec
 
 
 def _plan(launcher, tokens, pdl):
-    hidden = launcher.layer.hidden
-    shape = tp1_shape(tokens, hidden, 0, launcher.num_sms)._replace(pdl=pdl)
-    return launcher.plan(tokens, 8, True, True, (tokens, 0), shape)
+    config = launcher.config_for(tokens)._replace(pdl=pdl)
+    return launcher.plan(tokens, 8, True, True, (tokens, 0), config)
 
 
 def _local(pdl_ok):
     spec = EpilogueSpec(hidden_size=4096, top_k=8)
-    launcher = tp1_launch.Tp1Dispatcher(LayerRecord.of(spec), 132, torch.device("cpu"))
-    launcher.pdl_ok = pdl_ok  # as Tp1Dispatcher found the device
+    launcher = tp1_launch.Tp1Launcher(LayerRecord.of(spec), 132, torch.device("cpu"))
+    launcher.pdl_ok = pdl_ok  # as Tp1Launcher found the device
     return launcher
 
 
@@ -63,23 +61,20 @@ def test_this_triton_has_the_launch_option():
 
 @pytest.mark.parametrize("tokens", [1, 16, 300])  # split rows, split rows, whole rows
 def test_fused_tp1_takes_the_pdl_launchers_exactly_where_allowed(tokens):
-    """The shape's pdl with the device allowing it: a launcher with launch_pdl and USE_PDL 1;
-    either off: a launcher without it and USE_PDL 0 (today's launch)."""
-    names = {True: None, False: None}
+    """The config's pdl with the device allowing it: a kernel launcher with launch_pdl and USE_PDL
+    1; either off: a kernel launcher without it and USE_PDL 0 (today's launch)."""
     for allowed in (False, True):
         for pdl in (0, 1):
-            launcher, _, fixed, *_ = _plan(_local(allowed), tokens, pdl)
-            names[allowed] = launcher.constexpr_names
-            use = fixed[launcher.constexpr_names.index("USE_PDL")]
+            plan = _plan(_local(allowed), tokens, pdl)
             on = bool(allowed and pdl)
-            assert use == int(on), (allowed, pdl, fixed)
-            assert bool(launcher.options.get("launch_pdl")) is on, (allowed, pdl)
+            assert plan.constexprs.USE_PDL == int(on), (allowed, pdl, plan.constexprs)
+            assert bool(plan.kernel.options.get("launch_pdl")) is on, (allowed, pdl)
 
 
 def test_the_twoshot_launches_use_pdl_only_where_allowed(monkeypatch):
-    """Every launch of a twoshot call (F, R, sync) records its launcher: with TwoshotShape.pdl on,
+    """Every launch of a twoshot call (F, R, sync) records its launcher: with TwoshotConfig.pdl on,
     PDL launchers with USE_PDL True only where `pdl_ok` says so."""
-    from fusion_bridge.kernels.records import LayerScalars
+    from fusion_bridge.kernels.records import LayerScalars, RowOutputs, RowSource
     from fusion_bridge.kernels.symm.twoshot import _call_launches
 
     names = [n + s for n in ("_LAUNCH_F", "_LAUNCH_R", "_LAUNCH_S") for s in ("", "_PDL")]
@@ -99,11 +94,9 @@ def test_the_twoshot_launches_use_pdl_only_where_allowed(monkeypatch):
         layer.routed_scaling, layer.eps, layer.weight_bias, layer.timeout_us = 1.0, 1e-6, 0.0, 1
         layer.scalars = LayerScalars(1.0, 1e-6, 0.0, 1.0)
         x = torch.zeros(3, 256, dtype=torch.bfloat16)
-        tensors = dict(
-            residual_out=x, norm_out=x, q=x, sf=x, gemm2_out=x, weights=x, shared=None,
-            perm=torch.zeros(3, 2, dtype=torch.int32), residual=x, gamma=x[0],
-        )  # fmt: skip
-        calls = _call_launches(layer, symm_twoshot.TwoshotShape(pdl=True), tensors, False)
+        src = RowSource(x, torch.zeros(3, 2, dtype=torch.int32), x, None, x, x[0])
+        config = symm_twoshot.TwoshotConfig(pdl=True)
+        calls = _call_launches(layer, config, src, RowOutputs(x, x, x, x), False)
         for p in calls.plans:
             calls.f(p)()
             calls.r(p, False)()

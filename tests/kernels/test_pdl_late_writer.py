@@ -22,8 +22,7 @@ import triton.language as tl
 
 from fusion_bridge.kernels.pdl import gdc_launch_dependents
 from fusion_bridge.kernels.symm.device import _globaltimer
-from fusion_bridge.testing.symm_oneshot_rig import call_tensors
-from tests.kernels.test_tp1 import poisoned_outputs
+from tests.kernels.test_tp1 import call_records, poisoned_outputs
 from tests.kernels.test_tp1_shapes_and_graphs import _poison, _problems, _quant, _strategy
 from tests.kernels.test_tp1_shapes_and_graphs import needs_gpu
 
@@ -62,33 +61,30 @@ def _write_late(dst, src, torch_only=False):
 @pytest.mark.parametrize("quant", ("none", "nvfp4-swizzled"))
 @pytest.mark.parametrize("writer", ("late_triton", "torch"))
 def test_fused_tp1_pdl_reads_its_routing_weights_after_the_writer(quant, writer):
-    """T = 1 and 16 (split rows), 300 (whole rows), H = 4096, K = 8: the default launch shape
+    """T = 1 and 16 (split rows), 300 (whole rows), H = 4096, K = 8: the default launch config
     (PDL on) right after a kernel that writes its routing weights; eager, then a CUDA graph
     replayed on new inputs."""
     needs_pdl()
-    from fusion_bridge.kernels.tp1.shapes import tp1_shape
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
     spec = EpilogueSpec(hidden_size=4096, top_k=8, quant=_quant(quant), max_tokens=512)
     strat, env = _strategy(spec)
-    launcher = strat._launch
+    launcher = strat._launcher
     assert launcher.pdl_ok
     problems = []
     torch_only = writer == "torch"
     for tokens in (1, 16, 300):
-        assert tp1_shape(tokens, 4096, launcher.layer.quant.code, launcher.num_sms).pdl
+        assert launcher.config_for(tokens).pdl
         static = make_inputs(spec, tokens, seed=tokens, device="cuda")
         src = static.expert_weights.clone()
         for _ in range(3):  # eager (the first call compiles), into poisoned outputs
             got = poisoned_outputs(spec, tokens, "cuda")
-            q = got.quant.view(torch.uint8) if got.quant is not None else strat._unused
-            sf = got.scale if got.scale is not None else strat._unused
             _write_late(static.expert_weights, src, torch_only)  # the launch right after it
-            strat._launch(**call_tensors(static, (got.residual_out, got.norm_out, q, sf)))
+            launcher(*call_records(static, got, strat._unused))
         torch.cuda.synchronize()
         # every launch this strategy made went through a PDL launcher
-        assert all(plan[0].options.get("launch_pdl") for plan in launcher._plans.values())
+        assert all(plan.kernel.options.get("launch_pdl") for plan in launcher._plans.values())
         problems += _problems(spec, strat, env, static, got, f"eager T={tokens}")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -126,10 +122,10 @@ def test_twoshot_pdl_after_a_late_writer_and_bitwise_without_pdl(tokens):
     from fusion_bridge.spec import EpilogueSpec
 
     spec = EpilogueSpec(hidden_size=4096, top_k=8, max_tokens=4096)
-    on = symm_twoshot.TwoshotShape(pdl=True)
-    off = symm_twoshot.TwoshotShape(pdl=False)
-    layers_on, errs_on = _setup(1, spec, shape=on)
-    layers_off, errs_off = _setup(1, spec, shape=off)
+    on = symm_twoshot.TwoshotConfig(pdl=True)
+    off = symm_twoshot.TwoshotConfig(pdl=False)
+    layers_on, errs_on = _setup(1, spec, config=on)
+    layers_off, errs_off = _setup(1, spec, config=off)
     static = _inputs(spec, tokens, 1, seed=tokens)
     src = static[0].residual.clone()
     outs = [_outputs(spec, static[0])]
@@ -138,13 +134,13 @@ def test_twoshot_pdl_after_a_late_writer_and_bitwise_without_pdl(tokens):
         for t in outs[0]:
             t.view(torch.uint8).fill_(0xFF)  # poisoned: this call must rewrite every output
         _write_late(static[0].residual, src)
-        _call(layers_on, spec, static, shape=on, outs=outs)
+        _call(layers_on, spec, static, config=on, outs=outs)
     torch.cuda.synchronize()
     problems += twoshot_problems(spec, outs, static, BOUND, f"eager T={tokens}")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         _write_late(static[0].residual, src)
-        _call(layers_on, spec, static, shape=on, outs=outs)
+        _call(layers_on, spec, static, config=on, outs=outs)
     for seed in (1, 2):
         fresh = _inputs(spec, tokens, 1, seed=1000 * seed + tokens)
         for dst, new in zip(static[0], fresh[0]):
@@ -157,7 +153,7 @@ def test_twoshot_pdl_after_a_late_writer_and_bitwise_without_pdl(tokens):
         torch.cuda.synchronize()
         tag = f"graph T={tokens} seed {seed}"
         problems += twoshot_problems(spec, outs, fresh, BOUND, tag)
-        ref = _call(layers_off, spec, fresh, shape=off)
+        ref = _call(layers_off, spec, fresh, config=off)
         torch.cuda.synchronize()
         for i, (a, b) in enumerate(zip(outs[0], ref[0])):
             if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):

@@ -105,7 +105,7 @@ def _tp1_compiled(quant: str, tokens: int, num_sms: int):
     from benchmarks import offline_sass as offline
     from fusion_bridge.kernels.tp1 import whole_rows
     from fusion_bridge.kernels.tp1 import split_rows as tp1_split
-    from fusion_bridge.kernels.tp1.shapes import MAX_POLLS
+    from fusion_bridge.kernels.tp1.configs import MAX_POLLS
 
     kernel = tp1_split._tp1_split_kernel if num_sms else whole_rows._tp1_kernel
     args, kwargs = offline.recorded_launch(kernel, offline._tp1_launch(quant, tokens, num_sms))

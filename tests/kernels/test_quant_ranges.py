@@ -164,17 +164,17 @@ def test_nvfp4_codes_round_the_fp32_product_as_flashinfer_does(global_scale):
     assert int((_exact_quotient_codes(x, global_scale) != codes).sum()) >= 10
 
 
-def _tp1_with_gamma(quant: QuantSpec, gamma: torch.Tensor, shape_of):
+def _tp1_with_gamma(quant: QuantSpec, gamma: torch.Tensor, config_of):
     """fused_tp1 on one row of ones (every slot skipped, no shared output) with this gamma: its
     sum of squares is H, its mean 1, and with eps = 1e-30 (below half an ulp of 1) the norm is
-    gamma itself, so gamma's values are what gets quantized. shape_of(spec): the launch shape."""
+    gamma itself, so gamma's values are what gets quantized. config_of(spec): the launch config."""
     hidden = gamma.numel()
     spec = EpilogueSpec(
         hidden_size=hidden, top_k=1, has_shared_output=False, eps=1e-30, quant=quant
     )
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
-    strat._launch.num_sms = 16
+    strat._launcher.num_sms = 16
     from fusion_bridge.oracle.synthetic import make_inputs
 
     inp = make_inputs(spec, 1, seed=1, device=DEVICE, skip_fraction=0.0)
@@ -183,17 +183,17 @@ def _tp1_with_gamma(quant: QuantSpec, gamma: torch.Tensor, shape_of):
         residual=torch.ones_like(inp.residual),
         gamma=gamma.to(DEVICE),
     )
-    return _launch_with(strat, inp, shape_of(spec))
+    return _launch_with(strat, inp, config_of(spec))
 
 
-TP1_SHAPES = {
+TP1_CONFIGS = {
     "whole": whole_rows,
-    "split": lambda spec: __import__("fusion_bridge").kernels.tp1.shapes.Tp1Shape(512, 4),
+    "split": lambda spec: __import__("fusion_bridge").kernels.tp1.configs.Tp1Config(512, 4),
 }
 
 
 @pytest.mark.parametrize(
-    "quant,shape",
+    "quant,config",
     [
         (QuantSpec.fp8(1.0), "whole"),
         (QuantSpec.fp8(1.0), "split"),
@@ -202,7 +202,7 @@ TP1_SHAPES = {
     ],
     ids=["fp8-whole", "fp8-split", "nvfp4_linear-whole", "nvfp4_swizzled-split"],
 )
-def test_fused_tp1_quantizes_the_whole_ranges(quant, shape):
+def test_fused_tp1_quantizes_the_whole_ranges(quant, config):
     """fused_tp1's leaner forms (codes in the row's own layout, NVFP4 by the search with no
     predicates): bf16 values over e4m3's range (fp8) or the e2m1 blocks (nvfp4), H=2048, in whole
     and split rows (the swizzled layout with split rows: their padding is a few items, a whole-row
@@ -211,7 +211,7 @@ def test_fused_tp1_quantizes_the_whole_ranges(quant, shape):
         gamma = _rows(e4m3_range(torch.bfloat16), 2048)[0]
     else:
         gamma = _rows(e2m1_blocks(torch.bfloat16), 2048)[0]
-    out = _tp1_with_gamma(quant, gamma, TP1_SHAPES[shape])
+    out = _tp1_with_gamma(quant, gamma, TP1_CONFIGS[config])
     if DEVICE == "cpu":  # the norm is gamma + 0.0 (-0.0 turns +0.0): the range was quantized
         norm, want = out.norm_out[0].cpu(), (gamma.float() + 0.0).to(torch.bfloat16)
         nan = torch.isnan(want)
@@ -229,7 +229,7 @@ def test_every_quantizing_kernel_keeps_a_nan_row_nan(kind):
     quant kernel, the norm kernel (local_fused), fused_tp1's whole rows (linear scales) and split
     rows (swizzled); the multi-rank kernels: tests/kernels/test_symm_oneshot.py, _twoshot.py."""
     from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
-    from fusion_bridge.kernels.tp1.shapes import Tp1Shape
+    from fusion_bridge.kernels.tp1.configs import Tp1Config
     from fusion_bridge.oracle.synthetic import make_inputs
 
     gs = 448 * 6 / 8.0
@@ -246,15 +246,15 @@ def test_every_quantizing_kernel_keeps_a_nan_row_nan(kind):
         quant=QUANT_FP8 if fp8 else QUANT_NVFP4, quant_scale=0.02 if fp8 else gs, swizzled=False,
     )  # fmt: skip
     got["add_rmsnorm"] = (linear, out[1], out[2], out[3])
-    for quant, shape, name in (
+    for quant, config, name in (
         (linear, whole_rows(spec), "tp1_whole"),
-        (swizzled, Tp1Shape(32, 1), "tp1_split"),
+        (swizzled, Tp1Config(32, 1), "tp1_split"),
     ):
         tp1_spec = EpilogueSpec(hidden_size=64, top_k=2, quant=quant)
         strat = FusedTp1Strategy(tp1_spec, ENV, device=torch.device(DEVICE))
         strat.prepare()
-        strat._launch.num_sms = 16
-        tp1 = _launch_with(strat, inp, shape)
+        strat._launcher.num_sms = 16
+        tp1 = _launch_with(strat, inp, config)
         got[name] = (quant, tp1.norm_out, tp1.quant, tp1.scale)
     problems = {
         name: quant_problems(quant, norm, q, sf, nan_rows=[1])
@@ -317,13 +317,13 @@ def test_the_gpu_conversions_over_the_whole_ranges_and_a_nan_row():
         test_fp8_codes_over_e4m3s_whole_range(scale)
     for global_scale in (1.0, 336.0):
         test_nvfp4_codes_over_e2m1s_whole_range(global_scale)
-    for quant, shape in (
+    for quant, config in (
         (QuantSpec.fp8(1.0), "whole"),
         (QuantSpec.fp8(1.0), "split"),
         (QuantSpec.nvfp4(1.0), "whole"),
         (QuantSpec.nvfp4(1.0, SFLayout.LINEAR), "split"),
     ):
-        test_fused_tp1_quantizes_the_whole_ranges(quant, shape)
+        test_fused_tp1_quantizes_the_whole_ranges(quant, config)
     for kind in ("fp8", "nvfp4"):
         test_every_quantizing_kernel_keeps_a_nan_row_nan(kind)
 

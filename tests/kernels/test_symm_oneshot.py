@@ -17,11 +17,11 @@ from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.quant import row_block
 from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_NONE, QUANT_NVFP4, QuantArgs
 from fusion_bridge.kernels.rounding import round_to
-from fusion_bridge.kernels.tp1.shapes import TP1_PDL, tp1_shape
+from fusion_bridge.kernels.tp1.configs import TP1_PDL, tp1_config
 from fusion_bridge.kernels.symm.protocol import ONESHOT
-from fusion_bridge.kernels.symm.oneshot import OneshotShape, default_shape
+from fusion_bridge.kernels.symm.oneshot import OneshotConfig, default_config
 from fusion_bridge.kernels.symm.protocol import ERR_ABORTED, ERR_TIMEOUT, SENTINEL_BITS
-from fusion_bridge.testing.symm_oneshot_rig import call_tensors, emulated_group, launch_with_hooks
+from fusion_bridge.testing.symm_oneshot_rig import call_records, emulated_group, launch_with_hooks
 from fusion_bridge.oracle.numerics import rel_err
 from fusion_bridge.oracle.quant_ref import quantize_fp8, quantize_nvfp4, sf_shape
 from fusion_bridge.spec import EpilogueSpec, QuantSpec, SFLayout, Stage
@@ -100,7 +100,7 @@ class Group:
             quant=QuantArgs(quant, SCALE[quant], swizzled),
         )
 
-    def call(self, tokens, shape=None, seed=0, skip_rank=None, parts=None, programs=None):
+    def call(self, tokens, config=None, seed=0, skip_rank=None, parts=None, programs=None):
         self.inputs = [
             make_inputs(self.spec, tokens, rank=r, seed=seed, device=DEVICE, skip_fraction=0.3)
             for r in range(self.world)
@@ -115,7 +115,7 @@ class Group:
             for inp in self.inputs
         ]
         self.outs = [outputs(self.spec, tokens, self.quant, self.layout) for _ in range(self.world)]
-        self.g.call(self.inputs, self.outs, parts, skip_rank, programs, shape)
+        self.g.call(self.inputs, self.outs, parts, skip_rank, programs, config)
         return self.outs
 
     def slot(self, rank, slot):
@@ -163,7 +163,7 @@ def test_emulated_ranks_match_the_float64_oracle(
     )
     grp = Group(spec, world, max(tokens, 1), quant, layout)
     outs = grp.call(
-        tokens, OneshotShape(block1, block2, 4), seed=tokens * 13 + hidden + world, programs=3
+        tokens, OneshotConfig(block1, block2, 4), seed=tokens * 13 + hidden + world, programs=3
     )
     assert [grp.error(r) for r in range(world)] == [0] * world
     if tokens == 0:
@@ -212,10 +212,10 @@ def test_model_width_single_token():
     """H=7168 (DeepSeek-V3), T=1, K=8, split into the default launch's column chunks (each program
     of the row reads the whole row for its sum of squares and stores its chunk)."""
     spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5)
-    shape = default_shape(16, 7168)
-    assert shape.block2 < 7168  # the row is split
+    config = default_config(16, 7168)
+    assert config.block2 < 7168  # the row is split
     grp = Group(spec, 2, 1, QUANT_NVFP4, SFLayout.SWIZZLED_128x4)
-    residual_out, norm_out, q, sf = grp.call(1, shape)[0]
+    residual_out, norm_out, q, sf = grp.call(1, config)[0]
     partials, x, norm = oracle64(grp.inputs, spec)
     u = UNIT_ROUNDOFF[spec.dtype]
     assert rel_err(norm_out, norm) <= math.sqrt(2) * u
@@ -229,25 +229,25 @@ def test_chunked_and_whole_row_norms_are_bitwise_equal():
     """The row's sum of squares comes from the whole row either way, so launch variants (and hence
     ranks, which all launch the same variant) agree bit for bit."""
     spec = EpilogueSpec(hidden_size=160, top_k=4)
-    a = Group(spec, 2, 3).call(3, OneshotShape(64, 64, 4), seed=5)[0]
-    b = Group(spec, 2, 3).call(3, OneshotShape(64, row_block(160), 4), seed=5)[0]
+    a = Group(spec, 2, 3).call(3, OneshotConfig(64, 64, 4), seed=5)[0]
+    b = Group(spec, 2, 3).call(3, OneshotConfig(64, row_block(160), 4), seed=5)[0]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_default_shape_spreads_small_t_and_keeps_whole_rows_at_large_t():
-    assert default_shape(1, 7168) == (1024, 8192, 8)  # 7 publish programs, one writes the row
-    assert default_shape(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
-    assert default_shape(64, 7168) == (8192, 3584, 8)  # 2 programs per row
-    assert default_shape(256, 7168) == (8192, 7168, 8)
+def test_default_config_spreads_small_t_and_keeps_whole_rows_at_large_t():
+    assert default_config(1, 7168) == (1024, 8192, 8)  # 7 publish programs, one writes the row
+    assert default_config(16, 7168) == (1024, 896, 8)  # 112 publish items, 8 programs per row
+    assert default_config(64, 7168) == (8192, 3584, 8)  # 2 programs per row
+    assert default_config(256, 7168) == (8192, 7168, 8)
     # world size 1 (no SM count: whole rows): 16 warps per 8192 columns at every T (measured, see
     # whole_row_warps), no prefetch; programmatic dependent launch as TP1_PDL says (the exchange
-    # kernel's shapes never ask for it)
-    assert tp1_shape(1, 7168) == (8192, 16, 0, TP1_PDL)
-    assert tp1_shape(1024, 7168) == (8192, 16, 0, TP1_PDL)
-    assert tp1_shape(16, 4096) == (4096, 8, 0, TP1_PDL)
+    # kernel's configs never ask for it)
+    assert tp1_config(1, 7168) == (8192, 16, 0, TP1_PDL)
+    assert tp1_config(1024, 7168) == (8192, 16, 0, TP1_PDL)
+    assert tp1_config(16, 4096) == (4096, 8, 0, TP1_PDL)
     for tokens in (1, 3, 16, 64, 129, 256):
         for hidden in (7168, 4096, 2880, 96):
-            b1, b2 = default_shape(tokens, hidden)[:2]
+            b1, b2 = default_config(tokens, hidden)[:2]
             assert b1 in (1024, row_block(hidden)) and b2 % 64 == 0 and b2 <= row_block(hidden)
 
 
@@ -329,7 +329,7 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
     assert rel_err(without_eps[[0, 2, 3]], norm[[0, 2, 3]]) > 0.5  # the case observes eps
     grp = Group(spec, 2, 4)
     outs = [outputs(spec, 4, QUANT_NONE, SFLayout.LINEAR) for _ in range(2)]
-    grp.g.call(inputs, outs, shape=OneshotShape(64, 64, 4), programs=2)
+    grp.g.call(inputs, outs, config=OneshotConfig(64, 64, 4), programs=2)
     assert [grp.error(r) for r in range(2)] == [0, 0]
     for residual_out, norm_out, _, _ in outs:
         assert (residual_out[1] == 0).all() and (norm_out[1] == 0).all()
@@ -358,11 +358,11 @@ def test_a_clear_never_touches_what_a_rank_one_call_ahead_published():
         inputs, outs = calls[call]
         launch_with_hooks(
             grp.g.layers[rank],
-            shape=OneshotShape(64, 64, 4),
+            *call_records(inputs[rank], outs[rank]),
+            config=OneshotConfig(64, 64, 4),
             phases=phases,
             emulated=True,
             programs=2,
-            **call_tensors(inputs[rank], outs[rank]),
         )
 
     publish, clear, reduce, epoch = P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH
@@ -397,7 +397,7 @@ def test_each_call_clears_exactly_the_previous_calls_slot_and_rows():
         return grp.slot(rank, slot).view(torch.int16) == SENTINEL_BITS
 
     for call, (tokens, written, cleared) in enumerate([(3, 0, None), (2, 1, 0), (1, 2, 1)]):
-        grp.call(tokens, OneshotShape(64, 64, 4), seed=call, programs=2)
+        grp.call(tokens, OneshotConfig(64, 64, 4), seed=call, programs=2)
         assert grp.g.states[:, P.STATE_SLOT].tolist() == [(call + 1) % 3] * 3
         for r in range(3):
             assert not sentinel(r, written)[:, :tokens].any()  # every source's rows arrived
@@ -422,8 +422,8 @@ def test_a_rank_that_never_publishes_times_out_with_nan_and_names_it(
     naming rank 1 (and only rank 1) and aborts the group, so rank 2 reports rank 0's abort."""
     spec = EpilogueSpec(hidden_size=160, top_k=2)
     grp = Group(spec, 3, 3, quant, layout)
-    shape = OneshotShape(64, 64 if programs > 1 else 256, 4)
-    outs = grp.call(tokens, shape, seed=9, skip_rank=1, programs=programs)
+    config = OneshotConfig(64, 64 if programs > 1 else 256, 4)
+    outs = grp.call(tokens, config, seed=9, skip_rank=1, programs=programs)
     assert grp.error(0) == ERR_TIMEOUT | 0b10, hex(grp.error(0))
     assert grp.error(2) == ERR_ABORTED | (0 << P.ERR_RANK_SHIFT) | 0b10, hex(grp.error(2))
     for r in (0, 2):
@@ -439,7 +439,7 @@ def test_an_abort_word_stops_the_call_with_nan_even_when_the_data_is_there():
     word = ERR_ABORTED | (0 << P.ERR_RANK_SHIFT) | 0b10
     for r in range(2):
         grp.g.abort_word(r).fill_(word)
-    outs = grp.call(2, OneshotShape(64, 64, 4))
+    outs = grp.call(2, OneshotConfig(64, 64, 4))
     for residual_out, norm_out, *_ in outs:
         assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all()
     # rank 1 reports rank 0's abort; rank 0 finds its own (earlier) timeout in it
@@ -554,25 +554,25 @@ def test_rounding_keeps_the_gpus_canonical_nan():
     )
 
 
-def test_launch_shape_variants_for_tune():
-    """The exchange kernel's launch shapes are variants `tune` measures: declared by the strategy
-    (the twoshot subclass declares its own: test_symm_twoshot_cpu), each a valid shape (64-column
+def test_launch_config_variants_for_tune():
+    """The exchange kernel's launch configs are variants `tune` measures: declared by the strategy
+    (the twoshot subclass declares its own: test_symm_twoshot_cpu), each a valid config (64-column
     multiples within the row block), "default" is the per-T rule, an unknown name is refused."""
-    from fusion_bridge.kernels.symm.oneshot_shapes import SHAPE_VARIANTS, variant_shape
+    from fusion_bridge.kernels.symm.oneshot_configs import CONFIG_VARIANTS, variant_config
     from fusion_bridge.strategies import symm_fused_oneshot as so
     from fusion_bridge.strategies.symm_fused_twoshot import SymmFusedTwoshotStrategy
 
     spec = EpilogueSpec(hidden_size=7168, top_k=8)
     env = Environment(device_type="cuda", sm=90, world_size=2, triton_version="3.6.0")
-    assert so.SHAPE_VARIANTS == SHAPE_VARIANTS
-    assert so.SymmFusedOneshotStrategy.variants(spec, env) == ("default",) + SHAPE_VARIANTS
+    assert so.CONFIG_VARIANTS == CONFIG_VARIANTS
+    assert so.SymmFusedOneshotStrategy.variants(spec, env) == ("default",) + CONFIG_VARIANTS
     assert "pub512" not in SymmFusedTwoshotStrategy.variants(spec, env)
     for tokens in (1, 16, 64, 256):
-        assert variant_shape("default", tokens, 7168, 132, 2) is None
-        shapes = {v: variant_shape(v, tokens, 7168, 132, 2) for v in SHAPE_VARIANTS}
-        assert shapes["rows"][:2] == (8192, 8192)
-        assert shapes["pub512"][:2] == (512, 8192)
-        assert shapes["pub1024"][:2] == (1024, default_shape(tokens, 7168, 132).block2)
-        assert all(s.block1 % 64 == 0 and s.block2 % 64 == 0 for s in shapes.values())
+        assert variant_config("default", tokens, 7168, 132, 2) is None
+        configs = {v: variant_config(v, tokens, 7168, 132, 2) for v in CONFIG_VARIANTS}
+        assert configs["rows"][:2] == (8192, 8192)
+        assert configs["pub512"][:2] == (512, 8192)
+        assert configs["pub1024"][:2] == (1024, default_config(tokens, 7168, 132).block2)
+        assert all(s.block1 % 64 == 0 and s.block2 % 64 == 0 for s in configs.values())
     with pytest.raises(ValueError, match="unknown launch variant 'wide'"):
-        variant_shape("wide", 1, 7168, 132, 2)
+        variant_config("wide", 1, 7168, 132, 2)

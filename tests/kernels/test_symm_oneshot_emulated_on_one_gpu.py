@@ -40,7 +40,7 @@ def _call(kernel, group, streams, spec, inputs):
     """One epilogue call on every emulated rank (the production launch), each on its own stream;
     returns each rank's outputs."""
     from fusion_bridge.epilogue_tensors import quant_buffers
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.testing.symm_oneshot_rig import call_records
 
     outs = []
     main = torch.cuda.current_stream()
@@ -58,7 +58,7 @@ def _call(kernel, group, streams, spec, inputs):
             t.fill_(0xFF)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            kernel.launch(layer, **call_tensors(inp, (ro, no, q, sf)))
+            kernel.OneshotLauncher(layer)(*call_records(inp, (ro, no, q, sf)))
         outs.append((ro, no, q, sf))
     for stream in streams:
         main.wait_stream(stream)
@@ -172,7 +172,7 @@ def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
     Mutant killed: the one-shot (also) clearing the slot a faster peer is writing."""
     needs_gpu()
     from fusion_bridge.kernels.symm import protocol as P
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors, launch_with_hooks
+    from fusion_bridge.testing.symm_oneshot_rig import call_records, launch_with_hooks
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
@@ -192,7 +192,7 @@ def test_oneshot_rank_one_call_ahead_keeps_its_published_partial():
     def part(call, rank, phases):
         inputs, outs = calls[call]
         launch_with_hooks(
-            group.layers[rank], phases=phases, **call_tensors(inputs[rank], outs[rank])
+            group.layers[rank], *call_records(inputs[rank], outs[rank]), phases=phases
         )
 
     publish, clear, reduce, epoch = P.PUBLISH | P.FINALIZE, P.CLEAR, P.REDUCE | P.NORM, P.EPOCH

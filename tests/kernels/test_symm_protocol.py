@@ -1,7 +1,9 @@
 """The shape of our kernel layer, checked mechanically: the protocol and sizing import no Triton, no
 Python function in the product takes more than 12 positional parameters (Triton @jit kernels are
-exempt) and no @triton.jit function more than 16 (records instead of walls; flags by keyword), and
-the test/benchmark hooks reach no production launcher or strategy."""
+exempt) and no @triton.jit function more than 16 (records instead of walls; flags by keyword), the
+test/benchmark hooks reach no production launcher or strategy, every kernel family has one launcher
+with the same verbs, called with a call's records, and every family's kernels can take the launch
+cache."""
 
 import ast
 import inspect
@@ -102,14 +104,19 @@ def test_no_flag_is_passed_by_position_inside_a_kernel():
 
 
 def test_hooks_stay_out_of_production_launchers_and_strategies():
-    assert not HOOKS & set(inspect.signature(symm_oneshot.launch).parameters)
+    verbs = ("__init__", "__call__", "bound", "config_for")
+    for verb in verbs + ("variant_config",):
+        method = getattr(symm_oneshot.OneshotLauncher, verb)
+        assert not HOOKS & set(inspect.signature(method).parameters), verb
     assert not HOOKS & set(inspect.signature(symm_oneshot.call_args).parameters)
     # the kernel's hooks default to production
     params = inspect.signature(symm_oneshot.KERNEL.fn).parameters
     assert params["PHASES"].default == symm_protocol.ALL_PHASES
     assert params["EMULATED"].default is False
     # the two-shot (behind symm_fused_twoshot): its one hook, EMU, is the testing module's to set
-    assert not (HOOKS | {"EMU"}) & set(inspect.signature(symm_twoshot.launch).parameters)
+    for verb in verbs:
+        method = getattr(symm_twoshot.TwoshotLauncher, verb)
+        assert not (HOOKS | {"EMU"}) & set(inspect.signature(method).parameters), verb
     for cls in (SymmFusedOneshotStrategy, SymmFusedTwoshotStrategy):
         assert list(inspect.signature(cls.run).parameters) == ["self", "inputs", "variant"]
     # no product module imports the rigs: test_no_product_module_imports_the_test_rigs
@@ -174,32 +181,35 @@ def test_the_twoshot_workspace_is_fixed_whatever_t():
     assert sw.buffer_bytes(spec, 2, TWOSHOT) == 256 + 2 * 2 * 1024 * 7168 * 2
 
 
-def test_the_world_size_one_kernels_can_take_the_launch_cache():
+def test_every_family_s_kernels_can_take_the_launch_cache():
     """The cached launcher (kernels/launch_cache.py) refuses a kernel whose source reaches
-    module-level
-    values (Triton re-checks them per launch); the local kernels (whole rows, split rows) reach
-    none, the exchange kernel does (the protocol's constants). Compiled-mode JIT objects: a
-    subprocess without the interpreter."""
+    module-level values (Triton re-checks them per launch): no kernel of the three families
+    (`fused_tp1`'s whole and split rows, the one-shot, the two-shot's three) reaches one; their
+    constants are attributes of a module (`protocol.SENTINEL_BITS`, `configs.MAX_POLLS`), which
+    Triton folds. Compiled-mode JIT objects: a subprocess without the interpreter."""
     code = (
         "from fusion_bridge.kernels.tp1 import whole_rows as l, split_rows as s; "
-        "from fusion_bridge.kernels.symm import oneshot as m; "
-        "l._tp1_kernel.cache_key; s._tp1_split_kernel.cache_key; m._oneshot_kernel.cache_key; "
-        "print(len(l._tp1_kernel.used_global_vals), len(s._tp1_split_kernel.used_global_vals), "
-        "len(m._oneshot_kernel.used_global_vals) > 0)"
+        "from fusion_bridge.kernels.symm import oneshot as m, twoshot_kernels as t; "
+        "kernels = (l._tp1_kernel, s._tp1_split_kernel, m._oneshot_kernel, t._finalize_kernel, "
+        "t._rows_kernel, t._sync_kernel); "
+        "[k.cache_key for k in kernels]; "
+        "print(*[f'{k.fn.__name__}={sorted(n for n, _ in k.used_global_vals)}' for k in kernels])"
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True
     )
-    assert out.stdout.split() == ["0", "0", "True"], out
+    names = ("_tp1_kernel", "_tp1_split_kernel", "_oneshot_kernel", "_finalize_kernel")
+    names += ("_rows_kernel", "_sync_kernel")
+    assert out.stdout.split() == [f"{name}=[]" for name in names], out.stdout
 
 
 def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
-    """symm_fused_twoshot launches kernels/symm/twoshot (the two-shot pipeline, one launch shape:
+    """symm_fused_twoshot launches kernels/symm/twoshot (the two-shot pipeline, one launch config:
     the strategy declares the default variant only): its workspace's device state has the
     two-shot's shape (int64
     [TWOSHOT_STATE_WORDS]), and the layer bound from it (SymmLayer.bind, as prepare() does) with
-    the keywords the strategy's run() passes gives launches on the bound pointers and state, at
+    the records the strategy's run() passes gives launches on the bound pointers and state, at
     this group's world size. The launches are recorded, not made (the kernels use inline
     PTX,
     which the interpreter cannot run; tests/distributed/test_symm_twoshot_two_gpus.py launches
@@ -208,15 +218,17 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
 
     import torch
 
-    from fusion_bridge.kernels.symm.twoshot_device import STATE_WORDS
+    from fusion_bridge.epilogue_tensors import allocate_outputs
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+    from fusion_bridge.kernels.symm.protocol import TWOSHOT_STATE_WORDS
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
-    assert SymmFusedTwoshotStrategy._kernel_module(None) is symm_twoshot
+    assert SymmFusedTwoshotStrategy._launcher_class(None) is symm_twoshot.TwoshotLauncher
     assert SymmFusedTwoshotStrategy.variants(None, None) == ("default",)
     layout = SymmFusedTwoshotStrategy.workspace_layout
     words, dtype = layout.state_words, layout.state_dtype
-    assert (words, dtype) == (STATE_WORDS, torch.int64)
+    assert (words, dtype) == (TWOSHOT_STATE_WORDS, torch.int64)
     spec = EpilogueSpec(hidden_size=96, top_k=2)
     ws = SimpleNamespace(
         ptrs=torch.zeros(3, dtype=torch.int64),
@@ -239,19 +251,8 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
             name,
             lambda grid, args, consts, warps, n=name: made.append((n, args, consts)),
         )
-    symm_twoshot.launch(
-        layer,
-        residual_out=torch.empty_like(inp.residual),
-        norm_out=torch.empty_like(inp.residual),
-        q=none,
-        sf=none,
-        gemm2_out=inp.gemm2_out,
-        perm=inp.expanded_idx_to_permuted_idx,
-        weights=inp.expert_weights,
-        shared=inp.shared_output,
-        residual=inp.residual,
-        gamma=inp.gamma,
-    )
+    out = allocate_outputs(spec, 5, inp.residual.device)  # as the strategy's run() makes them
+    symm_twoshot.TwoshotLauncher(layer)(RowSource.of(inp), RowOutputs.of(out, none))
     # one chunk at W = 2: the gate, F, X, R, Y, G and the final release
     assert [n for n, _, _ in made] == ["_LAUNCH_S", "_LAUNCH_F", "_LAUNCH_S", "_LAUNCH_R"] + [
         "_LAUNCH_S",
@@ -264,3 +265,60 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     assert all(args[1] == own if n == "_LAUNCH_R" else args[1] is ws.state for n, args, _ in made)
     assert all(consts[0].WORLD == 2 for _, _, consts in made)  # PIPE, the call's Pipeline
     assert made[1][2][1].TOP_K == 2  # the finalize's FORM
+
+
+def test_every_kernel_family_has_one_launcher_with_the_same_verbs():
+    """`fused_tp1`, the one-shot and the two-shot: one launcher class each, with the verbs of
+    `layer.FamilyLauncher` (a call with the records and an optional config, `config_for(tokens)`,
+    `bound`) under the protocol's parameter names, and no other launch function beside it."""
+    from fusion_bridge.kernels.layer import FamilyLauncher
+    from fusion_bridge.kernels.tp1 import launcher as tp1_launcher
+
+    launchers = (tp1_launcher.Tp1Launcher, symm_oneshot.OneshotLauncher)
+    launchers += (symm_twoshot.TwoshotLauncher,)
+    for cls in launchers:
+        for verb in ("__call__", "config_for", "bound"):
+            want = list(inspect.signature(getattr(FamilyLauncher, verb)).parameters)
+            got = list(inspect.signature(getattr(cls, verb)).parameters)
+            assert got == want, (cls.__name__, verb, got)
+        for verb in ("__call__", "bound"):
+            assert inspect.signature(getattr(cls, verb)).parameters["config"].default is None
+    for module in (tp1_launcher, symm_oneshot, symm_twoshot):
+        assert not hasattr(module, "launch"), module.__name__
+
+
+def test_a_call_s_records_hold_its_tensors_as_the_kernels_name_them():
+    """`RowSource.of(inputs)`: the six inputs under the kernels' names (a call without a shared
+    output keeps None, and `for_kernel` puts the residual in its place); `RowOutputs.of`: the
+    allocated outputs, FP8 codes viewed as uint8, the unused tensor where a quant mode has no
+    codes or no scales."""
+    import torch
+
+    from fusion_bridge.epilogue_tensors import allocate_outputs
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+    from fusion_bridge.oracle.synthetic import make_inputs
+    from fusion_bridge.spec import EpilogueSpec, QuantSpec
+
+    unused = torch.empty(0, dtype=torch.uint8)
+    for quant in (QuantSpec.none(), QuantSpec.fp8(0.5), QuantSpec.nvfp4(336.0)):
+        for shared in (True, False):
+            spec = EpilogueSpec(hidden_size=64, top_k=2, quant=quant, has_shared_output=shared)
+            inp = make_inputs(spec, 3, seed=1)
+            src = RowSource.of(inp)
+            want = (inp.gemm2_out, inp.expanded_idx_to_permuted_idx, inp.expert_weights)
+            want += (inp.shared_output, inp.residual, inp.gamma)
+            assert all(a is b for a, b in zip(src, want)) and len(src) == len(want)
+            assert (src.shared is None) is not shared
+            kernel_src = src.for_kernel()
+            assert kernel_src.shared is (inp.shared_output if shared else inp.residual)
+            assert kernel_src._replace(shared=None) == src._replace(shared=None)
+            out = allocate_outputs(spec, 3, torch.device("cpu"))
+            got = RowOutputs.of(out, unused)
+            assert got.residual_out is out.residual_out and got.norm_out is out.norm_out
+            kind = quant.kind.value
+            if kind == "none":
+                assert got.q is unused and got.sf is unused
+            else:
+                assert got.q.dtype == torch.uint8 and got.q.shape == out.quant.shape
+                assert got.q.data_ptr() == out.quant.data_ptr()
+                assert got.sf is (out.scale if kind == "nvfp4" else unused)

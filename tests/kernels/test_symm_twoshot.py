@@ -19,7 +19,7 @@ from fusion_bridge.kernels.symm.protocol import (
     TWOSHOT_ARRIVED_BYTE,
     TWOSHOT_REDUCED_BYTE,
 )
-from fusion_bridge.kernels.symm.twoshot import TwoshotShape, call_plan
+from fusion_bridge.kernels.symm.twoshot import TwoshotConfig, call_plan
 from fusion_bridge.kernels.symm.twoshot_device import MAX_SLOTS, UNIT
 from fusion_bridge.testing.symm_oneshot_rig import _interpreter_loop_bounds
 from fusion_bridge.testing.symm_twoshot_rig import EmulatedTwoshot
@@ -72,7 +72,7 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
     """One call on every emulated rank; outputs poisoned (NaN / 0xFF) first. merged (W = 1):
     the production sequence, the syncs not split."""
     from fusion_bridge.epilogue_tensors import quant_buffers
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.testing.symm_oneshot_rig import call_records
 
     tokens, hidden = inputs[0].residual.shape
     scalars = (spec.routed_scaling_factor, spec.eps, spec.weight_bias)
@@ -105,14 +105,16 @@ def _run(emu, spec, inputs, skip_rank=None, max_polls=3, f_cols=64, merged=False
         ]
         outs.append(tuple(view for view, _ in got))
         guards.append(got)
-    per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
-    shape = TwoshotShape(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots)
+    per_rank = [call_records(inp, out) for inp, out in zip(inputs, outs)]
+    config = TwoshotConfig(chunk=emu.chunk, f_cols=f_cols, slots=emu.slots)
     if merged:
         _interpreter_loop_bounds()
-        for _, _, fn in twoshot_launches(layers[0], per_rank[0], shape, emulated=True, split=False):
+        for _, _, fn in twoshot_launches(
+            layers[0], per_rank[0], config, emulated=True, split=False
+        ):
             fn()
     else:
-        twoshot_call(layers, per_rank, shape=shape, emulated=True, skip_rank=skip_rank)
+        twoshot_call(layers, per_rank, config=config, emulated=True, skip_rank=skip_rank)
     for rank, got in enumerate(guards):
         for name, (view, full) in zip(("residual_out", "norm_out", "quant", "scale"), got):
             past = full[view.shape[0] :].reshape(-1).view(torch.uint8)
@@ -283,9 +285,9 @@ def test_the_plan_covers_every_row_once():
     """call_plan's grids: finalize items for every owner row and column block, owned + other rows
     = the chunk's rows, at W = 1 no other rows."""
     for tokens, world, chunk in ((1, 2, 4), (7, 3, 4), (1000, 8, 256), (5, 1, 2)):
-        shape = TwoshotShape(chunk=chunk, f_cols=64)
+        config = TwoshotConfig(chunk=chunk, f_cols=64)
         for rank in range(world):
-            plans = call_plan(tokens, world, rank, 100, shape)
+            plans = call_plan(tokens, world, rank, 100, config)
             assert len(plans) == -(-tokens // chunk)
             for p in plans:
                 n_c = min(chunk, tokens - p.index * chunk)
@@ -300,7 +302,7 @@ def test_the_plan_covers_every_row_once():
 )
 def test_a_bad_twoshot_shape_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"{field}: expected .* got"):
-        TwoshotShape(**{field: value})
+        TwoshotConfig(**{field: value})
 
 
 def _sync(emu, rank, c, timeout=3, **flags):
@@ -384,7 +386,9 @@ def test_the_twoshot_launch_exposes_no_test_hooks():
     from fusion_bridge.kernels.symm import twoshot as symm_twoshot
 
     hooks = {"emulated", "launch_order", "EMU", "phases"}
-    assert not hooks & set(inspect.signature(symm_twoshot.launch).parameters)
+    for verb in ("__init__", "__call__", "bound", "config_for"):
+        method = getattr(symm_twoshot.TwoshotLauncher, verb)
+        assert not hooks & set(inspect.signature(method).parameters), verb
 
 
 def test_a_skipped_slot_weight_is_never_used():
@@ -449,12 +453,12 @@ def test_a_workspace_refuses_a_second_slot_layout():
     layer = twoshot_layer(
         emu.ptrs[0], emu.states[0], 1, 0, 1, 3, 64, scalars, kernel_quant_args(spec)
     )
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.testing.symm_oneshot_rig import call_records
 
-    tensors = call_tensors(inputs[0], outs[0])
-    for other in (TwoshotShape(chunk=4, slots=3), TwoshotShape(chunk=8, slots=2)):
+    records = call_records(inputs[0], outs[0])
+    for other in (TwoshotConfig(chunk=4, slots=3), TwoshotConfig(chunk=8, slots=2)):
         with pytest.raises(ValueError, match=r"must be \(4, 2\).*got \((4, 3|8, 2)\)"):
-            twoshot_launches(layer, tensors, other, emulated=True)
+            twoshot_launches(layer, records, other, emulated=True)
     assert twoshot_launches(
-        layer, tensors, TwoshotShape(chunk=4, slots=2, f_cols=32), emulated=True
+        layer, records, TwoshotConfig(chunk=4, slots=2, f_cols=32), emulated=True
     )

@@ -67,12 +67,12 @@ def _quant_spec(name):
     }[name]
 
 
-def _setup(world, spec, timeout_s=10.0, shape=None):
-    """W ranks' layers, their buffers laid out for `shape` (None: the default)."""
+def _setup(world, spec, timeout_s=10.0, config=None):
+    """W ranks' layers, their buffers laid out for `config` (None: the default)."""
     from fusion_bridge.testing.symm_twoshot_rig import twoshot_layers_on_one_gpu
 
     _needs_gpu_alone(world)
-    group = twoshot_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s, shape=shape)
+    group = twoshot_layers_on_one_gpu(world, spec.hidden_size, spec, timeout_s, config=config)
     _KEEP.append(group)  # the layers hold raw pointers into its buffers
     return group.layers, group.errs
 
@@ -101,19 +101,19 @@ def _outputs(spec, inp):
     return ro, no, q, sf
 
 
-def _call(layers, spec, inputs, shape=None, skip_rank=None, outs=None):
+def _call(layers, spec, inputs, config=None, skip_rank=None, outs=None):
     """One call on every emulated rank (W = 1: the production launch, two streams); outputs
     poisoned first (or reused: graph capture)."""
     from fusion_bridge.kernels.symm import twoshot as symm_twoshot
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.testing.symm_oneshot_rig import call_records
     from fusion_bridge.testing.symm_twoshot_rig import twoshot_call
 
     outs = outs or [_outputs(spec, inp) for inp in inputs]
-    per_rank = [call_tensors(inp, out) for inp, out in zip(inputs, outs)]
+    per_rank = [call_records(inp, out) for inp, out in zip(inputs, outs)]
     if len(layers) == 1:
-        symm_twoshot.launch(layers[0], shape=shape, **per_rank[0])
+        symm_twoshot.TwoshotLauncher(layers[0])(*per_rank[0], config)
     else:
-        twoshot_call(layers, per_rank, shape=shape, skip_rank=skip_rank)
+        twoshot_call(layers, per_rank, config=config, skip_rank=skip_rank)
     return outs
 
 
@@ -156,21 +156,21 @@ def test_twoshot_parity_and_identity_on_emulated_ranks(world, hidden, top_k, qua
     ids=["c512_s4", "c256_s4", "c512_s3", "pdl_off"],
 )
 def test_twoshot_other_shapes(world, fields):
-    """The other launch shapes TwoshotShape allows, each on buffers laid out for it: 4 slots of
+    """The other launch shapes TwoshotConfig allows, each on buffers laid out for it: 4 slots of
     512 or 256 tokens, 3 slots, PDL off; T = 1, 700, 5000. (The benchmark's ablations, no L2
     hints, one finalize stream, other warps, are checked by benchmarks/twoshot_local.py against
     our standalone kernels before it times them.)"""
     needs_gpu()
-    from fusion_bridge.kernels.symm.twoshot import TwoshotShape
+    from fusion_bridge.kernels.symm.twoshot import TwoshotConfig
     from fusion_bridge.spec import EpilogueSpec
 
-    shape = TwoshotShape(**fields)
+    config = TwoshotConfig(**fields)
     spec = EpilogueSpec(hidden_size=7168, top_k=8, routed_scaling_factor=2.5, weight_bias=0.5)
-    layers, errs = _setup(world, spec, shape=shape)
+    layers, errs = _setup(world, spec, config=config)
     problems = []
     for tokens in (1, 700, 5000):
         inputs = _inputs(spec, tokens, world, seed=tokens + world)
-        outs = _call(layers, spec, inputs, shape=shape)
+        outs = _call(layers, spec, inputs, config=config)
         problems += _problems(spec, outs, inputs, BOUND, f"{fields} W={world} T={tokens}")
     torch.cuda.synchronize()
     assert [int(e[0]) for e in errs] == [0] * world, [hex(int(e[0])) for e in errs]

@@ -27,9 +27,9 @@ import torch
 
 from fusion_bridge.kernels.symm import protocol as P
 from fusion_bridge.kernels.symm import twoshot as symm_twoshot
-from fusion_bridge.kernels.symm.twoshot import TwoshotShape
+from fusion_bridge.kernels.symm.twoshot import TwoshotConfig
 from fusion_bridge.kernels.symm.twoshot_kernels import FLAG_ARRIVED
-from fusion_bridge.testing.symm_oneshot_rig import _interpreter_loop_bounds, call_tensors
+from fusion_bridge.testing.symm_oneshot_rig import _interpreter_loop_bounds, call_records
 from fusion_bridge.testing.symm_twoshot_rig import EmulatedTwoshot, twoshot_call, twoshot_layer
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import kernel_quant_args
@@ -68,8 +68,8 @@ class _Rank:
     """One rank's launches of one call, in `symm_twoshot._sequence`'s order: its rows stream (every
     launch but the finalize; a sync launch that waits split in two) and its finalize launches."""
 
-    def __init__(self, emu, layer, tensors, shape):
-        calls = symm_twoshot._call_launches(layer, shape, tensors, emulated=True)
+    def __init__(self, emu, layer, records, config):
+        calls = symm_twoshot._call_launches(layer, config, *records, emulated=True)
         self.emu, self.n, self.base = emu, len(calls.plans), int(emu.states[layer.rank][0])
         real_sync = calls.sync
         calls.sync = lambda c, signal=0, wait=0, release=None, advance=False, gate=(0, 0): (
@@ -137,10 +137,10 @@ class _Rank:
         return None if chunk is None else (self.base + chunk) % SLOTS
 
 
-def _random_order_call(emu, layers, inputs, rng, shape):
+def _random_order_call(emu, layers, inputs, rng, config):
     outs = _poisoned_outputs(inputs)
     ranks = [
-        _Rank(emu, layer, call_tensors(i, o), shape) for layer, i, o in zip(layers, inputs, outs)
+        _Rank(emu, layer, call_records(i, o), config) for layer, i, o in zip(layers, inputs, outs)
     ]
     while True:
         ready = [(r, None) for r, k in enumerate(ranks) if k.next_row_ready()]
@@ -175,7 +175,7 @@ def _random_order_call(emu, layers, inputs, rng, shape):
     ids=["W2", "W3", "W4"],
 )
 def test_any_launch_order_the_waits_allow_gives_the_canonical_bits(world, seed, token_counts):
-    shape = TwoshotShape(chunk=CHUNK, f_cols=64, slots=SLOTS)
+    config = TwoshotConfig(chunk=CHUNK, f_cols=64, slots=SLOTS)
     _interpreter_loop_bounds()
     one = lambda t, r: make_inputs(SPEC, t, rank=r, seed=t + 7, device="cpu", skip_fraction=0.3)
     calls = [[one(t, r) for r in range(world)] for t in token_counts]
@@ -185,9 +185,9 @@ def test_any_launch_order_the_waits_allow_gives_the_canonical_bits(world, seed, 
     problems = []
     for k, inputs in enumerate(calls):
         want = _poisoned_outputs(inputs)
-        per_rank = [call_tensors(i, o) for i, o in zip(inputs, want)]
-        twoshot_call(canonical_layers, per_rank, shape=shape, emulated=True)
-        got = _random_order_call(random_emu, random_layers, inputs, rng, shape)
+        per_rank = [call_records(i, o) for i, o in zip(inputs, want)]
+        twoshot_call(canonical_layers, per_rank, config=config, emulated=True)
+        got = _random_order_call(random_emu, random_layers, inputs, rng, config)
         for r in range(world):
             for i, name in enumerate(("residual_out", "norm_out")):
                 if not torch.equal(want[r][i].view(torch.int16), got[r][i].view(torch.int16)):

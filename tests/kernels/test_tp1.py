@@ -15,7 +15,7 @@ import triton
 from fusion_bridge.epilogue_tensors import EpilogueOutputs, allocate_outputs
 from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.finalize_add import finalize_add_into
-from fusion_bridge.kernels.tp1.shapes import Tp1Shape
+from fusion_bridge.kernels.tp1.configs import Tp1Config
 from fusion_bridge.oracle.numerics import rel_err
 from fusion_bridge.spec import EpilogueSpec, QuantKind, QuantSpec, SFLayout, Stage
 from fusion_bridge.strategies.base import UNIT_ROUNDOFF
@@ -146,25 +146,16 @@ def test_a_row_whose_sum_of_squares_overflows_fp32_is_normalized():
 
 def test_zero_tokens_launch_nothing():
     from fusion_bridge.kernels.layer import LayerRecord
-    from fusion_bridge.kernels.tp1 import launch as tp1_launch
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+    from fusion_bridge.kernels.tp1.launcher import Tp1Launcher
 
     spec = EpilogueSpec(hidden_size=64, top_k=2)
     inp = make_inputs(spec, 0, device=DEVICE)
     none = torch.empty(0, dtype=torch.uint8, device=DEVICE)
     out = torch.empty(0, 64, dtype=spec.dtype, device=DEVICE)
-    tp1_launch.launch(
-        LayerRecord.of(spec),
-        residual_out=out,
-        norm_out=out,
-        q=none,
-        sf=none,
-        gemm2_out=inp.gemm2_out,
-        perm=inp.expanded_idx_to_permuted_idx,
-        weights=inp.expert_weights,
-        shared=inp.shared_output,
-        residual=inp.residual,
-        gamma=inp.gamma,
-    )
+    launcher = Tp1Launcher(LayerRecord.of(spec), 0, torch.device(DEVICE))
+    launcher(RowSource.of(inp), RowOutputs(out, out, none, none))
+    assert not launcher._plans  # nothing planned, nothing launched
 
 
 def test_capability_and_declarations():
@@ -211,13 +202,20 @@ def test_eps_is_applied_and_an_all_zero_row_stays_zero():
     assert rel_err(out.norm_out, norm) <= FusedTp1Strategy.error_bound(spec, ENV)
 
 
-def whole_rows(spec) -> Tp1Shape:
-    """The whole-row launch shape of `spec` (one program per row, its production warps), named
+def whole_rows(spec) -> Tp1Config:
+    """The whole-row launch config of `spec` (one program per row, its production warps), named
     explicitly."""
     from fusion_bridge.kernels.quant import row_block
-    from fusion_bridge.kernels.tp1.shapes import whole_row_warps
+    from fusion_bridge.kernels.tp1.configs import whole_row_warps
 
-    return Tp1Shape(row_block(spec.hidden_size), whole_row_warps(1, spec.hidden_size))
+    return Tp1Config(row_block(spec.hidden_size), whole_row_warps(1, spec.hidden_size))
+
+
+def call_records(inp, out: EpilogueOutputs, unused: torch.Tensor) -> tuple:
+    """The launcher's records (RowSource, RowOutputs) of a call into `out`."""
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+
+    return RowSource.of(inp), RowOutputs.of(out, unused)
 
 
 def poisoned_outputs(spec, tokens, device=DEVICE) -> EpilogueOutputs:
@@ -231,29 +229,32 @@ def poisoned_outputs(spec, tokens, device=DEVICE) -> EpilogueOutputs:
     return out
 
 
-def _launch_with(strat, inp, shape):
-    """One call through the strategy's launcher with the launch shape `shape` forced (None: the
-    production shape for T, `tp1_shape`), into poisoned outputs. Checks that the kernel the shape
-    names ran, whatever an earlier call of this launcher cached: a split launch advances its chunk
-    count's arrival counter of every row by one call's worth, a whole-row launch touches none."""
-    from fusion_bridge.kernels.tp1.shapes import MAX_CHUNKS, split_ok, tp1_shape
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+def _launch_with(strat, inp, config):
+    """One call through the strategy's launcher with the launch config `config` forced (None: the
+    launcher's own config for T, `Tp1Launcher.config_for`), into poisoned outputs. Checks that
+    the kernel the launcher's plan names ran, whatever an earlier call of this launcher cached: a
+    split launch advances its chunk count's arrival counter of every row by one call's worth, a
+    whole-row launch touches none. The plan is the launcher's (`Tp1Launcher.plan`), the one source
+    of the config rule: the test does not restate it."""
+    from fusion_bridge.kernels.tp1.configs import MAX_CHUNKS
 
     tokens, hidden = inp.residual.shape
     out = poisoned_outputs(strat.spec, tokens, inp.residual.device)
-    q = out.quant.view(torch.uint8) if out.quant is not None else strat._unused
-    sf = out.scale if out.scale is not None else strat._unused
-    words = strat._launch.sync_words()
+    src, row_out = call_records(inp, out, strat._unused)
+    launcher = strat._launcher
+    plan, _ = launcher.call_args(src, row_out, config)
+    assert plan.config == (config or launcher.config_for(tokens)), plan
+    words = launcher.sync_words()
     before = words.clone()
-    strat._launch(**call_tensors(inp, (out.residual_out, out.norm_out, q, sf)), shape=shape)
+    launcher(src, row_out, config)
     counters = (words - before)[: tokens * (MAX_CHUNKS + 1)].view(-1, MAX_CHUNKS + 1)
-    named = shape or tp1_shape(
-        tokens, hidden, strat._launch.layer.quant.code, strat._launch.num_sms
-    )
     expected = torch.zeros_like(counters)
-    if split_ok(named, tokens, hidden, strat._launch.num_sms):
-        expected[:, triton.cdiv(hidden, named.columns)] = 2 * MAX_CHUNKS
-    assert torch.equal(counters, expected), f"{named} did not run as named: {counters.tolist()}"
+    if plan.chunks:
+        assert plan.chunks == triton.cdiv(hidden, plan.config.columns), plan
+        expected[:, plan.chunks] = 2 * MAX_CHUNKS
+    assert torch.equal(counters, expected), (
+        f"{plan.config} did not run as planned: {counters.tolist()}"
+    )
     return out
 
 
@@ -270,7 +271,7 @@ def test_split_rows_under_the_interpreter(quant):
     and launches one program per row, where a swizzled NVFP4 launch is 128 (the scale padding
     rows': three quarters of this test's interpreted time). The whole rows with each quantization,
     their padding included, are test_matches_the_oracle_and_the_two_launch_path's."""
-    from fusion_bridge.kernels.tp1.shapes import Tp1Shape, split_ok
+    from fusion_bridge.kernels.tp1.configs import Tp1Config, split_ok
 
     problems = []
     for hidden, chunks_of in ((320, (64, 128)), (160, (64,))):
@@ -279,7 +280,7 @@ def test_split_rows_under_the_interpreter(quant):
         )
         strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
         strat.prepare()
-        strat._launch.num_sms = 16
+        strat._launcher.num_sms = 16
         plain_spec = EpilogueSpec(**{**spec.__dict__, "quant": QuantSpec.none()})
         plain = FusedTp1Strategy(plain_spec, ENV, device=torch.device(DEVICE))
         plain.prepare()
@@ -289,9 +290,9 @@ def test_split_rows_under_the_interpreter(quant):
                 whole = _launch_with(plain, inp, whole_rows(plain_spec))
                 x64, norm64 = epilogue64_from(spec, [inp])
                 for chunk in chunks_of:
-                    shape = Tp1Shape(chunk, 2)
-                    assert split_ok(shape, tokens, hidden, 16)
-                    got = _launch_with(strat, inp, shape)
+                    config = Tp1Config(chunk, 2)
+                    assert split_ok(config, tokens, hidden, 16)
+                    got = _launch_with(strat, inp, config)
                     tag = f"H={hidden} T={tokens} chunk={chunk} rep={rep}"
                     if not torch.equal(got.residual_out, whole.residual_out):
                         problems.append(f"{tag}: residual_out")
@@ -321,11 +322,11 @@ def test_split_rows_overflowing_the_sum_of_squares_are_normalized():
     spec = EpilogueSpec(hidden_size=288, top_k=2, has_shared_output=False)
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
-    strat._launch.num_sms = 16
+    strat._launcher.num_sms = 16
     inp = make_inputs(spec, 3, seed=4, device=DEVICE, skip_fraction=0.0)
     inp.residual[0, 256:].mul_(1e25)
     inp.residual[1, :64].mul_(1e25)
-    got = _launch_with(strat, inp, Tp1Shape(64, 2))
+    got = _launch_with(strat, inp, Tp1Config(64, 2))
     _, norm64 = epilogue64_from(spec, [inp])
     assert torch.isfinite(got.norm_out).all()
     for row in range(3):  # per row: the rows differ by 25 orders of magnitude
@@ -336,24 +337,23 @@ def test_split_rows_overflowing_the_sum_of_squares_are_normalized():
 def test_a_split_row_whose_partner_never_arrives_is_nan_not_a_hang():
     """The wait phase alone, with no publish before it and a bound of 3 polls: the row's words
     carry an older tag, so the wait gives up and the row's norm_out is NaN."""
-    from fusion_bridge.kernels.tp1 import launch as L
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.kernels.tp1 import launcher as L
 
     spec = EpilogueSpec(hidden_size=320, top_k=2)
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
-    strat._launch.num_sms = 16
-    shape = Tp1Shape(64, 2)
+    strat._launcher.num_sms = 16
+    config = Tp1Config(64, 2)
     inp = make_inputs(spec, 1, seed=5, device=DEVICE)
-    out = _launch_with(strat, inp, shape)  # one full call: tags of epoch 1
+    out = _launch_with(strat, inp, config)  # one full call: tags of epoch 1
     assert torch.isfinite(out.norm_out).all()
-    t = call_tensors(inp, (out.residual_out, out.norm_out, strat._unused, strat._unused))
-    launcher, grid, args, fixed, warps, chunks = strat._launch._launch_args(*t.values(), shape)
-    words = strat._launch.sync_words()
-    counter = words[0 * (L.MAX_CHUNKS + 1) + chunks]
+    plan, args = strat._launcher.call_args(*call_records(inp, out, strat._unused), config)
+    words = strat._launcher.sync_words()
+    counter = words[0 * (L.MAX_CHUNKS + 1) + plan.chunks]
     assert counter.item() == 2 * L.MAX_CHUNKS  # what one call adds to its chunk count's counter
-    words[0 * (L.MAX_CHUNKS + 1) + chunks] += 2 * L.MAX_CHUNKS  # as after a publish: tags stay 1
-    launcher(grid, args, fixed._replace(MAX_POLLS=3, PHASES=L.OUTPUT_PHASE), warps)
+    words[0 * (L.MAX_CHUNKS + 1) + plan.chunks] += 2 * L.MAX_CHUNKS  # as after a publish
+    fixed = plan.constexprs._replace(MAX_POLLS=3, PHASES=L.OUTPUT_PHASE)
+    plan.kernel(plan.grid, args, fixed, plan.warps)
     assert torch.isnan(out.norm_out).all()
 
 
@@ -361,20 +361,19 @@ def test_a_split_row_whose_partner_never_arrives_is_reported_not_silent():
     """As the test above (the wait phase alone, no partner published, 3 polls): the row's norm_out
     is NaN. Then the caller must learn of it, as `symm_fused_oneshot` reports a failed wait (its
     next call raises a RuntimeError naming the strategy), not keep getting NaN it cannot see."""
-    from fusion_bridge.kernels.tp1 import launch as L
-    from fusion_bridge.testing.symm_oneshot_rig import call_tensors
+    from fusion_bridge.kernels.tp1 import launcher as L
 
     spec = EpilogueSpec(hidden_size=320, top_k=2)
     strat = FusedTp1Strategy(spec, ENV, device=torch.device(DEVICE))
     strat.prepare()
-    strat._launch.num_sms = 16
-    shape = Tp1Shape(64, 2)
+    strat._launcher.num_sms = 16
+    config = Tp1Config(64, 2)
     inp = make_inputs(spec, 1, seed=5, device=DEVICE)
-    out = _launch_with(strat, inp, shape)
-    t = call_tensors(inp, (out.residual_out, out.norm_out, strat._unused, strat._unused))
-    launcher, grid, args, fixed, warps, chunks = strat._launch._launch_args(*t.values(), shape)
-    strat._launch.sync_words()[chunks] += 2 * L.MAX_CHUNKS  # as after a publish: tags stay 1
-    launcher(grid, args, fixed._replace(MAX_POLLS=3, PHASES=L.OUTPUT_PHASE), warps)
+    out = _launch_with(strat, inp, config)
+    plan, args = strat._launcher.call_args(*call_records(inp, out, strat._unused), config)
+    strat._launcher.sync_words()[plan.chunks] += 2 * L.MAX_CHUNKS  # as after a publish
+    fixed = plan.constexprs._replace(MAX_POLLS=3, PHASES=L.OUTPUT_PHASE)
+    plan.kernel(plan.grid, args, fixed, plan.warps)
     assert torch.isnan(out.norm_out).all()  # the failed wait happened
     with pytest.raises(RuntimeError, match="fused_tp1: an earlier call's split rows timed out"):
         strat.run(inp)
@@ -386,11 +385,11 @@ def test_swizzled_nvfp4_with_an_odd_count_of_scale_groups_takes_whole_rows(hidde
     """H not a multiple of 128 (H/64 odd) with swizzled NVFP4 scales: whole rows at every T, where
     every other output format, the linear scales and the next multiple of 128 keep the split."""
     from fusion_bridge.kernels.quant import QUANT_NONE, QUANT_NVFP4, row_block
-    from fusion_bridge.kernels.tp1.shapes import tp1_shape
+    from fusion_bridge.kernels.tp1.configs import tp1_config
 
     sms = 132
     for tokens in (1, 16, 64):
-        whole = tp1_shape(tokens, hidden, QUANT_NVFP4, sms, swizzled=True)
+        whole = tp1_config(tokens, hidden, QUANT_NVFP4, sms, swizzled=True)
         assert whole.columns == row_block(hidden), (tokens, whole)
         assert whole.prefetch == 0
         for quant, swizzled, h in (
@@ -398,5 +397,27 @@ def test_swizzled_nvfp4_with_an_odd_count_of_scale_groups_takes_whole_rows(hidde
             (QUANT_NONE, False, hidden),
             (QUANT_NVFP4, True, hidden + 64),
         ):
-            split = tp1_shape(tokens, h, quant, sms, swizzled=swizzled)
+            split = tp1_config(tokens, h, quant, sms, swizzled=swizzled)
             assert split.columns < row_block(h), (tokens, h, quant, swizzled, split)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_the_launcher_plans_with_its_layer_s_scale_layout(tokens):
+    """The config a call that names none gets is the launcher's (`config_for`, the one source the
+    GPU parity grid reads): at H=2880 with swizzled NVFP4 scales on an H100's 132 SMs that is
+    whole rows (issue 40's rule), where the same layer with linear scales splits its rows."""
+    from fusion_bridge.kernels.layer import LayerRecord
+    from fusion_bridge.kernels.quant import QUANT_NVFP4, row_block
+    from fusion_bridge.kernels.tp1.configs import tp1_config
+    from fusion_bridge.kernels.tp1.launcher import Tp1Launcher
+
+    chunks = {}
+    for layout in (SFLayout.SWIZZLED_128x4, SFLayout.LINEAR):
+        spec = EpilogueSpec(hidden_size=2880, top_k=8, quant=QuantSpec.nvfp4(336.0, layout))
+        launcher = Tp1Launcher(LayerRecord.of(spec), 132, torch.device("cpu"))
+        swizzled = layout is SFLayout.SWIZZLED_128x4
+        assert launcher.config_for(tokens) == tp1_config(tokens, 2880, QUANT_NVFP4, 132, swizzled)
+        sf_dims = (128, 180) if swizzled else (tokens, 180)
+        chunks[layout] = launcher.plan(tokens, 8, True, True, sf_dims).chunks
+    assert launcher.config_for(tokens).columns < row_block(2880)  # linear: split rows
+    assert chunks == {SFLayout.SWIZZLED_128x4: 0, SFLayout.LINEAR: 6 if tokens == 1 else 3}

@@ -6,9 +6,8 @@ norm_out; CUDA-graph replays on new inputs."""
 import pytest
 import torch
 
-from fusion_bridge.kernels.tp1.shapes import Tp1Shape
-from fusion_bridge.testing.symm_oneshot_rig import call_tensors
-from tests.kernels.test_tp1 import _launch_with, poisoned_outputs, whole_rows
+from fusion_bridge.kernels.tp1.configs import Tp1Config
+from tests.kernels.test_tp1 import _launch_with, call_records, poisoned_outputs, whole_rows
 
 pytestmark = pytest.mark.gpu
 TOKENS = (1, 3, 16, 64, 129, 256, 1000, 4096)
@@ -84,7 +83,8 @@ QUANTS = ("none", "fp8", "nvfp4-swizzled", "nvfp4-linear")
 @pytest.mark.parametrize("top_k", (1, 8))
 @pytest.mark.parametrize("hidden", (7168, 4096, 2880))
 def test_fused_tp1_parity_grid(hidden, top_k, quant):
-    """The strategy's default shapes (split rows for small T, whole rows above)."""
+    """The strategy's default configs (split rows for small T, whole rows above; the launcher's own
+    rule, `Tp1Launcher.config_for`: `_launch_with` reads it there)."""
     needs_gpu()
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
@@ -104,7 +104,7 @@ def test_fused_tp1_parity_grid(hidden, top_k, quant):
         inp = make_inputs(
             spec, tokens, seed=tokens + hidden + top_k, device="cuda", skip_fraction=0.2
         )
-        out = _launch_with(strat, inp, None)  # the default shape for T, into poisoned outputs
+        out = _launch_with(strat, inp, None)  # the launcher's config for T, into poisoned outputs
         tag = f"H={hidden} K={top_k} {quant} T={tokens}"
         problems += _problems(spec, strat, env, inp, out, tag)
         if not torch.equal(out.residual_out, two.run(inp).residual_out):
@@ -114,12 +114,12 @@ def test_fused_tp1_parity_grid(hidden, top_k, quant):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_split_rows_match_whole_rows_at_every_chunk(quant):
-    """Every split shape that fits against whole rows on the same inputs: residual_out bit for bit,
+    """Every split config that fits against whole rows on the same inputs: residual_out bit for bit,
     norm_out within one rounding (the sum of squares is added in another order), the quant codes
     those of the kernel's own norm_out; calls alternate chunk counts and T (the arrival counters
     of one chunk count must stay in step while other counts run)."""
     needs_gpu()
-    from fusion_bridge.kernels.tp1 import launch as L
+    from fusion_bridge.kernels.tp1 import launcher as L
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
@@ -129,13 +129,13 @@ def test_split_rows_match_whole_rows_at_every_chunk(quant):
     for rep in range(3):
         for tokens in (1, 3, 16, 64):
             inp = make_inputs(spec, tokens, seed=rep * 100 + tokens, device="cuda")
-            # both shapes named (the default at small T is itself a split), outputs poisoned
+            # both configs named (the default at small T is itself a split), outputs poisoned
             whole = _launch_with(strat, inp, whole_rows(spec))
             for chunk, warps in ((256, 2), (512, 4), (1024, 4), (2048, 8), (4096, 8)):
-                shape = Tp1Shape(chunk, warps)
-                if not L.split_ok(shape, tokens, 7168, strat._launch.num_sms):
+                config = Tp1Config(chunk, warps)
+                if not L.split_ok(config, tokens, 7168, strat._launcher.num_sms):
                     continue
-                got = _launch_with(strat, inp, shape)
+                got = _launch_with(strat, inp, config)
                 tag = f"{quant} T={tokens} chunk={chunk} rep={rep}"
                 problems += _problems(spec, strat, env, inp, got, tag)
                 if not torch.equal(got.residual_out, whole.residual_out):
@@ -214,13 +214,11 @@ def test_split_rows_in_one_graph_and_on_two_streams():
         for i, stream in enumerate(streams):
             with torch.cuda.stream(stream):  # the strategy's launch, into poisoned outputs
                 got[i] = poisoned_outputs(spec, 16, "cuda")  # fp8: codes, no scales
-                q = got[i].quant.view(torch.uint8)
-                out = (got[i].residual_out, got[i].norm_out, q, strat._unused)
-                strat._launch(**call_tensors(inputs[i], out))
+                strat._launcher(*call_records(inputs[i], got[i], strat._unused))
     torch.cuda.synchronize()
     for i in range(2):
         problems += _problems(spec, strat, env, inputs[i], got[i], f"stream {i}")
-    assert len(strat._launch._sync) >= 3  # the graph's capture stream and the two streams
+    assert len(strat._launcher._sync) >= 3  # the graph's capture stream and the two streams
     assert not problems, "\n".join(problems)
 
 
@@ -230,13 +228,13 @@ def test_graphs_of_one_layer_share_words_zeroed_before_any_capture():
     during a capture would be zeroed only by the graph that captured it), so a graph captured
     later can replay first."""
     needs_gpu()
-    from fusion_bridge.kernels.tp1.launch import GRAPH_WORDS
+    from fusion_bridge.kernels.tp1.launcher import GRAPH_WORDS
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
     spec = EpilogueSpec(hidden_size=7168, top_k=8, max_tokens=64)
     strat, env = _strategy(spec)
-    words = strat._launch._sync[GRAPH_WORDS]
+    words = strat._launcher._sync[GRAPH_WORDS]
     assert words.count_nonzero().item() == 0
     statics = {t: make_inputs(spec, t, seed=t, device="cuda") for t in (1, 3, 16)}
     for inp in statics.values():
@@ -246,7 +244,7 @@ def test_graphs_of_one_layer_share_words_zeroed_before_any_capture():
     for t, inp in statics.items():
         graphs[t] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[t]):
-            assert strat._launch.sync_words() is words
+            assert strat._launcher.sync_words() is words
             outs[t] = strat.run(inp)
     problems = []
     for round_, order in enumerate(((16, 3, 1), (1, 16, 3), (3, 1, 16))):

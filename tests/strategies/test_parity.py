@@ -129,7 +129,7 @@ def test_quantized_outputs_match_the_oracle_bit_for_bit(quant, dtype):
     )
     swizzled = quant.sf_layout.value != "linear" if kind == "nvfp4" else False
     # swizzled NVFP4: T=5 only. Within one 128-row tile T=5 and T=9 run the same lines with the
-    # same launch shapes (at H=256 finalize_add.block_h_for is 256 up to T=32 and tp1_shape whole
+    # same launch configs (at H=256 finalize_add.block_h_for is 256 up to T=32 and tp1_config whole
     # rows at every T; 128 row programs, padding rows included) and each T costs our kernels about
     # 3 s of interpreted programs; T=9 is checked in the fp8 and linear NVFP4 cases.
     token_counts = (5,) if kind == "nvfp4" and swizzled else (5, 9)

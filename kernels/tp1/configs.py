@@ -1,4 +1,4 @@
-"""`fused_tp1`'s launch shapes (pure host functions, no kernel): whole rows, or rows split over
+"""`fused_tp1`'s launch configs (pure host functions, no kernel): whole rows, or rows split over
 several programs while T is small, and the split kernel's limits (its exchange words, its wait)."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class SplitSync(NamedTuple):
     error_address: Any
 
 
-class Tp1Shape(NamedTuple):
-    """A world-size-1 launch shape: the columns a program owns (a whole row block: one program per
+class Tp1Config(NamedTuple):
+    """A world-size-1 launch config: the columns a program owns (a whole row block: one program per
     row, the whole-row kernel; fewer: the split-row kernel), its warps, whether the row is
     prefetched into L2 before its gathers (GPU only), and whether it launches with programmatic
     dependent launch (sm_90+ only; kernels/pdl.py)."""
@@ -40,7 +40,7 @@ class Tp1Shape(NamedTuple):
     pdl: int = 0
 
 
-# world size 1: the shapes' default for `pdl` (honoured on sm_90+ only). Measured on one H200:
+# world size 1: the configs' default for `pdl` (honoured on sm_90+ only). Measured on one H200:
 # never slower beyond noise, faster where the kernel before is PDL-aware
 # (docs/performance.md#programmatic-dependent-launch-pdl)
 TP1_PDL = 1
@@ -53,13 +53,13 @@ def whole_row_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
     return max(4, 16 * row_block(hidden) // 8192)
 
 
-def tp1_shape(
+def tp1_config(
     tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0, swizzled: bool = False
-) -> Tp1Shape:
+) -> Tp1Config:
     """World size 1. Split rows while T * chunks programs are resident (num_sms; 0: never; see
     `split_ok`): T = 1 in 512-column chunks (4 warps) with the row prefetched into L2, else the
     smallest of 1024 / 2048 / 4096 columns that fits (8 columns per thread); whole rows otherwise
-    (`whole_row_warps`), as measured on one H200 against the other shapes of the sweep; the
+    (`whole_row_warps`), as measured on one H200 against the other configs of the sweep; the
     prefetch costs from T=16 on (docs/performance.md#world-size-1-fused_tp1).
 
     Swizzled NVFP4 scales with H not a multiple of 128 (an odd number of 4-scale column groups:
@@ -67,13 +67,13 @@ def tp1_shape(
     and only there (docs/performance.md#world-size-1-across-hidden-sizes)."""
     rb = row_block(hidden)
     if swizzled and quant == QUANT_NVFP4 and hidden % 128:
-        return Tp1Shape(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
+        return Tp1Config(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
         warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
-        shape = Tp1Shape(chunk, warps, int(tokens == 1), TP1_PDL)
-        if split_ok(shape, tokens, hidden, num_sms):
-            return shape
-    return Tp1Shape(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
+        config = Tp1Config(chunk, warps, int(tokens == 1), TP1_PDL)
+        if split_ok(config, tokens, hidden, num_sms):
+            return config
+    return Tp1Config(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
 
 
 def programs_per_sm(warps: int) -> int:
@@ -82,13 +82,13 @@ def programs_per_sm(warps: int) -> int:
     return 2 if warps <= 4 else 1
 
 
-def split_ok(shape: Tp1Shape, tokens: int, hidden: int, num_sms: int) -> bool:
+def split_ok(config: Tp1Config, tokens: int, hidden: int, num_sms: int) -> bool:
     """The split kernel serves this call: chunks < whole rows, T * chunks programs resident."""
     rb = row_block(hidden)
-    chunks = triton.cdiv(hidden, shape.columns)
+    chunks = triton.cdiv(hidden, config.columns)
     return (
-        shape.columns < rb
+        config.columns < rb
         and 1 < chunks <= MAX_CHUNKS
         and tokens <= SYNC_ROWS
-        and tokens * chunks <= num_sms * programs_per_sm(shape.warps)
+        and tokens * chunks <= num_sms * programs_per_sm(config.warps)
     )

@@ -1,11 +1,11 @@
-"""Host side of the world-size-1 kernels (kernels/row_epilogue.py): the launch shape per T, and
-`Tp1Dispatcher`, which decides a call's launch once per T and then launches with the cached
-launcher (kernels/launch_cache.py), so an eager call is the argument tuple and one launch.
+"""Host side of the world-size-1 kernels (kernels/row_epilogue.py): `Tp1Launcher`, which decides
+a call's launch once per T (its config: `configs.tp1_config`) and then launches with the cached
+kernel launcher (kernels/launch_cache.py), so an eager call is the argument tuple and one launch.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -20,7 +20,7 @@ from fusion_bridge.kernels.quant import (
     sf_padding_items,
 )
 from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
-from fusion_bridge.kernels.tp1.shapes import (  # noqa: F401 (limits and phase bits: re-exported)
+from fusion_bridge.kernels.tp1.configs import (  # noqa: F401 (limits and phase bits: re-exported)
     BOTH_PHASES,
     MAX_CHUNKS,
     MAX_POLLS,
@@ -29,9 +29,9 @@ from fusion_bridge.kernels.tp1.shapes import (  # noqa: F401 (limits and phase b
     SYNC_ROWS,
     SYNC_WORDS,
     SplitSync,
-    Tp1Shape,
+    Tp1Config,
     split_ok,
-    tp1_shape,
+    tp1_config,
 )
 from fusion_bridge.kernels.tp1.split_rows import _tp1_split_kernel
 from fusion_bridge.kernels.tp1.whole_rows import _tp1_kernel
@@ -75,10 +75,26 @@ _SPLIT_PDL = KernelLauncher(_tp1_split_kernel, SplitRows._fields, options=PDL_OP
 GRAPH_WORDS = "graph"  # the key of the one set every CUDA-graph capture uses
 
 
-class Tp1Dispatcher:
-    """World-size-1 calls of one layer (`layer`: a `LayerRecord`): the launch per T (shape,
-    grid, constants) is decided once and kept, so an eager call is the argument tuple and one
-    cached launch.
+class Tp1Plan(NamedTuple):
+    """A call's launch, decided once per key (`Tp1Launcher.plan`): the config it follows, the
+    kernel's cached launcher (kernels/launch_cache.py), grid, constexprs (`WholeRows` /
+    `SplitRows`), warps, chunks per row (0: whole rows) and the NVFP4 scales' rows and columns
+    (T and 0 without NVFP4)."""
+
+    config: Tp1Config
+    kernel: KernelLauncher
+    grid: tuple
+    constexprs: Any
+    warps: int
+    chunks: int
+    sf_rows: int
+    sf_cols: int
+
+
+class Tp1Launcher:
+    """World-size-1 calls of one layer (`layer`: a `LayerRecord`; the verbs of
+    `layer.FamilyLauncher`): the launch per T (config, grid, constants) is decided once and kept,
+    so an eager call is the argument tuple and one cached launch.
 
     The split kernel's counters and tagged words: calls that share a set must not overlap. Eager
     calls get one zeroed set per CUDA stream (calls on one stream never overlap in their memory
@@ -93,9 +109,9 @@ class Tp1Dispatcher:
 
     def __init__(self, layer, num_sms: int, device: torch.device):
         self.layer, self.num_sms, self.device = layer, num_sms, device
-        # a shape's pdl is honoured only where the device has it (sm_90+, not the interpreter)
+        # a config's pdl is honoured only where the device has it (sm_90+, not the interpreter)
         self.pdl_ok = pdl_ok(device)
-        self._plans: dict[tuple, tuple] = {}
+        self._plans: dict[tuple, Tp1Plan] = {}
         cuda = device.type == "cuda"
         if cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -138,23 +154,38 @@ class Tp1Dispatcher:
             self._error_word[0] = 0
         return word
 
-    def plan(self, tokens: int, top_k: int, has_shared: bool, is_cuda: bool, sf_shape, shape):
-        """(launcher, grid, constexprs, warps, split) of a call; shape None = `tp1_shape`."""
-        key = (tokens, top_k, has_shared, is_cuda, sf_shape, shape)
+    def config_for(self, tokens: int) -> Tp1Config:
+        """The config of a call of T tokens that names none (`configs.tp1_config` with this
+        launcher's layer and SM count): the one rule, which tests and benchmarks read here."""
+        quant = self.layer.quant
+        return tp1_config(tokens, self.layer.hidden, quant.code, self.num_sms, quant.swizzled)
+
+    def plan(
+        self,
+        tokens: int,
+        top_k: int,
+        has_shared: bool,
+        is_cuda: bool,
+        sf_dims: tuple,
+        config: Optional[Tp1Config] = None,
+    ) -> Tp1Plan:
+        """The launch of a call (kept per key); sf_dims: the NVFP4 scales' dimensions (sf.shape);
+        config None: `config_for(tokens)`."""
+        key = (tokens, top_k, has_shared, is_cuda, sf_dims, config)
         got = self._plans.get(key)
         if got is None:
             got = self._plans[key] = self._make_plan(*key)
         return got
 
-    def _make_plan(self, tokens, top_k, has_shared, is_cuda, sf_shape, shape):
+    def _make_plan(self, tokens, top_k, has_shared, is_cuda, sf_dims, config) -> Tp1Plan:
         layer, quant = self.layer, self.layer.quant
         hidden = layer.hidden
-        shape = shape or tp1_shape(tokens, hidden, quant.code, self.num_sms, quant.swizzled)
+        config = config or self.config_for(tokens)
         nvfp4 = quant.code == QUANT_NVFP4
         # fp8 on a GPU: the division by the scale through one reciprocal (quant._div_by_scale)
         recip = int(is_cuda and quant.code == QUANT_FP8 and recip_ok(quant.scale))
-        pdl = int(bool(shape.pdl) and is_cuda and self.pdl_ok)
-        prefetch = int(shape.prefetch and is_cuda)
+        pdl = int(bool(config.pdl) and is_cuda and self.pdl_ok)
+        prefetch = int(config.prefetch and is_cuda)
         form = RowForm(
             TOP_K=top_k,
             HAS_SHARED=has_shared,
@@ -163,21 +194,21 @@ class Tp1Dispatcher:
             ROW_BLOCK=row_block(hidden),
             HW_CVT=is_cuda,
         )
-        sf_rows, sf_cols = sf_shape if nvfp4 else (tokens, 0)
-        if not split_ok(shape, tokens, hidden, self.num_sms):
+        sf_rows, sf_cols = sf_dims if nvfp4 else (tokens, 0)
+        if not split_ok(config, tokens, hidden, self.num_sms):
             rows = sf_rows if nvfp4 and quant.swizzled else tokens
             fixed = WholeRows(FORM=form, PREFETCH=prefetch, RECIP=recip, USE_PDL=pdl)
-            capped = shape.warps == 16
+            capped = config.warps == 16
             if pdl:
-                launcher = _WHOLE_ROWS_CAPPED_PDL if capped else _WHOLE_ROWS_PDL
+                kernel = _WHOLE_ROWS_CAPPED_PDL if capped else _WHOLE_ROWS_PDL
             else:
-                launcher = _WHOLE_ROWS_CAPPED if capped else _WHOLE_ROWS
-            return launcher, (rows,), fixed, shape.warps, 0, sf_rows, sf_cols
-        chunks = triton.cdiv(hidden, shape.columns)
+                kernel = _WHOLE_ROWS_CAPPED if capped else _WHOLE_ROWS
+            return Tp1Plan(config, kernel, (rows,), fixed, config.warps, 0, sf_rows, sf_cols)
+        chunks = triton.cdiv(hidden, config.columns)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
         fixed = SplitRows(
             FORM=form,
-            CHUNK=shape.columns,
+            CHUNK=config.columns,
             PREFETCH=prefetch,
             RECIP=recip,
             USE_PDL=pdl,
@@ -185,85 +216,41 @@ class Tp1Dispatcher:
             MAX_POLLS=MAX_POLLS if is_cuda else 4,
             PHASES=BOTH_PHASES,
         )
-        return (
-            _SPLIT_PDL if pdl else _SPLIT,
-            (tokens * chunks + padding,),
-            fixed,
-            shape.warps,
-            chunks,
-            sf_rows,
-            sf_cols,
-        )
+        grid = (tokens * chunks + padding,)
+        kernel = _SPLIT_PDL if pdl else _SPLIT
+        return Tp1Plan(config, kernel, grid, fixed, config.warps, chunks, sf_rows, sf_cols)
 
-    def _launch_args(
-        self,
-        residual_out,
-        norm_out,
-        q,
-        sf,
-        gemm2_out,
-        perm,
-        weights,
-        shared,
-        residual,
-        gamma,
-        shape,
-    ):
-        """(launcher, grid, args, constexprs, warps, chunks) of one call."""
-        tokens, top_k = perm.shape
-        launcher, grid, fixed, warps, chunks, sf_rows, sf_cols = self.plan(
-            tokens, top_k, shared is not None, residual.is_cuda, tuple(sf.shape), shape
+    def call_args(self, src: RowSource, out: RowOutputs, config: Optional[Tp1Config] = None):
+        """(plan, the kernel's runtime arguments) of one call; T > 0."""
+        tokens, top_k = src.perm.shape
+        plan = self.plan(
+            tokens, top_k, src.shared is not None, src.residual.is_cuda, tuple(out.sf.shape), config
         )
-        src = RowSource(
-            gemm2_out, perm, weights, residual if shared is None else shared, residual, gamma
-        )
-        out = RowOutputs(residual_out, norm_out, q, sf)
-        hidden, scalars = self.layer.hidden, self.layer.scalars
-        if not chunks:
-            args = (src, out, tokens, hidden, scalars, sf_cols)
-        else:
-            sync = SplitSync(self.sync_words(), self.error_address)
-            args = (src, out, sync, tokens, hidden, scalars, sf_rows, sf_cols, chunks)
-        return launcher, grid, args, fixed, warps, chunks
+        src, hidden, scalars = src.for_kernel(), self.layer.hidden, self.layer.scalars
+        if not plan.chunks:
+            return plan, (src, out, tokens, hidden, scalars, plan.sf_cols)
+        sync = SplitSync(self.sync_words(), self.error_address)
+        return plan, (src, out, sync, tokens, hidden, scalars, plan.sf_rows, plan.sf_cols,
+                      plan.chunks)  # fmt: skip
 
-    def __call__(
-        self,
-        residual_out: torch.Tensor,
-        norm_out: torch.Tensor,
-        q: torch.Tensor,
-        sf: torch.Tensor,
-        gemm2_out: torch.Tensor,
-        perm: torch.Tensor,
-        weights: torch.Tensor,
-        shared: Optional[torch.Tensor],
-        residual: torch.Tensor,
-        gamma: torch.Tensor,
-        *,
-        shape: Optional[Tp1Shape] = None,
-    ) -> None:
-        """One call: residual_out, norm_out [T, H] (activation dtype); q, sf uint8 ([T, H] fp8
-        codes / [T, H/2] packed fp4 and the nvfp4 scales; any tensor when unused); gemm2_out
-        [P, H], perm [T, K] int32, weights [T, K], shared [T, H] or None, residual [T, H], gamma
-        [H]. T == 0 launches nothing."""
-        if perm.shape[0] == 0:
+    def __call__(self, src: RowSource, out: RowOutputs, config: Optional[Tp1Config] = None) -> None:
+        """One call: `src` (`RowSource.of(inputs)`: gemm2_out [P, H], perm [T, K] int32, weights
+        [T, K], shared [T, H] or None, residual [T, H], gamma [H]) into `out` (residual_out,
+        norm_out [T, H] in the activation dtype; q, sf uint8: [T, H] fp8 codes / [T, H/2] packed
+        fp4 and the nvfp4 scales, any tensor when unused). T == 0 launches nothing."""
+        if src.perm.shape[0] == 0:
             return
-        launcher, grid, args, fixed, warps, chunks = self._launch_args(
-            residual_out, norm_out, q, sf, gemm2_out, perm, weights, shared, residual, gamma, shape
-        )
-        if not chunks or residual.is_cuda:
-            launcher(grid, args, fixed, warps)
+        plan, args = self.call_args(src, out, config)
+        if not plan.chunks or src.residual.is_cuda:
+            plan.kernel(plan.grid, args, plan.constexprs, plan.warps)
         else:  # the interpreter runs programs one after another: publish all, then wait
             for phase in (PUBLISH_PHASE, OUTPUT_PHASE):
-                launcher(grid, args, fixed._replace(PHASES=phase), warps)
+                plan.kernel(plan.grid, args, plan.constexprs._replace(PHASES=phase), plan.warps)
 
-    def bound(self, *tensors: torch.Tensor, shape: Optional[Tp1Shape] = None) -> Callable:
-        """The call's bare launch with everything precomputed (`__call__`'s tensors, in its order):
-        what an eager call is measured against (benchmarks). GPU only."""
-        launcher, grid, args, fixed, warps, _ = self._launch_args(*tensors, shape)
-        return lambda: launcher(grid, args, fixed, warps)
-
-
-def launch(layer, shape: Optional[Tp1Shape] = None, **tensors) -> None:
-    """One world-size-1 call in whole rows (`tensors`: `local_call`'s keywords), through a
-    launcher made for it; the strategy keeps its `Tp1Dispatcher` instead."""
-    Tp1Dispatcher(layer, 0, tensors["residual"].device)(**tensors, shape=shape)
+    def bound(
+        self, src: RowSource, out: RowOutputs, config: Optional[Tp1Config] = None
+    ) -> Callable[[], None]:
+        """The call's bare launch with everything precomputed: what an eager call is measured
+        against (benchmarks). GPU only; T > 0."""
+        plan, args = self.call_args(src, out, config)
+        return lambda: plan.kernel(plan.grid, args, plan.constexprs, plan.warps)

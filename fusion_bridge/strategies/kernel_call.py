@@ -1,0 +1,29 @@
+"""What the strategies whose call is one call of one of our kernel families' launchers share
+(`fused_tp1`, `symm_fused_oneshot`, `symm_fused_twoshot`): the launcher bound once in prepare(),
+and a call's outputs allocated and its records built, ready for the launcher."""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from fusion_bridge.kernels.records import RowOutputs, RowSource
+
+
+class FamilyCall:
+    """Mixin of a `Strategy`: `bind_launcher` in prepare(); in run(), `call_records` and one call
+    of `self._launcher` with them (inside the collective mark for the multi-rank families: the
+    allocation stays before it, where a failure still lets this rank take part)."""
+
+    def bind_launcher(self, launcher) -> None:
+        """Keep `launcher` (a `kernels.layer.FamilyLauncher` bound to this strategy's layer) and
+        the empty uint8 tensor that stands for the codes and scales a quant mode does not have."""
+        self._launcher = launcher
+        self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def call_records(self, inputs: EpilogueInputs) -> tuple[EpilogueOutputs, RowSource, RowOutputs]:
+        """A call's outputs, allocated for T (`allocate_outputs`: what run() returns), and the
+        launcher's records of it: `RowSource.of(inputs)` and the outputs' `RowOutputs`."""
+        residual = inputs.residual
+        out = allocate_outputs(self.spec, residual.shape[0], residual.device)
+        return out, RowSource.of(inputs), RowOutputs.of(out, self._unused)
