@@ -6,13 +6,15 @@
     print(patch.explain())                               # per MoE layer: strategy per token count
     patch.unpatch()                                      # the model's own code again
 
-Supported families (the language model's `config.model_type`; hf_families has one module per
-family, read from transformers' own modeling file of that family): DeepSeek-V3 ('deepseek_v3', and
-'kimi_k2', the type Kimi-K2's config carries; 'kimi_k25', Kimi-K2.5's vision-language wrapper),
-DeepSeek-V2, GLM-4-MoE, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE (the 'qwen3_5_moe' wrapper or its
-language model alone), Mixtral, MiniMax-M2 and gpt-oss; anything else raises UnsupportedModelError
-naming them. transformers 5.x (expert weights as 3-D tensors). A wrapper's vision tower and image
-inputs are untouched: only its language model's MoE layers move.
+Supported families: the rows of hf_families.table, keyed by the language model's
+`config.model_type` (or a multimodal wrapper's), each read from transformers' own modeling file of
+that type (DeepSeek-V2/-V3/-V3.2 and Kimi-K2/K2.5, GLM-4-MoE, GLM-4-MoE-Lite, GLM-MoE-DSA,
+Mistral-4, Mistral-Large-4, Kimi-Linear, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next,
+Qwen3-VL-MoE, Qwen3-Omni-MoE's thinker, OLMoE, ERNIE-4.5-MoE, Mixtral, MiniMax-M2, gpt-oss). Any
+other type raises UnsupportedModelError with the structural difference that keeps it off the
+bridge (hf_families.structure) and the supported list. transformers 5.x (expert weights as 3-D
+tensors). A wrapper's vision tower and image inputs are untouched: only its language model's MoE
+layers move.
 
 What changes in the model, per MoE decoder layer (what an engine does when it adopts the fused
 epilogue): the block's own router picks the experts; this rank computes the routed experts it holds
@@ -96,7 +98,7 @@ class PatchedMoELayer:
         gemm2_out, index_map = routed_rows(x, ids, self.block.experts, self.local_experts)
         shared = None
         if self.shared_columns is not None:
-            mlp = getattr(self.block, self.family.shared_expert_attr)
+            mlp = self.family.shared_module(self.block)
             partial = shared_partial(x, mlp, self.shared_columns)
             shared = self.family.shared_output(self.block, x, partial)
         return gemm2_out, index_map, weights, shared
@@ -265,15 +267,15 @@ def patch_moe_epilogues(
                 eps=eps,
                 weight_bias=family.weight_bias,
                 routed_scaling_factor=family.routed_scaling(block),
-                has_shared_output=family.shared_expert_attr is not None,
+                has_shared_output=family.shared_module(block) is not None,
                 max_tokens=max_tokens,
             )
             if spec not in bridges:  # layers with equal specs share one bridge and its workspaces
                 bridges[spec] = FusionBridge(spec, group, strategy, device=device, **bridge_options)
                 patch._bridges.append(bridges[spec])
             shared_columns = None
-            if family.shared_expert_attr is not None:
-                inter = getattr(block, family.shared_expert_attr).gate_proj.weight.shape[0]
+            if family.shared_module(block) is not None:
+                inter = family.shared_module(block).gate_proj.weight.shape[0]
                 shared_columns = block_of(rank, world, inter)
             layer_patch = PatchedMoELayer(
                 i,

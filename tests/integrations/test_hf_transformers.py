@@ -183,21 +183,22 @@ def test_a_deepseek_v3_model_whose_config_says_kimi_k2_is_patched():
     assert int(clean.sum()) >= 8 and float((rel / bound)[clean].max()) <= 1.0
 
 
-def test_refuses_an_unsupported_family_naming_the_supported_types():
-    config = transformers.OlmoeConfig(
+def test_refuses_an_unsupported_family_naming_its_difference_and_the_supported_types():
+    config = transformers.PhimoeConfig(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        num_experts=4,
+        num_local_experts=4,
         num_experts_per_tok=2,
     )
-    model = transformers.OlmoeForCausalLM(config).to(torch.bfloat16).eval()
+    model = transformers.PhimoeForCausalLM(config).to(torch.bfloat16).eval()
     with pytest.raises(UnsupportedModelError) as err:
         patch_moe_epilogues(model)
-    assert "model_type='olmoe'" in str(err.value)
+    assert "model_type='phimoe'" in str(err.value)
+    assert "LayerNorm, not RMSNorm: PhimoeDecoderLayer's norms are LayerNorm" in str(err.value)
     for name in (
         "'deepseek_v3'",
         "'kimi_k2'",
@@ -210,6 +211,7 @@ def test_refuses_an_unsupported_family_naming_the_supported_types():
         "'mixtral'",
         "'minimax_m2'",
         "'gpt_oss'",
+        "'olmoe'",
     ):
         assert name in str(err.value), name
 
