@@ -10,20 +10,32 @@ import torch
 U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 
 # Roundings to the activation dtype in one call of a family's RMSNorm (its forward, quoted):
-#   Llama style (default), `return self.weight * hidden_states.to(input_dtype)`: the normalized
-#   row, then its product with the weight: 2;
+#   Llama style (default; every other family's RMSNorm, the ones added with the family table
+#   included: DeepSeek-V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral-4, Kimi-Linear, Qwen3-VL-MoE's
+#   and Qwen3-Omni-MoE's text norms, OLMoE, ERNIE-4.5-MoE), `return self.weight *
+#   hidden_states.to(input_dtype)`: the normalized row, then its product with the weight: 2;
 #   GptOssRMSNorm, `return (self.weight * hidden_states).to(input_dtype)`: 1;
-#   Qwen3_5MoeRMSNorm, `output = output * (1.0 + self.weight.float()); return
-#   output.type_as(x)`: 1.
-NORM_ROUNDINGS = {"GptOssRMSNorm": 1, "Qwen3_5MoeRMSNorm": 1}
+#   Qwen3_5MoeRMSNorm and Qwen3NextRMSNorm, `output = output * (1.0 + self.weight.float());
+#   return output.type_as(x)`: 1.
+NORM_ROUNDINGS = {"GptOssRMSNorm": 1, "Qwen3_5MoeRMSNorm": 1, "Qwen3NextRMSNorm": 1}
 # A^2 of a token mixer (see logits_bound): attention passes on its input's relative error once
-# (1); Qwen3.5's full attention multiplies its output by sigmoid(gate(x)), a second linear path
-# of the same input whose error adds in quadrature (2); Qwen3.5's gated DeltaNet reaches its
-# output through seven projections of its input (q; k twice: the state's erase and write terms;
-# v; the output gate z; the decay a; the write strength b), each passing on the input's relative
-# error at most once (normalised q and k, slopes of silu, sigmoid and softplus at most about 1 at
-# these small random weights), so seven paths in quadrature (7).
-MIXER_GAIN = {"Qwen3_5MoeAttention": 2, "Qwen3_5MoeGatedDeltaNet": 7}
+# (1; MLA and DeepSeek-V3.2's / GLM-MoE-DSA's sparse attention too, whose indexer keeps more tokens
+# than the tests' sequences hold, so it attends to all as dense attention does); Qwen3.5's and
+# Qwen3-Next's full attention multiply their output by sigmoid(gate(x)), a second linear path of
+# the same input whose error adds in quadrature (2); Qwen3.5's and Qwen3-Next's gated DeltaNet
+# reach their output through seven projections of its input (q; k twice: the state's erase and
+# write terms; v; the output gate z; the decay a; the write strength b), each passing on the
+# input's relative error at most once (normalised q and k, slopes of silu, sigmoid and softplus at
+# most about 1 at these small random weights), so seven paths in quadrature (7); Kimi-Linear's
+# KDA (KimiLinearDeltaAttention) has the same seven: q, k twice, v, the forget gate
+# (f_a_proj -> f_b_proj), the write strength b_proj and the output gate (g_a_proj -> g_b_proj) (7).
+MIXER_GAIN = {
+    "Qwen3_5MoeAttention": 2,
+    "Qwen3_5MoeGatedDeltaNet": 7,
+    "Qwen3NextAttention": 2,
+    "Qwen3NextGatedDeltaNet": 7,
+    "KimiLinearDeltaAttention": 7,
+}
 
 
 def norm_roundings(norm: torch.nn.Module) -> int:
@@ -108,9 +120,10 @@ def logits_bound(
 
 def language_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module holding the decoder layers (`.layers`) and the final norm (`.norm`): the base
-    model, or a vision-language wrapper's language model."""
-    base = getattr(model, model.base_model_prefix)
-    return getattr(base, "language_model", base)
+    model, or a multimodal wrapper's language model, found as the patch finds it."""
+    from fusion_bridge.integrations.hf_families import family_of
+
+    return family_of(model)[1]
 
 
 class Recorder:

@@ -26,6 +26,16 @@ FAMILIES = (
     "mixtral",
     "minimax_m2",
     "gpt_oss",
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "mistral4",
+    "kimi_linear",
+    "qwen3_next",
+    "qwen3_vl_moe",
+    "qwen3_omni_moe",
+    "olmoe",
+    "ernie4_5_moe",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -40,6 +50,16 @@ CONFIG_CLASS = {
     "mixtral": "MixtralConfig",
     "minimax_m2": "MiniMaxM2Config",
     "gpt_oss": "GptOssConfig",
+    "deepseek_v32": "DeepseekV32Config",
+    "glm4_moe_lite": "Glm4MoeLiteConfig",
+    "glm_moe_dsa": "GlmMoeDsaConfig",
+    "mistral4": "Mistral4Config",
+    "kimi_linear": "KimiLinearConfig",
+    "qwen3_next": "Qwen3NextConfig",
+    "qwen3_vl_moe": "Qwen3VLMoeConfig",
+    "qwen3_omni_moe": "Qwen3OmniMoeThinkerConfig",
+    "olmoe": "OlmoeConfig",
+    "ernie4_5_moe": "Ernie4_5_MoeConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -128,6 +148,64 @@ def _configs(family: str, s: dict, common: dict) -> tuple[str, dict]:
     if family == "gpt_oss":
         kinds = ["sliding_attention", "full_attention", "sliding_attention"]
         return "GptOssForCausalLM", dict(common, **every, layer_types=kinds, sliding_window=4)
+    return _newer_configs(family, s, common, qwen)
+
+
+def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str, dict]:
+    """The families added with the family table (issue 47)."""
+    dense_first = ["dense"] + ["sparse"] * (s["layers"] - 1)
+    # DSA's indexer keeps index_topk tokens per query: more than any test sequence, so the
+    # sparse attention attends to every token as dense attention does (no selection to flip)
+    dsa = dict(q_lora_rank=s["head_dim"] * 2, index_topk=64, index_head_dim=s["head_dim"])
+    dsa.update(index_n_heads=2)
+    if family == "deepseek_v32":
+        return "DeepseekV32ForCausalLM", dict(common, **dict(_deepseek(s), **dsa))
+    if family == "glm_moe_dsa":
+        glm = dict(common, **dict(_deepseek(s), **dsa), mlp_layer_types=dense_first)
+        return "GlmMoeDsaForCausalLM", glm
+    if family == "glm4_moe_lite":
+        lite = dict(common, **_deepseek(s), mlp_layer_types=dense_first)
+        lite.pop("first_k_dense_replace")
+        return "Glm4MoeLiteForCausalLM", lite
+    if family == "mistral4":
+        return "Mistral4ForCausalLM", dict(common, **_deepseek(s))
+    if family == "kimi_linear":
+        kimi = dict(common, **_deepseek(s), mlp_layer_types=dense_first)
+        kimi.pop("first_k_dense_replace")
+        kimi["num_local_experts"] = kimi.pop("n_routed_experts")
+        kimi.update(layer_types=["linear_attention", "full_attention", "linear_attention"])
+        kimi.update(linear_head_dim=s["head_dim"], linear_num_heads=2)
+        kimi.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: Kimi's vocabulary
+        return "KimiLinearForCausalLM", kimi
+    if family == "qwen3_next":
+        text = dict(common, **qwen, shared_expert_intermediate_size=s["shared_inter"])
+        text.update(layer_types=["linear_attention", "full_attention", "linear_attention"])
+        text.update(linear_num_key_heads=2, linear_num_value_heads=2, intermediate_size=s["inter"])
+        text.update(linear_key_head_dim=s["head_dim"], linear_value_head_dim=s["head_dim"])
+        return "Qwen3NextForCausalLM", text
+    if family == "qwen3_vl_moe":
+        text = dict(common, **qwen, intermediate_size=s["inter"])
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
+        vision.update(out_hidden_size=s["hidden"], deepstack_visual_indexes=[])
+        return "Qwen3VLMoeForConditionalGeneration", dict(text_config=text, vision_config=vision)
+    if family == "qwen3_omni_moe":
+        text = dict(common, **qwen, intermediate_size=s["inter"], mlp_only_layers=[1])
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
+        vision.update(out_hidden_size=s["hidden"], deepstack_visual_indexes=[])
+        audio = dict(encoder_layers=1, d_model=32, encoder_attention_heads=2)
+        audio.update(encoder_ffn_dim=32, output_dim=s["hidden"])
+        kwargs = dict(text_config=text, vision_config=vision, audio_config=audio)
+        # generate's rope index reads it; no prompt token (all below the vocabulary) matches
+        kwargs.update(vision_start_token_id=1 << 20)
+        return "Qwen3OmniMoeThinkerForConditionalGeneration", kwargs
+    if family == "olmoe":
+        return "OlmoeForCausalLM", dict(common, **qwen, intermediate_size=s["moe_inter"])
+    if family == "ernie4_5_moe":
+        ernie = dict(common, num_key_value_heads=2, intermediate_size=s["inter"])
+        ernie.update(moe_intermediate_size=s["moe_inter"], moe_num_experts=s["experts"])
+        ernie.update(moe_k=s["top_k"], moe_num_shared_experts=1, moe_layer_start_index=1)
+        ernie.update(moe_layer_interval=1)
+        return "Ernie4_5_MoeForCausalLM", ernie
     raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
 
 
