@@ -30,6 +30,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "glm_moe_dsa",
     "mistral4",
+    "mistral_large4",
     "kimi_linear",
     "qwen3_next",
     "qwen3_vl_moe",
@@ -54,6 +55,7 @@ CONFIG_CLASS = {
     "glm4_moe_lite": "Glm4MoeLiteConfig",
     "glm_moe_dsa": "GlmMoeDsaConfig",
     "mistral4": "Mistral4Config",
+    "mistral_large4": "MistralLarge4Config",
     "kimi_linear": "KimiLinearConfig",
     "qwen3_next": "Qwen3NextConfig",
     "qwen3_vl_moe": "Qwen3VLMoeConfig",
@@ -169,6 +171,14 @@ def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str,
         return "Glm4MoeLiteForCausalLM", lite
     if family == "mistral4":
         return "Mistral4ForCausalLM", dict(common, **_deepseek(s))
+    if family == "mistral_large4":
+        text = dict(common, **dict(_deepseek(s), **dsa), mlp_layer_types=dense_first)
+        for key in ("first_k_dense_replace", "q_lora_rank", "experts_implementation"):
+            text.pop(key)
+        vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
+        vision.update(num_attention_heads=2, image_size=32, patch_size=16)
+        kwargs = dict(text_config=text, vision_config=vision, image_token_index=1 << 20)
+        return "MistralLarge4ForConditionalGeneration", kwargs
     if family == "kimi_linear":
         kimi = dict(common, **_deepseek(s), mlp_layer_types=dense_first)
         kimi.pop("first_k_dense_replace")

@@ -297,9 +297,15 @@ def test_eval_mode_only_arguments_by_position_and_a_layer_that_misuses_the_block
 
 
 def test_the_families_this_transformers_has():
-    """Every family exists from transformers 5.17 on; a release without one is refused by model
-    type (see test_refuses_an_unsupported_family_naming_the_supported_types)."""
-    assert all(available(f) for f in FAMILIES), [f for f in FAMILIES if not available(f)]
+    """The ten families of the first adapter exist from transformers 5.17 on; a family added with
+    the table may be missing from an older release: skipped by the tests above with its reason,
+    counted here in one line."""
+    missing = [f for f in FAMILIES if not available(f)]
+    print(
+        f"transformers {transformers.__version__}: {len(FAMILIES) - len(missing)} of "
+        f"{len(FAMILIES)} families tested, {len(missing)} skipped (not in this release): {missing}"
+    )
+    assert not [f for f in FAMILIES[:10] if not available(f)], missing
 
 
 def test_the_package_never_imports_transformers_itself():

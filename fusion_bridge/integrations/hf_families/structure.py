@@ -89,10 +89,16 @@ def _moe_parts(module: str):
     for name, cls in classes.items():
         if any(k in name for k in ("Vision", "Audio", "Visual", "Talker", "Encoder")):
             continue
-        for attr, called in _assigned(cls).items():
-            hit = next((blocks[c] for c in called if c in blocks), None)
-            if hit is not None and attr != "experts":
-                return cls, attr, hit
+        hits = [
+            (attr, blocks[c])
+            for attr, called in _assigned(cls).items()
+            for c in called
+            if c in blocks and attr != "experts"
+        ]
+        if hits:
+            mlp = [h for h in hits if h[0] in ("mlp", "feed_forward", "block_sparse_moe", "ffn")]
+            attr, hit = (mlp or hits)[0]
+            return cls, attr, hit
     if decorated:
         return None, None, None
     return None
@@ -125,8 +131,9 @@ def _has_experts(model_type: str) -> bool:
         text = config.get_text_config()
         if any(_count(c, a) for c in (config, text) for a in _EXPERT_COUNTS):
             return True
-        # a model whose MoE block is off by default (gemma4's enable_moe_block) still names it
-        return any("expert" in k for c in (config, text) for k in c.to_dict())
+        # a model whose MoE block is off by default (gemma4's enable_moe_block) or whose expert
+        # settings are nested (dbrx's ffn_config) still names them
+        return "expert" in str(config.to_dict())
     except Exception:  # noqa: BLE001 - a config that cannot be built by default: count it
         return True
 
@@ -201,12 +208,30 @@ def refusal(module: str, multiplier_ok: bool = False) -> Optional[str]:
     layer, attr, block = parts
     _, classes = _parsed(module)
     if layer is None:
-        return "no decoder layer holds its experts (they are not used as a decoder layer's MLP)"
+        return (
+            "no decoder layer the checks can read holds its experts (no `self.<name> = <MoE "
+            "block>(...)` in a decoder layer's __init__), so its structure is not established"
+        )
     for cls in classes.values():
         deco = _decorated_experts(cls)
         if deco is not None and "has_post_expert_norm=True" in ast.unparse(deco):
             return f"post-expert norm: {cls.name} normalizes each expert's output"
     assigned = _assigned(layer)
+    moe_attrs = sorted(
+        a
+        for a, called in assigned.items()
+        if any("experts" in _assigned(classes[c]) for c in called if c in classes)
+    )
+    if "attn" in attr or "attention" in attr:
+        return (
+            f"experts in the attention: {layer.name}'s {attr} ({block.name}) is the module with "
+            "experts, not an MoE MLP the patch moves"
+        )
+    if len(moe_attrs) > 1:
+        return (
+            f"experts outside the MLP: {layer.name} has several mixture-of-experts modules "
+            f"({', '.join(moe_attrs)}), the patch moves one MoE MLP per layer"
+        )
     if any(a.endswith("_hc") or "hyper" in a for a in assigned):
         hc = sorted(a for a in assigned if a.endswith("_hc") or "hyper" in a)
         return (
