@@ -115,10 +115,23 @@ def routed_rows(
     return out, index_map
 
 
+def shared_width(shared: torch.nn.Module) -> int:
+    """The shared expert MLP's intermediate size I (gate/up/down, or fused input/output)."""
+    if hasattr(shared, "gate_proj"):
+        return shared.gate_proj.weight.shape[0]
+    return shared.output_linear.weight.shape[1]
+
+
 def shared_partial(x: torch.Tensor, shared: torch.nn.Module, columns: range) -> torch.Tensor:
     """This rank's partial sum of the shared expert MLP on x [T, H]: its intermediate columns of
-    gate_proj / up_proj, the matching input columns of down_proj. -> [T, H] x.dtype."""
+    gate_proj / up_proj (or of the gate and up halves of a fused input_linear [2I, H]), the
+    matching input columns of down_proj (output_linear). -> [T, H] x.dtype."""
     sl = slice(columns.start, columns.stop)
-    gate = F.linear(x, shared.gate_proj.weight[sl])
-    up = F.linear(x, shared.up_proj.weight[sl])
-    return F.linear(shared.act_fn(gate) * up, shared.down_proj.weight[:, sl])
+    if hasattr(shared, "gate_proj"):
+        gate = F.linear(x, shared.gate_proj.weight[sl])
+        up = F.linear(x, shared.up_proj.weight[sl])
+        return F.linear(shared.act_fn(gate) * up, shared.down_proj.weight[:, sl])
+    fused, width = shared.input_linear.weight, shared_width(shared)
+    gate = F.linear(x, fused[sl])
+    up = F.linear(x, fused[width + columns.start : width + columns.stop])
+    return F.linear(shared.activation(gate) * up, shared.output_linear.weight[:, sl])

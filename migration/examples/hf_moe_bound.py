@@ -56,20 +56,29 @@ def epilogue_roundings(model: torch.nn.Module, world: int, weights_dtype: torch.
       - bridge: each rank rounds its partial once (W) and the all-reduce rounds W-1 sums;
       - split shared expert (W > 1): each rank rounds its partial down_proj output (and its gated
         product) where the unmodified model rounds the whole once: 1 + W each, at most at the
-        whole's size (at W = 1 the patched shared expert runs the same ops on the same values)."""
-    lm = language_model(model)
+        whole's size (at W = 1 the patched shared expert runs the same ops on the same values);
+      - a residual multiplier m (granitemoe: `residual + h * m`): the unmodified model rounds
+        h * m once more; the bridge folds m into its fp32 scaling (no rounding), and a shared
+        partial multiplied by m rounds once more on each rank (1 each)."""
+    from fusion_bridge.integrations.hf_families import family_of
+
+    family, lm = family_of(model)
     cfg = lm.config
-    moe = next(layer.mlp for layer in lm.layers if hasattr(layer.mlp, "experts"))
+    layer = next(layer for layer in lm.layers if family.moe_block(layer) is not None)
+    moe = family.moe_block(layer)
     top_k = cfg.num_experts_per_tok
-    shared = any(hasattr(moe, a) for a in ("shared_experts", "shared_expert"))
-    gated = hasattr(moe, "shared_expert_gate")
+    shared = family.shared_module(moe, layer) is not None
+    gated = shared and family.shared_gate_attr is not None
     if getattr(cfg, "_experts_implementation", None) == "eager":
         unmodified = 2 * top_k
     else:
         unmodified = 1 + (top_k if weights_dtype != torch.float32 else 0)
     unmodified += int(shared) + int(gated)
     split = (1 + world) * (int(shared) + int(gated)) if world > 1 else 0
-    return unmodified + world + (world - 1) + split
+    scaled = 0
+    if family.multiplier(layer) != 1.0:
+        scaled = 1 + (world if shared else 0)
+    return unmodified + world + (world - 1) + split + scaled
 
 
 def logits_bound(
@@ -132,9 +141,14 @@ class Recorder:
     router's weights, and in the unmodified model the per-token magnitudes logits_bound needs."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        lm = language_model(model)
+        from fusion_bridge.integrations.hf_families import family_of
+
+        family, lm = family_of(model)
         layers = lm.layers
-        self.moe_layers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+        self.moe_layers = [i for i, layer in enumerate(layers) if family.moe_block(layer)]
+        # m of `residual + sublayer * m` (granitemoe): the hooks see the sublayers' outputs
+        # before it, the residual stream gets them times m
+        self.multipliers = {i: family.multiplier(layer) for i, layer in enumerate(layers)}
         self.last_layer = len(layers) - 1
         self.norm = norm_roundings(lm.norm)
         mixers = [type(self._mixer(layer)).__name__ for layer in layers]
@@ -146,11 +160,14 @@ class Recorder:
             self._handles += [
                 layer.register_forward_pre_hook(self._pre(i), with_kwargs=True),
                 self._mixer(layer).register_forward_hook(self._store(i, "attn")),
-                layer.mlp.register_forward_hook(self._store(i, "mlp")),
+                (family.moe_block(layer) or layer.mlp).register_forward_hook(self._store(i, "mlp")),
                 layer.register_forward_hook(self._store(i, "out")),
             ]
+            shared = family.shared_module(family.moe_block(layer), layer)
+            if family.shared_on_layer and shared is not None:  # added to the block's output
+                self._handles.append(shared.register_forward_hook(self._store(i, "shared")))
             if i in self.moe_layers:
-                router = getattr(layer.mlp, "router", None) or layer.mlp.gate
+                router = family.router(family.moe_block(layer))
                 self._handles.append(router.register_forward_hook(self._route(i)))
 
     @staticmethod
@@ -197,10 +214,11 @@ class Recorder:
     def magnitudes(self, call: dict) -> dict:
         out = {}
         for layer, m in call["mag"].items():
-            after_attn = m["in"].float() + m["attn"].float()
-            out[layer] = tuple(
-                self._norms(t) for t in (m["in"], m["attn"], after_attn, m["mlp"], m["out"])
-            )
+            scale = self.multipliers[layer]
+            mlp = m["mlp"].float() + (m["shared"].float() if "shared" in m else 0)
+            attn, mlp = m["attn"].float() * scale, mlp * scale
+            after_attn = m["in"].float() + attn
+            out[layer] = tuple(self._norms(t) for t in (m["in"], attn, after_attn, mlp, m["out"]))
         return out
 
     def routing(self) -> list[dict]:

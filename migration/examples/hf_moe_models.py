@@ -37,6 +37,8 @@ FAMILIES = (
     "qwen3_omni_moe",
     "olmoe",
     "ernie4_5_moe",
+    "granitemoe",
+    "granitemoeshared",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -62,6 +64,8 @@ CONFIG_CLASS = {
     "qwen3_omni_moe": "Qwen3OmniMoeThinkerConfig",
     "olmoe": "OlmoeConfig",
     "ernie4_5_moe": "Ernie4_5_MoeConfig",
+    "granitemoe": "GraniteMoeConfig",
+    "granitemoeshared": "GraniteMoeSharedConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -77,6 +81,18 @@ def available(family: str) -> bool:
     import transformers
 
     return hasattr(transformers, CONFIG_CLASS[family])
+
+
+def why_skipped(family: str):
+    """Why this transformers release cannot run `family` on the bridge (it lacks the model code,
+    or its release of the code differs from what the patch moves: the patch's own refusal), or
+    None."""
+    if not available(family):
+        return "not in this transformers"
+    from fusion_bridge.integrations.hf_families import refusal_of
+
+    why = refusal_of(family)
+    return None if why is None else f"refused by the patch in this transformers: {why}"
 
 
 def _deepseek(s: dict, **extra) -> dict:
@@ -216,6 +232,16 @@ def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str,
         ernie.update(moe_k=s["top_k"], moe_num_shared_experts=1, moe_layer_start_index=1)
         ernie.update(moe_layer_interval=1)
         return "Ernie4_5_MoeForCausalLM", ernie
+    if family == "granitemoe":
+        granite = dict(common, num_key_value_heads=2, intermediate_size=s["moe_inter"])
+        granite.update(num_local_experts=s["experts"], residual_multiplier=0.5)
+        granite.update(embedding_multiplier=2.0, attention_multiplier=0.25, logits_scaling=2.0)
+        return "GraniteMoeForCausalLM", granite
+    if family == "granitemoeshared":
+        granite = dict(common, num_key_value_heads=2, intermediate_size=s["moe_inter"])
+        granite.update(num_local_experts=s["experts"], residual_multiplier=0.5)
+        granite.update(shared_intermediate_size=s["shared_inter"], embedding_multiplier=2.0)
+        return "GraniteMoeSharedForCausalLM", granite
     raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
 
 

@@ -66,7 +66,9 @@ def refusal_of(model_type: str) -> Optional[str]:
     family = BY_WRAPPER_TYPE.get(model_type) or BY_TEXT_TYPE.get(model_type)
     # a row's structure is its language model's modeling file (a wrapper's file may hold none)
     module = family.modeling[0] if family is not None else modeling_module_of(model_type)
-    reason = refusal(module) if module else None
+    multiplier_ok = family is not None and family.residual_multiplier is not None
+    layer_shared = family.shared_attr if family is not None and family.shared_on_layer else None
+    reason = refusal(module, multiplier_ok, layer_shared) if module else None
     if reason is not None:
         return reason
     if family is None:

@@ -9,10 +9,18 @@ selects (one implementation each, here):
   - routing: call the router (`router_attr`) on x, with the block's `router_args` after it; its
     top-k weights are the bridge's, except that where `scaled_router` the router has multiplied
     them by its `routed_scaling_factor`, which is divided out (fp32) and given to the bridge;
-  - shared expert (`shared_attr`): an MLP of gate/up/down linears, each rank adds its slice of the
-    intermediate columns; `shared_gate_attr`: scaled per token by sigmoid(that linear(x));
+  - shared expert (`shared_attr`): an MLP of gate/up/down linears, or of a fused input / output
+    linear (granitemoeshared's `input_linear` [2I, H] and `output_linear`); each rank adds its
+    slice of the intermediate columns; `shared_gate_attr`: scaled per token by sigmoid(that
+    linear(x)); `shared_on_layer`: the shared MLP is the decoder layer's, added by the layer as
+    `moe + shared_mlp(x)` (granitemoeshared), not the block's;
   - `block_returns`: "tensor", or "pair" (the block returns (output, router scores) and its layer
     unpacks the pair);
+  - `moe_attr`: the decoder layer's attribute holding the MoE block ("mlp"; granitemoe:
+    "block_sparse_moe");
+  - `residual_multiplier`: the decoder layer's attribute m of `residual + h * m` (granitemoe),
+    folded into the scaling of both partials (the bridge computes residual + m * (routed +
+    shared));
   - the next norm multiplies by (weight + `weight_bias`), checked against `norm_weight_offset`.
 """
 
@@ -55,12 +63,42 @@ class Family:
     scaled_router: bool = False
     shared_attr: Optional[str] = None
     shared_gate_attr: Optional[str] = None
+    shared_on_layer: bool = False
     block_returns: str = "tensor"
+    moe_attr: str = "mlp"
+    residual_multiplier: Optional[str] = None
     weight_bias: float = 0.0
 
-    def shared_module(self, block: torch.nn.Module) -> Optional[torch.nn.Module]:
-        """The block's shared expert, or None (the family has none, or this config builds none)."""
-        return getattr(block, self.shared_attr, None) if self.shared_attr else None
+    def moe_block(self, layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+        """The decoder layer's MoE block (a module with `experts`), or None for a dense layer."""
+        block = getattr(layer, self.moe_attr, None)
+        return block if hasattr(block, "experts") else None
+
+    def multiplier(self, layer: torch.nn.Module) -> float:
+        """m of the layer's `residual + h * m` (1.0 where the family has none), refused where it
+        is not a finite nonzero number."""
+        if self.residual_multiplier is None:
+            return 1.0
+        value = getattr(layer, self.residual_multiplier, None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UnsupportedModelError(
+                f"patch_moe_epilogues: a {self.name} decoder layer must hold a number at "
+                f".{self.residual_multiplier}, got {type(value).__name__}"
+            )
+        if not math.isfinite(value) or value == 0:
+            raise UnsupportedModelError(
+                f"patch_moe_epilogues: {self.name}'s {self.residual_multiplier} must be a nonzero "
+                f"finite number, got {value}"
+            )
+        return float(value)
+
+    def shared_module(
+        self, block: torch.nn.Module, layer: Optional[torch.nn.Module] = None
+    ) -> Optional[torch.nn.Module]:
+        """The shared expert of the block (or of its decoder layer where `shared_on_layer`), or
+        None (the family has none, or this config builds none)."""
+        owner = layer if self.shared_on_layer else block
+        return getattr(owner, self.shared_attr, None) if self.shared_attr and owner else None
 
     def router(self, block: torch.nn.Module) -> torch.nn.Module:
         """The block's router module."""

@@ -22,7 +22,9 @@ def is_moe_block(mlp: torch.nn.Module) -> bool:
     return hasattr(mlp, "experts")
 
 
-def check_moe_block(family: Family, block: torch.nn.Module, where: str, hidden: int) -> None:
+def check_moe_block(
+    family: Family, block: torch.nn.Module, where: str, hidden: int, layer=None
+) -> None:
     """Refuse an MoE block whose code or expert layout the patch does not understand."""
     origin = type(block).__module__
     if not _from_modeling(family, block):
@@ -41,8 +43,9 @@ def check_moe_block(family: Family, block: torch.nn.Module, where: str, hidden: 
             f"module with an integer top_k), got {type(router).__name__}"
         )
     _check_experts(block.experts, where, hidden)
-    if family.shared_module(block) is not None:
-        _check_shared(family, block, where, block.experts.gate_up_proj.dtype)
+    shared = family.shared_module(block, layer)
+    if shared is not None:
+        _check_shared(family, shared, where, block.experts.gate_up_proj.dtype)
 
 
 def _from_modeling(family: Family, module: torch.nn.Module) -> bool:
@@ -106,19 +109,28 @@ def _check_experts(experts: torch.nn.Module, where: str, hidden: int) -> None:
         )
 
 
-def _check_shared(family: Family, block: torch.nn.Module, where: str, dtype) -> None:
+def _check_shared(family: Family, shared: torch.nn.Module, where: str, dtype) -> None:
     name = family.shared_attr
-    shared = getattr(block, name, None)
-    projections = [getattr(shared, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections):
+    fused = ("input_linear", "output_linear")
+    names = fused if hasattr(shared, "input_linear") else ("gate_proj", "up_proj", "down_proj")
+    projections = [getattr(shared, p, None) for p in names]
+    act = getattr(shared, "activation" if names == fused else "act_fn", None)
+    if not all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections) or (
+        not callable(act)
+    ):
         raise UnsupportedModelError(
-            f"patch_moe_epilogues: {where}.{name} must be an MLP of bias-free nn.Linear "
-            f"gate_proj / up_proj / down_proj (the shared expert of {family.name}), got "
-            f"{type(shared).__name__}"
+            f"patch_moe_epilogues: {where}'s {name} must be an MLP of bias-free nn.Linear "
+            f"gate_proj / up_proj / down_proj with act_fn, or input_linear / output_linear with "
+            f"activation (the shared expert of {family.name}), got {type(shared).__name__}"
+        )
+    if names == fused and projections[0].weight.shape[0] != 2 * projections[1].weight.shape[1]:
+        raise UnsupportedModelError(
+            f"patch_moe_epilogues: {where}'s {name}.input_linear must be [2I, H] for an "
+            f"output_linear [H, I], got {tuple(projections[0].weight.shape)}"
         )
     if any(p.weight.dtype != dtype for p in projections):
         raise UnsupportedModelError(
-            f"patch_moe_epilogues: {where}.{name} weights must be {dtype} like the routed "
+            f"patch_moe_epilogues: {where}'s {name} weights must be {dtype} like the routed "
             f"experts, got {[str(p.weight.dtype) for p in projections]}"
         )
 

@@ -172,9 +172,19 @@ def _statements_after_block(layer: ast.ClassDef, attr: str) -> Optional[list[ast
     return None
 
 
-def _layer_tail_ok(stmts: list[ast.stmt], multiplier_ok: bool) -> Optional[str]:
+_LAYER_SHARED = (
+    "if self.{0} is None:\n    hidden_states = moe_hidden_states\nelse:\n"
+    "    hidden_states = moe_hidden_states + self.{0}(hidden_states)"
+)
+
+
+def _layer_tail_ok(
+    stmts: list[ast.stmt], multiplier_ok: bool, layer_shared: Optional[str] = None
+) -> Optional[str]:
     """None when the statements from the MoE call on are `h = self.mlp(h)`, an optional tuple
-    unpacking, `h = residual + h` and the return; else the first other statement."""
+    unpacking, `h = residual + h` and the return (with a family's residual multiplier or its
+    layer's shared MLP added to the block's output, where the row says so); else the first
+    other statement."""
     allowed = {
         "hidden_states = residual + hidden_states",
         "hidden_states = residual + hidden_states.view(residual.shape)",
@@ -184,12 +194,17 @@ def _layer_tail_ok(stmts: list[ast.stmt], multiplier_ok: bool) -> Optional[str]:
     first = stmts[0]
     text = ast.unparse(first)
     target = text.split(" = ")[0]
-    if not (isinstance(first, ast.Assign) and target in ("hidden_states", "hidden_states, _")):
+    targets = ("hidden_states", "hidden_states, _") + (
+        ("moe_hidden_states",) if layer_shared else ()
+    )
+    if not (isinstance(first, ast.Assign) and target in targets):
         return text.splitlines()[0]
     for stmt in stmts[1:]:
         text = ast.unparse(stmt)
         if text in allowed:
             return None
+        if layer_shared and text == _LAYER_SHARED.format(layer_shared):
+            continue
         if isinstance(stmt, ast.If) and "isinstance(hidden_states, tuple)" in text:
             continue
         if text.startswith("if self.is_moe_layer") and "hidden_states, _ = hidden_states" in text:
@@ -198,10 +213,45 @@ def _layer_tail_ok(stmts: list[ast.stmt], multiplier_ok: bool) -> Optional[str]:
     return "no residual add after it"
 
 
-def refusal(module: str, multiplier_ok: bool = False) -> Optional[str]:
+def _router_order(block: ast.ClassDef) -> Optional[str]:
+    """None when the block's forward hands its router's output (a, weights, ids) to its experts as
+    `self.experts(x, ids, weights)`, the order the family table reads; else the difference."""
+    forward = _method(block, "forward")
+    if forward is None or block.name.endswith("DecoderLayer"):
+        return None
+    experts = [
+        c
+        for c in ast.walk(forward)
+        if isinstance(c, ast.Call) and ast.unparse(c.func) == "self.experts" and len(c.args) >= 3
+    ]
+    routed = [
+        n
+        for n in ast.walk(forward)
+        if isinstance(n, ast.Assign)
+        and isinstance(n.targets[0], ast.Tuple)
+        and len(n.targets[0].elts) == 3
+        and isinstance(n.value, ast.Call)
+        and ast.unparse(n.value.func).startswith("self.")
+    ]
+    if not experts or not routed:
+        return None  # no router output unpacked in the block (the other checks decide)
+    names = [ast.unparse(e) for e in routed[0].targets[0].elts]
+    ids, weights = ast.unparse(experts[0].args[1]), ast.unparse(experts[0].args[2])
+    if ids in names and weights in names and (names.index(weights), names.index(ids)) != (1, 2):
+        return (
+            f"router output order: {block.name} unpacks its router as ({', '.join(names)}); the "
+            "family table reads (logits, top-k weights, top-k ids)"
+        )
+    return None
+
+
+def refusal(
+    module: str, multiplier_ok: bool = False, layer_shared: Optional[str] = None
+) -> Optional[str]:
     """The first structural difference of `module`'s MoE decoder layer from what the patch
     moves onto the bridge, as a sentence; None when the structure is the supported one (whether
-    its router and block are known is the family table's business)."""
+    its router and block are known is the family table's business). multiplier_ok: the row
+    folds a residual multiplier; layer_shared: the row's shared MLP attribute on the layer."""
     parts = _moe_parts(module)
     if parts is None:
         return "not an MoE model (no experts in its modeling module)"
@@ -257,10 +307,13 @@ def refusal(module: str, multiplier_ok: bool = False) -> Optional[str]:
                         f"routing scales the expert input: {block.name} calls its experts "
                         "without the router's top-k weights"
                     )
+    order = _router_order(block)
+    if order is not None:
+        return order
     tail = _statements_after_block(layer, attr)
     if tail is None:
         return f"{layer.name}'s forward does not call its MoE block (self.{attr}) itself"
-    odd = _layer_tail_ok(tail, multiplier_ok)
+    odd = _layer_tail_ok(tail, multiplier_ok, layer_shared)
     if odd is not None:
         return (
             f"{layer.name} does `{odd}` with its MoE block's output where the patch needs "

@@ -153,6 +153,28 @@ FAMILY_ROWS: tuple[Family, ...] = (
         router_args=("e_score_correction_bias",),
     ),
     Family(
+        "Granite-MoE",
+        ("granitemoe",),
+        ("granitemoe",),
+        "modeling_granitemoe: GraniteMoeMoE at `block_sparse_moe`, its `router` a softmax over "
+        "the top-k logits; the layer adds residual + h * residual_multiplier",
+        router_attr="router",
+        moe_attr="block_sparse_moe",
+        residual_multiplier="residual_multiplier",
+    ),
+    Family(
+        "Granite-MoE-Shared",
+        ("granitemoeshared",),
+        ("granitemoeshared",),
+        "modeling_granitemoeshared: Granite-MoE's block and multiplier, plus the layer's own "
+        "shared_mlp (fused input_linear [2I, H] / output_linear) added as moe + shared_mlp(x)",
+        router_attr="router",
+        moe_attr="block_sparse_moe",
+        residual_multiplier="residual_multiplier",
+        shared_attr="shared_mlp",
+        shared_on_layer=True,
+    ),
+    Family(
         "gpt-oss",
         ("gpt_oss",),
         ("gpt_oss",),
