@@ -116,22 +116,42 @@ def routed_rows(
 
 
 def shared_width(shared: torch.nn.Module) -> int:
-    """The shared expert MLP's intermediate size I (gate/up/down, or fused input/output)."""
+    """The shared expert MLP's intermediate size I (gate/up/down, fused gate_up/down or fused
+    input/output)."""
     if hasattr(shared, "gate_proj"):
         return shared.gate_proj.weight.shape[0]
-    return shared.output_linear.weight.shape[1]
+    return _fused(shared)[1].weight.shape[1]
 
 
-def shared_partial(x: torch.Tensor, shared: torch.nn.Module, columns: range) -> torch.Tensor:
+def _fused(shared: torch.nn.Module):
+    """(the fused [2I, H] gate-and-up linear, the down linear) of a fused shared MLP."""
+    if hasattr(shared, "gate_up_proj"):
+        return shared.gate_up_proj, shared.down_proj
+    return shared.input_linear, shared.output_linear
+
+
+def shared_partial(
+    x: torch.Tensor, shared: torch.nn.Module, columns: range, act=None
+) -> torch.Tensor:
     """This rank's partial sum of the shared expert MLP on x [T, H]: its intermediate columns of
-    gate_proj / up_proj (or of the gate and up halves of a fused input_linear [2I, H]), the
-    matching input columns of down_proj (output_linear). -> [T, H] x.dtype."""
+    gate_proj / up_proj (or of the gate and up halves of a fused gate_up_proj / input_linear
+    [2I, H]), the matching input columns of down_proj (output_linear). act(shared, gate, up): the
+    MLP's own activation where it is not act_fn(gate) * up (elementwise, so exact per column).
+    -> [T, H] x.dtype."""
     sl = slice(columns.start, columns.stop)
     if hasattr(shared, "gate_proj"):
         gate = F.linear(x, shared.gate_proj.weight[sl])
         up = F.linear(x, shared.up_proj.weight[sl])
-        return F.linear(shared.act_fn(gate) * up, shared.down_proj.weight[:, sl])
-    fused, width = shared.input_linear.weight, shared_width(shared)
-    gate = F.linear(x, fused[sl])
-    up = F.linear(x, fused[width + columns.start : width + columns.stop])
-    return F.linear(shared.activation(gate) * up, shared.output_linear.weight[:, sl])
+        down = shared.down_proj.weight
+    else:
+        fused, down_linear = _fused(shared)
+        width = shared_width(shared)
+        gate = F.linear(x, fused.weight[sl])
+        up = F.linear(x, fused.weight[width + columns.start : width + columns.stop])
+        down = down_linear.weight
+    if act is not None:
+        hidden = act(shared, gate, up)
+    else:
+        hidden = getattr(shared, "act_fn", None) or shared.activation
+        hidden = hidden(gate) * up
+    return F.linear(hidden, down[:, sl])

@@ -116,7 +116,7 @@ class PatchedMoELayer:
 
     def shared_share(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the shared output on x [T, H], times the residual multiplier."""
-        partial = shared_partial(x, self.shared, self.shared_columns)
+        partial = shared_partial(x, self.shared, self.shared_columns, self.family.shared_act)
         shared = self.family.shared_output(self.block, x, partial)
         if self.multiplier != 1.0:  # residual + m * (routed + shared)
             shared = shared * self.multiplier

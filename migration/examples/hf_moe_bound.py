@@ -17,7 +17,12 @@ U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 #   GptOssRMSNorm, `return (self.weight * hidden_states).to(input_dtype)`: 1;
 #   Qwen3_5MoeRMSNorm and Qwen3NextRMSNorm, `output = output * (1.0 + self.weight.float());
 #   return output.type_as(x)`: 1.
-NORM_ROUNDINGS = {"GptOssRMSNorm": 1, "Qwen3_5MoeRMSNorm": 1, "Qwen3NextRMSNorm": 1}
+NORM_ROUNDINGS = {
+    "GptOssRMSNorm": 1,
+    "Qwen3_5MoeRMSNorm": 1,
+    "Qwen3NextRMSNorm": 1,
+    "MiniMaxM3VLRMSNorm": 1,  # `output * (1.0 + self.weight.float()); return output.type_as(x)`
+}
 # A^2 of a token mixer (see logits_bound): attention passes on its input's relative error once
 # (1; MLA and DeepSeek-V3.2's / GLM-MoE-DSA's sparse attention too, whose indexer keeps more tokens
 # than the tests' sequences hold, so it attends to all as dense attention does); Qwen3.5's and
@@ -59,7 +64,9 @@ def epilogue_roundings(model: torch.nn.Module, world: int, weights_dtype: torch.
         whole's size (at W = 1 the patched shared expert runs the same ops on the same values);
       - a residual multiplier m (granitemoe: `residual + h * m`): the unmodified model rounds
         h * m once more; the bridge folds m into its fp32 scaling (no rounding), and a shared
-        partial multiplied by m rounds once more on each rank (1 each)."""
+        partial multiplied by m rounds once more on each rank (1 each);
+      - a block that scales its routed output itself (minimax_m3_vl): one more rounding in the
+        unmodified model, none in the bridge's fp32 scaling."""
     from fusion_bridge.integrations.hf_families import family_of
 
     family, lm = family_of(model)
@@ -78,6 +85,8 @@ def epilogue_roundings(model: torch.nn.Module, world: int, weights_dtype: torch.
     scaled = 0
     if family.multiplier(layer) != 1.0:
         scaled = 1 + (world if shared else 0)
+    if family.block_scaling:  # the unmodified block rounds experts(x) * routed_scaling_factor
+        scaled += 1
     return unmodified + world + (world - 1) + split + scaled
 
 

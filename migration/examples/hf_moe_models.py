@@ -39,6 +39,7 @@ FAMILIES = (
     "ernie4_5_moe",
     "granitemoe",
     "granitemoeshared",
+    "minimax_m3_vl",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -66,6 +67,7 @@ CONFIG_CLASS = {
     "ernie4_5_moe": "Ernie4_5_MoeConfig",
     "granitemoe": "GraniteMoeConfig",
     "granitemoeshared": "GraniteMoeSharedConfig",
+    "minimax_m3_vl": "MiniMaxM3VLTextConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -242,6 +244,14 @@ def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str,
         granite.update(num_local_experts=s["experts"], residual_multiplier=0.5)
         granite.update(shared_intermediate_size=s["shared_inter"], embedding_multiplier=2.0)
         return "GraniteMoeSharedForCausalLM", granite
+    if family == "minimax_m3_vl":  # its text model (MiniMaxM3VLForCausalLM)
+        m3 = dict(common, num_key_value_heads=2, head_dim=s["head_dim"])
+        m3.update(num_local_experts=s["experts"], intermediate_size=s["moe_inter"])
+        m3.update(shared_intermediate_size=s["shared_inter"], dense_intermediate_size=s["inter"])
+        m3.update(routed_scaling_factor=2.5, rotary_dim=s["head_dim"] // 2)
+        m3.update(mlp_layer_types=dense_first, layer_types=["full_attention"] * s["layers"])
+        m3.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: its vocabulary
+        return "MiniMaxM3VLForCausalLM", m3
     raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
 
 

@@ -9,11 +9,15 @@ selects (one implementation each, here):
   - routing: call the router (`router_attr`) on x, with the block's `router_args` after it; its
     top-k weights are the bridge's, except that where `scaled_router` the router has multiplied
     them by its `routed_scaling_factor`, which is divided out (fp32) and given to the bridge;
+    `block_scaling`: the block multiplies its routed output by its own `routed_scaling_factor`
+    (minimax_m3_vl), which the bridge applies;
   - shared expert (`shared_attr`): an MLP of gate/up/down linears, or of a fused input / output
     linear (granitemoeshared's `input_linear` [2I, H] and `output_linear`); each rank adds its
     slice of the intermediate columns; `shared_gate_attr`: scaled per token by sigmoid(that
-    linear(x)); `shared_on_layer`: the shared MLP is the decoder layer's, added by the layer as
-    `moe + shared_mlp(x)` (granitemoeshared), not the block's;
+    linear(x)); `shared_act(module, gate, up)`: the shared MLP's own activation where it is not
+    act_fn(gate) * up (minimax_m3_vl's clamped GLU); `shared_on_layer`: the shared MLP is the
+    decoder layer's, added by the layer as `moe + shared_mlp(x)` (granitemoeshared), not the
+    block's;
   - `block_returns`: "tensor", or "pair" (the block returns (output, router scores) and its layer
     unpacks the pair);
   - `moe_attr`: the decoder layer's attribute holding the MoE block ("mlp"; granitemoe:
@@ -29,7 +33,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -61,9 +65,13 @@ class Family:
     router_attr: str = "gate"
     router_args: tuple[str, ...] = ()
     scaled_router: bool = False
+    block_scaling: bool = False
     shared_attr: Optional[str] = None
     shared_gate_attr: Optional[str] = None
     shared_on_layer: bool = False
+    shared_act: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = (
+        None
+    )
     block_returns: str = "tensor"
     moe_attr: str = "mlp"
     residual_multiplier: Optional[str] = None
@@ -122,6 +130,8 @@ class Family:
 
     def routed_scaling(self, block: torch.nn.Module) -> float:
         """The factor the bridge multiplies the weighted sum by (1.0: none)."""
+        if self.block_scaling:
+            return scaling_factor(block)
         return scaling_factor(self.router(block)) if self.scaled_router else 1.0
 
     def shared_output(

@@ -111,22 +111,27 @@ def _check_experts(experts: torch.nn.Module, where: str, hidden: int) -> None:
 
 def _check_shared(family: Family, shared: torch.nn.Module, where: str, dtype) -> None:
     name = family.shared_attr
-    fused = ("input_linear", "output_linear")
-    names = fused if hasattr(shared, "input_linear") else ("gate_proj", "up_proj", "down_proj")
+    if hasattr(shared, "input_linear"):
+        names, act = ("input_linear", "output_linear"), getattr(shared, "activation", None)
+    elif hasattr(shared, "gate_up_proj"):
+        names, act = ("gate_up_proj", "down_proj"), family.shared_act
+    else:
+        names, act = ("gate_proj", "up_proj", "down_proj"), getattr(shared, "act_fn", None)
+    fused = len(names) == 2
     projections = [getattr(shared, p, None) for p in names]
-    act = getattr(shared, "activation" if names == fused else "act_fn", None)
     if not all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections) or (
         not callable(act)
     ):
         raise UnsupportedModelError(
             f"patch_moe_epilogues: {where}'s {name} must be an MLP of bias-free nn.Linear "
-            f"gate_proj / up_proj / down_proj with act_fn, or input_linear / output_linear with "
-            f"activation (the shared expert of {family.name}), got {type(shared).__name__}"
+            f"gate_proj / up_proj / down_proj with act_fn, input_linear / output_linear with "
+            f"activation, or gate_up_proj / down_proj with the row's shared_act (the shared "
+            f"expert of {family.name}), got {type(shared).__name__}"
         )
-    if names == fused and projections[0].weight.shape[0] != 2 * projections[1].weight.shape[1]:
+    if fused and projections[0].weight.shape[0] != 2 * projections[1].weight.shape[1]:
         raise UnsupportedModelError(
-            f"patch_moe_epilogues: {where}'s {name}.input_linear must be [2I, H] for an "
-            f"output_linear [H, I], got {tuple(projections[0].weight.shape)}"
+            f"patch_moe_epilogues: {where}'s {name}.{names[0]} must be [2I, H] for a "
+            f"{names[1]} [H, I], got {tuple(projections[0].weight.shape)}"
         )
     if any(p.weight.dtype != dtype for p in projections):
         raise UnsupportedModelError(

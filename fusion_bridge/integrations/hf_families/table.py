@@ -7,6 +7,8 @@ the behaviours of `Family` is one row here.
 
 from __future__ import annotations
 
+import torch
+
 from fusion_bridge.integrations.hf_families.base import Family
 
 
@@ -23,6 +25,15 @@ def _softmax_topk(name: str, types: tuple[str, ...], modeling: str, note: str, *
     """Qwen's block: a TopKRouter (softmax over fp32 logits, top-k, renormalised per the config,
     cast back to the activation dtype), weights applied as they are."""
     return Family(name, types, (modeling,), note, **kw)
+
+
+def _clamped_glu(shared: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """MiniMaxM3VLDenseMLP's activation, as its forward writes it (elementwise): gate clamped
+    above, up clamped both ways at swiglu_limit, (up + 1) * gate * sigmoid(gate * swiglu_alpha)."""
+    gate = gate.clamp(max=shared.swiglu_limit)
+    up = up.clamp(min=-shared.swiglu_limit, max=shared.swiglu_limit)
+    glu = gate * torch.sigmoid(gate * shared.swiglu_alpha)
+    return (up + 1.0) * glu
 
 
 _QWEN_GATED = dict(shared_attr="shared_expert", shared_gate_attr="shared_expert_gate")
@@ -151,6 +162,19 @@ FAMILY_ROWS: tuple[Family, ...] = (
         ("minimax_m2",),
         "modeling_minimax_m2: the router takes the block's e_score_correction_bias",
         router_args=("e_score_correction_bias",),
+    ),
+    Family(
+        "MiniMax-M3",
+        ("minimax_m3_vl_text",),
+        ("minimax_m3_vl",),
+        "modeling_minimax_m3_vl: MiniMaxM3VLSparseMoeBlock multiplies its routed output by its "
+        "own routed_scaling_factor and adds shared_experts(x), a fused gate_up_proj MLP with a "
+        "clamped GLU; zero-centred RMSNorm (1 + weight)",
+        wrappers=("minimax_m3_vl",),
+        block_scaling=True,
+        shared_attr="shared_experts",
+        shared_act=_clamped_glu,
+        weight_bias=1.0,
     ),
     Family(
         "Granite-MoE",
