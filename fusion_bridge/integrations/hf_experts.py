@@ -66,6 +66,19 @@ def _group_bounds(groups: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, groups + 1, device=device)
 
 
+_POSITIONS: dict = {}  # device -> every arange made for it, the largest last (none is freed)
+
+
+def _positions(count: int, device: torch.device) -> torch.Tensor:
+    """[0, 1, ..., count-1] int64 on device: a view of a cached arange, grown (doubled) when a
+    call needs more, so a call makes no arange of its own. A grown arange never frees the
+    smaller ones: a CUDA graph captured earlier keeps reading the storage it captured."""
+    made = _POSITIONS.setdefault(device, [])
+    if not made or made[-1].numel() < count:
+        made.append(torch.arange(max(count, 2 * (made[-1].numel() if made else 64)), device=device))
+    return made[-1][:count]
+
+
 def _in_out(weights: torch.Tensor, transposed: bool) -> torch.Tensor:
     """transformers' [G, out, in] expert weights (or [G, in, out] when the experts say
     is_transposed) as the [G, in, out] view a grouped GEMM multiplies rows by."""
@@ -92,7 +105,7 @@ def routed_rows(
     key = torch.where(held, flat - local.start, n_local)
     sorted_key, order = torch.sort(key, stable=True)  # permuted row p holds slot order[p]
     row_of_slot = torch.empty_like(order)
-    row_of_slot[order] = torch.arange(order.numel(), device=x.device)
+    row_of_slot[order] = _positions(order.numel(), x.device)
     index_map = torch.where(held, row_of_slot, -1).view(tokens, top_k).to(torch.int32)
     # each local expert's cumulative row end, read off the sorted keys without a host sync (one
     # launch; a bincount would sync for its output size)
