@@ -139,8 +139,13 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "thinker's text model moves (the talker is not patched)",
         wrappers=("qwen3_omni_moe", "qwen3_omni_moe_thinker"),
         # 5.25: model.language_model (thinker) / thinker.model.language_model (whole model);
-        # 5.17: the thinker's text model is its `.model`
-        text_paths=("model.language_model", "thinker.model.language_model", "model"),
+        # 5.17: the thinker's text model is its `.model` (thinker.model of the whole model)
+        text_paths=(
+            "model.language_model",
+            "thinker.model.language_model",
+            "model",
+            "thinker.model",
+        ),
     ),
     _softmax_topk(
         "OLMoE", ("olmoe",), "olmoe", "modeling_olmoe: OlmoeSparseMoeBlock as Qwen3-MoE's"
