@@ -320,3 +320,25 @@ def test_the_package_never_imports_transformers_itself():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_residual_multiplier_is_taken_exactly_once_and_only_as_the_family_states():
+    """granitemoe's layer adds residual + h * residual_multiplier: the handoff accepts exactly
+    that product once (the bridge folded m into both partials), and refuses any other factor or
+    an add without it, rather than compute something else."""
+    if why_skipped("granitemoe") is not None:
+        pytest.skip(f"granitemoe: {why_skipped('granitemoe')}")
+    model = build_model("granitemoe", TINY)
+    patch = patch_moe_epilogues(model)
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 5, TINY["hidden"]).to(torch.bfloat16)
+    with torch.no_grad():
+        for misuse in (lambda h: h * 3.0, lambda h: hidden + h, lambda h: h * 0.5 * 0.5):
+            with pytest.raises(UnsupportedModelError, match=r"block_sparse_moe used its MoE"):
+                misuse(layer.block_sparse_moe(hidden))
+        residual_out = hidden + layer.block_sparse_moe(hidden) * layer.residual_multiplier
+    patch.unpatch()
+    with torch.no_grad():
+        own = hidden + layer.block_sparse_moe(hidden) * layer.residual_multiplier
+    rel = float((residual_out.float() - own.float()).norm() / own.float().norm())
+    assert rel < 0.02, rel  # the same sum up to bf16 roundings (the bound is the family test's)
