@@ -3,13 +3,13 @@
     python -m migration.examples.hf_moe --world-size 2     # gloo on CPU; NCCL when 2 GPUs exist
 
 Builds small random-weight models from transformers configs (no download) of every supported family
-(hf_moe_models.py: DeepSeek-V3, Kimi-K2.5, DeepSeek-V2, GLM-4-MoE, Qwen2-MoE, Qwen3-MoE,
-Qwen3.5-MoE, Mixtral, MiniMax-M2, gpt-oss), runs the unmodified model (forward + greedy generate
-with a KV cache), patches it with `patch_moe_epilogues(model, group=...)` and runs it again, then
-unpatches it and runs the forward a third time; prints how far the patched logits moved against
-the bound derived in `logits_bound` (hf_moe_bound.py), whether greedy generation agrees, which
-strategy each patched layer runs, and whether unpatching restored the model exactly. The same model
-and the same prompt are built on every rank (same seeds).
+(hf_moe_models.FAMILIES: one per row of the family table; a family this transformers lacks, or whose
+code here the patch refuses, is skipped with the reason), runs the unmodified model (forward +
+greedy generate with a KV cache), patches it with `patch_moe_epilogues(model, group=...)` and runs
+it again, then unpatches it and runs the forward a third time; prints how far the patched logits
+moved against the bound derived in `logits_bound` (hf_moe_bound.py), whether greedy generation
+agrees, which strategy each patched layer runs, and whether unpatching restored the model exactly.
+The same model and the same prompt are built on every rank (same seeds).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ GLM-4-MoE a dense first layer, a shared expert, routed scaling and grouped routi
 Qwen3-MoE a dense layer between MoE layers (Qwen2 with its gated shared expert); Qwen3.5-MoE linear
 attention around a full-attention layer and a gated shared expert; Mixtral, MiniMax-M2 and gpt-oss
 MoE in every layer (gpt-oss with sliding-window layers and expert biases). Kimi-K2.5 and Qwen3.5-MoE
-are their vision-language wrappers with a one-layer vision tower.
+are their vision-language wrappers with a one-layer vision tower. The families added with the
+family table (issue 47) keep theirs too: DSA / MLA attention (DeepSeek-V3.2, GLM-MoE-DSA,
+GLM-4-MoE-Lite, Mistral-4, Mistral-Large-4 in its Pixtral wrapper), linear attention (Kimi-Linear's
+KDA, Qwen3-Next's gated DeltaNet), wrappers (Qwen3-VL-MoE, Qwen3-Omni-MoE's thinker), a dense first
+layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU.
 """
 
 from __future__ import annotations
