@@ -44,6 +44,9 @@ FAMILIES = (
     "granitemoe",
     "granitemoeshared",
     "minimax_m3_vl",
+    "dots1",
+    "solar_open",
+    "exaone_moe",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -72,6 +75,9 @@ CONFIG_CLASS = {
     "granitemoe": "GraniteMoeConfig",
     "granitemoeshared": "GraniteMoeSharedConfig",
     "minimax_m3_vl": "MiniMaxM3VLTextConfig",
+    "dots1": "Dots1Config",
+    "solar_open": "SolarOpenConfig",
+    "exaone_moe": "ExaoneMoeConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -256,6 +262,23 @@ def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str,
         m3.update(mlp_layer_types=dense_first, layer_types=["full_attention"] * s["layers"])
         m3.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: its vocabulary
         return "MiniMaxM3VLForCausalLM", m3
+    grouped = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], n_group=4, topk_group=2)
+    grouped.update(moe_intermediate_size=s["moe_inter"], n_routed_experts=s["experts"])
+    grouped.update(n_shared_experts=1, routed_scaling_factor=2.5)
+    if family == "dots1":
+        grouped.pop("head_dim")
+        return "Dots1ForCausalLM", dict(
+            grouped, intermediate_size=s["inter"], first_k_dense_replace=1
+        )
+    if family == "solar_open":
+        return "SolarOpenForCausalLM", dict(grouped, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "exaone_moe":
+        exaone = {
+            k: v for k, v in grouped.items() if k not in ("n_routed_experts", "n_shared_experts")
+        }
+        exaone.update(num_experts=s["experts"], num_shared_experts=1, intermediate_size=s["inter"])
+        exaone.update(first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return "ExaoneMoeForCausalLM", exaone
     raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
 
 

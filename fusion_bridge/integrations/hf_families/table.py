@@ -95,6 +95,25 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "kimi_linear",
         "modeling_kimi_linear: KimiLinearMoE as DeepseekV3MoE; KDA linear attention layers",
     ),
+    _sigmoid_grouped(
+        "dots.llm1",
+        ("dots1",),
+        "dots1",
+        "modeling_dots1: Dots1MoE as DeepseekV3MoE (Qwen-style attention)",
+    ),
+    _sigmoid_grouped(
+        "Solar-Open",
+        ("solar_open",),
+        "solar_open",
+        "modeling_solar_open: SolarOpenMoE as DeepseekV3MoE; every layer MoE",
+    ),
+    _sigmoid_grouped(
+        "EXAONE-MoE",
+        ("exaone_moe",),
+        "exaone_moe",
+        "modeling_exaone_moe: ExaoneMoeSparseMoEBlock as DeepseekV3MoE (its shared experts "
+        "sized by num_shared_experts)",
+    ),
     _softmax_topk(
         "Qwen2-MoE",
         ("qwen2_moe",),
