@@ -279,8 +279,8 @@ def refusal(
         )
     if len(moe_attrs) > 1:
         return (
-            f"experts outside the MLP: {layer.name} has several mixture-of-experts modules "
-            f"({', '.join(moe_attrs)}), the patch moves one MoE MLP per layer"
+            f"several expert sets in one layer: {layer.name} has several mixture-of-experts "
+            f"modules ({', '.join(moe_attrs)}), the patch moves one MoE MLP per layer"
         )
     if any(a.endswith("_hc") or "hyper" in a for a in assigned):
         hc = sorted(a for a in assigned if a.endswith("_hc") or "hyper" in a)
