@@ -66,6 +66,19 @@ def _group_bounds(groups: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, groups + 1, device=device)
 
 
+_POSITIONS: dict = {}  # device -> every arange made for it, the largest last (none is freed)
+
+
+def _positions(count: int, device: torch.device) -> torch.Tensor:
+    """[0, 1, ..., count-1] int64 on device: a view of a cached arange, grown (doubled) when a
+    call needs more, so a call makes no arange of its own. A grown arange never frees the
+    smaller ones: a CUDA graph captured earlier keeps reading the storage it captured."""
+    made = _POSITIONS.setdefault(device, [])
+    if not made or made[-1].numel() < count:
+        made.append(torch.arange(max(count, 2 * (made[-1].numel() if made else 64)), device=device))
+    return made[-1][:count]
+
+
 def _in_out(weights: torch.Tensor, transposed: bool) -> torch.Tensor:
     """transformers' [G, out, in] expert weights (or [G, in, out] when the experts say
     is_transposed) as the [G, in, out] view a grouped GEMM multiplies rows by."""
@@ -92,7 +105,7 @@ def routed_rows(
     key = torch.where(held, flat - local.start, n_local)
     sorted_key, order = torch.sort(key, stable=True)  # permuted row p holds slot order[p]
     row_of_slot = torch.empty_like(order)
-    row_of_slot[order] = torch.arange(order.numel(), device=x.device)
+    row_of_slot[order] = _positions(order.numel(), x.device)
     index_map = torch.where(held, row_of_slot, -1).view(tokens, top_k).to(torch.int32)
     # each local expert's cumulative row end, read off the sorted keys without a host sync (one
     # launch; a bincount would sync for its output size)
@@ -115,10 +128,43 @@ def routed_rows(
     return out, index_map
 
 
-def shared_partial(x: torch.Tensor, shared: torch.nn.Module, columns: range) -> torch.Tensor:
+def shared_width(shared: torch.nn.Module) -> int:
+    """The shared expert MLP's intermediate size I (gate/up/down, fused gate_up/down or fused
+    input/output)."""
+    if hasattr(shared, "gate_proj"):
+        return shared.gate_proj.weight.shape[0]
+    return _fused(shared)[1].weight.shape[1]
+
+
+def _fused(shared: torch.nn.Module):
+    """(the fused [2I, H] gate-and-up linear, the down linear) of a fused shared MLP."""
+    if hasattr(shared, "gate_up_proj"):
+        return shared.gate_up_proj, shared.down_proj
+    return shared.input_linear, shared.output_linear
+
+
+def shared_partial(
+    x: torch.Tensor, shared: torch.nn.Module, columns: range, act=None
+) -> torch.Tensor:
     """This rank's partial sum of the shared expert MLP on x [T, H]: its intermediate columns of
-    gate_proj / up_proj, the matching input columns of down_proj. -> [T, H] x.dtype."""
+    gate_proj / up_proj (or of the gate and up halves of a fused gate_up_proj / input_linear
+    [2I, H]), the matching input columns of down_proj (output_linear). act(shared, gate, up): the
+    MLP's own activation where it is not act_fn(gate) * up (elementwise, so exact per column).
+    -> [T, H] x.dtype."""
     sl = slice(columns.start, columns.stop)
-    gate = F.linear(x, shared.gate_proj.weight[sl])
-    up = F.linear(x, shared.up_proj.weight[sl])
-    return F.linear(shared.act_fn(gate) * up, shared.down_proj.weight[:, sl])
+    if hasattr(shared, "gate_proj"):
+        gate = F.linear(x, shared.gate_proj.weight[sl])
+        up = F.linear(x, shared.up_proj.weight[sl])
+        down = shared.down_proj.weight
+    else:
+        fused, down_linear = _fused(shared)
+        width = shared_width(shared)
+        gate = F.linear(x, fused.weight[sl])
+        up = F.linear(x, fused.weight[width + columns.start : width + columns.stop])
+        down = down_linear.weight
+    if act is not None:
+        hidden = act(shared, gate, up)
+    else:
+        hidden = getattr(shared, "act_fn", None) or shared.activation
+        hidden = hidden(gate) * up
+    return F.linear(hidden, down[:, sl])

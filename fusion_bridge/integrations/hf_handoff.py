@@ -5,7 +5,7 @@ Every supported decoder layer ends, in its own forward:
     residual = hidden_states
     hidden_states = self.post_attention_layernorm(hidden_states)
     hidden_states = self.mlp(hidden_states)          # (gpt-oss: `hidden_states, _ = ...`)
-    hidden_states = residual + hidden_states
+    hidden_states = residual + hidden_states         # (granitemoe: residual + hidden_states * m)
 
 The patch leaves that forward (and the token mixer before it: attention, linear attention, caches,
 whatever this transformers release passes) untouched and replaces only the block's `forward`. The
@@ -23,6 +23,7 @@ when it is called on exactly that residual_out, instead of computing the norm ag
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -32,6 +33,7 @@ from fusion_bridge.integrations.hf_families import UnsupportedModelError
 # on a norm: (residual_out, norm_out) of the MoE layer that just ran, or None
 HANDOFF_ATTR = "_fusion_bridge_handoff"
 _ADDS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add}
+_MULS = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.mul, torch.mul}
 _SHOWN = {torch.Tensor.__repr__, torch.Tensor.__format__}
 
 
@@ -42,11 +44,14 @@ class Handoff(torch.Tensor):
 
     finish: Callable[[torch.Tensor], torch.Tensor]
     where: str
+    multiplier: float  # the layer must multiply the handoff by this before adding it (1.0: no)
 
     @staticmethod
-    def make(where: str, finish: Callable[[torch.Tensor], torch.Tensor]) -> "Handoff":
+    def make(
+        where: str, finish: Callable[[torch.Tensor], torch.Tensor], multiplier: float = 1.0
+    ) -> "Handoff":
         handoff = torch.Tensor._make_subclass(Handoff, _EMPTY)
-        handoff.finish, handoff.where = finish, where
+        handoff.finish, handoff.where, handoff.multiplier = finish, where, multiplier
         return handoff
 
     @classmethod
@@ -54,7 +59,33 @@ class Handoff(torch.Tensor):
         handoffs = [a for a in args if isinstance(a, Handoff)]
         if func in _SHOWN and handoffs:
             return f"<fusion_bridge handoff of {handoffs[0].where}: add it to the residual>"
-        if func in _ADDS and len(args) == 2 and not kwargs and len(handoffs) == 1:
+        if func in _MULS and len(args) == 2 and not kwargs and len(handoffs) == 1:
+            # `h * m` of a family whose layer adds residual + h * m: the bridge already folded m
+            # into both partials; exactly that m, once
+            handoff = handoffs[0]
+            factor = args[1] if args[0] is handoff else args[0]
+            finish = handoff.__dict__.pop("finish", None)
+            if handoff.multiplier != 1.0 and factor == handoff.multiplier and finish is not None:
+                return Handoff.make(handoff.where, finish)
+        if func in _ADDS and len(args) == 2 and not kwargs and len(handoffs) == 2:
+            # granitemoeshared's `moe + shared_mlp(x)`: the layer's shared share joins the
+            # block's handoff (each exactly once), which still waits for its residual add
+            shares = [a for a in args if isinstance(a, SharedShare)]
+            moe = [a for a in args if not isinstance(a, SharedShare)]
+            if len(shares) == 1 and len(moe) == 1:
+                finish = moe[0].__dict__.pop("finish", None)
+                partial = shares[0].__dict__.pop("partial", None)
+                if finish is not None and partial is not None:
+                    joined = functools.partial(finish, shared=partial)
+                    return Handoff.make(moe[0].where, joined, moe[0].multiplier)
+        if (
+            func in _ADDS
+            and len(args) == 2
+            and not kwargs
+            and len(handoffs) == 1
+            and handoffs[0].multiplier == 1.0
+            and not isinstance(handoffs[0], SharedShare)
+        ):
             handoff = handoffs[0]
             residual = args[1] if args[0] is handoff else args[0]
             finish = handoff.__dict__.pop("finish", None)
@@ -73,10 +104,38 @@ class Handoff(torch.Tensor):
 _EMPTY = torch.empty(0)
 
 
-def block_forward(block: torch.nn.Module, where: str, start: Callable, family) -> Callable:
+class SharedShare(Handoff):
+    """What a decoder layer's patched shared MLP returns (granitemoeshared): no data; this rank's
+    shared partial rides along until the layer adds it to its MoE block's handoff."""
+
+    partial: torch.Tensor
+
+    @staticmethod
+    def carry(where: str, partial: torch.Tensor) -> "SharedShare":
+        share = torch.Tensor._make_subclass(SharedShare, _EMPTY)
+        share.where, share.partial, share.multiplier = where, partial, 1.0
+        return share
+
+
+def shared_forward(shared: torch.nn.Module, where: str, layer_patch) -> Callable:
+    """The forward of a decoder layer's shared MLP (`shared_on_layer`): this rank's share of it
+    on x, carried to the layer's `moe + shared_mlp(x)`."""
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        partial = layer_patch.shared_share(hidden_states.reshape(-1, shape[-1]))
+        return SharedShare.carry(f"{where}'s shared MLP", partial)
+
+    return forward
+
+
+def block_forward(
+    block: torch.nn.Module, where: str, start: Callable, family, multiplier: float = 1.0
+) -> Callable:
     """The MoE block's forward on the bridge: `start(x [T, H])` routes and computes this rank's
     share and returns finish(residual [..., H]) -> residual_out; the block returns the handoff
-    as its family's block returns its output."""
+    as its family's block returns its output. multiplier: the m of the layer's `residual + h *
+    m` (already folded into the bridge's scaling; the handoff accepts exactly that product)."""
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
         if block.training:
@@ -92,7 +151,8 @@ def block_forward(block: torch.nn.Module, where: str, start: Callable, family) -
                 f"arguments {sorted(kwargs)}"
             )
         shape = hidden_states.shape
-        return family.block_output(Handoff.make(where, start(hidden_states.reshape(-1, shape[-1]))))
+        finish = start(hidden_states.reshape(-1, shape[-1]))
+        return family.block_output(Handoff.make(where, finish, multiplier))
 
     return forward
 

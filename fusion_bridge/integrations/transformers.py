@@ -6,13 +6,15 @@
     print(patch.explain())                               # per MoE layer: strategy per token count
     patch.unpatch()                                      # the model's own code again
 
-Supported families (the language model's `config.model_type`; hf_families has one module per
-family, read from transformers' own modeling file of that family): DeepSeek-V3 ('deepseek_v3', and
-'kimi_k2', the type Kimi-K2's config carries; 'kimi_k25', Kimi-K2.5's vision-language wrapper),
-DeepSeek-V2, GLM-4-MoE, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE (the 'qwen3_5_moe' wrapper or its
-language model alone), Mixtral, MiniMax-M2 and gpt-oss; anything else raises UnsupportedModelError
-naming them. transformers 5.x (expert weights as 3-D tensors). A wrapper's vision tower and image
-inputs are untouched: only its language model's MoE layers move.
+Supported families: the rows of hf_families.table, keyed by the language model's `config.model_type`
+(or a multimodal wrapper's), each read from transformers' own modeling file of that type
+(DeepSeek-V2/-V3/-V3.2 and Kimi-K2/K2.5, GLM-4-MoE, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral-4, Mistral-
+Large-4, Kimi-Linear, dots.llm1, Solar-Open, EXAONE-MoE, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE,
+Qwen3-Next, Qwen3-VL-MoE, Qwen3-Omni-MoE's thinker, OLMoE, ERNIE-4.5-MoE, Mixtral, MiniMax-M2 and
+-M3, gpt-oss, Granite-MoE and Granite-MoE-Shared). Any other type raises UnsupportedModelError with
+the structural difference that keeps it off the bridge (hf_families.structure) and the supported
+list. transformers 5.x (expert weights as 3-D tensors). A wrapper's vision tower and image inputs
+are untouched: only its language model's MoE layers move.
 
 What changes in the model, per MoE decoder layer (what an engine does when it adopts the fused
 epilogue): the block's own router picks the experts; this rank computes the routed experts it holds
@@ -47,16 +49,25 @@ import torch.distributed as dist
 
 from fusion_bridge import EpilogueOutputs, EpilogueSpec, FusionBridge
 
-from fusion_bridge.integrations.hf_experts import block_of, routed_rows, shared_partial
+from fusion_bridge.integrations.hf_experts import (
+    block_of,
+    routed_rows,
+    shared_partial,
+    shared_width,
+)
 from fusion_bridge.integrations.hf_families import (
     Family,
     UnsupportedModelError,
     check_moe_block,
     check_rmsnorm,
     family_of,
-    is_moe_block,
 )
-from fusion_bridge.integrations.hf_handoff import HANDOFF_ATTR, block_forward, handoff_forward
+from fusion_bridge.integrations.hf_handoff import (
+    HANDOFF_ATTR,
+    block_forward,
+    handoff_forward,
+    shared_forward,
+)
 from fusion_bridge.integrations.weights_digest import parameter_digests
 
 __all__ = [
@@ -84,6 +95,8 @@ class PatchedMoELayer:
     shared_columns: Optional[range]
     next_norm: str
     norm_module: torch.nn.Module
+    multiplier: float = 1.0  # m of the layer's `residual + h * m` (1.0: a plain residual add)
+    shared: Optional[torch.nn.Module] = None  # the shared expert MLP (the block's or the layer's)
 
     def explain(self, tokens: Optional[int] = None):
         """The bridge's report for this layer (strategy per token bucket, every rejection)."""
@@ -91,26 +104,39 @@ class PatchedMoELayer:
 
     def expert_share(self, x: torch.Tensor):
         """This rank's share of the block on x [T, H] (the post-attention-norm activations):
-        (gemm2_out, index map, expert weights, shared output or None), the bridge's inputs."""
+        (gemm2_out, index map, expert weights, shared output or None), the bridge's inputs. A
+        shared expert of the decoder layer (`shared_on_layer`) is left to `shared_share`, which
+        its own patched forward calls."""
         weights, ids = self.family.routing(self.block, x)
         gemm2_out, index_map = routed_rows(x, ids, self.block.experts, self.local_experts)
         shared = None
-        if self.shared_columns is not None:
-            mlp = getattr(self.block, self.family.shared_expert_attr)
-            partial = shared_partial(x, mlp, self.shared_columns)
-            shared = self.family.shared_output(self.block, x, partial)
+        if self.shared is not None and not self.family.shared_on_layer:
+            shared = self.shared_share(x)
         return gemm2_out, index_map, weights, shared
+
+    def shared_share(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the shared output on x [T, H], times the residual multiplier."""
+        partial = shared_partial(x, self.shared, self.shared_columns, self.family.shared_act)
+        shared = self.family.shared_output(self.block, x, partial)
+        if self.multiplier != 1.0:  # residual + m * (routed + shared)
+            shared = shared * self.multiplier
+        return shared
 
     def epilogue(self, x: torch.Tensor, residual: torch.Tensor) -> EpilogueOutputs:
         """x [T, H]: the post-attention-norm activations; residual [T, H]: the stream before it."""
-        return self._finalize(self.expert_share(x), residual)
+        gemm2_out, index_map, weights, shared = self.expert_share(x)
+        if self.shared is not None and self.family.shared_on_layer:
+            shared = self.shared_share(x)
+        return self._finalize((gemm2_out, index_map, weights, shared), residual)
 
-    def start(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The block's work on x [T, H] up to the bridge; returns finish(residual [..., H]) ->
-        residual_out, which runs the bridge and leaves its norm_out for the next norm."""
-        share = self.expert_share(x)
+    def start(self, x: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The block's work on x [T, H] up to the bridge; returns finish(residual [..., H],
+        shared=None) -> residual_out, which runs the bridge (with a layer's shared share where
+        given) and leaves its norm_out for the next norm."""
+        gemm2_out, index_map, weights, own_shared = self.expert_share(x)
 
-        def finish(residual: torch.Tensor) -> torch.Tensor:
+        def finish(residual: torch.Tensor, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+            share = (gemm2_out, index_map, weights, own_shared if shared is None else shared)
             out = self._finalize(share, residual.reshape(-1, residual.shape[-1]))
             residual_out = out.residual_out.view(residual.shape)
             norm_out = out.norm_out.view(residual.shape)
@@ -225,10 +251,11 @@ def patch_moe_epilogues(
     paths = {id(m): name for name, m in model.named_modules()}
     layers, final_norm = text.layers, text.norm
     hidden = text.config.hidden_size
-    moe_indices = [i for i, layer in enumerate(layers) if is_moe_block(layer.mlp)]
+    blocks = {i: family.moe_block(layer) for i, layer in enumerate(layers)}
+    moe_indices = [i for i, block in blocks.items() if block is not None]
     if not moe_indices:
         raise UnsupportedModelError("patch_moe_epilogues: the model has no MoE layer")
-    dtype = layers[moe_indices[0]].mlp.experts.gate_up_proj.dtype
+    dtype = blocks[moe_indices[0]].experts.gate_up_proj.dtype
     if dtype in (torch.float32, torch.float64):
         raise UnsupportedModelError(
             f"patch_moe_epilogues: model dtype must be bf16 or fp16 (the bridge's activation "
@@ -237,13 +264,13 @@ def patch_moe_epilogues(
         )
     next_norms = {}
     for i in moe_indices:
-        check_moe_block(family, layers[i].mlp, paths[id(layers[i].mlp)], hidden)
+        check_moe_block(family, blocks[i], paths[id(blocks[i])], hidden, layers[i])
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
         name = paths[id(norm)]
         next_norms[i] = (name, norm, check_rmsnorm(family, norm, name, hidden))
-    device = layers[moe_indices[0]].mlp.experts.gate_up_proj.device
+    device = blocks[moe_indices[0]].experts.gate_up_proj.device
     group, rank, world = _resolve_group(group, device)
-    num_experts = layers[moe_indices[0]].mlp.experts.gate_up_proj.shape[0]
+    num_experts = blocks[moe_indices[0]].experts.gate_up_proj.shape[0]
     if world > num_experts:
         raise ValueError(
             f"patch_moe_epilogues: group size must be at most the number of routed experts "
@@ -256,25 +283,28 @@ def patch_moe_epilogues(
     bridges: dict[EpilogueSpec, FusionBridge] = {}
     try:
         for i in moe_indices:
-            block = layers[i].mlp
+            block = blocks[i]
             name, norm, eps = next_norms[i]
+            multiplier = family.multiplier(layers[i])
             spec = EpilogueSpec(
                 hidden_size=hidden,
                 top_k=family.top_k(block),
                 dtype=dtype,
                 eps=eps,
                 weight_bias=family.weight_bias,
-                routed_scaling_factor=family.routed_scaling(block),
-                has_shared_output=family.shared_expert_attr is not None,
+                # residual + m * (routed + shared): m folded into the routed scaling here and into
+                # the shared partial by PatchedMoELayer
+                routed_scaling_factor=family.routed_scaling(block) * multiplier,
+                has_shared_output=family.shared_module(block, layers[i]) is not None,
                 max_tokens=max_tokens,
             )
             if spec not in bridges:  # layers with equal specs share one bridge and its workspaces
                 bridges[spec] = FusionBridge(spec, group, strategy, device=device, **bridge_options)
                 patch._bridges.append(bridges[spec])
             shared_columns = None
-            if family.shared_expert_attr is not None:
-                inter = getattr(block, family.shared_expert_attr).gate_proj.weight.shape[0]
-                shared_columns = block_of(rank, world, inter)
+            shared = family.shared_module(block, layers[i])
+            if shared is not None:
+                shared_columns = block_of(rank, world, shared_width(shared))
             layer_patch = PatchedMoELayer(
                 i,
                 bridges[spec],
@@ -284,11 +314,17 @@ def patch_moe_epilogues(
                 shared_columns,
                 name,
                 norm,
+                multiplier,
+                shared,
             )
             patch.layers[i] = layer_patch
             patch._set(layers[i], "moe_epilogue", layer_patch)
             where = paths[id(block)]
-            patch._set(block, "forward", block_forward(block, where, layer_patch.start, family))
+            patch._set(
+                block, "forward", block_forward(block, where, layer_patch.start, family, multiplier)
+            )
+            if shared is not None and family.shared_on_layer:
+                patch._set(shared, "forward", shared_forward(shared, where, layer_patch))
             if HANDOFF_ATTR not in norm.__dict__:
                 patch._set(norm, "forward", handoff_forward(norm, patch._norm_reused))
                 patch._set(norm, HANDOFF_ATTR, None)

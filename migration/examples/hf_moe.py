@@ -3,13 +3,13 @@
     python -m migration.examples.hf_moe --world-size 2     # gloo on CPU; NCCL when 2 GPUs exist
 
 Builds small random-weight models from transformers configs (no download) of every supported family
-(hf_moe_models.py: DeepSeek-V3, Kimi-K2.5, DeepSeek-V2, GLM-4-MoE, Qwen2-MoE, Qwen3-MoE,
-Qwen3.5-MoE, Mixtral, MiniMax-M2, gpt-oss), runs the unmodified model (forward + greedy generate
-with a KV cache), patches it with `patch_moe_epilogues(model, group=...)` and runs it again, then
-unpatches it and runs the forward a third time; prints how far the patched logits moved against
-the bound derived in `logits_bound` (hf_moe_bound.py), whether greedy generation agrees, which
-strategy each patched layer runs, and whether unpatching restored the model exactly. The same model
-and the same prompt are built on every rank (same seeds).
+(hf_moe_models.FAMILIES: one per row of the family table; a family this transformers lacks, or whose
+code here the patch refuses, is skipped with the reason), runs the unmodified model (forward +
+greedy generate with a KV cache), patches it with `patch_moe_epilogues(model, group=...)` and runs
+it again, then unpatches it and runs the forward a third time; prints how far the patched logits
+moved against the bound derived in `logits_bound` (hf_moe_bound.py), whether greedy generation
+agrees, which strategy each patched layer runs, and whether unpatching restored the model exactly.
+The same model and the same prompt are built on every rank (same seeds).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from fusion_bridge.integrations.transformers import patch_moe_epilogues
 
 from migration.examples.hf_moe_bound import Recorder, generate_steps, tainted_positions
-from migration.examples.hf_moe_models import FAMILIES, LARGE, TINY, available, build_model
+from migration.examples.hf_moe_models import FAMILIES, LARGE, TINY, build_model, why_skipped
 
 __all__ = ["FAMILIES", "LARGE", "TINY", "build_model", "compare", "run_rank", "main"]
 
@@ -122,8 +122,9 @@ def run_rank(
     group = dist.group.WORLD if world > 1 else None
     results = []
     for family in families:
-        if not available(family):
-            results.append({"family": family, "rank": rank, "skipped": "not in this transformers"})
+        why = why_skipped(family)
+        if why is not None:
+            results.append({"family": family, "rank": rank, "skipped": why})
             continue
         model = build_model(family, size, seed=0, device=device)
         g = torch.Generator().manual_seed(1)  # the same prompt on every rank
@@ -186,8 +187,9 @@ def main(argv=None) -> int:
             strategies = ", ".join(f"layer {i}: {s}" for i, s in r["strategies"].items())
             print(f"{r['family']} (world {args.world_size}): {strategies}")
         print(_line(r))
+    reasons = {r["family"]: r["skipped"] for rank in per_rank for r in rank if "skipped" in r}
     for family in skipped:
-        print(f"{family}: not in this transformers release, skipped")
+        print(f"{family}: skipped ({reasons[family]})")
     print("patched and unmodified agree" if ok else "patched and unmodified DISAGREE")
     return 0 if ok else 1
 

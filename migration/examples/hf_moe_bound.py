@@ -10,20 +10,37 @@ import torch
 U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 
 # Roundings to the activation dtype in one call of a family's RMSNorm (its forward, quoted):
-#   Llama style (default), `return self.weight * hidden_states.to(input_dtype)`: the normalized
-#   row, then its product with the weight: 2;
+#   Llama style (default; every other family's RMSNorm, the ones added with the family table
+#   included: DeepSeek-V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral-4, Kimi-Linear, Qwen3-VL-MoE's
+#   and Qwen3-Omni-MoE's text norms, OLMoE, ERNIE-4.5-MoE), `return self.weight *
+#   hidden_states.to(input_dtype)`: the normalized row, then its product with the weight: 2;
 #   GptOssRMSNorm, `return (self.weight * hidden_states).to(input_dtype)`: 1;
-#   Qwen3_5MoeRMSNorm, `output = output * (1.0 + self.weight.float()); return
-#   output.type_as(x)`: 1.
-NORM_ROUNDINGS = {"GptOssRMSNorm": 1, "Qwen3_5MoeRMSNorm": 1}
+#   Qwen3_5MoeRMSNorm and Qwen3NextRMSNorm, `output = output * (1.0 + self.weight.float());
+#   return output.type_as(x)`: 1.
+NORM_ROUNDINGS = {
+    "GptOssRMSNorm": 1,
+    "Qwen3_5MoeRMSNorm": 1,
+    "Qwen3NextRMSNorm": 1,
+    "MiniMaxM3VLRMSNorm": 1,  # `output * (1.0 + self.weight.float()); return output.type_as(x)`
+}
 # A^2 of a token mixer (see logits_bound): attention passes on its input's relative error once
-# (1); Qwen3.5's full attention multiplies its output by sigmoid(gate(x)), a second linear path
-# of the same input whose error adds in quadrature (2); Qwen3.5's gated DeltaNet reaches its
-# output through seven projections of its input (q; k twice: the state's erase and write terms;
-# v; the output gate z; the decay a; the write strength b), each passing on the input's relative
-# error at most once (normalised q and k, slopes of silu, sigmoid and softplus at most about 1 at
-# these small random weights), so seven paths in quadrature (7).
-MIXER_GAIN = {"Qwen3_5MoeAttention": 2, "Qwen3_5MoeGatedDeltaNet": 7}
+# (1; MLA and DeepSeek-V3.2's / GLM-MoE-DSA's sparse attention too, whose indexer keeps more tokens
+# than the tests' sequences hold, so it attends to all as dense attention does); Qwen3.5's and
+# Qwen3-Next's full attention multiply their output by sigmoid(gate(x)), a second linear path of
+# the same input whose error adds in quadrature (2); Qwen3.5's and Qwen3-Next's gated DeltaNet
+# reach their output through seven projections of its input (q; k twice: the state's erase and
+# write terms; v; the output gate z; the decay a; the write strength b), each passing on the
+# input's relative error at most once (normalised q and k, slopes of silu, sigmoid and softplus at
+# most about 1 at these small random weights), so seven paths in quadrature (7); Kimi-Linear's
+# KDA (KimiLinearDeltaAttention) has the same seven: q, k twice, v, the forget gate
+# (f_a_proj -> f_b_proj), the write strength b_proj and the output gate (g_a_proj -> g_b_proj) (7).
+MIXER_GAIN = {
+    "Qwen3_5MoeAttention": 2,
+    "Qwen3_5MoeGatedDeltaNet": 7,
+    "Qwen3NextAttention": 2,
+    "Qwen3NextGatedDeltaNet": 7,
+    "KimiLinearDeltaAttention": 7,
+}
 
 
 def norm_roundings(norm: torch.nn.Module) -> int:
@@ -44,20 +61,33 @@ def epilogue_roundings(model: torch.nn.Module, world: int, weights_dtype: torch.
       - bridge: each rank rounds its partial once (W) and the all-reduce rounds W-1 sums;
       - split shared expert (W > 1): each rank rounds its partial down_proj output (and its gated
         product) where the unmodified model rounds the whole once: 1 + W each, at most at the
-        whole's size (at W = 1 the patched shared expert runs the same ops on the same values)."""
-    lm = language_model(model)
+        whole's size (at W = 1 the patched shared expert runs the same ops on the same values);
+      - a residual multiplier m (granitemoe: `residual + h * m`): the unmodified model rounds
+        h * m once more; the bridge folds m into its fp32 scaling (no rounding), and a shared
+        partial multiplied by m rounds once more on each rank (1 each);
+      - a block that scales its routed output itself (minimax_m3_vl): one more rounding in the
+        unmodified model, none in the bridge's fp32 scaling."""
+    from fusion_bridge.integrations.hf_families import family_of
+
+    family, lm = family_of(model)
     cfg = lm.config
-    moe = next(layer.mlp for layer in lm.layers if hasattr(layer.mlp, "experts"))
+    layer = next(layer for layer in lm.layers if family.moe_block(layer) is not None)
+    moe = family.moe_block(layer)
     top_k = cfg.num_experts_per_tok
-    shared = any(hasattr(moe, a) for a in ("shared_experts", "shared_expert"))
-    gated = hasattr(moe, "shared_expert_gate")
+    shared = family.shared_module(moe, layer) is not None
+    gated = shared and family.shared_gate_attr is not None
     if getattr(cfg, "_experts_implementation", None) == "eager":
         unmodified = 2 * top_k
     else:
         unmodified = 1 + (top_k if weights_dtype != torch.float32 else 0)
     unmodified += int(shared) + int(gated)
     split = (1 + world) * (int(shared) + int(gated)) if world > 1 else 0
-    return unmodified + world + (world - 1) + split
+    scaled = 0
+    if family.multiplier(layer) != 1.0:
+        scaled = 1 + (world if shared else 0)
+    if family.block_scaling:  # the unmodified block rounds experts(x) * routed_scaling_factor
+        scaled += 1
+    return unmodified + world + (world - 1) + split + scaled
 
 
 def logits_bound(
@@ -108,9 +138,10 @@ def logits_bound(
 
 def language_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module holding the decoder layers (`.layers`) and the final norm (`.norm`): the base
-    model, or a vision-language wrapper's language model."""
-    base = getattr(model, model.base_model_prefix)
-    return getattr(base, "language_model", base)
+    model, or a multimodal wrapper's language model, found as the patch finds it."""
+    from fusion_bridge.integrations.hf_families import family_of
+
+    return family_of(model)[1]
 
 
 class Recorder:
@@ -119,9 +150,14 @@ class Recorder:
     router's weights, and in the unmodified model the per-token magnitudes logits_bound needs."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        lm = language_model(model)
+        from fusion_bridge.integrations.hf_families import family_of
+
+        family, lm = family_of(model)
         layers = lm.layers
-        self.moe_layers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+        self.moe_layers = [i for i, layer in enumerate(layers) if family.moe_block(layer)]
+        # m of `residual + sublayer * m` (granitemoe): the hooks see the sublayers' outputs
+        # before it, the residual stream gets them times m
+        self.multipliers = {i: family.multiplier(layer) for i, layer in enumerate(layers)}
         self.last_layer = len(layers) - 1
         self.norm = norm_roundings(lm.norm)
         mixers = [type(self._mixer(layer)).__name__ for layer in layers]
@@ -133,11 +169,14 @@ class Recorder:
             self._handles += [
                 layer.register_forward_pre_hook(self._pre(i), with_kwargs=True),
                 self._mixer(layer).register_forward_hook(self._store(i, "attn")),
-                layer.mlp.register_forward_hook(self._store(i, "mlp")),
+                (family.moe_block(layer) or layer.mlp).register_forward_hook(self._store(i, "mlp")),
                 layer.register_forward_hook(self._store(i, "out")),
             ]
+            shared = family.shared_module(family.moe_block(layer), layer)
+            if family.shared_on_layer and shared is not None:  # added to the block's output
+                self._handles.append(shared.register_forward_hook(self._store(i, "shared")))
             if i in self.moe_layers:
-                router = getattr(layer.mlp, "router", None) or layer.mlp.gate
+                router = family.router(family.moe_block(layer))
                 self._handles.append(router.register_forward_hook(self._route(i)))
 
     @staticmethod
@@ -184,10 +223,11 @@ class Recorder:
     def magnitudes(self, call: dict) -> dict:
         out = {}
         for layer, m in call["mag"].items():
-            after_attn = m["in"].float() + m["attn"].float()
-            out[layer] = tuple(
-                self._norms(t) for t in (m["in"], m["attn"], after_attn, m["mlp"], m["out"])
-            )
+            scale = self.multipliers[layer]
+            mlp = m["mlp"].float() + (m["shared"].float() if "shared" in m else 0)
+            attn, mlp = m["attn"].float() * scale, mlp * scale
+            after_attn = m["in"].float() + attn
+            out[layer] = tuple(self._norms(t) for t in (m["in"], attn, after_attn, mlp, m["out"]))
         return out
 
     def routing(self) -> list[dict]:

@@ -8,7 +8,11 @@ GLM-4-MoE a dense first layer, a shared expert, routed scaling and grouped routi
 Qwen3-MoE a dense layer between MoE layers (Qwen2 with its gated shared expert); Qwen3.5-MoE linear
 attention around a full-attention layer and a gated shared expert; Mixtral, MiniMax-M2 and gpt-oss
 MoE in every layer (gpt-oss with sliding-window layers and expert biases). Kimi-K2.5 and Qwen3.5-MoE
-are their vision-language wrappers with a one-layer vision tower.
+are their vision-language wrappers with a one-layer vision tower. The families added with the
+family table (issue 47) keep theirs too: DSA / MLA attention (DeepSeek-V3.2, GLM-MoE-DSA,
+GLM-4-MoE-Lite, Mistral-4, Mistral-Large-4 in its Pixtral wrapper), linear attention (Kimi-Linear's
+KDA, Qwen3-Next's gated DeltaNet), wrappers (Qwen3-VL-MoE, Qwen3-Omni-MoE's thinker), a dense first
+layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU.
 """
 
 from __future__ import annotations
@@ -26,6 +30,23 @@ FAMILIES = (
     "mixtral",
     "minimax_m2",
     "gpt_oss",
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "mistral4",
+    "mistral_large4",
+    "kimi_linear",
+    "qwen3_next",
+    "qwen3_vl_moe",
+    "qwen3_omni_moe",
+    "olmoe",
+    "ernie4_5_moe",
+    "granitemoe",
+    "granitemoeshared",
+    "minimax_m3_vl",
+    "dots1",
+    "solar_open",
+    "exaone_moe",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -40,6 +61,23 @@ CONFIG_CLASS = {
     "mixtral": "MixtralConfig",
     "minimax_m2": "MiniMaxM2Config",
     "gpt_oss": "GptOssConfig",
+    "deepseek_v32": "DeepseekV32Config",
+    "glm4_moe_lite": "Glm4MoeLiteConfig",
+    "glm_moe_dsa": "GlmMoeDsaConfig",
+    "mistral4": "Mistral4Config",
+    "mistral_large4": "MistralLarge4Config",
+    "kimi_linear": "KimiLinearConfig",
+    "qwen3_next": "Qwen3NextConfig",
+    "qwen3_vl_moe": "Qwen3VLMoeConfig",
+    "qwen3_omni_moe": "Qwen3OmniMoeThinkerConfig",
+    "olmoe": "OlmoeConfig",
+    "ernie4_5_moe": "Ernie4_5_MoeConfig",
+    "granitemoe": "GraniteMoeConfig",
+    "granitemoeshared": "GraniteMoeSharedConfig",
+    "minimax_m3_vl": "MiniMaxM3VLTextConfig",
+    "dots1": "Dots1Config",
+    "solar_open": "SolarOpenConfig",
+    "exaone_moe": "ExaoneMoeConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -55,6 +93,18 @@ def available(family: str) -> bool:
     import transformers
 
     return hasattr(transformers, CONFIG_CLASS[family])
+
+
+def why_skipped(family: str):
+    """Why this transformers release cannot run `family` on the bridge (it lacks the model code,
+    or its release of the code differs from what the patch moves: the patch's own refusal), or
+    None."""
+    if not available(family):
+        return "not in this transformers"
+    from fusion_bridge.integrations.hf_families import refusal_of
+
+    why = refusal_of(family)
+    return None if why is None else f"refused by the patch in this transformers: {why}"
 
 
 def _deepseek(s: dict, **extra) -> dict:
@@ -128,6 +178,107 @@ def _configs(family: str, s: dict, common: dict) -> tuple[str, dict]:
     if family == "gpt_oss":
         kinds = ["sliding_attention", "full_attention", "sliding_attention"]
         return "GptOssForCausalLM", dict(common, **every, layer_types=kinds, sliding_window=4)
+    return _newer_configs(family, s, common, qwen)
+
+
+def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str, dict]:
+    """The families added with the family table (issue 47)."""
+    dense_first = ["dense"] + ["sparse"] * (s["layers"] - 1)
+    # DSA's indexer keeps index_topk tokens per query: more than any test sequence, so the
+    # sparse attention attends to every token as dense attention does (no selection to flip)
+    dsa = dict(q_lora_rank=s["head_dim"] * 2, index_topk=64, index_head_dim=s["head_dim"])
+    dsa.update(index_n_heads=2)
+    if family == "deepseek_v32":
+        return "DeepseekV32ForCausalLM", dict(common, **dict(_deepseek(s), **dsa))
+    if family == "glm_moe_dsa":
+        glm = dict(common, **dict(_deepseek(s), **dsa), mlp_layer_types=dense_first)
+        return "GlmMoeDsaForCausalLM", glm
+    if family == "glm4_moe_lite":
+        lite = dict(common, **_deepseek(s), mlp_layer_types=dense_first)
+        lite.pop("first_k_dense_replace")
+        return "Glm4MoeLiteForCausalLM", lite
+    if family == "mistral4":
+        return "Mistral4ForCausalLM", dict(common, **_deepseek(s))
+    if family == "mistral_large4":
+        text = dict(common, **dict(_deepseek(s), **dsa), mlp_layer_types=dense_first)
+        for key in ("first_k_dense_replace", "q_lora_rank", "experts_implementation"):
+            text.pop(key)
+        vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
+        vision.update(num_attention_heads=2, image_size=32, patch_size=16)
+        kwargs = dict(text_config=text, vision_config=vision, image_token_index=1 << 20)
+        return "MistralLarge4ForConditionalGeneration", kwargs
+    if family == "kimi_linear":
+        kimi = dict(common, **_deepseek(s), mlp_layer_types=dense_first)
+        kimi.pop("first_k_dense_replace")
+        kimi["num_local_experts"] = kimi.pop("n_routed_experts")
+        kimi.update(layer_types=["linear_attention", "full_attention", "linear_attention"])
+        kimi.update(linear_head_dim=s["head_dim"], linear_num_heads=2)
+        kimi.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: Kimi's vocabulary
+        return "KimiLinearForCausalLM", kimi
+    if family == "qwen3_next":
+        text = dict(common, **qwen, shared_expert_intermediate_size=s["shared_inter"])
+        text.update(layer_types=["linear_attention", "full_attention", "linear_attention"])
+        text.update(linear_num_key_heads=2, linear_num_value_heads=2, intermediate_size=s["inter"])
+        text.update(linear_key_head_dim=s["head_dim"], linear_value_head_dim=s["head_dim"])
+        return "Qwen3NextForCausalLM", text
+    if family == "qwen3_vl_moe":
+        text = dict(common, **qwen, intermediate_size=s["inter"])
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
+        vision.update(out_hidden_size=s["hidden"], deepstack_visual_indexes=[])
+        return "Qwen3VLMoeForConditionalGeneration", dict(text_config=text, vision_config=vision)
+    if family == "qwen3_omni_moe":
+        text = dict(common, **qwen, intermediate_size=s["inter"], mlp_only_layers=[1])
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
+        vision.update(out_hidden_size=s["hidden"], deepstack_visual_indexes=[])
+        audio = dict(encoder_layers=1, d_model=32, encoder_attention_heads=2)
+        audio.update(encoder_ffn_dim=32, output_dim=s["hidden"])
+        kwargs = dict(text_config=text, vision_config=vision, audio_config=audio)
+        # generate's rope index reads it; no prompt token (all below the vocabulary) matches
+        kwargs.update(vision_start_token_id=1 << 20)
+        return "Qwen3OmniMoeThinkerForConditionalGeneration", kwargs
+    if family == "olmoe":
+        return "OlmoeForCausalLM", dict(common, **qwen, intermediate_size=s["moe_inter"])
+    if family == "ernie4_5_moe":
+        ernie = dict(common, num_key_value_heads=2, intermediate_size=s["inter"])
+        ernie.update(moe_intermediate_size=s["moe_inter"], moe_num_experts=s["experts"])
+        ernie.update(moe_k=s["top_k"], moe_num_shared_experts=1, moe_layer_start_index=1)
+        ernie.update(moe_layer_interval=1)
+        return "Ernie4_5_MoeForCausalLM", ernie
+    if family == "granitemoe":
+        granite = dict(common, num_key_value_heads=2, intermediate_size=s["moe_inter"])
+        granite.update(num_local_experts=s["experts"], residual_multiplier=0.5)
+        granite.update(embedding_multiplier=2.0, attention_multiplier=0.25, logits_scaling=2.0)
+        return "GraniteMoeForCausalLM", granite
+    if family == "granitemoeshared":
+        granite = dict(common, num_key_value_heads=2, intermediate_size=s["moe_inter"])
+        granite.update(num_local_experts=s["experts"], residual_multiplier=0.5)
+        granite.update(shared_intermediate_size=s["shared_inter"], embedding_multiplier=2.0)
+        return "GraniteMoeSharedForCausalLM", granite
+    if family == "minimax_m3_vl":  # its text model (MiniMaxM3VLForCausalLM)
+        m3 = dict(common, num_key_value_heads=2, head_dim=s["head_dim"])
+        m3.update(num_local_experts=s["experts"], intermediate_size=s["moe_inter"])
+        m3.update(shared_intermediate_size=s["shared_inter"], dense_intermediate_size=s["inter"])
+        m3.update(routed_scaling_factor=2.5, rotary_dim=s["head_dim"] // 2)
+        m3.update(mlp_layer_types=dense_first, layer_types=["full_attention"] * s["layers"])
+        m3.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: its vocabulary
+        return "MiniMaxM3VLForCausalLM", m3
+    grouped = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], n_group=4, topk_group=2)
+    grouped.update(moe_intermediate_size=s["moe_inter"], n_routed_experts=s["experts"])
+    grouped.update(n_shared_experts=1, routed_scaling_factor=2.5)
+    if family == "dots1":
+        grouped.pop("head_dim")
+        return "Dots1ForCausalLM", dict(
+            grouped, intermediate_size=s["inter"], first_k_dense_replace=1
+        )
+    if family == "solar_open":
+        return "SolarOpenForCausalLM", dict(grouped, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "exaone_moe":
+        exaone = {
+            k: v for k, v in grouped.items() if k not in ("n_routed_experts", "n_shared_experts")
+        }
+        exaone.update(num_experts=s["experts"], num_shared_experts=1, intermediate_size=s["inter"])
+        exaone.update(first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        return "ExaoneMoeForCausalLM", exaone
     raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
 
 

@@ -20,7 +20,7 @@ from fusion_bridge.integrations.transformers import (  # noqa: E402
 )
 from migration.examples.hf_moe import FAMILIES, TINY, build_model, run_rank  # noqa: E402
 from migration.examples.hf_moe_bound import Recorder, tainted_positions  # noqa: E402
-from migration.examples.hf_moe_models import available  # noqa: E402
+from migration.examples.hf_moe_models import why_skipped  # noqa: E402
 
 NEW_TOKENS = 6
 
@@ -183,21 +183,22 @@ def test_a_deepseek_v3_model_whose_config_says_kimi_k2_is_patched():
     assert int(clean.sum()) >= 8 and float((rel / bound)[clean].max()) <= 1.0
 
 
-def test_refuses_an_unsupported_family_naming_the_supported_types():
-    config = transformers.OlmoeConfig(
+def test_refuses_an_unsupported_family_naming_its_difference_and_the_supported_types():
+    config = transformers.PhimoeConfig(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        num_experts=4,
+        num_local_experts=4,
         num_experts_per_tok=2,
     )
-    model = transformers.OlmoeForCausalLM(config).to(torch.bfloat16).eval()
+    model = transformers.PhimoeForCausalLM(config).to(torch.bfloat16).eval()
     with pytest.raises(UnsupportedModelError) as err:
         patch_moe_epilogues(model)
-    assert "model_type='olmoe'" in str(err.value)
+    assert "model_type='phimoe'" in str(err.value)
+    assert "LayerNorm, not RMSNorm: PhimoeDecoderLayer's norms are LayerNorm" in str(err.value)
     for name in (
         "'deepseek_v3'",
         "'kimi_k2'",
@@ -210,6 +211,7 @@ def test_refuses_an_unsupported_family_naming_the_supported_types():
         "'mixtral'",
         "'minimax_m2'",
         "'gpt_oss'",
+        "'olmoe'",
     ):
         assert name in str(err.value), name
 
@@ -295,9 +297,16 @@ def test_eval_mode_only_arguments_by_position_and_a_layer_that_misuses_the_block
 
 
 def test_the_families_this_transformers_has():
-    """Every family exists from transformers 5.17 on; a release without one is refused by model
-    type (see test_refuses_an_unsupported_family_naming_the_supported_types)."""
-    assert all(available(f) for f in FAMILIES), [f for f in FAMILIES if not available(f)]
+    """The ten families of the first adapter run from transformers 5.17 on; a family added with
+    the table may be missing from an older release, or differ there from what the patch moves
+    (granitemoe's router at 5.17): skipped by the tests above with its reason, counted here in one
+    line."""
+    skipped = {f: why_skipped(f) for f in FAMILIES if why_skipped(f) is not None}
+    print(
+        f"transformers {transformers.__version__}: {len(FAMILIES) - len(skipped)} of "
+        f"{len(FAMILIES)} families tested, {len(skipped)} skipped: {skipped}"
+    )
+    assert not [f for f in FAMILIES[:10] if f in skipped], skipped
 
 
 def test_the_package_never_imports_transformers_itself():
@@ -311,3 +320,25 @@ def test_the_package_never_imports_transformers_itself():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_residual_multiplier_is_taken_exactly_once_and_only_as_the_family_states():
+    """granitemoe's layer adds residual + h * residual_multiplier: the handoff accepts exactly
+    that product once (the bridge folded m into both partials), and refuses any other factor or
+    an add without it, rather than compute something else."""
+    if why_skipped("granitemoe") is not None:
+        pytest.skip(f"granitemoe: {why_skipped('granitemoe')}")
+    model = build_model("granitemoe", TINY)
+    patch = patch_moe_epilogues(model)
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 5, TINY["hidden"]).to(torch.bfloat16)
+    with torch.no_grad():
+        for misuse in (lambda h: h * 3.0, lambda h: hidden + h, lambda h: h * 0.5 * 0.5):
+            with pytest.raises(UnsupportedModelError, match=r"block_sparse_moe used its MoE"):
+                misuse(layer.block_sparse_moe(hidden))
+        residual_out = hidden + layer.block_sparse_moe(hidden) * layer.residual_multiplier
+    patch.unpatch()
+    with torch.no_grad():
+        own = hidden + layer.block_sparse_moe(hidden) * layer.residual_multiplier
+    rel = float((residual_out.float() - own.float()).norm() / own.float().norm())
+    assert rel < 0.02, rel  # the same sum up to bf16 roundings (the bound is the family test's)

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from fusion_bridge.integrations.transformers import patch_moe_epilogues  # noqa: E402
 from migration.examples.hf_moe import FAMILIES, LARGE, build_model, compare  # noqa: E402
 from migration.examples.hf_moe_bound import Recorder, tainted_positions  # noqa: E402
-from migration.examples.hf_moe_models import available  # noqa: E402
+from migration.examples.hf_moe_models import why_skipped  # noqa: E402
 from tests.integrations.test_hf_transformers import check_summary  # noqa: E402
 
 PROMPT = (2, 12)
@@ -46,8 +46,8 @@ def _recorded_forward(model, prompt: torch.Tensor):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_large_model_on_the_bridge_eager_and_under_cuda_graphs(family):
-    if not available(family):
-        pytest.skip(f"{family} is not in transformers {transformers.__version__}")
+    if why_skipped(family) is not None:
+        pytest.skip(f"{family}, transformers {transformers.__version__}: {why_skipped(family)}")
     print("transformers", transformers.__version__, "torch", torch.__version__)
     device = torch.device("cuda", 0)
     model = build_model(family, LARGE, seed=0, device=device)

@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import torch
 
-from fusion_bridge.integrations.hf_families.base import BRIDGE_DTYPES, Family, UnsupportedModelError
+from fusion_bridge.integrations.hf_families.base import (
+    BRIDGE_DTYPES,
+    Family,
+    UnsupportedModelError,
+    norm_weight_offset,
+)
 
 
 def is_moe_block(mlp: torch.nn.Module) -> bool:
     return hasattr(mlp, "experts")
 
 
-def check_moe_block(family: Family, block: torch.nn.Module, where: str, hidden: int) -> None:
+def check_moe_block(
+    family: Family, block: torch.nn.Module, where: str, hidden: int, layer=None
+) -> None:
     """Refuse an MoE block whose code or expert layout the patch does not understand."""
     origin = type(block).__module__
-    if not origin.startswith(f"transformers.models.{family.modeling}."):
+    if not _from_modeling(family, block):
         raise UnsupportedModelError(
             f"patch_moe_epilogues: {where} must be transformers' own {family.name} MoE block "
-            f"(a class of transformers.models.{family.modeling}), got {type(block).__name__} from "
+            f"(a class of transformers.models.{family.modeling[0]}), got {type(block).__name__} "
+            "from "
             f"{origin} (a model loaded with trust_remote_code=True runs its repository's code: "
             "load it without trust_remote_code)"
         )
@@ -35,8 +43,14 @@ def check_moe_block(family: Family, block: torch.nn.Module, where: str, hidden: 
             f"module with an integer top_k), got {type(router).__name__}"
         )
     _check_experts(block.experts, where, hidden)
-    if family.shared_expert_attr is not None:
-        _check_shared(family, block, where, block.experts.gate_up_proj.dtype)
+    shared = family.shared_module(block, layer)
+    if shared is not None:
+        _check_shared(family, shared, where, block.experts.gate_up_proj.dtype)
+
+
+def _from_modeling(family: Family, module: torch.nn.Module) -> bool:
+    origin = type(module).__module__
+    return any(origin.startswith(f"transformers.models.{m}.") for m in family.modeling)
 
 
 def _check_experts(experts: torch.nn.Module, where: str, hidden: int) -> None:
@@ -95,19 +109,33 @@ def _check_experts(experts: torch.nn.Module, where: str, hidden: int) -> None:
         )
 
 
-def _check_shared(family: Family, block: torch.nn.Module, where: str, dtype) -> None:
-    name = family.shared_expert_attr
-    shared = getattr(block, name, None)
-    projections = [getattr(shared, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections):
+def _check_shared(family: Family, shared: torch.nn.Module, where: str, dtype) -> None:
+    name = family.shared_attr
+    if hasattr(shared, "input_linear"):
+        names, act = ("input_linear", "output_linear"), getattr(shared, "activation", None)
+    elif hasattr(shared, "gate_up_proj"):
+        names, act = ("gate_up_proj", "down_proj"), family.shared_act
+    else:
+        names, act = ("gate_proj", "up_proj", "down_proj"), getattr(shared, "act_fn", None)
+    fused = len(names) == 2
+    projections = [getattr(shared, p, None) for p in names]
+    if not all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections) or (
+        not callable(act)
+    ):
         raise UnsupportedModelError(
-            f"patch_moe_epilogues: {where}.{name} must be an MLP of bias-free nn.Linear "
-            f"gate_proj / up_proj / down_proj (the shared expert of {family.name}), got "
-            f"{type(shared).__name__}"
+            f"patch_moe_epilogues: {where}'s {name} must be an MLP of bias-free nn.Linear "
+            f"gate_proj / up_proj / down_proj with act_fn, input_linear / output_linear with "
+            f"activation, or gate_up_proj / down_proj with the row's shared_act (the shared "
+            f"expert of {family.name}), got {type(shared).__name__}"
+        )
+    if fused and projections[0].weight.shape[0] != 2 * projections[1].weight.shape[1]:
+        raise UnsupportedModelError(
+            f"patch_moe_epilogues: {where}'s {name}.{names[0]} must be [2I, H] for a "
+            f"{names[1]} [H, I], got {tuple(projections[0].weight.shape)}"
         )
     if any(p.weight.dtype != dtype for p in projections):
         raise UnsupportedModelError(
-            f"patch_moe_epilogues: {where}.{name} weights must be {dtype} like the routed "
+            f"patch_moe_epilogues: {where}'s {name} weights must be {dtype} like the routed "
             f"experts, got {[str(p.weight.dtype) for p in projections]}"
         )
 
@@ -115,19 +143,26 @@ def _check_shared(family: Family, block: torch.nn.Module, where: str, dtype) -> 
 def check_rmsnorm(family: Family, norm: torch.nn.Module, where: str, hidden: int) -> float:
     """The norm the bridge computes in place of `norm`: (weight + the family's weight_bias) * x /
     rms(x), eps as stored (`variance_epsilon`, or `eps` in the zero-centred norms). The class
-    must be the family's own RMSNorm (whose weight offset the family states). Returns eps."""
+    must be the family's own RMSNorm, and its forward must multiply by (weight + the offset the
+    family states: norm_weight_offset). Returns eps."""
     weight = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if (
         not type(norm).__name__.endswith("RMSNorm")
-        or not type(norm).__module__.startswith(f"transformers.models.{family.modeling}.")
+        or not _from_modeling(family, norm)
         or not isinstance(weight, torch.Tensor)
         or tuple(weight.shape) != (hidden,)
         or not isinstance(eps, float)
     ):
         raise UnsupportedModelError(
             f"patch_moe_epilogues: {where} must be {family.name}'s RMSNorm (a class of "
-            f"transformers.models.{family.modeling}, weight [{hidden}], a float eps), got "
+            f"transformers.models.{family.modeling[0]}, weight [{hidden}], a float eps), got "
             f"{type(norm).__name__} from {type(norm).__module__}"
+        )
+    offset = norm_weight_offset(norm)
+    if offset != family.weight_bias:
+        raise UnsupportedModelError(
+            f"patch_moe_epilogues: {where} ({type(norm).__name__}) multiplies by (weight + "
+            f"{offset}), but the {family.name} row says (weight + {family.weight_bias})"
         )
     return eps

@@ -1,0 +1,234 @@
+"""The family table: one row per transformers MoE model type the adapter supports, keyed by the
+language model's `config.model_type` (as Liger's MODEL_TYPE_TO_APPLY_LIGER_FN). Each row's
+`source` names the transformers modeling file it was read from and what that file does after the
+modules the patch calls (router, experts' `_apply_gate`, shared expert). A new family that fits
+the behaviours of `Family` is one row here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_bridge.integrations.hf_families.base import Family
+
+
+def _sigmoid_grouped(name: str, types: tuple[str, ...], modeling: str, note: str, **kw) -> Family:
+    """DeepSeek-V3's block: a TopkRouter whose fp32 weights carry routed_scaling_factor (sigmoid
+    scores, e_score_correction_bias for the choice, grouped top-k, normalised when norm_topk_prob),
+    plus `shared_experts(x)` unscaled."""
+    return Family(
+        name, types, (modeling,), note, scaled_router=True, shared_attr="shared_experts", **kw
+    )
+
+
+def _softmax_topk(name: str, types: tuple[str, ...], modeling: str, note: str, **kw) -> Family:
+    """Qwen's block: a TopKRouter (softmax over fp32 logits, top-k, renormalised per the config,
+    cast back to the activation dtype), weights applied as they are."""
+    return Family(name, types, (modeling,), note, **kw)
+
+
+def _clamped_glu(shared: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """MiniMaxM3VLDenseMLP's activation, as its forward writes it (elementwise): gate clamped
+    above, up clamped both ways at swiglu_limit, (up + 1) * gate * sigmoid(gate * swiglu_alpha)."""
+    gate = gate.clamp(max=shared.swiglu_limit)
+    up = up.clamp(min=-shared.swiglu_limit, max=shared.swiglu_limit)
+    glu = gate * torch.sigmoid(gate * shared.swiglu_alpha)
+    return (up + 1.0) * glu
+
+
+_QWEN_GATED = dict(shared_attr="shared_expert", shared_gate_attr="shared_expert_gate")
+
+FAMILY_ROWS: tuple[Family, ...] = (
+    _sigmoid_grouped(
+        "DeepSeek-V3",
+        ("deepseek_v3", "kimi_k2"),
+        "deepseek_v3",
+        "modeling_deepseek_v3: DeepseekV3MoE; Kimi-K2's config.json says 'kimi_k2' for this "
+        "architecture, Kimi-K2.5 (kimi_k25) wraps it",
+        wrappers=("kimi_k25",),
+    ),
+    _sigmoid_grouped(
+        "DeepSeek-V2",
+        ("deepseek_v2",),
+        "deepseek_v2",
+        "modeling_deepseek_v2: DeepseekV2Moe, softmax router (greedy or group-limited), weights "
+        "times routed_scaling_factor, never renormalised",
+    ),
+    _sigmoid_grouped(
+        "DeepSeek-V3.2",
+        ("deepseek_v32",),
+        "deepseek_v32",
+        "modeling_deepseek_v32: DeepseekV32MoE as DeepseekV3MoE; sparse (indexer) attention",
+    ),
+    _sigmoid_grouped(
+        "GLM-4-MoE", ("glm4_moe",), "glm4_moe", "modeling_glm4_moe: Glm4MoeMoE as DeepseekV3MoE"
+    ),
+    _sigmoid_grouped(
+        "GLM-4-MoE-Lite",
+        ("glm4_moe_lite",),
+        "glm4_moe_lite",
+        "modeling_glm4_moe_lite: Glm4MoeLiteMoE as DeepseekV3MoE; MLA attention",
+    ),
+    _sigmoid_grouped(
+        "GLM-MoE-DSA",
+        ("glm_moe_dsa",),
+        "glm_moe_dsa",
+        "modeling_glm_moe_dsa: GlmMoeDsaMoE as DeepseekV3MoE; DSA indexer attention",
+    ),
+    _sigmoid_grouped(
+        "Mistral-4",
+        ("mistral4",),
+        "mistral4",
+        "modeling_mistral4: Mistral4MoE as DeepseekV3MoE",
+    ),
+    _sigmoid_grouped(
+        "Mistral-Large-4",
+        ("mistral_large4_text",),
+        "mistral_large4",
+        "modeling_mistral_large4: MistralLarge4TextMoE as DeepseekV3MoE (always renormalised); "
+        "the layer also returns its indexer's top-k, which the patch leaves alone",
+        wrappers=("mistral_large4",),
+    ),
+    _sigmoid_grouped(
+        "Kimi-Linear",
+        ("kimi_linear",),
+        "kimi_linear",
+        "modeling_kimi_linear: KimiLinearMoE as DeepseekV3MoE; KDA linear attention layers",
+    ),
+    _sigmoid_grouped(
+        "dots.llm1",
+        ("dots1",),
+        "dots1",
+        "modeling_dots1: Dots1MoE as DeepseekV3MoE (Qwen-style attention)",
+    ),
+    _sigmoid_grouped(
+        "Solar-Open",
+        ("solar_open",),
+        "solar_open",
+        "modeling_solar_open: SolarOpenMoE as DeepseekV3MoE; every layer MoE",
+    ),
+    _sigmoid_grouped(
+        "EXAONE-MoE",
+        ("exaone_moe",),
+        "exaone_moe",
+        "modeling_exaone_moe: ExaoneMoeSparseMoEBlock as DeepseekV3MoE (its shared experts "
+        "sized by num_shared_experts)",
+    ),
+    _softmax_topk(
+        "Qwen2-MoE",
+        ("qwen2_moe",),
+        "qwen2_moe",
+        "modeling_qwen2_moe: Qwen2MoeSparseMoeBlock adds sigmoid(shared_expert_gate(x)) * "
+        "shared_expert(x)",
+        **_QWEN_GATED,
+    ),
+    _softmax_topk("Qwen3-MoE", ("qwen3_moe",), "qwen3_moe", "modeling_qwen3_moe: no shared expert"),
+    _softmax_topk(
+        "Qwen3.5-MoE",
+        ("qwen3_5_moe_text",),
+        "qwen3_5_moe",
+        "modeling_qwen3_5_moe: the gated shared expert as Qwen2-MoE; zero-centred RMSNorm "
+        "(1 + weight); gated DeltaNet layers",
+        wrappers=("qwen3_5_moe",),
+        weight_bias=1.0,
+        **_QWEN_GATED,
+    ),
+    _softmax_topk(
+        "Qwen3-Next",
+        ("qwen3_next",),
+        "qwen3_next",
+        "modeling_qwen3_next: the gated shared expert as Qwen2-MoE; zero-centred RMSNorm "
+        "(1 + weight); gated DeltaNet layers",
+        weight_bias=1.0,
+        **_QWEN_GATED,
+    ),
+    _softmax_topk(
+        "Qwen3-VL-MoE",
+        ("qwen3_vl_moe_text",),
+        "qwen3_vl_moe",
+        "modeling_qwen3_vl_moe: Qwen3VLMoeTextSparseMoeBlock as Qwen3-MoE's; the text model at "
+        "model.language_model",
+        wrappers=("qwen3_vl_moe",),
+    ),
+    _softmax_topk(
+        "Qwen3-Omni-MoE thinker",
+        ("qwen3_omni_moe_text",),
+        "qwen3_omni_moe",
+        "modeling_qwen3_omni_moe: Qwen3OmniMoeThinkerTextSparseMoeBlock as Qwen3-MoE's; the "
+        "thinker's text model moves (the talker is not patched)",
+        wrappers=("qwen3_omni_moe", "qwen3_omni_moe_thinker"),
+        # 5.25: model.language_model (thinker) / thinker.model.language_model (whole model);
+        # 5.17: the thinker's text model is its `.model` (thinker.model of the whole model)
+        text_paths=(
+            "model.language_model",
+            "thinker.model.language_model",
+            "model",
+            "thinker.model",
+        ),
+    ),
+    _softmax_topk(
+        "OLMoE", ("olmoe",), "olmoe", "modeling_olmoe: OlmoeSparseMoeBlock as Qwen3-MoE's"
+    ),
+    _softmax_topk(
+        "ERNIE-4.5-MoE",
+        ("ernie4_5_moe",),
+        "ernie4_5_moe",
+        "modeling_ernie4_5_moe: softmax router choosing by moe_statics' bias, renormalised "
+        "(clamped at norm_min); `shared_experts(x)` unscaled where the config has any",
+        shared_attr="shared_experts",
+    ),
+    _softmax_topk(
+        "Mixtral", ("mixtral",), "mixtral", "modeling_mixtral: renormalised fp32 router weights"
+    ),
+    Family(
+        "MiniMax-M2",
+        ("minimax_m2",),
+        ("minimax_m2",),
+        "modeling_minimax_m2: the router takes the block's e_score_correction_bias",
+        router_args=("e_score_correction_bias",),
+    ),
+    Family(
+        "MiniMax-M3",
+        ("minimax_m3_vl_text",),
+        ("minimax_m3_vl",),
+        "modeling_minimax_m3_vl: MiniMaxM3VLSparseMoeBlock multiplies its routed output by its "
+        "own routed_scaling_factor and adds shared_experts(x), a fused gate_up_proj MLP with a "
+        "clamped GLU; zero-centred RMSNorm (1 + weight)",
+        wrappers=("minimax_m3_vl",),
+        block_scaling=True,
+        shared_attr="shared_experts",
+        shared_act=_clamped_glu,
+        weight_bias=1.0,
+    ),
+    Family(
+        "Granite-MoE",
+        ("granitemoe",),
+        ("granitemoe",),
+        "modeling_granitemoe: GraniteMoeMoE at `block_sparse_moe`, its `router` a softmax over "
+        "the top-k logits; the layer adds residual + h * residual_multiplier",
+        router_attr="router",
+        moe_attr="block_sparse_moe",
+        residual_multiplier="residual_multiplier",
+    ),
+    Family(
+        "Granite-MoE-Shared",
+        ("granitemoeshared",),
+        ("granitemoeshared",),
+        "modeling_granitemoeshared: Granite-MoE's block and multiplier, plus the layer's own "
+        "shared_mlp (fused input_linear [2I, H] / output_linear) added as moe + shared_mlp(x)",
+        router_attr="router",
+        moe_attr="block_sparse_moe",
+        residual_multiplier="residual_multiplier",
+        shared_attr="shared_mlp",
+        shared_on_layer=True,
+    ),
+    Family(
+        "gpt-oss",
+        ("gpt_oss",),
+        ("gpt_oss",),
+        "modeling_gpt_oss: GptOssMLP's router is `router`, the block returns (output, scores); "
+        "transposed biased experts with their own clamped _apply_gate",
+        router_attr="router",
+        block_returns="pair",
+    ),
+)
