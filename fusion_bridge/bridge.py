@@ -20,9 +20,8 @@ import torch
 
 from fusion_bridge import log
 from fusion_bridge.build.build import build_bridge, close_instances
-from fusion_bridge.call import custom_op, direct, failure, routes as call_routes, tools
+from fusion_bridge.call import custom_op, direct, failure, one_caller, routes as call_routes, tools
 from fusion_bridge.call.debug_call import CallAgreement
-from fusion_bridge.call.one_caller import one_call_at_a_time
 from fusion_bridge.call.validation import (
     EpilogueInputError,
     input_check,
@@ -34,11 +33,17 @@ from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allo
 from fusion_bridge.plan.buckets import bucket_index
 from fusion_bridge.plan.planner import AUTO
 from fusion_bridge.plan.report import Report
+from fusion_bridge.ranks import agreement as rank_agreement
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import CallStage, Strategy
 
 _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
+# FusionBridge._running, where the call in progress stands (None: started, no strategy yet; a
+# (strategy, variant, shadow next?) tuple: that run started)
+_REFUSED = "refused"  # the call refused itself, or every rank learnt its failure: nothing to join
+_DONE = "done"  # the last call returned
+_IDLE = "idle"  # the last call's failure path finished
 
 
 class FusionBridge:
@@ -90,7 +95,6 @@ class FusionBridge:
             build_timeout_s=build_timeout_s,
             exclude=exclude,
         )
-        self._built = built  # what was built; tune() later replaces the plan and table below
         self.spec, self.group, self.requested = built.spec, built.group, built.requested
         self.debug, self.device, self.env = built.debug, built.device, built.env
         self.build_index, self.statuses, self.table = built.build_index, built.statuses, built.table
@@ -115,7 +119,10 @@ class FusionBridge:
         # calls per (strategy, variant, captured?): counted on the host, so a replayed CUDA graph
         # (which never reaches the host) is not counted; its capture is
         self._calls: dict[tuple[str, str, bool], int] = {}
-        self.calls = 0  # calls that reached dispatch on this rank (debug mode agrees on it)
+        self.calls = 0  # calls made on this rank, failed ones included (debug mode agrees on it)
+        # where the call in progress stands, for its failure path (finalize_epilogue)
+        self._running: object = _IDLE
+        self._group_key = one_caller.group_key(self.group, self.env.world_size, self)
         self._closed = False
         self._broken: Optional[str] = None
         _LIVE_BRIDGES.add(self)
@@ -130,7 +137,6 @@ class FusionBridge:
         self._overflow = routes.overflow
 
     # ---------------------------------------------------------------- call
-    @one_call_at_a_time  # a call overlapping a running one is refused (call/one_caller.py)
     def finalize_epilogue(
         self,
         gemm2_out: torch.Tensor,
@@ -147,62 +153,146 @@ class FusionBridge:
         residual [T, H]; gamma [H]. Returns EpilogueOutputs (residual_out, norm_out [T, H] act
         dtype; quant/scale when the spec quantizes). The inputs are never modified. Collective when
         world > 1.
+
+        Every line of it runs inside the one `try` (the first statement): whatever leaves any of
+        them, an interrupt raised by a signal handler included, goes to `_call_failed`, which keeps
+        the group in step (call/failure.py). One thread's call at a time per process group
+        (call/one_caller.py).
         """
-        if torch.compiler.is_compiling():  # one opaque node in the graph; the op runs this eagerly
-            return custom_op.outputs_from_op(
-                self.spec,
-                torch.ops.fusion_bridge.finalize_epilogue(
+        try:  # the first statement: see the docstring
+            try:
+                if torch.compiler.is_compiling():  # one opaque graph node; the op runs it eagerly
+                    return custom_op.outputs_from_op(
+                        self.spec,
+                        torch.ops.fusion_bridge.finalize_epilogue(
+                            gemm2_out,
+                            expanded_idx_to_permuted_idx,
+                            expert_weights,
+                            shared_output,
+                            residual,
+                            gamma,
+                            self.name,
+                        ),
+                    )
+                one_caller.enter(self)
+                # one statement of plain stores: no interrupt lands between them
+                previous, self._running, self.calls = self._running, None, self.calls + 1
+                inputs = EpilogueInputs(
                     gemm2_out,
                     expanded_idx_to_permuted_idx,
                     expert_weights,
                     shared_output,
                     residual,
                     gamma,
-                    self.name,
-                ),
-            )
-        inputs = EpilogueInputs(
-            gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma
-        )
-        if self._broken is not None:
-            raise EpilogueInputError(self._broken)
-        self.calls += 1
-        if self._agreement is not None:
-            return self._agreed_call(inputs)
-        try:
-            if self._closed:  # a failure like any other: this rank still takes part
-                raise failure.BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
-            if not self._looks_valid(inputs):
-                validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
-            tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
-            if self._check_values:
-                validate_index_values(inputs)
-            if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
-                return allocate_outputs(self.spec, 0, self.device)
-            strategy, variant = self._route(inputs, tokens)
-        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: all before the collective
-            self._take_part_then_raise(inputs, exc, self._planned_route)
-        return self._run(inputs, strategy, variant)
+                )
+                if previous is not _DONE and previous is not _IDLE:
+                    self._break_unfinished(previous)
+                if self._broken is not None:
+                    self._running = _REFUSED
+                    raise EpilogueInputError(self._broken)
+                if self._agreement is not None:
+                    out = self._agreed_call(inputs)
+                else:
+                    out = self._default_call(inputs, residual)
+                if self._broken is not None and self.env.world_size > 1:
+                    self._running = _REFUSED  # a refusal came during the call (one_caller.py)
+                    raise EpilogueInputError(self._broken)
+                self._running = _DONE  # and nothing that can be interrupted until the return
+                return out
+            except BaseException as exc:  # noqa: BLE001 - every failure keeps the group in step
+                self._call_failed(
+                    exc,
+                    EpilogueInputs(
+                        gemm2_out,
+                        expanded_idx_to_permuted_idx,
+                        expert_weights,
+                        shared_output,
+                        residual,
+                        gamma,
+                    ),
+                )
+        finally:
+            one_caller.leave(self)
 
     __call__ = finalize_epilogue
 
-    def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
+    def _default_call(self, inputs: EpilogueInputs, residual) -> EpilogueOutputs:
+        """The call without debug mode: checks with no sync (and the index range on CPU), route,
+        run. Raises whatever fails; finalize_epilogue's failure path handles it."""
+        if self._closed:  # a failure like any other: this rank still takes part
+            raise failure.BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
+        if not self._looks_valid(inputs):
+            validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
+        tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
+        if self._check_values:
+            validate_index_values(inputs)
+        if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
+            return allocate_outputs(self.spec, 0, self.device)
+        strategy, variant = self._route(inputs, tokens)
+        return self._run(inputs, strategy, variant)
+
+    def _call_failed(self, error: BaseException, inputs: EpilogueInputs) -> NoReturn:
+        """Whatever left finalize_epilogue: where the call stood (`_running`) decides what keeps
+        the group in step. Refused (another thread holds the group, the bridge is broken, or debug
+        mode's agreement already told every rank): raise. Before any strategy of the call started
+        (its route's collective, or debug mode's agreement, still ahead): take part. A strategy
+        started: where it stood (`_failed_in`). Ends by marking the call finished; a failure path
+        that never gets there (a second interrupt inside it) leaves the mark unfinished, and the
+        next call breaks the group instead of pairing wrongly (`_break_unfinished`)."""
+        if not one_caller.holds(self):
+            if isinstance(error, one_caller.ConcurrentCallError):
+                raise error  # refused: another thread's call holds the group
+            one_caller.enter(self)  # the interrupt came before the call took the group
+        running = self._running
+        if running is _DONE or running is _IDLE:  # it came before the call counted itself
+            self._running, running = None, None
+            self.calls += 1
         try:
-            key = (strategy.name, variant, bool(self._capturing()))
-            self._calls[key] = self._calls.get(key, 0) + 1
-            strategy.call_stage = CallStage.BEFORE_COLLECTIVE
-            out = strategy.run(inputs, variant)
-        except BaseException as exc:  # noqa: BLE001 - where it failed decides what keeps the group in step
-            self._failed_in(strategy, variant, inputs, exc, shadow_next=True)
+            if running is _REFUSED:
+                raise error
+            if running is not None:
+                strategy, variant, shadow_next = running
+                self._failed_in(strategy, variant, inputs, error, shadow_next)
+            agreed = None if self._agreement is None else self._agreement.where(self.calls)
+            if agreed is None and self._agreement is not None:  # its peers wait in the agreement
+                self._agreement.agree(inputs, self.calls, self._route, self._closed, failed=error)
+            if agreed == "reasons":  # the peers gather the failing ranks' reasons
+                rank_agreement.join_reasons(self._agreement.my_reason(), self.group)
+            if agreed in ("reasons", "raises"):
+                raise error
+            if agreed == "in" and self.env.world_size > 1:
+                self._break(error, "inside debug mode's agreement collective")
+                failure.add_note(error, self._broken)
+                raise error
+            self._take_part_then_raise(inputs, error, self._planned_route)
+        finally:
+            self._running = _IDLE
+
+    def _break_unfinished(self, previous) -> None:
+        """The previous call's failure path never finished (`previous`: where that call stood):
+        this rank cannot tell whether it took part in its peers' collective, so the group is out of
+        step on this rank (every later call refused, with what recovers)."""
+        where = "before its collective" if previous is None else f"at {previous!r}"
+        self._break(
+            RuntimeError(
+                f"call {self.calls - 1} was interrupted {where} and again in its failure path"
+            ),
+            "and this rank could not tell whether it took part in that call's collective",
+        )
+
+    def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
+        strategy.call_stage = CallStage.BEFORE_COLLECTIVE
+        self._running = (strategy, variant, True)  # from here, its stage says where a failure is
+        key = (strategy.name, variant, bool(self._capturing()))
+        self._calls[key] = self._calls.get(key, 0) + 1
+        out = strategy.run(inputs, variant)
         if self._shadow is not None and self._shadow.due():
             shadow = self._instances[self._shadow.strategy]
-            try:
-                shadow.call_stage = CallStage.BEFORE_COLLECTIVE
-                self._shadow.run_beside(
-                    self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
-                )
-            except BaseException as exc:  # noqa: BLE001 - the shadow's collective, as the route's
-                self._failed_in(shadow, None, inputs, exc, shadow_next=False)
+            shadow.call_stage = CallStage.BEFORE_COLLECTIVE
+            self._running = (shadow, None, False)
+            self._shadow.run_beside(
+                self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
+            )
         return out
 
     def _failed_in(

@@ -44,6 +44,10 @@ class CallAgreement:
     def __init__(self, spec: EpilogueSpec, device: torch.device, group, bridge_index: int) -> None:
         self.spec, self.device, self.group, self.bridge_index = spec, device, group, bridge_index
         self.previous = NO_FINGERPRINT  # this rank's previous call's (none, or it failed)
+        # how far this rank's agreement of call `progress_call` got (rank_agreement.agree_call)
+        self.progress: list = [None]
+        self.progress_call = 0
+        self.reason: Optional[str] = None
 
     def agree(
         self,
@@ -51,16 +55,20 @@ class CallAgreement:
         call: int,
         route: Callable[[EpilogueInputs, int], tuple[Strategy, str]],
         closed: bool = False,
+        failed: Optional[BaseException] = None,
     ) -> Optional[tuple[Strategy, str]]:
         """Local checks (index range included), the fingerprint and the route for T (`route(inputs,
         T)`, which may raise), then one small collective on (ok, T, call number `call`, this bridge,
         the fingerprint and the previous one). Returns the (strategy, variant) to run, or None when
         T == 0 (nothing to run, on every rank). Raises GroupInputError on every rank when any rank
-        failed, T differs or the ranks are on different steps."""
+        failed, T differs or the ranks are on different steps. `failed`: this rank's call already
+        failed with it (the bridge's failure path joins the agreement with it, no checks)."""
         tokens = group_tokens(inputs, self.spec.has_shared_output)
-        error: Optional[BaseException] = None
+        error: Optional[BaseException] = failed
         planned, fingerprint = None, NO_FINGERPRINT
         try:
+            if failed is not None:
+                raise failed
             if closed:
                 raise BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
             validate_inputs(self.spec, inputs, self.device)
@@ -71,17 +79,20 @@ class CallAgreement:
         except BaseException as exc:  # noqa: BLE001 - every rank learns it below
             error, fingerprint = exc, NO_FINGERPRINT
         previous, self.previous = self.previous, fingerprint
+        self.reason = None if error is None else f"{type(error).__name__}: {error}"
         try:
+            self.progress, self.progress_call = [None], call
             rank_agreement.agree_call(
                 error is None,
                 -1 if tokens is None else tokens,
-                None if error is None else f"{type(error).__name__}: {error}",
+                self.reason,
                 self.group,
                 collective_device(self.group, self.device),
                 call=call,
                 bridge=self.bridge_index,
                 fingerprint=fingerprint,
                 previous=previous,
+                progress=self.progress,
             )
         except rank_agreement.GroupInputError as agreed:
             if error is not None and not isinstance(error, Exception):
@@ -89,6 +100,16 @@ class CallAgreement:
                 raise error from None  # KeyboardInterrupt stays a KeyboardInterrupt
             raise
         return planned if tokens else None
+
+    def my_reason(self) -> Optional[str]:
+        """This rank's reason in its last agreement (None: its checks passed)."""
+        return self.reason
+
+    def where(self, call: int) -> Optional[str]:
+        """How far call number `call`'s agreement got on this rank: None (its collective not
+        begun: the peers wait in it), "in" (it began; whether it finished cannot be told), "runs"
+        (every rank goes on to the epilogue's collectives) or "raises" (every rank raises)."""
+        return rank_agreement.agreed_outcome(self.progress) if self.progress_call == call else None
 
 
 def replicated_fingerprint(inputs: EpilogueInputs) -> tuple[int, ...]:

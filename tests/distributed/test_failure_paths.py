@@ -10,9 +10,9 @@ and says why a run cannot hang).
   quantized  FP8 and NVFP4 specs, rank 1's first call fails: rank 0's quantized outputs are NaN as
              quant_ref writes them (NaN fp8 codes, NaN NVFP4 block scales), not finite codes
   threads    a call held inside its strategy on a second thread while the main thread calls the
-             same bridge: refused with ConcurrentCallError on each rank; the held call completes
-             correctly; the bridge then refuses every later call (the peers may have made the
-             refused call)
+             same bridge: refused with ConcurrentCallError on each rank; the held call raises
+             after its collective instead of returning (on a peer the threads may have gone the
+             other way); the bridge then refuses every later call
 """
 
 from __future__ import annotations
@@ -168,7 +168,10 @@ def test_a_call_from_a_second_thread_while_one_runs_is_refused_on_every_rank(fai
         assert refused["kind"] == "ConcurrentCallError", (rank, refused)
         assert "while another thread's call of it was running" in refused["msg"], refused["msg"]
         assert refused["seconds"] < 5, (rank, "refused at once, no collective", refused)
-        _assert_correct(held, (rank, "the held call, after the refusal"))
+        # the held call's collective ran, but a refusal came while it ran: on a peer the two
+        # threads may have gone the other way, so it raises rather than return what it paired with
+        assert held["kind"] == "EpilogueInputError", (rank, held)
+        assert "ConcurrentCallError" in held["msg"] and held["unchanged"], (rank, held)
         assert later["kind"] == "EpilogueInputError", (rank, later)
         assert "rebuild every FusionBridge" in later["msg"], later["msg"]
         assert "ConcurrentCallError" in later["msg"], later["msg"]
