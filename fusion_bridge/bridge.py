@@ -27,6 +27,7 @@ from fusion_bridge.call.validation import (
     input_check,
     validate_index_values,
     validate_inputs,
+    zero_tensor_error,
 )
 from fusion_bridge.environment import Environment
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
@@ -243,6 +244,10 @@ class FusionBridge:
             if isinstance(error, one_caller.ConcurrentCallError):
                 raise error  # refused: another thread's call holds the group
             one_caller.enter(self)  # the interrupt came before the call took the group
+        if isinstance(error, Exception) and not isinstance(error, EpilogueInputError):
+            named = zero_tensor_error(inputs)  # a kernel's "invalid python storage", named
+            if named is not None:
+                named.__cause__, error = error, named
         running = self._running
         if running is _DONE or running is _IDLE:  # it came before the call counted itself
             self._running, running = None, None
@@ -451,7 +456,7 @@ class FusionBridge:
             env=self.env,
             statuses=self.statuses,
             plan=self.plan,
-            tokens=tokens,
+            tokens=None if tokens is None else call_routes.token_count(tokens, "explain"),
             reroutes=self.reroutes,
             shadow=self._shadow,
             table=self.table,

@@ -60,8 +60,8 @@ def _shadow(rank, world_size, group):
             if rank == 1 and i == 0:
                 inputs = _bad(inputs, "gamma_dtype")
             out.append(_call(bridge, inputs, exact))
-        calls = bridge.explain().to_dict()["shadow"]["calls"]
-    return out, calls
+        shadow = bridge.explain().to_dict()["shadow"]
+    return out, shadow
 
 
 def _quantized(rank, world_size, group):
@@ -136,7 +136,8 @@ def test_a_rank_that_fails_takes_part_in_the_sampled_shadow_run_too(failure_path
     with a peer's other one (calls 1 and 3 wrong on rank 1; with a shadow of another collective
     shape gloo aborts the process)."""
     for rank, result in enumerate(failure_paths):
-        calls, shadow_calls = result["shadow"]
+        calls, shadow = result["shadow"]
+        shadow_calls = shadow["calls"]
         first = calls[0]
         if rank == 1:
             assert first["input_error"] and "gamma.dtype" in first["msg"], first
@@ -145,6 +146,10 @@ def test_a_rank_that_fails_takes_part_in_the_sampled_shadow_run_too(failure_path
         for i, r in enumerate(calls[1:], start=1):
             _assert_correct(r, (rank, f"call {i} after the failed one"))
         assert shadow_calls == 4, (rank, "shadow sampling counter", shadow_calls)
+        if rank == 0:  # the sampled call 0 was NaN by rank 1's failure payload: not a divergence
+            assert shadow["peer_failed"] == 1 and shadow["sampled"] == 1, shadow
+            for name, stats in shadow["outputs"].items():
+                assert stats["max_rel_err"] < 1e-2, (name, stats)  # was inf
 
 
 def test_the_peers_of_a_failing_rank_get_nan_in_their_quantized_outputs_too(failure_paths):
