@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         env_vars.check_all()  # a malformed FUSION_BRIDGE_* variable: one line naming it
         log.configure_once()
         code = args.fn(args)
-        sys.stdout.flush()  # a write error surfaces here, not in the interpreter's exit
+        if sys.stdout is not None:  # None: started with stdout closed
+            sys.stdout.flush()  # a write error surfaces here, not in the interpreter's exit
         return code
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
