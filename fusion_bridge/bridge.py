@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -22,32 +22,26 @@ from fusion_bridge import log
 from fusion_bridge.build.build import build_bridge, close_instances
 from fusion_bridge.call import custom_op, direct, failure, one_caller, routes as call_routes, tools
 from fusion_bridge.call.debug_call import CallAgreement
+from fusion_bridge.call.failure_path import _DONE, _IDLE, _REFUSED, FailurePath
 from fusion_bridge.call.validation import (
     EpilogueInputError,
     input_check,
     validate_index_values,
     validate_inputs,
-    zero_tensor_error,
 )
 from fusion_bridge.environment import Environment
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from fusion_bridge.plan.buckets import bucket_index
 from fusion_bridge.plan.planner import AUTO
 from fusion_bridge.plan.report import Report
-from fusion_bridge.ranks import agreement as rank_agreement
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import CallStage, Strategy
 
 _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
-# FusionBridge._running, where the call in progress stands (None: started, no strategy yet; a
-# (strategy, variant, shadow next?) tuple: that run started)
-_REFUSED = "refused"  # the call refused itself, or every rank learnt its failure: nothing to join
-_DONE = "done"  # the last call returned
-_IDLE = "idle"  # the last call's failure path finished
 
 
-class FusionBridge:
+class FusionBridge(FailurePath):
     """The MoE epilogue for one layer.
 
     spec: the layer's static EpilogueSpec. group: the TP process group (None: the default group if
@@ -232,59 +226,6 @@ class FusionBridge:
         strategy, variant = self._route(inputs, tokens)
         return self._run(inputs, strategy, variant)
 
-    def _call_failed(self, error: BaseException, inputs: EpilogueInputs) -> NoReturn:
-        """Whatever left finalize_epilogue: where the call stood (`_running`) decides what keeps
-        the group in step. Refused (another thread holds the group, the bridge is broken, or debug
-        mode's agreement already told every rank): raise. Before any strategy of the call started
-        (its route's collective, or debug mode's agreement, still ahead): take part. A strategy
-        started: where it stood (`_failed_in`). Ends by marking the call finished; a failure path
-        that never gets there (a second interrupt inside it) leaves the mark unfinished, and the
-        next call breaks the group instead of pairing wrongly (`_break_unfinished`)."""
-        if not one_caller.holds(self):
-            if isinstance(error, one_caller.ConcurrentCallError):
-                raise error  # refused: another thread's call holds the group
-            one_caller.enter(self)  # the interrupt came before the call took the group
-        if isinstance(error, Exception) and not isinstance(error, EpilogueInputError):
-            named = zero_tensor_error(inputs)  # a kernel's "invalid python storage", named
-            if named is not None:
-                named.__cause__, error = error, named
-        running = self._running
-        if running is _DONE or running is _IDLE:  # it came before the call counted itself
-            self._running, running = None, None
-            self.calls += 1
-        try:
-            if running is _REFUSED:
-                raise error
-            if running is not None:
-                strategy, variant, shadow_next = running
-                self._failed_in(strategy, variant, inputs, error, shadow_next)
-            agreed = None if self._agreement is None else self._agreement.where(self.calls)
-            if agreed is None and self._agreement is not None:  # its peers wait in the agreement
-                self._agreement.agree(inputs, self.calls, self._route, self._closed, failed=error)
-            if agreed == "reasons":  # the peers gather the failing ranks' reasons
-                rank_agreement.join_reasons(self._agreement.my_reason(), self.group)
-            if agreed in ("reasons", "raises"):
-                raise error
-            if agreed == "in" and self.env.world_size > 1:
-                self._break(error, "inside debug mode's agreement collective")
-                failure.add_note(error, self._broken)
-                raise error
-            self._take_part_then_raise(inputs, error, self._planned_route)
-        finally:
-            self._running = _IDLE
-
-    def _break_unfinished(self, previous) -> None:
-        """The previous call's failure path never finished (`previous`: where that call stood):
-        this rank cannot tell whether it took part in its peers' collective, so the group is out of
-        step on this rank (every later call refused, with what recovers)."""
-        where = "before its collective" if previous is None else f"at {previous!r}"
-        self._break(
-            RuntimeError(
-                f"call {self.calls - 1} was interrupted {where} and again in its failure path"
-            ),
-            "and this rank could not tell whether it took part in that call's collective",
-        )
-
     def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
         strategy.call_stage = CallStage.BEFORE_COLLECTIVE
         self._running = (strategy, variant, True)  # from here, its stage says where a failure is
@@ -299,22 +240,6 @@ class FusionBridge:
                 self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
             )
         return out
-
-    def _failed_in(
-        self, strategy: Strategy, variant, inputs: EpilogueInputs, error, shadow_next: bool
-    ) -> NoReturn:
-        """`strategy`'s run raised `error`; where it stood decides what keeps the group in step:
-        before its collective, take part in it (and in the shadow's, when `shadow_next` and this
-        call is sampled); inside it, the group is broken; after it, only the shadow's remains."""
-        stage = failure.stage_of(strategy)
-        if self.env.world_size > 1 and stage is CallStage.IN_COLLECTIVE:
-            self._break(error, f"inside the collective of {strategy.name}")
-            failure.add_note(error, self._broken)
-        before = stage is CallStage.BEFORE_COLLECTIVE
-        if self.env.world_size > 1 and (before or (shadow_next and self._shadow is not None)):
-            route = (strategy, variant) if before else None
-            self._take_part_then_raise(inputs, error, route, shadow=shadow_next)
-        raise error
 
     def _bucket_route(self, tokens: int) -> tuple[Strategy, str, bool]:
         """(strategy, variant, checks shapes?) this call's mode (eager or captured) plans for
@@ -345,25 +270,6 @@ class FusionBridge:
         self.reroutes += 1
         call_routes.log_reroute(self.name, tokens, route[0], refused, self.reroutes)
         return route
-
-    # ---------------------------------------------------------------- failure (call/failure.py)
-    def _take_part_then_raise(self, inputs, error, route, shadow: bool = True) -> NoReturn:
-        """This rank's call failed before a collective of `route` (a (strategy, variant), a function
-        of T planning it, or None when only the shadow's is left): take part with a NaN payload so
-        the group stays in step, then raise `error`; where it cannot, refuse every later call on
-        this process group and raise EpilogueInputError saying what recovers."""
-        sampler = self._shadow if shadow else None
-        where = failure.take_part(
-            inputs, error, spec=self.spec, device=self.device, world_size=self.env.world_size,
-            call=self.calls, route=route, shadow=sampler, closed=self._closed,
-            shadow_strategy=self._instances[sampler.strategy] if sampler else None,
-        )  # fmt: skip
-        if where is not None:
-            self._break(error, where)
-            if isinstance(error, Exception):  # a KeyboardInterrupt stays one, with the message
-                raise EpilogueInputError(self._broken) from error
-            failure.add_note(error, self._broken)
-        raise error
 
     def _break(self, error: BaseException, where: str) -> None:
         message = failure.broken_message(self.calls, error, where)

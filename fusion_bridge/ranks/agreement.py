@@ -374,7 +374,9 @@ def _out_of_step(
         "the same residual and expert weights (in a model: every rank runs the same forward on "
         "the same inputs, e.g. the same prompt); ranks fed different inputs, or a rank that "
         "skipped a call or made an extra one, get here. None of the epilogue's collectives ran "
-        "for this call; every rank raises this error."
+        "for this call; every rank raises this error. A rank a call apart stays a call apart: "
+        "every later call of this bridge raises it too, until every rank rebuilds its bridges "
+        "(or the rank behind makes the call it skipped)."
     )
 
 
