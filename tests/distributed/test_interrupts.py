@@ -11,8 +11,8 @@ from two threads are refused, never paired silently.
   storm        SIGALRM every few hundred microseconds on rank 1, its handler raising
                KeyboardInterrupt (at most once per call) wherever a bridge call is under way,
                outside torch.distributed's own frames: 0 wrong values on either rank (a rank that
-               breaks its bridge ends the run; its peer's call fails at the group's short
-               timeout: loud, bounded)
+               breaks its bridge ends the run; its peer's call fails at the group's timeout:
+               loud, bounded)
   crossed      two bridges on one group; rank 0's second thread calls bridge 1 while its main
                thread calls bridge 2, rank 1 the other way round: each rank refuses one call, and
                the call it let through raises instead of returning the value its collective paired
@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from datetime import timedelta
 
 import pytest
-import torch
 
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.strategies.base import CallStage
@@ -42,7 +40,6 @@ from tests.distributed.test_rank_disagreement import (
     _group,
 )
 
-SHORT_TIMEOUT = timedelta(seconds=5)  # the storm's group: a broken rank's peer fails this fast
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object")
 _CURRENT: list = [None]  # the injector the wrapped collectives report to
 
@@ -214,7 +211,7 @@ def _storm(rank, world_size, calls):
 
     from fusion_bridge import FusionBridge
 
-    group = torch.distributed.new_group([0, 1], timeout=SHORT_TIMEOUT, backend="gloo")
+    group = _group(world_size)  # its timeout bounds a peer's wait after a break
     out = {"ok": 0, "nan": 0, "raised": 0, "wrong": [], "interrupts": 0, "last": None}
     entry = FusionBridge.finalize_epilogue.__code__
     interrupted = {"call": -1}

@@ -8,16 +8,14 @@ once, naming the disagreement and what recovers) and its peers' call fails at th
 loud on every rank, never a wrong value, never a killed peer.
 
   peer calls   the issue's case (index map, expert weights and shared output with 0 rows, the
-               residual with T) while rank 0 calls with valid inputs on a group with a short
-               timeout: rank 0's call raises at that timeout, it returns no value
+               residual with T) while rank 0 calls with valid inputs, on a group of their own:
+               rank 0's call raises at the group's timeout, it returns no value
   alone        each disagreement on its own bridge, rank 0 not calling (it would wait for the
                group's timeout): the erring rank raises naming every input's rows, enters no
                collective, and refuses the next call at once
 """
 
 from __future__ import annotations
-
-from datetime import timedelta
 
 import torch
 
@@ -33,7 +31,6 @@ from tests.distributed.test_rank_disagreement import (
     _group,
 )
 
-SHORT = timedelta(seconds=3)  # the peer's call fails this fast
 T_INPUTS = ("expanded_idx_to_permuted_idx", "expert_weights", "shared_output")
 
 
@@ -59,8 +56,10 @@ HOWS = ("three_empty", "three_extra", "index_extra_row", "residual_shape")
 def _wrong_majority(rank, world_size):
     group = _group(world_size)
     out = {"alone": {}}
-    short = torch.distributed.new_group([0, 1], timeout=SHORT, backend="gloo")
-    with _build(short) as bridge:
+    # a group of its own: the peer's call fails at its timeout (GROUP_TIMEOUT), which leaves it
+    # unusable; every collective of the build before that is an ordinary one
+    apart = _group(world_size)
+    with _build(apart) as bridge:
         inputs, exact = _good(world_size, rank, 4, seed=40)
         if rank == 1:
             inputs = _disagreeing(inputs, "three_empty")
