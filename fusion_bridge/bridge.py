@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from fusion_bridge import log
 from fusion_bridge.assembly.build import build_bridge, close_instances
-from fusion_bridge.call import custom_op, direct, failure, routes as call_routes, tools
+from fusion_bridge.call import custom_op, direct, failure, one_caller, routes as call_routes, tools
 from fusion_bridge.call.debug_call import CallAgreement
-from fusion_bridge.call.one_caller import one_call_at_a_time
+from fusion_bridge.call.failure_path import _DONE, _IDLE, _REFUSED, FailurePath
 from fusion_bridge.call.validation import (
     EpilogueInputError,
     input_check,
@@ -41,7 +41,7 @@ _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
 
 
-class FusionBridge:
+class FusionBridge(FailurePath):
     """The MoE epilogue for one layer.
 
     spec: the layer's static EpilogueSpec. group: the TP process group (None: the default group if
@@ -90,7 +90,6 @@ class FusionBridge:
             build_timeout_s=build_timeout_s,
             exclude=exclude,
         )
-        self._built = built  # what was built; tune() later replaces the plan and table below
         self.spec, self.group, self.requested = built.spec, built.group, built.requested
         self.debug, self.device, self.env = built.debug, built.device, built.env
         self.build_index, self.statuses, self.table = built.build_index, built.statuses, built.table
@@ -115,7 +114,10 @@ class FusionBridge:
         # calls per (strategy, variant, captured?): counted on the host, so a replayed CUDA graph
         # (which never reaches the host) is not counted; its capture is
         self._calls: dict[tuple[str, str, bool], int] = {}
-        self.calls = 0  # calls that reached dispatch on this rank (debug mode agrees on it)
+        self.calls = 0  # calls made on this rank, failed ones included (debug mode agrees on it)
+        # where the call in progress stands, for its failure path (finalize_epilogue)
+        self._running: object = _IDLE
+        self._group_key = one_caller.group_key(self.group, self.env.world_size, self)
         self._closed = False
         self._broken: Optional[str] = None
         _LIVE_BRIDGES.add(self)
@@ -130,7 +132,6 @@ class FusionBridge:
         self._overflow = routes.overflow
 
     # ---------------------------------------------------------------- call
-    @one_call_at_a_time  # a call overlapping a running one is refused (call/one_caller.py)
     def finalize_epilogue(
         self,
         gemm2_out: torch.Tensor,
@@ -147,79 +148,98 @@ class FusionBridge:
         residual [T, H]; gamma [H]. Returns EpilogueOutputs (residual_out, norm_out [T, H] act
         dtype; quant/scale when the spec quantizes). The inputs are never modified. Collective when
         world > 1.
+
+        Every line of it runs inside the one `try` (the first statement): whatever leaves any of
+        them, an interrupt raised by a signal handler included, goes to `_call_failed`, which keeps
+        the group in step (call/failure.py). One thread's call at a time per process group
+        (call/one_caller.py).
         """
-        if torch.compiler.is_compiling():  # one opaque node in the graph; the op runs this eagerly
-            return custom_op.outputs_from_op(
-                self.spec,
-                torch.ops.fusion_bridge.finalize_epilogue(
+        try:  # the first statement: see the docstring
+            try:
+                if torch.compiler.is_compiling():  # one opaque graph node; the op runs it eagerly
+                    return custom_op.outputs_from_op(
+                        self.spec,
+                        torch.ops.fusion_bridge.finalize_epilogue(
+                            gemm2_out,
+                            expanded_idx_to_permuted_idx,
+                            expert_weights,
+                            shared_output,
+                            residual,
+                            gamma,
+                            self.name,
+                        ),
+                    )
+                one_caller.enter(self)
+                # one statement of plain stores: no interrupt lands between them
+                previous, self._running, self.calls = self._running, None, self.calls + 1
+                inputs = EpilogueInputs(
                     gemm2_out,
                     expanded_idx_to_permuted_idx,
                     expert_weights,
                     shared_output,
                     residual,
                     gamma,
-                    self.name,
-                ),
-            )
-        inputs = EpilogueInputs(
-            gemm2_out, expanded_idx_to_permuted_idx, expert_weights, shared_output, residual, gamma
-        )
-        if self._broken is not None:
-            raise EpilogueInputError(self._broken)
-        self.calls += 1
-        if self._agreement is not None:
-            return self._agreed_call(inputs)
-        try:
-            if self._closed:  # a failure like any other: this rank still takes part
-                raise failure.BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
-            if not self._looks_valid(inputs):
-                validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
-            tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
-            if self._check_values:
-                validate_index_values(inputs)
-            if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
-                return allocate_outputs(self.spec, 0, self.device)
-            strategy, variant = self._route(inputs, tokens)
-        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: all before the collective
-            self._take_part_then_raise(inputs, exc, self._planned_route)
-        return self._run(inputs, strategy, variant)
+                )
+                if previous is not _DONE and previous is not _IDLE:
+                    self._break_unfinished(previous)
+                if self._broken is not None:
+                    self._running = _REFUSED
+                    raise EpilogueInputError(self._broken)
+                if self._agreement is not None:
+                    out = self._agreed_call(inputs)
+                else:
+                    out = self._default_call(inputs, residual)
+                if self._broken is not None and self.env.world_size > 1:
+                    self._running = _REFUSED  # a refusal came during the call (one_caller.py)
+                    raise EpilogueInputError(self._broken)
+                self._running = _DONE  # and nothing that can be interrupted until the return
+                return out
+            except BaseException as exc:  # noqa: BLE001 - every failure keeps the group in step
+                self._call_failed(
+                    exc,
+                    EpilogueInputs(
+                        gemm2_out,
+                        expanded_idx_to_permuted_idx,
+                        expert_weights,
+                        shared_output,
+                        residual,
+                        gamma,
+                    ),
+                )
+        finally:
+            one_caller.leave(self)
 
     __call__ = finalize_epilogue
 
+    def _default_call(self, inputs: EpilogueInputs, residual) -> EpilogueOutputs:
+        """The call without debug mode: checks with no sync (and the index range on CPU), route,
+        run. Raises whatever fails; finalize_epilogue's failure path handles it."""
+        if self._closed:  # a failure like any other: this rank still takes part
+            raise failure.BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
+        if not self._looks_valid(inputs):
+            validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
+        tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
+        if self._check_values:
+            validate_index_values(inputs)
+        if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
+            return allocate_outputs(self.spec, 0, self.device)
+        strategy, variant = self._route(inputs, tokens)
+        return self._run(inputs, strategy, variant)
+
     def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
-        try:
-            key = (strategy.name, variant, bool(self._capturing()))
-            self._calls[key] = self._calls.get(key, 0) + 1
-            strategy.call_stage = CallStage.BEFORE_COLLECTIVE
-            out = strategy.run(inputs, variant)
-        except BaseException as exc:  # noqa: BLE001 - where it failed decides what keeps the group in step
-            self._failed_in(strategy, variant, inputs, exc, shadow_next=True)
+        strategy.call_stage = CallStage.BEFORE_COLLECTIVE
+        self._running = (strategy, variant, True)  # from here, its stage says where a failure is
+        key = (strategy.name, variant, bool(self._capturing()))
+        self._calls[key] = self._calls.get(key, 0) + 1
+        out = strategy.run(inputs, variant)
         if self._shadow is not None and self._shadow.due():
             shadow = self._instances[self._shadow.strategy]
-            try:
-                shadow.call_stage = CallStage.BEFORE_COLLECTIVE
-                self._shadow.run_beside(
-                    self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
-                )
-            except BaseException as exc:  # noqa: BLE001 - the shadow's collective, as the route's
-                self._failed_in(shadow, None, inputs, exc, shadow_next=False)
+            shadow.call_stage = CallStage.BEFORE_COLLECTIVE
+            self._running = (shadow, None, False)
+            self._shadow.run_beside(
+                self.spec, inputs, out, strategy.name, self._instances, self.statuses, self.name
+            )
         return out
-
-    def _failed_in(
-        self, strategy: Strategy, variant, inputs: EpilogueInputs, error, shadow_next: bool
-    ) -> NoReturn:
-        """`strategy`'s run raised `error`; where it stood decides what keeps the group in step:
-        before its collective, take part in it (and in the shadow's, when `shadow_next` and this
-        call is sampled); inside it, the group is broken; after it, only the shadow's remains."""
-        stage = failure.stage_of(strategy)
-        if self.env.world_size > 1 and stage is CallStage.IN_COLLECTIVE:
-            self._break(error, f"inside the collective of {strategy.name}")
-            failure.add_note(error, self._broken)
-        before = stage is CallStage.BEFORE_COLLECTIVE
-        if self.env.world_size > 1 and (before or (shadow_next and self._shadow is not None)):
-            route = (strategy, variant) if before else None
-            self._take_part_then_raise(inputs, error, route, shadow=shadow_next)
-        raise error
 
     def _bucket_route(self, tokens: int) -> tuple[Strategy, str, bool]:
         """(strategy, variant, checks shapes?) this call's mode (eager or captured) plans for
@@ -250,25 +270,6 @@ class FusionBridge:
         self.reroutes += 1
         call_routes.log_reroute(self.name, tokens, route[0], refused, self.reroutes)
         return route
-
-    # ---------------------------------------------------------------- failure (call/failure.py)
-    def _take_part_then_raise(self, inputs, error, route, shadow: bool = True) -> NoReturn:
-        """This rank's call failed before a collective of `route` (a (strategy, variant), a function
-        of T planning it, or None when only the shadow's is left): take part with a NaN payload so
-        the group stays in step, then raise `error`; where it cannot, refuse every later call on
-        this process group and raise EpilogueInputError saying what recovers."""
-        sampler = self._shadow if shadow else None
-        where = failure.take_part(
-            inputs, error, spec=self.spec, device=self.device, world_size=self.env.world_size,
-            call=self.calls, route=route, shadow=sampler, closed=self._closed,
-            shadow_strategy=self._instances[sampler.strategy] if sampler else None,
-        )  # fmt: skip
-        if where is not None:
-            self._break(error, where)
-            if isinstance(error, Exception):  # a KeyboardInterrupt stays one, with the message
-                raise EpilogueInputError(self._broken) from error
-            failure.add_note(error, self._broken)
-        raise error
 
     def _break(self, error: BaseException, where: str) -> None:
         message = failure.broken_message(self.calls, error, where)
@@ -361,7 +362,7 @@ class FusionBridge:
             env=self.env,
             statuses=self.statuses,
             plan=self.plan,
-            tokens=tokens,
+            tokens=None if tokens is None else call_routes.token_count(tokens, "explain"),
             reroutes=self.reroutes,
             shadow=self._shadow,
             table=self.table,

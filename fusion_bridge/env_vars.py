@@ -33,12 +33,13 @@ class EnvVarError(ValueError):
     """A FUSION_BRIDGE_* variable holds a value the library cannot use. `name` is the variable."""
 
     def __init__(self, name: str, expected: str, raw: str, unknown: bool = False) -> None:
+        shown = repr(raw) if len(raw) <= 80 else f"{raw[:60]!r}... ({len(raw)} characters)"
         if unknown:  # the name is what is wrong, not the value
             message = (
-                f"unknown environment variable {name} (set to {raw!r}): the name must be {expected}"
+                f"unknown environment variable {name} (set to {shown}): the name must be {expected}"
             )
         else:
-            message = f"environment variable {name} must be {expected}, got {raw!r}"
+            message = f"environment variable {name} must be {expected}, got {shown}"
         super().__init__(message)
         self.name = name
 
@@ -105,8 +106,8 @@ def _log_level(raw: str, var: Variable) -> int:
     text = raw.strip()
     if text.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         return getattr(logging, text.upper())
-    if text.isascii() and text.isdigit() and int(text) <= 50:
-        return int(text)
+    if text.isascii() and text.isdigit() and len(text) <= 2 and int(text) <= 50:
+        return int(text)  # (the length first: int() of thousands of digits raises on its own)
     raise EnvVarError(var.name, var.expected, raw)
 
 

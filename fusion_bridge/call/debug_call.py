@@ -12,8 +12,9 @@ The fingerprint is one checksum per input every rank of the group must hold iden
 (rank_agreement.REPLICATED: the residual, since residual_out = residual + the sum over ranks, and
 the expert weights, the router's output), so the error says which of them differs. The index map is
 left out: it is per rank in an expert-parallel layout (the Hugging Face patch's: -1 for the slots
-another rank's experts hold). Each checksum is position-weighted over the tensor's bytes, computed
-in fixed-size chunks, so it never needs a copy the size of the input. Each rank also sends the
+another rank's experts hold). Each checksum is checksum.tensor_digest (BLAKE2b over the bytes, read
+in bounded pieces: no two different inputs agree except by chance, and no copy the size of the
+input). Each rank also sends the
 fingerprint of its previous call of the bridge, so when ranks are a call apart the error names the
 rank that is behind.
 """
@@ -24,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from fusion_bridge.call.checksum import tensor_digest
 from fusion_bridge.call.failure import BridgeClosedError, add_note
 from fusion_bridge.call.payload import group_tokens
 from fusion_bridge.call.validation import validate_index_values, validate_inputs
@@ -33,9 +35,6 @@ from fusion_bridge.ranks.process_group import collective_device
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import Strategy
 
-#: bytes the fingerprint reads per step: its temporaries are three int64 tensors of this length
-FINGERPRINT_CHUNK = 1 << 18
-_MODULUS = 65521  # the largest prime below 2**16: position weights in [1, 65521]
 NO_FINGERPRINT = (0,) * len(rank_agreement.REPLICATED)  # none: the call failed its checks
 
 
@@ -45,6 +44,10 @@ class CallAgreement:
     def __init__(self, spec: EpilogueSpec, device: torch.device, group, bridge_index: int) -> None:
         self.spec, self.device, self.group, self.bridge_index = spec, device, group, bridge_index
         self.previous = NO_FINGERPRINT  # this rank's previous call's (none, or it failed)
+        # how far this rank's agreement of call `progress_call` got (rank_agreement.agree_call)
+        self.progress: list = [None]
+        self.progress_call = 0
+        self.reason: Optional[str] = None
 
     def agree(
         self,
@@ -52,16 +55,20 @@ class CallAgreement:
         call: int,
         route: Callable[[EpilogueInputs, int], tuple[Strategy, str]],
         closed: bool = False,
+        failed: Optional[BaseException] = None,
     ) -> Optional[tuple[Strategy, str]]:
         """Local checks (index range included), the fingerprint and the route for T (`route(inputs,
         T)`, which may raise), then one small collective on (ok, T, call number `call`, this bridge,
         the fingerprint and the previous one). Returns the (strategy, variant) to run, or None when
         T == 0 (nothing to run, on every rank). Raises GroupInputError on every rank when any rank
-        failed, T differs or the ranks are on different steps."""
+        failed, T differs or the ranks are on different steps. `failed`: this rank's call already
+        failed with it (the bridge's failure path joins the agreement with it, no checks)."""
         tokens = group_tokens(inputs, self.spec.has_shared_output)
-        error: Optional[BaseException] = None
+        error: Optional[BaseException] = failed
         planned, fingerprint = None, NO_FINGERPRINT
         try:
+            if failed is not None:
+                raise failed
             if closed:
                 raise BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
             validate_inputs(self.spec, inputs, self.device)
@@ -72,17 +79,20 @@ class CallAgreement:
         except BaseException as exc:  # noqa: BLE001 - every rank learns it below
             error, fingerprint = exc, NO_FINGERPRINT
         previous, self.previous = self.previous, fingerprint
+        self.reason = None if error is None else f"{type(error).__name__}: {error}"
         try:
+            self.progress, self.progress_call = [None], call
             rank_agreement.agree_call(
                 error is None,
                 -1 if tokens is None else tokens,
-                None if error is None else f"{type(error).__name__}: {error}",
+                self.reason,
                 self.group,
                 collective_device(self.group, self.device),
                 call=call,
                 bridge=self.bridge_index,
                 fingerprint=fingerprint,
                 previous=previous,
+                progress=self.progress,
             )
         except rank_agreement.GroupInputError as agreed:
             if error is not None and not isinstance(error, Exception):
@@ -91,26 +101,21 @@ class CallAgreement:
             raise
         return planned if tokens else None
 
+    def my_reason(self) -> Optional[str]:
+        """This rank's reason in its last agreement (None: its checks passed)."""
+        return self.reason
+
+    def where(self, call: int) -> Optional[str]:
+        """How far call number `call`'s agreement got on this rank: None (its collective not
+        begun: the peers wait in it), "in" (it began; whether it finished cannot be told), "runs"
+        (every rank goes on to the epilogue's collectives) or "raises" (every rank raises)."""
+        return rank_agreement.agreed_outcome(self.progress) if self.progress_call == call else None
+
 
 def replicated_fingerprint(inputs: EpilogueInputs) -> tuple[int, ...]:
     """One checksum per input every rank of the TP group holds identical (the residual and the
     expert weights, in rank_agreement.REPLICATED's order): ranks whose fingerprints differ are not
-    on the same step, and the message says which input differs. Position-weighted (a permutation
-    of a tensor's bytes changes it), in chunks of FINGERPRINT_CHUNK bytes, so its temporaries are
-    bounded whatever T. Reads every byte (a sync and a pass over [T, H]): debug mode only."""
-    return tuple(tensor_fingerprint(t) for t in (inputs.residual, inputs.expert_weights))
-
-
-def tensor_fingerprint(t: torch.Tensor) -> int:
-    """The position-weighted checksum of a dense tensor's bytes, in any dtype; never 0. Each byte is
-    weighted by its offset within its chunk and each chunk's sum by the chunk's number, so moving a
-    byte anywhere changes it. A contiguous tensor is read in place (what debug mode passes:
-    validated inputs); another is copied once."""
-    raw = t.contiguous().reshape(-1).view(torch.uint8)
-    weights = torch.arange(FINGERPRINT_CHUNK, dtype=torch.int64, device=raw.device) % _MODULUS + 1
-    total = raw.numel()
-    for number, start in enumerate(range(0, raw.numel(), FINGERPRINT_CHUNK), start=1):
-        chunk = raw[start : start + FINGERPRINT_CHUNK].to(torch.int64)
-        part = int((chunk * weights[: chunk.numel()]).sum())  # < 2**42: exact in int64
-        total = (total * 1000003 + number * part) % (1 << 61)
-    return total or 1
+    on the same step, and the message says which input differs. checksum.tensor_digest: any change
+    of the bytes, a permutation included, changes it; its temporaries are bounded whatever T. Reads
+    every byte (a sync and a pass over [T, H]): debug mode only."""
+    return tuple(tensor_digest(t) for t in (inputs.residual, inputs.expert_weights))

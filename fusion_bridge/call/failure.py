@@ -19,10 +19,10 @@ workspaces stand in the way. Only routes whose collective lives inside their own
 Where a rank cannot take part, the process group is out of step on this rank: every bridge of this
 process on that group is marked broken (`break_group`; every later call raises at once) with a
 message that says what recovers (`broken_message`). That happens when T itself cannot be told
-(none of the [T, ...] inputs is a 2-D tensor, or they disagree with no majority), when the planned
-route for T does not exist, when taking part fails too, when a closed bridge's route needed the
-workspaces close() freed, or when the failure came while this rank was inside a collective (it
-cannot tell whether the peers finished it).
+(none of the [T, ...] inputs is a 2-D tensor, or two of them disagree: payload.unanimous_tokens),
+when the planned route for T does not exist, when taking part fails too, when a closed bridge's
+route needed the workspaces close() freed, or when the failure came while this rank was inside a
+collective (it cannot tell whether the peers finished it).
 
 Debug mode over several ranks replaces all this with one small collective per call before the
 epilogue's own (debug_call.py).
@@ -37,7 +37,14 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
-from fusion_bridge.call.payload import group_tokens, nan_payload, nan_rows, reserve, votes_text
+from fusion_bridge.call.payload import (
+    group_tokens,
+    nan_payload,
+    nan_rows,
+    reserve,
+    unanimous_tokens,
+    votes_text,
+)
 from fusion_bridge.call.shadow import Shadow
 from fusion_bridge.environment import Environment
 from fusion_bridge.epilogue_tensors import EpilogueInputs
@@ -84,15 +91,18 @@ def take_part(
     marks the group broken on this rank."""
     if world_size == 1:
         return None
-    tokens = group_tokens(inputs, spec.has_shared_output)
+    tokens = unanimous_tokens(inputs, spec.has_shared_output)
+    if tokens is None:
+        majority = group_tokens(inputs, spec.has_shared_output)
+        return (
+            "before its collective, and its [T, ...] inputs do not give the group's T ("
+            + ("more than half of them must agree" if majority is None else "they disagree")
+            + f"; {votes_text(inputs)}), so it cannot tell which T its peers run (taking part "
+            "with the wrong T would pair its peers' collective with its next call, or make gloo "
+            "abort a peer)"
+        )
     if tokens == 0:
         return None
-    if tokens is None:
-        return (
-            "before its collective, and its [T, ...] inputs do not give the group's T (more than "
-            f"half of them must agree; {votes_text(inputs)}), so it cannot tell which T its peers "
-            "run"
-        )
     runs: list[tuple[Strategy, Optional[str]]] = []
     if route is not None:
         planned = route(tokens) if callable(route) else route

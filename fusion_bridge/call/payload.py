@@ -1,12 +1,13 @@
 """What a rank that failed before its collective takes part with: the group's T and a NaN payload.
 
 The group's T (`group_tokens`) is the first dimension that more than half of the [T, ...] inputs the
-spec expects give: the index map, the expert weights, residual and, when the spec has one, the
-shared output (all replicated in T on every rank of the TP group), so three of four, or two of
-three. One malformed tensor never changes it, and every input is validated against it
-(validation.py). When no T holds such a majority (a tie, or two inputs of four wrong), this rank
-cannot tell which T its peers run, and it does not guess: a payload of the wrong size would crash
-or corrupt the peers' collective (gloo aborts a process that receives more bytes than it expects).
+spec expects give (a rank takes part only when no readable one says another T: `unanimous_tokens`):
+the index map, the expert weights, residual and, when the spec has one, the shared output (all
+replicated in T on every rank of the TP group), so three of four, or two of three. One malformed
+tensor never changes it, and every input is validated against it (validation.py). When no T holds
+such a majority (a tie, or two inputs of four wrong), this rank cannot tell which T its peers run,
+and it does not guess: a payload of the wrong size would crash or corrupt the peers' collective
+(gloo aborts a process that receives more bytes than it expects).
 `token_votes` lists what each input says, for the error.
 
 The NaN payload (`nan_payload`) is valid inputs of that T whose every row sums to NaN, so the peers
@@ -71,6 +72,19 @@ def group_tokens(inputs: EpilogueInputs, has_shared_output: bool) -> Optional[in
         if 2 * dims.count(d) > expected:
             return d
     return None
+
+
+def unanimous_tokens(inputs: EpilogueInputs, has_shared_output: bool) -> Optional[int]:
+    """The T a failing rank may take part with: group_tokens' majority, and only when no readable
+    [T, ...] input says another T. A rank whose inputs disagree with each other cannot tell which
+    of them its peers share: three wrong of four look like one wrong of four from here, and a
+    payload of the wrong size makes the peers' collective pair with this rank's next call (0 rows:
+    wrong values) or gloo abort the peer (more bytes than it expects). None: do not take part."""
+    tokens = group_tokens(inputs, has_shared_output)
+    if tokens is None:
+        return None
+    dims = {d for d in token_votes(inputs).values() if d is not None}
+    return tokens if dims == {tokens} else None
 
 
 def votes_text(inputs: EpilogueInputs) -> str:

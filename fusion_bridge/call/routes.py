@@ -138,9 +138,25 @@ def log_reroute(
 def route_for(plan: Plan, tokens: int, eager: bool = False) -> Optional[tuple[str, str]]:
     """(strategy, variant) names a call with T tokens runs under CUDA graphs (eager=True: outside
     capture), or None (T == 0, or no route above max_tokens)."""
+    tokens = token_count(tokens, "route_for")
     return plan.route_for(tokens, eager) if tokens > 0 else None
 
 
 def strategy_for(plan: Plan, tokens: int) -> Optional[str]:
     """The strategy name a captured call with T tokens runs, or None (T == 0, or no route)."""
+    tokens = token_count(tokens, "strategy_for")
     return plan.strategy_for(tokens) if tokens > 0 else None
+
+
+def token_count(tokens, where: str) -> int:
+    """`tokens` as an int >= 0 (an int, or an integral torch/numpy scalar), or TypeError /
+    ValueError naming `where`'s argument, what it must be and what it got."""
+    if isinstance(tokens, bool) or not hasattr(tokens, "__index__"):
+        raise TypeError(
+            f"{where}: tokens must be an int (the token count T), got {type(tokens).__name__} "
+            f"{tokens!r}"
+        )
+    value = tokens.__index__()
+    if value < 0:
+        raise ValueError(f"{where}: tokens must be >= 0, got {value}")
+    return value

@@ -35,12 +35,34 @@ def _check_tensor(name: str, t: object, shape: tuple, dtypes: tuple, device: tor
         _fail(name, "contiguous (call .contiguous())", f"strides {t.stride()}")
 
 
+ZERO_TENSOR = "a zero tensor (torch._efficientzerotensor: no storage for a kernel to read)"
+
+
+def zero_tensor_error(inputs: EpilogueInputs) -> Optional["EpilogueInputError"]:
+    """The error naming the first input that is a zero tensor, or None. The hot path's checks do
+    not look for them (they cost a call per input); the failure path asks, so a kernel's "invalid
+    python storage" error is reported as what it is."""
+    for name, t in zip(inputs._fields, inputs):
+        try:
+            zero = isinstance(t, torch.Tensor) and t._is_zerotensor()
+        except Exception:  # noqa: BLE001 - an exotic tensor: not a zero tensor
+            zero = False
+        if zero:
+            return EpilogueInputError(
+                f"finalize_epilogue: {name} must be a tensor with storage (e.g. torch.zeros(...)), "
+                f"got {ZERO_TENSOR}"
+            )
+    return None
+
+
 def _require_dense(name: str, t: torch.Tensor) -> None:
     """Sparse and nested tensors: their other metadata (shape, strides) may not even be readable.
     Negative and conjugate views: their memory holds other values than they show (a lazy bit),
     and a kernel reading the memory (Triton, FlashInfer) would compute with those."""
     if t.is_nested or t.layout is not torch.strided:
         _fail(name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else t.layout)
+    if t._is_zerotensor():
+        _fail(name, "a tensor with storage (e.g. torch.zeros(...))", ZERO_TENSOR)
     if t.is_neg() or t.is_conj():
         lazy = "a negative view" if t.is_neg() else "a conjugate view"
         _fail(

@@ -106,3 +106,44 @@ def check_spec(parser: argparse.ArgumentParser, args) -> None:
         message = str(exc).removeprefix("EpilogueSpec: ")
         flags = [flag for field, flag in SPEC_FIELD_FLAGS.items() if message.startswith(field)]
         parser.error(f"argument {flags[0]}: {message}" if flags else message)
+
+
+#: bytes per (token, hidden) element one parity rank holds at its peak, per expert slot and for the
+#: other [T, H] tensors: the inputs in the activation dtype, the outputs, and the float64 oracle's
+#: copies of every rank's partials (a coarse upper estimate, to refuse sizes that cannot fit)
+PARITY_BYTES_PER_ELEMENT = 8
+
+
+def parity_bytes(tokens: int, hidden: int, top_k: int, world_size: int) -> int:
+    """Roughly the most memory `parity` needs on this machine: every rank's inputs and outputs and
+    the float64 oracle over every rank's partials."""
+    per_rank = tokens * hidden * (top_k + 8) * PARITY_BYTES_PER_ELEMENT
+    return per_rank * world_size * (world_size + 1)
+
+
+def available_bytes() -> int | None:
+    """The memory this machine can still give (MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse, naming the flags, a parity size that cannot fit this machine's available memory,
+    before anything is allocated (a rank killed by the kernel's OOM killer says nothing useful)."""
+    need = parity_bytes(args.tokens, args.hidden, args.top_k, args.world_size)
+    have = available_bytes()
+    if have is not None and need > have:
+        parser.error(
+            f"argument --hidden: T={args.tokens} x H={args.hidden} x K={args.top_k} on "
+            f"{args.world_size} rank(s) needs about {need / 2**30:.1f} GiB, and this machine has "
+            f"{have / 2**30:.1f} GiB available: use a smaller --hidden, --tokens or --world-size"
+        )

@@ -21,6 +21,7 @@ from fusion_bridge.cli.args import STRATEGY_ENV, build_parser, check_combination
 # re-exported: what the parser accepts
 from fusion_bridge.cli.args import DTYPES, QUANTS, gloo_rank_limit  # noqa: F401
 from fusion_bridge.cli.common import (
+    check_memory,
     check_spec,
     emit,
     set_multicast_off,
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     check_combinations(args.subparser, args)
     if args.command in ("explain", "parity"):
         check_spec(args.subparser, args)
+    if args.command == "parity":
+        check_memory(args.subparser, args)
     if getattr(args, "json", False):
         stdout_to_stderr()
     try:
@@ -280,10 +283,32 @@ def main(argv: list[str] | None = None) -> int:
 
         env_vars.check_all()  # a malformed FUSION_BRIDGE_* variable: one line naming it
         log.configure_once()
-        return args.fn(args)
+        code = args.fn(args)
+        if sys.stdout is not None:  # None: started with stdout closed
+            sys.stdout.flush()  # a write error surfaces here, not in the interpreter's exit
+        return code
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed (`| head`): the reader left, nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as exc:  # a full disk, a closed or unwritable output
+        _quiet_stdout()
+        print(f"error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the launcher has already ended every rank it started
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what could not be written
+    raises nothing more."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ from fusion_bridge.integrations.hf_handoff import (
     handoff_forward,
     shared_forward,
 )
+from fusion_bridge.call.checksum import tensor_digest
 from fusion_bridge.integrations.weights_digest import parameter_digests
 
 __all__ = [
@@ -186,7 +187,7 @@ class MoEEpiloguePatch:
         pass over those tensors and one small all-gather, so once per request is cheap."""
         if self.world_size == 1:
             return
-        mine = [(tuple(t.shape), str(t.dtype), _checksum(t)) for t in tensors]
+        mine = [(tuple(t.shape), str(t.dtype), tensor_digest(t)) for t in tensors]
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         for i in range(len(tensors)):
@@ -340,13 +341,6 @@ def unpatch_moe_epilogues(model: torch.nn.Module) -> None:
     patch = getattr(model, _PATCH_ATTR, None)
     if patch is not None:
         patch.unpatch()
-
-
-def _checksum(t: torch.Tensor) -> int:
-    """An exact fingerprint of a tensor's bytes (position-weighted sum, modulo a prime)."""
-    raw = t.detach().contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
-    weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) % 65521 + 1
-    return int((raw * weights).sum()) % ((1 << 61) - 1)
 
 
 def _resolve_group(group, device: torch.device):

@@ -8,35 +8,19 @@ hashed by content: its dtype, its shape and its bytes in order (BLAKE2b), with e
 one canonical NaN first, so identical models agree whatever NaN payloads they carry and any
 permutation of values changes the digest.
 
-The bytes are read in chunks of CHUNK_ELEMENTS (copied to the host one chunk at a time), so hashing
-never holds a second copy of a large parameter.
+The digest is the project's one (fusion_bridge/call/checksum.py): the bytes are read in bounded
+pieces, copied to the host one piece at a time, so hashing never holds a second copy of a large
+parameter.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-#: elements read (and copied to the host) per step
-CHUNK_ELEMENTS = 1 << 22
+from fusion_bridge.call.checksum import tensor_digest
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """The hex BLAKE2b digest of `t`'s dtype, shape and values in row-major order, every NaN as one
-    canonical NaN (floating dtypes)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    flat = t.detach().reshape(-1)
-    canonical_nan = t.is_floating_point() or t.is_complex()
-    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-        chunk = flat[start : start + CHUNK_ELEMENTS]
-        if canonical_nan:
-            chunk = torch.where(torch.isnan(chunk), torch.full_like(chunk, float("nan")), chunk)
-        h.update(chunk.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def parameter_digests(model: torch.nn.Module) -> dict[str, str]:
-    """{parameter name: tensor_digest} for every parameter of `model`, in its named order."""
-    return {name: tensor_digest(p) for name, p in model.named_parameters()}
+def parameter_digests(model: torch.nn.Module) -> dict[str, int]:
+    """{parameter name: tensor_digest (every NaN alike)} for every parameter of `model`, in its
+    named order."""
+    return {name: tensor_digest(p, canonical_nan=True) for name, p in model.named_parameters()}

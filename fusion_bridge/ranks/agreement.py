@@ -235,6 +235,7 @@ def agree_call(
     bridge: int = 0,
     fingerprint: Sequence[int] = (0, 0),
     previous: Sequence[int] = (0, 0),
+    progress: Optional[list] = None,
 ) -> int:
     """Debug mode: agree, before the epilogue's collectives, that every rank's call is good and has
     the same T and is on the same call of the bridge (`call`, counted per bridge).
@@ -248,7 +249,9 @@ def agree_call(
     rank's fingerprint at its previous call of the bridge, so a rank whose step is a peer's
     previous one is named as behind. Collective: one all_gather of 8 int64 per rank; only when
     some rank failed, one all_gather_object of the reasons. Every rank must call it once per call,
-    whatever its own checks said.
+    whatever its own checks said. progress: a one-element list this sets to "in" just before the
+    all_gather and to the gathered rows right after it, so a caller interrupted anywhere in here
+    can tell (`agreed_outcome`) whether its peers went on to the epilogue.
 
     Raises GroupInputError (an EpilogueInputError) on every rank with the same message when any rank
     failed (naming each failing rank and its reason) or T differs (naming T on each rank).
@@ -271,7 +274,10 @@ def agree_call(
         device=collective_device(group, torch.device(device)),
     )
     gathered = [torch.empty_like(flags) for _ in range(world)]
+    progress = [None] if progress is None else progress
+    progress[0] = "in"
     dist.all_gather(gathered, flags, group=group)
+    progress[0] = gathered  # a plain store right after the return: no interrupt lands between
     table = torch.stack(gathered).tolist()  # one device-to-host copy
     oks, token_counts = [bool(row[0]) for row in table], [int(row[1]) for row in table]
     calls = [(int(row[3]), int(row[2])) for row in table]  # (bridge, call number)
@@ -291,9 +297,36 @@ def agree_call(
     if not all(oks):  # every rank sees the same flags, so every rank takes this path together
         reasons: list = [None] * world
         mine = None if ok else (error or "no reason given")[:MAX_REASON_CHARS]
+        progress[0] = "in"
         dist.all_gather_object(reasons, mine, group=group)
+        progress[0] = "raises"
         failed = {r: reasons[r] for r in range(world) if not oks[r]}
     raise _call_error(failed, token_counts, group)
+
+
+def agreed_outcome(progress: list) -> Optional[str]:
+    """What agree_call's `progress` says every rank does next: None (its all_gather not begun),
+    "in" (a collective begun; whether it finished cannot be told), "runs" (every rank goes on to
+    the epilogue), "reasons" (the peers wait in the all_gather of the failing ranks' reasons:
+    join it with `join_reasons`) or "raises" (every rank raises GroupInputError, nothing pending).
+    The same test as agree_call's own."""
+    if progress[0] is None or isinstance(progress[0], str):
+        return progress[0]
+    table = torch.stack(progress[0]).tolist()
+    n = len(REPLICATED)
+    keys = {(int(row[1]), int(row[2]), int(row[3]), *row[4 : 4 + n]) for row in table}
+    if not all(row[0] for row in table):
+        return "reasons"
+    return "runs" if len(keys) == 1 else "raises"
+
+
+def join_reasons(error: Optional[str], group) -> None:
+    """Take part in agree_call's all_gather of reasons (its peers found a failing rank) on behalf
+    of a rank interrupted before it did; `error`: this rank's reason, when it is one of them."""
+    reasons: list = [None] * world_size(group)
+    dist.all_gather_object(
+        reasons, None if error is None else error[:MAX_REASON_CHARS], group=group
+    )
 
 
 #: what every rank of the group passes identical at each step, in the order of the fingerprint. The
@@ -341,7 +374,9 @@ def _out_of_step(
         "the same residual and expert weights (in a model: every rank runs the same forward on "
         "the same inputs, e.g. the same prompt); ranks fed different inputs, or a rank that "
         "skipped a call or made an extra one, get here. None of the epilogue's collectives ran "
-        "for this call; every rank raises this error."
+        "for this call; every rank raises this error. A rank a call apart stays a call apart: "
+        "every later call of this bridge raises it too, until every rank rebuilds its bridges "
+        "(or the rank behind makes the call it skipped)."
     )
 
 

@@ -60,7 +60,7 @@ def test_a_call_from_a_second_thread_while_one_runs_is_refused(pausing):
             bridge(*second)  # __call__ too
         message = str(refused.value)
         assert "thread 'MainThread' called this FusionBridge while another thread's call" in message
-        assert "Call each bridge from one thread" in message
+        assert "Call the bridges of one process group from one thread" in message
         PausingSeparate.release.set()
         thread.join(60)
         assert "error" not in running, running

@@ -250,11 +250,11 @@ def _fingerprint_function():
 def test_5_the_debug_fingerprint_needs_no_copy_the_size_of_the_input(monkeypatch):
     from torch.profiler import ProfilerActivity, profile
 
-    import fusion_bridge.call as call
+    from fusion_bridge.call import checksum
 
     fingerprint = _fingerprint_function()
-    # a small chunk, so a small residual spans many (the real chunk is FINGERPRINT_CHUNK bytes)
-    monkeypatch.setattr(getattr(call, "debug_call", call), "FINGERPRINT_CHUNK", 4096, raising=False)
+    # a small chunk, so a small residual spans many (the real chunk is DIGEST_CHUNK bytes)
+    monkeypatch.setattr(checksum, "DIGEST_CHUNK", 4096)
     residual = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
     inputs = make_inputs(SPEC, 64, seed=1)._replace(residual=residual.to(torch.bfloat16))
     size = residual.numel() * 2  # 64 KiB of bf16: 16 chunks

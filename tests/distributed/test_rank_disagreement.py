@@ -318,15 +318,15 @@ def _one_bad_rank(rank, world_size, faults, specs):
     [
         (
             2,
-            ({1: "gamma_dtype"}, {1: "index_range"}, {1: "index_top_k"}, {1: "index_extra_row"}),
+            ({1: "gamma_dtype"}, {1: "index_range"}, {1: "index_top_k"}, {1: "index_1d"}),
             (SPEC, SPEC_NO_SHARED),
         ),
         (
             4,
             (
                 {2: "gamma_dtype"},
-                {1: "index_range", 3: "residual_shape"},
-                {0: "index_transposed", 2: "index_list"},
+                {1: "index_range", 3: "index_1d"},
+                {0: "index_top_k", 2: "index_list"},
             ),
             (SPEC,),
         ),
