@@ -6,7 +6,8 @@
     out.residual_out, out.norm_out   # (+ out.quant, out.scale when the spec quantizes)
     print(bridge.explain())          # which strategy runs per token count, and why the others don't
 
-What a model author uses comes from here; what a strategy author uses comes from
+What a model author uses comes from here (`tensor_digest`: the content digest the ranks compare
+to check they hold the same inputs or weights); what a strategy author uses comes from
 `fusion_bridge.strategies`.
 
 The names below are imported on first use (PEP 562), so `import fusion_bridge` and
@@ -27,6 +28,7 @@ __all__ = [
     "EpilogueInputError",
     "ConcurrentCallError",
     "NoStrategyAvailable",
+    "tensor_digest",
     "__version__",
 ]
 
@@ -38,6 +40,7 @@ _LAZY = {
     "QuantSpec": ".spec",
     "EpilogueInputError": ".epilogue_tensors",
     "ConcurrentCallError": ".call.one_caller",
+    "tensor_digest": ".call.checksum",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
@@ -47,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from fusion_bridge.spec import EpilogueSpec, QuantSpec
     from fusion_bridge.epilogue_tensors import EpilogueInputError
     from fusion_bridge.call.one_caller import ConcurrentCallError
+    from fusion_bridge.call.checksum import tensor_digest
 
 
 def __getattr__(name: str):

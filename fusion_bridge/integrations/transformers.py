@@ -68,7 +68,7 @@ from fusion_bridge.integrations.hf_handoff import (
     handoff_forward,
     shared_forward,
 )
-from fusion_bridge.call.checksum import tensor_digest
+from fusion_bridge import tensor_digest
 from fusion_bridge.integrations.weights_digest import parameter_digests
 
 __all__ = [

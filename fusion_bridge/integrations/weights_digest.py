@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion_bridge.call.checksum import tensor_digest
+from fusion_bridge import tensor_digest
 
 
 def parameter_digests(model: torch.nn.Module) -> dict[str, int]:
