@@ -53,6 +53,10 @@ class FailurePath:
         try:
             if running is _REFUSED:
                 raise error
+            if self._broken is not None and running is None:
+                # broken before this call got to its strategy (an interrupt before the call's own
+                # refusal): never take part again, the peers are not in step with this rank
+                self._raise_broken(error)
             if running is not None:
                 strategy, variant, shadow_next = running
                 self._failed_in(strategy, variant, inputs, error, shadow_next)
@@ -70,6 +74,14 @@ class FailurePath:
             self._take_part_then_raise(inputs, error, self._planned_route)
         finally:
             self._running = _IDLE
+
+    def _raise_broken(self, error: BaseException) -> NoReturn:
+        """Refuse this call as every call of a broken bridge is refused (a KeyboardInterrupt stays
+        one, with the message as a note)."""
+        if isinstance(error, Exception):
+            raise EpilogueInputError(self._broken) from error
+        failure.add_note(error, self._broken)
+        raise error
 
     def _break_unfinished(self, previous) -> None:
         """The previous call's failure path never finished (`previous`: where that call stood):

@@ -299,3 +299,45 @@ def test_two_bridges_on_one_group_called_from_two_threads_never_pair_silently():
         assert "ConcurrentCallError" in held["msg"], held["msg"]
         for later in r["later"]:
             assert later["kind"] == "EpilogueInputError" and "unusable" in later["msg"], later
+
+
+# ---------------------------------------------------------------- a broken bridge stays out
+def _broken_rank_interrupted_everywhere(rank, world_size):
+    """Both ranks make one good call; then rank 1's bridge is broken (as a failure inside a
+    collective leaves it) and every later call of it is interrupted at each place in turn: none may
+    make a collective (its peer is not in that call: a NaN payload would pair with whatever the
+    peer does next, a call of another size among them)."""
+    import torch.distributed as dist
+
+    group = _group(world_size)
+    out = {"calls": 0, "collectives": 0, "kinds": set()}
+    with _build(group) as bridge:
+        inputs, exact = _good(world_size, rank, 3, seed=1)
+        out["first"] = _call(bridge, inputs, exact)["kind"]
+        if rank == 1:
+            bridge._break(RuntimeError("a failure inside the collective"), "in this test")
+            later, _ = _good(world_size, rank, 4, seed=2)
+            target = 0
+            while True:
+                injector = _Injector(bridge, target, collectives=1)
+                injector.wrap(dist)
+                r = _traced_call(bridge, later, None, injector)
+                out["calls"] += 1
+                out["collectives"] += injector.started
+                out["kinds"].add(r["kind"])
+                if not injector.fired:
+                    break
+                target += 1
+    _finish(group)
+    return out
+
+
+def test_a_broken_bridge_never_takes_part_wherever_the_interrupt_lands():
+    results = run_distributed(
+        _broken_rank_interrupted_everywhere, 2, backend="gloo", timeout_s=RUN_TIMEOUT_S
+    )
+    assert results[0]["first"] == results[1]["first"] == "ok", results
+    r = results[1]
+    assert r["calls"] > 3, r  # the refused call's places were each interrupted in turn
+    assert r["collectives"] == 0, r
+    assert r["kinds"] <= {"KeyboardInterrupt", "EpilogueInputError"}, r
