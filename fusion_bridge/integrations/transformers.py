@@ -270,6 +270,7 @@ def patch_moe_epilogues(
         name = paths[id(norm)]
         next_norms[i] = (name, norm, check_rmsnorm(family, norm, name, hidden))
     device = blocks[moe_indices[0]].experts.gate_up_proj.device
+    family.check_device(device)
     group, rank, world = _resolve_group(group, device)
     num_experts = blocks[moe_indices[0]].experts.gate_up_proj.shape[0]
     if world > num_experts:

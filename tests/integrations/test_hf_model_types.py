@@ -127,3 +127,20 @@ def test_norm_weight_offset_reads_plain_and_zero_centred_norms_and_engine_classe
 
     with pytest.raises(UnsupportedModelError, match="cannot tell whether .*Odd multiplies"):
         norm_weight_offset(Odd)
+
+
+def test_a_row_not_verified_on_cuda_is_refused_there_by_name_and_runs_on_the_cpu():
+    """Rows whose GPU check has not passed (`Family.cuda_refusal`) are refused on a CUDA device,
+    before anything is built, and patch on the CPU as every row does."""
+    from fusion_bridge.integrations.hf_families import FAMILIES
+    from fusion_bridge.integrations.transformers import UnsupportedModelError
+
+    refused = [row for row in FAMILIES if row.cuda_refusal is not None]
+    assert {row.name for row in refused} >= {"Mistral-4", "Qwen3-Next"}
+    for row in refused:
+        row.check_device(torch.device("cpu"))
+        with pytest.raises(UnsupportedModelError, match=f"{row.name} is not supported on CUDA"):
+            row.check_device(torch.device("cuda", 0))
+    for row in FAMILIES:
+        if row.cuda_refusal is None:
+            row.check_device(torch.device("cuda", 0))

@@ -8,7 +8,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fusion_bridge.integrations.transformers import patch_moe_epilogues  # noqa: E402
+from fusion_bridge.integrations.hf_families import family_of  # noqa: E402
+from fusion_bridge.integrations.transformers import (  # noqa: E402
+    UnsupportedModelError,
+    patch_moe_epilogues,
+)
 from migration.examples.hf_moe import FAMILIES, LARGE, build_model, compare  # noqa: E402
 from migration.examples.hf_moe_bound import Recorder, tainted_positions  # noqa: E402
 from migration.examples.hf_moe_models import why_skipped  # noqa: E402
@@ -51,6 +55,11 @@ def test_large_model_on_the_bridge_eager_and_under_cuda_graphs(family):
     print("transformers", transformers.__version__, "torch", torch.__version__)
     device = torch.device("cuda", 0)
     model = build_model(family, LARGE, seed=0, device=device)
+    row, _ = family_of(model)
+    if row.cuda_refusal is not None:  # not verified on CUDA yet: refused there, by name
+        with pytest.raises(UnsupportedModelError, match=f"{row.name} is not supported on CUDA"):
+            patch_moe_epilogues(model)
+        return
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, LARGE["vocab"], PROMPT, generator=g).to(device)
     summary = compare(model, None, 1, prompt, 16)

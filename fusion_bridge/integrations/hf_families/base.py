@@ -76,6 +76,16 @@ class Family:
     moe_attr: str = "mlp"
     residual_multiplier: Optional[str] = None
     weight_bias: float = 0.0
+    # why the row is refused on a CUDA device (its GPU check has not passed yet); None: it passed
+    cuda_refusal: Optional[str] = None
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse a model on a device this row has not been verified on (`cuda_refusal`)."""
+        if device.type == "cuda" and self.cuda_refusal is not None:
+            raise UnsupportedModelError(
+                f"patch_moe_epilogues: {self.name} is not supported on CUDA yet: "
+                f"{self.cuda_refusal}; on the CPU it is"
+            )
 
     def moe_block(self, layer: torch.nn.Module) -> Optional[torch.nn.Module]:
         """The decoder layer's MoE block (a module with `experts`), or None for a dense layer."""

@@ -80,6 +80,8 @@ FAMILY_ROWS: tuple[Family, ...] = (
         ("mistral4",),
         "mistral4",
         "modeling_mistral4: Mistral4MoE as DeepseekV3MoE",
+        cuda_refusal="its GPU check (tests/integrations/test_hf_transformers_on_gpu.py, one H100) "
+        "measured a NaN logits error at the large size, not yet explained",
     ),
     _sigmoid_grouped(
         "Mistral-Large-4",
@@ -140,6 +142,9 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "modeling_qwen3_next: the gated shared expert as Qwen2-MoE; zero-centred RMSNorm "
         "(1 + weight); gated DeltaNet layers",
         weight_bias=1.0,
+        cuda_refusal="its GPU check (tests/integrations/test_hf_transformers_on_gpu.py, one H100) "
+        "found a logits error past the bound derived for its gated DeltaNet layers at the large "
+        "size, not yet explained",
         **_QWEN_GATED,
     ),
     _softmax_topk(
