@@ -20,7 +20,8 @@ import torch
 
 from fusion_bridge import log
 from fusion_bridge.assembly.build import build_bridge, close_instances
-from fusion_bridge.call import custom_op, direct, failure, one_caller, routes as call_routes, tools
+from fusion_bridge.call import custom_op, direct, failure, one_caller, out_check, tools
+from fusion_bridge.call import routes as call_routes
 from fusion_bridge.call.debug_call import CallAgreement
 from fusion_bridge.call.failure_path import _DONE, _IDLE, _REFUSED, FailurePath
 from fusion_bridge.call.validation import (
@@ -30,7 +31,7 @@ from fusion_bridge.call.validation import (
     validate_inputs,
 )
 from fusion_bridge.environment import Environment
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, outputs_for
 from fusion_bridge.plan.buckets import bucket_index
 from fusion_bridge.plan.planner import AUTO
 from fusion_bridge.plan.report import Report
@@ -140,14 +141,27 @@ class FusionBridge(FailurePath):
         shared_output: Optional[torch.Tensor],
         residual: torch.Tensor,
         gamma: torch.Tensor,
+        *,
+        out: Optional[EpilogueOutputs] = None,
     ) -> EpilogueOutputs:
         """Finalize + shared add + all-reduce + residual add + RMSNorm (+ quant), on every rank.
 
         gemm2_out [P, H] act dtype; expanded_idx_to_permuted_idx [T, K] int32 (-1 = skip);
         expert_weights [T, K] fp32/bf16/fp16; shared_output [T, H] or None (as the spec says);
         residual [T, H]; gamma [H]. Returns EpilogueOutputs (residual_out, norm_out [T, H] act
-        dtype; quant/scale when the spec quantizes). The inputs are never modified. Collective when
-        world > 1.
+        dtype; quant/scale when the spec quantizes; unpacks as `norm_out, residual_out`). The
+        inputs are never modified. Collective when world > 1.
+
+        out: preallocated outputs, or None (allocated per call). An EpilogueOutputs of exactly this
+        call's (`allocate_outputs(spec, T, device)` makes one): shapes, dtypes, device, contiguous,
+        quant/scale where the spec quantizes and None where it does not; no tensor of it may share
+        memory with an input (residual_out over residual is refused) or with another of its own.
+        Checked from metadata (no sync); every route writes into it with no output allocation
+        (capture-safe), and the call returns `out` itself. Under torch.compile the op's outputs are
+        copied into it (the overlap check needs real tensors and is skipped there). When the call
+        raises, `out` holds no result: untouched, partly written, or (its route's collective having
+        run) NaN rows; read it only after a call that returned. A peer whose rank failed returns
+        normally with NaN rows in its `out` (call/failure.py).
 
         Every line of it runs inside the one `try` (the first statement): whatever leaves any of
         them, an interrupt raised by a signal handler included, goes to `_call_failed`, which keeps
@@ -157,17 +171,12 @@ class FusionBridge(FailurePath):
         try:  # the first statement: see the docstring
             try:
                 if torch.compiler.is_compiling():  # one opaque graph node; the op runs it eagerly
-                    return custom_op.outputs_from_op(
+                    return out_check.compiled_call(
                         self.spec,
-                        torch.ops.fusion_bridge.finalize_epilogue(
-                            gemm2_out,
-                            expanded_idx_to_permuted_idx,
-                            expert_weights,
-                            shared_output,
-                            residual,
-                            gamma,
-                            self.name,
-                        ),
+                        self.name,
+                        out,
+                        (gemm2_out, expanded_idx_to_permuted_idx, expert_weights),
+                        (shared_output, residual, gamma),
                     )
                 one_caller.enter(self)
                 # one statement of plain stores: no interrupt lands between them
@@ -186,9 +195,9 @@ class FusionBridge(FailurePath):
                     self._running = _REFUSED
                     raise EpilogueInputError(self._broken)
                 if self._agreement is not None:
-                    out = self._agreed_call(inputs)
+                    out = self._agreed_call(inputs, out)
                 else:
-                    out = self._default_call(inputs, residual)
+                    out = self._default_call(inputs, residual, out)
                 if self._broken is not None and self.env.world_size > 1:
                     self._running = _REFUSED  # a refusal came during the call (one_caller.py)
                     raise EpilogueInputError(self._broken)
@@ -211,27 +220,29 @@ class FusionBridge(FailurePath):
 
     __call__ = finalize_epilogue
 
-    def _default_call(self, inputs: EpilogueInputs, residual) -> EpilogueOutputs:
+    def _default_call(self, inputs: EpilogueInputs, residual, out) -> EpilogueOutputs:
         """The call without debug mode: checks with no sync (and the index range on CPU), route,
-        run. Raises whatever fails; finalize_epilogue's failure path handles it."""
+        run into `out` (None: allocated). Raises whatever fails; the failure path handles it."""
         if self._closed:  # a failure like any other: this rank still takes part
             raise failure.BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
         if not self._looks_valid(inputs):
             validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
         tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
+        if out is not None:
+            out_check.validate_out(self.spec, inputs, out, tokens, self.device)
         if self._check_values:
             validate_index_values(inputs)
         if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
-            return allocate_outputs(self.spec, 0, self.device)
+            return outputs_for(self.spec, 0, self.device, out)
         strategy, variant = self._route(inputs, tokens)
-        return self._run(inputs, strategy, variant)
+        return self._run(inputs, strategy, variant, out)
 
-    def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
+    def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str, out=None):
         strategy.call_stage = CallStage.BEFORE_COLLECTIVE
         self._running = (strategy, variant, True)  # from here, its stage says where a failure is
         key = (strategy.name, variant, bool(self._capturing()))
         self._calls[key] = self._calls.get(key, 0) + 1
-        out = strategy.run(inputs, variant)
+        out = strategy.run(inputs, variant, out)
         if self._shadow is not None and self._shadow.due():
             shadow = self._instances[self._shadow.strategy]
             shadow.call_stage = CallStage.BEFORE_COLLECTIVE
@@ -275,13 +286,16 @@ class FusionBridge(FailurePath):
         message = failure.broken_message(self.calls, error, where)
         failure.break_group(list(_LIVE_BRIDGES), self, message)
 
-    def _agreed_call(self, inputs: EpilogueInputs) -> EpilogueOutputs:
-        """Debug mode over several ranks: every rank checks, then all agree, then run (or all
+    def _agreed_call(self, inputs: EpilogueInputs, out) -> EpilogueOutputs:
+        """Debug mode over several ranks: every rank checks (`out` before the agreement, when the
+        inputs pass: invalid inputs fail in it on every rank), then all agree, then run (or all
         raise the same error)."""
+        if out is not None and self._looks_valid(inputs):
+            out_check.validate_out(self.spec, inputs, out, inputs.tokens, self.device)
         route = self._agreement.agree(inputs, self.calls, self._route, self._closed)
         if route is None:
-            return allocate_outputs(self.spec, 0, self.device)
-        return self._run(inputs, *route)
+            return outputs_for(self.spec, 0, self.device, out)
+        return self._run(inputs, *route, out)
 
     # ---------------------------------------------------------------- tools (call/direct.py)
     def run_strategy(
