@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from fusion_bridge import log
 from fusion_bridge.assembly.build import build_bridge, close_instances
-from fusion_bridge.call import custom_op, direct, failure, one_caller, out_check, tools
+from fusion_bridge.call import custom_op, failure, one_caller, out_check, tools
 from fusion_bridge.call import routes as call_routes
+from fusion_bridge.call.bridge_tools import BridgeTools
 from fusion_bridge.call.debug_call import CallAgreement
+from fusion_bridge.call.shared_once import shared_once
 from fusion_bridge.call.failure_path import _DONE, _IDLE, _REFUSED, FailurePath
 from fusion_bridge.call.validation import (
     EpilogueInputError,
@@ -42,7 +44,7 @@ _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
 
 
-class FusionBridge(FailurePath):
+class FusionBridge(FailurePath, BridgeTools):
     """The MoE epilogue for one layer.
 
     spec: the layer's static EpilogueSpec. group: the TP process group (None: the default group if
@@ -100,6 +102,8 @@ class FusionBridge(FailurePath):
         self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
         self._looks_valid = input_check(self.spec, self.device)
         self._max_tokens = self.spec.max_tokens
+        # a replicated shared output is added once: zeros in its place off rank 0 (None: as given)
+        self._shared_once = shared_once(self.spec, self.group, self.env.world_size, self.device)
         # eager calls take the eager plan's routes when it differs: is this call being captured? (a
         # CPU-only torch raises on the CUDA query, and nothing captures there)
         self._capturing = (
@@ -234,6 +238,8 @@ class FusionBridge(FailurePath):
             validate_index_values(inputs)
         if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
             return outputs_for(self.spec, 0, self.device, out)
+        if self._shared_once is not None:
+            inputs = self._shared_once(inputs, tokens)
         strategy, variant = self._route(inputs, tokens)
         return self._run(inputs, strategy, variant, out)
 
@@ -295,67 +301,9 @@ class FusionBridge(FailurePath):
         route = self._agreement.agree(inputs, self.calls, self._route, self._closed)
         if route is None:
             return outputs_for(self.spec, 0, self.device, out)
+        if self._shared_once is not None:
+            inputs = self._shared_once(inputs, inputs.tokens)
         return self._run(inputs, *route, out)
-
-    # ---------------------------------------------------------------- tools (call/direct.py)
-    def run_strategy(
-        self, name: str, inputs: EpilogueInputs, variant: Optional[str] = None
-    ) -> EpilogueOutputs:
-        """Run one prepared strategy by name on `inputs` (EpilogueInputs: the six tensors of
-        finalize_epilogue, same shapes and dtypes), in its planned variant for this T unless
-        `variant` is given, whatever the plan says. Validates the inputs; returns EpilogueOutputs.
-        Collective when world > 1: every rank calls it with the same name."""
-        return direct.run_strategy(
-            name,
-            inputs,
-            variant,
-            spec=self.spec,
-            env=self.env,
-            device=self.device,
-            instances=self._instances,
-            statuses=self.statuses,
-        )
-
-    def selected_run(
-        self, tokens: int, eager: bool = False
-    ) -> Callable[[EpilogueInputs], EpilogueOutputs]:
-        """The planned strategy's own run for T tokens (eager=True: the eager plan's), without the
-        bridge's validation and dispatch (what host-overhead benchmarks compare finalize_epilogue
-        with): EpilogueInputs of T tokens -> EpilogueOutputs."""
-        return direct.selected_run(tokens, eager, self.plan, self._instances, self.spec.max_tokens)
-
-    # ---------------------------------------------------------------- tuning (call/tools.py)
-    def tuning_candidates(self) -> list[tuple[str, str, Callable]]:
-        """(strategy, variant, run(inputs, variant)) for every available auto-selectable strategy
-        and each of its launch variants: what `tune` measures."""
-        return tools.tuning_candidates(self.statuses, self._instances)
-
-    def tune(
-        self, buckets: Optional[list[int]] = None, progress: bool = True, save: bool = True
-    ) -> dict:
-        """Measure every (strategy, variant) per token bucket bound (`buckets`, default the plan's;
-        CUDA graphs, inputs rotated beyond L2, max over ranks), re-plan from the measurements and
-        cache the table (rank 0, with `save`). Returns the table (a JSON-able dict). Collective;
-        CUDA only."""
-        tuned = tools.measure_routes(
-            spec=self.spec,
-            env=self.env,
-            group=self.group,
-            device=self.device,
-            candidates=self.tuning_candidates(),
-            buckets=list(buckets or self.plan.bounds),
-            statuses=self.statuses,
-            progress=progress,
-            save=save,
-        )
-        self.table = tuned.table
-        plan = tuned.plan(self.statuses, self.spec, self.requested)
-        shadow = (self._shadow.strategy,) if self._shadow else ()
-        failure.reserve_for(plan, self._instances, shadow, self.spec, self.device, self.env)
-        self._use_routes(
-            call_routes.bind_plan(plan, self._instances, self.env.world_size, self.group)
-        )
-        return tuned.table
 
     # ---------------------------------------------------------------- report (call/tools.py)
     def strategy_for(self, tokens: int) -> Optional[str]:
