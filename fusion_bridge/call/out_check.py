@@ -10,6 +10,7 @@ outputs (a residual_out over `residual` would lose the residual stream).
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable, Optional
 
 import torch
@@ -138,3 +139,22 @@ def compiled_call(
         if t is not None and (t.shape != want.shape or t.dtype != want.dtype):
             _fail(f"out.{name}", f"{list(want.shape)} {want.dtype}", f"{list(t.shape)} {t.dtype}")
     return deliver(out, result)
+
+
+#: strategy class -> whether its run() takes `out` (a strategy written before `out=` existed, e.g.
+#: a third party's, does not: its outputs are copied into `out`)
+_TAKES_OUT: dict[type, bool] = {}
+
+
+def run_into(strategy, inputs: EpilogueInputs, variant: str, out: Optional[EpilogueOutputs]):
+    """`strategy.run(inputs, variant)`, into `out` when given: passed through when its run takes
+    `out` (every strategy here), else its outputs copied into it (`deliver`)."""
+    if out is None:
+        return strategy.run(inputs, variant)
+    cls = type(strategy)
+    takes = _TAKES_OUT.get(cls)
+    if takes is None:
+        takes = _TAKES_OUT[cls] = "out" in inspect.signature(strategy.run).parameters
+    if takes:
+        return strategy.run(inputs, variant, out=out)
+    return deliver(out, strategy.run(inputs, variant))

@@ -182,7 +182,8 @@ class Strategy:
         launches another variant than the one it is given. `out`: the caller's preallocated outputs
         (validated: the call's shapes, sharing no memory with an input), or None; given, run()
         writes every output into it and returns it (a kernel family through its RowOutputs, a
-        torch path by copying, `epilogue_tensors.deliver`), allocating none of them. Collective
+        torch path by copying, `epilogue_tensors.deliver`), allocating none of them; a run()
+        without the parameter (written before it) gets its outputs copied into `out`. Collective
         when the world size is > 1: the call's one collective (an all-reduce, or the launch of a
         kernel that exchanges with peers) goes inside `with self.collective():`, everything that
         can fail locally before it."""

@@ -218,3 +218,21 @@ def test_out_under_a_cuda_graph_replays_into_the_callers_buffers(quant):
         graph.replay()
         torch.cuda.synchronize()
     assert _same(out, expected)
+
+
+def test_a_strategy_whose_run_takes_no_out_gets_its_outputs_copied_into_it():
+    """A strategy written before `out=` (a third party's run(inputs, variant)): the bridge copies
+    its outputs into the caller's `out` rather than failing or returning other tensors."""
+    from fusion_bridge.call.out_check import run_into
+    from fusion_bridge.environment import Environment
+    from fusion_bridge.strategies.separate import SeparateStrategy
+
+    class OldSignature(SeparateStrategy):
+        def run(self, inputs, variant="default"):
+            return super().run(inputs, variant)
+
+    inp = make_inputs(SPEC, 4, seed=2)
+    strategy = OldSignature(SPEC, Environment(world_size=1))
+    out = _sentinel_outputs(SPEC, 4)
+    got = run_into(strategy, inp, "default", out)
+    assert got is out and _same(out, strategy.run(inp))
