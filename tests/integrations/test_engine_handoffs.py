@@ -340,3 +340,30 @@ def test_two_gloo_ranks_refuse_a_replicated_shared_output_the_spec_calls_a_parti
         message = results["replicated refused"]
         assert "spec.shared_output_replicated must be True" in message, message
         assert "shared_output_replicated=True" in message.split(";")[-1]
+
+
+# ---------------------------------------------------------------- preallocated outputs
+def test_the_adapters_write_into_out_and_refuse_one_over_the_residual():
+    from fusion_bridge.epilogue_tensors import EpilogueOutputs, allocate_outputs
+
+    tokens = 6
+    p = ec.pieces(tokens, tokens, 2, 0)
+    b = bridge()
+    moe_output = vllm_output(p, True, torch.bfloat16, False)
+    fresh = vl.finalize_moe_output(b, moe_output, p.residual, norm_weight=p.norm_weight)
+    out = allocate_outputs(b.spec, tokens, torch.device("cpu"))
+    got = vl.finalize_moe_output(b, moe_output, p.residual, norm_weight=p.norm_weight, out=out)
+    assert got is out and torch.equal(out.norm_out, fresh.norm_out)
+    hidden, residual = got  # the engines' order
+    assert hidden is out.norm_out and residual is out.residual_out
+    handoff = ew.sglang_from_flashinfer(
+        flashinfer_buffers(p, torch.float32, tokens), gated_shared_output=p.shared, m=tokens
+    )
+    out = allocate_outputs(b.spec, tokens, torch.device("cpu"))
+    got = sg.finalize_deferred(b, handoff, p.residual, norm_weight=p.norm_weight, out=out)
+    assert got is out
+    residual_before = p.residual.clone()
+    over_residual = EpilogueOutputs(p.residual, out.norm_out)
+    with pytest.raises(EpilogueInputError, match="out.residual_out.*overlapping residual"):
+        sg.finalize_deferred(b, handoff, p.residual, norm_weight=p.norm_weight, out=over_residual)
+    assert torch.equal(p.residual, residual_before)
