@@ -236,3 +236,28 @@ def test_a_strategy_whose_run_takes_no_out_gets_its_outputs_copied_into_it():
     out = _sentinel_outputs(SPEC, 4)
     got = run_into(strategy, inp, "default", out)
     assert got is out and _same(out, strategy.run(inp))
+
+
+def _debug_ranks(rank, world_size):
+    spec = EpilogueSpec(hidden_size=64, top_k=2)
+    inp = make_inputs(spec, 4, rank=rank, seed=9)
+    out = allocate_outputs(spec, 4, torch.device("cpu"))
+    bad = EpilogueOutputs(inp.residual, out.norm_out) if rank == 1 else out
+    with FusionBridge(spec, strategy="separate", debug=True, self_test=False) as bridge:
+        try:
+            bridge(*inp, out=bad)
+            first = "returned"
+        except EpilogueInputError as exc:
+            first = str(exc)
+        fresh = bridge(*inp)
+        again = bridge(*inp, out=out)  # the group is in step: the next call pairs correctly
+    return first, again is out and torch.equal(again.norm_out, fresh.norm_out)
+
+
+def test_debug_mode_refuses_one_ranks_bad_out_on_every_rank():
+    from fusion_bridge.cli.launch import run_distributed
+
+    (first0, ok0), (first1, ok1) = run_distributed(_debug_ranks, 2, backend="gloo", timeout_s=240)
+    assert "out.residual_out" in first1 and "residual" in first1, first1
+    assert first0 != "returned", first0  # debug mode: every rank raises together
+    assert ok0 and ok1
