@@ -261,3 +261,21 @@ def test_debug_mode_refuses_one_ranks_bad_out_on_every_rank():
     assert "out.residual_out" in first1 and "residual" in first1, first1
     assert first0 != "returned", first0  # debug mode: every rank raises together
     assert ok0 and ok1
+
+
+def test_torch_compile_writes_the_ops_outputs_into_out():
+    """Under torch.compile the call is one opaque op; its outputs are copied into `out` (a
+    mutation of the caller's buffers the compiled graph keeps)."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2, quant=QuantSpec.fp8(0.05))
+    inp = tuple(make_inputs(spec, 5, seed=4))
+    out = _sentinel_outputs(spec, 5)
+    with FusionBridge(spec, strategy="separate", self_test=False) as bridge:
+        expected = bridge(*inp)
+
+        def epilogue(*args):
+            bridge.finalize_epilogue(*args, out=out)
+            return out.norm_out * 1
+
+        torch._dynamo.reset()
+        torch.compile(epilogue, fullgraph=True, backend="aot_eager")(*inp)
+        assert _same(out, expected)
