@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from fusion_bridge import log
 from fusion_bridge.assembly.build import build_bridge, close_instances
-from fusion_bridge.call import custom_op, direct, failure, one_caller, routes as call_routes, tools
+from fusion_bridge.call import custom_op, failure, one_caller, out_check, tools
+from fusion_bridge.call import routes as call_routes
+from fusion_bridge.call.bridge_tools import BridgeTools
 from fusion_bridge.call.debug_call import CallAgreement
+from fusion_bridge.call.shared_once import shared_once
 from fusion_bridge.call.failure_path import _DONE, _IDLE, _REFUSED, FailurePath
 from fusion_bridge.call.validation import (
     EpilogueInputError,
@@ -30,7 +33,7 @@ from fusion_bridge.call.validation import (
     validate_inputs,
 )
 from fusion_bridge.environment import Environment
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, outputs_for
 from fusion_bridge.plan.buckets import bucket_index
 from fusion_bridge.plan.planner import AUTO
 from fusion_bridge.plan.report import Report
@@ -41,7 +44,7 @@ _LIVE_BRIDGES: "weakref.WeakSet[FusionBridge]" = weakref.WeakSet()
 _LOG = log.get_logger("bridge")
 
 
-class FusionBridge(FailurePath):
+class FusionBridge(FailurePath, BridgeTools):
     """The MoE epilogue for one layer.
 
     spec: the layer's static EpilogueSpec. group: the TP process group (None: the default group if
@@ -99,6 +102,8 @@ class FusionBridge(FailurePath):
         self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
         self._looks_valid = input_check(self.spec, self.device)
         self._max_tokens = self.spec.max_tokens
+        # a replicated shared output is added once: zeros in its place off rank 0 (None: as given)
+        self._shared_once = shared_once(self.spec, self.group, self.env.world_size, self.device)
         # eager calls take the eager plan's routes when it differs: is this call being captured? (a
         # CPU-only torch raises on the CUDA query, and nothing captures there)
         self._capturing = (
@@ -140,14 +145,27 @@ class FusionBridge(FailurePath):
         shared_output: Optional[torch.Tensor],
         residual: torch.Tensor,
         gamma: torch.Tensor,
+        *,
+        out: Optional[EpilogueOutputs] = None,
     ) -> EpilogueOutputs:
         """Finalize + shared add + all-reduce + residual add + RMSNorm (+ quant), on every rank.
 
         gemm2_out [P, H] act dtype; expanded_idx_to_permuted_idx [T, K] int32 (-1 = skip);
         expert_weights [T, K] fp32/bf16/fp16; shared_output [T, H] or None (as the spec says);
         residual [T, H]; gamma [H]. Returns EpilogueOutputs (residual_out, norm_out [T, H] act
-        dtype; quant/scale when the spec quantizes). The inputs are never modified. Collective when
-        world > 1.
+        dtype; quant/scale when the spec quantizes; unpacks as `norm_out, residual_out`). The
+        inputs are never modified. Collective when world > 1.
+
+        out: preallocated outputs, or None (allocated per call). An EpilogueOutputs of exactly this
+        call's (`allocate_outputs(spec, T, device)` makes one): shapes, dtypes, device, contiguous,
+        quant/scale where the spec quantizes and None where it does not; no tensor of it may share
+        memory with an input (residual_out over residual is refused) or with another of its own.
+        Checked from metadata (no sync); every route writes into it with no output allocation
+        (capture-safe), and the call returns `out` itself. Under torch.compile the op's outputs are
+        copied into it (the overlap check needs real tensors and is skipped there). When the call
+        raises, `out` holds no result: untouched, partly written, or (its route's collective having
+        run) NaN rows; read it only after a call that returned. A peer whose rank failed returns
+        normally with NaN rows in its `out` (call/failure.py).
 
         Every line of it runs inside the one `try` (the first statement): whatever leaves any of
         them, an interrupt raised by a signal handler included, goes to `_call_failed`, which keeps
@@ -157,17 +175,12 @@ class FusionBridge(FailurePath):
         try:  # the first statement: see the docstring
             try:
                 if torch.compiler.is_compiling():  # one opaque graph node; the op runs it eagerly
-                    return custom_op.outputs_from_op(
+                    return out_check.compiled_call(
                         self.spec,
-                        torch.ops.fusion_bridge.finalize_epilogue(
-                            gemm2_out,
-                            expanded_idx_to_permuted_idx,
-                            expert_weights,
-                            shared_output,
-                            residual,
-                            gamma,
-                            self.name,
-                        ),
+                        self.name,
+                        out,
+                        (gemm2_out, expanded_idx_to_permuted_idx, expert_weights),
+                        (shared_output, residual, gamma),
                     )
                 one_caller.enter(self)
                 # one statement of plain stores: no interrupt lands between them
@@ -186,9 +199,9 @@ class FusionBridge(FailurePath):
                     self._running = _REFUSED
                     raise EpilogueInputError(self._broken)
                 if self._agreement is not None:
-                    out = self._agreed_call(inputs)
+                    out = self._agreed_call(inputs, out)
                 else:
-                    out = self._default_call(inputs, residual)
+                    out = self._default_call(inputs, residual, out)
                 if self._broken is not None and self.env.world_size > 1:
                     self._running = _REFUSED  # a refusal came during the call (one_caller.py)
                     raise EpilogueInputError(self._broken)
@@ -211,27 +224,31 @@ class FusionBridge(FailurePath):
 
     __call__ = finalize_epilogue
 
-    def _default_call(self, inputs: EpilogueInputs, residual) -> EpilogueOutputs:
+    def _default_call(self, inputs: EpilogueInputs, residual, out) -> EpilogueOutputs:
         """The call without debug mode: checks with no sync (and the index range on CPU), route,
-        run. Raises whatever fails; finalize_epilogue's failure path handles it."""
+        run into `out` (None: allocated). Raises whatever fails; the failure path handles it."""
         if self._closed:  # a failure like any other: this rank still takes part
             raise failure.BridgeClosedError("finalize_epilogue: this FusionBridge was closed")
         if not self._looks_valid(inputs):
             validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
         tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
+        if out is not None:
+            out_check.validate_out(self.spec, inputs, out, tokens, self.device)
         if self._check_values:
             validate_index_values(inputs)
         if tokens == 0:  # T is equal on all ranks, so every rank skips the collective together
-            return allocate_outputs(self.spec, 0, self.device)
+            return outputs_for(self.spec, 0, self.device, out)
+        if self._shared_once is not None:
+            inputs = self._shared_once(inputs, tokens)
         strategy, variant = self._route(inputs, tokens)
-        return self._run(inputs, strategy, variant)
+        return self._run(inputs, strategy, variant, out)
 
-    def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str) -> EpilogueOutputs:
+    def _run(self, inputs: EpilogueInputs, strategy: Strategy, variant: str, out=None):
         strategy.call_stage = CallStage.BEFORE_COLLECTIVE
         self._running = (strategy, variant, True)  # from here, its stage says where a failure is
         key = (strategy.name, variant, bool(self._capturing()))
         self._calls[key] = self._calls.get(key, 0) + 1
-        out = strategy.run(inputs, variant)
+        out = out_check.run_into(strategy, inputs, variant, out)
         if self._shadow is not None and self._shadow.due():
             shadow = self._instances[self._shadow.strategy]
             shadow.call_stage = CallStage.BEFORE_COLLECTIVE
@@ -275,73 +292,18 @@ class FusionBridge(FailurePath):
         message = failure.broken_message(self.calls, error, where)
         failure.break_group(list(_LIVE_BRIDGES), self, message)
 
-    def _agreed_call(self, inputs: EpilogueInputs) -> EpilogueOutputs:
-        """Debug mode over several ranks: every rank checks, then all agree, then run (or all
+    def _agreed_call(self, inputs: EpilogueInputs, out) -> EpilogueOutputs:
+        """Debug mode over several ranks: every rank checks (`out` before the agreement, when the
+        inputs pass: invalid inputs fail in it on every rank), then all agree, then run (or all
         raise the same error)."""
+        if out is not None and self._looks_valid(inputs):
+            out_check.validate_out(self.spec, inputs, out, inputs.tokens, self.device)
         route = self._agreement.agree(inputs, self.calls, self._route, self._closed)
         if route is None:
-            return allocate_outputs(self.spec, 0, self.device)
-        return self._run(inputs, *route)
-
-    # ---------------------------------------------------------------- tools (call/direct.py)
-    def run_strategy(
-        self, name: str, inputs: EpilogueInputs, variant: Optional[str] = None
-    ) -> EpilogueOutputs:
-        """Run one prepared strategy by name on `inputs` (EpilogueInputs: the six tensors of
-        finalize_epilogue, same shapes and dtypes), in its planned variant for this T unless
-        `variant` is given, whatever the plan says. Validates the inputs; returns EpilogueOutputs.
-        Collective when world > 1: every rank calls it with the same name."""
-        return direct.run_strategy(
-            name,
-            inputs,
-            variant,
-            spec=self.spec,
-            env=self.env,
-            device=self.device,
-            instances=self._instances,
-            statuses=self.statuses,
-        )
-
-    def selected_run(
-        self, tokens: int, eager: bool = False
-    ) -> Callable[[EpilogueInputs], EpilogueOutputs]:
-        """The planned strategy's own run for T tokens (eager=True: the eager plan's), without the
-        bridge's validation and dispatch (what host-overhead benchmarks compare finalize_epilogue
-        with): EpilogueInputs of T tokens -> EpilogueOutputs."""
-        return direct.selected_run(tokens, eager, self.plan, self._instances, self.spec.max_tokens)
-
-    # ---------------------------------------------------------------- tuning (call/tools.py)
-    def tuning_candidates(self) -> list[tuple[str, str, Callable]]:
-        """(strategy, variant, run(inputs, variant)) for every available auto-selectable strategy
-        and each of its launch variants: what `tune` measures."""
-        return tools.tuning_candidates(self.statuses, self._instances)
-
-    def tune(
-        self, buckets: Optional[list[int]] = None, progress: bool = True, save: bool = True
-    ) -> dict:
-        """Measure every (strategy, variant) per token bucket bound (`buckets`, default the plan's;
-        CUDA graphs, inputs rotated beyond L2, max over ranks), re-plan from the measurements and
-        cache the table (rank 0, with `save`). Returns the table (a JSON-able dict). Collective;
-        CUDA only."""
-        tuned = tools.measure_routes(
-            spec=self.spec,
-            env=self.env,
-            group=self.group,
-            device=self.device,
-            candidates=self.tuning_candidates(),
-            buckets=list(buckets or self.plan.bounds),
-            statuses=self.statuses,
-            progress=progress,
-            save=save,
-        )
-        self.table = tuned.table
-        plan = tuned.plan(self.statuses, self.spec, self.requested)
-        shadow = (self._shadow.strategy,) if self._shadow else ()
-        failure.reserve_for(plan, self._instances, shadow, self.spec, self.device, self.env)
-        self._use_routes(
-            call_routes.bind_plan(plan, self._instances, self.env.world_size, self.group)
-        )
-        return tuned.table
+            return outputs_for(self.spec, 0, self.device, out)
+        if self._shared_once is not None:
+            inputs = self._shared_once(inputs, inputs.tokens)
+        return self._run(inputs, *route, out)
 
     # ---------------------------------------------------------------- report (call/tools.py)
     def strategy_for(self, tokens: int) -> Optional[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -39,7 +39,12 @@ class EpilogueOutputs:
     quant: fp8 -> [T, H] float8_e4m3fn; nvfp4 -> [T, H/2] uint8 (2 e2m1 codes per byte, low nibble
     first); None without quantization.
     scale: nvfp4 only: uint8 e4m3 block scales, [round_up(T,128), round_up(H/16,4)] swizzled or [T,
-    H/16]; None otherwise."""
+    H/16]; None otherwise.
+
+    Unpacking: `norm_out, residual_out = outputs`, the order the engines' fused add+RMSNorm
+    consumers return (vLLM's and SGLang's `(out, residual)`): the REVERSE of the field order.
+    `len(outputs) == 2` whatever the quant; quant and scale are read by name only. `named()` and
+    `dataclasses.fields` keep the field order."""
 
     residual_out: torch.Tensor
     norm_out: torch.Tensor
@@ -64,6 +69,13 @@ class EpilogueOutputs:
             None if kind is QuantKind.NONE else quant,
             scale if kind is QuantKind.NVFP4 else None,
         )
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """(norm_out, residual_out): see the class docstring (not the field order)."""
+        return iter((self.norm_out, self.residual_out))
+
+    def __len__(self) -> int:
+        return 2
 
     def named(self) -> dict[str, torch.Tensor]:
         out = {"residual_out": self.residual_out, "norm_out": self.norm_out}
@@ -97,3 +109,28 @@ def allocate_outputs(spec: EpilogueSpec, tokens: int, device: torch.device) -> E
         tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, device
     )
     return EpilogueOutputs(residual_out, torch.empty_like(residual_out), quant, scale)
+
+
+def outputs_for(
+    spec: EpilogueSpec, tokens: int, device: torch.device, out: Optional[EpilogueOutputs]
+) -> EpilogueOutputs:
+    """`out` (the caller's preallocated outputs, validated by call/out_check.py) when given, else
+    `allocate_outputs`: where a strategy that writes its outputs in place takes them from."""
+    return allocate_outputs(spec, tokens, device) if out is None else out
+
+
+def deliver(out: Optional[EpilogueOutputs], result: EpilogueOutputs) -> EpilogueOutputs:
+    """`result` when the caller gave no `out`; else each of result's tensors copied into out's
+    field (a stream-ordered copy: no sync, no allocation, capture-safe; skipped where the strategy
+    already wrote into out's own tensor), and `out` returned. For the strategies whose library
+    calls return new tensors (the torch paths, FlashInfer's unfused quant)."""
+    if out is None:
+        return result
+    for name in ("residual_out", "norm_out", "quant", "scale"):
+        src, dst = getattr(result, name), getattr(out, name)
+        if src is None or dst is None or src is dst:
+            continue
+        if dst.dtype != src.dtype:  # FP8 codes a kernel returned as uint8, and back
+            src = src.view(dst.dtype)
+        dst.copy_(src)
+    return out

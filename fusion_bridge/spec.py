@@ -111,10 +111,13 @@ class EpilogueSpec:
     SGLang's fused_norm_gamma()). routed_scaling_factor multiplies the top-k sum: the factor the
     expert weights do not carry yet, so 1.0 where the routing folded the model's factor into them
     (never the model's value then: it would apply twice).
-    has_shared_output: whether shared_output is passed; it is each rank's partial, summed over the
-    ranks (a shared output replicated on every rank goes in on one rank only, as
-    fusion_bridge.integrations.engine_handoff does). max_tokens: the largest T a call may carry;
-    workspaces are sized for it.
+    has_shared_output: whether shared_output is passed. shared_output_replicated: False (the
+    default): it is each rank's partial, summed over the ranks like the routed partials; True: it
+    is the whole shared expert's output, the same on every rank, and the bridge adds it once (the
+    group's rank 0 adds it, the other ranks add zeros: exact, the same collectives on every rank;
+    those ranks hold one [max_tokens, H] zero buffer per device, dtype and H, shared by the
+    process's bridges). True needs has_shared_output=True. max_tokens: the largest T a call may
+    carry; workspaces are sized for it.
     """
 
     hidden_size: int
@@ -126,6 +129,7 @@ class EpilogueSpec:
     has_shared_output: bool = True
     quant: QuantSpec = field(default_factory=QuantSpec)
     max_tokens: int = 8192
+    shared_output_replicated: bool = False
 
     def __post_init__(self) -> None:
         """Check every field's type and value (ints are ints, not bools; floats are finite real
@@ -174,6 +178,19 @@ class EpilogueSpec:
             self.has_shared_output,
             show_type=True,
         )
+        _require(
+            isinstance(self.shared_output_replicated, bool),
+            "shared_output_replicated",
+            "a bool (True or False)",
+            self.shared_output_replicated,
+            show_type=True,
+        )
+        _require(
+            self.has_shared_output or not self.shared_output_replicated,
+            "shared_output_replicated",
+            "False when has_shared_output=False (there is no shared output to add once)",
+            self.shared_output_replicated,
+        )
         set_("max_tokens", _int_field("max_tokens", self.max_tokens))
         _require(self.top_k <= MAX_TOP_K, "top_k", f"<= {MAX_TOP_K}", self.top_k)
         _require(
@@ -216,6 +233,7 @@ class EpilogueSpec:
             "routed_scaling_factor": self.routed_scaling_factor,
             "has_shared_output": self.has_shared_output,
             "max_tokens": self.max_tokens,
+            "shared_output_replicated": self.shared_output_replicated,
             "quant": {
                 "kind": self.quant.kind.value,
                 "scale": self.quant.scale,

@@ -11,6 +11,7 @@ import torch
 from fusion_bridge.call.routes import route_for
 from fusion_bridge.call.validation import check_token_limit, validate_inputs
 from fusion_bridge.environment import Environment
+from fusion_bridge.call.shared_once import SharedOnce
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from fusion_bridge.plan.buckets import bucket_index, tokens_text
 from fusion_bridge.plan.planner import Plan
@@ -29,12 +30,14 @@ def run_strategy(
     device: torch.device,
     instances: Mapping[str, Strategy],
     statuses: Sequence[StrategyStatus],
+    shared_once: Optional[SharedOnce] = None,
 ) -> EpilogueOutputs:
     """Run the prepared strategy `name` (one of `instances`) on `inputs`, with `variant` or, when
     None, its status's variant for this T's bucket, whatever the plan says. Validates the inputs
     against `spec` and `device`, the token limit of the strategy's workspace and the variant's
     token range; raises ValueError (EpilogueInputError for the inputs) naming what is wrong.
-    Collective when the world size is above 1: every rank calls it with the same name."""
+    Collective when the world size is above 1: every rank calls it with the same name. shared_once:
+    the bridge's (call/shared_once.py), so a replicated shared output is added once here too."""
     if name not in instances:
         raise ValueError(
             f"run_strategy: strategy must be one of the prepared {list(instances)}, got {name!r}"
@@ -57,6 +60,8 @@ def run_strategy(
         raise ValueError(
             f"run_strategy: {name}:{variant} takes {tokens_text(low, high)}, got T={inputs.tokens}"
         )
+    if shared_once is not None:
+        inputs = shared_once(inputs, inputs.tokens)
     return inst.run(inputs, variant)
 
 

@@ -18,6 +18,7 @@ STRATEGY_ENV = "FUSION_BRIDGE_STRATEGY"
 DEEPSEEK_V3 = {"hidden": 7168, "top_k": 8}
 DTYPES = ("bf16", "fp16")  # fusion_bridge.spec.DTYPE_BY_NAME (a test keeps them equal)
 QUANTS = ("none", "fp8", "nvfp4")
+SF_LAYOUTS = ("swizzled_128x4", "linear")  # fusion_bridge.spec.SFLayout's values
 DEFAULT_FP8_SCALE = 0.05  # divisor: |norm_out| up to ~22 fits e4m3's 448
 DEFAULT_NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # multiplier for |norm_out| up to ~8
 SM_RANGE = (70, 200)  # Volta (SM70) up to anything plausible after Blackwell (SM100-121)
@@ -50,6 +51,19 @@ def _int_in(low: int, high: int | None = None, what: str = "an integer"):
         return value
 
     parse.__name__ = what  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
+def _real(what: str):
+    """A float argument (its range is the spec's to check: check_spec names the flag)."""
+
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+    parse.__name__ = what
     return parse
 
 
@@ -142,7 +156,48 @@ def _spec_args(
         help="largest T per call; sizes workspaces",
     )
     p.add_argument("--quant", choices=QUANTS, default="none", help="quantize norm_out")
+    p.add_argument(
+        "--quant-scale",
+        type=_real("a number"),
+        default=None,
+        help="fp8: the divisor `scale` (codes = e4m3(norm_out / scale); default "
+        f"{DEFAULT_FP8_SCALE}); nvfp4: the multiplier `global_scale` (default "
+        f"{DEFAULT_NVFP4_GLOBAL_SCALE}); not with --quant none",
+    )
+    p.add_argument(
+        "--sf-layout",
+        choices=SF_LAYOUTS,
+        default=None,
+        help=f"nvfp4 block scales' layout (default {SF_LAYOUTS[0]}: FlashInfer's 128x4 swizzle; "
+        "linear: [T, H/16]); nvfp4 only",
+    )
+    p.add_argument(
+        "--eps",
+        type=_real("a number such as 1e-6"),
+        default=1e-6,
+        help="RMSNorm epsilon, added to the mean square",
+    )
+    p.add_argument(
+        "--weight-bias",
+        type=_real("a number such as 1.0"),
+        default=0.0,
+        help="added to gamma before it multiplies: 1.0 for a Gemma-style norm storing a "
+        "zero-centred weight, 0.0 when gamma is the multiplier as applied",
+    )
+    p.add_argument(
+        "--routed-scaling-factor",
+        type=_real("a number such as 2.5"),
+        default=1.0,
+        help="the factor still to apply to the top-k sum: 1.0 where the routing weights already "
+        "carry the model's factor (then never the model's value: it would apply twice)",
+    )
     p.add_argument("--no-shared", action="store_true", help="no shared-expert output")
+    p.add_argument(
+        "--shared-output-replicated",
+        action="store_true",
+        help="the shared output is the whole shared expert's output on every rank (added once, "
+        "from rank 0) rather than each rank's partial (summed over the ranks)",
+    )
     p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
 
 
@@ -284,6 +339,13 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
 
 def check_combinations(parser: argparse.ArgumentParser, args) -> None:
     """Checks that involve two arguments, with the parser's one-line errors."""
+    quant = getattr(args, "quant", None)
+    if getattr(args, "sf_layout", None) is not None and quant != "nvfp4":
+        parser.error(f"--sf-layout applies to --quant nvfp4 only, got --quant {quant}")
+    if getattr(args, "quant_scale", None) is not None and quant == "none":
+        parser.error("--quant-scale needs --quant fp8 or nvfp4, got --quant none")
+    if getattr(args, "shared_output_replicated", False) and args.no_shared:
+        parser.error("--shared-output-replicated contradicts --no-shared (no shared output)")
     if getattr(args, "gpu", None) is not None:
         known = sm_of_gpu(args.gpu)
         if args.sm is None and known is None:

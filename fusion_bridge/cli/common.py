@@ -37,19 +37,28 @@ def stdout_to_stderr() -> None:
 
 
 def spec_from_args(args):
-    """The EpilogueSpec the command's --hidden, --top-k, --dtype, --quant... describe."""
+    """The EpilogueSpec the command's flags describe, one flag per field: --hidden, --top-k,
+    --dtype, --eps, --weight-bias, --routed-scaling-factor, --no-shared,
+    --shared-output-replicated, --quant (--quant-scale, --sf-layout), --max-tokens."""
     from fusion_bridge.spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
 
+    scale, layout = args.quant_scale, args.sf_layout or "swizzled_128x4"
     quant = {
-        "none": QuantSpec.none(),
-        "fp8": QuantSpec.fp8(DEFAULT_FP8_SCALE),
-        "nvfp4": QuantSpec.nvfp4(DEFAULT_NVFP4_GLOBAL_SCALE),
-    }[args.quant]
+        "none": lambda: QuantSpec.none(),
+        "fp8": lambda: QuantSpec.fp8(DEFAULT_FP8_SCALE if scale is None else scale),
+        "nvfp4": lambda: QuantSpec.nvfp4(
+            DEFAULT_NVFP4_GLOBAL_SCALE if scale is None else scale, layout
+        ),
+    }[args.quant]()
     return EpilogueSpec(
         hidden_size=args.hidden,
         top_k=args.top_k,
         dtype=DTYPE_BY_NAME[args.dtype],
+        eps=args.eps,
+        weight_bias=args.weight_bias,
+        routed_scaling_factor=args.routed_scaling_factor,
         has_shared_output=not args.no_shared,
+        shared_output_replicated=args.shared_output_replicated,
         quant=quant,
         max_tokens=args.max_tokens,
     )
@@ -93,6 +102,13 @@ SPEC_FIELD_FLAGS = {  # EpilogueSpec's field -> the flag that sets it, for the p
     "top_k": "--top-k",
     "max_tokens": "--max-tokens",
     "dtype": "--dtype",
+    "eps": "--eps",
+    "weight_bias": "--weight-bias",
+    "routed_scaling_factor": "--routed-scaling-factor",
+    "shared_output_replicated": "--shared-output-replicated",
+    "quant.scale": "--quant-scale",
+    "quant.global_scale": "--quant-scale",
+    "quant.sf_layout": "--sf-layout",
 }
 
 

@@ -15,8 +15,9 @@ conventions decide what the epilogue means, and each has a silently wrong readin
   exactly that factor: equal, or the call is refused (never a factor applied twice or not at all).
 - **the shared output.** A per-rank partial (each rank's slice of a tensor-parallel shared expert)
   is summed over the ranks with the routed partials; a replicated one (every rank holds the whole
-  shared expert's output) must be added once, so it goes into rank 0's partial only and the other
-  ranks add zeros (`shared_replicated=True`).
+  shared expert's output) must be added once. The handoff says which (`shared_replicated`) and the
+  bridge's spec must say the same (`shared_output_replicated`: then the bridge adds it once, rank
+  0's partial carrying it and the others zeros); a spec that differs is refused.
 - **the norm's weight.** engine_norms.py: a module, its stored weight, or its applied multiplier.
 
 The rows: the bridge reads `gemm2_out` as a contiguous [P, H]. A buffer that holds rows packed at H
@@ -25,8 +26,8 @@ H_pad != H is refused, because it is either padded rows or packed rows in a padd
 only its producer knows which; the message gives both fixes.
 
 Nothing here reads a tensor's values or synchronizes: the checks read metadata, the views are
-views, and a replicated shared output costs one zeroed buffer on the ranks other than 0, so the
-call can be captured in a CUDA graph like the bridge's own.
+views (a replicated shared output is the bridge's to add once: call/shared_once.py), so the call
+can be captured in a CUDA graph like the bridge's own.
 
 Refusals here come before the bridge's call, so they depend only on what is alike on every rank of
 the group by the engines' contracts (the spec, the handoff's classes, flags and scaling factor, the
@@ -168,16 +169,19 @@ def check_scale(who: str, bridge: FusionBridge, scale_to_apply: float, source: s
         )
 
 
-def shared_once(bridge: FusionBridge, shared_output: torch.Tensor) -> torch.Tensor:
-    """A replicated shared output as this rank's partial: itself on the group's rank 0, zeros on
-    the others, so the all-reduce adds it once. [T, H] activation dtype; the caller's tensor is
-    neither copied nor modified."""
-    world = bridge.env.world_size
-    if not isinstance(shared_output, torch.Tensor):  # the bridge refuses it on every rank
-        return shared_output
-    if world == 1 or torch.distributed.get_rank(bridge.group) == 0:
-        return shared_output
-    return torch.zeros_like(shared_output)
+def check_shared(who: str, bridge: FusionBridge, shared_replicated: bool) -> None:
+    """Refuse a spec that reads the handoff's shared output the other way: a replicated one
+    summed over the ranks (W times), or a per-rank partial added once."""
+    spec_replicated = bridge.spec.shared_output_replicated
+    if shared_replicated != spec_replicated:
+        what = "replicated on every rank" if shared_replicated else "each rank's partial"
+        _fail(
+            who,
+            "the bridge's spec.shared_output_replicated",
+            f"{shared_replicated} (the handoff's shared output is {what})",
+            spec_replicated,
+            f"build the bridge's EpilogueSpec with shared_output_replicated={shared_replicated}",
+        )
 
 
 def finalize_handoff(
@@ -193,6 +197,7 @@ def finalize_handoff(
     norm: Optional[torch.nn.Module] = None,
     norm_weight: Optional[torch.Tensor] = None,
     applied_gamma: Optional[torch.Tensor] = None,
+    out: Optional[EpilogueOutputs] = None,
     who: str = "finalize_handoff",
     scale_source: str = "scale_to_apply",
 ) -> EpilogueOutputs:
@@ -204,10 +209,13 @@ def finalize_handoff(
     shared_output [T, H] act dtype or None. residual [T, H] act dtype.
     scale_to_apply: the routed scaling factor the weights do not carry yet (1.0 when folded in);
     must equal the spec's. shared_replicated: the shared output is the whole shared expert's
-    output on every rank (added once) rather than this rank's partial. The norm: exactly one of
+    output on every rank (added once) rather than this rank's partial; must equal the spec's
+    shared_output_replicated. The norm: exactly one of
     norm / norm_weight / applied_gamma (engine_norms.py). who / scale_source: the names errors
-    give the caller and the scale's origin. Returns the bridge's EpilogueOutputs
-    (residual_out, norm_out [T, H] act dtype, quant/scale when the spec quantizes)."""
+    give the caller and the scale's origin. out: preallocated outputs for the bridge's call
+    (FusionBridge.finalize_epilogue says what they must be; never the residual). Returns the
+    bridge's EpilogueOutputs (residual_out, norm_out [T, H] act dtype, quant/scale when the spec
+    quantizes; `out` itself when given; unpacks as `norm_out, residual_out`)."""
     if not isinstance(index_map, ExpandedToPermuted):
         _fail(
             who,
@@ -223,8 +231,8 @@ def finalize_handoff(
     gamma = norm_gamma(
         bridge.spec, norm=norm, norm_weight=norm_weight, applied_gamma=applied_gamma, who=who
     )
-    if shared_replicated and shared_output is not None:
-        shared_output = shared_once(bridge, shared_output)
+    if shared_output is not None:
+        check_shared(who, bridge, shared_replicated)
     return bridge.finalize_epilogue(
         rows_at_hidden(who, gemm2_out, bridge.spec.hidden_size),
         index_map.map,
@@ -232,4 +240,5 @@ def finalize_handoff(
         shared_output,
         residual,
         gamma,
+        out=out,
     )

@@ -24,8 +24,9 @@ SGLang's conventions, which the adapter applies and checks:
 - the shared output: `gated_shared_output` is this rank's gated partial (SGLang defers the finalize
   only for a tensor-parallel shared expert). `MoEOutput.shared` with `shared_is_replicated=True` is
   the whole shared expert's output on every rank, which SGLang adds once, after the sum: the
-  adapter adds it exactly once too, in rank 0's partial (the other ranks add zeros; one zeroed
-  [T, H] buffer per call on those ranks). The spec must then have has_shared_output=True.
+  bridge adds it exactly once too, when its spec says so (`shared_output_replicated=True`, with
+  has_shared_output=True: rank 0 adds it, the others add zeros). A spec that does not say which
+  the handoff carries is refused (a replicated output summed W times, or a partial added once).
 - the norm: SGLang's fused consumers take `fused_norm_gamma(norm)`, the multiplier as applied
   (`1 + w` for `GemmaRMSNorm`). Pass the module (`norm=`: its stored weight and the class's
   offset are used), or that multiplier as `applied_gamma=` (the spec's weight_bias must then be 0;
@@ -88,6 +89,7 @@ def finalize_deferred(
     norm: Optional[torch.nn.Module] = None,
     norm_weight: Optional[torch.Tensor] = None,
     applied_gamma: Optional[torch.Tensor] = None,
+    out: Optional[EpilogueOutputs] = None,
 ) -> EpilogueOutputs:
     """Finalize + shared add + all-reduce + residual add + RMSNorm (+ quant) of SGLang's
     `MoeDeferredFinalize`; collective over the bridge's group.
@@ -95,8 +97,11 @@ def finalize_deferred(
     handoff: routed_output [P, H] (or rows packed at H), expert_weights and permuted_indices
     [>= m, K] (or 1-D of >= m*K), gated_shared_output [m, H] or None, m. residual: [m, H] act
     dtype. The norm: exactly one of `norm` (SGLang's RMSNorm / GemmaRMSNorm), `norm_weight` or
-    `applied_gamma` (SGLang's fused_norm_gamma(); spec.weight_bias must be 0). Returns the bridge's
-    EpilogueOutputs. Raises HandoffError naming what does not fit and the fix."""
+    `applied_gamma` (SGLang's fused_norm_gamma(); spec.weight_bias must be 0). out: preallocated
+    outputs (FusionBridge.finalize_epilogue's `out`: SGLang allocates residual_out apart from the
+    residual, and so must a caller here). Returns the bridge's EpilogueOutputs (`out` when given;
+    unpacks as `norm_out, residual_out`). Raises HandoffError naming what does not fit and the
+    fix."""
     who = "sglang.finalize_deferred"
     _check_fields(who, "handoff", handoff, "SGLang's MoeDeferredFinalize", DEFERRED_FIELDS)
     m, top_k = handoff.m, bridge.spec.top_k
@@ -114,6 +119,7 @@ def finalize_deferred(
         norm=norm,
         norm_weight=norm_weight,
         applied_gamma=applied_gamma,
+        out=out,
         who=who,
         scale_source="SGLang's deferred finalize applies none",
     )
@@ -127,6 +133,7 @@ def finalize_moe_output(
     norm: Optional[torch.nn.Module] = None,
     norm_weight: Optional[torch.Tensor] = None,
     applied_gamma: Optional[torch.Tensor] = None,
+    out: Optional[EpilogueOutputs] = None,
 ) -> EpilogueOutputs:
     """The same for SGLang's `MoEOutput` whose `routed` is FlashInfer's deferred buffers (or a
     MoeDeferredFinalize); a replicated `shared` is added once (module docstring). T is the
@@ -181,6 +188,7 @@ def finalize_moe_output(
         norm=norm,
         norm_weight=norm_weight,
         applied_gamma=applied_gamma,
+        out=out,
         who=who,
         scale_source="SGLang's deferred finalize applies none",
     )

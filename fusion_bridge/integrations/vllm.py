@@ -55,6 +55,7 @@ def finalize_moe_output(
     norm: Optional[torch.nn.Module] = None,
     norm_weight: Optional[torch.Tensor] = None,
     applied_gamma: Optional[torch.Tensor] = None,
+    out: Optional[EpilogueOutputs] = None,
 ) -> EpilogueOutputs:
     """Finalize + shared add + all-reduce + residual add + RMSNorm (+ quant) of a vLLM
     `MoEOutput` whose `routed` is an `UnfinalizedMoEOutput`; collective over the bridge's group.
@@ -62,7 +63,9 @@ def finalize_moe_output(
     residual: [T, H] act dtype (T: the MoE's token count). The norm: exactly one of `norm` (vLLM's
     RMSNorm / GemmaRMSNorm module), `norm_weight` ([H], spec.weight_bias added) or
     `applied_gamma` ([H], the multiplier as applied; spec.weight_bias must be 0). Returns the
-    bridge's EpilogueOutputs (residual_out, norm_out [T, H]; quant/scale when the spec quantizes).
+    bridge's EpilogueOutputs (residual_out, norm_out [T, H]; quant/scale when the spec quantizes;
+    unpacks as `norm_out, residual_out`), written into `out` when given (preallocated outputs, as
+    FusionBridge.finalize_epilogue takes them: never over the residual).
     Raises HandoffError (an EpilogueInputError) naming what does not fit and the fix."""
     if hasattr(moe_output, "shared_is_replicated"):
         raise HandoffError(
@@ -112,6 +115,7 @@ def finalize_moe_output(
         norm=norm,
         norm_weight=norm_weight,
         applied_gamma=applied_gamma,
+        out=out,
         who=WHO,
         scale_source="moe_output.routed_scaling_factor",
     )

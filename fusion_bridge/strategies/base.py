@@ -171,12 +171,22 @@ class Strategy:
     def workspace_bytes(self) -> int:
         return 0
 
-    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = DEFAULT_VARIANT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
         """One call on validated inputs with 0 < T <= max_tokens_per_call. `variant` is one of
         `variants()`, as the plan chose it for this T (within its variant_tokens); run() never
-        launches another variant than the one it is given. Collective when the world size is > 1:
-        the call's one collective (an all-reduce, or the launch of a kernel that exchanges with
-        peers) goes inside `with self.collective():`, everything that can fail locally before it."""
+        launches another variant than the one it is given. `out`: the caller's preallocated outputs
+        (validated: the call's shapes, sharing no memory with an input), or None; given, run()
+        writes every output into it and returns it (a kernel family through its RowOutputs, a
+        torch path by copying, `epilogue_tensors.deliver`), allocating none of them; a run()
+        without the parameter (written before it) gets its outputs copied into `out`. Collective
+        when the world size is > 1: the call's one collective (an all-reduce, or the launch of a
+        kernel that exchanges with peers) goes inside `with self.collective():`, everything that
+        can fail locally before it."""
         raise NotImplementedError
 
     #: the strategy's run() wraps its one collective in `self.collective()`; a strategy that does

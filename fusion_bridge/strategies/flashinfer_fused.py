@@ -13,9 +13,16 @@ Traps guarded (measured on 2x H200; docs/upstream.md):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from fusion_bridge.epilogue_tensors import (
+    EpilogueInputs,
+    EpilogueOutputs,
+    allocate_outputs,
+    deliver,
+)
 from fusion_bridge.reasons import collect, require_hidden_multiple
 from fusion_bridge.spec import QuantKind, Stage
 from fusion_bridge.strategies import flashinfer_calls, flashinfer_common as fic
@@ -107,19 +114,22 @@ class FlashInferFusedStrategy(Strategy):
         """Shape-only per-call check (no sync): FlashInfer indexes rows with int32 offsets."""
         return inputs.gemm2_out.numel() < INT32_LIMIT
 
-    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
-        spec = self.spec
-        out = (
-            allocate_outputs(spec, inputs.tokens, inputs.residual.device)
-            if self.fused_fp4
-            else None
-        )
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = DEFAULT_VARIANT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
+        spec, given = self.spec, out
+        if out is None and self.fused_fp4:
+            out = allocate_outputs(spec, inputs.tokens, inputs.residual.device)
         residual_out, norm_out = (
             (out.residual_out, out.norm_out)
             if out is not None
             else (torch.empty_like(inputs.residual), torch.empty_like(inputs.residual))
         )
-        quant_out, scale_out = (out.quant, out.scale) if out is not None else (None, None)
+        # the caller's quant buffers only where FlashInfer's call writes them (fused NVFP4)
+        quant_out, scale_out = (out.quant, out.scale) if self.fused_fp4 else (None, None)
         if (
             scale_out is not None
         ):  # swizzled padding must read 0; not verified that FlashInfer writes it
@@ -143,7 +153,8 @@ class FlashInferFusedStrategy(Strategy):
         kind = spec.quant.kind
         if quant_out is None and kind is not QuantKind.NONE:
             quant_out, scale_out = self._ops.quantize(norm_out, *kernel_quant_args(spec))
-        return EpilogueOutputs.for_quant(kind, residual_out, norm_out, quant_out, scale_out)
+        result = EpilogueOutputs.for_quant(kind, residual_out, norm_out, quant_out, scale_out)
+        return deliver(given, result)
 
     def close(self) -> None:
         workspace, self._workspace = getattr(self, "_workspace", None), None

@@ -18,6 +18,8 @@ so the CPU parity tests cover it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
@@ -97,9 +99,14 @@ class FusedTp1Strategy(FamilyCall, Strategy):
                 "fused_tp1 out of auto with FUSION_BRIDGE_EXCLUDE=fused_tp1."
             )
 
-    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = DEFAULT_VARIANT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
         """variant: the declared "default" (the launch config per T)."""
         self.check_error()
-        out, src, dst = self.call_records(inputs)
+        out, src, dst = self.call_records(inputs, out)
         self._launcher(src, dst)
         return out

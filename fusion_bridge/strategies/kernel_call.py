@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
+from typing import Optional
+
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, outputs_for
 from fusion_bridge.kernels.records import RowOutputs, RowSource
 
 
@@ -21,9 +23,12 @@ class FamilyCall:
         self._launcher = launcher
         self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
 
-    def call_records(self, inputs: EpilogueInputs) -> tuple[EpilogueOutputs, RowSource, RowOutputs]:
-        """A call's outputs, allocated for T (`allocate_outputs`: what run() returns), and the
-        launcher's records of it: `RowSource.of(inputs)` and the outputs' `RowOutputs`."""
+    def call_records(
+        self, inputs: EpilogueInputs, out: Optional[EpilogueOutputs] = None
+    ) -> tuple[EpilogueOutputs, RowSource, RowOutputs]:
+        """A call's outputs (the caller's preallocated `out`, else allocated for T by
+        `allocate_outputs`: what run() returns), and the launcher's records of it:
+        `RowSource.of(inputs)` and the outputs' `RowOutputs` (the kernels write into them)."""
         residual = inputs.residual
-        out = allocate_outputs(self.spec, residual.shape[0], residual.device)
+        out = outputs_for(self.spec, residual.shape[0], residual.device, out)
         return out, RowSource.of(inputs), RowOutputs.of(out, self._unused)

@@ -20,7 +20,12 @@ from typing import Optional
 
 import torch
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, quant_buffers
+from fusion_bridge.epilogue_tensors import (
+    EpilogueInputs,
+    EpilogueOutputs,
+    deliver,
+    quant_buffers,
+)
 from fusion_bridge.reasons import collect, require_hidden_multiple, require_triton
 from fusion_bridge.spec import QuantKind, SFLayout, Stage
 from fusion_bridge.strategies import flashinfer_calls, flashinfer_common as fic
@@ -164,7 +169,12 @@ class LocalFusedFlashInferStrategy(Strategy):
         ws = getattr(self, "_workspace", None)
         return fic.workspace_bytes(ws) if ws is not None else 0
 
-    def run(self, inputs: EpilogueInputs, variant: str = ONESHOT) -> EpilogueOutputs:
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = ONESHOT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
         if variant not in _USE_ONESHOT:
             raise ValueError(
                 f"{self.name}: variant must be one of {ONESHOT, TWOSHOT}, got {variant!r}"
@@ -172,13 +182,18 @@ class LocalFusedFlashInferStrategy(Strategy):
         spec, tokens = self.spec, inputs.tokens
         partial = finalize_partial(self._ops, spec, inputs)
         residual_out, norm_out = (
-            torch.empty_like(inputs.residual),
-            torch.empty_like(inputs.residual),
+            (torch.empty_like(inputs.residual), torch.empty_like(inputs.residual))
+            if out is None
+            else (out.residual_out, out.norm_out)
         )
         quant_out = scale_out = None
         if spec.quant.kind is QuantKind.FP8 or self._fused_fp4:
-            quant_out, scale_out = quant_buffers(
-                tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, partial.device
+            quant_out, scale_out = (
+                quant_buffers(
+                    tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, partial.device
+                )
+                if out is None
+                else (out.quant, out.scale)
             )
             if (
                 scale_out is not None
@@ -198,7 +213,7 @@ class LocalFusedFlashInferStrategy(Strategy):
             )
         if spec.quant.kind is QuantKind.NVFP4 and not self._fused_fp4:
             quant_out, scale_out = self._ops.quantize(norm_out, *self._quant)
-        return EpilogueOutputs(residual_out, norm_out, quant_out, scale_out)
+        return deliver(out, EpilogueOutputs(residual_out, norm_out, quant_out, scale_out))
 
     def close(self) -> None:
         workspace, self._workspace = getattr(self, "_workspace", None), None

@@ -8,9 +8,11 @@ workspace. With world size 1 there is no all-reduce. On CPU it runs under TRITON
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.distributed as dist
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, deliver
 from fusion_bridge.reasons import collect, require_sm_at_least, require_triton
 from fusion_bridge.spec import QuantKind, Stage
 from fusion_bridge.strategies.base import (
@@ -80,7 +82,12 @@ class LocalFusedNcclStrategy(Strategy):
     def partial_dtype(self):
         return self.spec.dtype if self.env.world_size > 1 else None
 
-    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = DEFAULT_VARIANT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
         spec = self.spec
         partial = finalize_partial(self._ops, spec, inputs)
         if self.env.world_size > 1:
@@ -89,4 +96,4 @@ class LocalFusedNcclStrategy(Strategy):
         residual_out, norm_out, q, sf = self._ops.add_rmsnorm_quant(
             inputs.residual, partial, inputs.gamma, spec.eps, spec.weight_bias, *self._quant
         )
-        return EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf)
+        return deliver(out, EpilogueOutputs.for_quant(self._kind, residual_out, norm_out, q, sf))

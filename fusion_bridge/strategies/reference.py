@@ -3,10 +3,12 @@ judged by it."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, deliver
 from fusion_bridge.spec import Stage
 from fusion_bridge.oracle.torch_math import finalize_fp32, residual_norm_outputs
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
@@ -47,7 +49,12 @@ class ReferenceStrategy(Strategy):
     def partial_dtype(self):
         return torch.float32 if self.env.world_size > 1 else None
 
-    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = DEFAULT_VARIANT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
         partial = finalize_fp32(
             inputs.gemm2_out,
             inputs.expanded_idx_to_permuted_idx,
@@ -59,7 +66,8 @@ class ReferenceStrategy(Strategy):
         if self.env.world_size > 1:
             with self.collective():
                 dist.all_reduce(partial, group=self.group)
-        return residual_norm_outputs(inputs.residual.float() + partial, inputs.gamma, self.spec)
+        summed = inputs.residual.float() + partial
+        return deliver(out, residual_norm_outputs(summed, inputs.gamma, self.spec))
 
 
 def reference_epilogue(

@@ -7,9 +7,11 @@ fp32 inside) -> quant (torch).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.distributed as dist
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, deliver
 from fusion_bridge.spec import Stage
 from fusion_bridge.oracle.torch_math import finalize_fp32, residual_norm_outputs
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
@@ -46,7 +48,12 @@ class SeparateStrategy(Strategy):
     def partial_dtype(self):
         return self.spec.dtype if self.env.world_size > 1 else None
 
-    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = DEFAULT_VARIANT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
         partial = finalize_fp32(
             inputs.gemm2_out,
             inputs.expanded_idx_to_permuted_idx,
@@ -58,6 +65,5 @@ class SeparateStrategy(Strategy):
         if self.env.world_size > 1:
             with self.collective():
                 dist.all_reduce(partial, group=self.group)
-        return residual_norm_outputs(
-            inputs.residual.float() + partial.float(), inputs.gamma, self.spec
-        )
+        summed = inputs.residual.float() + partial.float()
+        return deliver(out, residual_norm_outputs(summed, inputs.gamma, self.spec))

@@ -119,7 +119,12 @@ class SymmFusedOneshotStrategy(FamilyCall, Strategy):
         if word:
             raise RuntimeError(describe_error(word, self._ws.rank, self.name))
 
-    def run(self, inputs: EpilogueInputs, variant: str = DEFAULT_VARIANT) -> EpilogueOutputs:
+    def run(
+        self,
+        inputs: EpilogueInputs,
+        variant: str = DEFAULT_VARIANT,
+        out: Optional[EpilogueOutputs] = None,
+    ) -> EpilogueOutputs:
         """variant: "default" (the launch config per T) or one of CONFIG_VARIANTS."""
         self.check_error()
         tokens = inputs.residual.shape[0]
@@ -131,7 +136,7 @@ class SymmFusedOneshotStrategy(FamilyCall, Strategy):
         config = None
         if variant != DEFAULT_VARIANT:
             config = self._launcher.variant_config(variant, tokens)
-        out, src, dst = self.call_records(inputs)
+        out, src, dst = self.call_records(inputs, out)
         with self.collective():
             self._launcher(src, dst, config)
         return out

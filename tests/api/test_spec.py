@@ -196,6 +196,7 @@ def test_to_dict_is_stable():
         "routed_scaling_factor": 2.5,
         "has_shared_output": False,
         "max_tokens": 256,
+        "shared_output_replicated": False,
         "quant": {"kind": "nvfp4", "scale": None, "global_scale": 336.0, "sf_layout": "linear"},
     }
     assert EpilogueSpec(hidden_size=64, top_k=2).to_dict()["quant"] == {

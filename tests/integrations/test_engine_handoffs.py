@@ -280,9 +280,22 @@ def _two_ranks(rank: int, world: int) -> dict:
         moe_output = ew.sglang_classes()["MoEOutput"](
             flashinfer_buffers(p, torch.bfloat16, 7), p.shared, None, ec.FACTOR, True
         )
+        try:  # a spec that would sum the replicated output over the ranks: refused
+            sg.finalize_moe_output(b, moe_output, p.residual, norm_weight=p.norm_weight)
+        except HandoffError as exc:
+            results["replicated refused"] = str(exc)
+    replicated = EpilogueSpec(**spec, shared_output_replicated=True)
+    with FusionBridge(replicated, strategy="separate") as b:
         out = sg.finalize_moe_output(b, moe_output, p.residual, norm_weight=p.norm_weight)
         exact = ec.oracle(5, 7, world, folded=True, w_dtype=torch.bfloat16, replicated_shared=True)
         results["sglang replicated shared"] = ec.errors(out, exact)
+        # the bridge itself, called directly with the replicated output on every rank
+        q = ec.pieces(5, 5, world, rank, replicated_shared=True)
+        weights = ec.handoff_weights(q, True, torch.float32)
+        gamma = q.norm_weight
+        direct = b.finalize_epilogue(q.gemm2, q.perm, weights, q.shared, q.residual, gamma)
+        exact = ec.oracle(5, 5, world, folded=True, w_dtype=torch.float32, replicated_shared=True)
+        results["direct replicated shared"] = ec.errors(direct, exact)
     with FusionBridge(EpilogueSpec(**spec, has_shared_output=False), strategy="separate") as b:
         try:
             sg.finalize_moe_output(b, moe_output, p.residual, norm_weight=p.norm_weight)
@@ -305,7 +318,12 @@ def two_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "case",
-    ["vllm route-major bf16", "sglang deferred fp32, m < buffers", "sglang replicated shared"],
+    [
+        "vllm route-major bf16",
+        "sglang deferred fp32, m < buffers",
+        "sglang replicated shared",
+        "direct replicated shared",
+    ],
 )
 def test_two_gloo_ranks_match_the_oracle(two_ranks, case):
     for rank, results in enumerate(two_ranks):
@@ -315,3 +333,37 @@ def test_two_gloo_ranks_match_the_oracle(two_ranks, case):
 def test_two_gloo_ranks_refuse_a_replicated_shared_output_without_its_slot(two_ranks):
     for results in two_ranks:
         assert "has_shared_output must be True for a replicated shared" in results["refused"]
+
+
+def test_two_gloo_ranks_refuse_a_replicated_shared_output_the_spec_calls_a_partial(two_ranks):
+    for results in two_ranks:
+        message = results["replicated refused"]
+        assert "spec.shared_output_replicated must be True" in message, message
+        assert "shared_output_replicated=True" in message.split(";")[-1]
+
+
+# ---------------------------------------------------------------- preallocated outputs
+def test_the_adapters_write_into_out_and_refuse_one_over_the_residual():
+    from fusion_bridge.epilogue_tensors import EpilogueOutputs, allocate_outputs
+
+    tokens = 6
+    p = ec.pieces(tokens, tokens, 2, 0)
+    b = bridge()
+    moe_output = vllm_output(p, True, torch.bfloat16, False)
+    fresh = vl.finalize_moe_output(b, moe_output, p.residual, norm_weight=p.norm_weight)
+    out = allocate_outputs(b.spec, tokens, torch.device("cpu"))
+    got = vl.finalize_moe_output(b, moe_output, p.residual, norm_weight=p.norm_weight, out=out)
+    assert got is out and torch.equal(out.norm_out, fresh.norm_out)
+    hidden, residual = got  # the engines' order
+    assert hidden is out.norm_out and residual is out.residual_out
+    handoff = ew.sglang_from_flashinfer(
+        flashinfer_buffers(p, torch.float32, tokens), gated_shared_output=p.shared, m=tokens
+    )
+    out = allocate_outputs(b.spec, tokens, torch.device("cpu"))
+    got = sg.finalize_deferred(b, handoff, p.residual, norm_weight=p.norm_weight, out=out)
+    assert got is out
+    residual_before = p.residual.clone()
+    over_residual = EpilogueOutputs(p.residual, out.norm_out)
+    with pytest.raises(EpilogueInputError, match="out.residual_out.*overlapping residual"):
+        sg.finalize_deferred(b, handoff, p.residual, norm_weight=p.norm_weight, out=over_residual)
+    assert torch.equal(p.residual, residual_before)

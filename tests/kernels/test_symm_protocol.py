@@ -118,7 +118,9 @@ def test_hooks_stay_out_of_production_launchers_and_strategies():
         method = getattr(symm_twoshot.TwoshotLauncher, verb)
         assert not (HOOKS | {"EMU"}) & set(inspect.signature(method).parameters), verb
     for cls in (SymmFusedOneshotStrategy, SymmFusedTwoshotStrategy):
-        assert list(inspect.signature(cls.run).parameters) == ["self", "inputs", "variant"]
+        # the call's own parameters only (`out`: the caller's preallocated outputs), no hook
+        params = list(inspect.signature(cls.run).parameters)
+        assert params == ["self", "inputs", "variant", "out"], params
     # no product module imports the rigs: test_no_product_module_imports_the_test_rigs
     # (tests/docs/test_layering.py)
 

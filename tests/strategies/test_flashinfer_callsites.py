@@ -280,6 +280,27 @@ def _ship(value, named: dict):
     return value
 
 
+def _run_into_out(strategy, case: Case, inputs, outputs) -> dict:
+    """The same call again with preallocated outputs (`out=`): whether run() returned `out`, wrote
+    what the plain call returned, and which of FlashInfer's output keywords were out's tensors."""
+    from fusion_bridge.epilogue_tensors import allocate_outputs
+
+    out = allocate_outputs(case.spec, case.tokens, torch.device("cpu"))
+    _FakeLog.calls.clear()
+    got = strategy.run(inputs, case.variant, out=out)
+    same = all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(outputs.named().values(), got.named().values())
+    )
+    handed = {}
+    for _, _, kwargs, _ in _FakeLog.calls:
+        for key in ("residual_out", "norm_out", "quant_out", "scale_out"):
+            value = kwargs.get(key)
+            if isinstance(value, torch.Tensor):
+                handed[key] = [n for n, t in out.named().items() if t is value]
+    return {"is_out": got is out, "same": same, "handed": handed}
+
+
 def _run_case(case: Case, rank: int, group) -> dict:
     from fusion_bridge.oracle.synthetic import make_inputs
     from tests.helpers import clone_inputs, inputs_equal
@@ -294,6 +315,9 @@ def _run_case(case: Case, rank: int, group) -> dict:
     strategy = strategy_class(case.strategy)(spec, env, group, device=torch.device("cpu"))
     strategy.prepare()
     outputs = strategy.run(inputs, case.variant)
+    calls_before_out = list(_FakeLog.calls)
+    with_out = _run_into_out(strategy, case, inputs, outputs)
+    _FakeLog.calls[:] = calls_before_out
     strategy.close()
     made = _FakeLog.workspaces[first_workspace:]
     named = {f"inputs.{k}": v for k, v in inputs._asdict().items() if v is not None}
@@ -311,6 +335,7 @@ def _run_case(case: Case, rank: int, group) -> dict:
         )
     return {
         "calls": calls,
+        "with_out": with_out,
         "inputs": {k: _wire(v) for k, v in inputs._asdict().items() if v is not None},
         "inputs_unchanged": inputs_equal(before, inputs)
         and inputs.expert_weights.dtype == case.weight_dtype,
@@ -892,3 +917,18 @@ def test_every_keyword_we_pass_exists_in_flashinfer(ranks):
         for case in r["cases"].values():
             for ws in case["workspaces"]:
                 assert set(ws["kwargs"]) | {"group"} <= set(ws_params)
+
+
+def test_every_flashinfer_case_writes_into_out_and_hands_flashinfer_its_tensors(ranks):
+    """`out=` through both FlashInfer strategies: run() returns the caller's out, holding what the
+    plain call returned, and FlashInfer writes residual_out and norm_out straight into out's."""
+    for rank in range(WORLD):
+        for name, rec in ranks[rank]["cases"].items():
+            with_out = rec["with_out"]
+            assert with_out["is_out"] and with_out["same"], (name, rank, with_out)
+            assert with_out["handed"]["residual_out"] == ["residual_out"], (name, with_out)
+            assert with_out["handed"]["norm_out"] == ["norm_out"], (name, with_out)
+            for key in ("quant_out", "scale_out"):
+                if key in with_out["handed"]:
+                    want = [key.removesuffix("_out")]  # out.quant / out.scale
+                    assert with_out["handed"][key] == want, (name, key, with_out)

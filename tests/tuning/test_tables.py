@@ -256,3 +256,44 @@ def test_a_group_without_global_rank_zero_uses_its_own_first_ranks_table(tmp_pat
         del os.environ["FUSION_BRIDGE_CACHE_DIR"]
     r0, r1, r2 = run_distributed(_load_on_a_subgroup, 3, dirs, backend="gloo", timeout_s=120)
     assert r0 is None and r1 == r2 == {"separate": {"default": {"1": 5.0}}}
+
+
+def _spec_of_shipped(fields: dict, **extra) -> EpilogueSpec:
+    from fusion_bridge.spec import DTYPE_BY_NAME, QuantKind, SFLayout
+
+    quant = fields["quant"]
+    kind, layout = QuantKind(quant["kind"]), SFLayout(quant["sf_layout"])
+    q = {
+        QuantKind.NONE: QuantSpec.none(),
+        QuantKind.FP8: QuantSpec.fp8(0.05),
+        QuantKind.NVFP4: QuantSpec.nvfp4(336.0, layout),
+    }[kind]
+    return EpilogueSpec(
+        hidden_size=fields["hidden_size"],
+        top_k=fields["top_k"],
+        dtype=DTYPE_BY_NAME[fields["dtype"]],
+        has_shared_output=fields["has_shared_output"],
+        quant=q,
+        **extra,
+    )
+
+
+def test_every_shipped_table_is_found_with_the_new_spec_fields_at_their_defaults():
+    """Spec fields added after the tables shipped (shared_output_replicated) stay out of the key at
+    their defaults: every shipped table is found from a spec built the way it was measured, its
+    new fields left at (or set to) their defaults; set away from the default, it is not."""
+    from fusion_bridge.tuning.tables import TABLES_DIR
+
+    shipped = sorted(TABLES_DIR.glob("*.json"))
+    assert len(shipped) >= 4, shipped
+    for path in shipped:
+        table = json.loads(path.read_text())
+        env = H200_TP2.replace(world_size=table["world_size"], gpu_name=table["gpu"])
+        for spec in (
+            _spec_of_shipped(table["spec"]),
+            _spec_of_shipped(table["spec"], shared_output_replicated=False),
+        ):
+            assert default_table_path(spec, env) == path, (path, spec)
+            assert read_table(path) is not None
+        replicated = _spec_of_shipped(table["spec"], shared_output_replicated=True)
+        assert default_table_path(replicated, env) != path
