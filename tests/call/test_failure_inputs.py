@@ -7,7 +7,7 @@ import torch
 
 from fusion_bridge import EpilogueSpec
 from fusion_bridge.call.debug_call import replicated_fingerprint
-from fusion_bridge.call.payload import group_tokens
+from fusion_bridge.call.payload import group_tokens, unanimous_tokens
 from fusion_bridge.oracle.synthetic import make_inputs
 
 SPEC = EpilogueSpec(hidden_size=64, top_k=2)
@@ -63,6 +63,30 @@ def test_the_group_t_needs_a_majority_of_the_inputs_and_a_tie_gives_none():
         )
         is None
     )
+
+
+def test_a_shared_output_the_spec_has_none_of_still_says_t():
+    """A call that passes a shared output to a spec without one (a validation error) still holds
+    a T in it: it counts as a fourth [T, ...] input. Ignored, a 2-2 tie would look like 2 of 3
+    (a guessed T), and three inputs of 0 rows would look unanimous beside a shared output of T:
+    the rank would take part with T = 0, i.e. not at all, and its next call would pair with its
+    peers' pending one."""
+    inp = make_inputs(SPEC, 4, seed=2)  # the spec below has no shared output; this call has one
+    perm, weights, residual = inp.expanded_idx_to_permuted_idx, inp.expert_weights, inp.residual
+    assert group_tokens(inp, False) == unanimous_tokens(inp, False) == 4
+    # the index map and weights say 5, the shared output and residual 4: a tie, no T
+    tie = inp._replace(
+        expanded_idx_to_permuted_idx=_rows(perm, 5), expert_weights=_rows(weights, 5)
+    )
+    assert group_tokens(tie, False) is None
+    assert unanimous_tokens(tie, False) is None
+    # three say 0 rows, the shared output says 4: a majority of 0, but not a unanimous one
+    empty = inp._replace(expanded_idx_to_permuted_idx=perm[:0], expert_weights=weights[:0])
+    empty = empty._replace(residual=residual[:0])
+    assert group_tokens(empty, False) == 0
+    assert unanimous_tokens(empty, False) is None
+    # the same without the stray shared output: 0 rows everywhere, nothing to take part in
+    assert unanimous_tokens(empty._replace(shared_output=None), False) == 0
 
 
 def test_the_debug_fingerprint_covers_every_replicated_input_and_no_per_rank_one():

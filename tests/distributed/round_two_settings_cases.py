@@ -96,7 +96,8 @@ def item6_settings(rank, world_size, group) -> dict:
 # ================================================================ item 7: the Hugging Face patch
 def item7_hf_patch(rank, world_size, group) -> dict:
     """Ranks whose models differ by two experts swapped, by two rows of one expert swapped; models
-    with the same NaN weight; the patch under debug mode."""
+    with a NaN weight at one place, its payload bits differing per rank; the patch under debug
+    mode."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -114,8 +115,11 @@ def item7_hf_patch(rank, world_size, group) -> dict:
                 experts.gate_up_proj[[0, 1]] = experts.gate_up_proj[[1, 0]].clone()
             if case == "rows_swapped" and rank == ERRING:
                 experts.down_proj[2, [0, 1]] = experts.down_proj[2, [1, 0]].clone()
-            if case == "same_nan":
+            if case == "same_nan":  # a NaN on every rank, with another payload on each
                 experts.down_proj[3, 0, 0] = float("nan")
+                bits = experts.down_proj.view(torch.int16)
+                bits[3, 0, 0] = (0x7FC0, -0x3F)[rank % 2]  # -0x3F: 0xFFC1, a negative NaN
+                assert torch.isnan(experts.down_proj[3, 0, 0])
         options = {"debug": True} if case == "debug" else {}
         try:
             patch = patch_moe_epilogues(

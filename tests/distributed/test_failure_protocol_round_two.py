@@ -187,6 +187,7 @@ def test_7_the_patch_compares_weights_by_content_and_works_in_debug_mode(ranks):
             r = out[case]
             assert r["kind"] == "ValueError", (rank, case, r)
             assert "every rank of the group must hold the same model" in r["msg"], (rank, r)
+            assert f"; rank {ERRING} differs from rank 0 in " in r["msg"], (rank, r["msg"])
             assert f"layers.1.mlp.experts.{name}" in r["msg"], (rank, r["msg"])
         assert out["same_nan"]["kind"] == "patched", (rank, out["same_nan"])
         assert out["debug"]["forward"] == "ok", (rank, out["debug"])

@@ -18,7 +18,14 @@ from fusion_bridge.integrations.transformers import (  # noqa: E402
     patch_moe_epilogues,
     unpatch_moe_epilogues,
 )
-from migration.examples.hf_moe import FAMILIES, TINY, build_model, run_rank  # noqa: E402
+from migration.examples.hf_moe import (  # noqa: E402
+    FAMILIES,
+    PROMPT,
+    TINY,
+    build_model,
+    compare,
+    run_rank,
+)
 from migration.examples.hf_moe_bound import Recorder, tainted_positions  # noqa: E402
 from migration.examples.hf_moe_models import why_skipped  # noqa: E402
 
@@ -124,6 +131,8 @@ def test_every_family_on_two_gloo_ranks():
     for r in range(2):
         out = per_rank[r]
         assert "every rank of the group must hold the same model" in out["mismatch"]
+        # rank 0's model is the one compared against; the other rank is the one named
+        assert "; rank 1 differs from rank 0 in " in out["mismatch"], out["mismatch"]
         assert "at most the number of routed experts (1)" in out["too_few"]
         assert "argument 0 must be identical on every rank" in out["check_same_inputs"]
         assert "rank(s) [1] differ from rank 0" in out["check_same_inputs"]
@@ -294,6 +303,69 @@ def test_eval_mode_only_arguments_by_position_and_a_layer_that_misuses_the_block
         model(torch.arange(1, 6).unsqueeze(0))
     patch.unpatch()
     model(torch.arange(1, 6).unsqueeze(0)).logits.sum().backward()  # their own code again
+
+
+def test_a_handoff_added_to_the_residual_twice_is_refused_and_runs_the_bridge_once():
+    """The block's handoff stands for one output: the first `residual + it` runs the bridge, a
+    second add (a layer structure the patch does not know) raises instead of running the bridge's
+    call, and its collective, again."""
+    model = build_model("qwen3_moe", TINY)
+    patch = patch_moe_epilogues(model)
+    layer_patch = patch.layers[0]
+    calls = []
+    bridge_call = layer_patch.bridge.finalize_epilogue
+    layer_patch.bridge.finalize_epilogue = lambda *a, **k: calls.append(1) or bridge_call(*a, **k)
+    hidden = torch.randn(1, 5, TINY["hidden"]).to(torch.bfloat16)
+    try:
+        with torch.no_grad():
+            out = model.model.layers[0].mlp(hidden)
+            first = hidden + out
+            assert first.shape == hidden.shape and len(calls) == 1
+            with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp used its MoE"):
+                hidden + out
+    finally:
+        del layer_patch.bridge.finalize_epilogue
+        patch.unpatch()
+    assert len(calls) == 1, "the second add ran the bridge again"
+
+
+def test_the_bridge_takes_the_norm_s_own_eps():
+    """A model whose RMSNorms have eps 1e-2 (its hidden states' mean square is well below that, so
+    eps changes every norm): the patched model's logits stay within the bound of the unmodified
+    one's, and every bridge's spec carries the eps of the norm it computes."""
+    model = build_model("qwen3_moe", TINY)
+    norms = [m for m in model.modules() if hasattr(m, "variance_epsilon")]
+    assert norms
+    for norm in norms:
+        norm.variance_epsilon = 1e-2
+    patch = patch_moe_epilogues(model)
+    assert {layer.bridge.spec.eps for layer in patch.layers.values()} == {1e-2}
+    patch.unpatch()
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, TINY["vocab"], PROMPT, generator=g)
+    r = {"family": "qwen3_moe", "rank": 0, **compare(model, None, 1, prompt, NEW_TOKENS)}
+    check_summary(r)
+
+
+def test_the_model_check_names_the_rank_that_differs(monkeypatch):
+    """The model check compares every rank's model with rank 0's and names the first that differs:
+    a group of 3 ranks (its gather faked in this process) whose rank 2 holds other weights."""
+    from fusion_bridge.integrations import transformers as adapter
+
+    model, other = build_model("qwen3_moe", TINY), build_model("qwen3_moe", TINY, seed=1)
+    moe = [0, 1, 2]
+    gathered = [adapter._fingerprint(m, moe) for m in (model, model, other)]
+    monkeypatch.setattr(adapter.dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(
+        adapter.dist,
+        "all_gather_object",
+        lambda out, obj, group=None: out.__setitem__(slice(None), gathered),
+    )
+    with pytest.raises(ValueError, match="must hold the same model") as err:
+        adapter._agree_on_model(model, moe, object(), 0)
+    assert "; rank 2 differs from rank 0 in parameters [" in str(err.value), str(err.value)
+    gathered[2] = gathered[0]
+    adapter._agree_on_model(model, moe, object(), 0)  # the same model everywhere: no error
 
 
 def test_the_families_this_transformers_has():

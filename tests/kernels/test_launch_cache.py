@@ -152,6 +152,7 @@ def test_key_is_never_coarser_than_tritons_specialization():
         base,
         base[1:],
         base[8:],
+        base[4:],  # 8 bytes in: 8- but not 16-byte aligned, the same dtype as `base`
         base[2:],
         torch.zeros(64, dtype=torch.float16),
         torch.zeros(64)[1:],
@@ -190,6 +191,7 @@ def test_a_record_is_keyed_field_by_field_as_triton_specializes_it():
     other = {
         "same dtype, aligned": torch.zeros(32, dtype=torch.bfloat16),
         "one element in": base[1:],
+        "8 bytes in": base[4:],
         "fp16": torch.zeros(64, dtype=torch.float16),
         "None": None,
     }
@@ -306,6 +308,7 @@ def test_the_launcher_of_cudalauncher_is_called_directly_when_it_needs_no_scratc
     "change",
     [
         "misaligned",
+        "eight_bytes_in",
         "dtype",
         "int_is_one",
         "int_div16",
@@ -324,6 +327,8 @@ def test_a_key_change_launches_normally_then_caches_the_new_key(change):
     assert len(kernel.normal) == 1
     if change == "misaligned":
         call[0] = (x[1:], y, 3, 0.5)  # a view one bf16 element in: not 16-byte aligned
+    elif change == "eight_bytes_in":
+        call[0] = (x[4:], y, 3, 0.5)  # four bf16 elements in: 8- but not 16-byte aligned
     elif change == "dtype":
         call[0] = (x.half(), y, 3, 0.5)
     elif change == "int_is_one":

@@ -223,6 +223,7 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     from fusion_bridge.epilogue_tensors import allocate_outputs
     from fusion_bridge.kernels.records import RowOutputs, RowSource
     from fusion_bridge.kernels.symm.protocol import TWOSHOT_STATE_WORDS
+    from fusion_bridge.kernels.symm.twoshot_kernels import _sync_kernel
     from fusion_bridge.spec import EpilogueSpec
     from fusion_bridge.oracle.synthetic import make_inputs
 
@@ -267,6 +268,50 @@ def test_the_twoshot_strategy_binds_its_workspace_to_its_launches(monkeypatch):
     assert all(args[1] == own if n == "_LAUNCH_R" else args[1] is ws.state for n, args, _ in made)
     assert all(consts[0].WORLD == 2 for _, _, consts in made)  # PIPE, the call's Pipeline
     assert made[1][2][1].TOP_K == 2  # the finalize's FORM
+    # the workspace's 5 s reach every sync launch in microseconds (the kernel multiplies its
+    # `timeout` by 1000 into %globaltimer's nanoseconds): 5_000 would give up after 5 ms
+    timeout_at = _sync_kernel.arg_names.index("timeout")
+    assert layer.timeout_us == 5_000_000
+    assert [args[timeout_at] for n, args, _ in made if n == "_LAUNCH_S"] == [5_000_000] * 4
+
+
+def test_the_oneshot_launch_takes_the_workspace_timeout_in_microseconds():
+    """The one-shot's kernel reads `timeout` in microseconds (it multiplies by 1000 into
+    %globaltimer's nanoseconds): a workspace of 60 s (SymmWorkspace.timeout_ns, as create() sets
+    it from FUSION_BRIDGE_SYMM_TIMEOUT_S) bound by SymmLayer.bind, as prepare() does, gives the
+    launch 60_000_000. A unit slip of 1000 makes the kernels give up after 60 ms (a slow peer gets
+    NaN and a rebuild) or wait 16 hours."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fusion_bridge.epilogue_tensors import allocate_outputs
+    from fusion_bridge.kernels.records import RowOutputs, RowSource
+    from fusion_bridge.oracle.synthetic import make_inputs
+    from fusion_bridge.spec import EpilogueSpec
+
+    layout = SymmFusedOneshotStrategy.workspace_layout
+    spec = EpilogueSpec(hidden_size=128, top_k=2)
+    ws = SimpleNamespace(
+        ptrs=torch.zeros(3, dtype=torch.int64),
+        state=torch.zeros(layout.state_words, dtype=layout.state_dtype),
+        buffer=torch.zeros(64, dtype=torch.uint8),
+        world=2,
+        rank=0,
+        cap=spec.max_tokens,
+        data_off=symm_protocol.HEADER_BYTES // 2,
+        num_sms=132,
+        timeout_ns=60 * 10**9,
+    )
+    layer = symm_protocol.SymmLayer.bind(ws, spec)
+    assert layer.timeout_us == 60_000_000
+    inp = make_inputs(spec, 3, seed=5)
+    out = allocate_outputs(spec, 3, inp.residual.device)
+    none = torch.empty(0, dtype=torch.uint8)
+    _, args, _, _ = symm_oneshot.call_args(layer, None, RowSource.of(inp), RowOutputs.of(out, none))
+    params = [p for p in symm_oneshot._oneshot_kernel.arg_names if p.upper() != p]
+    assert len(args) == len(params), params
+    assert args[params.index("timeout")] == 60_000_000
 
 
 def test_every_kernel_family_has_one_launcher_with_the_same_verbs():

@@ -80,6 +80,7 @@ def test_the_public_surfaces_are_small():
         "EpilogueInputError",
         "ConcurrentCallError",
         "NoStrategyAvailable",
+        "tensor_digest",  # the digest ranks compare (the Hugging Face adapter's checks use it)
         "__version__",
     }
     assert {"Strategy", "register", "Reason", "Environment", "EpilogueInputs"} <= set(
