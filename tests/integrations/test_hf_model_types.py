@@ -117,9 +117,13 @@ def test_norm_weight_offset_reads_plain_and_zero_centred_norms_and_engine_classe
 
     assert norm_weight_offset(Qwen3MoeRMSNorm) == 0.0
     assert norm_weight_offset(Qwen3NextRMSNorm(8)) == 1.0
-    # an engine's class, by name (vLLM / SGLang `layers.layernorm`)
-    engine = type("GemmaRMSNorm", (torch.nn.Module,), {"__module__": "vllm.model_executor"})
+    # an engine's class, by its exact qualified name (vLLM / SGLang `layers.layernorm`)
+    module = "vllm.model_executor.layers.layernorm"
+    engine = type("GemmaRMSNorm", (torch.nn.Module,), {"__module__": module})
     assert norm_weight_offset(engine) == 1.0
+    elsewhere = type("GemmaRMSNorm", (torch.nn.Module,), {"__module__": "someone.else"})
+    with pytest.raises(UnsupportedModelError, match="cannot tell whether"):
+        norm_weight_offset(elsewhere)  # the name alone says nothing
 
     class Odd(torch.nn.Module):
         def forward(self, x):

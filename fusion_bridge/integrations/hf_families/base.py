@@ -37,6 +37,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from fusion_bridge.integrations.engine_norms import engine_norm_offset
+
 BRIDGE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -172,26 +174,20 @@ def scaling_factor(router: torch.nn.Module) -> float:
     return factor
 
 
-# Norm classes whose weight offset is known by name, whatever framework they come from (the
-# engines' adapters pass vLLM's and SGLang's classes): a zero-centred norm multiplies by
-# (1 + weight).
-KNOWN_NORM_OFFSETS = {
-    "RMSNorm": 0.0,  # vLLM / SGLang `layers.layernorm.RMSNorm`
-    "GemmaRMSNorm": 1.0,  # vLLM / SGLang `layers.layernorm.GemmaRMSNorm`, transformers' Gemma
-}
 _ZERO_CENTRED = ("(1.0 + self.weight", "(1 + self.weight", "(self.weight + 1")
 _PLAIN = ("self.weight * hidden_states", "(self.weight * hidden_states")
 
 
 def norm_weight_offset(norm: Union[torch.nn.Module, type]) -> float:
     """The offset b of an RMSNorm class or module that multiplies the normalized row by
-    (weight + b): 0.0 for the Llama-style norm, 1.0 for a zero-centred one. Known engine classes by
-    name (KNOWN_NORM_OFFSETS); any other class is read from its forward's source (`(1.0 +
-    self.weight` / `self.weight * hidden_states`). Raises UnsupportedModelError naming the class
-    when neither says."""
+    (weight + b): 0.0 for the Llama-style norm, 1.0 for a zero-centred one. vLLM's and SGLang's
+    classes by their exact qualified name (engine_norms.ENGINE_NORMS, the engines' one table); any
+    other class is read from its forward's source (`(1.0 + self.weight` / `self.weight *
+    hidden_states`). Raises UnsupportedModelError naming the class when neither says."""
     cls = norm if isinstance(norm, type) else type(norm)
-    if cls.__name__ in KNOWN_NORM_OFFSETS and not cls.__module__.startswith("transformers."):
-        return KNOWN_NORM_OFFSETS[cls.__name__]
+    known = engine_norm_offset(cls)
+    if known is not None:
+        return known
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
