@@ -16,6 +16,7 @@ mode and the explicit checks, never the default call path.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from typing import Iterator
 
@@ -85,4 +86,6 @@ def _host_bytes(piece: torch.Tensor) -> bytes:
     """The bytes of a contiguous 1-D piece: a fresh host copy of just the piece (its own storage,
     so the bytes read are the piece's and no more), whatever device it lives on."""
     host = piece.to("cpu", copy=True)
-    return bytes(host.untyped_storage())
+    size = host.numel() * host.element_size()
+    # one copy of the bytes out of the host tensor; bytes(storage) would read them one by one
+    return ctypes.string_at(host.data_ptr(), size) if size else b""

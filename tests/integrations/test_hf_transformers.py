@@ -88,11 +88,19 @@ def _refusal(build) -> str:
     return "patched"
 
 
-def _two_ranks(rank: int, world: int) -> dict:
-    """Everything the 2-rank test needs, in one spawned group."""
+SHARDS = 3  # the families over this many 2-rank groups, so xdist workers share the work
+
+
+def _two_ranks(rank: int, world: int, shard: int) -> list:
+    """Every SHARDS-th family from `shard` on, on this rank of a 2-rank group."""
     torch.set_num_threads(1)  # as one_thread: tiny models, two processes on a shared CPU
-    results = run_rank(rank, world, new_tokens=NEW_TOKENS)
-    out = {"results": results}
+    return run_rank(rank, world, families=FAMILIES[shard::SHARDS], new_tokens=NEW_TOKENS)
+
+
+def _two_rank_refusals(rank: int, world: int) -> dict:
+    """What a 2-rank group refuses: different models, too few experts, different prompts."""
+    torch.set_num_threads(1)
+    out = {}
     # a group whose ranks hold different models is refused on every rank
     out["mismatch"] = _refusal(lambda: build_model("qwen3_moe", TINY, seed=rank))
     out["too_few"] = _refusal(lambda: build_model("qwen3_moe", dict(TINY, experts=1, top_k=1)))
@@ -117,10 +125,13 @@ def _two_ranks(rank: int, world: int) -> dict:
     return out
 
 
-def test_every_family_on_two_gloo_ranks():
-    per_rank = run_distributed(_two_ranks, 2, timeout_s=600)
-    for family_index, family in enumerate(FAMILIES):
-        ranks = [per_rank[r]["results"][family_index] for r in range(2)]
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_every_family_on_two_gloo_ranks(shard):
+    per_rank = run_distributed(_two_ranks, 2, shard, timeout_s=600)
+    families = FAMILIES[shard::SHARDS]
+    assert [r["family"] for r in per_rank[0]] == list(families)
+    for family_index, family in enumerate(families):
+        ranks = [per_rank[r][family_index] for r in range(2)]
         if "skipped" in ranks[0]:
             continue
         for r in ranks:
@@ -128,6 +139,10 @@ def test_every_family_on_two_gloo_ranks():
         # each rank computes half the experts; after the all-reduce both hold the same outputs
         assert ranks[0]["logits_checksum"] == ranks[1]["logits_checksum"], family
         assert ranks[0]["sequences"] == ranks[1]["sequences"], family
+
+
+def test_two_gloo_ranks_refuse_different_models_too_few_experts_and_different_prompts():
+    per_rank = run_distributed(_two_rank_refusals, 2, timeout_s=600)
     for r in range(2):
         out = per_rank[r]
         assert "every rank of the group must hold the same model" in out["mismatch"]
