@@ -28,7 +28,9 @@ synchronize). Stages, in the order a call runs them:
   inside launch, so counted once): the Python frames between them.
 
 With `--device cpu` the bridge is built with TRITON_INTERPRET=1 and no self-test, and the stages
-that launch (launch, strategy_run, finalize_epilogue) are n/a. Nothing runs at import.
+that launch (launch, strategy_run, finalize_epilogue) are n/a; `--sms 132` plans its launches as
+on an H100 (split rows at small T: split_sync, and the split kernel's key). Nothing runs at
+import.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable
 
 
 def breakdown(quants: list[str], token_counts: list[int], calls: int, rounds: int,
-              device_type: str) -> list[dict]:  # fmt: skip
+              device_type: str, sms: int = 0) -> list[dict]:  # fmt: skip
     """Rows {quant, tokens, stage, us} for every stage, plus `unattributed`."""
     import torch
 
@@ -170,6 +172,10 @@ def breakdown(quants: list[str], token_counts: list[int], calls: int, rounds: in
         kwargs = {} if cuda else {"strategy": "fused_tp1", "self_test": False}
         with FusionBridge(spec, None, debug=False, **kwargs) as bridge:
             bridge._check_values = False  # as on a GPU without debug mode (CPU: benchmark only)
+            if sms and not cuda:  # plan as on a GPU of that many SMs (host stages only)
+                launcher = bridge._instances["fused_tp1"]._launcher
+                launcher.num_sms = sms
+                launcher._plans.clear()
             for tokens in token_counts:
                 inputs = make_inputs(spec, tokens, device=bridge.device)
                 timed = _time(stage_fns(bridge, inputs, tokens, cuda), calls, rounds, sync)
@@ -205,6 +211,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     add_common(ap, tokens=[1, 64], quant=["none", "nvfp4"], quant_choices=["none", "nvfp4"],
                csv=False)  # fmt: skip
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if any")
+    ap.add_argument("--sms", type=int, default=0, help="--device cpu: plan for this many SMs")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args(argv)
@@ -221,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    print_rows(breakdown(args.quant, args.tokens, args.calls, args.rounds, device))
+    print_rows(breakdown(args.quant, args.tokens, args.calls, args.rounds, device, args.sms))
     return 0
 
 

@@ -406,9 +406,9 @@ def test_a_bound_launch_under_hooks_or_with_the_fast_path_off_launches_normally(
     rt = fake_runtime()
     kernel, launch, bound = _bound(rt)
     x, y = tensors()
-    for _ in range(3):  # the second call keeps the launcher's entry, the third launches from it
-        bound(x, y)
-    assert len(kernel.normal) == 1 and len(kernel.compiled[0].run.calls) == 1
+    for _ in range(3):  # the second call launches from the launcher's entry and keeps it, the
+        bound(x, y)  # third from the bound launch's own
+    assert len(kernel.normal) == 1 and len(kernel.compiled[0].run.calls) == 2
     rt.runtime_knobs.launch_enter_hook.calls.append(print)  # e.g. a profiler's
     bound(x, y)
     assert len(kernel.normal) == 2  # Triton's own launch, which calls the hooks
