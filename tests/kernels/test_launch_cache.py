@@ -869,3 +869,25 @@ def test_eager_cost_benchmark_imports_and_aggregates():
     }
     (line,) = bench.ratios(bench.max_over_ranks([rank0, rank1]))
     assert line["eager_vs_flashinfer_direct"] == 1.625 and line["bridge_overhead_us"] == 3.0
+
+
+def test_eager_cost_checks_issue_50s_target_at_world_size_1():
+    """finalize_epilogue against fused_tp1_kernel_cached of the same run, pass at <= 2x, miss
+    above, per quant and T; world size 2 has no such line."""
+    import benchmarks.eager_cost as bench
+    from benchmarks.eager_breakdown import target_check
+
+    def rows(world_size, quant, tokens, call, anchor):
+        base = dict(world_size=world_size, quant=quant, tokens=tokens, us_host=0.0)
+        return [
+            dict(base, item="finalize_epilogue", us_wall=call),
+            dict(base, item="fused_tp1_kernel_cached", us_wall=anchor),
+        ]
+
+    got = rows(1, "none", 1, 20.0, 10.0) + rows(1, "nvfp4", 64, 25.0, 10.0)
+    got += [dict(rows(2, "none", 1, 30.0, 10.0)[0])]
+    lines = target_check(bench.ratios(got))
+    assert lines == [
+        "target TP1 none T=1: finalize_epilogue / fused_tp1_kernel_cached = 2.00 (<= 2): pass",
+        "target TP1 nvfp4 T=64: finalize_epilogue / fused_tp1_kernel_cached = 2.50 (<= 2): miss",
+    ]
