@@ -12,6 +12,10 @@ reported. Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP
 
 - finalize_epilogue: the bridge's call (validation, dispatch, the selected strategy);
 - strategy_run: the selected strategy's own run for T (the eager plan's, if the bridge has one);
+- fused_tp1_kernel_cached (world size 1, where the eager route is fused_tp1; issue 50's anchor):
+  the kernel the call runs (fused_tp1's launch for T, its config), through the launch the call
+  makes (the plan's bound launch, kernels/launch_cache.py), records built once, outputs
+  preallocated (`Tp1Launcher.bound`);
 - finalize_kernel_normal / finalize_kernel_cached: our finalize kernel alone, Triton's
   `kernel[grid]` launch vs the launch cache (kernels/launch_cache.py), same precomputed launch
   shape, preallocated output;
@@ -25,7 +29,10 @@ reported. Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP
 
 Writes benchmarks/results/eager_cost_h200.csv (--csv; the harness schema, benchmarks/harness.py:
 us_median is the wall time, extra holds the host time, the routes and notes) and prints a table
-with the ratios the issue's targets are stated in. Nothing runs at import.
+with the ratios the issues' targets are stated in, then issue 50's target check: at world size 1,
+finalize_epilogue <= 2x fused_tp1_kernel_cached (same run, medians of the alternating rounds),
+pass or miss per quant and T. `--breakdown` then times each stage of the world-size-1 eager call
+on its own (benchmarks/eager_breakdown.py), in the same process. Nothing runs at import.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ H, K = 7168, 8
 ITEMS = (
     "finalize_epilogue",
     "strategy_run",
+    "fused_tp1_kernel_cached",
     "finalize_kernel_normal",
     "finalize_kernel_cached",
     "finalize_add_into",
@@ -248,6 +256,7 @@ def rank_main(
     import torch
     import torch.distributed as dist
 
+    from benchmarks.eager_breakdown import tp1_anchor
     from fusion_bridge import FusionBridge
     from fusion_bridge.kernels import finalize_add as fa
     from fusion_bridge.oracle.synthetic import make_inputs
@@ -273,6 +282,8 @@ def rank_main(
                     "finalize_epilogue": lambda: bridge.finalize_epilogue(*args),
                     "strategy_run": lambda: raw(inp),
                 }
+                if world_size == 1:
+                    fns.update(tp1_anchor(bridge, inp, tokens, eager_kw))
                 fns.update(_finalize_launchers(inp, spec))
                 notes = [f"launch cache: {fa._LAUNCH.disabled_reason or 'on'}"]
                 fi = None
@@ -362,6 +373,8 @@ def ratios(rows: list[dict]) -> list[dict]:
             line["eager_vs_graph_gpu"] = round(fe / graph, 3)
         if fe is not None and v.get("strategy_run") is not None:
             line["bridge_overhead_us"] = round(fe - v["strategy_run"], 2)
+        if fe is not None and v.get("fused_tp1_kernel_cached"):
+            line["eager_vs_tp1_kernel"] = round(fe / v["fused_tp1_kernel_cached"], 3)
         out.append(line)
     return out
 
@@ -382,6 +395,8 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
+    from benchmarks.eager_breakdown import target_check
+
     configs = sorted({(r["world_size"], r["quant"], r["tokens"]) for r in rows})
     items = list(ITEMS) + ["graph_selected", "graph_fi_moe_finalize"]
     value = {(r["world_size"], r["quant"], r["tokens"], r["item"]): r["us_wall"] for r in rows}
@@ -403,6 +418,9 @@ def print_table(rows: list[dict]) -> None:
     }
     for cfg, (graph, eager, notes) in sorted(routes.items()):
         print(f"TP{cfg[0]} {cfg[1]} T={cfg[2]}: graph route {graph}, eager route {eager}; {notes}")
+    print()
+    for line in target_check(ratios(rows)):
+        print(line)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -419,6 +437,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="then time each stage of the world-size-1 eager call (benchmarks/eager_breakdown.py)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -446,6 +469,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows += max_over_ranks(per_rank)
     write_csv(args.csv, rows)
     print_table(rows)
+    if args.breakdown:
+        from benchmarks import eager_breakdown
+
+        print()
+        eager_breakdown.print_rows(
+            eager_breakdown.breakdown(args.quant, args.tokens, args.calls, args.rounds, "cuda")
+        )
     return 0
 
 

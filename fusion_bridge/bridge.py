@@ -106,8 +106,8 @@ class FusionBridge(FailurePath, BridgeTools):
         self._shared_once = shared_once(self.spec, self.group, self.env.world_size, self.device)
         # eager calls take the eager plan's routes when it differs: is this call being captured? (a
         # CPU-only torch raises on the CUDA query, and nothing captures there)
-        self._capturing = (
-            torch.cuda.is_current_stream_capturing if self.device.type == "cuda" else bool
+        self._capturing = (  # torch.cuda.is_current_stream_capturing's own query, unwrapped
+            torch._C._cuda_isCurrentStreamCapturing if self.device.type == "cuda" else bool
         )
         # debug mode over several ranks: one small collective per call (call/debug_call.py)
         self._agreement = (

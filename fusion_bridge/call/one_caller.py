@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 
 _SLOTS: dict = {}  # group key -> id of the thread whose call holds the group
+_get_ident = threading.get_ident
 
 
 class ConcurrentCallError(RuntimeError):
@@ -51,8 +52,8 @@ def group_key(group, world_size: int, bridge) -> object:
 def enter(bridge) -> None:
     """Take the bridge's process group for this thread's call, or raise ConcurrentCallError
     (after breaking the group on this rank when it has peers: see the module docstring)."""
-    owner = _SLOTS.setdefault(bridge._group_key, threading.get_ident())
-    if owner != threading.get_ident():
+    me = _get_ident()
+    if _SLOTS.setdefault(bridge._group_key, me) != me:
         raise refused(bridge)
 
 
@@ -64,9 +65,10 @@ def holds(bridge) -> bool:
 def leave(bridge) -> None:
     """Give the group back if this thread holds it (idempotent). Reads the table first: under
     torch.compile's tracing no call holds a group, and the thread id is never asked for."""
-    owner = _SLOTS.get(bridge._group_key)
-    if owner is not None and owner == threading.get_ident():
-        _SLOTS.pop(bridge._group_key, None)
+    key = bridge._group_key
+    owner = _SLOTS.get(key)
+    if owner is not None and owner == _get_ident():
+        _SLOTS.pop(key, None)
 
 
 def refused(bridge) -> ConcurrentCallError:

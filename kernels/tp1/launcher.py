@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import triton
 
-from fusion_bridge.kernels.launch_cache import KernelLauncher
+from fusion_bridge.kernels.launch_cache import BoundLaunch, KernelLauncher
 from fusion_bridge.kernels.pdl import PDL_OPTIONS, pdl_ok
 from fusion_bridge.kernels.quant import (
     QUANT_FP8,
@@ -78,8 +78,10 @@ GRAPH_WORDS = "graph"  # the key of the one set every CUDA-graph capture uses
 class Tp1Plan(NamedTuple):
     """A call's launch, decided once per key (`Tp1Launcher.plan`): the config it follows, the
     kernel's cached launcher (kernels/launch_cache.py), grid, constexprs (`WholeRows` /
-    `SplitRows`), warps, chunks per row (0: whole rows) and the NVFP4 scales' rows and columns
-    (T and 0 without NVFP4)."""
+    `SplitRows`), warps, chunks per row (0: whole rows), the NVFP4 scales' rows and columns
+    (T and 0 without NVFP4), and `launch`: the same launch with everything but the call's records
+    bound (`launch_cache.BoundLaunch`), called as `launch(src, out)` (whole rows) or
+    `launch(src, out, sync)` (split rows)."""
 
     config: Tp1Config
     kernel: KernelLauncher
@@ -89,6 +91,7 @@ class Tp1Plan(NamedTuple):
     chunks: int
     sf_rows: int
     sf_cols: int
+    launch: BoundLaunch
 
 
 class Tp1Launcher:
@@ -121,6 +124,7 @@ class Tp1Launcher:
         self._sync: dict[object, torch.Tensor] = {
             GRAPH_WORDS: torch.zeros(SYNC_WORDS, dtype=torch.int64, device=device)
         }
+        self._split_sync: dict[object, SplitSync] = {}  # the record of each set, built once
         self._error = torch.zeros(1, dtype=torch.int32)
         if cuda:
             self._error = self._error.pin_memory()
@@ -132,18 +136,32 @@ class Tp1Launcher:
             [self._error.data_ptr()], dtype=torch.int64, device=device
         )
 
+    def _sync_key(self) -> object:
+        """Which set of words this call uses: the graphs' while capturing, else the current
+        stream's (0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        if torch._C._cuda_isCurrentStreamCapturing():  # torch.cuda.is_current_stream_capturing
+            return GRAPH_WORDS
+        return torch._C._cuda_getCurrentRawStream(self.device.index or 0)
+
     def sync_words(self) -> torch.Tensor:
         """The split-kernel words of this call: the graphs' set while capturing, else the current
         stream's (allocated zeroed on first use)."""
-        key = 0
-        if self.device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                return self._sync[GRAPH_WORDS]
-            key = torch._C._cuda_getCurrentRawStream(self.device.index or 0)
+        key = self._sync_key()
         got = self._sync.get(key)
         if got is None:
             got = torch.zeros(SYNC_WORDS, dtype=torch.int64, device=self.device)
             self._sync[key] = got
+        return got
+
+    def split_sync(self) -> SplitSync:
+        """The split kernel's record of this call: `sync_words()` and the error word's address,
+        built once per set of words."""
+        key = self._sync_key()
+        got = self._split_sync.get(key)
+        if got is None:
+            got = self._split_sync[key] = SplitSync(self.sync_words(), self.error_address)
         return got
 
     def take_error(self) -> int:
@@ -203,7 +221,9 @@ class Tp1Launcher:
                 kernel = _WHOLE_ROWS_CAPPED_PDL if capped else _WHOLE_ROWS_PDL
             else:
                 kernel = _WHOLE_ROWS_CAPPED if capped else _WHOLE_ROWS
-            return Tp1Plan(config, kernel, (rows,), fixed, config.warps, 0, sf_rows, sf_cols)
+            grid, sizes = (rows,), (tokens, hidden, layer.scalars, sf_cols)
+            bound = BoundLaunch(kernel, grid, fixed, config.warps, sizes)
+            return Tp1Plan(config, kernel, grid, fixed, config.warps, 0, sf_rows, sf_cols, bound)
         chunks = triton.cdiv(hidden, config.columns)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
         fixed = SplitRows(
@@ -218,39 +238,47 @@ class Tp1Launcher:
         )
         grid = (tokens * chunks + padding,)
         kernel = _SPLIT_PDL if pdl else _SPLIT
-        return Tp1Plan(config, kernel, grid, fixed, config.warps, chunks, sf_rows, sf_cols)
+        sizes = (tokens, hidden, layer.scalars, sf_rows, sf_cols, chunks)
+        bound = BoundLaunch(kernel, grid, fixed, config.warps, sizes)
+        return Tp1Plan(config, kernel, grid, fixed, config.warps, chunks, sf_rows, sf_cols, bound)
 
     def call_args(self, src: RowSource, out: RowOutputs, config: Optional[Tp1Config] = None):
         """(plan, the kernel's runtime arguments) of one call; T > 0."""
         tokens, top_k = src.perm.shape
         plan = self.plan(
-            tokens, top_k, src.shared is not None, src.residual.is_cuda, tuple(out.sf.shape), config
+            tokens, top_k, src.shared is not None, src.residual.is_cuda, out.sf.shape, config
         )
         src, hidden, scalars = src.for_kernel(), self.layer.hidden, self.layer.scalars
         if not plan.chunks:
             return plan, (src, out, tokens, hidden, scalars, plan.sf_cols)
-        sync = SplitSync(self.sync_words(), self.error_address)
-        return plan, (src, out, sync, tokens, hidden, scalars, plan.sf_rows, plan.sf_cols,
-                      plan.chunks)  # fmt: skip
+        return plan, (src, out, self.split_sync(), tokens, hidden, scalars, plan.sf_rows,
+                      plan.sf_cols, plan.chunks)  # fmt: skip
 
     def __call__(self, src: RowSource, out: RowOutputs, config: Optional[Tp1Config] = None) -> None:
         """One call: `src` (`RowSource.of(inputs)`: gemm2_out [P, H], perm [T, K] int32, weights
         [T, K], shared [T, H] or None, residual [T, H], gamma [H]) into `out` (residual_out,
         norm_out [T, H] in the activation dtype; q, sf uint8: [T, H] fp8 codes / [T, H/2] packed
         fp4 and the nvfp4 scales, any tensor when unused). T == 0 launches nothing."""
-        if src.perm.shape[0] == 0:
+        tokens, top_k = src.perm.shape
+        if tokens == 0:
             return
-        plan, args = self.call_args(src, out, config)
-        if not plan.chunks or src.residual.is_cuda:
-            plan.kernel(plan.grid, args, plan.constexprs, plan.warps)
+        is_cuda = src.residual.is_cuda
+        plan = self.plan(tokens, top_k, src.shared is not None, is_cuda, out.sf.shape, config)
+        if not plan.chunks:  # the bound launch: the call's records, the rest bound per plan
+            plan.launch(src.for_kernel(), out)
+        elif is_cuda:
+            plan.launch(src.for_kernel(), out, self.split_sync())
         else:  # the interpreter runs programs one after another: publish all, then wait
+            plan, args = self.call_args(src, out, config)
             for phase in (PUBLISH_PHASE, OUTPUT_PHASE):
                 plan.kernel(plan.grid, args, plan.constexprs._replace(PHASES=phase), plan.warps)
 
     def bound(
         self, src: RowSource, out: RowOutputs, config: Optional[Tp1Config] = None
     ) -> Callable[[], None]:
-        """The call's bare launch with everything precomputed: what an eager call is measured
-        against (benchmarks). GPU only; T > 0."""
+        """The call's bare launch with everything precomputed (its plan's bound launch, as a call
+        makes it, with the records built once): what an eager call is measured against
+        (benchmarks). GPU only; T > 0."""
         plan, args = self.call_args(src, out, config)
-        return lambda: plan.kernel(plan.grid, args, plan.constexprs, plan.warps)
+        lead = args[:3] if plan.chunks else args[:2]
+        return lambda: plan.launch(*lead)

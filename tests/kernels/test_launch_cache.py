@@ -18,7 +18,7 @@ import torch
 
 from fusion_bridge.kernels import add_rmsnorm, finalize_add, launch_cache as launcher, quant
 from fusion_bridge.kernels import triton_launchers
-from fusion_bridge.kernels.launch_cache import KernelLauncher, Runtime, _make_key_fn
+from fusion_bridge.kernels.launch_cache import BoundLaunch, KernelLauncher, Runtime, _make_key_fn
 from fusion_bridge.kernels.records import RowOutputs, RowSource
 
 STREAM = 1234
@@ -350,6 +350,92 @@ def test_a_key_change_launches_normally_then_caches_the_new_key(change):
     assert len(kernel.normal) == 2 and len(kernel.compiled[1].run.calls) == 1
     launch((3,), (x, y, 3, 0.5), (256, True), 4)  # the first key is still cached
     assert len(kernel.normal) == 2 and len(kernel.compiled[0].run.calls) == 2
+
+
+def _bound(rt=None, **kw):
+    """A launcher and a BoundLaunch of it: grid (3,), constexprs (256, True), 4 warps, the
+    trailing (n, scale) = (3, 0.5) bound; called with the two tensors."""
+    kernel, launch = make(runtime=rt or fake_runtime(), **kw)
+    return kernel, launch, BoundLaunch(launch, (3,), (256, True), 4, (3, 0.5))
+
+
+def test_a_bound_launch_reaches_the_cached_launcher_with_its_bound_arguments():
+    kernel, launch, bound = _bound()
+    x, y = tensors()
+    bound(x, y)  # the launcher's normal launch, then its entry kept by the bound launch too
+    bound(x, y)
+    bound(x, y)
+    assert len(kernel.normal) == 1 and kernel.normal[0][1] == (x, y, 3, 0.5)
+    call = (3, 1, 1, STREAM, "function1", (4, 1, 0), None, None, None, x, y, 3, 0.5, 256, True)
+    assert kernel.compiled[0].run.calls == [call, call]
+    launch((3,), (x, y, 3, 0.5), (256, True), 4)  # the same key through the launcher itself
+    assert len(kernel.normal) == 1
+
+
+@pytest.mark.parametrize("change", ["misaligned", "eight_bytes_in", "dtype", "device"])
+def test_a_bound_launch_keys_each_tensor_and_the_device(change):
+    """What changes between a bound launch's calls (a tensor's alignment or dtype, the current
+    device) is in its key: a change launches through the launcher (normally: another kernel),
+    never from the entry of the first key (mutant i50-bound-key-no-device)."""
+    rt = fake_runtime()
+    kernel, launch, bound = _bound(rt)
+    x, y = tensors()
+    bound(x, y)
+    bound(x, y)
+    assert len(kernel.normal) == 1
+    lead = (x, y)
+    if change == "misaligned":
+        lead = (x[1:], y)
+    elif change == "eight_bytes_in":
+        lead = (x, y[4:])
+    elif change == "dtype":
+        lead = (x, y.half())
+    else:
+        rt.state.device = 1
+    bound(*lead)
+    assert len(kernel.normal) == 2, f"{change}: expected a normal launch"
+    bound(*lead)
+    assert len(kernel.normal) == 2 and len(kernel.compiled[1].run.calls) == 1
+    if change == "device":
+        rt.state.device = 0
+    bound(x, y)  # the first key is still kept
+    assert len(kernel.normal) == 2 and len(kernel.compiled[0].run.calls) == 2
+
+
+def test_a_bound_launch_under_hooks_or_with_the_fast_path_off_launches_normally():
+    rt = fake_runtime()
+    kernel, launch, bound = _bound(rt)
+    x, y = tensors()
+    for _ in range(3):  # the second call launches from the launcher's entry and keeps it, the
+        bound(x, y)  # third from the bound launch's own
+    assert len(kernel.normal) == 1 and len(kernel.compiled[0].run.calls) == 2
+    rt.runtime_knobs.launch_enter_hook.calls.append(print)  # e.g. a profiler's
+    bound(x, y)
+    assert len(kernel.normal) == 2  # Triton's own launch, which calls the hooks
+    rt.runtime_knobs.launch_enter_hook.calls.clear()
+    bound(x, y)
+    assert len(kernel.normal) == 2
+    launch._disable("switched off by the test")
+    bound(x, y)
+    bound(x, y)
+    assert len(kernel.normal) == 4
+
+
+def test_a_bound_launch_whose_cached_launcher_raises_falls_back_and_switches_off():
+    kernel = FakeKernel(lambda i: FakeCompiled(i, FakeCudaLauncher(fail=TypeError("layout"))))
+    _, launch, bound = _bound(kernel=kernel)
+    x, y = tensors()
+    bound(x, y)
+    bound(x, y)  # the launcher's cached path raises in the launcher: normal launch, switched off
+    bound(x, y)
+    assert "layout" in launch.disabled_reason and len(kernel.normal) == 3
+
+
+def test_a_bound_launch_holds_no_tensor_among_its_bound_arguments():
+    _, launch = make()
+    x, _ = tensors()
+    with pytest.raises(TypeError, match="fixed must hold no tensor"):
+        BoundLaunch(launch, (3,), (256, True), 4, (x, 0.5))
 
 
 def test_an_argument_of_another_kind_launches_normally():
@@ -783,3 +869,25 @@ def test_eager_cost_benchmark_imports_and_aggregates():
     }
     (line,) = bench.ratios(bench.max_over_ranks([rank0, rank1]))
     assert line["eager_vs_flashinfer_direct"] == 1.625 and line["bridge_overhead_us"] == 3.0
+
+
+def test_eager_cost_checks_issue_50s_target_at_world_size_1():
+    """finalize_epilogue against fused_tp1_kernel_cached of the same run, pass at <= 2x, miss
+    above, per quant and T; world size 2 has no such line."""
+    import benchmarks.eager_cost as bench
+    from benchmarks.eager_breakdown import target_check
+
+    def rows(world_size, quant, tokens, call, anchor):
+        base = dict(world_size=world_size, quant=quant, tokens=tokens, us_host=0.0)
+        return [
+            dict(base, item="finalize_epilogue", us_wall=call),
+            dict(base, item="fused_tp1_kernel_cached", us_wall=anchor),
+        ]
+
+    got = rows(1, "none", 1, 20.0, 10.0) + rows(1, "nvfp4", 64, 25.0, 10.0)
+    got += [dict(rows(2, "none", 1, 30.0, 10.0)[0])]
+    lines = target_check(bench.ratios(got))
+    assert lines == [
+        "target TP1 none T=1: finalize_epilogue / fused_tp1_kernel_cached = 2.00 (<= 2): pass",
+        "target TP1 nvfp4 T=64: finalize_epilogue / fused_tp1_kernel_cached = 2.50 (<= 2): miss",
+    ]

@@ -421,3 +421,39 @@ def test_the_launcher_plans_with_its_layer_s_scale_layout(tokens):
         chunks[layout] = launcher.plan(tokens, 8, True, True, sf_dims).chunks
     assert launcher.config_for(tokens).columns < row_block(2880)  # linear: split rows
     assert chunks == {SFLayout.SWIZZLED_128x4: 0, SFLayout.LINEAR: 6 if tokens == 1 else 3}
+
+
+def test_the_records_of_a_call_and_its_bound_launch_name_the_call_s_tensors():
+    """The eager call's shortcuts hand the kernel the same arguments as the records built field by
+    field: `call_records` builds `RowSource` from `EpilogueInputs` by position (mutant
+    i50-row-source-by-position), the split rows' record holds this call's words (the current
+    stream's set, not the CUDA graphs' one: mutant i50-split-sync-graph-words), and a plan's bound
+    launch carries the plan's sizes and the layer's scalars after the records."""
+    from fusion_bridge.kernels.records import RowSource
+    from fusion_bridge.kernels.tp1.launcher import GRAPH_WORDS
+
+    spec = EpilogueSpec(hidden_size=7168, top_k=8)
+    strat = FusedTp1Strategy(spec, ENV, device=torch.device("cpu"))
+    strat.prepare()
+    inp = make_inputs(spec, 3)
+    out, src, dst = strat.call_records(inp)
+    assert src == RowSource.of(inp)
+    by_name = {"gemm2_out": "gemm2_out", "perm": "expanded_idx_to_permuted_idx",
+               "weights": "expert_weights", "shared": "shared_output", "residual": "residual",
+               "gamma": "gamma"}  # fmt: skip
+    assert set(by_name) == set(RowSource._fields)
+    for field, name in by_name.items():
+        assert getattr(src, field) is getattr(inp, name), (field, name)
+    launcher = strat._launcher
+    sync = launcher.split_sync()
+    assert sync.words is launcher.sync_words() and sync.words is not launcher._sync[GRAPH_WORDS]
+    assert launcher.split_sync() is sync  # built once per set of words
+    for num_sms in (0, 132):  # whole rows (the interpreter's default), split rows (an H100's)
+        launcher.num_sms = num_sms
+        launcher._plans.clear()  # plans are kept per T: decide again with this SM count
+        plan, args = launcher.call_args(src, dst)
+        assert bool(plan.chunks) == bool(num_sms)
+        lead = args[: 3 if plan.chunks else 2]
+        assert (*lead, *plan.launch.fixed) == args and lead[-1] is (sync if plan.chunks else dst)
+        assert plan.launch.constexprs == plan.constexprs and plan.launch.grid == plan.grid
+        assert plan.launch.num_warps == plan.warps and plan.launch.launcher is plan.kernel

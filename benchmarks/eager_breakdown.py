@@ -1,0 +1,237 @@
+"""Where an eager `finalize_epilogue` call's host time goes at world size 1 (`fused_tp1`): each
+stage of the call timed on its own, by calling the real function the call runs for it, beside the
+whole call (issue 50).
+
+    python benchmarks/eager_breakdown.py                       # one GPU: every stage
+    python benchmarks/eager_breakdown.py --device cpu          # no GPU: the host stages only
+    python benchmarks/eager_breakdown.py --tokens 1 --quant nvfp4 --rounds 9
+
+Per (quant, T), every stage runs `--calls` times per round in alternating rounds (`--rounds`), and
+the median of the rounds' per-call times is reported (us; wall: each round ends with a device
+synchronize). Stages, in the order a call runs them:
+
+- one_caller: `one_caller.enter` + `leave` (one call at a time per process group);
+- inputs_record: the call's `EpilogueInputs`;
+- validation: the metadata check (`bridge._looks_valid`, `call/validation.py`'s `input_check`);
+- routing: the planned route for T (`bridge._route`: the eager or graph routes, by bucket);
+- capture_query: whether the current stream is capturing (`bridge._capturing`, for the counter);
+- check_error: the pinned error word of an earlier split launch (`FusedTp1Strategy.check_error`);
+- output_allocation: the call's outputs (`allocate_outputs`);
+- records: `RowSource` / `RowOutputs` of the call (`call_records` with the outputs given);
+- plan_lookup: the launch decided for T (`Tp1Launcher.plan`);
+- split_sync: the split rows' record of this stream's words (`Tp1Launcher.split_sync`);
+- launch_key: the launch cache's key of the call (the plan's bound launch keys only the records);
+- launch: the bare launch of the kernel the call runs, records built once, outputs preallocated
+  (`Tp1Launcher.bound`; also eager_cost.py's `fused_tp1_kernel_cached`); it includes launch_key;
+- strategy_run: the strategy's whole run (`FusedTp1Strategy.run`);
+- finalize_epilogue: the whole call; `unattributed` is it less the stages above (launch_key is
+  inside launch, so counted once): the Python frames between them.
+
+With `--device cpu` the bridge is built with TRITON_INTERPRET=1 and no self-test, and the stages
+that launch (launch, strategy_run, finalize_epilogue) are n/a; `--sms 132` plans its launches as
+on an H100 (split rows at small T: split_sync, and the split kernel's key). Nothing runs at
+import.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+H, K = 7168, 8
+STAGES = (
+    "one_caller",
+    "inputs_record",
+    "validation",
+    "routing",
+    "capture_query",
+    "check_error",
+    "output_allocation",
+    "records",
+    "plan_lookup",
+    "split_sync",
+    "launch_key",
+    "launch",
+    "strategy_run",
+    "finalize_epilogue",
+)
+# launch holds launch_key; strategy_run and finalize_epilogue hold everything
+NOT_SUMMED = ("launch_key", "strategy_run", "finalize_epilogue")
+TP1_TARGET = 2.0  # issue 50: an eager call within 2x its kernel's bare cached launch
+
+
+def tp1_anchor(bridge, inp, tokens: int, eager_kw: dict) -> dict[str, Callable[[], object]]:
+    """{"fused_tp1_kernel_cached": the bare launch of the kernel the eager call runs} where that
+    call's route is fused_tp1 (else {}): its launcher's bound launch for T, with the launcher's
+    own config, records built once, outputs preallocated."""
+    route = bridge.route_for(tokens, **eager_kw)
+    if route is None or route[0] != "fused_tp1":
+        return {}
+    from fusion_bridge.epilogue_tensors import allocate_outputs
+
+    strategy = bridge._instances["fused_tp1"]  # benchmark only: the bridge's prepared strategy
+    _, src, dst = strategy.call_records(inp, allocate_outputs(bridge.spec, tokens, bridge.device))
+    return {"fused_tp1_kernel_cached": strategy._launcher.bound(src, dst)}
+
+
+def target_check(ratio_lines: list[dict]) -> list[str]:
+    """Issue 50's eager target, one line per (quant, T) at world size 1 (`ratio_lines`:
+    eager_cost.ratios): finalize_epilogue within TP1_TARGET x fused_tp1_kernel_cached of the same
+    run, pass or miss."""
+    lines = []
+    for line in ratio_lines:
+        ratio = line.get("eager_vs_tp1_kernel")
+        if line["world_size"] != 1 or ratio is None:
+            continue
+        verdict = "pass" if ratio <= TP1_TARGET else "miss"
+        lines.append(
+            f"target TP1 {line['quant']} T={line['tokens']}: finalize_epilogue / "
+            f"fused_tp1_kernel_cached = {ratio:.2f} (<= {TP1_TARGET:g}): {verdict}"
+        )
+    return lines
+
+
+def _time(fns: dict[str, Callable[[], object]], calls: int, rounds: int, sync) -> dict:
+    for fn in fns.values():  # warm: compiles, caches, plans
+        for _ in range(20):
+            fn()
+    sync()
+    got: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            got[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {n: statistics.median(v) for n, v in got.items()}
+
+
+def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable[[], object]]:
+    """{stage: a function running that stage of `bridge`'s eager call on `inputs` once}."""
+    from fusion_bridge.call import one_caller
+    from fusion_bridge.epilogue_tensors import EpilogueInputs, allocate_outputs
+    from fusion_bridge.kernels import launch_cache
+
+    spec, device = bridge.spec, bridge.device
+    strategy, _ = bridge._route(inputs, tokens)
+    if strategy.name != "fused_tp1":
+        raise SystemExit(f"eager_breakdown: the route for T={tokens} is {strategy.name}")
+    launcher = strategy._launcher
+    out = allocate_outputs(spec, tokens, device)
+    _, src, dst = strategy.call_records(inputs, out)
+    plan, args = launcher.call_args(src, dst)
+    has_shared, is_cuda, sf_dims = src.shared is not None, device.type == "cuda", dst.sf.shape
+    bound = getattr(plan, "launch", None)
+    lead = args[: 3 if plan.chunks else 2]
+    key_args = lead if bound is not None else args  # main's tree keys every argument
+    key_fn = launch_cache._make_key_fn(launch_cache._kinds(key_args))
+    warps, constexprs = (None, None) if bound is not None else (plan.warps, plan.constexprs)
+    fns: dict[str, Callable[[], object]] = {
+        "one_caller": lambda: (one_caller.enter(bridge), one_caller.leave(bridge)),
+        "inputs_record": lambda: EpilogueInputs(*inputs),
+        "validation": lambda: bridge._looks_valid(inputs),
+        "routing": lambda: bridge._route(inputs, tokens),
+        "capture_query": bridge._capturing,
+        "check_error": strategy.check_error,
+        "output_allocation": lambda: allocate_outputs(spec, tokens, device),
+        "records": lambda: strategy.call_records(inputs, out),
+        "plan_lookup": lambda: launcher.plan(tokens, K, has_shared, is_cuda, sf_dims),
+        "launch_key": lambda: key_fn(0, False, ("",), warps, constexprs, *key_args),
+    }
+    if plan.chunks and hasattr(launcher, "split_sync"):
+        fns["split_sync"] = launcher.split_sync
+    if launches:
+        fns["launch"] = launcher.bound(src, dst)
+        fns["strategy_run"] = lambda: strategy.run(inputs)
+        fns["finalize_epilogue"] = lambda: bridge.finalize_epilogue(*inputs)
+    return fns
+
+
+def breakdown(quants: list[str], token_counts: list[int], calls: int, rounds: int,
+              device_type: str, sms: int = 0) -> list[dict]:  # fmt: skip
+    """Rows {quant, tokens, stage, us} for every stage, plus `unattributed`."""
+    import torch
+
+    from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
+    from fusion_bridge.oracle.synthetic import make_inputs
+
+    cuda = device_type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows = []
+    for quant in quants:
+        spec = EpilogueSpec(
+            hidden_size=H,
+            top_k=K,
+            quant=QuantSpec.nvfp4(336.0) if quant == "nvfp4" else QuantSpec.none(),
+        )
+        kwargs = {} if cuda else {"strategy": "fused_tp1", "self_test": False}
+        with FusionBridge(spec, None, debug=False, **kwargs) as bridge:
+            bridge._check_values = False  # as on a GPU without debug mode (CPU: benchmark only)
+            if sms and not cuda:  # plan as on a GPU of that many SMs (host stages only)
+                launcher = bridge._instances["fused_tp1"]._launcher
+                launcher.num_sms = sms
+                launcher._plans.clear()
+            for tokens in token_counts:
+                inputs = make_inputs(spec, tokens, device=bridge.device)
+                timed = _time(stage_fns(bridge, inputs, tokens, cuda), calls, rounds, sync)
+                for stage in STAGES:
+                    rows.append(
+                        {"quant": quant, "tokens": tokens, "stage": stage, "us": timed.get(stage)}
+                    )
+                if "finalize_epilogue" in timed:
+                    summed = sum(v for k, v in timed.items() if k not in NOT_SUMMED)
+                    rows.append({"quant": quant, "tokens": tokens, "stage": "unattributed",
+                                 "us": timed["finalize_epilogue"] - summed})  # fmt: skip
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    configs = sorted({(r["quant"], r["tokens"]) for r in rows})
+    value = {(r["quant"], r["tokens"], r["stage"]): r["us"] for r in rows}
+    stages = list(dict.fromkeys(r["stage"] for r in rows))
+    head = ["stage (us per call)"] + [f"{q} T={t}" for q, t in configs]
+    print("  ".join(h.ljust(20) for h in head))
+    for stage in stages:
+        cells = [stage] + [
+            "n/a" if value.get((q, t, stage)) is None else f"{value[(q, t, stage)]:.2f}"
+            for q, t in configs
+        ]
+        print("  ".join(c.ljust(20) for c in cells))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from benchmarks.harness import add_common, parser
+
+    ap = parser(__doc__)
+    add_common(ap, tokens=[1, 64], quant=["none", "nvfp4"], quant_choices=["none", "nvfp4"],
+               csv=False)  # fmt: skip
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if any")
+    ap.add_argument("--sms", type=int, default=0, help="--device cpu: plan for this many SMs")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args(argv)
+    device = args.device
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is imported
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            print(
+                "eager_breakdown: no GPU; run with --device cpu for the host stages",
+                file=sys.stderr,
+            )
+            return 2
+    print_rows(breakdown(args.quant, args.tokens, args.calls, args.rounds, device, args.sms))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
