@@ -186,6 +186,25 @@ def quant_cases() -> dict:
                 "_rows_kernel",
                 lambda inp=inp, out=out, spec=spec: _twoshot_launch(2, inp, out, spec)(),
             )
+    if hasattr(QuantSpec, "fp8_per_token_group"):  # dynamic FP8 in the norm kernel (issue 49)
+        from fusion_bridge.epilogue_tensors import allocate_outputs
+
+        spec = EpilogueSpec(
+            hidden_size=H, top_k=K, quant=QuantSpec.fp8_per_token_group(128, "column_major_tma")
+        )
+        inp = make_inputs(spec, T, seed=0, device="cpu", skip_fraction=0.0)
+        dyn = allocate_outputs(spec, T, torch.device("cpu"))
+        out = (dyn.residual_out, dyn.norm_out, dyn.quant.view(torch.uint8), dyn.scale)
+        norm = dict(eps=spec.eps, weight_bias=0.0, quant=3, quant_scale=1.0, swizzled=True,
+                    group=128, scale_layout=2)  # fmt: skip
+        table["add_rmsnorm_fp8g"] = (
+            add_rmsnorm,
+            "_add_rmsnorm_kernel",
+            lambda inp=inp, out=out, n=norm: (
+                _name_call(inp, out),
+                add_rmsnorm.add_rmsnorm_into(*out, out[0], out[0], inp.gamma, **n),
+            ),
+        )
     return table
 
 
@@ -202,10 +221,19 @@ def _tp1_launch(quant: str, tokens: int, num_sms: int):
     from fusion_bridge.epilogue_tensors import quant_buffers
 
     q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(0.05), "nvfp4": QuantSpec.nvfp4(336.0)}
+    if hasattr(QuantSpec, "fp8_per_token_group"):  # dynamic FP8 (issue 49)
+        q.update(fp8g=QuantSpec.fp8_per_token_group(128, "column_major_tma"))
+        q.update(fp8t=QuantSpec.fp8_per_token())
     spec = EpilogueSpec(hidden_size=H, top_k=K, routed_scaling_factor=2.5, quant=q[quant])
     inp = make_inputs(spec, tokens, seed=0, device="cpu", skip_fraction=0.0)
     ro = torch.empty(tokens, H, dtype=spec.dtype)
-    qb, sf = quant_buffers(tokens, H, spec.quant.kind, spec.quant.sf_layout, ro.device)
+    if getattr(spec.quant, "dynamic_fp8", False):
+        from fusion_bridge.epilogue_tensors import allocate_outputs
+
+        dyn = allocate_outputs(spec, tokens, ro.device)
+        qb, sf = dyn.quant, dyn.scale
+    else:
+        qb, sf = quant_buffers(tokens, H, spec.quant.kind, spec.quant.sf_layout, ro.device)
     empty = torch.empty(0, dtype=torch.uint8)
     qb = empty if qb is None else qb.view(torch.uint8)
     out = (ro, torch.empty_like(ro), qb, empty if sf is None else sf)
@@ -355,6 +383,19 @@ def cases(inp, out) -> dict:
             )
             for quant in ("none", "fp8", "nvfp4")
             for kind, tokens, sms in (("rows", 64, 0), ("split16", 16, 132))
+        }
+        | {  # dynamic FP8 (issue 49; per token takes whole rows at every T)
+            f"tp1_{quant}_{kind}": (
+                tp1_launch_module(kind),
+                "_tp1_kernel" if kind == "rows" else "_tp1_split_kernel",
+                lambda quant=quant, tokens=tokens, sms=sms: _tp1_launch(quant, tokens, sms)(),
+            )
+            for quant, kind, tokens, sms in (
+                ("fp8g", "rows", 64, 0),
+                ("fp8g", "split16", 16, 132),
+                ("fp8t", "rows", 64, 0),
+            )
+            if hasattr(QuantSpec, "fp8_per_token_group")
         }
         | {  # the same launches with programmatic dependent launch (a GPU sm_90+ call's USE_PDL)
             f"tp1_none_{kind}_pdl": (

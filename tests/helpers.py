@@ -186,6 +186,38 @@ def quant_problems(quant, norm_out, q, sf, nan_rows=()) -> list:
                 problems.append(
                     f"nvfp4 block scales of NaN row {row} are not NaN: {scales.tolist()}"
                 )
+    elif quant.dynamic_fp8:
+        problems += _dynamic_fp8_problems(quant, on_device, q, sf, rows)
+    return problems
+
+
+def _dynamic_fp8_problems(quant, norm_out, q, sf, rows) -> list:
+    """quant_problems for the dynamic FP8 kinds: codes (every NaN code 0x7F: our rule, whatever
+    the device's NaN sign) and scale bits against quant_ref on norm_out's device, the scale view's
+    strides and its storage's TMA padding zeros; NaN rows: every scale NaN, every code 0x7F."""
+    from fusion_bridge.oracle.quant_ref import fp8_scale_view, quantize_fp8_per_token_group
+
+    group = quant.group_size or norm_out.shape[1]
+    ref_q, ref_s = quantize_fp8_per_token_group(norm_out, group)
+    ref_q, ref_s = ref_q.view(torch.uint8).cpu(), ref_s.cpu()
+    problems = []
+    if not torch.equal(q, ref_q):
+        problems.append(f"fp8 codes differ from quant_ref at {(q != ref_q).nonzero()[:4].tolist()}")
+    want = fp8_scale_view(ref_s, quant.scale_layout or "row_major")
+    if sf.shape != want.shape or (sf.shape[0] > 1 and sf.stride() != want.stride()):
+        problems.append(f"scale view {tuple(sf.shape)} {sf.stride()}, not {want.stride()}")
+        return problems
+    if sf.numel():
+        width = want.stride(1) if want.stride(1) != 1 else None
+        got_all = sf if width is None else torch.as_strided(sf, (sf.shape[1], width), (width, 1))
+        ref_all = (
+            want if width is None else torch.as_strided(want, (sf.shape[1], width), (width, 1))
+        )
+        if not torch.equal(got_all.cpu().contiguous().view(torch.int32), ref_all.view(torch.int32)):
+            problems.append(f"fp32 scales (storage, padding included) differ: {sf.tolist()}")
+    for row in rows:
+        if not (torch.isnan(sf[row]).all() and (q[row] == 0x7F).all()):
+            problems.append(f"NaN row {row}: scales {sf[row].tolist()}, codes not all 0x7F")
     return problems
 
 

@@ -7,8 +7,9 @@ and says why a run cannot hang).
   shadow     shadow sampling every 2nd call, rank 1's first call fails before its collective: it
              takes part in the call's route and in the shadow run its peers sample, so the next
              calls are correct everywhere (a rank that skipped the shadow ran one behind for good)
-  quantized  FP8 and NVFP4 specs, rank 1's first call fails: rank 0's quantized outputs are NaN as
-             quant_ref writes them (NaN fp8 codes, NaN NVFP4 block scales), not finite codes
+  quantized  FP8, NVFP4 and dynamic FP8 specs, rank 1's first call fails: rank 0's quantized
+             outputs are NaN as quant_ref writes them (NaN fp8 codes, NaN NVFP4 block scales, NaN
+             dynamic FP8 scales with codes 0x7F), not finite codes
   threads    a call held inside its strategy on a second thread while the main thread calls the
              same bridge: refused with ConcurrentCallError on each rank; the held call raises
              after its collective instead of returning (on a peer the threads may have gone the
@@ -47,6 +48,14 @@ QUANTIZED = (  # (spec, strategy): our kernels (local_fused_nccl) and the torch 
     # swizzled scales through the torch path only: our norm kernel launches 128 programs for them,
     # slow under the interpreter (tests/kernels/test_quant_ranges.py covers the layout's NaN rows)
     (EpilogueSpec(hidden_size=64, top_k=2, quant=QuantSpec.nvfp4(448.0)), "separate"),
+    # dynamic FP8: NaN rows NaN-scaled, every code 0x7F (docs/math.md section 3)
+    (
+        EpilogueSpec(
+            hidden_size=64, top_k=2, quant=QuantSpec.fp8_per_token_group(16, "column_major_tma")
+        ),
+        "local_fused_nccl",
+    ),
+    (EpilogueSpec(hidden_size=64, top_k=2, quant=QuantSpec.fp8_per_token()), "separate"),
 )
 
 

@@ -762,9 +762,8 @@ def test_add_rmsnorm_and_quantize_outputs_identical_through_the_cache(cached, qu
         quant.QUANT_NVFP4: QuantKind.NVFP4,
     }
     layout = SFLayout.SWIZZLED_128x4 if swizzled else SFLayout.LINEAR
-    norm_kernel = cached(
-        add_rmsnorm, "_add_rmsnorm_kernel", ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT")
-    )
+    # the production launcher's constexpr names (the dynamic FP8 kinds' GROUP and SCALE_LAYOUT too)
+    norm_kernel = cached(add_rmsnorm, "_add_rmsnorm_kernel", add_rmsnorm._LAUNCH.constexpr_names)
     quant_kernel = cached(quant, "_quantize_kernel", ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
     scale = 2.0 if quant_mode == quant.QUANT_FP8 else 300.0
 

@@ -205,3 +205,40 @@ def test_zero_tokens_returns_empty_outputs_of_every_kind():
             assert out.residual_out.shape == out.norm_out.shape == (0, 64)
             assert (None if out.quant is None else tuple(out.quant.shape)) == q_shape
             assert (None if out.scale is None else tuple(out.scale.shape)) == sf_shape
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        QuantSpec.fp8_per_token_group(64, "row_major"),
+        QuantSpec.fp8_per_token_group(32, "column_major"),
+        QuantSpec.fp8_per_token_group(16, "column_major_tma"),
+        QuantSpec.fp8_per_token(),
+    ],
+    ids=lambda q: f"{q.kind.value}-{q.scale_layout.value if q.scale_layout else 'row'}",
+)
+def test_dynamic_fp8_outputs_match_the_reference_bit_for_bit(quant):
+    """Every CPU strategy with the dynamic FP8 kinds (H=192: not a power of two, several groups per
+    row; T=1 and 9): codes and scales quant_ref's of its own norm_out bit for bit (the layout's
+    view, the TMA padding zeros), the dequantized output within FP8_DEQUANT_BOUND of the exact
+    norm_out (the same e4m3 step relative to each group's amax; per group it is finer than the
+    static scale's); a NaN row NaN scales and 0x7F codes."""
+    spec = EpilogueSpec(hidden_size=192, top_k=2, quant=quant, routed_scaling_factor=2.5)
+    problems = {}
+    with FusionBridge(spec, self_test=False) as bridge:
+        for tokens in (1, 9):
+            inp = make_inputs(spec, tokens, seed=tokens)
+            for name in STRATEGIES:
+                got, norm_exact = check_against_oracle(bridge, spec, inp, name)
+                problems[(name, tokens)] = quant_problems(quant, got.norm_out, got.quant, got.scale)
+                group = quant.group_size or 192
+                deq = got.quant.float() * got.scale.repeat_interleave(group, dim=1)
+                err = oracle64.normwise_rel_err(deq.double(), norm_exact)
+                if not err <= FP8_DEQUANT_BOUND:
+                    problems[(name, tokens)].append(f"dequantized rel err {err:.4f}")
+        inp = make_inputs(spec, 3, seed=4)
+        inp.residual[1] = float("nan")
+        for name in STRATEGIES:
+            got = bridge.run_strategy(name, inp)
+            problems[(name, "nan")] = quant_problems(quant, got.norm_out, got.quant, got.scale, [1])
+    assert not any(problems.values()), problems
