@@ -25,10 +25,36 @@ MAX_EPS = 1.0  # RMSNorm eps regularises mean(x^2); models use 1e-6 .. 1e-5
 MAX_ROUTED_SCALING = 1024.0  # DeepSeek-V3 2.5, Kimi-K2 2.827; fp16 holds 65504
 
 
+FP8_GROUP_SIZES = tuple(2**i for i in range(4, 13))  # 16 .. 4096, powers of two
+
+# Blackwell formats (e8m0 power-of-two scales): refused with this reason wherever a value names them
+BLACKWELL_REFUSAL = (
+    "UE8M0-packed scales and MXFP8 are Blackwell formats with no Hopper consumer to check them "
+    "against; they are not supported"
+)
+
+
 class QuantKind(str, enum.Enum):
     NONE = "none"
     FP8 = "fp8"
     NVFP4 = "nvfp4"
+    FP8_PER_TOKEN_GROUP = "fp8_per_token_group"
+    FP8_PER_TOKEN = "fp8_per_token"
+
+
+class ScaleLayout(str, enum.Enum):
+    """Where the fp32 scales of per-token-group FP8 lie (G = H / group_size, T tokens):
+
+    ROW_MAJOR:        fp32 [T, G], contiguous.
+    COLUMN_MAJOR:     fp32 storage [G, T], handed out as its transpose: [T, G], strides (1, T).
+    COLUMN_MAJOR_TMA: fp32 storage [G, round_up(T, 4)] (DeepGEMM's TMA-aligned layout on SM90),
+                      handed out as storage.t()[:T]: shape [T, G], strides (1, round_up(T, 4)); the
+                      padding columns T .. round_up(T, 4) of the storage are written 0 by us.
+    """
+
+    ROW_MAJOR = "row_major"
+    COLUMN_MAJOR = "column_major"
+    COLUMN_MAJOR_TMA = "column_major_tma"
 
 
 class SFLayout(str, enum.Enum):
@@ -51,17 +77,30 @@ class Stage(str, enum.Enum):
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Optional quantization of norm_out.
+    """Optional quantization of norm_out (x = norm_out rounded to the activation dtype, as fp32).
 
-    fp8:   q = e4m3_satfinite(bf16(norm_out) / scale)   -- `scale` is a divisor.
+    fp8:   q = e4m3_satfinite(x / scale)   -- `scale` is a divisor.
     nvfp4: 16-element blocks, e4m3 block scales, `global_scale` is a multiplier
     (usually 448*6/amax).
+    fp8_per_token_group: per group of `group_size` contiguous elements of a row (vLLM 0.34's
+           `_per_token_group_quant_fp8`): scale = max(amax, 1e-10) * fp32(1/448) (a multiply by
+           the fp32 reciprocal), q = e4m3(clamp(x / scale, -448, 448)); a group holding a NaN gets
+           codes 0x7F and a NaN scale; every NaN code is written 0x7F. hidden_size % group_size
+           must be 0. The fp32 scales [T, G] (G = H / group_size) in `scale_layout`:
+             row_major:        [T, G] contiguous;
+             column_major:     storage [G, T], handed out as its transpose, strides (1, T);
+             column_major_tma: storage [G, round_up(T, 4)], handed out as storage.t()[:T],
+                               strides (1, round_up(T, 4)); padding columns written 0.
+    fp8_per_token: the same formula with the whole row as one group; scales fp32 [T, 1].
+    A field the kind does not use is None (sf_layout aside: it keeps its default).
     """
 
     kind: QuantKind = QuantKind.NONE
     scale: float | None = None
     global_scale: float | None = None
     sf_layout: SFLayout = SFLayout.SWIZZLED_128x4
+    group_size: int | None = None
+    scale_layout: ScaleLayout | None = None
 
     @staticmethod
     def none() -> "QuantSpec":
@@ -77,8 +116,28 @@ class QuantSpec:
     ) -> "QuantSpec":
         return QuantSpec(QuantKind.NVFP4, global_scale=global_scale, sf_layout=sf_layout)
 
+    @staticmethod
+    def fp8_per_token_group(
+        group_size: int = 128, scale_layout: ScaleLayout | str = ScaleLayout.ROW_MAJOR
+    ) -> "QuantSpec":
+        """Dynamic FP8 with one fp32 scale per `group_size` elements of a row, in `scale_layout`."""
+        return QuantSpec(
+            QuantKind.FP8_PER_TOKEN_GROUP, group_size=group_size, scale_layout=scale_layout
+        )
+
+    @staticmethod
+    def fp8_per_token() -> "QuantSpec":
+        """Dynamic FP8 with one fp32 scale per row (scales [T, 1])."""
+        return QuantSpec(QuantKind.FP8_PER_TOKEN)
+
+    @property
+    def dynamic_fp8(self) -> bool:
+        """Whether the kind computes its FP8 scales at run time (per token group or per token)."""
+        return self.kind in (QuantKind.FP8_PER_TOKEN_GROUP, QuantKind.FP8_PER_TOKEN)
+
     def __post_init__(self) -> None:
-        """Check every field, then normalise: kind and sf_layout to their enums, scales to float."""
+        """Check every field, then normalise: kind and the layouts to their enums, scales to float,
+        group_size to int."""
         kind = _enum_field("quant.kind", QuantKind, self.kind)
         object.__setattr__(self, "kind", kind)
         object.__setattr__(
@@ -99,6 +158,26 @@ class QuantSpec:
             else:
                 _require(value is None, f"quant.{name}", f"None for kind {kind.value!r}", value)
             object.__setattr__(self, name, value)
+        group_size, scale_layout = self.group_size, self.scale_layout
+        if kind is QuantKind.FP8_PER_TOKEN_GROUP:
+            is_int = isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool)
+            _require(
+                is_int and int(group_size) in FP8_GROUP_SIZES,
+                "quant.group_size",
+                f"a power of two in [{FP8_GROUP_SIZES[0]}, {FP8_GROUP_SIZES[-1]}] for "
+                f"{kind.value} (the kernels hold a group as a power-of-two block)",
+                group_size,
+                show_type=not is_int,
+            )
+            object.__setattr__(self, "group_size", int(group_size))
+            object.__setattr__(
+                self, "scale_layout", _enum_field("quant.scale_layout", ScaleLayout, scale_layout)
+            )
+        else:
+            if isinstance(scale_layout, str):
+                _enum_field("quant.scale_layout", ScaleLayout, scale_layout)  # UE8M0 has a reason
+            for name, value in (("group_size", group_size), ("scale_layout", scale_layout)):
+                _require(value is None, f"quant.{name}", f"None for kind {kind.value!r}", value)
 
 
 @dataclass(frozen=True)
@@ -218,12 +297,34 @@ class EpilogueSpec:
                 f"a multiple of {NVFP4_BLOCK} for nvfp4",
                 self.hidden_size,
             )
+        if self.quant.kind is QuantKind.FP8_PER_TOKEN_GROUP:
+            group_size = self.quant.group_size
+            _require(
+                self.hidden_size % group_size == 0,
+                "hidden_size",
+                f"a multiple of quant.group_size ({group_size}) for fp8_per_token_group: "
+                f"hidden_size {self.hidden_size} % group_size {group_size} = "
+                f"{self.hidden_size % group_size}",
+                self.hidden_size,
+            )
 
     @property
     def dtype_name(self) -> str:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
     def to_dict(self) -> dict:
+        """The spec as JSON-able values. The dynamic FP8 fields (group_size, scale_layout) appear
+        under "quant" only when set, so a spec without them has the dict it had before them."""
+        quant = {
+            "kind": self.quant.kind.value,
+            "scale": self.quant.scale,
+            "global_scale": self.quant.global_scale,
+            "sf_layout": self.quant.sf_layout.value,
+        }
+        if self.quant.group_size is not None:
+            quant["group_size"] = self.quant.group_size
+        if self.quant.scale_layout is not None:
+            quant["scale_layout"] = self.quant.scale_layout.value
         return {
             "hidden_size": self.hidden_size,
             "top_k": self.top_k,
@@ -234,12 +335,7 @@ class EpilogueSpec:
             "has_shared_output": self.has_shared_output,
             "max_tokens": self.max_tokens,
             "shared_output_replicated": self.shared_output_replicated,
-            "quant": {
-                "kind": self.quant.kind.value,
-                "scale": self.quant.scale,
-                "global_scale": self.quant.global_scale,
-                "sf_layout": self.quant.sf_layout.value,
-            },
+            "quant": quant,
         }
 
 
@@ -308,7 +404,10 @@ def _shown(value: object, as_float: float) -> object:
 
 
 def _enum_field(name: str, enum_cls: type, value: object):
-    """`value` as a member of `enum_cls` (a member or its string value)."""
+    """`value` as a member of `enum_cls` (a member or its string value); a value naming UE8M0 or
+    MXFP8 is refused with the reason (`BLACKWELL_REFUSAL`)."""
+    if isinstance(value, str) and any(w in value.lower() for w in ("ue8m0", "mxfp8", "e8m0")):
+        raise ValueError(f"EpilogueSpec: {name} {value!r} is refused: {BLACKWELL_REFUSAL}")
     try:
         return enum_cls(value)
     except (ValueError, TypeError):
@@ -325,3 +424,24 @@ def sf_shape(tokens: int, hidden: int, layout: SFLayout) -> tuple[int, int]:
     if layout is SFLayout.LINEAR:
         return (tokens, blocks)
     return (-(-tokens // 128) * 128, -(-blocks // 4) * 4)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def fp8_scale_columns(hidden: int, quant: QuantSpec) -> int:
+    """G, the scales per row of a dynamic FP8 kind: H / group_size, or 1 per token."""
+    if quant.kind is QuantKind.FP8_PER_TOKEN_GROUP:
+        return hidden // quant.group_size
+    return 1
+
+
+def fp8_scale_storage_shape(tokens: int, groups: int, layout: ScaleLayout) -> tuple[int, int]:
+    """The shape of the storage behind a per-token-group scale view: row_major [T, G];
+    column_major [G, T]; column_major_tma [G, round_up(T, 4)]."""
+    if layout is ScaleLayout.ROW_MAJOR:
+        return (tokens, groups)
+    if layout is ScaleLayout.COLUMN_MAJOR:
+        return (groups, tokens)
+    return (groups, round_up(tokens, 4))

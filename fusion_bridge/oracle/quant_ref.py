@@ -23,7 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from fusion_bridge.spec import FP8_E4M3_MAX, NVFP4_BLOCK, SFLayout, sf_shape  # noqa: F401 (re-exported)
+from fusion_bridge.spec import (  # noqa: F401 (re-exported)
+    FP8_E4M3_MAX,
+    NVFP4_BLOCK,
+    ScaleLayout,
+    SFLayout,
+    fp8_scale_storage_shape,
+    sf_shape,
+)
 
 
 def e2m1_values(device) -> torch.Tensor:
@@ -125,3 +132,74 @@ def dequantize_nvfp4(
     return (e2m1_decode(codes).reshape(tokens, nb, NVFP4_BLOCK) * scale.unsqueeze(-1)).reshape(
         tokens, hidden
     )
+
+
+# dynamic FP8 (per token group, per token): vLLM 0.34's Triton `_per_token_group_quant_fp8`
+FP8_AMAX_EPS = 1e-10  # the floor of a group's amax (an all-zero group gets a tiny, finite scale)
+E4M3_NAN_CODE = 0x7F  # every NaN code of the dynamic kinds, whatever the NaN's sign
+
+
+def fp8_max_recip() -> torch.Tensor:
+    """fp32(1 / 448), the reciprocal vLLM's kernel multiplies by (a 0-d fp32 tensor)."""
+    return torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+
+
+def quantize_fp8_per_token_group(
+    x: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] (activation dtype, norm_out already rounded) -> (q float8_e4m3fn [T, H], scales fp32
+    [T, H // group_size] contiguous). Per group of `group_size` contiguous elements of a row, each
+    step one IEEE fp32 operation:
+
+        amax  = max |x| over the group                 (NaN if the group holds a NaN)
+        scale = max(amax, 1e-10) * fp32(1/448)          (times the reciprocal, not divided)
+        q     = e4m3(clamp(x / scale, -448, 448))       (round to nearest even)
+
+    Special values (our rule, docs/math.md section 3): a group holding a NaN gets a NaN scale
+    (positive, 0x7FC00000) and every code 0x7F; a group holding +-inf and no NaN gets the scale
+    +inf, its finite elements the codes of +-0 (x / inf, sign kept) and its infinite ones 0x7F
+    (inf / inf is NaN). Every NaN code is 0x7F (the NaN's sign, which differs between CPUs and
+    GPUs, is dropped)."""
+    tokens, hidden = x.shape
+    assert hidden % group_size == 0, (hidden, group_size)
+    groups = x.float().reshape(tokens, hidden // group_size, group_size)
+    has_nan = torch.isnan(groups).any(dim=-1)
+    amax = groups.abs().amax(dim=-1)
+    amax = torch.where(has_nan, torch.tensor(float("nan")), amax)  # a max that keeps the NaN
+    floor = torch.tensor(FP8_AMAX_EPS, dtype=torch.float32)
+    scale = torch.where(has_nan, amax, torch.maximum(amax, floor)) * fp8_max_recip()
+    scale = torch.where(has_nan, torch.tensor(float("nan")), scale)  # the canonical NaN bits
+    quotient = groups / scale.unsqueeze(-1)
+    codes = e4m3_satfinite(quotient).view(torch.uint8)
+    codes = torch.where(torch.isnan(quotient), E4M3_NAN_CODE, codes).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).reshape(tokens, hidden), scale.contiguous()
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] -> (q float8_e4m3fn [T, H], scales fp32 [T, 1]): `quantize_fp8_per_token_group` with
+    the whole row as one group."""
+    return quantize_fp8_per_token_group(x, x.shape[1])
+
+
+def fp8_scale_view(scales: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
+    """From row-major scales fp32 [T, G], the tensor a caller receives in `layout`:
+    row_major: [T, G] contiguous; column_major: storage [G, T] handed out as its transpose, shape
+    [T, G], strides (1, T); column_major_tma: storage [G, round_up(T, 4)] (padding columns 0),
+    handed out as storage.t()[:T], shape [T, G], strides (1, round_up(T, 4))."""
+    layout = ScaleLayout(layout)
+    tokens, groups = scales.shape
+    if layout is ScaleLayout.ROW_MAJOR:
+        return scales.contiguous().clone()
+    storage = torch.zeros(
+        fp8_scale_storage_shape(tokens, groups, layout), dtype=torch.float32, device=scales.device
+    )
+    storage[:, :tokens] = scales.t()
+    return storage.t()[:tokens]
+
+
+def dequantize_fp8_dynamic(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q [T, H] float8_e4m3fn and scales [T, H // group_size] (any layout's view) -> fp32 [T, H]
+    = float(q) * scale of its group: for error measurements."""
+    tokens, hidden = q.shape
+    per_element = scales.float().repeat_interleave(group_size, dim=1)
+    return q.float() * per_element.reshape(tokens, hidden)

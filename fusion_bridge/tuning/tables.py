@@ -53,7 +53,8 @@ def spec_key(spec: EpilogueSpec) -> dict:
     eps, weight_bias, routed_scaling_factor and the quant scales (FP8 `scale`, NVFP4 `global_scale`:
     calibrated per layer, so keying on them would give every layer of a quantized model its own
     table and none would ever be found); max_tokens only adds buckets (unmeasured ones take the
-    static order). The quant kind and scale layout stay: they change the work.
+    static order). The quant kind and scale layouts (and the FP8 group size) stay: they change the
+    work.
     shared_output_replicated (added after the shipped tables) is left out at its default, so every
     table keyed before it is still found; set, it stays in (rank 0 and the others may differ in
     what their shared add reads, and no table was measured so)."""
@@ -64,6 +65,9 @@ def spec_key(spec: EpilogueSpec) -> dict:
         d.pop("shared_output_replicated")
     # None, not removed: an unquantized spec (scales None) keeps the key its shipped tables have
     d["quant"] = dict(d["quant"], scale=None, global_scale=None)
+    # the dynamic FP8 fields (group_size, scale_layout: added after the shipped tables) are in
+    # to_dict only when set, so every table keyed before them is still found; set, they change the
+    # work and stay in
     return d
 
 

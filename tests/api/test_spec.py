@@ -135,7 +135,13 @@ BAD_QUANTS = [
         lambda: QuantSpec.nvfp4(448.0, "rowwise"),
         "quant.sf_layout must be one of 'swizzled_128x4', 'linear', got 'rowwise'",
     ),
-    (lambda: QuantSpec("int8"), "quant.kind must be one of 'none', 'fp8', 'nvfp4', got 'int8'"),
+    (
+        lambda: QuantSpec("int8"),
+        (
+            "quant.kind must be one of 'none', 'fp8', 'nvfp4', 'fp8_per_token_group', "
+            "'fp8_per_token', got 'int8'"
+        ),
+    ),
     (
         lambda: QuantSpec(QuantKind.NONE, scale=0.5),
         "quant.scale must be None for kind 'none', got 0.5",
