@@ -12,10 +12,10 @@ every step one IEEE fp32 operation in this order, as `fusion_bridge.oracle.quant
     scale = max(amax, 1e-10) * fp32(1/448)       (a product with the fp32 reciprocal)
     q     = e4m3_rne(clamp(x / scale, -448, 448))  (the quotient correctly rounded)
 
-A group holding a NaN gets the NaN scale and every code 0x7F (e4m3's NaN, positive): a NaN-dropping
-max would give it a finite scale and hide the NaN from the next GEMM. Every NaN quotient is written
-0x7F (an infinite element of a group: scale inf, x / inf = +-0 for its finite elements, inf / inf
-NaN for itself).
+A group holding a NaN gets the NaN scale (0x7FC00000) and every code 0x7F (e4m3's NaN, positive):
+a NaN-dropping max would give it a finite scale and hide the NaN from the next GEMM. Every NaN
+quotient is written 0x7F (a group holding +-inf and no NaN: scale +inf, x / inf = +-0 for its
+finite elements, inf / inf NaN for the infinite ones).
 
 Scale layouts (G = H / group_size; the tensor handed out is always [T, G] fp32):
 - "row_major": storage [T, G], contiguous;
@@ -63,10 +63,13 @@ def _amax_bits(x):
 
 @triton.jit
 def _group_scale(amax_bits):
-    """scale = max(amax, 1e-10) * fp32(1/448), NaN kept; fp32(1/448) = 0.0022321429569274187
-    exactly (the fp32 nearest 1/448)."""
+    """scale = max(amax, 1e-10) * fp32(1/448), NaN kept and written as the reference's NaN
+    0x7FC00000 (whatever the input NaN's payload; a GPU's arithmetic NaN is 0x7FFFFFFF);
+    fp32(1/448) = 0.0022321429569274187 exactly (the fp32 nearest 1/448)."""
     amax = amax_bits.to(tl.float32, bitcast=True)
-    return tl.maximum(amax, 1e-10, propagate_nan=tl.PropagateNan.ALL) * 0.0022321429569274187
+    scale = tl.maximum(amax, 1e-10, propagate_nan=tl.PropagateNan.ALL) * 0.0022321429569274187
+    nan = tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(scale != scale, nan, scale)
 
 
 @triton.jit
@@ -221,7 +224,8 @@ def _check(q: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group_size, n
             f"{scales.dtype}"
         )
     want = _expected_strides(tokens, groups, name)
-    if any(size > 1 and got != w for size, got, w in zip(scales.shape, scales.stride(), want)):
+    strides = zip(scales.shape, scales.stride(), want)
+    if tokens and any(size > 1 and got != w for size, got, w in strides):
         raise ValueError(
             f"scales: expected the {name} layout's strides {want} (see empty_scales), got "
             f"{scales.stride()}"
@@ -260,20 +264,30 @@ def fp8_group_quant_into(
     scale_layout="row_major",
     *,
     max_tile: int = MAX_TILE,
+    block_m: Optional[int] = None,
 ) -> None:
     """Quantize x [T, H] (bf16, fp16 or fp32; rows contiguous) into preallocated outputs:
     q [T, H] float8_e4m3fn (or its uint8 view), contiguous; scales fp32 [T, H / group_size] in
     `scale_layout` ("row_major", "column_major", "column_major_tma" or the spec's ScaleLayout), as
     `empty_scales` makes them (strides checked; the TMA layout's padding rows are written 0).
     x is only read. T == 0 launches nothing. max_tile: the most elements of x a program holds
-    (tests make it small to take the two-pass path of wide groups)."""
+    (tests make it small to take the two-pass path of wide groups); block_m: groups per program
+    in place of `launch_shape`'s (a power of two: tests and benchmark sweeps)."""
     name = _layout_name(scale_layout)
     groups = _check(q, scales, x, group_size, name)
+    if max_tile < 16 or max_tile & (max_tile - 1):
+        raise ValueError(f"max_tile: expected a power of two >= 16, got {max_tile}")
     tokens = x.shape[0]
     if tokens == 0 or groups == 0:
         return
     rows = scale_storage_rows(tokens, name)
-    chunk, block_m, warps = launch_shape(rows * groups, group_size, max_tile)
+    chunk, rule_m, warps = launch_shape(rows * groups, group_size, max_tile)
+    if block_m is None:
+        block_m = rule_m
+    elif block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m: expected a power of two >= 1, got {block_m}")
+    else:
+        warps = max(1, min(16, block_m * chunk // 512))
     s_row, s_group = _expected_strides(tokens, groups, name)
     _LAUNCH(
         (triton.cdiv(rows * groups, block_m),),
