@@ -7,7 +7,16 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
-from fusion_bridge.spec import EpilogueSpec, QuantKind, SFLayout, sf_shape
+from fusion_bridge.spec import (
+    EpilogueSpec,
+    QuantKind,
+    QuantSpec,
+    ScaleLayout,
+    SFLayout,
+    fp8_scale_columns,
+    fp8_scale_storage_shape,
+    sf_shape,
+)
 
 
 class EpilogueInputError(ValueError):
@@ -36,10 +45,12 @@ class EpilogueInputs(NamedTuple):
 @dataclass
 class EpilogueOutputs:
     """residual_out, norm_out: [T, H] act dtype.
-    quant: fp8 -> [T, H] float8_e4m3fn; nvfp4 -> [T, H/2] uint8 (2 e2m1 codes per byte, low nibble
-    first); None without quantization.
-    scale: nvfp4 only: uint8 e4m3 block scales, [round_up(T,128), round_up(H/16,4)] swizzled or [T,
-    H/16]; None otherwise.
+    quant: fp8, fp8_per_token_group, fp8_per_token -> [T, H] float8_e4m3fn; nvfp4 -> [T, H/2] uint8
+    (2 e2m1 codes per byte, low nibble first); None without quantization.
+    scale: nvfp4: uint8 e4m3 block scales, [round_up(T,128), round_up(H/16,4)] swizzled or [T,
+    H/16]; fp8_per_token_group: fp32 [T, H/group_size] in the spec's scale layout (a transposed
+    view for the column-major layouts: `fp8_scale_buffer`); fp8_per_token: fp32 [T, 1]; None
+    otherwise.
 
     Unpacking: `norm_out, residual_out = outputs`, the order the engines' fused add+RMSNorm
     consumers return (vLLM's and SGLang's `(out, residual)`): the REVERSE of the field order.
@@ -62,12 +73,13 @@ class EpilogueOutputs:
     ) -> "EpilogueOutputs":
         """The outputs of a spec quantizing with `kind`, from a path that may hand back more (a
         kernel or op that always returns four tensors, placeholders included): quant only when the
-        spec quantizes, scale only for NVFP4. The one place that trims outputs."""
+        spec quantizes, scale only for NVFP4 and the dynamic FP8 kinds. The one place that trims
+        outputs."""
         return cls(
             residual_out,
             norm_out,
             None if kind is QuantKind.NONE else quant,
-            scale if kind is QuantKind.NVFP4 else None,
+            scale if kind in _KINDS_WITH_SCALES else None,
         )
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -84,6 +96,22 @@ class EpilogueOutputs:
         if self.scale is not None:
             out["scale"] = self.scale
         return out
+
+
+_KINDS_WITH_SCALES = (QuantKind.NVFP4, QuantKind.FP8_PER_TOKEN_GROUP, QuantKind.FP8_PER_TOKEN)
+
+
+def fp8_scale_buffer(
+    tokens: int, groups: int, layout: ScaleLayout, device: torch.device
+) -> torch.Tensor:
+    """Dynamic FP8 scales, uninitialised: fp32 [T, G] as the caller receives them in `layout`
+    (row_major: contiguous; column_major: the transpose of a [G, T] storage, strides (1, T);
+    column_major_tma: storage [G, round_up(T, 4)] handed out as storage.t()[:T], strides
+    (1, round_up(T, 4)); its padding columns are the writer's to zero)."""
+    storage = torch.empty(
+        fp8_scale_storage_shape(tokens, groups, layout), dtype=torch.float32, device=device
+    )
+    return storage if layout is ScaleLayout.ROW_MAJOR else storage.t()[:tokens]
 
 
 def quant_buffers(
@@ -105,10 +133,25 @@ def allocate_outputs(spec: EpilogueSpec, tokens: int, device: torch.device) -> E
     """Every output of one call for `spec` and T, uninitialised. The one owner of output shapes: the
     strategies, the T == 0 path and the custom ops' fake implementations all allocate through it."""
     residual_out = torch.empty(tokens, spec.hidden_size, dtype=spec.dtype, device=device)
-    quant, scale = quant_buffers(
-        tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, device
-    )
+    if spec.quant.dynamic_fp8:
+        quant, scale = fp8_dynamic_buffers(tokens, spec.hidden_size, spec.quant, device)
+    else:
+        quant, scale = quant_buffers(
+            tokens, spec.hidden_size, spec.quant.kind, spec.quant.sf_layout, device
+        )
     return EpilogueOutputs(residual_out, torch.empty_like(residual_out), quant, scale)
+
+
+def fp8_dynamic_buffers(
+    tokens: int, hidden: int, quant: QuantSpec, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes float8_e4m3fn [T, H], fp32 scales [T, G]) of a dynamic FP8 kind, uninitialised:
+    G = H / group_size in the spec's scale layout, or [T, 1] per token."""
+    layout = quant.scale_layout or ScaleLayout.ROW_MAJOR
+    return (
+        torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device),
+        fp8_scale_buffer(tokens, fp8_scale_columns(hidden, quant), layout, device),
+    )
 
 
 def outputs_for(
@@ -132,5 +175,19 @@ def deliver(out: Optional[EpilogueOutputs], result: EpilogueOutputs) -> Epilogue
             continue
         if dst.dtype != src.dtype:  # FP8 codes a kernel returned as uint8, and back
             src = src.view(dst.dtype)
-        dst.copy_(src)
+        if name == "scale" and dst.dtype == torch.float32 and dst.stride() != src.stride():
+            dst.copy_(src)  # a dynamic FP8 view in another layout: the values only
+        elif name == "scale" and dst.dtype == torch.float32 and dst.dim() == 2 and dst.numel():
+            # the same layout: the whole storage, so the TMA layout's padding zeros travel too
+            _storage_of(dst).copy_(_storage_of(src))
+        else:
+            dst.copy_(src)
     return out
+
+
+def _storage_of(view: torch.Tensor) -> torch.Tensor:
+    """A dynamic FP8 scale view's storage ([T, G] row-major, else [G, its column stride])."""
+    if view.stride(1) == 1 or view.shape[0] == 0:
+        return view
+    width = view.stride(1)
+    return torch.as_strided(view, (view.shape[1], width), (width, 1))

@@ -144,3 +144,16 @@ def excluded_by_request(who: str, source: str) -> Reason:
         f"{who} excluded by request ({source})",
         "drop it from `exclude` / FUSION_BRIDGE_EXCLUDE to let auto consider it again",
     )
+
+
+def refuse_dynamic_fp8(spec: EpilogueSpec, who: str, why: str) -> MaybeReason:
+    """The dynamic FP8 kinds (fp8_per_token_group, fp8_per_token) where `who` does not write them
+    yet: `why` says what is missing (issue 49: until they run on two GPUs)."""
+    if spec.quant.dynamic_fp8:
+        return Reason(
+            "dynamic_fp8_not_available",
+            f"{who} does not write quant kind {spec.quant.kind.value!r}: {why}",
+            "pick fused_tp1 (world size 1), local_fused_nccl, separate or reference for "
+            "fp8_per_token_group / fp8_per_token",
+        )
+    return None

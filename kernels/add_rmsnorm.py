@@ -1,5 +1,5 @@
-"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization, see quant.py), one program per
-token row.
+"""Fused residual add + RMSNorm (+ FP8 or NVFP4 quantization, see quant.py; dynamic FP8 per
+token group or per token, see quant_dynamic.py), one program per token row.
 
 x            = residual + reduced                       (fp32)
 residual_out = round(x)
@@ -18,6 +18,7 @@ import triton.language as tl
 from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.quant import QUANT_NVFP4, launch_rows, quantize_row, row_launch_shape
+from fusion_bridge.kernels.quant_dynamic import quantize_span_fp8_dynamic
 from fusion_bridge.kernels.records import RowOutputs
 from fusion_bridge.kernels.rounding import round_to
 
@@ -73,9 +74,12 @@ def _add_rmsnorm_kernel(
     SWIZZLED: tl.constexpr,
     BLOCK: tl.constexpr,
     HW_CVT: tl.constexpr,
+    GROUP: tl.constexpr = 0,
+    SCALE_LAYOUT: tl.constexpr = 0,
 ):
-    """One program per row (and per swizzled scale padding row): residual + reduced -> out (a
-    `records.RowOutputs`)."""
+    """One program per row (and per swizzled scale padding row, or TMA scale padding row): residual
+    + reduced -> out (a `records.RowOutputs`). GROUP, SCALE_LAYOUT: the dynamic FP8 kinds'
+    (`records.RowForm`); sf_cols is then their scales' stride."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     # programs past T only write the swizzled scale padding; vector form of `row < tokens` because
@@ -88,21 +92,27 @@ def _add_rmsnorm_kernel(
     g = tl.load(gamma_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32) + weight_bias
     y = round_to(rms_norm_row(x, g, hidden, eps), out.norm_out.dtype.element_ty)
     tl.store(out.norm_out + offs, y, mask=mask)
-    quantize_row(
-        y,
-        row,
-        0,
-        BLOCK,
-        tokens,
-        hidden,
-        out,
-        quant_scale,
-        sf_cols,
-        QUANT=QUANT,
-        SWIZZLED=SWIZZLED,
-        HW_CVT=HW_CVT,
-        WINDOW=False,
-    )
+    if QUANT >= QC.QUANT_FP8_GROUP:
+        quantize_span_fp8_dynamic(
+            y, row, 0, 0, BLOCK, tokens, hidden, out, sf_cols,
+            GROUP=GROUP, LAYOUT=SCALE_LAYOUT, HW_CVT=HW_CVT, WINDOW=False,
+        )  # fmt: skip
+    else:
+        quantize_row(
+            y,
+            row,
+            0,
+            BLOCK,
+            tokens,
+            hidden,
+            out,
+            quant_scale,
+            sf_cols,
+            QUANT=QUANT,
+            SWIZZLED=SWIZZLED,
+            HW_CVT=HW_CVT,
+            WINDOW=False,
+        )
 
 
 @triton.jit
@@ -135,7 +145,9 @@ def norm_quant_row(x, g, row, lo, hi, tokens, hidden, out, scalars, sf_cols, FOR
     )
 
 
-_LAUNCH = KernelLauncher(_add_rmsnorm_kernel, ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT"))
+_LAUNCH = KernelLauncher(
+    _add_rmsnorm_kernel, ("QUANT", "SWIZZLED", "BLOCK", "HW_CVT", "GROUP", "SCALE_LAYOUT")
+)
 
 
 def add_rmsnorm_into(
@@ -152,18 +164,26 @@ def add_rmsnorm_into(
     quant: int,
     quant_scale: float,
     swizzled: bool,
+    group: int = 0,
+    scale_layout: int = QC.SCALE_ROW_MAJOR,
     num_warps: Optional[int] = None,
 ) -> None:
     """Launch into preallocated outputs. q: uint8 view ([T, H] fp8 codes or [T, H/2] packed fp4);
-    sf: uint8 scales (nvfp4 only). Unused q/sf may be any tensor. T == 0 launches nothing.
-    num_warps overrides the launch shape (benchmark sweeps)."""
+    sf: uint8 scales (nvfp4), or the fp32 scale view of a dynamic FP8 kind (group: the spec's
+    group size, 0 per token; scale_layout: quant_codes.SCALE_*). Unused q/sf may be any tensor.
+    T == 0 launches nothing. num_warps overrides the launch shape (benchmark sweeps)."""
     tokens, hidden = residual.shape
     if tokens == 0:
         return
     constexprs, warps = row_launch_shape(hidden, quant, swizzled, residual.is_cuda, num_warps)
+    rows = launch_rows(quant, swizzled, tokens, sf)
     sf_cols = sf.shape[1] if quant == QUANT_NVFP4 else 0
+    dynamic = (0, QC.SCALE_ROW_MAJOR)
+    if QC.is_dynamic(quant):
+        rows, sf_cols = QC.dynamic_scale_dims(tokens, hidden, group, scale_layout)
+        dynamic = (group or constexprs[2], scale_layout)  # per token: the row's block
     _LAUNCH(
-        (launch_rows(quant, swizzled, tokens, sf),),
+        (rows,),
         (
             residual,
             reduced,
@@ -176,6 +196,6 @@ def add_rmsnorm_into(
             float(quant_scale),
             sf_cols,
         ),
-        constexprs,
+        constexprs + dynamic,
         warps,
     )

@@ -72,7 +72,8 @@ class RowSource(NamedTuple):
 
 class RowOutputs(NamedTuple):
     """residual_out, norm_out [T, H]; q (uint8: [T, H] fp8 codes or [T, H/2] packed fp4) and sf
-    (the NVFP4 scales), any tensor when the quant mode has none. None where the kernel does not
+    (the NVFP4 scales, uint8; the dynamic FP8 scales, fp32: the layout's view, whose first element
+    is its storage's), any tensor when the quant mode has none. None where the kernel does not
     write the field."""
 
     residual_out: Any
@@ -107,9 +108,14 @@ class LayerScalars(NamedTuple):
 
 class RowForm(NamedTuple):
     """The compile-time shape of a row's work: TOP_K slots per token, HAS_SHARED (a shared output
-    is added), QUANT (quant_codes: QUANT_NONE / FP8 / NVFP4), SWIZZLED (NVFP4 scales in the 128x4
-    layout), ROW_BLOCK (a whole row's block: H rounded up to a power of two, >= 64), HW_CVT (a GPU:
-    the hardware's RNE conversions; off under the interpreter)."""
+    is added), QUANT (quant_codes: QUANT_NONE / FP8 / NVFP4 / FP8_GROUP / FP8_TOKEN), SWIZZLED
+    (NVFP4 scales in the 128x4 layout), ROW_BLOCK (a whole row's block: H rounded up to a power of
+    two, >= 64), HW_CVT (a GPU: the hardware's RNE conversions; off under the interpreter). The
+    dynamic FP8 kinds only (defaults otherwise, so the other kinds' records are unchanged): GROUP,
+    elements per scale as the kernel holds them (the spec's group size; ROW_BLOCK per token),
+    SCALE_LAYOUT (quant_codes.SCALE_ROW_MAJOR / SCALE_COLUMN_MAJOR / SCALE_COLUMN_MAJOR_TMA). Their
+    scales' stride reaches the kernel in the runtime slot the NVFP4 scales' columns take
+    (`sf_cols`): quant_codes.dynamic_scale_dims."""
 
     TOP_K: int
     HAS_SHARED: bool
@@ -117,3 +123,5 @@ class RowForm(NamedTuple):
     SWIZZLED: bool
     ROW_BLOCK: int
     HW_CVT: bool
+    GROUP: int = 0
+    SCALE_LAYOUT: int = 0

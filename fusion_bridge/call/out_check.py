@@ -21,8 +21,16 @@ from fusion_bridge.epilogue_tensors import (
     EpilogueInputs,
     EpilogueOutputs,
     deliver,
+    fp8_scale_buffer,
 )
-from fusion_bridge.spec import EpilogueSpec, QuantKind, sf_shape
+from fusion_bridge.spec import (
+    EpilogueSpec,
+    QuantKind,
+    ScaleLayout,
+    fp8_scale_columns,
+    fp8_scale_storage_shape,
+    sf_shape,
+)
 
 OUT_FIELDS = ("residual_out", "norm_out", "quant", "scale")
 
@@ -44,6 +52,9 @@ def expected_outputs(
     elif kind is QuantKind.NVFP4:
         quant = ((tokens, hidden // 2), torch.uint8)
         scale = (tuple(sf_shape(tokens, hidden, spec.quant.sf_layout)), torch.uint8)
+    elif spec.quant.dynamic_fp8:
+        quant = ((tokens, hidden), torch.float8_e4m3fn)
+        scale = ((tokens, fp8_scale_columns(hidden, spec.quant)), torch.float32)
     return {"residual_out": row, "norm_out": row, "quant": quant, "scale": scale}
 
 
@@ -95,10 +106,28 @@ def validate_out(
             _fail(f"{field}.shape", str(list(shape)), list(t.shape))
         if t.device != device:
             _fail(f"{field}.device", str(device), t.device)
-        if not t.is_contiguous():
+        if name == "scale" and spec.quant.dynamic_fp8:
+            _check_scale_view(spec, t, field)
+        elif not t.is_contiguous():
             _fail(field, "contiguous", f"strides {t.stride()}")
         given.append((field, t))
     _refuse_overlaps(given, zip(inputs._fields, inputs))
+
+
+def _check_scale_view(spec: EpilogueSpec, t: torch.Tensor, field: str) -> None:
+    """A dynamic FP8 scale must be exactly the view `allocate_outputs` hands out in the spec's
+    layout (its strides; docs/math.md section 3). Metadata only: the view is made on "meta"."""
+    tokens, groups = t.shape
+    layout = spec.quant.scale_layout or ScaleLayout.ROW_MAJOR
+    want = fp8_scale_buffer(tokens, groups, layout, torch.device("meta")).stride()
+    if tokens and t.stride() != want:
+        storage = fp8_scale_storage_shape(tokens, groups, layout)
+        _fail(
+            field,
+            f"the {layout.value} layout's view, strides {want} (fp32 storage {list(storage)}"
+            f"{'' if layout is ScaleLayout.ROW_MAJOR else ', handed out as its transpose'})",
+            f"strides {t.stride()}",
+        )
 
 
 def _refuse_overlaps(given: list[tuple[str, torch.Tensor]], inputs: Iterable) -> None:

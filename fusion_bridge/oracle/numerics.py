@@ -39,6 +39,10 @@ def dequantized(spec: EpilogueSpec, outputs: EpilogueOutputs) -> Optional[torch.
         return quant_ref.dequantize_nvfp4(
             outputs.quant, outputs.scale, q.global_scale, spec.hidden_size, q.sf_layout
         )
+    if q.dynamic_fp8:
+        return quant_ref.dequantize_fp8_dynamic(
+            outputs.quant, outputs.scale, q.group_size or spec.hidden_size
+        )
     return None
 
 
@@ -54,7 +58,10 @@ def quant_error_bound(spec: EpilogueSpec, ref: EpilogueOutputs, norm_bound: floa
     add the norm_out bound the quantizer starts from. Measured on 2x H200 (T=64, H=7168, K=8):
     fp8 2.7e-2, nvfp4 9.5e-2.
     """
-    if spec.quant.kind is QuantKind.FP8:
+    if spec.quant.kind is QuantKind.FP8 or spec.quant.dynamic_fp8:
+        # dynamic FP8: the same e4m3 half-step (the scale puts each group's amax at 448, so its
+        # elements are normal e4m3 values down to 2^-15 of the amax; smaller ones are below it
+        # in norm too)
         return 2.0**-4 / math.sqrt(3) + norm_bound
     hidden = ref.norm_out.shape[1]
     step = (

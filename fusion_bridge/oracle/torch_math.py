@@ -66,6 +66,11 @@ def quantize(
         return quant_ref.quantize_fp8(norm_out, q.scale), None
     if q.kind is QuantKind.NVFP4:
         return quant_ref.quantize_nvfp4(norm_out, q.global_scale, q.sf_layout)
+    if q.kind is QuantKind.FP8_PER_TOKEN_GROUP:
+        codes, scales = quant_ref.quantize_fp8_per_token_group(norm_out, q.group_size)
+        return codes, quant_ref.fp8_scale_view(scales, q.scale_layout)
+    if q.kind is QuantKind.FP8_PER_TOKEN:
+        return quant_ref.quantize_fp8_per_token(norm_out)
     return None, None
 
 

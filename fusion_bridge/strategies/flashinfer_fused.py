@@ -23,7 +23,7 @@ from fusion_bridge.epilogue_tensors import (
     allocate_outputs,
     deliver,
 )
-from fusion_bridge.reasons import collect, require_hidden_multiple
+from fusion_bridge.reasons import collect, refuse_dynamic_fp8, require_hidden_multiple
 from fusion_bridge.spec import QuantKind, Stage
 from fusion_bridge.strategies import flashinfer_calls, flashinfer_common as fic
 from fusion_bridge.strategies.base import (
@@ -52,6 +52,12 @@ class FlashInferFusedStrategy(Strategy):
     def not_supported_reasons(cls, spec, env):
         return collect(
             fic.common_reasons(spec, env, cls.name),
+            refuse_dynamic_fp8(
+                spec,
+                cls.name,
+                "FlashInfer's fused MoE-finalize kernel writes no such format, and our quant "
+                "step after it is not built: it can only be checked on two GPUs",
+            ),
             require_hidden_multiple(
                 spec,
                 cls.name,

@@ -26,7 +26,12 @@ from fusion_bridge.epilogue_tensors import (
     deliver,
     quant_buffers,
 )
-from fusion_bridge.reasons import collect, require_hidden_multiple, require_triton
+from fusion_bridge.reasons import (
+    collect,
+    refuse_dynamic_fp8,
+    require_hidden_multiple,
+    require_triton,
+)
 from fusion_bridge.spec import QuantKind, SFLayout, Stage
 from fusion_bridge.strategies import flashinfer_calls, flashinfer_common as fic
 from fusion_bridge.strategies.base import Step, Strategy, kernel_quant_args, required_stages
@@ -63,6 +68,12 @@ class LocalFusedFlashInferStrategy(Strategy):
                 spec, cls.name, 8, "hidden_not_multiple_of_8", " (16-byte vectors)"
             ),
             hidden_fits(spec, cls.name) if spec.quant.kind is QuantKind.NVFP4 else None,
+            refuse_dynamic_fp8(
+                spec,
+                cls.name,
+                "FlashInfer's all-reduce + RMSNorm writes no such format, and our quant step "
+                "after it is not built: it can only be checked on two GPUs",
+            ),
         )
 
     @classmethod

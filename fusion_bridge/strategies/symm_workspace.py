@@ -27,6 +27,7 @@ from fusion_bridge.environment import Environment, Probe, multicast_is_off
 from fusion_bridge.reasons import (
     Reason,
     collect,
+    refuse_dynamic_fp8,
     require_cuda,
     require_single_node,
     require_sm_at_least,
@@ -118,6 +119,12 @@ def reasons(
             env, who, 90, why=" (system-scope acquire/release over NVLink; validated on H200)"
         ),
         require_single_node(env, who),
+        refuse_dynamic_fp8(
+            spec,
+            who,
+            "the symmetric-memory kernels' per-token-group and per-token FP8 paths are not "
+            "built: they can only be checked on two GPUs",
+        ),
     )
     if env.triton_interpret:
         out.append(

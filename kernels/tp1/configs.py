@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import triton
 
 from fusion_bridge.kernels.quant import QUANT_NONE, QUANT_NVFP4, row_block
+from fusion_bridge.kernels.quant_codes import QUANT_FP8_GROUP, QUANT_FP8_TOKEN
 
 # the split kernel's limits (read by the kernel as attributes of this module, compile-time)
 MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set per count)
@@ -53,8 +54,27 @@ def whole_row_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
     return max(4, 16 * row_block(hidden) // 8192)
 
 
+def dynamic_splits(quant: int, group: int, columns: int) -> bool:
+    """Whether split rows of `columns` columns may serve quant mode `quant`: per token never (its
+    one scale needs the whole row's amax, which a chunk's program would need from its partners: a
+    second in-launch exchange, not built, so per token takes whole rows at every T; what that
+    exchange would cost was not measured); per token group when a chunk holds whole groups
+    (`columns` a multiple of the group size: chunks then start on group boundaries); every other
+    mode always."""
+    if quant == QUANT_FP8_TOKEN:
+        return False
+    if quant == QUANT_FP8_GROUP:
+        return columns % group == 0
+    return True
+
+
 def tp1_config(
-    tokens: int, hidden: int, quant: int = QUANT_NONE, num_sms: int = 0, swizzled: bool = False
+    tokens: int,
+    hidden: int,
+    quant: int = QUANT_NONE,
+    num_sms: int = 0,
+    swizzled: bool = False,
+    group: int = 0,
 ) -> Tp1Config:
     """World size 1. Split rows while T * chunks programs are resident (num_sms; 0: never; see
     `split_ok`): T = 1 in 512-column chunks (4 warps) with the row prefetched into L2, else the
@@ -64,14 +84,17 @@ def tp1_config(
 
     Swizzled NVFP4 scales with H not a multiple of 128 (an odd number of 4-scale column groups:
     H = 1344, 2496, 2880, ...) take whole rows at every T: the split kernel is much slower there,
-    and only there (docs/performance.md#world-size-1-across-hidden-sizes)."""
+    and only there (docs/performance.md#world-size-1-across-hidden-sizes).
+
+    Dynamic FP8 (`group`: its group size): `dynamic_splits` (per token whole rows; per token group
+    only chunks of whole groups)."""
     rb = row_block(hidden)
     if swizzled and quant == QUANT_NVFP4 and hidden % 128:
         return Tp1Config(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
     for chunk in (512,) if tokens == 1 else (1024, 2048, 4096):
         warps = max(1, chunk // 256) if tokens > 1 else chunk // 128
         config = Tp1Config(chunk, warps, int(tokens == 1), TP1_PDL)
-        if split_ok(config, tokens, hidden, num_sms):
+        if split_ok(config, tokens, hidden, num_sms) and dynamic_splits(quant, group, chunk):
             return config
     return Tp1Config(rb, whole_row_warps(tokens, hidden, quant), 0, TP1_PDL)
 

@@ -19,6 +19,7 @@ from fusion_bridge.kernels.quant import (
     row_block,
     sf_padding_items,
 )
+from fusion_bridge.kernels.quant_codes import dynamic_scale_dims, is_dynamic
 from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
 from fusion_bridge.kernels.tp1.configs import (  # noqa: F401 (limits and phase bits: re-exported)
     BOTH_PHASES,
@@ -30,6 +31,7 @@ from fusion_bridge.kernels.tp1.configs import (  # noqa: F401 (limits and phase 
     SYNC_WORDS,
     SplitSync,
     Tp1Config,
+    dynamic_splits,
     split_ok,
     tp1_config,
 )
@@ -158,7 +160,9 @@ class Tp1Launcher:
         """The config of a call of T tokens that names none (`configs.tp1_config` with this
         launcher's layer and SM count): the one rule, which tests and benchmarks read here."""
         quant = self.layer.quant
-        return tp1_config(tokens, self.layer.hidden, quant.code, self.num_sms, quant.swizzled)
+        return tp1_config(
+            tokens, self.layer.hidden, quant.code, self.num_sms, quant.swizzled, quant.group
+        )
 
     def plan(
         self,
@@ -195,8 +199,16 @@ class Tp1Launcher:
             HW_CVT=is_cuda,
         )
         sf_rows, sf_cols = sf_dims if nvfp4 else (tokens, 0)
-        if not split_ok(config, tokens, hidden, self.num_sms):
-            rows = sf_rows if nvfp4 and quant.swizzled else tokens
+        dynamic = is_dynamic(quant.code)
+        if dynamic:  # sf_rows: rows with scales (TMA padding too), sf_cols: the scales' stride
+            form = form._replace(
+                GROUP=quant.group or form.ROW_BLOCK, SCALE_LAYOUT=quant.scale_layout
+            )
+            sf_rows, sf_cols = dynamic_scale_dims(tokens, hidden, quant.group, quant.scale_layout)
+        if not split_ok(config, tokens, hidden, self.num_sms) or not dynamic_splits(
+            quant.code, quant.group, config.columns
+        ):
+            rows = sf_rows if (nvfp4 and quant.swizzled) or dynamic else tokens
             fixed = WholeRows(FORM=form, PREFETCH=prefetch, RECIP=recip, USE_PDL=pdl)
             capped = config.warps == 16
             if pdl:
@@ -206,6 +218,7 @@ class Tp1Launcher:
             return Tp1Plan(config, kernel, (rows,), fixed, config.warps, 0, sf_rows, sf_cols)
         chunks = triton.cdiv(hidden, config.columns)
         padding = sf_padding_items(tokens, sf_rows, sf_cols) if nvfp4 and quant.swizzled else 0
+        padding = sf_rows - tokens if dynamic else padding  # TMA scale padding rows
         fixed = SplitRows(
             FORM=form,
             CHUNK=config.columns,

@@ -42,6 +42,7 @@ from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.add_rmsnorm import overflow_scale, rms_apply
 from fusion_bridge.kernels.pdl import pdl_enter
 from fusion_bridge.kernels.quant import quantize_span, sf_padding_item
+from fusion_bridge.kernels.quant_dynamic import quantize_span_fp8_dynamic, tma_padding_row
 from fusion_bridge.kernels.rounding import round_cast
 from fusion_bridge.kernels.row_epilogue import prefetch_row, residual_plus_finalize
 from fusion_bridge.kernels.tp1 import configs as S
@@ -172,28 +173,42 @@ def _tp1_split_kernel(
             y = tl.where((cols * 0 + pending) != 0, float("nan"), y)  # a partner never arrived
             y = round_cast(y, dtype, HW_CVT=HW_CVT)
             tl.store(out.norm_out + row * hidden + cols, y, mask=in_row)
-            # (LEAN: y past H needs no zeroing for NVFP4.) WINDOW off: the window would be the
-            # whole span (and row < T), and its masks cost whole-word stores (the codes went out
-            # byte by byte)
-            quantize_span(
-                y,
-                row,
-                c * CHUNK,
-                c * CHUNK,
-                c * CHUNK + CHUNK,
-                tokens,
-                hidden,
-                out,
-                scalars.quant_scale,
-                sf_cols,
-                QUANT=FORM.QUANT,
-                SWIZZLED=FORM.SWIZZLED,
-                HW_CVT=HW_CVT,
-                WINDOW=False,
-                RECIP=RECIP,
-                LEAN=True,
-            )
+            if FORM.QUANT == QC.QUANT_FP8_GROUP:
+                # the chunk holds whole groups (CHUNK a multiple of GROUP: the launcher's rule;
+                # per token takes whole rows); sf_cols is the scales' stride
+                quantize_span_fp8_dynamic(
+                    y, row, c * CHUNK, c * CHUNK, c * CHUNK + CHUNK, tokens, hidden, out, sf_cols,
+                    GROUP=FORM.GROUP, LAYOUT=FORM.SCALE_LAYOUT, HW_CVT=HW_CVT, WINDOW=False,
+                )  # fmt: skip
+            else:
+                # (LEAN: y past H needs no zeroing for NVFP4.) WINDOW off: the window would be the
+                # whole span (and row < T), and its masks cost whole-word stores (the codes went
+                # out byte by byte)
+                quantize_span(
+                    y,
+                    row,
+                    c * CHUNK,
+                    c * CHUNK,
+                    c * CHUNK + CHUNK,
+                    tokens,
+                    hidden,
+                    out,
+                    scalars.quant_scale,
+                    sf_cols,
+                    QUANT=FORM.QUANT,
+                    SWIZZLED=FORM.SWIZZLED,
+                    HW_CVT=HW_CVT,
+                    WINDOW=False,
+                    RECIP=RECIP,
+                    LEAN=True,
+                )
     elif PHASES & S.OUTPUT_PHASE:
+        if FORM.QUANT == QC.QUANT_FP8_GROUP:
+            if FORM.SCALE_LAYOUT == QC.SCALE_COLUMN_MAJOR_TMA:  # one program per padding row
+                tma_padding_row(
+                    tokens + (pid - tokens * chunks), hidden, out, sf_cols, FORM.GROUP,
+                    FORM.ROW_BLOCK,
+                )  # fmt: skip
         if FORM.QUANT == QC.QUANT_NVFP4:
             if FORM.SWIZZLED:
                 sf_padding_item(pid - tokens * chunks, out.sf, tokens, sf_rows, sf_cols)

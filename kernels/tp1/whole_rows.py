@@ -6,9 +6,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.add_rmsnorm import rms_norm_row
 from fusion_bridge.kernels.pdl import pdl_enter
 from fusion_bridge.kernels.quant import quantize_row
+from fusion_bridge.kernels.quant_dynamic import quantize_span_fp8_dynamic
 from fusion_bridge.kernels.rounding import round_cast
 from fusion_bridge.kernels.row_epilogue import prefetch_row, residual_plus_finalize
 
@@ -54,24 +56,34 @@ def _tp1_kernel(
         # overflow-safe, as the two-launch path's norm kernel
         y = round_cast(rms_norm_row(x, g, hidden, scalars.eps), dtype, HW_CVT=HW_CVT)
         tl.store(out.norm_out + offs, y, mask=in_row)
-        # (LEAN: y past H needs no zeroing for NVFP4)
-        quantize_row(
-            y,
-            row,
-            0,
-            ROW_BLOCK,
-            tokens,
-            hidden,
-            out,
-            scalars.quant_scale,
-            sf_cols,
-            QUANT=FORM.QUANT,
-            SWIZZLED=FORM.SWIZZLED,
-            HW_CVT=HW_CVT,
-            WINDOW=False,
-            RECIP=RECIP,
-            LEAN=True,
-        )
+        if FORM.QUANT >= QC.QUANT_FP8_GROUP:  # dynamic FP8; sf_cols is the scales' stride
+            quantize_span_fp8_dynamic(
+                y, row, 0, 0, ROW_BLOCK, tokens, hidden, out, sf_cols,
+                GROUP=FORM.GROUP, LAYOUT=FORM.SCALE_LAYOUT, HW_CVT=HW_CVT, WINDOW=False,
+            )  # fmt: skip
+        else:  # (LEAN: y past H needs no zeroing for NVFP4)
+            quantize_row(
+                y,
+                row,
+                0,
+                ROW_BLOCK,
+                tokens,
+                hidden,
+                out,
+                scalars.quant_scale,
+                sf_cols,
+                QUANT=FORM.QUANT,
+                SWIZZLED=FORM.SWIZZLED,
+                HW_CVT=HW_CVT,
+                WINDOW=False,
+                RECIP=RECIP,
+                LEAN=True,
+            )
+    elif FORM.QUANT >= QC.QUANT_FP8_GROUP:  # a TMA scale padding row: zero scales
+        quantize_span_fp8_dynamic(
+            tl.zeros([ROW_BLOCK], dtype=tl.float32), row, 0, 0, ROW_BLOCK, tokens, hidden, out,
+            sf_cols, GROUP=FORM.GROUP, LAYOUT=FORM.SCALE_LAYOUT, HW_CVT=HW_CVT, WINDOW=False,
+        )  # fmt: skip
     else:
         quantize_row(
             tl.zeros([ROW_BLOCK], dtype=tl.float32),

@@ -1,0 +1,98 @@
+"""Dynamic FP8 quantization of a normalized row or span: per token group and per token, the
+formula of vLLM 0.34's Triton `_per_token_group_quant_fp8` with the same IEEE fp32 operations as
+the torch reference (fusion_bridge.oracle.quant_ref.quantize_fp8_per_token_group), so the codes
+and scales match it bit for bit:
+
+    per group of GROUP contiguous elements: amax = max |x| (NaN if the group holds one)
+    scale = max(amax, 1e-10) * fp32(1/448)          (a product, no division)
+    q     = e4m3(clamp(div_rn(x, scale), -448, 448))   (round to nearest even)
+    a NaN group gets the NaN scale (0x7FC00000) and codes 0x7F; every NaN code is 0x7F
+
+Per token is the same with the whole row as one group (GROUP = the row's block: every program
+that calls it holds the whole row). Scales are fp32, stored in the layout's storage (docs/math.md
+section 3): row_major [T, G] (`sf_stride` = G), column_major [G, T] (`sf_stride` = T),
+column_major_tma [G, round_up(T, 4)] (`sf_stride` = round_up(T, 4); the padding columns, rows
+T .. round_up(T, 4) of the view, are written 0 by the programs past T).
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+import triton
+
+from fusion_bridge.kernels import quant_codes as QC
+from fusion_bridge.kernels.quant import _e4m3_rne_satfinite
+
+
+@triton.jit
+def quantize_span_fp8_dynamic(
+    y,
+    row,
+    col0,
+    lo,
+    hi,
+    tokens,
+    hidden,
+    out,
+    sf_stride,
+    GROUP: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """Quantize y [BLOCK] (columns col0 .. col0 + BLOCK of `row`, already rounded to the activation
+    dtype; anything past H, NaN included, is ignored) into out.q (uint8 [T, H] codes) and out.sf
+    (the fp32 scales' storage, `sf_stride` as in the module docstring). GROUP: elements per scale,
+    a power of two dividing BLOCK (col0 a multiple of it); GROUP == BLOCK with col0 = 0 is one
+    scale per row (per token). LAYOUT: quant_codes.SCALE_ROW_MAJOR / SCALE_COLUMN_MAJOR /
+    SCALE_COLUMN_MAJOR_TMA.
+    WINDOW False: the whole span; a row at or past `tokens` stores no codes and, in the TMA layout,
+    zero scales (its padding column) while row < sf_stride.
+    WINDOW True: only columns [lo, hi) (whole groups) of a row below `tokens`."""
+    BLOCK: tl.constexpr = y.shape[0]
+    GROUPS: tl.constexpr = BLOCK // GROUP
+    cols = col0 + tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    rows = cols * 0 + row  # vector form: the interpreter rejects a scalar-bool mask
+    if WINDOW:
+        keep = in_row & (cols >= lo) & (cols < hi)
+    else:
+        keep = in_row & (rows < tokens)
+    xg = tl.reshape(tl.where(in_row, y.to(tl.float32), 0.0), [GROUPS, GROUP])
+    amax = tl.max(tl.abs(xg), axis=1)
+    has_nan = tl.sum((xg != xg).to(tl.int32), axis=1) > 0
+    scale = tl.maximum(amax, QC.FP8_AMAX_EPS) * QC.E4M3_MAX_RECIP
+    scale = tl.where(has_nan, float("nan"), scale)  # the engines' max would drop the NaN
+    v = tl.math.div_rn(xg, scale[:, None])
+    if HW_CVT:
+        # a clamp keeping a NaN (a plain one returns the number), then the GPU's RNE conversion
+        c = tl.maximum(v, -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        c = tl.minimum(c, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        code, _ = _e4m3_rne_satfinite(v)
+    code = tl.where(v != v, QC.E4M3_NAN, code)  # every NaN code 0x7F, whatever the NaN's sign
+    tl.store(out.q + row * hidden + cols, tl.reshape(code, [BLOCK]).to(tl.uint8), mask=keep)
+    gi = col0 // GROUP + tl.arange(0, GROUPS)
+    start = gi * GROUP
+    g_rows = gi * 0 + row
+    if LAYOUT == QC.SCALE_ROW_MAJOR:
+        offs = row * sf_stride + gi
+    else:
+        offs = gi * sf_stride + row
+    if WINDOW:
+        keep_s = (start < hidden) & (start >= lo) & (start < hi)
+    elif LAYOUT == QC.SCALE_COLUMN_MAJOR_TMA:
+        keep_s = (start < hidden) & (g_rows < sf_stride)  # the padding rows too
+    else:
+        keep_s = (start < hidden) & (g_rows < tokens)
+    tl.store(out.sf + offs, tl.where(g_rows < tokens, scale, 0.0), mask=keep_s)
+
+
+@triton.jit
+def tma_padding_row(row, hidden, out, sf_stride, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero the TMA layout's scales of padding row `row` (T <= row < round_up(T, 4)): for kernels
+    whose padding programs hold no row (fused_tp1's split rows)."""
+    gi = tl.arange(0, BLOCK // GROUP)
+    tl.store(out.sf + gi * sf_stride + row, tl.zeros([BLOCK // GROUP], dtype=tl.float32),
+             mask=(gi * GROUP < hidden) & ((gi * 0 + row) < sf_stride))  # fmt: skip
