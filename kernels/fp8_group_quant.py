@@ -122,12 +122,12 @@ def _fp8_group_quant_kernel(
     read nothing, store no codes and a scale of 0). x row t at x_ptr + t * x_row_stride; q
     contiguous [T, H] (group m's codes at m * GROUP); the scale of (t, j) at
     s_ptr + t * s_row_stride + j * s_group_stride."""
-    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = m // groups_per_row
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # < 2^31 (checked at launch)
+    t = m // groups_per_row  # a 32-bit division; the offsets below in 64 bits
     j = m - t * groups_per_row
     live = t < tokens
-    x_group = x_ptr + (t * x_row_stride + j * GROUP)
-    q_group = q_ptr + m * GROUP
+    x_group = x_ptr + (t.to(tl.int64) * x_row_stride + j * GROUP)
+    q_group = q_ptr + m.to(tl.int64) * GROUP
     cols = tl.arange(0, CHUNK)
     if CHUNK >= GROUP:  # the whole group in registers: one read
         mask = live[:, None] & (cols < GROUP)[None, :]
@@ -148,7 +148,7 @@ def _fp8_group_quant_kernel(
             x = tl.load(x_group[:, None] + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(q_group[:, None] + offs, _codes(x, scale, HW_CVT), mask=mask)
     tl.store(
-        s_ptr + t * s_row_stride + j * s_group_stride,
+        s_ptr + (t.to(tl.int64) * s_row_stride + j * s_group_stride),
         tl.where(live, scale, 0.0),
         mask=t < scale_rows,
     )
@@ -281,6 +281,10 @@ def fp8_group_quant_into(
     if tokens == 0 or groups == 0:
         return
     rows = scale_storage_rows(tokens, name)
+    if rows * groups + TILE_ELEMENTS >= 2**31:
+        raise ValueError(
+            f"x: expected fewer than 2^31 groups (T * H / group_size), got {rows * groups}"
+        )
     chunk, rule_m, warps = launch_shape(rows * groups, group_size, max_tile)
     if block_m is None:
         block_m = rule_m
