@@ -17,7 +17,9 @@ PARITY_MAX_TOKENS = 16384
 STRATEGY_ENV = "FUSION_BRIDGE_STRATEGY"
 DEEPSEEK_V3 = {"hidden": 7168, "top_k": 8}
 DTYPES = ("bf16", "fp16")  # fusion_bridge.spec.DTYPE_BY_NAME (a test keeps them equal)
-QUANTS = ("none", "fp8", "nvfp4")
+QUANTS = ("none", "fp8", "nvfp4", "fp8_per_token_group", "fp8_per_token")
+SCALE_LAYOUTS = ("row_major", "column_major", "column_major_tma")  # spec.ScaleLayout's values
+DEFAULT_GROUP_SIZE = 128
 SF_LAYOUTS = ("swizzled_128x4", "linear")  # fusion_bridge.spec.SFLayout's values
 DEFAULT_FP8_SCALE = 0.05  # divisor: |norm_out| up to ~22 fits e4m3's 448
 DEFAULT_NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # multiplier for |norm_out| up to ~8
@@ -170,6 +172,21 @@ def _spec_args(
         default=None,
         help=f"nvfp4 block scales' layout (default {SF_LAYOUTS[0]}: FlashInfer's 128x4 swizzle; "
         "linear: [T, H/16]); nvfp4 only",
+    )
+    p.add_argument(
+        "--group-size",
+        type=_int_in(1),
+        default=None,
+        help=f"fp8_per_token_group: elements per scale, a power of two dividing --hidden (default "
+        f"{DEFAULT_GROUP_SIZE}); fp8_per_token_group only",
+    )
+    p.add_argument(
+        "--scale-layout",
+        choices=SCALE_LAYOUTS,
+        default=None,
+        help=f"fp8_per_token_group: the fp32 scales' layout (default {SCALE_LAYOUTS[0]}: [T, H/g]; "
+        "column_major: the transpose of [H/g, T]; column_major_tma: of [H/g, round_up(T, 4)], "
+        "DeepGEMM's); fp8_per_token_group only",
     )
     p.add_argument(
         "--eps",
@@ -342,8 +359,14 @@ def check_combinations(parser: argparse.ArgumentParser, args) -> None:
     quant = getattr(args, "quant", None)
     if getattr(args, "sf_layout", None) is not None and quant != "nvfp4":
         parser.error(f"--sf-layout applies to --quant nvfp4 only, got --quant {quant}")
-    if getattr(args, "quant_scale", None) is not None and quant == "none":
-        parser.error("--quant-scale needs --quant fp8 or nvfp4, got --quant none")
+    if getattr(args, "quant_scale", None) is not None and quant not in ("fp8", "nvfp4"):
+        parser.error(f"--quant-scale needs --quant fp8 or nvfp4, got --quant {quant}")
+    for flag in ("group_size", "scale_layout"):
+        if getattr(args, flag, None) is not None and quant != "fp8_per_token_group":
+            parser.error(
+                f"--{flag.replace('_', '-')} applies to --quant fp8_per_token_group only, got "
+                f"--quant {quant}"
+            )
     if getattr(args, "shared_output_replicated", False) and args.no_shared:
         parser.error("--shared-output-replicated contradicts --no-shared (no shared output)")
     if getattr(args, "gpu", None) is not None:

@@ -9,7 +9,12 @@ import json
 import os
 import sys
 
-from fusion_bridge.cli.args import DEFAULT_FP8_SCALE, DEFAULT_NVFP4_GLOBAL_SCALE, SCHEMA_VERSION
+from fusion_bridge.cli.args import (
+    DEFAULT_FP8_SCALE,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_NVFP4_GLOBAL_SCALE,
+    SCHEMA_VERSION,
+)
 
 
 # the real stdout while --json sends everything else (C++ logs too) to stderr
@@ -39,7 +44,8 @@ def stdout_to_stderr() -> None:
 def spec_from_args(args):
     """The EpilogueSpec the command's flags describe, one flag per field: --hidden, --top-k,
     --dtype, --eps, --weight-bias, --routed-scaling-factor, --no-shared,
-    --shared-output-replicated, --quant (--quant-scale, --sf-layout), --max-tokens."""
+    --shared-output-replicated, --quant (--quant-scale, --sf-layout, --group-size,
+    --scale-layout), --max-tokens."""
     from fusion_bridge.spec import DTYPE_BY_NAME, EpilogueSpec, QuantSpec
 
     scale, layout = args.quant_scale, args.sf_layout or "swizzled_128x4"
@@ -49,6 +55,11 @@ def spec_from_args(args):
         "nvfp4": lambda: QuantSpec.nvfp4(
             DEFAULT_NVFP4_GLOBAL_SCALE if scale is None else scale, layout
         ),
+        "fp8_per_token_group": lambda: QuantSpec.fp8_per_token_group(
+            getattr(args, "group_size", None) or DEFAULT_GROUP_SIZE,
+            getattr(args, "scale_layout", None) or "row_major",
+        ),
+        "fp8_per_token": lambda: QuantSpec.fp8_per_token(),
     }[args.quant]()
     return EpilogueSpec(
         hidden_size=args.hidden,
@@ -109,6 +120,8 @@ SPEC_FIELD_FLAGS = {  # EpilogueSpec's field -> the flag that sets it, for the p
     "quant.scale": "--quant-scale",
     "quant.global_scale": "--quant-scale",
     "quant.sf_layout": "--sf-layout",
+    "quant.group_size": "--group-size",
+    "quant.scale_layout": "--scale-layout",
 }
 
 

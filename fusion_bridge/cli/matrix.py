@@ -46,7 +46,13 @@ def _cpu_at(world: int) -> Environment:
 
 
 def _spec(quant: str) -> EpilogueSpec:
-    q = {"none": QuantSpec.none(), "fp8": QuantSpec.fp8(1.0), "nvfp4": QuantSpec.nvfp4(1.0)}[quant]
+    q = {
+        "none": QuantSpec.none(),
+        "fp8": QuantSpec.fp8(1.0),
+        "nvfp4": QuantSpec.nvfp4(1.0),
+        "fp8_per_token_group": QuantSpec.fp8_per_token_group(128),
+        "fp8_per_token": QuantSpec.fp8_per_token(),
+    }[quant]
     return EpilogueSpec(hidden_size=7168, top_k=8, quant=q)
 
 
@@ -91,7 +97,9 @@ def rows() -> list[dict]:
     for cls in strategy_classes():
         pw = _probe_world(cls)
         quants = [
-            q for q in ("none", "fp8", "nvfp4") if _runs(cls, [q], SMS, [pw], FLASHINFER_VERSIONS)
+            q
+            for q in ("none", "fp8", "nvfp4", "fp8_per_token_group", "fp8_per_token")
+            if _runs(cls, [q], SMS, [pw], FLASHINFER_VERSIONS)
         ]
         probe = _spec(quants[0] if quants else "none")
         versions = [fi for fi in FLASHINFER_VERSIONS if _runs(cls, quants, SMS, [pw], [fi])]

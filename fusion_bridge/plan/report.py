@@ -172,7 +172,7 @@ class Report:
             f"triton {env.triton_version or 'missing'}, flashinfer "
             f"{env.flashinfer_version or 'missing'}",
             f"spec: H={spec.hidden_size} K={spec.top_k} {spec.dtype_name} "
-            f"quant={spec.quant.kind.value} "
+            f"quant={spec.quant.kind.value}{_quant_detail(spec)} "
             f"shared={'yes' if spec.has_shared_output else 'no'} max_tokens={spec.max_tokens}",
         ]
 
@@ -377,3 +377,11 @@ def _ranges(buckets: list[dict]) -> list[tuple[int, int, list[dict]]]:
             out.append((low, b["max_tokens"], [b]))
         low = b["max_tokens"] + 1
     return out
+
+
+def _quant_detail(spec) -> str:
+    """The dynamic FP8 kinds' group size and scale layout, as the report's spec line shows them."""
+    q = spec.quant
+    if q.group_size is None:
+        return ""
+    return f"(group_size={q.group_size}, scale_layout={q.scale_layout.value})"

@@ -22,6 +22,8 @@ QUANTS = {
     "none": QuantSpec.none(),
     "fp8": QuantSpec.fp8(0.02),
     "nvfp4_linear": QuantSpec.nvfp4(448.0, "linear"),
+    "fp8_group_column_major_tma": QuantSpec.fp8_per_token_group(16, "column_major_tma"),
+    "fp8_per_token": QuantSpec.fp8_per_token(),
 }
 
 
@@ -35,6 +37,9 @@ def _sentinel_outputs(spec, tokens):
         out.quant.view(torch.uint8).fill_(0x7F)
     if out.scale is not None:
         out.scale.fill_(0x7F)
+        if out.scale.dtype == torch.float32 and out.scale.numel():  # the TMA padding too
+            width = out.scale.stride(1)
+            torch.as_strided(out.scale, (out.scale.shape[1], width), (width, 1)).fill_(0x7F)
     return out
 
 
@@ -44,11 +49,20 @@ def _same(a: EpilogueOutputs, b: EpilogueOutputs) -> bool:
         or (
             x is not None
             and y is not None
-            and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            and x.stride() == y.stride()
+            and torch.equal(_bits(x), _bits(y))
         )
         for x, y in ((a.residual_out, b.residual_out), (a.norm_out, b.norm_out))
         + ((a.quant, b.quant), (a.scale, b.scale))
     )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes; a dynamic FP8 scale view (strided) by its whole storage, TMA padding included."""
+    if t.dtype == torch.float32 and t.dim() == 2 and t.numel() and t.stride(1) != 1:
+        width = t.stride(1)
+        t = torch.as_strided(t, (t.shape[1], width), (width, 1))
+    return t.contiguous().view(torch.uint8)
 
 
 @pytest.mark.parametrize("quant", list(QUANTS))
@@ -283,3 +297,28 @@ def test_torch_compile_writes_the_ops_outputs_into_out():
         torch._dynamo.reset()
         torch.compile(epilogue, fullgraph=True, backend="aot_eager")(*inp)
         assert _same(out, expected)
+
+
+@pytest.mark.parametrize("layout", ["row_major", "column_major", "column_major_tma"])
+def test_a_dynamic_fp8_scale_must_be_the_layouts_own_view(layout):
+    """out.scale of a per-token-group spec: exactly the view allocate_outputs hands out (the
+    layout's strides); another layout's view, or the right values in a contiguous tensor where a
+    column-major view is due, is refused naming the field, the strides expected and given."""
+    spec = EpilogueSpec(hidden_size=64, top_k=2, quant=QuantSpec.fp8_per_token_group(16, layout))
+    inp = make_inputs(spec, 5, seed=2)
+    good = allocate_outputs(spec, 5, torch.device("cpu"))
+    with FusionBridge(spec, strategy="separate", self_test=False) as bridge:
+        assert bridge(*inp, out=good) is good
+    others = [o for o in ("row_major", "column_major", "column_major_tma") if o != layout]
+    for other in others:
+        wrong = allocate_outputs(
+            EpilogueSpec(**{**spec.__dict__, "quant": QuantSpec.fp8_per_token_group(16, other)}),
+            5,
+            torch.device("cpu"),
+        ).scale
+        msg = _refusal(spec, inp, dataclasses.replace(good, scale=wrong))
+        assert "out.scale" in msg and layout in msg and str(wrong.stride()) in msg, msg
+    msg = _refusal(
+        spec, inp, dataclasses.replace(good, scale=torch.empty(5, 4, dtype=torch.bfloat16))
+    )
+    assert "out.scale.dtype" in msg and "torch.float32" in msg

@@ -30,6 +30,8 @@ FLAG_OF_FIELD = {
     "quant.scale": "--quant-scale",
     "quant.global_scale": "--quant-scale",
     "quant.sf_layout": "--sf-layout",
+    "quant.group_size": "--group-size",
+    "quant.scale_layout": "--scale-layout",
 }
 EVERY_FLAG = [
     "--hidden", "64", "--top-k", "2", "--dtype", "fp16", "--eps", "1e-2", "--weight-bias", "0.5",
@@ -94,8 +96,40 @@ def test_parity_checks_the_flags_spec_over_two_gloo_ranks():
         (["--sf-layout", "linear"], "--sf-layout applies to --quant nvfp4 only"),
         (["--quant-scale", "2"], "--quant-scale needs --quant fp8 or nvfp4"),
         (["--no-shared", "--shared-output-replicated"], "contradicts --no-shared"),
+        (["--group-size", "64"], "--group-size applies to --quant fp8_per_token_group only"),
+        (
+            ["--quant", "fp8_per_token", "--scale-layout", "column_major"],
+            "--scale-layout applies to --quant fp8_per_token_group only, got --quant fp8_per_token",
+        ),
+        (
+            ["--quant", "fp8_per_token_group", "--group-size", "48"],
+            "argument --group-size: quant.group_size must be a power of two",
+        ),
+        (
+            ["--quant", "fp8_per_token_group", "--group-size", "128"],
+            "argument --hidden: hidden_size must be a multiple of quant.group_size (128)",
+        ),
+        (["--quant", "fp8_per_token", "--quant-scale", "2"], "--quant-scale needs --quant fp8"),
+        (["--quant", "mxfp8"], "invalid choice"),
     ],
 )
 def test_a_bad_spec_flag_is_named(argv, expected):
     run = run_cli("explain", "--hidden", "64", "--top-k", "2", *argv)
     assert run.returncode == 2 and expected in run.stderr, run.stderr
+
+
+def test_explain_builds_the_dynamic_fp8_specs():
+    run = run_cli("explain", "--json", "--hidden", "256", "--top-k", "2", "--quant",
+                  "fp8_per_token_group", "--group-size", "64", "--scale-layout",
+                  "column_major_tma")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    want = EpilogueSpec(
+        hidden_size=256, top_k=2, quant=QuantSpec.fp8_per_token_group(64, "column_major_tma")
+    )
+    assert json.loads(run.stdout)["spec"] == want.to_dict()
+    run = run_cli("explain", "--json", "--hidden", "256", "--top-k", "2", "--quant",
+                  "fp8_per_token_group")  # fmt: skip
+    assert json.loads(run.stdout)["spec"]["quant"]["group_size"] == 128
+    run = run_cli("explain", "--json", "--hidden", "200", "--top-k", "2", "--quant",
+                  "fp8_per_token")  # fmt: skip
+    assert json.loads(run.stdout)["spec"]["quant"]["kind"] == "fp8_per_token"

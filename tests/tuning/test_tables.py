@@ -297,3 +297,67 @@ def test_every_shipped_table_is_found_with_the_new_spec_fields_at_their_defaults
             assert read_table(path) is not None
         replicated = _spec_of_shipped(table["spec"], shared_output_replicated=True)
         assert default_table_path(replicated, env) != path
+
+
+def _spec_of_table(stored: dict) -> EpilogueSpec:
+    """The EpilogueSpec a shipped table's stored spec (its key) describes, with the key's left-out
+    values (eps, scales, ...) at anything valid: the key ignores them."""
+    quant = dict(stored["quant"])
+    kind = quant["kind"]
+    if kind == "fp8":
+        q = QuantSpec.fp8(0.5)
+    elif kind == "nvfp4":
+        q = QuantSpec.nvfp4(336.0, quant["sf_layout"])
+    elif kind == "fp8_per_token_group":
+        q = QuantSpec.fp8_per_token_group(quant["group_size"], quant["scale_layout"])
+    else:
+        q = QuantSpec(kind)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[stored["dtype"]]
+    extra = {k: stored[k] for k in ("shared_output_replicated",) if k in stored}
+    return EpilogueSpec(
+        hidden_size=stored["hidden_size"],
+        top_k=stored["top_k"],
+        dtype=dtype,
+        has_shared_output=stored["has_shared_output"],
+        quant=q,
+        **extra,
+    )
+
+
+def test_every_shipped_table_is_found_for_its_spec():
+    """Each file in tuning/shipped/ is the table default_table_path names for the spec it stores,
+    today's spec_key included: a field added to the spec (the dynamic FP8 group_size and
+    scale_layout) stays out of the key at its default, so no shipped table is orphaned."""
+    import json
+
+    from fusion_bridge.tuning.tables import TABLES_DIR, spec_key
+
+    files = sorted(TABLES_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        stored = json.loads(path.read_text())
+        spec = _spec_of_table(stored["spec"])
+        assert spec_key(spec) == stored["spec"], (path.name, spec_key(spec), stored["spec"])
+        env = Environment(
+            device_type="cuda",
+            sm=90,
+            gpu_name=stored["gpu"],
+            world_size=stored["world_size"],
+            triton_version="3.6.0",
+        )
+        assert default_table_path(spec, env) == path, path.name
+        assert read_table(path) is not None
+
+
+def test_the_dynamic_fp8_fields_are_in_the_key_when_set():
+    from fusion_bridge.tuning.tables import spec_key
+
+    none_key = spec_key(EpilogueSpec(hidden_size=7168, top_k=8))
+    group = EpilogueSpec(hidden_size=7168, top_k=8, quant=QuantSpec.fp8_per_token_group(128))
+    tma = EpilogueSpec(
+        hidden_size=7168, top_k=8, quant=QuantSpec.fp8_per_token_group(128, "column_major_tma")
+    )
+    keys = [spec_key(s) for s in (group, tma)]
+    assert keys[0]["quant"]["group_size"] == 128 and keys[0]["quant"]["scale_layout"] == "row_major"
+    assert keys[0] != keys[1] != none_key
+    assert "group_size" not in none_key["quant"] and "scale_layout" not in none_key["quant"]
