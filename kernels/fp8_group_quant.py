@@ -77,7 +77,7 @@ def _div_exact(x, scale):
     """x [M, C] / scale [M] correctly rounded, with one IEEE reciprocal per group (a GPU only: its
     fma rounds once). Markstein: q0 = RN(x * inv) is within an ulp of x / scale, the remainder
     x - scale * q0 is exact in an fma, and RN(q0 + r * inv) = RN(x / scale) for a normal quotient.
-    Here scale is in [2^-42, 2^120] (or inf, NaN): a quotient that is not normal, or an x too
+    Here scale is in [2^-43, 2^120] (or inf, NaN): a quotient that is not normal, or an x too
     small for an exact remainder, is below 2^-10 in magnitude and e4m3 gives it +-0 either way.
     Where q0 is +-0 (keeps x's zero sign), NaN or inf / inf (NaN) it is the answer."""
     inv = tl.math.div_rn(1.0, scale)[:, None]
