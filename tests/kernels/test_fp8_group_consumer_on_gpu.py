@@ -1,6 +1,7 @@
 """The consumer check of issue 49, on one GPU: the bridge's dynamic FP8 outputs (world size 1,
 `FusionBridge(EpilogueSpec(..., quant=...))` on cuda) fed to the GEMMs that read them in FP8 models,
-the result within the bound of two FP8 quantizations of the operands:
+the result within the bound of two FP8 quantizations of the operands. Two routes: the bridge's own
+choice (`fused_tp1` at world size 1) and `local_fused_nccl` (our add+RMSNorm kernel after NCCL):
 
     |C - C_ref| <= (2 * 2^-4 + 2^-8) * (|A| @ |W|^T)   elementwise,
     C_ref = norm_out.float() @ W.float()^T,  A = norm_out,  W [N, H] the bf16 weight before its
@@ -40,6 +41,8 @@ N = 384  # the weight's output dimension: a multiple of 128
 BLOCK = 128
 BOUND = 2 * 2.0**-4 + 2.0**-8
 CASES = ["token", "row_major", "column_major", "column_major_tma"]
+# the bridge's own choice at world size 1 (fused_tp1), and our add+RMSNorm kernel after NCCL
+STRATEGIES = ["auto", "local_fused_nccl"]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -54,18 +57,18 @@ def _quant(case: str) -> QuantSpec:
 
 @pytest.fixture(scope="module")
 def bridges():
-    """One bridge per (H, case), built on first use, closed at the end of the module."""
+    """One bridge per (H, case, strategy), built on first use, closed at the end of the module."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (on a GPU machine: `python -m pytest -m gpu`)")
     built = {}
 
-    def get(hidden: int, case: str) -> FusionBridge:
-        if (hidden, case) not in built:
+    def get(hidden: int, case: str, strategy: str) -> FusionBridge:
+        if (hidden, case, strategy) not in built:
             spec = EpilogueSpec(
                 hidden_size=hidden, top_k=8, routed_scaling_factor=2.5, quant=_quant(case)
             )
-            built[(hidden, case)] = FusionBridge(spec, debug=False)
-        return built[(hidden, case)]
+            built[(hidden, case, strategy)] = FusionBridge(spec, strategy=strategy, debug=False)
+        return built[(hidden, case, strategy)]
 
     yield get
     for bridge in built.values():
@@ -189,15 +192,17 @@ def _needs(case: str) -> None:
             )
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("hidden", [7168, 2048])
-def test_the_next_gemm_reads_the_dynamic_fp8_output(bridges, hidden, case):
+def test_the_next_gemm_reads_the_dynamic_fp8_output(bridges, hidden, case, strategy):
     from fusion_bridge.kernels.fp8_group_quant import fp8_group_quant, fp8_per_token_quant
 
     _needs(case)
-    bridge = bridges(hidden, case)
+    bridge = bridges(hidden, case, strategy)
     for tokens in TOKENS:
         out = _call(bridge, tokens, seed=tokens)
+        route = bridge.route_for(tokens, eager=True)
         q, scales = out.quant, out.scale
         assert q.dtype == torch.float8_e4m3fn and q.shape == (tokens, hidden)
         # our standalone kernel on the bridge's own norm_out: the same bits
@@ -205,17 +210,18 @@ def test_the_next_gemm_reads_the_dynamic_fp8_output(bridges, hidden, case):
             mine_q, mine_s = fp8_per_token_quant(out.norm_out)
         else:
             mine_q, mine_s = fp8_group_quant(out.norm_out, BLOCK, case)
-        assert scales.shape == mine_s.shape and scales.stride() == mine_s.stride(), tokens
-        assert torch.equal(q.view(torch.uint8), mine_q.view(torch.uint8)), tokens
-        assert torch.equal(scales.view(torch.int32), mine_s.view(torch.int32)), tokens
+        where = f"H={hidden} {case} T={tokens} route {route}"
+        assert scales.shape == mine_s.shape and scales.stride() == mine_s.stride(), where
+        assert torch.equal(q.view(torch.uint8), mine_q.view(torch.uint8)), where
+        assert torch.equal(scales.view(torch.int32), mine_s.view(torch.int32)), where
         w = _weight(hidden, seed=hidden + tokens)
         c = _gemm_token(q, scales, w) if case == "token" else _gemm_group(case, q, scales, w)
         a = out.norm_out.float()
         c_ref = a @ w.float().t()
         bound = BOUND * (a.abs() @ w.float().abs().t())
         err = (c.float() - c_ref).abs()
-        assert torch.isfinite(c).all(), f"T={tokens}: non-finite GEMM output"
+        assert torch.isfinite(c).all(), f"{where}: non-finite GEMM output"
         assert (err <= bound).all(), (
-            f"H={hidden} {case} T={tokens}: {(err > bound).sum().item()} elements past the bound, "
+            f"{where}: {(err > bound).sum().item()} elements past the bound, "
             f"worst err / bound {(err / bound).max().item():.3f}"
         )
