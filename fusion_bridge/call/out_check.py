@@ -21,7 +21,6 @@ from fusion_bridge.epilogue_tensors import (
     EpilogueInputs,
     EpilogueOutputs,
     deliver,
-    fp8_scale_buffer,
 )
 from fusion_bridge.spec import (
     EpilogueSpec,
@@ -116,12 +115,13 @@ def validate_out(
 
 def _check_scale_view(spec: EpilogueSpec, t: torch.Tensor, field: str) -> None:
     """A dynamic FP8 scale must be exactly the view `allocate_outputs` hands out in the spec's
-    layout (its strides; docs/math.md section 3). Metadata only: the view is made on "meta"."""
+    layout (its strides; docs/math.md section 3): row_major (G, 1); column_major (1, T);
+    column_major_tma (1, round_up(T, 4)). Metadata only."""
     tokens, groups = t.shape
     layout = spec.quant.scale_layout or ScaleLayout.ROW_MAJOR
-    want = fp8_scale_buffer(tokens, groups, layout, torch.device("meta")).stride()
+    storage = fp8_scale_storage_shape(tokens, groups, layout)
+    want = (groups, 1) if layout is ScaleLayout.ROW_MAJOR else (1, storage[1])
     if tokens and t.stride() != want:
-        storage = fp8_scale_storage_shape(tokens, groups, layout)
         _fail(
             field,
             f"the {layout.value} layout's view, strides {want} (fp32 storage {list(storage)}"

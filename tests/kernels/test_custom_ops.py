@@ -56,6 +56,14 @@ CASES = [
         ]
     ],
     ("add_rmsnorm_quant", "nvfp4_zero_tokens", _norm_args(QUANT_NVFP4, True, tokens=0)),
+    # dynamic FP8: (code, scale, swizzled, group, scale layout): per token group in the TMA
+    # layout (a transposed scale view), per token
+    (
+        "add_rmsnorm_quant",
+        "fp8_group_tma",
+        (*_norm_args(QUANT_FP8, False)[:5], 3, 1.0, True, 16, 2),
+    ),
+    ("add_rmsnorm_quant", "fp8_token", (*_norm_args(QUANT_FP8, False)[:5], 4, 1.0, True, 0, 0)),
     *[
         (
             "quantize",
@@ -67,7 +75,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
+@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4", "fp8_group_tma", "fp8_token"])
 def test_opcheck_whole_epilogue(quant):
     from fusion_bridge import EpilogueSpec, FusionBridge, QuantSpec
     from fusion_bridge.call import custom_op
@@ -80,6 +88,8 @@ def test_opcheck_whole_epilogue(quant):
             "none": QuantSpec.none(),
             "fp8": QuantSpec.fp8(0.02),
             "nvfp4": QuantSpec.nvfp4(448.0),
+            "fp8_group_tma": QuantSpec.fp8_per_token_group(16, "column_major_tma"),
+            "fp8_token": QuantSpec.fp8_per_token(),
         }[quant],
     )
     with FusionBridge(spec) as bridge:
