@@ -205,6 +205,30 @@ def quant_cases() -> dict:
                 add_rmsnorm.add_rmsnorm_into(*out, out[0], out[0], inp.gamma, **n),
             ),
         )
+    table.update(fp8_group_quant_cases())
+    return table
+
+
+def fp8_group_quant_cases() -> dict:
+    """The standalone per-token-group FP8 kernel (kernels/fp8_group_quant.py) on a [T, H] bf16
+    norm_out: groups of 128 with row-major and TMA scales, and per token."""
+    from fusion_bridge.kernels import fp8_group_quant as fgq
+
+    table = {}
+    for name, group, layout in (
+        ("fp8_group_row", 128, "row_major"),
+        ("fp8_group_tma", 128, "column_major_tma"),
+        ("fp8_per_token", H, "row_major"),
+    ):
+        x = torch.empty(T, H, dtype=torch.bfloat16)
+        q = torch.empty(T, H, dtype=torch.float8_e4m3fn)
+        s = fgq.empty_scales(T, H // group, layout, "cpu")
+
+        def launch(x=x, q=q, s=s, g=group, lay=layout):
+            name_tensors(norm_out=x, q=q, sf=s)
+            fgq.fp8_group_quant_into(q, s, x, g, lay)
+
+        table[name] = (fgq, "_fp8_group_quant_kernel", launch)
     return table
 
 
