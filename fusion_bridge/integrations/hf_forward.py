@@ -105,6 +105,8 @@ class ForwardAccount:
         """This rank's forward failed: take part in each layer's call it did not make, then raise
         `error` (or, where this rank cannot take part, the bridge's refusal, from `error`)."""
         remaining = [i for i in self._order() if i not in self.called]
+        if self.group is None:  # one process: no peer waits for a call
+            raise error
         if remaining and self.layers[remaining[0]].bridge.debug:
             # the first call makes every rank raise; after a bridge call's failure, every rank knew
             remaining = remaining[:1] if self.settled else []
