@@ -179,8 +179,9 @@ def handoff_forward(norm: torch.nn.Module, on_reuse: Callable[[], None]) -> Call
     """The norm's forward, except on the exact tensor an MoE layer just returned, unedited: then
     the bridge already computed this norm (norm_out), and it is returned instead of computed
     twice. A tensor edited in place since (a forward hook's `out.add_(v)`: its version counter
-    moved) gets the norm computed again, from what it holds now. Inference tensors carry no
-    version counter (torch.inference_mode), so there the norm is always computed again."""
+    moved) gets the norm computed again, from what it holds now. (Under torch.inference_mode the
+    patch has the bridge write into tensors made outside it, which carry a version counter; an
+    inference tensor, which has none, always gets the norm computed again.)"""
     own_forward = norm.forward  # bound before the patch replaces it
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
