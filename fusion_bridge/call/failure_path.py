@@ -26,7 +26,7 @@ from fusion_bridge.call import failure, one_caller
 from fusion_bridge.call.routes import token_count
 from fusion_bridge.call.validation import EpilogueInputError, zero_tensor_error
 from fusion_bridge.epilogue_tensors import EpilogueInputs
-from fusion_bridge.ranks import agreement as rank_agreement
+from fusion_bridge.ranks import call_agreement as rank_agreement
 from fusion_bridge.strategies.base import CallStage, Strategy
 
 # FusionBridge._running, where the call in progress stands (None: started, no strategy yet; a
