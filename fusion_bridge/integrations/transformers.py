@@ -35,8 +35,12 @@ the contract with one small all-gather, and debug mode (`debug=True`) checks it 
 
 Nothing is copied: the patch sets instance attributes (`forward` of the MoE blocks and of the norms
 they feed, plus `moe_epilogue` on each MoE layer) and `unpatch()` removes them, so parameters,
-state_dict and the classes are the model's own throughout. The patched model runs in eval mode only:
-a patched block in training mode raises.
+state_dict and the classes are the model's own throughout. The patched model runs in eval mode only
+and without autograd: a patched block in training mode, or with gradients recorded, raises.
+
+When one rank's forward fails (its router, experts, attention, ...), it takes part in the MoE
+layers' calls it did not make with a NaN payload (hf_forward), so its peers get NaN logits and the
+next forward is in step; the model check (hf_model_check) runs before any bridge is built.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Issue 54 items 1, 6 and 9 over a real gloo group of 2 ranks on CPU, with real tiny transformers
 models (one spawned group runs every case; each test asserts one):
 
-  1  the patch's own failure protocol: a failure on rank 1 inside the expert path of an MoE layer,
-     and in the attention of an MoE layer, makes rank 1 take part in the calls it did not make
+  1  the patch's own failure protocol: a failure on rank 1 inside the expert path of an MoE layer
+     (in a forward, and in the block called directly), and in the attention of an MoE layer,
+     makes rank 1 take part in the calls it did not make
      (FusionBridge.fail_call): rank 0's forward gives NaN logits, rank 1 raises the failure, and the
      next forward (and a new patch after unpatch()) gives every rank the clean forward's logits;
      in debug mode every rank raises the same GroupInputError instead. A forward that skips a
@@ -85,12 +86,11 @@ def _one_failure(rank, group, where: str, debug: bool = False) -> dict:
     patch = patch_moe_epilogues(model, group, debug=debug, **OPTIONS)
     out["clean"] = _forward(model, prompt)
     if rank == ERRING:
-        layer = model.model.layers[2]
         error = RuntimeError(f"injected failure in {where}")
-        if where == "experts":  # inside the expert path, before layer 2's bridge call
-            _fail_once(layer.mlp.experts, "_apply_gate", error)
+        if where == "experts":  # inside layer 0's expert path: calls 0 and 2 left to take part in
+            _fail_once(model.model.layers[0].mlp.experts, "_apply_gate", error)
         else:  # the attention of MoE layer 2, after layer 0's call
-            _raise_once(layer.self_attn, error)
+            _raise_once(model.model.layers[2].self_attn, error)
     out["failing"] = _forward(model, prompt)
     out["next"] = _forward(model, prompt)
     patch.unpatch()
@@ -121,6 +121,31 @@ def _skipped_call(rank, group) -> dict:
         out["repatch"] = {"kind": "patched"}
     except BaseException as exc:  # noqa: BLE001
         out["repatch"] = {"kind": type(exc).__name__, "msg": str(exc)}
+    return out
+
+
+def _direct_block_call(rank, group) -> dict:
+    """The patched block called directly (no forward of the model around it) as its decoder layer
+    calls it, its expert path failing on rank 1 once, then again."""
+    from fusion_bridge.integrations.transformers import patch_moe_epilogues
+    from migration.examples.hf_moe import TINY, build_model
+
+    model = build_model("qwen3_moe", TINY)
+    patch = patch_moe_epilogues(model, group, **OPTIONS)
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 5, TINY["hidden"], generator=torch.Generator().manual_seed(5))
+    x = x.to(torch.bfloat16)
+    out = {}
+    if rank == ERRING:
+        _fail_once(block.experts, "_apply_gate", RuntimeError("injected failure in experts"))
+    for step in ("failing", "next"):
+        try:
+            with torch.no_grad():
+                out[step] = {"kind": "ok", "values": (x + block(x)).float()}
+        except BaseException as exc:  # noqa: BLE001
+            notes = "\n".join(getattr(exc, "__notes__", []))
+            out[step] = {"kind": type(exc).__name__, "msg": str(exc), "notes": notes}
+    patch.unpatch()
     return out
 
 
@@ -185,6 +210,7 @@ def _every_case(rank, world_size) -> dict:
         "attention": _one_failure(rank, group, "attention"),
         "debug_attention": _one_failure(rank, group, "attention", debug=True),
         "debug_experts": _one_failure(rank, group, "experts", debug=True),
+        "direct": _direct_block_call(rank, group),
         "model": _model_differs(rank, group),
     }
     out["skipped"] = _skipped_call(rank, _group(world_size))  # left out of step: a group of its own
@@ -226,6 +252,19 @@ def test_1_a_failure_before_a_layer_s_call_takes_part_and_the_next_forward_is_ri
         _assert_same(r["next"], r["clean"], (rank, where, "the next forward"))
         _assert_same(r["repatched"], r["clean"], (rank, where, "a new patch"))
     assert torch.equal(ranks[0][where]["next"]["logits"], ranks[1][where]["next"]["logits"])
+
+
+def test_1_a_failure_in_a_block_called_directly_takes_part_in_its_call(ranks):
+    for rank, per_rank in enumerate(ranks):
+        r = per_rank["direct"]
+        if rank == ERRING:
+            assert r["failing"]["kind"] == "RuntimeError", r["failing"]
+            assert "took part in call 1 with a NaN payload of T=5" in r["failing"]["notes"]
+        else:
+            assert r["failing"]["kind"] == "ok", r["failing"]
+            assert torch.isnan(r["failing"]["values"]).all()
+        assert r["next"]["kind"] == "ok" and torch.isfinite(r["next"]["values"]).all(), rank
+    assert torch.equal(ranks[0]["direct"]["next"]["values"], ranks[1]["direct"]["next"]["values"])
 
 
 @pytest.mark.parametrize("where", ["debug_attention", "debug_experts"])
