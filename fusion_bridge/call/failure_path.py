@@ -85,6 +85,14 @@ class FailurePath:
         self._break(RuntimeError(str(reason)), "outside finalize_epilogue")
 
     @property
+    def group_saw_last_failure(self) -> bool:
+        """Whether every rank of the group raised for this rank's last call (debug mode: its
+        agreement named the failure), so no peer goes on past it; False without debug mode, where
+        a failed call's peers return NaN outputs and go on."""
+        agreement = self._agreement
+        return agreement is not None and agreement.where(self.calls) in ("reasons", "raises")
+
+    @property
     def unusable(self) -> Optional[str]:
         """Why every call of this bridge is refused (its group out of step here), or None."""
         return self._broken

@@ -9,8 +9,9 @@ counts, per forward of the text model (`ForwardAccount`), which MoE layers made 
 when the forward fails on a rank, the rank takes part in each call it did not make, in layer order,
 with `FusionBridge.fail_call` (a NaN payload of the forward's T), then re-raises. The peers' forward
 returns NaN logits (loud); the next forward is correct on every rank. In debug mode the first such
-call makes every rank raise the same GroupInputError, so the rank takes part in that one only (and
-in none when the failure came from a bridge call, which every rank already learnt).
+call makes every rank raise the same GroupInputError (fail_call raises it, which ends the loop), and
+a failed bridge call whose agreement every rank already saw (`group_saw_last_failure`) leaves
+nothing to take part in.
 
 A forward that returns with a layer's call missing or repeated (a hook that skipped the block, a
 handoff never added to its residual) cannot be made up after the fact: the later calls have paired
@@ -107,9 +108,9 @@ class ForwardAccount:
         remaining = [i for i in self._order() if i not in self.called]
         if self.group is None:  # one process: no peer waits for a call
             raise error
-        if remaining and self.layers[remaining[0]].bridge.debug:
-            # the first call makes every rank raise; after a bridge call's failure, every rank knew
-            remaining = remaining[:1] if self.settled else []
+        if not self.settled and self.layers[self.called[-1]].bridge.group_saw_last_failure:
+            # debug mode's agreement made every rank raise in that call: no peer goes on
+            remaining = []
         if remaining and self.tokens is None:
             self._out_of_step(
                 f"the forward failed before MoE layer {remaining[0]}'s bridge call "
