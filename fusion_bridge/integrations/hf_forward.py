@@ -123,7 +123,11 @@ class ForwardAccount:
             for i in remaining:
                 self.called.append(i)
                 self.settled = False
-                self.layers[i].bridge.fail_call(self.tokens)
+                try:  # with the error, so that debug mode's agreement names it on every rank
+                    self.layers[i].bridge.fail_call(self.tokens, error)
+                except BaseException as raised:  # noqa: BLE001 - `error` itself: it took part
+                    if raised is not error:
+                        raise
                 self.settled = True
         except BaseException as refusal:  # noqa: BLE001 - raised from the original failure
             if isinstance(refusal, Exception) and isinstance(error, Exception):

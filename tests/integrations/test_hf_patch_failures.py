@@ -272,7 +272,9 @@ def test_1_in_debug_mode_every_rank_raises_the_same_error_and_stays_in_step(rank
     for rank, per_rank in enumerate(ranks):
         r = per_rank[where]
         assert r["failing"]["kind"] == "GroupInputError", (rank, r["failing"])
-        assert f"rank {ERRING}: " in r["failing"]["msg"], r["failing"]["msg"]
+        # the one agreement of the failing layer, naming rank 1's own error (not a later call's)
+        failed = f"rank {ERRING} of the 2-rank group failed the call's checks: rank {ERRING}: "
+        assert failed + "RuntimeError: injected failure in" in r["failing"]["msg"], r["failing"]
         _assert_same(r["next"], r["clean"], (rank, where, "the next forward"))
         _assert_same(r["repatched"], r["clean"], (rank, where, "a new patch"))
 
