@@ -273,8 +273,11 @@ def test_1_in_debug_mode_every_rank_raises_the_same_error_and_stays_in_step(rank
         r = per_rank[where]
         assert r["failing"]["kind"] == "GroupInputError", (rank, r["failing"])
         # the one agreement of the failing layer, naming rank 1's own error (not a later call's)
-        failed = f"rank {ERRING} of the 2-rank group failed the call's checks: rank {ERRING}: "
-        assert failed + "RuntimeError: injected failure in" in r["failing"]["msg"], r["failing"]
+        failed = (
+            "finalize_epilogue (debug mode, agreed on every rank before any collective): rank "
+            f"{ERRING} of the 2-rank group failed the call's checks: rank {ERRING}: "
+        )
+        assert r["failing"]["msg"].startswith(failed + "RuntimeError: injected failure in"), r
         _assert_same(r["next"], r["clean"], (rank, where, "the next forward"))
         _assert_same(r["repatched"], r["clean"], (rank, where, "a new patch"))
 
