@@ -88,14 +88,18 @@ class PatchedMoELayer:
     def _finalize(self, share, residual: torch.Tensor) -> EpilogueOutputs:
         gemm2_out, index_map, weights, shared = share
         gamma = self.norm_module.weight.detach()
-        if self.account is not None:
-            self.account.calling(self.index, residual.shape[0])
         out = None
         if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
             # outputs that are not inference tensors, so they carry a version counter: the next
             # norm sees an in-place edit (hf_handoff.handoff_forward) under inference_mode too
+            shape, dtype = tuple(residual.shape), self.bridge.spec.dtype
             with torch.inference_mode(False):
-                out = EpilogueOutputs(torch.empty_like(residual), torch.empty_like(residual))
+                out = EpilogueOutputs(
+                    torch.empty(shape, dtype=dtype, device=residual.device),
+                    torch.empty(shape, dtype=dtype, device=residual.device),
+                )
+        if self.account is not None:  # from here the call counts: the bridge keeps it in step
+            self.account.calling(self.index, residual.shape[0])
         out = self.bridge.finalize_epilogue(
             gemm2_out, index_map, weights, shared, residual, gamma, out=out
         )
