@@ -7,7 +7,8 @@
     print(bridge.explain())          # which strategy runs per token count, and why the others don't
 
 What a model author uses comes from here (`tensor_digest`: the content digest the ranks compare
-to check they hold the same inputs or weights); what a strategy author uses comes from
+to check they hold the same inputs or weights; `check_in`: every rank arrives before a collective
+setup, within a bound, through the process group's store); what a strategy author uses comes from
 `fusion_bridge.strategies`.
 
 The names below are imported on first use (PEP 562), so `import fusion_bridge` and
@@ -29,6 +30,7 @@ __all__ = [
     "ConcurrentCallError",
     "NoStrategyAvailable",
     "tensor_digest",
+    "check_in",
     "__version__",
 ]
 
@@ -41,6 +43,7 @@ _LAZY = {
     "EpilogueInputError": ".epilogue_tensors",
     "ConcurrentCallError": ".call.one_caller",
     "tensor_digest": ".call.checksum",
+    "check_in": ".ranks.check_in",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports on first use
@@ -51,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports
     from fusion_bridge.epilogue_tensors import EpilogueInputError
     from fusion_bridge.call.one_caller import ConcurrentCallError
     from fusion_bridge.call.checksum import tensor_digest
+    from fusion_bridge.ranks.check_in import check_in
 
 
 def __getattr__(name: str):

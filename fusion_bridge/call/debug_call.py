@@ -30,7 +30,7 @@ from fusion_bridge.call.failure import BridgeClosedError, add_note
 from fusion_bridge.call.payload import group_tokens
 from fusion_bridge.call.validation import validate_index_values, validate_inputs
 from fusion_bridge.epilogue_tensors import EpilogueInputs
-from fusion_bridge.ranks import agreement as rank_agreement
+from fusion_bridge.ranks import call_agreement as rank_agreement
 from fusion_bridge.ranks.process_group import collective_device
 from fusion_bridge.spec import EpilogueSpec
 from fusion_bridge.strategies.base import Strategy

@@ -8,16 +8,25 @@ call/debug_call.py). `_running` says where the call in progress stands, set by p
 call path (no call between a step and its record, so no Python signal handler runs in between):
 the constants below, None (started, no strategy yet), or a (strategy, variant, shadow next?) tuple
 (that strategy's run started; its `call_stage` says whether its collective had begun).
+
+Two public verbs live here too, for callers whose own code around the call fails (the Hugging Face
+patch, an engine adapter): `fail_call(tokens, error)` takes part in a call this rank cannot make
+(its expert GEMMs, router or attention failed before the call) with a NaN payload of T, through the
+same path as a call that failed inside; `mark_out_of_step(reason)` says the caller skipped or added
+a call it cannot make up, so every bridge of the process group refuses every later call.
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import NoReturn, Optional
+
+import torch
 
 from fusion_bridge.call import failure, one_caller
+from fusion_bridge.call.routes import token_count
 from fusion_bridge.call.validation import EpilogueInputError, zero_tensor_error
 from fusion_bridge.epilogue_tensors import EpilogueInputs
-from fusion_bridge.ranks import agreement as rank_agreement
+from fusion_bridge.ranks import call_agreement as rank_agreement
 from fusion_bridge.strategies.base import CallStage, Strategy
 
 # FusionBridge._running, where the call in progress stands (None: started, no strategy yet; a
@@ -27,8 +36,81 @@ _DONE = "done"  # the last call returned
 _IDLE = "idle"  # the last call's failure path finished
 
 
+class CallSkipped(RuntimeError):
+    """What `fail_call(tokens)` without an error records as this rank's failure: the caller skipped
+    the call (a NaN payload took its place)."""
+
+
 class FailurePath:
     """FusionBridge's failure path (see the module docstring)."""
+
+    def fail_call(self, tokens: int, error: Optional[BaseException] = None) -> None:
+        """This rank cannot make its next call (with `tokens` tokens, T): what produces its inputs
+        failed (the expert GEMMs, the router, an out-of-memory, a Ctrl-C), or the caller is
+        making up a call it skipped. Take part in the collectives the peers run in that call with
+        a NaN payload of T (their outputs are NaN, loud; the next call is in step on every rank),
+        exactly as a call that fails inside finalize_epilogue does, then raise `error` (with a
+        note saying this rank took part); with `error` None, return instead.
+
+        Needs nothing but T (no input tensor: the payload is the one reserved at build). Counts as
+        a call (debug mode's agreement sees it as this rank's failure: every rank raises the same
+        GroupInputError). T == 0, or one rank: nothing to take part in. Where this rank cannot
+        take part (T has no route, the bridge is broken, the bridge was closed and its route needs
+        its workspaces, taking part failed), every bridge on the process group refuses every
+        later call and this raises EpilogueInputError saying what recovers (a KeyboardInterrupt
+        stays one, with that message as a note)."""
+        tokens = token_count(tokens, "fail_call")
+        failed = (
+            error
+            if error is not None
+            else CallSkipped(f"fail_call: this rank skipped call {self.calls + 1} (T={tokens})")
+        )
+        try:
+            one_caller.enter(self)  # one call at a time per process group, as finalize_epilogue
+            previous, self._running, self.calls = self._running, None, self.calls + 1
+            if previous is not _DONE and previous is not _IDLE:
+                self._break_unfinished(previous)
+            self._call_failed(failed, self._token_inputs(tokens))
+        except CallSkipped as skipped:
+            if skipped is not failed:
+                raise
+        finally:
+            one_caller.leave(self)
+
+    def mark_out_of_step(self, reason: str) -> None:
+        """The caller's calls on this rank are out of step with its peers' (it skipped or added a
+        call it cannot make up, `reason` says which): this bridge and every other bridge of the
+        process on its process group refuse every later call, naming `reason` and what recovers.
+        No collective."""
+        self._break(RuntimeError(str(reason)), "outside finalize_epilogue")
+
+    @property
+    def group_saw_last_failure(self) -> bool:
+        """Whether every rank of the group raised for this rank's last call (debug mode: its
+        agreement named the failure), so no peer goes on past it; False without debug mode, where
+        a failed call's peers return NaN outputs and go on."""
+        agreement = self._agreement
+        return agreement is not None and agreement.where(self.calls) in ("reasons", "raises")
+
+    @property
+    def unusable(self) -> Optional[str]:
+        """Why every call of this bridge is refused (its group out of step here), or None."""
+        return self._broken
+
+    def _token_inputs(self, tokens: int) -> EpilogueInputs:
+        """Inputs that say T and nothing else: meta tensors of the call's shapes (no memory), all
+        the failure path reads of a call whose inputs were never made."""
+        spec, meta = self.spec, torch.device("meta")
+        rows = torch.empty(tokens, spec.hidden_size, dtype=spec.dtype, device=meta)
+        slots = torch.empty(tokens, spec.top_k, dtype=torch.int32, device=meta)
+        return EpilogueInputs(
+            rows[:1],
+            slots,
+            slots.float(),
+            rows if spec.has_shared_output else None,
+            rows,
+            torch.empty(spec.hidden_size, dtype=spec.dtype, device=meta),
+        )
 
     def _call_failed(self, error: BaseException, inputs: EpilogueInputs) -> NoReturn:
         """Whatever left finalize_epilogue: where the call stood (`_running`) decides what keeps

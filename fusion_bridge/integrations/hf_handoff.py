@@ -18,7 +18,8 @@ computed twice, and any other use of the block's output (a layer structure the p
 know) raises instead of computing something else.
 
 The next norm (the next layer's input_layernorm, or the final norm) returns the bridge's norm_out
-when it is called on exactly that residual_out, instead of computing the norm again.
+when it is called on exactly that residual_out, unedited (its version counter unchanged), instead
+of computing the norm again.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 
 from fusion_bridge.integrations.hf_families import UnsupportedModelError
 
-# on a norm: (residual_out, norm_out) of the MoE layer that just ran, or None
+# on a norm: (residual_out, norm_out, residual_out's version or None) of the MoE layer that just
+# ran, or None
 HANDOFF_ATTR = "_fusion_bridge_handoff"
 _ADDS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add}
 _MULS = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.mul, torch.mul}
@@ -129,13 +131,14 @@ def shared_forward(shared: torch.nn.Module, where: str, layer_patch) -> Callable
     return forward
 
 
-def block_forward(
-    block: torch.nn.Module, where: str, start: Callable, family, multiplier: float = 1.0
-) -> Callable:
-    """The MoE block's forward on the bridge: `start(x [T, H])` routes and computes this rank's
-    share and returns finish(residual [..., H]) -> residual_out; the block returns the handoff
-    as its family's block returns its output. multiplier: the m of the layer's `residual + h *
-    m` (already folded into the bridge's scaling; the handoff accepts exactly that product)."""
+def block_forward(block: torch.nn.Module, where: str, layer_patch, family) -> Callable:
+    """The MoE block's forward on the bridge: `layer_patch.start(x [T, H])` routes and computes
+    this rank's share and returns finish(residual [..., H]) -> residual_out; the block returns the
+    handoff as its family's block returns its output (with the m of the layer's `residual + h * m`,
+    already folded into the bridge's scaling: the handoff accepts exactly that product). Refused
+    before any work: training mode, extra arguments, and autograd through the bridge (it computes
+    no gradient). Whatever fails in the work before the bridge call (router, expert GEMMs, shared
+    expert) takes part in the layer's call with a NaN payload, then raises (`layer_patch.fail`)."""
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
         if block.training:
@@ -150,22 +153,46 @@ def block_forward(
                 f"its decoder layer calls it; got {len(args)} more positional and keyword "
                 f"arguments {sorted(kwargs)}"
             )
+        needs_grad = layer_patch.grad_reason(hidden_states)
+        if needs_grad is not None:
+            raise RuntimeError(
+                f"patch_moe_epilogues: {where} was called with autograd recording "
+                f"(torch.is_grad_enabled() is True and {needs_grad}); the bridge computes no "
+                "gradients, so a backward through the patched model would be wrong (the fused "
+                "norm's weight would get none, the parameters before the layer wrong ones). Run "
+                "the patched model under torch.no_grad() or torch.inference_mode(), or call "
+                "model.requires_grad_(False) first; to backpropagate, patch.unpatch() and run "
+                "the model's own code"
+            )
         shape = hidden_states.shape
-        finish = start(hidden_states.reshape(-1, shape[-1]))
-        return family.block_output(Handoff.make(where, finish, multiplier))
+        try:
+            finish = layer_patch.start(hidden_states.reshape(-1, shape[-1]))
+        except BaseException as error:  # noqa: BLE001 - the peers wait in this layer's call
+            layer_patch.fail(shape[:-1].numel(), error)
+            raise
+        return family.block_output(Handoff.make(where, finish, layer_patch.multiplier))
 
     return forward
 
 
 def handoff_forward(norm: torch.nn.Module, on_reuse: Callable[[], None]) -> Callable:
-    """The norm's forward, except on the exact tensor an MoE layer just returned: then the bridge
-    already computed this norm (norm_out), and it is returned instead of computed twice."""
+    """The norm's forward, except on the exact tensor an MoE layer just returned, unedited: then
+    the bridge already computed this norm (norm_out), and it is returned instead of computed
+    twice. A tensor edited in place since (a forward hook's `out.add_(v)`: its version counter
+    moved) gets the norm computed again, from what it holds now. (Under torch.inference_mode the
+    patch has the bridge write into tensors made outside it, which carry a version counter; an
+    inference tensor, which has none, always gets the norm computed again.)"""
     own_forward = norm.forward  # bound before the patch replaces it
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         handoff = norm.__dict__.get(HANDOFF_ATTR)
         norm.__dict__[HANDOFF_ATTR] = None  # used at most once; never held past the next call
-        if handoff is not None and handoff[0] is hidden_states:
+        if (
+            handoff is not None
+            and handoff[0] is hidden_states
+            and handoff[2] is not None
+            and hidden_states._version == handoff[2]
+        ):
             on_reuse()
             return handoff[1]
         return own_forward(hidden_states)

@@ -35,32 +35,35 @@ the contract with one small all-gather, and debug mode (`debug=True`) checks it 
 
 Nothing is copied: the patch sets instance attributes (`forward` of the MoE blocks and of the norms
 they feed, plus `moe_epilogue` on each MoE layer) and `unpatch()` removes them, so parameters,
-state_dict and the classes are the model's own throughout. The patched model runs in eval mode only:
-a patched block in training mode raises.
+state_dict and the classes are the model's own throughout. The patched model runs in eval mode only
+and without autograd: a patched block in training mode, or with gradients recorded, raises.
+
+When one rank's forward fails (its router, experts, attention, ...), it takes part in the MoE
+layers' calls it did not make with a NaN payload (hf_forward), so its peers get NaN logits and the
+next forward is in step; the model check (hf_model_check) runs before any bridge is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from fusion_bridge import EpilogueOutputs, EpilogueSpec, FusionBridge
+from fusion_bridge import EpilogueSpec, FusionBridge
 
-from fusion_bridge.integrations.hf_experts import (
-    block_of,
-    routed_rows,
-    shared_partial,
-    shared_width,
-)
+from fusion_bridge.integrations.hf_experts import block_of, shared_width
 from fusion_bridge.integrations.hf_families import (
     Family,
     UnsupportedModelError,
     check_moe_block,
     check_rmsnorm,
     family_of,
+)
+from fusion_bridge.integrations.hf_forward import (
+    ForwardAccount,
+    out_of_step_reason,
+    record_out_of_step,
 )
 from fusion_bridge.integrations.hf_handoff import (
     HANDOFF_ATTR,
@@ -69,7 +72,8 @@ from fusion_bridge.integrations.hf_handoff import (
     shared_forward,
 )
 from fusion_bridge import tensor_digest
-from fusion_bridge.integrations.weights_digest import parameter_digests
+from fusion_bridge.integrations.hf_layer import PatchedMoELayer
+from fusion_bridge.integrations.hf_model_check import agree_on_model, resolve_group
 
 __all__ = [
     "patch_moe_epilogues",
@@ -80,76 +84,6 @@ __all__ = [
 ]
 
 _PATCH_ATTR = "_fusion_bridge_patch"
-
-
-@dataclass
-class PatchedMoELayer:
-    """One MoE decoder layer on the bridge. local_experts: the routed experts this rank computes;
-    shared_columns: its intermediate columns of the shared expert (None: the family has none);
-    next_norm: the name of the RMSNorm the bridge computes in this layer's epilogue."""
-
-    index: int
-    bridge: FusionBridge
-    family: Family
-    block: torch.nn.Module
-    local_experts: range
-    shared_columns: Optional[range]
-    next_norm: str
-    norm_module: torch.nn.Module
-    multiplier: float = 1.0  # m of the layer's `residual + h * m` (1.0: a plain residual add)
-    shared: Optional[torch.nn.Module] = None  # the shared expert MLP (the block's or the layer's)
-
-    def explain(self, tokens: Optional[int] = None):
-        """The bridge's report for this layer (strategy per token bucket, every rejection)."""
-        return self.bridge.explain(tokens)
-
-    def expert_share(self, x: torch.Tensor):
-        """This rank's share of the block on x [T, H] (the post-attention-norm activations):
-        (gemm2_out, index map, expert weights, shared output or None), the bridge's inputs. A
-        shared expert of the decoder layer (`shared_on_layer`) is left to `shared_share`, which
-        its own patched forward calls."""
-        weights, ids = self.family.routing(self.block, x)
-        gemm2_out, index_map = routed_rows(x, ids, self.block.experts, self.local_experts)
-        shared = None
-        if self.shared is not None and not self.family.shared_on_layer:
-            shared = self.shared_share(x)
-        return gemm2_out, index_map, weights, shared
-
-    def shared_share(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the shared output on x [T, H], times the residual multiplier."""
-        partial = shared_partial(x, self.shared, self.shared_columns, self.family.shared_act)
-        shared = self.family.shared_output(self.block, x, partial)
-        if self.multiplier != 1.0:  # residual + m * (routed + shared)
-            shared = shared * self.multiplier
-        return shared
-
-    def epilogue(self, x: torch.Tensor, residual: torch.Tensor) -> EpilogueOutputs:
-        """x [T, H]: the post-attention-norm activations; residual [T, H]: the stream before it."""
-        gemm2_out, index_map, weights, shared = self.expert_share(x)
-        if self.shared is not None and self.family.shared_on_layer:
-            shared = self.shared_share(x)
-        return self._finalize((gemm2_out, index_map, weights, shared), residual)
-
-    def start(self, x: torch.Tensor) -> Callable[..., torch.Tensor]:
-        """The block's work on x [T, H] up to the bridge; returns finish(residual [..., H],
-        shared=None) -> residual_out, which runs the bridge (with a layer's shared share where
-        given) and leaves its norm_out for the next norm."""
-        gemm2_out, index_map, weights, own_shared = self.expert_share(x)
-
-        def finish(residual: torch.Tensor, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
-            share = (gemm2_out, index_map, weights, own_shared if shared is None else shared)
-            out = self._finalize(share, residual.reshape(-1, residual.shape[-1]))
-            residual_out = out.residual_out.view(residual.shape)
-            norm_out = out.norm_out.view(residual.shape)
-            self.norm_module.__dict__[HANDOFF_ATTR] = (residual_out, norm_out)
-            return residual_out
-
-        return finish
-
-    def _finalize(self, share, residual: torch.Tensor) -> EpilogueOutputs:
-        gemm2_out, index_map, weights, shared = share
-        gamma = self.norm_module.weight.detach()
-        return self.bridge.finalize_epilogue(gemm2_out, index_map, weights, shared, residual, gamma)
 
 
 class MoEEpiloguePatch:
@@ -202,7 +136,13 @@ class MoEEpiloguePatch:
                 )
 
     def unpatch(self) -> None:
-        """Restore the model's own forwards and free the bridges. Idempotent; not collective."""
+        """Restore the model's own forwards and free the bridges. Idempotent; not collective. A
+        bridge left unusable (its group out of step on this rank) is remembered, so a new patch on
+        that process group raises, saying what recovers, instead of pairing its model check with a
+        peer's pending collective."""
+        for bridge in self._bridges:
+            if bridge.unusable is not None:
+                record_out_of_step(self.group, bridge.unusable)
         for module, name, previous in reversed(self._restore):
             module.__dict__.pop(name, None)
             if previous is not None:
@@ -271,35 +211,35 @@ def patch_moe_epilogues(
         next_norms[i] = (name, norm, check_rmsnorm(family, norm, name, hidden))
     device = blocks[moe_indices[0]].experts.gate_up_proj.device
     family.check_device(device)
-    group, rank, world = _resolve_group(group, device)
+    group, rank, world = resolve_group(group, device)
     num_experts = blocks[moe_indices[0]].experts.gate_up_proj.shape[0]
     if world > num_experts:
         raise ValueError(
             f"patch_moe_epilogues: group size must be at most the number of routed experts "
             f"({num_experts}) so every rank holds at least one, got a group of {world}"
         )
-    if world > 1:
-        _agree_on_model(model, moe_indices, group, rank)
+    stale = out_of_step_reason(group) if world > 1 else None
+    if stale is not None:
+        raise RuntimeError(
+            "patch_moe_epilogues: an earlier patch's calls on this process group went out of "
+            f"step on this rank ({stale[:300]}); a new patch's first collective would pair with "
+            "a peer's pending one. On every rank: torch.distributed.destroy_process_group(), "
+            "init_process_group() again, and patch with the new group"
+        )
+    specs = {i: _spec(family, blocks[i], layers[i], hidden, dtype, next_norms[i][2], max_tokens)
+             for i in moe_indices}  # fmt: skip
+    if world > 1:  # before any bridge: the same model and the same specs on every rank
+        timeout = bridge_options.get("build_timeout_s")
+        agree_on_model(model, moe_indices, group, rank, specs, build_timeout_s=timeout)
 
     patch = MoEEpiloguePatch(model, family, group, rank, world)
+    account = ForwardAccount(group)
     bridges: dict[EpilogueSpec, FusionBridge] = {}
     try:
         for i in moe_indices:
-            block = blocks[i]
-            name, norm, eps = next_norms[i]
+            block, spec = blocks[i], specs[i]
+            name, norm, _ = next_norms[i]
             multiplier = family.multiplier(layers[i])
-            spec = EpilogueSpec(
-                hidden_size=hidden,
-                top_k=family.top_k(block),
-                dtype=dtype,
-                eps=eps,
-                weight_bias=family.weight_bias,
-                # residual + m * (routed + shared): m folded into the routed scaling here and into
-                # the shared partial by PatchedMoELayer
-                routed_scaling_factor=family.routed_scaling(block) * multiplier,
-                has_shared_output=family.shared_module(block, layers[i]) is not None,
-                max_tokens=max_tokens,
-            )
             if spec not in bridges:  # layers with equal specs share one bridge and its workspaces
                 bridges[spec] = FusionBridge(spec, group, strategy, device=device, **bridge_options)
                 patch._bridges.append(bridges[spec])
@@ -318,18 +258,19 @@ def patch_moe_epilogues(
                 norm,
                 multiplier,
                 shared,
+                account,
             )
             patch.layers[i] = layer_patch
+            account.layers[i] = layer_patch
             patch._set(layers[i], "moe_epilogue", layer_patch)
             where = paths[id(block)]
-            patch._set(
-                block, "forward", block_forward(block, where, layer_patch.start, family, multiplier)
-            )
+            patch._set(block, "forward", block_forward(block, where, layer_patch, family))
             if shared is not None and family.shared_on_layer:
                 patch._set(shared, "forward", shared_forward(shared, where, layer_patch))
             if HANDOFF_ATTR not in norm.__dict__:
                 patch._set(norm, "forward", handoff_forward(norm, patch._norm_reused))
                 patch._set(norm, HANDOFF_ATTR, None)
+        patch._set(text, "forward", account.wrap(text.forward))
     except Exception:
         patch.unpatch()
         raise
@@ -337,58 +278,25 @@ def patch_moe_epilogues(
     return patch
 
 
+def _spec(family: Family, block, layer, hidden: int, dtype, eps: float, max_tokens: int):
+    """The EpilogueSpec of one MoE layer's bridge."""
+    multiplier = family.multiplier(layer)
+    return EpilogueSpec(
+        hidden_size=hidden,
+        top_k=family.top_k(block),
+        dtype=dtype,
+        eps=eps,
+        weight_bias=family.weight_bias,
+        # residual + m * (routed + shared): m folded into the routed scaling here and into
+        # the shared partial by PatchedMoELayer
+        routed_scaling_factor=family.routed_scaling(block) * multiplier,
+        has_shared_output=family.shared_module(block, layer) is not None,
+        max_tokens=max_tokens,
+    )
+
+
 def unpatch_moe_epilogues(model: torch.nn.Module) -> None:
     """Undo patch_moe_epilogues on `model` (no-op if it is not patched)."""
     patch = getattr(model, _PATCH_ATTR, None)
     if patch is not None:
         patch.unpatch()
-
-
-def _resolve_group(group, device: torch.device):
-    """(group, rank, world size) the patch runs over; refuses a group that cannot carry the
-    model's tensors."""
-    initialized = dist.is_available() and dist.is_initialized()
-    if group is None:
-        if not initialized:
-            return None, 0, 1
-        group = dist.group.WORLD
-    elif not initialized:
-        raise ValueError(
-            "patch_moe_epilogues: group was given but torch.distributed is not initialised"
-        )
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("patch_moe_epilogues: group must contain this process, it does not")
-    backend = str(dist.get_backend(group))
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"patch_moe_epilogues: group uses the nccl backend, which needs the model on a CUDA "
-            f"device; the model is on {device}"
-        )
-    return group, rank, dist.get_world_size(group)
-
-
-def _fingerprint(model: torch.nn.Module, moe_indices: list[int]) -> dict:
-    """What must be equal on every rank: the architecture and a content hash of every parameter
-    (weights_digest: it sees a permutation, and treats NaN alike)."""
-    return {
-        "model_type": model.config.model_type,
-        "hidden_size": model.config.get_text_config().hidden_size,
-        "moe_layers": moe_indices,
-        "checksums": parameter_digests(model),
-    }
-
-
-def _agree_on_model(model: torch.nn.Module, moe_indices: list[int], group, rank: int) -> None:
-    """Every rank raises the same error if the ranks hold different models."""
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, _fingerprint(model, moe_indices), group=group)
-    first = everyone[0]
-    for other_rank, other in enumerate(everyone[1:], start=1):
-        fields = [k for k in first if k != "checksums" and other[k] != first[k]]
-        params = [k for k, v in other["checksums"].items() if first["checksums"].get(k) != v]
-        if fields or params or len(other["checksums"]) != len(first["checksums"]):
-            raise ValueError(
-                "patch_moe_epilogues: every rank of the group must hold the same model; rank "
-                f"{other_rank} differs from rank 0 in {fields or 'parameters'} {params[:3]}"
-            )

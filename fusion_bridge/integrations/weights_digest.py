@@ -24,3 +24,9 @@ def parameter_digests(model: torch.nn.Module) -> dict[str, int]:
     """{parameter name: tensor_digest (every NaN alike)} for every parameter of `model`, in its
     named order."""
     return {name: tensor_digest(p, canonical_nan=True) for name, p in model.named_parameters()}
+
+
+def buffer_digests(model: torch.nn.Module) -> dict[str, int]:
+    """{buffer name: tensor_digest (every NaN alike)} for every buffer of `model` (a routing
+    correction bias such as `e_score_correction_bias`, a rotary `inv_freq`), persistent or not."""
+    return {name: tensor_digest(b, canonical_nan=True) for name, b in model.named_buffers()}

@@ -12,13 +12,8 @@ import pytest
 import torch
 
 from fusion_bridge.spec import EpilogueSpec, QuantSpec
-from fusion_bridge.ranks.agreement import (
-    GroupInputError,
-    agree_call,
-    agree_on_settings,
-    differing_fields,
-    plan_settings,
-)
+from fusion_bridge.ranks.agreement import agree_on_settings, differing_fields, plan_settings
+from fusion_bridge.ranks.call_agreement import GroupInputError, agree_call
 from fusion_bridge.ranks.check_in import DEFAULT_BUILD_TIMEOUT_S, build_timeout_s, check_in
 from fusion_bridge.cli.launch import run_distributed
 from fusion_bridge.call.validation import EpilogueInputError

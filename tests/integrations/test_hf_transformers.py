@@ -362,25 +362,20 @@ def test_the_bridge_takes_the_norm_s_own_eps():
     check_summary(r)
 
 
-def test_the_model_check_names_the_rank_that_differs(monkeypatch):
+def test_the_model_check_names_the_rank_that_differs():
     """The model check compares every rank's model with rank 0's and names the first that differs:
-    a group of 3 ranks (its gather faked in this process) whose rank 2 holds other weights."""
-    from fusion_bridge.integrations import transformers as adapter
+    the fingerprints of a group of 3 ranks whose rank 2 holds other weights, compared as every
+    rank compares the gathered list."""
+    from fusion_bridge.integrations import hf_model_check
 
     model, other = build_model("qwen3_moe", TINY), build_model("qwen3_moe", TINY, seed=1)
     moe = [0, 1, 2]
-    gathered = [adapter._fingerprint(m, moe) for m in (model, model, other)]
-    monkeypatch.setattr(adapter.dist, "get_world_size", lambda group=None: 3)
-    monkeypatch.setattr(
-        adapter.dist,
-        "all_gather_object",
-        lambda out, obj, group=None: out.__setitem__(slice(None), gathered),
-    )
+    gathered = [hf_model_check.fingerprint(m, moe) for m in (model, model, other)]
     with pytest.raises(ValueError, match="must hold the same model") as err:
-        adapter._agree_on_model(model, moe, object(), 0)
+        hf_model_check.compare_ranks(gathered)
     assert "; rank 2 differs from rank 0 in parameters [" in str(err.value), str(err.value)
     gathered[2] = gathered[0]
-    adapter._agree_on_model(model, moe, object(), 0)  # the same model everywhere: no error
+    hf_model_check.compare_ranks(gathered)  # the same model everywhere: no error
 
 
 def test_the_families_this_transformers_has():
