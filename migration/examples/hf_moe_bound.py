@@ -12,7 +12,8 @@ U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 # Roundings to the activation dtype in one call of a family's RMSNorm (its forward, quoted):
 #   Llama style (default; every other family's RMSNorm, the ones added with the family table
 #   included: DeepSeek-V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral-4, Kimi-Linear, Qwen3-VL-MoE's
-#   and Qwen3-Omni-MoE's text norms, OLMoE, ERNIE-4.5-MoE), `return self.weight *
+#   and Qwen3-Omni-MoE's text norms, OLMoE, ERNIE-4.5-MoE, HunYuan-MoE-V1, MiMo-V2-Flash, HY-V3,
+#   GLM-4.5V's text norm), `return self.weight *
 #   hidden_states.to(input_dtype)`: the normalized row, then its product with the weight: 2;
 #   GptOssRMSNorm, `return (self.weight * hidden_states).to(input_dtype)`: 1;
 #   Qwen3_5MoeRMSNorm and Qwen3NextRMSNorm, `output = output * (1.0 + self.weight.float());

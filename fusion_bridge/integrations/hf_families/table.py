@@ -116,6 +116,31 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "modeling_exaone_moe: ExaoneMoeSparseMoEBlock as DeepseekV3MoE (its shared experts "
         "sized by num_shared_experts)",
     ),
+    _sigmoid_grouped(
+        "MiMo-V2-Flash",
+        ("mimo_v2_flash",),
+        "mimo_v2_flash",
+        "modeling_mimo_v2_flash: MiMoV2FlashMoE as DeepseekV3MoE without shared experts (the "
+        "row's shared expert is absent); sliding-window attention with a value scale",
+    ),
+    _sigmoid_grouped(
+        "GLM-4.5V",
+        ("glm4v_moe_text",),
+        "glm4v_moe",
+        "modeling_glm4v_moe: Glm4vMoeTextMoE as DeepseekV3MoE; the text model at "
+        "model.language_model (the vision tower is not patched)",
+        wrappers=("glm4v_moe",),
+    ),
+    _sigmoid_grouped(
+        "HY-V3",
+        ("hy_v3",),
+        "hy_v3",
+        "modeling_hy_v3: HYV3MoE, its TopKRouter takes the block's e_score_correction_bias and "
+        "multiplies its renormalised sigmoid weights by router_scaling_factor; adds "
+        "shared_experts(x) (in fp32 where enable_moe_fp32_combine)",
+        router_args=("e_score_correction_bias",),
+        scaling_attr="router_scaling_factor",
+    ),
     _softmax_topk(
         "Qwen2-MoE",
         ("qwen2_moe",),
@@ -123,6 +148,14 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "modeling_qwen2_moe: Qwen2MoeSparseMoeBlock adds sigmoid(shared_expert_gate(x)) * "
         "shared_expert(x)",
         **_QWEN_GATED,
+    ),
+    _softmax_topk(
+        "HunYuan-MoE-V1",
+        ("hunyuan_v1_moe",),
+        "hunyuan_v1_moe",
+        "modeling_hunyuan_v1_moe: HunYuanMoEV1Moe, its fp32 gate a softmax top-k renormalised "
+        "(weights left fp32), plus shared_mlp(x) unscaled; every layer MoE",
+        shared_attr="shared_mlp",
     ),
     _softmax_topk("Qwen3-MoE", ("qwen3_moe",), "qwen3_moe", "modeling_qwen3_moe: no shared expert"),
     _softmax_topk(
