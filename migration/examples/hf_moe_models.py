@@ -51,6 +51,9 @@ FAMILIES = (
     "mimo_v2_flash",
     "hy_v3",
     "glm4v_moe",
+    "minicpm5_moe",
+    "mellum",
+    "flint",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -86,6 +89,9 @@ CONFIG_CLASS = {
     "mimo_v2_flash": "MiMoV2FlashConfig",
     "hy_v3": "HYV3Config",
     "glm4v_moe": "Glm4vMoeConfig",
+    "minicpm5_moe": "MiniCPM5MoeConfig",
+    "mellum": "MellumConfig",
+    "flint": "FlintConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -325,6 +331,23 @@ def _later_configs(family: str, s: dict, common: dict, grouped: dict, dense_firs
         kwargs.update(video_start_token_id=1 << 21, image_end_token_id=1 << 22)
         kwargs.update(video_end_token_id=1 << 23)
         return "Glm4vMoeForConditionalGeneration", kwargs
+    return _grouped_and_softmax_configs(family, s, common, grouped, dense_first)
+
+
+def _grouped_and_softmax_configs(family, s, common, grouped, dense_first) -> tuple:
+    """MiniCPM5-MoE (DeepSeek-V3's block), Mellum and Flint (softmax / sigmoid top-k blocks)."""
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: their vocabularies
+    if family == "minicpm5_moe":
+        cpm = dict(grouped, intermediate_size=s["inter"], mlp_layer_types=dense_first, **ids)
+        return "MiniCPM5MoeForCausalLM", cpm
+    qwen = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **ids)
+    qwen.update(moe_intermediate_size=s["moe_inter"], num_experts=s["experts"])
+    qwen.update(intermediate_size=s["inter"], sliding_window=4)
+    if family == "mellum":
+        return "MellumForCausalLM", dict(qwen, mlp_layer_types=dense_first)
+    if family == "flint":
+        flint = dict(qwen, shared_expert_intermediate_size=s["shared_inter"], mlp_only_layers=[0])
+        return "FlintForCausalLM", flint
     raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
 
 

@@ -141,6 +141,12 @@ FAMILY_ROWS: tuple[Family, ...] = (
         router_args=("e_score_correction_bias",),
         scaling_attr="router_scaling_factor",
     ),
+    _sigmoid_grouped(
+        "MiniCPM5-MoE",
+        ("minicpm5_moe",),
+        "minicpm5_moe",
+        "modeling_minicpm5_moe: MiniCPM5MoeMoE as DeepseekV3MoE",
+    ),
     _softmax_topk(
         "Qwen2-MoE",
         ("qwen2_moe",),
@@ -156,6 +162,21 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "modeling_hunyuan_v1_moe: HunYuanMoEV1Moe, its fp32 gate a softmax top-k renormalised "
         "(weights left fp32), plus shared_mlp(x) unscaled; every layer MoE",
         shared_attr="shared_mlp",
+    ),
+    _softmax_topk(
+        "Mellum",
+        ("mellum",),
+        "mellum",
+        "modeling_mellum: MellumSparseMoeBlock as Qwen3-MoE's (no shared expert); sliding-window "
+        "layers",
+    ),
+    _softmax_topk(
+        "Flint",
+        ("flint",),
+        "flint",
+        "modeling_flint: FlintSparseMoeBlock, a sigmoid top-k router renormalised per the config, "
+        "plus shared_expert(x) ungated",
+        shared_attr="shared_expert",
     ),
     _softmax_topk("Qwen3-MoE", ("qwen3_moe",), "qwen3_moe", "modeling_qwen3_moe: no shared expert"),
     _softmax_topk(
