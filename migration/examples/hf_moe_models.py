@@ -12,7 +12,10 @@ are their vision-language wrappers with a one-layer vision tower. The families a
 family table (issue 47) keep theirs too: DSA / MLA attention (DeepSeek-V3.2, GLM-MoE-DSA,
 GLM-4-MoE-Lite, Mistral-4, Mistral-Large-4 in its Pixtral wrapper), linear attention (Kimi-Linear's
 KDA, Qwen3-Next's gated DeltaNet), wrappers (Qwen3-VL-MoE, Qwen3-Omni-MoE's thinker), a dense first
-layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU.
+layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU;
+HunYuan-MoE-V1 (every layer MoE, a shared MLP), MiMo-V2-Flash (no shared expert, sliding windows),
+HY-V3 (its router's own factor name), GLM-4.5V in its wrapper (multimodal rope), MiniCPM5-MoE
+(gated attention), Mellum and Flint (a dense first layer, Flint's ungated shared expert).
 """
 
 from __future__ import annotations
