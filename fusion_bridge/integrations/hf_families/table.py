@@ -142,6 +142,14 @@ FAMILY_ROWS: tuple[Family, ...] = (
         scaling_attr="router_scaling_factor",
     ),
     _sigmoid_grouped(
+        "dots3.note",
+        ("dots3_note_text",),
+        "dots3_note",
+        "modeling_dots3_note (5.25): Dots3NoteTextMoE as DeepseekV3MoE; MLA with DSA indexer "
+        "attention; its text model (the multimodal wrapper has no row: its text path is not "
+        "tested)",
+    ),
+    _sigmoid_grouped(
         "MiniCPM5-MoE",
         ("minicpm5_moe",),
         "minicpm5_moe",
@@ -238,6 +246,17 @@ FAMILY_ROWS: tuple[Family, ...] = (
     ),
     _softmax_topk(
         "Mixtral", ("mixtral",), "mixtral", "modeling_mixtral: renormalised fp32 router weights"
+    ),
+    Family(
+        "Aria",
+        ("aria_text",),
+        ("aria",),
+        "modeling_aria (5.25): AriaTextMoELayer, its `router` a softmax over the top-k logits, "
+        "plus shared_experts(x) unscaled; transposed experts; its text model (the Aria wrapper "
+        "has no row: its text path is not tested; 5.17's block scales the expert input: refused "
+        "there)",
+        router_attr="router",
+        shared_attr="shared_experts",
     ),
     Family(
         "MiniMax-M2",
