@@ -58,7 +58,6 @@ FAMILIES = (
     "mellum",
     "flint",
     "aria_text",
-    "dots3_note_text",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -98,7 +97,6 @@ CONFIG_CLASS = {
     "mellum": "MellumConfig",
     "flint": "FlintConfig",
     "aria_text": "AriaTextConfig",
-    "dots3_note_text": "Dots3NoteTextConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -344,12 +342,6 @@ def _later_configs(family: str, s: dict, common: dict, grouped: dict, dense_firs
 def _grouped_and_softmax_configs(family, s, common, grouped, dense_first) -> tuple:
     """MiniCPM5-MoE (DeepSeek-V3's block), Mellum and Flint (softmax / sigmoid top-k blocks)."""
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: their vocabularies
-    if family == "dots3_note_text":  # its text model (Dots3NoteForCausalLM): as DeepSeek-V3.2's
-        dsa = dict(q_lora_rank=s["head_dim"] * 2, index_topk=64, index_head_dim=s["head_dim"])
-        dots = dict(_deepseek(s), **dsa, index_n_heads=2, mlp_layer_types=dense_first)
-        dots.pop("first_k_dense_replace")
-        dots.update(shared_experts_intermediate_size=s["shared_inter"], head_dim=s["head_dim"])
-        return "Dots3NoteForCausalLM", dict(common, **dots, **ids)
     if family == "minicpm5_moe":
         cpm = dict(grouped, intermediate_size=s["inter"], mlp_layer_types=dense_first, **ids)
         return "MiniCPM5MoeForCausalLM", cpm

@@ -142,14 +142,6 @@ FAMILY_ROWS: tuple[Family, ...] = (
         scaling_attr="router_scaling_factor",
     ),
     _sigmoid_grouped(
-        "dots3.note",
-        ("dots3_note_text",),
-        "dots3_note",
-        "modeling_dots3_note (5.25): Dots3NoteTextMoE as DeepseekV3MoE; MLA with DSA indexer "
-        "attention; its text model (the multimodal wrapper has no row: its text path is not "
-        "tested)",
-    ),
-    _sigmoid_grouped(
         "MiniCPM5-MoE",
         ("minicpm5_moe",),
         "minicpm5_moe",
