@@ -6,20 +6,26 @@ An RMSNorm multiplies the normalized row by `weight + offset`: offset 0 for the 
 the offset, and a wrong offset is a silently wrong norm_out. The norm reaches the bridge one of
 three ways, exactly one per call:
 
-- `norm=` the module itself (vLLM's or SGLang's `RMSNorm` / `GemmaRMSNorm`): its class says the
-  offset (`engine_norm_offset`, the one lookup for engine classes), the spec's `weight_bias` must
-  equal it, and its `eps` must equal the module's. Its stored weight is read (SGLang's
-  `GemmaRMSNorm.weight`, never its pre-folded `gemma_weight`). Any other class is refused.
+- `norm=` the module itself: vLLM's or SGLang's `RMSNorm` / `GemmaRMSNorm` (ENGINE_NORMS), or a
+  transformers `*RMSNorm` of a model type in the Hugging Face family table (the norms
+  `patch_moe_epilogues` moves: Llama-style, or zero-centred as Qwen3-Next's, whose offset
+  `hf_families.norm_weight_offset` reads from its forward). `norm_class` is the one lookup of both;
+  the spec's `weight_bias` must equal the class's offset and its `eps` the module's. Its stored
+  weight is read (SGLang's `GemmaRMSNorm.weight`, never its pre-folded `gemma_weight`). Any other
+  class is refused, naming the accepted ones.
 - `norm_weight=` a tensor holding the weight as stored; the spec's `weight_bias` is added to it.
 - `applied_gamma=` a tensor holding the multiplier as applied (SGLang's `fused_norm_gamma()`:
   `1 + w` for a Gemma-style norm, with no offset left to add); the spec's `weight_bias` must be 0.
 
 Classes are matched by module and qualified name, never by importing the engine, and exactly:
-a subclass may change what its forward computes, so it is refused like any unknown class.
+a subclass may change what its forward computes, so it is refused like any unknown class. A
+transformers class must come from a family row's `transformers.models` subpackage, be named
+`*RMSNorm` and normalise its one input (a gated norm, which takes a second, is refused).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple, Optional
 
 import torch
@@ -62,17 +68,54 @@ def class_path(cls: type) -> str:
 
 def norm_class(norm: torch.nn.Module | type) -> Optional[EngineNorm]:
     """What the bridge needs from a norm class or module (EngineNorm), or None for a class it does
-    not know (exact class only). The one lookup of norm classes: every check here goes through
-    it."""
+    not know. The one lookup of norm classes: an engine's class exactly (ENGINE_NORMS), else a
+    transformers RMSNorm of the Hugging Face family table (`family_table_norm`)."""
     cls = norm if isinstance(norm, type) else type(norm)
-    return ENGINE_NORMS.get(class_path(cls))
+    known = ENGINE_NORMS.get(class_path(cls))
+    return known if known is not None else family_table_norm(cls)
 
 
 def engine_norm_offset(norm: torch.nn.Module | type) -> Optional[float]:
     """The weight offset of an engine norm class or module (0.0 for `RMSNorm`, 1.0 for
-    `GemmaRMSNorm`, vLLM's and SGLang's), or None for a class that is not one of them."""
-    known = norm_class(norm)
+    `GemmaRMSNorm`, vLLM's and SGLang's), or None for a class that is not one of them (the
+    engines' table only: hf_families.norm_weight_offset asks it first)."""
+    known = ENGINE_NORMS.get(class_path(norm if isinstance(norm, type) else type(norm)))
     return None if known is None else known.offset
+
+
+def family_table_norm(cls: type) -> Optional[EngineNorm]:
+    """A transformers `*RMSNorm` class of a family-table row's `transformers.models` subpackage
+    whose forward normalises its one input: its offset as `hf_families.norm_weight_offset` reads
+    it (the table's lookup), its eps attribute as its code reads it (`variance_epsilon`, or
+    `eps` in the zero-centred norms). None for any other class, or one whose forward says
+    neither offset or neither eps."""
+    from fusion_bridge.integrations.hf_families import (
+        FAMILIES,
+        UnsupportedModelError,
+        norm_weight_offset,
+    )
+
+    modules = {f"transformers.models.{m}." for row in FAMILIES for m in row.modeling}
+    if not cls.__name__.endswith("RMSNorm") or not any(
+        cls.__module__.startswith(m) for m in modules
+    ):
+        return None
+    try:
+        params = list(inspect.signature(cls.forward).parameters)
+        source = inspect.getsource(cls)
+        offset = norm_weight_offset(cls)
+    except (TypeError, ValueError, OSError, UnsupportedModelError):
+        return None
+    eps = [a for a in ("variance_epsilon", "eps") if f"self.{a}" in source]
+    if len(params) != 2 or len(eps) != 1:  # (self, hidden_states): a gated norm takes a gate
+        return None
+    return EngineNorm(offset, "weight", eps[0])
+
+
+ACCEPTED_NORMS = (
+    f"{sorted(ENGINE_NORMS)}, or a transformers *RMSNorm of a model type in the Hugging Face "
+    "family table (transformers.models.<its row's subpackage>, one input)"
+)
 
 
 def _fail(who: str, name: str, expected: str, actual: object, fix: str = "") -> None:
@@ -142,8 +185,8 @@ def _module_gamma(spec: EpilogueSpec, norm: torch.nn.Module, who: str) -> torch.
         _fail(
             who,
             "norm",
-            f"one of the engine norm classes {sorted(ENGINE_NORMS)} (exact class: a subclass may "
-            "compute another norm)",
+            f"one of the norm classes {ACCEPTED_NORMS} (exact class: a subclass may compute "
+            "another norm)",
             class_path(type(norm)),
             "pass its weight as norm_weight= with the spec's weight_bias set to the offset its "
             "forward adds (1.0 for a zero-centred, Gemma-style norm), or the multiplier it "

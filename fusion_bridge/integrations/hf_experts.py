@@ -29,8 +29,12 @@ def block_of(rank: int, world: int, count: int) -> range:
 def _grouped_linear(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """rows [S, in] (sorted by group), weights [G, in, out] (any strides), ends [G] int32 cumulative
     row counts -> [S, out]; rows past ends[-1] are left uninitialised (nobody reads them). One
-    grouped GEMM on CUDA (no host sync: CUDA-graph safe); else one GEMM per group (syncs on
-    ends)."""
+    grouped GEMM on CUDA SM80+ with 16-byte aligned shapes (no host sync: CUDA-graph safe); no
+    rows: nothing read; else one GEMM per group, whose bounds are read on the host (`tolist`: on
+    CPU a read of host memory, on a CUDA device without the grouped GEMM a sync that a CUDA graph
+    cannot capture)."""
+    if rows.shape[0] == 0:  # T == 0: nothing to multiply, and ends is not read
+        return rows.new_empty(0, weights.shape[2])
     if _GROUPED_MM is not None and _grouped_mm_ok(rows, weights):
         return _GROUPED_MM(rows, weights, offs=ends)
     out = rows.new_empty(rows.shape[0], weights.shape[2])
@@ -50,7 +54,7 @@ def _grouped_mm_ok(rows: torch.Tensor, weights: torch.Tensor) -> bool:
     # CUDA SM80+ only: torch's CPU grouped_mm is far slower than one GEMM per group (and on CPU
     # nothing is captured, so the host sync of the loop costs nothing). The kernel wants 16-byte
     # aligned rows and strides (bf16/fp16: inner dims multiples of 8).
-    aligned = all(d % 8 == 0 for d in weights.shape[1:]) and rows.shape[0] > 0
+    aligned = all(d % 8 == 0 for d in weights.shape[1:])
     return rows.device.type == "cuda" and aligned and _sm80_or_newer(rows.device)
 
 
@@ -70,12 +74,14 @@ _POSITIONS: dict = {}  # device -> every arange made for it, the largest last (n
 
 
 def _positions(count: int, device: torch.device) -> torch.Tensor:
-    """[0, 1, ..., count-1] int64 on device: a view of a cached arange, grown (doubled) when a
-    call needs more, so a call makes no arange of its own. A grown arange never frees the
-    smaller ones: a CUDA graph captured earlier keeps reading the storage it captured."""
+    """[0, 1, ..., count-1] int32 (the index map's dtype) on device: a view of a cached arange,
+    grown (doubled) when a call needs more, so a call makes no arange of its own. A grown arange
+    never frees the smaller ones: a CUDA graph captured earlier keeps reading the storage it
+    captured."""
     made = _POSITIONS.setdefault(device, [])
     if not made or made[-1].numel() < count:
-        made.append(torch.arange(max(count, 2 * (made[-1].numel() if made else 64)), device=device))
+        size = max(count, 2 * (made[-1].numel() if made else 64))
+        made.append(torch.arange(size, dtype=torch.int32, device=device))
     return made[-1][:count]
 
 
@@ -99,14 +105,20 @@ def routed_rows(
     slot, -1 where another rank holds the expert)."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
-    held = (flat >= local.start) & (flat < local.stop)
     n_local = len(local)
-    # sort key: local expert index, or n_local for slots held elsewhere (sorted to the end)
-    key = torch.where(held, flat - local.start, n_local)
+    # this rank holds every expert (world size 1): each id is its own sort key and every slot has
+    # a row, so the held mask and its two selections are left out (the same keys, rows and map)
+    whole = local.start == 0 and n_local == experts.gate_up_proj.shape[0]
+    if whole:
+        key = flat
+    else:
+        held = (flat >= local.start) & (flat < local.stop)
+        # sort key: local expert index, or n_local for slots held elsewhere (sorted to the end)
+        key = torch.where(held, flat - local.start, n_local)
     sorted_key, order = torch.sort(key, stable=True)  # permuted row p holds slot order[p]
-    row_of_slot = torch.empty_like(order)
+    row_of_slot = torch.empty(order.shape, dtype=torch.int32, device=x.device)
     row_of_slot[order] = _positions(order.numel(), x.device)
-    index_map = torch.where(held, row_of_slot, -1).view(tokens, top_k).to(torch.int32)
+    index_map = (row_of_slot if whole else torch.where(held, row_of_slot, -1)).view(tokens, top_k)
     # each local expert's cumulative row end, read off the sorted keys without a host sync (one
     # launch; a bincount would sync for its output size)
     ends = torch.searchsorted(sorted_key, _group_bounds(n_local, x.device), out_int32=True)

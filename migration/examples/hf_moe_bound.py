@@ -12,7 +12,8 @@ U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 # Roundings to the activation dtype in one call of a family's RMSNorm (its forward, quoted):
 #   Llama style (default; every other family's RMSNorm, the ones added with the family table
 #   included: DeepSeek-V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral-4, Kimi-Linear, Qwen3-VL-MoE's
-#   and Qwen3-Omni-MoE's text norms, OLMoE, ERNIE-4.5-MoE), `return self.weight *
+#   and Qwen3-Omni-MoE's text norms, OLMoE, ERNIE-4.5-MoE, HunYuan-MoE-V1, MiMo-V2-Flash, HY-V3,
+#   GLM-4.5V's text norm, MiniCPM5-MoE, Mellum), `return self.weight *
 #   hidden_states.to(input_dtype)`: the normalized row, then its product with the weight: 2;
 #   GptOssRMSNorm, `return (self.weight * hidden_states).to(input_dtype)`: 1;
 #   Qwen3_5MoeRMSNorm and Qwen3NextRMSNorm, `output = output * (1.0 + self.weight.float());
@@ -22,6 +23,7 @@ NORM_ROUNDINGS = {
     "Qwen3_5MoeRMSNorm": 1,
     "Qwen3NextRMSNorm": 1,
     "MiniMaxM3VLRMSNorm": 1,  # `output * (1.0 + self.weight.float()); return output.type_as(x)`
+    "FlintRMSNorm": 1,  # `return (self.weight * hidden_states).to(input_dtype)`
 }
 # A^2 of a token mixer (see logits_bound): attention passes on its input's relative error once
 # (1; MLA and DeepSeek-V3.2's / GLM-MoE-DSA's sparse attention too, whose indexer keeps more tokens
@@ -40,6 +42,8 @@ MIXER_GAIN = {
     "Qwen3NextAttention": 2,
     "Qwen3NextGatedDeltaNet": 7,
     "KimiLinearDeltaAttention": 7,
+    # `attn_output * gate_states.sigmoid()`, its gate a half of q_gate_proj(x): as Qwen3-Next's
+    "MiniCPM5MoeAttention": 2,
 }
 
 

@@ -12,7 +12,10 @@ are their vision-language wrappers with a one-layer vision tower. The families a
 family table (issue 47) keep theirs too: DSA / MLA attention (DeepSeek-V3.2, GLM-MoE-DSA,
 GLM-4-MoE-Lite, Mistral-4, Mistral-Large-4 in its Pixtral wrapper), linear attention (Kimi-Linear's
 KDA, Qwen3-Next's gated DeltaNet), wrappers (Qwen3-VL-MoE, Qwen3-Omni-MoE's thinker), a dense first
-layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU.
+layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU;
+HunYuan-MoE-V1 (every layer MoE, a shared MLP), MiMo-V2-Flash (no shared expert, sliding windows),
+HY-V3 (its router's own factor name), GLM-4.5V in its wrapper (multimodal rope), MiniCPM5-MoE
+(gated attention), Mellum and Flint (a dense first layer, Flint's ungated shared expert).
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ FAMILIES = (
     "dots1",
     "solar_open",
     "exaone_moe",
+    "hunyuan_v1_moe",
+    "mimo_v2_flash",
+    "hy_v3",
+    "glm4v_moe",
+    "minicpm5_moe",
+    "mellum",
+    "flint",
+    "aria_text",
 )
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
@@ -78,6 +89,14 @@ CONFIG_CLASS = {
     "dots1": "Dots1Config",
     "solar_open": "SolarOpenConfig",
     "exaone_moe": "ExaoneMoeConfig",
+    "hunyuan_v1_moe": "HunYuanMoEV1Config",
+    "mimo_v2_flash": "MiMoV2FlashConfig",
+    "hy_v3": "HYV3Config",
+    "glm4v_moe": "Glm4vMoeConfig",
+    "minicpm5_moe": "MiniCPM5MoeConfig",
+    "mellum": "MellumConfig",
+    "flint": "FlintConfig",
+    "aria_text": "AriaTextConfig",
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -279,6 +298,66 @@ def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str,
         exaone.update(num_experts=s["experts"], num_shared_experts=1, intermediate_size=s["inter"])
         exaone.update(first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return "ExaoneMoeForCausalLM", exaone
+    return _later_configs(family, s, common, grouped, dense_first)
+
+
+def _later_configs(family: str, s: dict, common: dict, grouped: dict, dense_first) -> tuple:
+    """HunYuan-MoE-V1, MiMo-V2-Flash, HY-V3 and GLM-4.5V's text model (in its wrapper)."""
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: their vocabularies
+    if family == "hunyuan_v1_moe":  # every layer MoE; the shared MLP at intermediate_size
+        hunyuan = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **ids)
+        hunyuan.update(intermediate_size=s["moe_inter"], num_experts=s["experts"])
+        return "HunYuanMoEV1ForCausalLM", hunyuan
+    if family == "mimo_v2_flash":  # no shared expert; sliding-window layers
+        mimo = {k: v for k, v in grouped.items() if k != "n_shared_experts"}
+        mimo.update(intermediate_size=s["inter"], mlp_layer_types=dense_first, **ids)
+        mimo.update(v_head_dim=s["head_dim"], sliding_window=4)
+        mimo.update(layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return "MiMoV2FlashForCausalLM", mimo
+    if family == "hy_v3":  # the router's own factor name, the block's correction bias
+        hy = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **ids)
+        hy.update(moe_intermediate_size=s["moe_inter"], num_experts=s["experts"])
+        hy.update(intermediate_size=s["inter"], num_shared_experts=1, router_scaling_factor=2.5)
+        hy.update(mlp_layer_types=dense_first, enable_moe_fp32_combine=True)
+        return "HYV3ForCausalLM", hy
+    if family == "glm4v_moe":
+        text = dict(grouped, intermediate_size=s["inter"], first_k_dense_replace=1)
+        # its multimodal rope: a section per axis, summing to half the rotated head_dim / 2
+        rotary = s["head_dim"] // 4
+        text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0)
+        text["rope_parameters"].update(partial_rotary_factor=0.5)
+        text["rope_parameters"]["mrope_section"] = [rotary - 2 * (rotary // 4)] + [rotary // 4] * 2
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
+        vision.update(out_hidden_size=s["hidden"])
+        kwargs = dict(text_config=text, vision_config=vision)
+        # generate's rope index reads them; no prompt token (all below the vocabulary) matches
+        for key in ("image_token_id", "video_token_id", "image_start_token_id"):
+            kwargs[key] = (1 << 20) + len(kwargs)
+        kwargs.update(video_start_token_id=1 << 21, image_end_token_id=1 << 22)
+        kwargs.update(video_end_token_id=1 << 23)
+        return "Glm4vMoeForConditionalGeneration", kwargs
+    return _grouped_and_softmax_configs(family, s, common, grouped, dense_first)
+
+
+def _grouped_and_softmax_configs(family, s, common, grouped, dense_first) -> tuple:
+    """MiniCPM5-MoE (DeepSeek-V3's block), Mellum and Flint (softmax / sigmoid top-k blocks)."""
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: their vocabularies
+    if family == "minicpm5_moe":
+        cpm = dict(grouped, intermediate_size=s["inter"], mlp_layer_types=dense_first, **ids)
+        return "MiniCPM5MoeForCausalLM", cpm
+    qwen = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **ids)
+    qwen.update(moe_intermediate_size=s["moe_inter"], num_experts=s["experts"])
+    qwen.update(intermediate_size=s["inter"], sliding_window=4)
+    if family == "mellum":
+        return "MellumForCausalLM", dict(qwen, mlp_layer_types=dense_first)
+    if family == "flint":
+        flint = dict(qwen, shared_expert_intermediate_size=s["shared_inter"], mlp_only_layers=[0])
+        return "FlintForCausalLM", flint
+    if family == "aria_text":  # every layer MoE; experts and shared MLP at intermediate_size
+        aria = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **ids)
+        aria.update(intermediate_size=s["moe_inter"], moe_num_experts=s["experts"])
+        aria.update(moe_topk=s["top_k"], moe_num_shared_experts=2)
+        return "AriaTextForCausalLM", aria
     raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
 
 

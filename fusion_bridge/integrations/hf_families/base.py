@@ -10,7 +10,8 @@ selects (one implementation each, here):
     top-k weights are the bridge's, except that where `scaled_router` the router has multiplied
     them by its `routed_scaling_factor`, which is divided out (fp32) and given to the bridge;
     `block_scaling`: the block multiplies its routed output by its own `routed_scaling_factor`
-    (minimax_m3_vl), which the bridge applies;
+    (minimax_m3_vl), which the bridge applies; `scaling_attr`: the router's (or block's)
+    attribute holding that factor (hy_v3's router calls it `router_scaling_factor`);
   - shared expert (`shared_attr`): an MLP of gate/up/down linears, or of a fused input / output
     linear (granitemoeshared's `input_linear` [2I, H] and `output_linear`); each rank adds its
     slice of the intermediate columns; `shared_gate_attr`: scaled per token by sigmoid(that
@@ -68,6 +69,7 @@ class Family:
     router_args: tuple[str, ...] = ()
     scaled_router: bool = False
     block_scaling: bool = False
+    scaling_attr: str = "routed_scaling_factor"
     shared_attr: Optional[str] = None
     shared_gate_attr: Optional[str] = None
     shared_on_layer: bool = False
@@ -143,8 +145,10 @@ class Family:
     def routed_scaling(self, block: torch.nn.Module) -> float:
         """The factor the bridge multiplies the weighted sum by (1.0: none)."""
         if self.block_scaling:
-            return scaling_factor(block)
-        return scaling_factor(self.router(block)) if self.scaled_router else 1.0
+            return scaling_factor(block, self.scaling_attr)
+        if self.scaled_router:
+            return scaling_factor(self.router(block), self.scaling_attr)
+        return 1.0
 
     def shared_output(
         self, block: torch.nn.Module, x: torch.Tensor, partial: torch.Tensor
@@ -161,13 +165,13 @@ class Family:
         return (handoff, None) if self.block_returns == "pair" else handoff
 
 
-def scaling_factor(router: torch.nn.Module) -> float:
-    """router.routed_scaling_factor as a float, refused where dividing it out would not be exact
-    (zero, inf, nan)."""
-    factor = float(router.routed_scaling_factor)
+def scaling_factor(router: torch.nn.Module, attr: str = "routed_scaling_factor") -> float:
+    """router.<attr> (its routed scaling factor) as a float, refused where dividing it out would
+    not be exact (zero, inf, nan)."""
+    factor = float(getattr(router, attr))
     if not math.isfinite(factor) or factor == 0:
         raise UnsupportedModelError(
-            "patch_moe_epilogues: the router's routed_scaling_factor must be a nonzero finite "
+            f"patch_moe_epilogues: the router's {attr} must be a nonzero finite "
             f"number (the bridge applies it after dividing it out of the router's weights), got "
             f"{factor}"
         )

@@ -245,6 +245,43 @@ def _router_order(block: ast.ClassDef) -> Optional[str]:
     return None
 
 
+def _norms_with_modules(classes: dict, norms: list[str]) -> list[str]:
+    """The module's own norm classes among `norms` whose __init__ builds a module (axk2's
+    AXK2GatedRMSNorm: an RMSNorm and a gate MLP), as 'Class (attributes)'."""
+    out = []
+    for name in sorted(set(norms)):
+        built = (
+            [
+                attr
+                for attr, called in _assigned(classes[name]).items()
+                if any(
+                    c in classes or (c.startswith("nn.") and c != "nn.Parameter") for c in called
+                )
+            ]
+            if name in classes
+            else []
+        )
+        if built:
+            out.append(f"{name} ({', '.join(sorted(built))})")
+    return out
+
+
+def _norm_in_block(block: ast.ClassDef) -> Optional[str]:
+    """The attribute of a norm module the MoE block's own forward calls (axk1 normalizes its
+    output: `return self.post_mlp_layernorm(hidden_states)`), or None."""
+    forward = _method(block, "forward")
+    # a decoder layer holding its experts itself (gemma4) is not a block: its norms are the layer's
+    layer_like = any("attn" in a or "attention" in a for a in _assigned(block))
+    if forward is None or layer_like:
+        return None
+    for call in ast.walk(forward):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+            owner, attr = call.func.value, call.func.attr
+            if isinstance(owner, ast.Name) and owner.id == "self" and "norm" in attr.lower():
+                return attr
+    return None
+
+
 def refusal(
     module: str, multiplier_ok: bool = False, layer_shared: Optional[str] = None
 ) -> Optional[str]:
@@ -292,6 +329,12 @@ def refusal(
     layer_norms = sorted({n for n in norms if "RMSNorm" not in n})
     if layer_norms:
         return f"LayerNorm, not RMSNorm: {layer.name}'s norms are {', '.join(layer_norms)}"
+    gated = _norms_with_modules(classes, norms)
+    if gated:
+        return (
+            f"a norm with modules of its own: {layer.name}'s {', '.join(gated)} (a gate or "
+            "projection on top of the RMSNorm, which the bridge's norm does not compute)"
+        )
     sandwich = sorted(a for a in assigned if a.startswith("post_feedforward_layernorm"))
     if sandwich:
         return (
@@ -307,6 +350,13 @@ def refusal(
                         f"routing scales the expert input: {block.name} calls its experts "
                         "without the router's top-k weights"
                     )
+    norm = _norm_in_block(block)
+    if norm is not None:
+        return (
+            f"a norm inside the MoE block: {block.name}'s forward calls self.{norm} (the patch "
+            "calls the block's router and experts, and the bridge adds their output to the "
+            "residual as it is)"
+        )
     order = _router_order(block)
     if order is not None:
         return order

@@ -116,6 +116,37 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "modeling_exaone_moe: ExaoneMoeSparseMoEBlock as DeepseekV3MoE (its shared experts "
         "sized by num_shared_experts)",
     ),
+    _sigmoid_grouped(
+        "MiMo-V2-Flash",
+        ("mimo_v2_flash",),
+        "mimo_v2_flash",
+        "modeling_mimo_v2_flash: MiMoV2FlashMoE as DeepseekV3MoE without shared experts (the "
+        "row's shared expert is absent); sliding-window attention with a value scale",
+    ),
+    _sigmoid_grouped(
+        "GLM-4.5V",
+        ("glm4v_moe_text",),
+        "glm4v_moe",
+        "modeling_glm4v_moe: Glm4vMoeTextMoE as DeepseekV3MoE; the text model at "
+        "model.language_model (the vision tower is not patched)",
+        wrappers=("glm4v_moe",),
+    ),
+    _sigmoid_grouped(
+        "HY-V3",
+        ("hy_v3",),
+        "hy_v3",
+        "modeling_hy_v3: HYV3MoE, its TopKRouter takes the block's e_score_correction_bias and "
+        "multiplies its renormalised sigmoid weights by router_scaling_factor; adds "
+        "shared_experts(x) (in fp32 where enable_moe_fp32_combine)",
+        router_args=("e_score_correction_bias",),
+        scaling_attr="router_scaling_factor",
+    ),
+    _sigmoid_grouped(
+        "MiniCPM5-MoE",
+        ("minicpm5_moe",),
+        "minicpm5_moe",
+        "modeling_minicpm5_moe: MiniCPM5MoeMoE as DeepseekV3MoE",
+    ),
     _softmax_topk(
         "Qwen2-MoE",
         ("qwen2_moe",),
@@ -123,6 +154,29 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "modeling_qwen2_moe: Qwen2MoeSparseMoeBlock adds sigmoid(shared_expert_gate(x)) * "
         "shared_expert(x)",
         **_QWEN_GATED,
+    ),
+    _softmax_topk(
+        "HunYuan-MoE-V1",
+        ("hunyuan_v1_moe",),
+        "hunyuan_v1_moe",
+        "modeling_hunyuan_v1_moe: HunYuanMoEV1Moe, its fp32 gate a softmax top-k renormalised "
+        "(weights left fp32), plus shared_mlp(x) unscaled; every layer MoE",
+        shared_attr="shared_mlp",
+    ),
+    _softmax_topk(
+        "Mellum",
+        ("mellum",),
+        "mellum",
+        "modeling_mellum: MellumSparseMoeBlock as Qwen3-MoE's (no shared expert); sliding-window "
+        "layers",
+    ),
+    _softmax_topk(
+        "Flint",
+        ("flint",),
+        "flint",
+        "modeling_flint: FlintSparseMoeBlock, a sigmoid top-k router renormalised per the config, "
+        "plus shared_expert(x) ungated",
+        shared_attr="shared_expert",
     ),
     _softmax_topk("Qwen3-MoE", ("qwen3_moe",), "qwen3_moe", "modeling_qwen3_moe: no shared expert"),
     _softmax_topk(
@@ -184,6 +238,17 @@ FAMILY_ROWS: tuple[Family, ...] = (
     ),
     _softmax_topk(
         "Mixtral", ("mixtral",), "mixtral", "modeling_mixtral: renormalised fp32 router weights"
+    ),
+    Family(
+        "Aria",
+        ("aria_text",),
+        ("aria",),
+        "modeling_aria (5.25): AriaTextMoELayer, its `router` a softmax over the top-k logits, "
+        "plus shared_experts(x) unscaled; transposed experts; its text model (the Aria wrapper "
+        "has no row: its text path is not tested; 5.17's block scales the expert input: refused "
+        "there)",
+        router_attr="router",
+        shared_attr="shared_experts",
     ),
     Family(
         "MiniMax-M2",
