@@ -26,44 +26,27 @@ transformers class must come from a family row's `transformers.models` subpackag
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from fusion_bridge import EpilogueInputError, EpilogueSpec
+from fusion_bridge.integrations.engine_norm_table import (  # noqa: F401 (re-exported)
+    ENGINE_NORMS,
+    EngineNorm,
+    class_path,
+    engine_norm_offset,
+)
+from fusion_bridge.integrations.hf_families import (
+    FAMILIES,
+    UnsupportedModelError,
+    norm_weight_offset,
+)
 
 
 class HandoffError(EpilogueInputError):
     """An engine handoff (or a norm given with it) the bridge cannot take as it is; the message
     names the argument, what was expected, what was seen, and the fix."""
-
-
-class EngineNorm(NamedTuple):
-    """What the bridge needs from an engine norm class: the offset its forward adds to the stored
-    weight, and the attribute names of the stored weight and of eps."""
-
-    offset: float
-    weight_attr: str
-    eps_attr: str
-
-
-# The engine norm classes, by `module.qualname`, as their sources define them: vLLM 0.34.0
-# `vllm/model_executor/layers/layernorm.py`, SGLang 0.5.23 `sglang/srt/layers/layernorm.py`.
-# vLLM's GemmaRMSNorm forward multiplies by `self.weight.float() + 1.0`; SGLang's by
-# `1.0 + self.weight.float()` (its `gemma_weight` buffer holds that sum, pre-folded).
-ENGINE_NORMS = {
-    "vllm.model_executor.layers.layernorm.RMSNorm": EngineNorm(0.0, "weight", "variance_epsilon"),
-    "vllm.model_executor.layers.layernorm.GemmaRMSNorm": EngineNorm(
-        1.0, "weight", "variance_epsilon"
-    ),
-    "sglang.srt.layers.layernorm.RMSNorm": EngineNorm(0.0, "weight", "variance_epsilon"),
-    "sglang.srt.layers.layernorm.GemmaRMSNorm": EngineNorm(1.0, "weight", "variance_epsilon"),
-}
-
-
-def class_path(cls: type) -> str:
-    """`module.qualname` of a class: the key of ENGINE_NORMS."""
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def norm_class(norm: torch.nn.Module | type) -> Optional[EngineNorm]:
@@ -75,26 +58,12 @@ def norm_class(norm: torch.nn.Module | type) -> Optional[EngineNorm]:
     return known if known is not None else family_table_norm(cls)
 
 
-def engine_norm_offset(norm: torch.nn.Module | type) -> Optional[float]:
-    """The weight offset of an engine norm class or module (0.0 for `RMSNorm`, 1.0 for
-    `GemmaRMSNorm`, vLLM's and SGLang's), or None for a class that is not one of them (the
-    engines' table only: hf_families.norm_weight_offset asks it first)."""
-    known = ENGINE_NORMS.get(class_path(norm if isinstance(norm, type) else type(norm)))
-    return None if known is None else known.offset
-
-
 def family_table_norm(cls: type) -> Optional[EngineNorm]:
     """A transformers `*RMSNorm` class of a family-table row's `transformers.models` subpackage
     whose forward normalises its one input: its offset as `hf_families.norm_weight_offset` reads
     it (the table's lookup), its eps attribute as its code reads it (`variance_epsilon`, or
     `eps` in the zero-centred norms). None for any other class, or one whose forward says
     neither offset or neither eps."""
-    from fusion_bridge.integrations.hf_families import (
-        FAMILIES,
-        UnsupportedModelError,
-        norm_weight_offset,
-    )
-
     modules = {f"transformers.models.{m}." for row in FAMILIES for m in row.modeling}
     if not cls.__name__.endswith("RMSNorm") or not any(
         cls.__module__.startswith(m) for m in modules

@@ -38,7 +38,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from fusion_bridge.integrations.engine_norms import engine_norm_offset
+from fusion_bridge.integrations.engine_norm_table import engine_norm_offset
 
 BRIDGE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -185,8 +185,8 @@ _PLAIN = ("self.weight * hidden_states", "(self.weight * hidden_states")
 def norm_weight_offset(norm: Union[torch.nn.Module, type]) -> float:
     """The offset b of an RMSNorm class or module that multiplies the normalized row by
     (weight + b): 0.0 for the Llama-style norm, 1.0 for a zero-centred one. vLLM's and SGLang's
-    classes by their exact qualified name (engine_norms.ENGINE_NORMS, the engines' one table); any
-    other class is read from its forward's source (`(1.0 + self.weight` / `self.weight *
+    classes by their exact qualified name (engine_norm_table.ENGINE_NORMS, the engines' one
+    table); any other class is read from its forward's source (`(1.0 + self.weight` / `self.weight *
     hidden_states`). Raises UnsupportedModelError naming the class when neither says."""
     cls = norm if isinstance(norm, type) else type(norm)
     known = engine_norm_offset(cls)
