@@ -130,7 +130,11 @@ def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable
     bound = getattr(plan, "launch", None)
     lead = args[: 3 if plan.chunks else 2]
     key_args = lead if bound is not None else args  # main's tree keys every argument
-    key_fn = launch_cache._make_key_fn(launch_cache._kinds(key_args))
+    kinds = launch_cache._kinds(key_args)
+    try:  # the bound launch's key also returns the records' addresses
+        key_fn = launch_cache._make_key_fn(kinds, addresses=bound is not None)
+    except TypeError:  # a tree whose key function has no addresses
+        key_fn = launch_cache._make_key_fn(kinds)
     warps, constexprs = (None, None) if bound is not None else (plan.warps, plan.constexprs)
     # the call's own allocation: the strategy's OutputAllocator (main's tree: the function)
     allocator = getattr(strategy, "_allocate", None)
