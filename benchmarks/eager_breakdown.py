@@ -18,7 +18,8 @@ synchronize). Stages, in the order a call runs them:
 - check_error: the pinned error word of an earlier split launch (`FusedTp1Strategy.check_error`);
 - output_allocation: the call's outputs (the strategy's `OutputAllocator`: `allocate_outputs`'s
   outputs from templates kept per T);
-- records: `RowSource` / `RowOutputs` of the call (`call_records` with the outputs given);
+- records: `RowSource` / `RowOutputs` of the call (`call_records` with the outputs given: the two
+  records `FusedTp1Strategy.run` builds in place);
 - plan_lookup: the launch decided for T (`Tp1Launcher.plan`);
 - split_sync: the split rows' record of this stream's words (`Tp1Launcher.split_sync`);
 - launch_key: the launch cache's key of the call (the plan's bound launch keys only the records);
