@@ -60,10 +60,8 @@ def _make_key_fn(kinds: Sequence, addresses: bool = False) -> Callable:
     TypeError, ValueError) on an argument of an unexpected kind, which the caller treats as 'no
     fast path'.
 
-    addresses: the function returns (key, the arguments with every tensor replaced by its address,
-    `data_ptr()`, read once for both; a record as a plain tuple of its fields): Triton's C launcher
-    takes an int pointer argument as the address itself, where for a tensor it calls `data_ptr()`
-    and asks the driver whether the address is device memory (`BoundLaunch`)."""
+    addresses: it returns (key, the arguments with each tensor replaced by its `data_ptr()`, read
+    once for both; records as plain tuples): what `BoundLaunch` launches with."""
     names = [f"a{i}" for i in range(len(kinds))]
     lines, parts = [], []
 
@@ -329,14 +327,12 @@ class BoundLaunch:
     launcher whose fast path is off) goes through the launcher itself, which launches normally or
     from its own cache; its entry is then kept here too.
 
-    A launch from its own entry passes each leading tensor as its address (read once, for the key
-    and the launch): Triton's C launcher then takes the address as given, where for a tensor it
-    would call `data_ptr()` again and ask the driver whether the address is device memory (the
-    check that refuses a CPU tensor). The bridge's call checks that before: every input on the
-    bridge's device (call/validation.py), the outputs and the launcher's words allocated there; a
-    launch through the launcher itself (a miss, hooks) still passes the tensors. `fixed` holds no
-    tensor (its address could change under the same object), only ints, floats, None and records
-    of them."""
+    From its own entry it passes each leading tensor as its address (read once, for the key too):
+    Triton's C launcher takes an int as given, where for a tensor it calls `data_ptr()` and asks the
+    driver whether the address is device memory (which refuses a CPU tensor: the bridge's checks
+    do that before, call/validation.py). Through the launcher (a miss, hooks): the tensors. `fixed`
+    holds no tensor (its address could change under the same object), only ints, floats, None and
+    records of them."""
 
     def __init__(self, launcher: KernelLauncher, grid: tuple, constexprs: tuple, num_warps: int,
                  fixed: tuple = ()):  # fmt: skip
