@@ -16,8 +16,10 @@ synchronize). Stages, in the order a call runs them:
 - routing: the planned route for T (`bridge._route`: the eager or graph routes, by bucket);
 - capture_query: whether the current stream is capturing (`bridge._capturing`, for the counter);
 - check_error: the pinned error word of an earlier split launch (`FusedTp1Strategy.check_error`);
-- output_allocation: the call's outputs (`allocate_outputs`);
-- records: `RowSource` / `RowOutputs` of the call (`call_records` with the outputs given);
+- output_allocation: the call's outputs (the strategy's `OutputAllocator`: `allocate_outputs`'s
+  outputs from templates kept per T);
+- records: `RowSource` / `RowOutputs` of the call (`call_records` with the outputs given: the two
+  records `FusedTp1Strategy.run` builds in place);
 - plan_lookup: the launch decided for T (`Tp1Launcher.plan`);
 - split_sync: the split rows' record of this stream's words (`Tp1Launcher.split_sync`);
 - launch_key: the launch cache's key of the call (the plan's bound launch keys only the records);
@@ -129,8 +131,19 @@ def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable
     bound = getattr(plan, "launch", None)
     lead = args[: 3 if plan.chunks else 2]
     key_args = lead if bound is not None else args  # main's tree keys every argument
-    key_fn = launch_cache._make_key_fn(launch_cache._kinds(key_args))
+    kinds = launch_cache._kinds(key_args)
+    try:  # the bound launch's key also returns the records' addresses
+        key_fn = launch_cache._make_key_fn(kinds, addresses=bound is not None)
+    except TypeError:  # a tree whose key function has no addresses
+        key_fn = launch_cache._make_key_fn(kinds)
     warps, constexprs = (None, None) if bound is not None else (plan.warps, plan.constexprs)
+    # the call's own allocation: the strategy's OutputAllocator (main's tree: the function)
+    allocator = getattr(strategy, "_allocate", None)
+    allocation = (
+        (lambda: allocator(tokens))
+        if allocator
+        else (lambda: allocate_outputs(spec, tokens, device))
+    )
     fns: dict[str, Callable[[], object]] = {
         "one_caller": lambda: (one_caller.enter(bridge), one_caller.leave(bridge)),
         "inputs_record": lambda: EpilogueInputs(*inputs),
@@ -138,7 +151,7 @@ def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable
         "routing": lambda: bridge._route(inputs, tokens),
         "capture_query": bridge._capturing,
         "check_error": strategy.check_error,
-        "output_allocation": lambda: allocate_outputs(spec, tokens, device),
+        "output_allocation": allocation,
         "records": lambda: strategy.call_records(inputs, out),
         "plan_lookup": lambda: launcher.plan(tokens, K, has_shared, is_cuda, sf_dims),
         "launch_key": lambda: key_fn(0, False, ("",), warps, constexprs, *key_args),

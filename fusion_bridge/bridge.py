@@ -248,7 +248,10 @@ class FusionBridge(FailurePath, BridgeTools):
         self._running = (strategy, variant, True)  # from here, its stage says where a failure is
         key = (strategy.name, variant, bool(self._capturing()))
         self._calls[key] = self._calls.get(key, 0) + 1
-        out = out_check.run_into(strategy, inputs, variant, out)
+        if out is None:  # run_into's own first case, without its frame
+            out = strategy.run(inputs, variant)
+        else:
+            out = out_check.run_into(strategy, inputs, variant, out)
         if self._shadow is not None and self._shadow.due():
             shadow = self._instances[self._shadow.strategy]
             shadow.call_stage = CallStage.BEFORE_COLLECTIVE

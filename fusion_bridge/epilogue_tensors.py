@@ -154,6 +154,51 @@ def fp8_dynamic_buffers(
     )
 
 
+class OutputAllocator:
+    """`allocate_outputs(spec, T, device)` for one spec and device, called as `allocate(T)`: the
+    same outputs (shapes, dtypes, device; fresh, contiguous, uninitialised tensors the caller owns,
+    one allocation each), made by `torch.empty_like` of templates kept per T, which parses one
+    tensor argument where `torch.empty(shape, dtype=, device=)` parses a size, a dtype and a
+    device. The hot path of the strategies that allocate their own outputs
+    (`strategies/kernel_call.py`).
+
+    A template holds no memory of its own: one one-element tensor per dtype on `device` (made here,
+    outside any CUDA-graph capture), expanded to the output's shape (stride 0). `empty_like` of a
+    tensor that is not dense allocates a contiguous tensor of its shape and dtype on its device,
+    with nothing shared with it; an output of at most one element (T == 0) has a real, empty-sized
+    template instead (a dense one, whose strides `empty_like` would copy). The shapes per T come
+    from `allocate_outputs` on the meta device (the one owner of output shapes), read once per T.
+    The dynamic FP8 kinds go through `allocate_outputs` itself: their scales are views of a
+    differently shaped storage (column-major, the TMA layout's padded one), which `empty_like` of
+    an expanded template would not reproduce."""
+
+    def __init__(self, spec: EpilogueSpec, device: torch.device):
+        self.spec, self.device = spec, device
+        self._direct = spec.quant.dynamic_fp8
+        dtypes = {t.dtype for t in allocate_outputs(spec, 1, torch.device("meta")).named().values()}
+        self._bases = {dt: torch.empty(1, dtype=dt, device=device) for dt in dtypes}
+        self._templates: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def __call__(self, tokens: int) -> EpilogueOutputs:
+        if self._direct:
+            return allocate_outputs(self.spec, tokens, self.device)
+        templates = self._templates.get(tokens)
+        if templates is None:
+            templates = self._templates[tokens] = self._make(tokens)
+        return EpilogueOutputs(*map(torch.empty_like, templates))
+
+    def _make(self, tokens: int) -> tuple[torch.Tensor, ...]:
+        """The templates of T's outputs, in EpilogueOutputs' field order (None fields left out:
+        quant and scale follow only where the spec has them)."""
+        shapes = allocate_outputs(self.spec, tokens, torch.device("meta")).named().values()
+        return tuple(
+            self._bases[t.dtype].expand(t.shape)
+            if t.numel() > 1
+            else torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            for t in shapes
+        )
+
+
 def outputs_for(
     spec: EpilogueSpec, tokens: int, device: torch.device, out: Optional[EpilogueOutputs]
 ) -> EpilogueOutputs:

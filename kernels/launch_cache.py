@@ -53,22 +53,30 @@ MAX_ENTRIES = 64
 _log = get_logger("kernels.launcher")
 
 
-def _make_key_fn(kinds: Sequence) -> Callable:
+def _make_key_fn(kinds: Sequence, addresses: bool = False) -> Callable:
     """A key function for arguments of these kinds ('t' tensor, 's' scalar, 'n' None, a tuple of
     kinds: a record, keyed field by field as Triton specializes it), generated once (as Triton
     generates its binder): one call, no loop; a record is unpacked once. Raises (AttributeError,
     TypeError, ValueError) on an argument of an unexpected kind, which the caller treats as 'no
-    fast path'."""
+    fast path'.
+
+    addresses: it returns (key, the arguments with each tensor replaced by its `data_ptr()`, read
+    once for both; records as plain tuples): what `BoundLaunch` launches with."""
     names = [f"a{i}" for i in range(len(kinds))]
     lines, parts = [], []
 
-    def key_of(name, kind):
+    def key_of(name, kind) -> str:
+        """Adds `name`'s key parts; returns the expression of the argument as launched."""
         if isinstance(kind, tuple):  # a record: its fields, flattened in order
             fields = [f"{name}_{j}" for j in range(len(kind))]
             lines.append(f"    {', '.join(fields)}{',' if len(fields) == 1 else ''} = {name}")
-            for field_name, field_kind in zip(fields, kind):
-                key_of(field_name, field_kind)
-        elif kind == "t":
+            given = [key_of(field_name, field_kind) for field_name, field_kind in zip(fields, kind)]
+            return f"({', '.join(given)},)"
+        if kind == "t":
+            if addresses:
+                lines.append(f"    {name}_p = {name}.data_ptr()")
+                parts.append(f"{name}.dtype, {name}_p & 15")
+                return f"{name}_p"
             parts.append(f"{name}.dtype, {name}.data_ptr() & 15")
         elif kind == "n":  # None: a compile-time constant to Triton
             parts.append(f"{name} is None")
@@ -78,14 +86,15 @@ def _make_key_fn(kinds: Sequence) -> Callable:
                 "0, "
                 f"-2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807))"
             )
+        return name
 
-    for name, kind in zip(names, kinds):
-        key_of(name, kind)
+    given = [key_of(name, kind) for name, kind in zip(names, kinds)]
     head = "device, debug, options, num_warps, constexprs"
+    key = f"({head}, {', '.join(parts)})"
     src = (
         f"def key({head}, {', '.join(names)}):\n"
         + "".join(line + "\n" for line in lines)
-        + f"    return ({head}, {', '.join(parts)})\n"
+        + (f"    return {key}, ({', '.join(given)},)\n" if addresses else f"    return {key}\n")
     )
     namespace: dict = {}
     exec(src, namespace)  # noqa: S102 (generated from a fixed template, no user input)
@@ -316,8 +325,14 @@ class BoundLaunch:
     alignment, as `KernelLauncher` keys them). The bound part of the launcher's key is the same on
     every call, so a key here names exactly one of the launcher's keys. A miss (or hooks, or a
     launcher whose fast path is off) goes through the launcher itself, which launches normally or
-    from its own cache; its entry is then kept here too. `fixed` holds no tensor (its address
-    could change under the same object), only ints, floats, None and records of them."""
+    from its own cache; its entry is then kept here too.
+
+    From its own entry it passes each leading tensor as its address (read once, for the key too):
+    Triton's C launcher takes an int as given, where for a tensor it calls `data_ptr()` and asks the
+    driver whether the address is device memory (which refuses a CPU tensor: the bridge's checks
+    do that before, call/validation.py). Through the launcher (a miss, hooks): the tensors. `fixed`
+    holds no tensor (its address could change under the same object), only ints, floats, None and
+    records of them."""
 
     def __init__(self, launcher: KernelLauncher, grid: tuple, constexprs: tuple, num_warps: int,
                  fixed: tuple = ()):  # fmt: skip
@@ -346,7 +361,7 @@ class BoundLaunch:
                 ):
                     device = launcher._get_device()
                     key_fn = self._key_fn or self._make_key(lead)
-                    key = key_fn(
+                    key, given = key_fn(
                         device, knobs.debug, launcher._key_options(launcher._compilation_knobs),
                         None, None, *lead,
                     )  # fmt: skip
@@ -360,9 +375,9 @@ class BoundLaunch:
         gx, gy, gz = self._grid3
         try:
             if as_tuple:
-                fn(gx, gy, gz, launcher._get_stream(device), *prefix, (*lead, *self._tail))
+                fn(gx, gy, gz, launcher._get_stream(device), *prefix, (*given, *self._tail))
             else:
-                fn(gx, gy, gz, launcher._get_stream(device), *prefix, *lead, *self._tail)
+                fn(gx, gy, gz, launcher._get_stream(device), *prefix, *given, *self._tail)
         except Exception as exc:
             self._entries.clear()
             launcher._fast_failed(exc, self.grid, (*lead, *self.fixed), self.constexprs,
@@ -372,7 +387,7 @@ class BoundLaunch:
         kinds = _kinds(lead)
         if kinds is None:
             raise TypeError("a leading argument of a kind the launch cache does not key")
-        self._key_fn = _make_key_fn(kinds)
+        self._key_fn = _make_key_fn(kinds, addresses=True)
         self._lead_kinds = kinds
         return self._key_fn
 

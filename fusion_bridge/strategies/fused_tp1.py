@@ -25,7 +25,8 @@ import torch
 from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs
 from fusion_bridge.reasons import Reason, collect, require_sm_at_least, require_triton
 from fusion_bridge.strategies.base import DEFAULT_VARIANT, Step, Strategy, required_stages
-from fusion_bridge.strategies.kernel_call import FamilyCall
+from fusion_bridge.kernels.records import RowOutputs
+from fusion_bridge.strategies.kernel_call import FamilyCall, _row_source
 from fusion_bridge.strategies.local_common import needs_device
 
 MAX_HIDDEN = 16384  # a whole row (next power of two) in registers, as the one-shot kernel holds it
@@ -105,8 +106,12 @@ class FusedTp1Strategy(FamilyCall, Strategy):
         variant: str = DEFAULT_VARIANT,
         out: Optional[EpilogueOutputs] = None,
     ) -> EpilogueOutputs:
-        """variant: the declared "default" (the launch config per T)."""
-        self.check_error()
-        out, src, dst = self.call_records(inputs, out)
-        self._launcher(src, dst)
+        """variant: the declared "default" (the launch config per T). `check_error` and
+        `call_records`, written out: the error word read in place (the launcher's pinned word,
+        `check_error` when it is set), then the outputs and the launch of their records."""
+        if self._launcher._error_word[0]:
+            self.check_error()
+        if out is None:
+            out = self._allocate(inputs.residual.shape[0])
+        self._launcher(_row_source(inputs), RowOutputs.of(out, self._unused))
         return out

@@ -8,7 +8,7 @@ import torch
 
 from typing import Optional
 
-from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, outputs_for
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, OutputAllocator
 from fusion_bridge.kernels.records import RowOutputs, RowSource
 
 
@@ -19,18 +19,22 @@ class FamilyCall:
 
     def bind_launcher(self, launcher) -> None:
         """Keep `launcher` (a `kernels.layer.FamilyLauncher` bound to this strategy's layer) and
-        the empty uint8 tensor that stands for the codes and scales a quant mode does not have."""
+        the empty uint8 tensor that stands for the codes and scales a quant mode does not have, and
+        the allocator of a call's outputs on this strategy's device (`OutputAllocator`: made here,
+        outside any CUDA-graph capture)."""
         self._launcher = launcher
+        self._allocate = OutputAllocator(self.spec, self.device)
         self._unused = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     def call_records(
         self, inputs: EpilogueInputs, out: Optional[EpilogueOutputs] = None
     ) -> tuple[EpilogueOutputs, RowSource, RowOutputs]:
         """A call's outputs (the caller's preallocated `out`, else allocated for T by
-        `allocate_outputs`: what run() returns), and the launcher's records of it:
-        `RowSource.of(inputs)` and the outputs' `RowOutputs` (the kernels write into them)."""
-        residual = inputs.residual
-        out = outputs_for(self.spec, residual.shape[0], residual.device, out)
+        `allocate_outputs` on this strategy's device, through `OutputAllocator`: what run()
+        returns), and the launcher's records of it: `RowSource.of(inputs)` and the outputs'
+        `RowOutputs` (the kernels write into them)."""
+        if out is None:
+            out = self._allocate(inputs.residual.shape[0])
         # RowSource.of(inputs), field for field: EpilogueInputs lists the same six tensors in the
         # same order (tests/kernels/test_tp1.py checks it)
         return out, _row_source(inputs), RowOutputs.of(out, self._unused)

@@ -276,11 +276,20 @@ class Tp1Launcher:
         if tokens == 0:
             return
         is_cuda = src.residual.is_cuda
-        plan = self.plan(tokens, top_k, src.shared is not None, is_cuda, out.sf.shape, config)
+        # self.plan(...)'s lookup in place: the same key, made by plan() on a miss
+        key = (tokens, top_k, src.shared is not None, is_cuda, out.sf.shape, config)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self.plan(*key)
+        # src.for_kernel(), in place (the kernel's record; plan and call_args read src itself)
+        given = src
+        if src.shared is None:
+            given = RowSource(src.gemm2_out, src.perm, src.weights, src.residual, src.residual,
+                              src.gamma)  # fmt: skip
         if not plan.chunks:  # the bound launch: the call's records, the rest bound per plan
-            plan.launch(src.for_kernel(), out)
+            plan.launch(given, out)
         elif is_cuda:
-            plan.launch(src.for_kernel(), out, self.split_sync())
+            plan.launch(given, out, self.split_sync())
         else:  # the interpreter runs programs one after another: publish all, then wait
             plan, args = self.call_args(src, out, config)
             for phase in (PUBLISH_PHASE, OUTPUT_PHASE):

@@ -366,8 +366,12 @@ def test_a_bound_launch_reaches_the_cached_launcher_with_its_bound_arguments():
     bound(x, y)
     bound(x, y)
     assert len(kernel.normal) == 1 and kernel.normal[0][1] == (x, y, 3, 0.5)
-    call = (3, 1, 1, STREAM, "function1", (4, 1, 0), None, None, None, x, y, 3, 0.5, 256, True)
-    assert kernel.compiled[0].run.calls == [call, call]
+    # the second call through the launcher's own entry (the tensors), the third from the bound
+    # launch's entry: each tensor as its address (Triton's launcher takes an int as given)
+    head = (3, 1, 1, STREAM, "function1", (4, 1, 0), None, None, None)
+    ptrs = (x.data_ptr(), y.data_ptr())
+    through, own = (*head, x, y, 3, 0.5, 256, True), (*head, *ptrs, 3, 0.5, 256, True)
+    assert kernel.compiled[0].run.calls == [through, own]
     launch((3,), (x, y, 3, 0.5), (256, True), 4)  # the same key through the launcher itself
     assert len(kernel.normal) == 1
 
@@ -429,6 +433,40 @@ def test_a_bound_launch_whose_cached_launcher_raises_falls_back_and_switches_off
     bound(x, y)  # the launcher's cached path raises in the launcher: normal launch, switched off
     bound(x, y)
     assert "layout" in launch.disabled_reason and len(kernel.normal) == 3
+
+
+def _flat(args) -> list:
+    return [x for a in args for x in (_flat(a) if isinstance(a, tuple) else [a])]
+
+
+@pytest.mark.parametrize("version,deep", [((3, 6), False), ((3, 6), True), ((3, 9), True)])
+def test_a_bound_launch_passes_each_tensor_of_its_records_as_its_address(version, deep):
+    """A record's tensors reach the launch as their addresses, in order, this call's (the address
+    is read per call), its None and scalar fields as given, whichever layout the launch takes
+    (CudaLauncher.__call__, or the C launcher with its arguments spread or as one tuple); the key
+    still tells a misaligned tensor apart (mutants i50-bound-launch-passes-tensors,
+    i50-bound-address-key-no-alignment)."""
+
+    def compiled(i):
+        run = FakeCudaLauncher(deep=deep)
+        if deep and version >= (3, 7):  # the shared C launcher's attributes: args as one tuple
+            run.arg_annotations, run.kernel_signature = (), ()
+        return FakeCompiled(i, run)
+
+    made = FakeKernel(make_compiled=compiled)
+    kernel, launch = make(made, runtime=fake_runtime(version=version))
+    bound = BoundLaunch(launch, (3,), (256, True), 4, (3, 0.5))
+    x, y = tensors()
+    bound((x, None, 7), y)  # the normal launch
+    bound((x, None, 7), y)  # through the launcher's entry: the bound launch keeps it
+    run = kernel.compiled[-1].run
+    for a, b in ((x, y), (x.clone(), y.clone()), (x[16:], y[8:])):
+        bound((a, None, 7), b)
+        args = _flat((run.launch_calls if deep else run.calls)[-1])
+        assert not any(isinstance(v, torch.Tensor) for v in args), args
+        want = [a.data_ptr(), None, 7, b.data_ptr(), 3, 0.5, 256, True]
+        assert args[-len(want) :] == want, args
+    assert len(kernel.normal) == 1  # one key: every tensor 16-byte aligned, same dtypes
 
 
 def test_a_bound_launch_holds_no_tensor_among_its_bound_arguments():
