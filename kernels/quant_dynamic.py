@@ -21,7 +21,9 @@ import triton.language as tl
 import triton
 
 from fusion_bridge.kernels import quant_codes as QC
+from fusion_bridge.kernels.fp8_group_quant import _div_exact
 from fusion_bridge.kernels.quant import _e4m3_rne_satfinite
+from fusion_bridge.kernels.rounding import block_amax
 
 
 @triton.jit
@@ -58,21 +60,30 @@ def quantize_span_fp8_dynamic(
         keep = in_row & (cols >= lo) & (cols < hi)
     else:
         keep = in_row & (rows < tokens)
-    xg = tl.reshape(tl.where(in_row, y.to(tl.float32), 0.0), [GROUPS, GROUP])
-    amax = tl.max(tl.abs(xg), axis=1)
-    has_nan = tl.sum((xg != xg).to(tl.int32), axis=1) > 0
+    xg = tl.reshape(y.to(tl.float32), [GROUPS, GROUP])
+    if GROUPS == 1:
+        # one group, the whole block (per token): its columns past H are no part of the row. With
+        # several, H is a multiple of GROUP (the spec's rule): a group lies wholly in the row or
+        # wholly past it, and one past it stores nothing
+        xg = tl.where(tl.reshape(in_row, [GROUPS, GROUP]), xg, 0.0)
+    amax = block_amax(xg, HW_CVT)  # NaN where the group holds one
     scale = tl.maximum(amax, QC.FP8_AMAX_EPS) * QC.E4M3_MAX_RECIP
-    scale = tl.where(has_nan, float("nan"), scale)  # the engines' max would drop the NaN
-    v = tl.math.div_rn(xg, scale[:, None])
+    scale = tl.where(amax != amax, float("nan"), scale)  # the engines' max would drop the NaN
     if HW_CVT:
-        # a clamp keeping a NaN (a plain one returns the number), then the GPU's RNE conversion
-        c = tl.maximum(v, -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        # the quotient through one reciprocal per group (exact: fp8_group_quant._div_exact), then a
+        # clamp keeping a NaN (a plain one returns the number): the GPU's RNE conversion takes the
+        # canonical NaN the clamp returns for every NaN quotient to 0x7F
+        c = tl.maximum(_div_exact(xg, scale), -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         c = tl.minimum(c, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
+        v = tl.math.div_rn(xg, scale[:, None])
         code, _ = _e4m3_rne_satfinite(v)
-    code = tl.where(v != v, QC.E4M3_NAN, code)  # every NaN code 0x7F, whatever the NaN's sign
-    tl.store(out.q + row * hidden + cols, tl.reshape(code, [BLOCK]).to(tl.uint8), mask=keep)
+        code = tl.where(v != v, QC.E4M3_NAN, code)  # every NaN code 0x7F, whatever the NaN's sign
+    # the same offsets, contiguous over 8 only: the codes stored in the row's own register layout
+    # (8 per thread, as its bf16 stores want), not the whole row in a 16-per-thread one
+    lean = (cols // 8) * 8 + cols % 8
+    tl.store(out.q + row * hidden + lean, tl.reshape(code, [BLOCK]).to(tl.uint8), mask=keep)
     gi = col0 // GROUP + tl.arange(0, GROUPS)
     start = gi * GROUP
     g_rows = gi * 0 + row
