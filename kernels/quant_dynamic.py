@@ -8,6 +8,9 @@ and scales match it bit for bit:
     q     = e4m3(clamp(div_rn(x, scale), -448, 448))   (round to nearest even)
     a NaN group gets the NaN scale (0x7FC00000) and codes 0x7F; every NaN code is 0x7F
 
+On a GPU the quotient takes one reciprocal per group (`_div_by_group_scale`: the codes of div_rn)
+and the conversion is the hardware's; under the Triton interpreter both are done in software.
+
 Per token is the same with the whole row as one group (GROUP = the row's block: every program
 that calls it holds the whole row). Scales are fp32, stored in the layout's storage (docs/math.md
 section 3): row_major [T, G] (`sf_stride` = G), column_major [G, T] (`sf_stride` = T),
@@ -21,9 +24,24 @@ import triton.language as tl
 import triton
 
 from fusion_bridge.kernels import quant_codes as QC
-from fusion_bridge.kernels.fp8_group_quant import _div_exact
 from fusion_bridge.kernels.quant import _e4m3_rne_satfinite
 from fusion_bridge.kernels.rounding import block_amax
+
+
+@triton.jit
+def _div_by_group_scale(xg, scale):
+    """div_rn(xg, scale[:, None]) as e4m3 sees it, with one reciprocal per group (a GPU only: its
+    fma rounds once): fp8_group_quant._div_exact's Markstein steps (exact for a normal quotient;
+    one that is not is below 2^-10 in magnitude, +-0 in e4m3 either way) with one of its two
+    fix-ups. Here |x| <= amax, so no quotient is near the top of the fp32 range, and q is NaN only
+    where x or scale is NaN (q0 NaN too: code 0x7F either way) or where scale is +inf (a group
+    holding +-inf: q0 is +-0 for its finite x, NaN for +-inf). Where q0 is +-0 it is the answer:
+    the FMAs lose the sign of zero, and give NaN for a finite x over inf."""
+    inv = tl.math.div_rn(1.0, scale)[:, None]
+    s = tl.broadcast_to(scale[:, None], xg.shape)
+    q0 = xg * inv
+    q = tl.fma(tl.fma(-q0, s, xg), inv, q0)
+    return tl.where(q0 == 0.0, q0, q)
 
 
 @triton.jit
@@ -70,10 +88,11 @@ def quantize_span_fp8_dynamic(
     scale = tl.maximum(amax, QC.FP8_AMAX_EPS) * QC.E4M3_MAX_RECIP
     scale = tl.where(amax != amax, float("nan"), scale)  # the engines' max would drop the NaN
     if HW_CVT:
-        # the quotient through one reciprocal per group (exact: fp8_group_quant._div_exact), then a
-        # clamp keeping a NaN (a plain one returns the number): the GPU's RNE conversion takes the
-        # canonical NaN the clamp returns for every NaN quotient to 0x7F
-        c = tl.maximum(_div_exact(xg, scale), -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        # the quotient through one reciprocal per group, then a clamp keeping a NaN (a plain one
+        # returns the number): the GPU's RNE conversion takes the canonical NaN the clamp returns
+        # for every NaN quotient to 0x7F
+        v = _div_by_group_scale(xg, scale)
+        c = tl.maximum(v, -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         c = tl.minimum(c, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
