@@ -45,6 +45,22 @@ def _div_by_group_scale(xg, scale):
 
 
 @triton.jit
+def _store_where_held(ptrs, values, mask):
+    """tl.store(ptrs, values (fp32), mask) on a GPU, as inline PTX: every thread stores the
+    values it holds, in the layout the group reduction left them (a group's scale is held by each
+    of the lanes that reduced it, and they all store the same bytes), where tl.store would first
+    move them into its own layout through shared memory, between two barriers."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r",
+        [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def quantize_span_fp8_dynamic(
     y,
     row,
@@ -116,7 +132,11 @@ def quantize_span_fp8_dynamic(
         keep_s = (start < hidden) & (g_rows < sf_stride)  # the padding rows too
     else:
         keep_s = (start < hidden) & (g_rows < tokens)
-    tl.store(out.sf + offs, tl.where(g_rows < tokens, scale, 0.0), mask=keep_s)
+    sf = tl.where(g_rows < tokens, scale, 0.0)
+    if HW_CVT and GROUPS > 1:  # (one group: its scale needs no move, and would be stored by all)
+        _store_where_held(out.sf + offs, sf, keep_s)
+    else:
+        tl.store(out.sf + offs, sf, mask=keep_s)
 
 
 @triton.jit
