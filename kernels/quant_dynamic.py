@@ -8,6 +8,9 @@ and scales match it bit for bit:
     q     = e4m3(clamp(div_rn(x, scale), -448, 448))   (round to nearest even)
     a NaN group gets the NaN scale (0x7FC00000) and codes 0x7F; every NaN code is 0x7F
 
+On a GPU the quotient takes one reciprocal per group (`_div_by_group_scale`: the codes of div_rn)
+and the conversion is the hardware's; under the Triton interpreter both are done in software.
+
 Per token is the same with the whole row as one group (GROUP = the row's block: every program
 that calls it holds the whole row). Scales are fp32, stored in the layout's storage (docs/math.md
 section 3): row_major [T, G] (`sf_stride` = G), column_major [G, T] (`sf_stride` = T),
@@ -22,6 +25,39 @@ import triton
 
 from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.quant import _e4m3_rne_satfinite
+from fusion_bridge.kernels.rounding import block_amax
+
+
+@triton.jit
+def _div_by_group_scale(xg, scale):
+    """div_rn(xg, scale[:, None]) as e4m3 sees it, with one reciprocal per group (a GPU only: its
+    fma rounds once): fp8_group_quant._div_exact's Markstein steps (exact for a normal quotient;
+    one that is not is below 2^-10 in magnitude, +-0 in e4m3 either way) with one of its two
+    fix-ups. Here |x| <= amax, so no quotient is near the top of the fp32 range, and q is NaN only
+    where x or scale is NaN (q0 NaN too: code 0x7F either way) or where scale is +inf (a group
+    holding +-inf: q0 is +-0 for its finite x, NaN for +-inf). Where q0 is +-0 it is the answer:
+    the FMAs lose the sign of zero, and give NaN for a finite x over inf."""
+    inv = tl.math.div_rn(1.0, scale)[:, None]
+    s = tl.broadcast_to(scale[:, None], xg.shape)
+    q0 = xg * inv
+    q = tl.fma(tl.fma(-q0, s, xg), inv, q0)
+    return tl.where(q0 == 0.0, q0, q)
+
+
+@triton.jit
+def _store_where_held(ptrs, values, mask):
+    """tl.store(ptrs, values (fp32), mask) on a GPU, as inline PTX: every thread stores the
+    values it holds, in the layout the group reduction left them (a group's scale is held by each
+    of the lanes that reduced it, and they all store the same bytes), where tl.store would first
+    move them into its own layout through shared memory, between two barriers."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r",
+        [ptrs, values.to(tl.int32, bitcast=True), mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -58,21 +94,31 @@ def quantize_span_fp8_dynamic(
         keep = in_row & (cols >= lo) & (cols < hi)
     else:
         keep = in_row & (rows < tokens)
-    xg = tl.reshape(tl.where(in_row, y.to(tl.float32), 0.0), [GROUPS, GROUP])
-    amax = tl.max(tl.abs(xg), axis=1)
-    has_nan = tl.sum((xg != xg).to(tl.int32), axis=1) > 0
+    xg = tl.reshape(y.to(tl.float32), [GROUPS, GROUP])
+    if GROUPS == 1:
+        # one group, the whole block (per token): its columns past H are no part of the row. With
+        # several, H is a multiple of GROUP (the spec's rule): a group lies wholly in the row or
+        # wholly past it, and one past it stores nothing
+        xg = tl.where(tl.reshape(in_row, [GROUPS, GROUP]), xg, 0.0)
+    amax = block_amax(xg, HW_CVT)  # NaN where the group holds one
     scale = tl.maximum(amax, QC.FP8_AMAX_EPS) * QC.E4M3_MAX_RECIP
-    scale = tl.where(has_nan, float("nan"), scale)  # the engines' max would drop the NaN
-    v = tl.math.div_rn(xg, scale[:, None])
+    scale = tl.where(amax != amax, float("nan"), scale)  # the engines' max would drop the NaN
     if HW_CVT:
-        # a clamp keeping a NaN (a plain one returns the number), then the GPU's RNE conversion
+        # the quotient through one reciprocal per group, then a clamp keeping a NaN (a plain one
+        # returns the number): the GPU's RNE conversion takes the canonical NaN the clamp returns
+        # for every NaN quotient to 0x7F
+        v = _div_by_group_scale(xg, scale)
         c = tl.maximum(v, -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         c = tl.minimum(c, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
+        v = tl.math.div_rn(xg, scale[:, None])
         code, _ = _e4m3_rne_satfinite(v)
-    code = tl.where(v != v, QC.E4M3_NAN, code)  # every NaN code 0x7F, whatever the NaN's sign
-    tl.store(out.q + row * hidden + cols, tl.reshape(code, [BLOCK]).to(tl.uint8), mask=keep)
+        code = tl.where(v != v, QC.E4M3_NAN, code)  # every NaN code 0x7F, whatever the NaN's sign
+    # the same offsets, contiguous over 8 only: the codes stored in the row's own register layout
+    # (8 per thread, as its bf16 stores want), not the whole row in a 16-per-thread one
+    lean = (cols // 8) * 8 + cols % 8
+    tl.store(out.q + row * hidden + lean, tl.reshape(code, [BLOCK]).to(tl.uint8), mask=keep)
     gi = col0 // GROUP + tl.arange(0, GROUPS)
     start = gi * GROUP
     g_rows = gi * 0 + row
@@ -86,7 +132,11 @@ def quantize_span_fp8_dynamic(
         keep_s = (start < hidden) & (g_rows < sf_stride)  # the padding rows too
     else:
         keep_s = (start < hidden) & (g_rows < tokens)
-    tl.store(out.sf + offs, tl.where(g_rows < tokens, scale, 0.0), mask=keep_s)
+    sf = tl.where(g_rows < tokens, scale, 0.0)
+    if HW_CVT and GROUPS > 1:  # (one group: its scale needs no move, and would be stored by all)
+        _store_where_held(out.sf + offs, sf, keep_s)
+    else:
+        tl.store(out.sf + offs, sf, mask=keep_s)
 
 
 @triton.jit
