@@ -96,15 +96,15 @@ def _bad_models(saved: dict, rank: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     out = {}
-    path, class_name = saved["deepseek_v3"]
+    path, class_name = saved["qwen2_moe"]  # patched on both transformers releases
     model = _load(path, class_name)
     if rank == 1:
         with torch.no_grad():
-            model.model.layers[1].mlp.gate.weight[0, 0] += 1
+            model.model.layers[0].mlp.gate.weight[0, 0] += 1
     out["replicated_differs"] = _refusal(model)
     model = _load(path, class_name)
-    if rank == 1:  # a shard of 8 rows where Shard(0) of 32 over 2 ranks gives 16
-        linear = model.model.layers[1].mlp.shared_experts.gate_proj
+    if rank == 1:  # a shard of 8 rows where Shard(0) of 64 over 2 ranks gives 32
+        linear = model.model.layers[0].self_attn.q_proj
         weight = linear.weight
         short = DTensor.from_local(
             weight.to_local()[:8], weight.device_mesh, weight.placements, run_check=False,
@@ -113,10 +113,10 @@ def _bad_models(saved: dict, rank: int) -> dict:
         linear._parameters["weight"] = torch.nn.Parameter(short, requires_grad=False)
     out["shard_shape"] = _refusal(model)
     alone = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank
-    out["wrong_group"] = _refusal(_load(*saved["qwen2_moe"]), group=alone[rank])
+    out["wrong_group"] = _refusal(_load(path, class_name), group=alone[rank])
     if NEWEST:  # transformers 5.25's expert parallelism
         ep = transformers.DistributedConfig(tp_size=2, ep_size=2)
-        out["expert_parallel"] = _refusal(_load(path, class_name, distributed_config=ep))
+        out["expert_parallel"] = _refusal(_load(*saved["deepseek_v3"], distributed_config=ep))
     return out
 
 
@@ -184,13 +184,13 @@ def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(saved):
         assert (
             "ValueError: patch_moe_epilogues: every rank of the group must hold the same model"
             in bad["replicated_differs"]
-            and "rank 1 differs from rank 0 in parameters ['model.layers.1.mlp.gate.weight']"
+            and "rank 1 differs from rank 0 in parameters ['model.layers.0.mlp.gate.weight']"
             in bad["replicated_differs"]
         ), bad
         assert (
-            "on rank 1, 1 do not (first: model.layers.1.mlp.shared_experts.gate_proj.weight: "
-            "placements (Shard(dim=0)); global shape (32, 64); local shape (8, 64), expected "
-            "(16, 64))" in bad["shard_shape"]
+            "on rank 1, 1 do not (first: model.layers.0.self_attn.q_proj.weight: "
+            "placements (Shard(dim=0)); global shape (64, 64); local shape (8, 64), expected "
+            "(32, 64))" in bad["shard_shape"]
         ), bad["shard_shape"]
         assert "group must be the model's own tensor-parallel group (its device mesh's 'tp' " \
             f"group, ranks [0, 1]), or None to use it; got a group of ranks [{r}]" \
