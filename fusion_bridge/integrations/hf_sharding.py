@@ -15,11 +15,13 @@ bridge's one reduction sums both partials; slices a replicated shared expert as 
 over the model's own TP group, read from its device mesh.
 
 What it cannot establish on a layer it refuses, naming the layer and the reason, before anything
-is patched: any other sharded parameter, installed forward or hook on the MoE block or its shared
-expert (5.17's `moe_tp_experts` plan, which shards the routed experts by their intermediate
-columns; a plan entry on the block), a sharded next norm. Expert parallelism (transformers 5.25's
-`DistributedConfig(ep_size=...)`, 5.17's router-hooked `enable_expert_parallel`) and meshes with
-other dimensions than TP are refused for the whole model, naming the mode and the version.
+is patched: any other sharded (DTensor) parameter or replaced `forward` (a TP style) on the MoE
+block or its shared expert (5.17's `moe_tp_experts` plan, which shards the routed experts by their
+intermediate columns; a plan entry on the block), a sharded or wrapped next norm. Forward hooks are
+not refused: the patched block runs its router's and its own hooks as the model does. Expert
+parallelism (transformers 5.25's `DistributedConfig(ep_size=...)`, 5.17's router-hooked
+`enable_expert_parallel`) and meshes with other dimensions than TP are refused for the whole
+model, naming the mode and the version.
 """
 
 from __future__ import annotations
