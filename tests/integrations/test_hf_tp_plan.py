@@ -116,7 +116,9 @@ def _bad_models(saved: dict, rank: int) -> dict:
     out["wrong_group"] = _refusal(_load(path, class_name), group=alone[rank])
     if NEWEST:  # transformers 5.25's expert parallelism
         ep = transformers.DistributedConfig(tp_size=2, ep_size=2)
-        out["expert_parallel"] = _refusal(_load(*saved["deepseek_v3"], distributed_config=ep))
+    else:  # 5.17's: the plan hooks the router (ep_router)
+        ep = transformers.DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
+    out["expert_parallel"] = _refusal(_load(*saved["deepseek_v3"], distributed_config=ep))
     return out
 
 
@@ -195,8 +197,10 @@ def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(saved):
         assert "group must be the model's own tensor-parallel group (its device mesh's 'tp' " \
             f"group, ranks [0, 1]), or None to use it; got a group of ranks [{r}]" \
             in bad["wrong_group"], bad["wrong_group"]  # fmt: skip
-        if NEWEST:
-            assert (
-                "expert parallelism (DistributedConfig(ep_size=2)) under transformers 5.25"
-                in bad["expert_parallel"]
-            ), bad["expert_parallel"]
+        expected = (
+            "expert parallelism (DistributedConfig(ep_size=2)) under transformers 5.25"
+            if NEWEST
+            else "router-hooked expert parallelism (DistributedConfig(enable_expert_parallel="
+            "True)) under transformers 5.17"
+        )
+        assert expected in bad["expert_parallel"], bad["expert_parallel"]
