@@ -18,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from fusion_bridge.integrations.weights_digest import local
+
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -162,12 +164,14 @@ def shared_partial(
     gate_proj / up_proj (or of the gate and up halves of a fused gate_up_proj / input_linear
     [2I, H]), the matching input columns of down_proj (output_linear). act(shared, gate, up): the
     MLP's own activation where it is not act_fn(gate) * up (elementwise, so exact per column).
+    A shared expert sharded by transformers' TP plan holds DTensor weights: its local shards are
+    read (columns index them), so its modules' own forwards, and their all-reduce, never run.
     -> [T, H] x.dtype."""
     sl = slice(columns.start, columns.stop)
     if hasattr(shared, "gate_proj"):
-        gate = F.linear(x, shared.gate_proj.weight[sl])
-        up = F.linear(x, shared.up_proj.weight[sl])
-        down = shared.down_proj.weight
+        gate = F.linear(x, local(shared.gate_proj.weight)[sl])
+        up = F.linear(x, local(shared.up_proj.weight)[sl])
+        down = local(shared.down_proj.weight)
     else:
         fused, down_linear = _fused(shared)
         width = shared_width(shared)

@@ -21,7 +21,8 @@ from fusion_bridge.integrations.hf_handoff import HANDOFF_ATTR
 class PatchedMoELayer:
     """One MoE decoder layer on the bridge. local_experts: the routed experts this rank computes;
     shared_columns: its intermediate columns of the shared expert (None: the family has none);
-    next_norm: the name of the RMSNorm the bridge computes in this layer's epilogue."""
+    next_norm: the name of the RMSNorm the bridge computes in this layer's epilogue;
+    shared_sharded: the shared expert is the TP plan's shard (its local weights are used whole)."""
 
     index: int
     bridge: FusionBridge
@@ -34,6 +35,8 @@ class PatchedMoELayer:
     multiplier: float = 1.0  # m of the layer's `residual + h * m` (1.0: a plain residual add)
     shared: Optional[torch.nn.Module] = None  # the shared expert MLP (the block's or the layer's)
     account: Optional[ForwardAccount] = None  # the forward's bridge calls (hf_forward)
+    # the shared expert is sharded by transformers' TP plan: shared_columns are its local shard's
+    shared_sharded: bool = False
 
     def explain(self, tokens: Optional[int] = None):
         """The bridge's report for this layer (strategy per token bucket, every rejection)."""

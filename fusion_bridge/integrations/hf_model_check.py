@@ -11,7 +11,11 @@ forward reads sum plausible, wrong partials. So the ranks compare, in one agreem
     (the routers' `top_k`, `topk_group`, `n_group`, `norm_topk_prob`, `routed_scaling_factor`,
     the norms' eps, ...) and of the text config;
   - the content of every parameter and every buffer (the routing correction bias
-    `e_score_correction_bias`, the rotary `inv_freq`): weights_digest.
+    `e_score_correction_bias`, the rotary `inv_freq`): weights_digest; of a model transformers
+    loaded sharded, the content of its replicated parameters and, for each sharded DTensor, its
+    placements, global shape and whether its local shape is the one they give the rank
+    (`shard_layouts`: a shard's content differs by rank by design). A shard whose local shape is
+    not the expected one is refused even when every rank's is wrong alike.
 
 Before that agreement (its first collective) every rank checks in through the process group's
 store (`fusion_bridge.check_in`, bounded by `build_timeout_s` / FUSION_BRIDGE_BUILD_TIMEOUT_S), so
@@ -28,11 +32,16 @@ import torch
 import torch.distributed as dist
 
 from fusion_bridge import EpilogueSpec, check_in
-from fusion_bridge.integrations.weights_digest import buffer_digests, parameter_digests
+from fusion_bridge.integrations.weights_digest import (
+    AS_EXPECTED,
+    buffer_digests,
+    parameter_digests,
+    shard_layouts,
+)
 
 _PLAIN = (bool, int, float, str)
 # what the check compares, in the order its error looks for the first difference
-KINDS = ("architecture", "layer specs", "settings", "parameters", "buffers")
+KINDS = ("architecture", "layer specs", "settings", "parameters", "buffers", "shards")
 
 
 def resolve_group(group, device: torch.device):
@@ -93,6 +102,7 @@ def fingerprint(
         "settings": _settings(model, text_config),
         "parameters": parameter_digests(model),
         "buffers": buffer_digests(model),
+        "shards": shard_layouts(model),
     }
 
 
@@ -134,6 +144,15 @@ def compare_ranks(everyone: list[dict]) -> None:
     """Raise the model check's ValueError when any rank's fingerprint (in rank order) differs
     from rank 0's, naming the first such rank and its first difference. Pure: every rank runs it
     on the same gathered list, so every rank raises the same error."""
+    for rank, mine in enumerate(everyone):  # a shard its placements do not give the rank
+        wrong = {k: v for k, v in mine.get("shards", {}).items() if not v.endswith(AS_EXPECTED)}
+        if wrong:
+            name, what = next(iter(wrong.items()))
+            raise ValueError(
+                "patch_moe_epilogues: every sharded parameter must hold on each rank the shard "
+                f"its DTensor placements give that rank; on rank {rank}, {len(wrong)} do not "
+                f"(first: {name}: {what})"
+            )
     first = everyone[0]
     for other_rank, other in enumerate(everyone[1:], start=1):
         found = first_difference(first, other)

@@ -27,7 +27,15 @@ norm, called on exactly the bridge's residual_out, returns its norm_out instead 
 again. Attention (full or linear), caches, dense layers, embeddings, lm_head and `generate` are the
 model's own code, untouched.
 
-Contract: every rank holds the whole model and runs the same forward calls with identical inputs
+A model transformers loaded with tensor parallelism (`from_pretrained(path, tp_plan="auto")`) is
+patched over its own TP group (its device mesh's): the routed experts, replicated by every
+supported family's plan, are split as above; a shared expert the plan shards (gate/up colwise,
+down rowwise) is computed from its local shards, without its own all-reduce, so each MoE layer
+makes one reduction, the bridge's (hf_sharding says what is refused: expert parallelism, any other
+sharding of the MoE block).
+
+Contract: every rank holds the whole model (or transformers' TP shards of it) and runs the same
+forward calls with identical inputs
 (input_ids, attention mask, positions, cache state, generation settings); only the MoE work is
 split, and the bridge sums the ranks' partial outputs token by token. Ranks fed different inputs of
 the same length get wrong outputs without an error; `MoEEpiloguePatch.check_same_inputs` checks
@@ -74,6 +82,13 @@ from fusion_bridge.integrations.hf_handoff import (
 from fusion_bridge import tensor_digest
 from fusion_bridge.integrations.hf_layer import PatchedMoELayer
 from fusion_bridge.integrations.hf_model_check import agree_on_model, resolve_group
+from fusion_bridge.integrations.hf_sharding import (
+    is_sharded_model,
+    refuse_expert_parallel,
+    shared_is_sharded,
+    tp_group,
+)
+from fusion_bridge.integrations.weights_digest import local
 
 __all__ = [
     "patch_moe_epilogues",
@@ -108,6 +123,7 @@ class MoEEpiloguePatch:
             held = f"routed experts {p.local_experts.start}..{p.local_experts.stop - 1}"
             if p.shared_columns is not None:
                 held += f", shared columns {p.shared_columns.start}..{p.shared_columns.stop - 1}"
+                held += " of its TP-plan shard" if p.shared_sharded else ""
             parts.append(
                 f"layer {i} ({self.family.name}, rank {self.rank}/{self.world_size}: {held}; "
                 f"norm fused: {p.next_norm})\n{p.explain(tokens)}"
@@ -184,6 +200,8 @@ def patch_moe_epilogues(
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise ValueError("patch_moe_epilogues: model is already patched (call .unpatch() first)")
     family, text = family_of(model)
+    refuse_expert_parallel(model)
+    sharded = is_sharded_model(model)
     if model.training:
         raise ValueError(
             "patch_moe_epilogues: model must be in eval mode (call model.eval()): the bridge is "
@@ -203,15 +221,18 @@ def patch_moe_epilogues(
             f"dtypes), got {dtype} ({'fp32' if dtype == torch.float32 else 'fp64'}): "
             "cast it first, e.g. model.to(torch.bfloat16)"
         )
-    next_norms = {}
+    next_norms, shared_sharded = {}, {}
     for i in moe_indices:
-        check_moe_block(family, blocks[i], paths[id(blocks[i])], hidden, layers[i])
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        if sharded:  # what transformers' TP plan put on this layer (hf_sharding)
+            shared = family.shared_module(blocks[i], layers[i])
+            shared_sharded[i] = shared_is_sharded(model, i, paths, blocks[i], shared, norm)
+        check_moe_block(family, blocks[i], paths[id(blocks[i])], hidden, layers[i])
         name = paths[id(norm)]
         next_norms[i] = (name, norm, check_rmsnorm(family, norm, name, hidden))
     device = blocks[moe_indices[0]].experts.gate_up_proj.device
     family.check_device(device)
-    group, rank, world = resolve_group(group, device)
+    group, rank, world = resolve_group(tp_group(model, group), device)
     num_experts = blocks[moe_indices[0]].experts.gate_up_proj.shape[0]
     if world > num_experts:
         raise ValueError(
@@ -245,7 +266,9 @@ def patch_moe_epilogues(
                 patch._bridges.append(bridges[spec])
             shared_columns = None
             shared = family.shared_module(block, layers[i])
-            if shared is not None:
+            if shared is not None and shared_sharded.get(i):  # its plan's shard: all of it
+                shared_columns = range(local(_first_linear(shared).weight).shape[0])
+            elif shared is not None:
                 shared_columns = block_of(rank, world, shared_width(shared))
             layer_patch = PatchedMoELayer(
                 i,
@@ -259,6 +282,7 @@ def patch_moe_epilogues(
                 multiplier,
                 shared,
                 account,
+                bool(shared_sharded.get(i)),
             )
             patch.layers[i] = layer_patch
             account.layers[i] = layer_patch
@@ -276,6 +300,11 @@ def patch_moe_epilogues(
         raise
     patch._set(model, _PATCH_ATTR, patch)
     return patch
+
+
+def _first_linear(shared: torch.nn.Module) -> torch.nn.Module:
+    """A plan-sharded shared expert's gate_proj (its local rows are this rank's columns)."""
+    return shared.gate_proj
 
 
 def _spec(family: Family, block, layer, hidden: int, dtype, eps: float, max_tokens: int):

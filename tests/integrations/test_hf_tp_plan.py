@@ -1,0 +1,206 @@
+"""fusion_bridge.integrations.transformers on models transformers itself loaded sharded: tiny random
+models saved with `save_pretrained` and loaded with `from_pretrained(path, tp_plan="auto")` on 2
+gloo ranks (one spawned group for every family and every refusal).
+
+Patched-sharded is judged against unpatched-sharded within the bound test_hf_transformers uses
+(hf_moe.compare: forward, greedy generate with a KV cache, unpatch exact); the ranks agree; and the
+all-reduces of one forward, counted per decoder layer by wrapping torch.distributed.all_reduce
+(transformers' rowwise layers reduce through it), are transformers' own in every layer except the
+MoE layers, which make exactly one each (the bridge's): attention's own plus one, the plan-sharded
+shared expert's own gone. transformers 5.17's plan shards the routed experts of some families
+(`moe_tp_experts`): those are refused, with the version and the plan entry named."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers' TP loading needs it
+
+from fusion_bridge.cli.launch import run_distributed  # noqa: E402
+from fusion_bridge.integrations.transformers import (  # noqa: E402
+    UnsupportedModelError,
+    patch_moe_epilogues,
+)
+from migration.examples.hf_moe import PROMPT, TINY, build_model, compare  # noqa: E402
+from migration.examples.hf_moe_models import why_skipped  # noqa: E402
+from tests.integrations.test_hf_transformers import NEW_TOKENS, check_summary  # noqa: E402
+
+# a shared expert the plan shards (DeepSeek-V3, GLM-4-MoE, Qwen3.5-MoE) and one it replicates
+# (Qwen2-MoE)
+FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_5_moe", "qwen2_moe")
+NEWEST = not transformers.__version__.startswith("5.17.")
+
+
+def _load(path: str, class_name: str, **kwargs):
+    kwargs = kwargs or dict(tp_plan="auto")
+    model = getattr(transformers, class_name).from_pretrained(path, dtype=torch.bfloat16, **kwargs)
+    return model.eval()
+
+
+def _all_reduces_per_layer(model, layers, prompt) -> list[int]:
+    """One forward of `model` on prompt: how many torch.distributed.all_reduce calls each decoder
+    layer made (every caller looks the function up at call time, so wrapping it sees them all)."""
+    count, own, per_layer = [0], dist.all_reduce, []
+
+    def all_reduce(*args, **kwargs):
+        count[0] += 1
+        return own(*args, **kwargs)
+
+    hooks = [
+        layer.register_forward_pre_hook(lambda *_: count.__setitem__(0, 0)) for layer in layers
+    ]
+    hooks += [
+        layer.register_forward_hook(lambda *_: per_layer.append(count[0])) for layer in layers
+    ]
+    dist.all_reduce = all_reduce
+    try:
+        with torch.no_grad():
+            model(prompt)
+    finally:
+        dist.all_reduce = own
+        for hook in hooks:
+            hook.remove()
+    return per_layer
+
+
+def _family(family: str, path: str, class_name: str, rank: int, world: int, prompt) -> dict:
+    model = _load(path, class_name)
+    routed_sharded = "moe_tp_experts" in (model._tp_plan or {}).values()
+    try:
+        patch = patch_moe_epilogues(model)
+    except UnsupportedModelError as exc:
+        return {"family": family, "refused": str(exc), "routed_sharded": routed_sharded}
+    layers = [m for m in model.modules() if hasattr(m, "input_layernorm")]
+    shared_sharded = {i: p.shared_sharded for i, p in patch.layers.items()}
+    patch.unpatch()
+    own_forwards = {n: vars(m)["forward"] for n, m in model.named_modules() if "forward" in vars(m)}
+    unpatched = _all_reduces_per_layer(model, layers, prompt)
+    patch = patch_moe_epilogues(model)
+    patched = _all_reduces_per_layer(model, layers, prompt)
+    patch.unpatch()
+    summary = compare(model, None, world, prompt, NEW_TOKENS)
+    # transformers' own TP forwards are its, before and after: only what the patch set must go
+    summary["left_patched"] = [n for n in summary["left_patched"] if n not in own_forwards]
+    after = {n: vars(m)["forward"] for n, m in model.named_modules() if "forward" in vars(m)}
+    summary["tp_forwards_restored"] = after == own_forwards
+    summary.update(family=family, rank=rank, all_reduces=(unpatched, patched))
+    summary.update(shared_sharded=shared_sharded)
+    return summary
+
+
+def _bad_models(saved: dict, rank: int) -> dict:
+    """Rank 1's replicated router weight differs; rank 1's shard has the wrong local shape."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    path, class_name = saved["qwen2_moe"]  # patched on both transformers releases
+    model = _load(path, class_name)
+    if rank == 1:
+        with torch.no_grad():
+            model.model.layers[0].mlp.gate.weight[0, 0] += 1
+    out["replicated_differs"] = _refusal(model)
+    model = _load(path, class_name)
+    if rank == 1:  # a shard of 8 rows where Shard(0) of 64 over 2 ranks gives 32
+        linear = model.model.layers[0].self_attn.q_proj
+        weight = linear.weight
+        short = DTensor.from_local(
+            weight.to_local()[:8], weight.device_mesh, weight.placements, run_check=False,
+            shape=weight.shape, stride=weight.stride(),
+        )  # fmt: skip
+        linear._parameters["weight"] = torch.nn.Parameter(short, requires_grad=False)
+    out["shard_shape"] = _refusal(model)
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank
+    out["wrong_group"] = _refusal(_load(path, class_name), group=alone[rank])
+    if NEWEST:  # transformers 5.25's expert parallelism
+        ep = transformers.DistributedConfig(tp_size=2, ep_size=2)
+    else:  # 5.17's: the plan hooks the router (ep_router)
+        ep = transformers.DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
+    out["expert_parallel"] = _refusal(_load(*saved["deepseek_v3"], distributed_config=ep))
+    return out
+
+
+def _refusal(model, **kwargs) -> str:
+    try:
+        patch_moe_epilogues(model, **kwargs).unpatch()
+        return "patched"
+    except ValueError as exc:  # UnsupportedModelError is one
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _rank(rank: int, world: int, saved: dict) -> dict:
+    """Every saved family loaded with tp_plan='auto' on this rank (_family), then the refusals."""
+    # what torchrun sets, and transformers reads to size its mesh
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    prompt = torch.randint(1, TINY["vocab"], PROMPT, generator=torch.Generator().manual_seed(1))
+    out = {f: _family(f, *where, rank, world, prompt) for f, where in saved.items()}
+    out["bad"] = _bad_models(saved, rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_plan")
+    out = {}
+    for family in FAMILIES:
+        if why_skipped(family) is None:
+            model = build_model(family, TINY)
+            model.save_pretrained(root / family)
+            out[family] = (str(root / family), type(model).__name__)
+    return out
+
+
+def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(saved):
+    per_rank = run_distributed(_rank, 2, saved, timeout_s=600)
+    assert "deepseek_v3" in saved and "qwen2_moe" in saved
+    for family in saved:
+        ranks = [per_rank[r][family] for r in range(2)]
+        if "refused" in ranks[0]:
+            # only where transformers' plan shards the routed experts (5.17's moe_tp_experts)
+            assert not NEWEST and ranks[0]["routed_sharded"], ranks[0]["refused"]
+            for r in ranks:
+                assert "cannot be patched under transformers 5.17" in r["refused"]
+                assert "'moe_tp_experts'" in r["refused"] and "experts: a replaced" in r["refused"]
+            continue
+        for r in ranks:
+            check_summary(r)
+            assert r["tp_forwards_restored"], family
+            unpatched, patched = r["all_reduces"]
+            print(f"{family} rank {r['rank']}: all-reduces per decoder layer, unpatched "
+                  f"{unpatched}, patched {patched}; MoE layers {r['moe_layers']}")  # fmt: skip
+            for i, (own, ours) in enumerate(zip(unpatched, patched)):
+                if i not in r["moe_layers"]:
+                    assert ours == own, (family, i)
+                else:  # the bridge's one, in place of the plan-sharded shared expert's own
+                    assert ours == own - r["shared_sharded"][i] + 1, (family, i)
+        # the plan shards the shared expert where it names it; Qwen2-MoE's is replicated (sliced)
+        assert set(ranks[0]["shared_sharded"].values()) == {family != "qwen2_moe"}, family
+        assert ranks[0]["logits_checksum"] == ranks[1]["logits_checksum"], family
+        assert ranks[0]["sequences"] == ranks[1]["sequences"], family
+    for r in range(2):
+        bad = per_rank[r]["bad"]
+        assert (
+            "ValueError: patch_moe_epilogues: every rank of the group must hold the same model"
+            in bad["replicated_differs"]
+            and "rank 1 differs from rank 0 in parameters ['model.layers.0.mlp.gate.weight']"
+            in bad["replicated_differs"]
+        ), bad
+        assert (
+            "on rank 1, 1 do not (first: model.layers.0.self_attn.q_proj.weight: "
+            "placements (Shard(dim=0)); global shape (64, 64); local shape (8, 64), expected "
+            "(32, 64))" in bad["shard_shape"]
+        ), bad["shard_shape"]
+        assert "group must be the model's own tensor-parallel group (its device mesh's 'tp' " \
+            f"group, ranks [0, 1]), or None to use it; got a group of ranks [{r}]" \
+            in bad["wrong_group"], bad["wrong_group"]  # fmt: skip
+        expected = (
+            "expert parallelism (DistributedConfig(ep_size=2)) under transformers 5.25"
+            if NEWEST
+            else "router-hooked expert parallelism (DistributedConfig(enable_expert_parallel="
+            "True)) under transformers 5.17"
+        )
+        assert expected in bad["expert_parallel"], bad["expert_parallel"]
