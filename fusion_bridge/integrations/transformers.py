@@ -7,14 +7,12 @@
     patch.unpatch()                                      # the model's own code again
 
 Supported families: the rows of hf_families.table, keyed by the language model's `config.model_type`
-(or a multimodal wrapper's), each read from transformers' own modeling file of that type
-(DeepSeek-V2/-V3/-V3.2 and Kimi-K2/K2.5, GLM-4-MoE, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral-4, Mistral-
-Large-4, Kimi-Linear, dots.llm1, Solar-Open, EXAONE-MoE, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE,
-Qwen3-Next, Qwen3-VL-MoE, Qwen3-Omni-MoE's thinker, OLMoE, ERNIE-4.5-MoE, Mixtral, MiniMax-M2 and
--M3, gpt-oss, Granite-MoE and Granite-MoE-Shared). Any other type raises UnsupportedModelError with
-the structural difference that keeps it off the bridge (hf_families.structure) and the supported
-list. transformers 5.x (expert weights as 3-D tensors). A wrapper's vision tower and image inputs
-are untouched: only its language model's MoE layers move.
+(or a multimodal wrapper's), each read from transformers' own modeling file of that type (the
+README's Hugging Face section lists them, with the transformers releases that have each). Any other
+type raises UnsupportedModelError with the structural difference that keeps it off the bridge
+(hf_families.structure) and the supported list. transformers 5.x (expert weights as 3-D
+tensors). A wrapper's vision tower and image inputs are untouched: only its language model's MoE
+layers move.
 
 What changes in the model, per MoE decoder layer (what an engine does when it adopts the fused
 epilogue): the block's own router picks the experts; this rank computes the routed experts it holds
