@@ -6,8 +6,9 @@ given a layer here. Every module is read: every .py file under fusion_bridge/ an
 top-level kernels/ (fusion_bridge.kernels), checked against a second listing of the tree, so no
 folder can drop out of the walk; and no product module imports the test rigs (testing/).
 
-    values        spec, reasons, environment, env_vars, log, registry: plain values, the
-                  environment variables and the strategy registry ("module:Class" strings)
+    values        spec (+ spec_fields), reasons, environment, env_vars, log, registry: plain
+                  values, the environment variables and the strategy registry ("module:Class"
+                  strings)
     data          epilogue_tensors, oracle/ (the fp32 math and quant references), kernels/
     ranks         ranks/: process-group facts, check-in, agreement
     strategies    strategies/: every strategy and its workspaces
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "fusion_bridge"
 
 LAYERS = {
-    "values": {"spec", "reasons", "environment", "env_vars", "log", "registry"},
+    "values": {"spec", "spec_fields", "reasons", "environment", "env_vars", "log", "registry"},
     "data": {"epilogue_tensors", "oracle", "kernels"},
     "ranks": {"ranks"},
     "strategies": {"strategies"},
