@@ -10,7 +10,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import triton
 
-from fusion_bridge.kernels.launch_cache import BoundLaunch, KernelLauncher
+from fusion_bridge.kernels.bound_launch import BoundLaunch
+from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.pdl import PDL_OPTIONS, pdl_ok
 from fusion_bridge.kernels.quant import (
     QUANT_FP8,
@@ -82,7 +83,7 @@ class Tp1Plan(NamedTuple):
     kernel's cached launcher (kernels/launch_cache.py), grid, constexprs (`WholeRows` /
     `SplitRows`), warps, chunks per row (0: whole rows), the NVFP4 scales' rows and columns
     (T and 0 without NVFP4), and `launch`: the same launch with everything but the call's records
-    bound (`launch_cache.BoundLaunch`), called as `launch(src, out)` (whole rows) or
+    bound (`bound_launch.BoundLaunch`), called as `launch(src, out)` (whole rows) or
     `launch(src, out, sync)` (split rows)."""
 
     config: Tp1Config

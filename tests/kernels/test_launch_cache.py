@@ -18,7 +18,8 @@ import torch
 
 from fusion_bridge.kernels import add_rmsnorm, finalize_add, launch_cache as launcher, quant
 from fusion_bridge.kernels import triton_launchers
-from fusion_bridge.kernels.launch_cache import BoundLaunch, KernelLauncher, Runtime, _make_key_fn
+from fusion_bridge.kernels.bound_launch import BoundLaunch
+from fusion_bridge.kernels.launch_cache import KernelLauncher, Runtime, _make_key_fn
 from fusion_bridge.kernels.records import RowOutputs, RowSource
 
 STREAM = 1234
