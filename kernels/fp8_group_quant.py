@@ -39,8 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fusion_bridge.epilogue_tensors import fp8_scale_buffer
 from fusion_bridge.kernels.launch_cache import KernelLauncher
 from fusion_bridge.kernels.quant import _e4m3_rne_satfinite
+from fusion_bridge.spec import ScaleLayout
 
 LAYOUTS = ("row_major", "column_major", "column_major_tma")
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -171,14 +173,10 @@ def scale_storage_rows(tokens: int, scale_layout) -> int:
 
 
 def empty_scales(tokens: int, groups: int, scale_layout, device) -> torch.Tensor:
-    """Uninitialised fp32 scales [T, G] in `scale_layout` (module docstring), as handed out."""
-    name = _layout_name(scale_layout)
-    if name == "row_major":
-        return torch.empty(tokens, groups, dtype=torch.float32, device=device)
-    storage = torch.empty(
-        groups, scale_storage_rows(tokens, name), dtype=torch.float32, device=device
-    )
-    return storage.t()[:tokens]
+    """Uninitialised fp32 scales [T, G] in `scale_layout` (module docstring), as handed out: the
+    bridge's own allocation of a layout (`epilogue_tensors.fp8_scale_buffer`)."""
+    layout = ScaleLayout(_layout_name(scale_layout))
+    return fp8_scale_buffer(tokens, groups, layout, torch.device(device))
 
 
 def _expected_strides(tokens: int, groups: int, name: str) -> tuple[int, int]:
