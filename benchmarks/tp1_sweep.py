@@ -27,7 +27,7 @@ from benchmarks.tp1_local import _spec, _strategy  # noqa: E402
 from fusion_bridge.tuning.timing import sets_to_rotate, time_graph  # noqa: E402
 
 
-QUANT_CODE = {"none": 0, "fp8": 1, "nvfp4": 2}
+QUANT_CODE = {"none": 0, "fp8": 1, "nvfp4": 2, "nvfp4_linear": 2}  # nvfp4: swizzled scales
 
 
 @triton.jit
@@ -107,7 +107,12 @@ def tokens_for(args, quant: str) -> list:
 def main() -> None:
     ap = parser(__doc__)
     add_common(
-        ap, tokens=[1, 4, 16, 32, 64], hidden=[7168], top_k=8, quant=["none", "fp8", "nvfp4"]
+        ap,
+        tokens=[1, 4, 16, 32, 64],
+        hidden=[7168],
+        top_k=8,
+        quant=["none", "fp8", "nvfp4"],
+        quant_choices=tuple(QUANT_CODE),
     )
     ap.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--jobs", type=int, default=12)
