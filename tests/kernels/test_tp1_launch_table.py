@@ -122,8 +122,10 @@ def test_dynamic_fp8_reads_the_fp8_rows_and_splits_only_where_its_groups_allow()
 def test_measured_finds_the_nearest_hidden_size_of_the_row_block_and_the_nearest_t():
     by_hidden = launch_table.TABLE["none"]
     assert measured(64, 1280, "none") == by_hidden[1344][64]  # rb 2048: 1344 is nearest
-    assert measured(64, 4100, "none") == by_hidden[4160][64]  # rb 8192, not 4096's rb 4096
-    assert measured(64, 4096, "none") == by_hidden[4096][64]
+    # rb 8192, not 4096's rb 4096 (the two entries differ at T=256)
+    assert by_hidden[4160][256] != by_hidden[4096][256]
+    assert measured(256, 4100, "none") == by_hidden[4160][256]
+    assert measured(256, 4096, "none") == by_hidden[4096][256]
     tokens = sorted(by_hidden[7168])
     for low, high in zip(tokens, tokens[1:]):
         geometric = int((low * high) ** 0.5)
