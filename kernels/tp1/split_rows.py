@@ -42,10 +42,58 @@ from fusion_bridge.kernels import quant_codes as QC
 from fusion_bridge.kernels.add_rmsnorm import overflow_scale, rms_apply
 from fusion_bridge.kernels.pdl import pdl_enter
 from fusion_bridge.kernels.quant import quantize_span, sf_padding_item
-from fusion_bridge.kernels.quant_dynamic import quantize_span_fp8_dynamic, tma_padding_row
+from fusion_bridge.kernels.quant_dynamic import (
+    chunk_amax_bits,
+    quantize_chunk_fp8_per_token,
+    quantize_span_fp8_dynamic,
+    tma_padding_row,
+)
 from fusion_bridge.kernels.rounding import round_cast
 from fusion_bridge.kernels.row_epilogue import prefetch_row, residual_plus_finalize
 from fusion_bridge.kernels.tp1 import configs as S
+
+
+@triton.jit
+def _exchange_row_amax(
+    y,
+    c,
+    chunks,
+    hidden,
+    amax_words,
+    tag,
+    failed,
+    error_address_ptr,
+    CHUNK: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,
+    MAX_POLLS: tl.constexpr,
+    WAIT: tl.constexpr,
+):
+    """Per token's second exchange (see the module docstring): publish this chunk's amax of the
+    normalized row y [CHUNK] (rounded, chunk c) in its tagged word of `amax_words` (this row's and
+    chunk count's: (tag << 32 | the amax's bits), one 64-bit store), then (WAIT) wait for the
+    row's `chunks` words of this call's `tag` and return the row's amax (fp32 scalar, the
+    NaN-keeping max of the chunks'). `failed` (the sums' wait gave up: the row is NaN already)
+    skips the wait; a wait that gives up sets the error word; either returns NaN (codes 0x7F and
+    a NaN scale), not a hang. WAIT off (the interpreter's AMAX_PHASE launch): publish only."""
+    bits = chunk_amax_bits(y, c * CHUNK, hidden)
+    tl.store(amax_words + c, (tag << 32) | bits.to(tl.int64))
+    amax = bits.to(tl.float32, bitcast=True)
+    if WAIT:
+        lane = tl.arange(0, MAX_CHUNKS)
+        mine = lane < chunks
+        w = tl.load(amax_words + lane, mask=mine, other=0, volatile=True)
+        pending = tl.sum((mine & (((w >> 32) & 0xFFFFFFFF) != tag)).to(tl.int32))
+        polls = 0
+        while (pending > 0) & (polls < MAX_POLLS) & (failed == 0):
+            w = tl.load(amax_words + lane, mask=mine, other=0, volatile=True)
+            pending = tl.sum((mine & (((w >> 32) & 0xFFFFFFFF) != tag)).to(tl.int32))
+            polls += 1
+        if (pending > 0) & (failed == 0):  # a partner's amax never arrived: the caller is told
+            tl.store(tl.load(error_address_ptr).to(tl.pointer_type(tl.int32)), 1)
+        row_bits = tl.max(tl.where(mine, w & 0x7FFFFFFF, 0), axis=0).to(tl.int32)
+        amax = row_bits.to(tl.float32, bitcast=True)
+        amax = tl.where((pending > 0) | (failed != 0), float("nan"), amax)
+    return amax
 
 
 @triton.jit
@@ -129,7 +177,7 @@ def _tp1_split_kernel(
             epoch = tl.sum(tl.where(first, ticket, 0), axis=0) // (2 * MAX_CHUNKS) + 1
         else:  # the interpreter's second launch: the publish launch advanced the counter
             epoch = tl.load(counter) // (2 * MAX_CHUNKS)
-        if PHASES & S.OUTPUT_PHASE:
+        if PHASES & (S.OUTPUT_PHASE | S.AMAX_PHASE):
             mine = lane < chunks
             w = tl.load(words + lane, mask=mine, other=0, volatile=True)
             tag = epoch & 0xFFFFFFFF
@@ -173,9 +221,21 @@ def _tp1_split_kernel(
             y = tl.where((cols * 0 + pending) != 0, float("nan"), y)  # a partner never arrived
             y = round_cast(y, dtype, HW_CVT=HW_CVT)
             tl.store(out.norm_out + row * hidden + cols, y, mask=in_row)
-            if FORM.QUANT == QC.QUANT_FP8_GROUP:
-                # the chunk holds whole groups (CHUNK a multiple of GROUP: the launcher's rule;
-                # per token takes whole rows); sf_cols is the scales' stride
+            if FORM.QUANT == QC.QUANT_FP8_TOKEN:
+                # the row's one scale needs the row's amax: the second exchange, after the sums
+                # (its words follow theirs, laid out as theirs: the launcher's AMAX_WORDS)
+                amax = _exchange_row_amax(
+                    y, c, chunks, hidden, words + SYNC_ROWS * (MAX_CHUNKS * (MAX_CHUNKS + 1) // 2),
+                    tag, pending, error_address_ptr, CHUNK=CHUNK, MAX_CHUNKS=MAX_CHUNKS,
+                    MAX_POLLS=MAX_POLLS, WAIT=PHASES & S.OUTPUT_PHASE,
+                )  # fmt: skip
+                if PHASES & S.OUTPUT_PHASE:
+                    quantize_chunk_fp8_per_token(
+                        y, row, c * CHUNK, hidden, out, amax, sf_cols, HW_CVT=HW_CVT
+                    )  # fmt: skip
+            elif FORM.QUANT == QC.QUANT_FP8_GROUP:
+                # the chunk holds whole groups (CHUNK a multiple of GROUP: the launcher's rule);
+                # sf_cols is the scales' stride
                 quantize_span_fp8_dynamic(
                     y, row, c * CHUNK, c * CHUNK, c * CHUNK + CHUNK, tokens, hidden, out, sf_cols,
                     GROUP=FORM.GROUP, LAYOUT=FORM.SCALE_LAYOUT, HW_CVT=HW_CVT, WINDOW=False,
