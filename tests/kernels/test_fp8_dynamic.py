@@ -336,9 +336,21 @@ def test_per_token_split_rows_whose_partner_amax_never_arrives_are_nan_and_repor
 
 def test_per_token_takes_split_rows_where_the_other_formats_do() -> None:
     """`tp1_config` (132 SMs) gives per token the unquantized call's split config at T=1, 16 and 64
-    for H=7168, 4096, 2048 and 2880 (not a multiple of 256), whole rows from T=256 as it does."""
-    from fusion_bridge.kernels.quant_codes import QUANT_FP8_TOKEN, QUANT_NONE
+    for H=7168, 4096, 2048 and 2880 (not a multiple of 256), whole rows from T=256 as it does. A
+    per-token launcher's words hold the chunk amaxes after the sums (AMAX_WORDS more); the other
+    formats' hold the sums alone."""
+    from fusion_bridge.kernels.layer import LayerRecord
     from fusion_bridge.kernels.quant import row_block
+    from fusion_bridge.kernels.quant_codes import QUANT_FP8_TOKEN, QUANT_NONE
+    from fusion_bridge.kernels.tp1.launcher import Tp1Launcher
+
+    for quant, words in (
+        (QuantSpec.fp8_per_token(), tp1_configs.SYNC_WORDS + tp1_configs.AMAX_WORDS),
+        (QuantSpec.fp8_per_token_group(64), tp1_configs.SYNC_WORDS),
+    ):
+        spec = EpilogueSpec(hidden_size=HIDDEN, top_k=2, quant=quant)
+        launcher = Tp1Launcher(LayerRecord.of(spec), 16, torch.device("cpu"))
+        assert launcher.sync_words().numel() == words, quant
 
     for hidden in (7168, 4096, 2048, 2880):
         for tokens in (1, 16, 64, 256):
