@@ -1,8 +1,10 @@
 """`fused_tp1`'s split-row kernel (`_tp1_split_kernel`, world size 1, few rows): a row's columns
 are spread over `chunks` programs, so a row's K gathers run on several SMs at once instead of one
 SM serially. A program finalizes and stores its chunk, publishes its chunk's sum of squares, waits
-for the row's other chunks' sums (the only exchange, inside the launch) and normalizes and
-quantizes its own columns. Its building blocks and the whole-row kernel: kernels/row_epilogue.py.
+for the row's other chunks' sums (the exchange, inside the launch) and normalizes and quantizes its
+own columns; per token (dynamic FP8, one scale per row) it then publishes its chunk's amax of the
+normalized row and waits for the row's other chunks' amaxes (a second exchange, the same way) before
+its codes. Its building blocks and the whole-row kernel: kernels/row_epilogue.py.
 
 The split rows' exchange (no host state, so CUDA graphs replay it; no reset): per row and chunk
 count a 64-bit arrival counter, to which each program of the row adds (relaxed, issued before its
@@ -14,23 +16,32 @@ with one naturally aligned 64-bit store (single-copy atomic), so a reader sees a
 old one; a word whose tag is not this call's epoch is "not yet": its previous writer is the previous
 call with this chunk count, whose tag is one less, since every call with a count writes all of that
 count's words of its rows. Zeroed words (tag 0) never match before every word was written: epochs
-start at 1. One call's tickets are consecutive: launches on one stream run one after the other, and
-under PDL the next call's programs may already be resident but take no ticket before their
-grid-dependency wait, which returns only once this call has completed; eager calls on several
-streams at once get a set of words per stream, and calls captured in CUDA graphs share one set
-zeroed before any capture (the launcher keeps them). The grid is at most the SM count, so every
-program waited on is resident; a wait is bounded (polls), and a row whose partners never arrived is
-written NaN, not hung, and sets the error word that the strategy's next call raises from.
+start at 1. Per token's amax words (the launcher allocates them after the sums for a per-token layer
+only: configs.AMAX_WORDS) are laid out as the sums' words and tagged with the same epoch, (epoch <<
+32 | the bits of the chunk's amax): every per-token call with a chunk count writes all of that
+count's amax words of its rows too, so the same argument holds; a program publishes its amax before
+it waits for any, and every partner is resident, so the second wait ends as the first. The row's
+amax is the integer max of the chunks' bits (sign cleared: a NaN's bits lie above +inf's), exactly
+the whole row's NaN-keeping amax, so every program of the row takes the same scale and the codes are
+the whole-row kernel's for the same norm_out. One call's tickets are consecutive: launches on one
+stream run one after the other, and under PDL the next call's programs may already be resident but
+take no ticket before their grid-dependency wait, which returns only once this call has completed;
+eager calls on several streams at once get a set of words per stream, and calls captured in CUDA
+graphs share one set zeroed before any capture (the launcher keeps them). The grid is at most the SM
+count, so every program waited on is resident; a wait is bounded (polls), and a row whose partners
+never arrived is written NaN, not hung (per token: an amax that never arrived gives codes 0x7F and a
+NaN scale), and sets the error word that the strategy's next call raises from.
 
 Every program of a row sums the chunks' sums in chunk order with the same reduction, so they all use
 the same rsqrt. A row whose sum overflows fp32 (|x| >~ 1.8e19) is rescaled as `rms_norm_row` does
 (by a power of two from the row's largest magnitude): each program of the row recomputes the row's
-chunks in order, for the largest magnitude and then the scaled sum (rare: no second exchange,
+chunks in order, for the largest magnitude and then the scaled sum (rare: no exchange of its own,
 nothing more exchanged on the common path).
 
 Under TRITON_INTERPRET=1 programs run one after another, so a program cannot wait for a later one:
 the interpreter launches the split kernel twice (PHASES = publish, then wait + outputs),
-the same body.
+the same body; per token three times (publish, then AMAX_PHASE: the wait for the sums and the
+chunk amaxes published, then the waits and the outputs).
 """
 
 from __future__ import annotations
@@ -115,16 +126,19 @@ def _tp1_split_kernel(
     MAX_POLLS: tl.constexpr,
     PHASES: tl.constexpr,
 ):
-    """World size 1, split rows: program pid owns columns [c * CHUNK, (c + 1) * CHUNK) of row
-    pid // chunks (c = pid % chunks); programs past T * chunks write swizzled scale padding.
-    src: a `records.RowSource`, out: `records.RowOutputs`, scalars: `records.LayerScalars`, FORM:
+    """World size 1, split rows: program pid owns columns [c * CHUNK, (c + 1) * CHUNK) of row pid //
+    chunks (c = pid % chunks); programs past T * chunks write swizzled scale padding. src: a
+    `records.RowSource`, out: `records.RowOutputs`, scalars: `records.LayerScalars`, FORM:
     `records.RowForm`. sync (`configs.SplitSync`): words, int64 [SYNC_ROWS * (MAX_CHUNKS + 1)]
-    counters, then [SYNC_ROWS * words] tagged sums (see the module docstring); error_address,
-    int64 [1], the address of an int32 word (pinned host memory on a GPU) set to 1 when a wait
-    gives up. PHASES (`configs.PUBLISH_PHASE` | `configs.OUTPUT_PHASE`): both on a GPU; one at a
-    time under the interpreter. USE_PDL (programmatic dependent launch): every program waits for
-    the grid before it first, before its ticket or any other memory access (kernels/pdl.py), so
-    one call's tickets stay consecutive and a call never sees the words of one still running."""
+    counters, then [SYNC_ROWS * words] tagged sums, per token as many tagged chunk amaxes after them
+    (see the module docstring); error_address, int64 [1], the address of an int32 word (pinned host
+    memory on a GPU) set to 1 when a wait gives up. PHASES (`configs.PUBLISH_PHASE` |
+    `configs.OUTPUT_PHASE`): both on a GPU; one at a time under the interpreter, with
+    `configs.AMAX_PHASE` between them per token (the outputs' launch up to the chunk amaxes
+    published: no wait for them, no codes). USE_PDL (programmatic dependent launch): every program
+    waits for the grid before it first, before its ticket or any other memory access
+    (kernels/pdl.py), so one call's tickets stay consecutive and a call never sees the words of one
+    still running."""
     pdl_enter(USE_PDL, LAUNCH_DEPENDENTS=True)
     SYNC_ROWS: tl.constexpr = S.SYNC_ROWS
     MAX_CHUNKS: tl.constexpr = S.MAX_CHUNKS
