@@ -187,13 +187,13 @@ def _launch(strat: FusedTp1Strategy, inp, config) -> tuple[EpilogueOutputs, int]
 def test_fused_tp1_whole_and_split_rows_bit_for_bit(quant: QuantSpec) -> None:
     """Whole rows (the launcher's own config) and split rows in chunks of 64 and 128 columns (3 and
     2 chunks of H=192: chunks of whole groups; per token exchanges the row's amax between them).
-    K=1 at T=1 and 3, K=3 at T=9 (split in 64s only: interpreter time); per token's T=3 in whole
-    rows only (its split rows: test_fused_tp1_per_token_split_rows_exchange_the_row_amax)."""
+    K=1 at T=1 and 3, K=3 at T=9 (split in 64s only: interpreter time); per token split at T=1
+    only (its split rows: test_fused_tp1_per_token_split_rows_exchange_the_row_amax)."""
     problems = []
     whole, by64, by128 = None, Tp1Config(64, 2), Tp1Config(128, 2)
     cases = {1: ((1, (whole, by64, by128)), (3, (whole, by64, by128))), 3: ((9, (whole, by64)),)}
     if quant.group_size is None:  # per token (three interpreter launches per split call)
-        cases[1] = ((1, (whole, by64, by128)), (3, (whole,)))
+        cases = {1: ((1, (whole, by64)), (3, (whole,))), 3: ((9, (whole,)),)}
     for top_k, shapes in cases.items():
         spec = EpilogueSpec(hidden_size=HIDDEN, top_k=top_k, quant=quant, routed_scaling_factor=2.5)
         strat = _tp1(spec)
