@@ -182,9 +182,7 @@ def chunk_amax_bits(y, col0, hidden):
 
 
 @triton.jit
-def quantize_chunk_fp8_per_token(
-    y, row, col0, hidden, out, amax, sf_stride, HW_CVT: tl.constexpr
-):  # fmt: skip
+def quantize_chunk_fp8_per_token(y, row, col0, hidden, out, amax, sf_stride, HW_CVT: tl.constexpr):
     """Per token in split rows: one chunk of `row` (y [BLOCK], columns col0 .. col0 + BLOCK,
     rounded to the activation dtype; past H ignored) quantized with the row's one scale, from
     `amax` (fp32 scalar: the whole row's NaN-keeping amax, from every chunk's `chunk_amax_bits`),
