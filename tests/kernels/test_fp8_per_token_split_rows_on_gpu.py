@@ -12,7 +12,8 @@ Bit for bit, with every output poisoned first:
 Rows at T >= 16: row 1 holds its largest magnitude in the row's last chunk, row 2 a NaN there only
 (codes 0x7F, scale NaN in every chunk), row 3 is all zero; a second call at T=16 takes gamma +inf
 in the last chunk and -inf in the first (scales +inf, finite elements +-0, infinite ones 0x7F).
-Skips without CUDA."""
+Then the same split rows captured in a CUDA graph and replayed on fresh inputs. Skips without
+CUDA."""
 
 import pytest
 import torch
@@ -128,4 +129,54 @@ def test_per_token_split_rows_bit_for_bit_on_the_gpu(hidden: int) -> None:
                 rows = [r for r in range(tokens) if r not in (2, 3)]
                 assert (got.scale[rows, 0] == float("inf")).all(), (tag, got.scale[:, 0])
     assert strat._launcher.take_error() == 0  # no wait gave up
+    assert not problems, problems
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def test_per_token_split_rows_replayed_in_a_cuda_graph() -> None:
+    """H=7168, T in {1, 16, 64} captured in one CUDA graph (the layer's graph words: each replay's
+    calls take the next epochs of the sums' and the amaxes' words alike), replayed on three sets
+    of fresh inputs into poisoned outputs: every output bit for bit an eager call's on the same
+    inputs (the same split config, the current stream's words), the codes and scales the
+    reference's on the replay's own norm_out."""
+    strat, env = _strategy(7168)
+    spec, launcher = strat.spec, strat._launcher
+    for tokens in TOKENS:
+        if not split_ok(launcher.config_for(tokens), tokens, 7168, launcher.num_sms):
+            pytest.skip(f"{launcher.num_sms} SMs: T={tokens} takes whole rows")
+    statics = {t: _inputs(spec, t, 512, seed=t) for t in TOKENS}
+    for inp in statics.values():
+        strat.run(inp)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = {t: strat.run(inp) for t, inp in statics.items()}
+    problems = []
+    for seed in (11, 12, 13):
+        fresh = {t: _inputs(spec, t, 512, seed=seed + t) for t in TOKENS}
+        for t, inp in fresh.items():
+            for dst, src in zip(statics[t], inp):
+                if dst is not None:
+                    dst.copy_(src)
+        for out in outs.values():
+            for tensor in (out.residual_out, out.norm_out, out.quant, out.scale):
+                _bits(tensor).fill_(0xFF)  # the replay must rewrite every output
+        graph.replay()
+        torch.cuda.synchronize()
+        for t in TOKENS:
+            want = strat.run(fresh[t])
+            torch.cuda.synchronize()
+            got, tag = outs[t], f"graph T={t} seed {seed}"
+            for name in ("residual_out", "norm_out", "quant", "scale"):
+                if not torch.equal(_bits(getattr(got, name)), _bits(getattr(want, name))):
+                    problems.append(f"{tag}: {name} differs from the eager call's")
+            codes, scales = quant_ref.quantize_fp8_per_token(got.norm_out.cpu())
+            if not torch.equal(_bits(got.quant).cpu(), _bits(codes)):
+                problems.append(f"{tag}: codes differ from the reference")
+            if not torch.equal(got.scale.cpu().view(torch.int32), scales.view(torch.int32)):
+                problems.append(f"{tag}: scales differ from the reference")
+    assert launcher.take_error() == 0  # no wait gave up
     assert not problems, problems
