@@ -9,23 +9,27 @@ from typing import Any, NamedTuple, Optional
 import triton
 
 from fusion_bridge.kernels.quant import QUANT_NONE, QUANT_NVFP4, row_block
-from fusion_bridge.kernels.quant_codes import QUANT_FP8_GROUP, QUANT_FP8_TOKEN
+from fusion_bridge.kernels.quant_codes import QUANT_FP8_GROUP
 from fusion_bridge.kernels.tp1.launch_table import TABLE
 
 # the split kernel's limits (read by the kernel as attributes of this module, compile-time)
 MAX_CHUNKS = 32  # chunks per row of the split kernel (one counter and word set per count)
 SYNC_ROWS = 256  # rows the split kernel serves (T * chunks <= the SM count)
 SYNC_WORDS = SYNC_ROWS * (MAX_CHUNKS + 1 + MAX_CHUNKS * (MAX_CHUNKS + 1) // 2)
+# per token only: the tagged chunk amaxes of the normalized rows, laid out as the sums, after them
+AMAX_WORDS = SYNC_ROWS * MAX_CHUNKS * (MAX_CHUNKS + 1) // 2
 MAX_POLLS = 1 << 22  # ~1 s of polls: a partner that never arrives shows as NaN, not a hang
 # the split kernel's PHASES bits: a GPU launch runs both; the interpreter, whose programs run one
-# after another, launches the publish phase, then the wait and the outputs
-PUBLISH_PHASE, OUTPUT_PHASE = 1, 2
+# after another, launches the publish phase, then the wait and the outputs (per token: publish,
+# then AMAX_PHASE, which publishes the chunk amaxes alone, then the outputs)
+PUBLISH_PHASE, OUTPUT_PHASE, AMAX_PHASE = 1, 2, 4
 BOTH_PHASES = PUBLISH_PHASE | OUTPUT_PHASE
 
 
 class SplitSync(NamedTuple):
     """The split kernel's exchange (one record argument): words, int64 [SYNC_WORDS] (the counters,
-    then the tagged sums); error_address, int64 [1] holding the address of the int32 error word."""
+    then the tagged sums; per token AMAX_WORDS more: the tagged chunk amaxes); error_address,
+    int64 [1] holding the address of the int32 error word."""
 
     words: Any
     error_address: Any
@@ -57,14 +61,11 @@ def whole_row_warps(tokens: int, hidden: int, quant: int = QUANT_NONE) -> int:
 
 
 def dynamic_splits(quant: int, group: int, columns: int) -> bool:
-    """Whether split rows of `columns` columns may serve quant mode `quant`: per token never (its
-    one scale needs the whole row's amax, which a chunk's program would need from its partners: a
-    second in-launch exchange, not built, so per token takes whole rows at every T; what that
-    exchange would cost was not measured); per token group when a chunk holds whole groups
-    (`columns` a multiple of the group size: chunks then start on group boundaries); every other
-    mode always."""
-    if quant == QUANT_FP8_TOKEN:
-        return False
+    """Whether split rows of `columns` columns may serve quant mode `quant`: per token group when
+    a chunk holds whole groups (`columns` a multiple of the group size: chunks then start on group
+    boundaries); every other mode always. Per token splits too: its one scale needs the whole
+    row's amax, which a chunk's program gets from its partners in a second in-launch exchange
+    after the sums of squares (kernels/tp1/split_rows.py)."""
     if quant == QUANT_FP8_GROUP:
         return columns % group == 0
     return True
@@ -93,7 +94,9 @@ def tp1_config(
     The rule without an entry: split rows while T * chunks programs are resident (num_sms; 0:
     never): T = 1 in 512-column chunks (4 warps) with the row prefetched into L2, else the
     smallest of 1024 / 2048 / 4096 columns that fits (8 columns per thread); whole rows otherwise
-    (`whole_row_warps`). Dynamic FP8 (`group`: its group size): `dynamic_splits`."""
+    (`whole_row_warps`). Dynamic FP8 (`group`: its group size): `dynamic_splits` (per token group
+    only chunks of whole groups; per token as every other mode, its row amax exchanged between
+    the chunks)."""
     rb = row_block(hidden)
     whole_only = swizzled and quant == QUANT_NVFP4 and hidden % 128 != 0
     entry = measured(tokens, hidden, table_format(quant, swizzled))
