@@ -66,8 +66,18 @@ def _all_reduces_per_layer(model, layers, prompt) -> list[int]:
     return per_layer
 
 
-def _family(family: str, path: str, class_name: str, rank: int, world: int, prompt) -> dict:
-    model = _load(path, class_name)
+def _modes(world: int) -> dict:
+    """{mode: from_pretrained keyword arguments} this transformers offers (built in the rank)."""
+    modes = {"tp_plan": dict(tp_plan="auto")}
+    if NEWEST:  # transformers 5.25's expert parallelism: TP + EP, and EP alone (tp_plan={})
+        config = transformers.DistributedConfig
+        modes["tp_ep"] = dict(distributed_config=config(tp_size=world, ep_size=world))
+        modes["ep"] = dict(distributed_config=config(tp_size=world, ep_size=world, tp_plan={}))
+    return modes
+
+
+def _family(family, path, class_name, rank, world, prompt, load=None) -> dict:
+    model = _load(path, class_name, **(load or {}))
     routed_sharded = "moe_tp_experts" in (model._tp_plan or {}).values()
     try:
         patch = patch_moe_epilogues(model)
@@ -75,6 +85,7 @@ def _family(family: str, path: str, class_name: str, rank: int, world: int, prom
         return {"family": family, "refused": str(exc), "routed_sharded": routed_sharded}
     layers = [m for m in model.modules() if hasattr(m, "input_layernorm")]
     shared_sharded = {i: p.shared_sharded for i, p in patch.layers.items()}
+    experts_sharded = {i: p.experts_sharded for i, p in patch.layers.items()}
     patch.unpatch()
     own_forwards = {n: vars(m)["forward"] for n, m in model.named_modules() if "forward" in vars(m)}
     unpatched = _all_reduces_per_layer(model, layers, prompt)
@@ -87,7 +98,7 @@ def _family(family: str, path: str, class_name: str, rank: int, world: int, prom
     after = {n: vars(m)["forward"] for n, m in model.named_modules() if "forward" in vars(m)}
     summary["tp_forwards_restored"] = after == own_forwards
     summary.update(family=family, rank=rank, all_reduces=(unpatched, patched))
-    summary.update(shared_sharded=shared_sharded)
+    summary.update(shared_sharded=shared_sharded, experts_sharded=experts_sharded)
     return summary
 
 
@@ -114,8 +125,13 @@ def _bad_models(saved: dict, rank: int) -> dict:
     out["shard_shape"] = _refusal(model)
     alone = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank
     out["wrong_group"] = _refusal(_load(path, class_name), group=alone[rank])
-    if NEWEST:  # transformers 5.25's expert parallelism
-        ep = transformers.DistributedConfig(tp_size=2, ep_size=2)
+    if NEWEST:  # transformers 5.25's all-to-all expert parallelism
+        ep = transformers.DistributedConfig(tp_size=2, ep_size=2, ep_implementation="all_to_all")
+        # a plan entry on every MoE block (layers 0 and 2): each refused layer is named
+        plan = transformers.DistributedConfig(
+            tp_size=2, tp_plan={"model.layers.*.mlp": "all_reduce"}
+        )
+        out["unknown_plan"] = _refusal(_load(path, class_name, distributed_config=plan))
     else:  # 5.17's: the plan hooks the router (ep_router)
         ep = transformers.DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
     out["expert_parallel"] = _refusal(_load(*saved["deepseek_v3"], distributed_config=ep))
@@ -137,7 +153,9 @@ def _rank(rank: int, world: int, saved: dict) -> dict:
     os.environ.update(LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     prompt = torch.randint(1, TINY["vocab"], PROMPT, generator=torch.Generator().manual_seed(1))
-    out = {f: _family(f, *where, rank, world, prompt) for f, where in saved.items()}
+    out = {}
+    for mode, load in _modes(world).items():
+        out[mode] = {f: _family(f, *where, rank, world, prompt, load) for f, where in saved.items()}
     out["bad"] = _bad_models(saved, rank)
     return out
 
@@ -154,11 +172,18 @@ def saved(tmp_path_factory):
     return out
 
 
-def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(saved):
-    per_rank = run_distributed(_rank, 2, saved, timeout_s=600)
-    assert "deepseek_v3" in saved and "qwen2_moe" in saved
+@pytest.fixture(scope="module")
+def per_rank(saved):
+    """Every mode's results and the refusals, from one spawned 2-rank gloo group."""
+    return run_distributed(_rank, 2, saved, timeout_s=600)
+
+
+def _check_mode(per_rank, saved, mode: str) -> None:
+    """Every family loaded in `mode` on both ranks: refused only where expected (5.17's
+    moe_tp_experts), else within the bound, ranks identical, unpatch exact, and one all-reduce
+    per MoE layer: the layer's own, less the plan-sharded shared expert's and AllReduceEP's."""
     for family in saved:
-        ranks = [per_rank[r][family] for r in range(2)]
+        ranks = [per_rank[r][mode][family] for r in range(2)]
         if "refused" in ranks[0]:
             # only where transformers' plan shards the routed experts (5.17's moe_tp_experts)
             assert not NEWEST and ranks[0]["routed_sharded"], ranks[0]["refused"]
@@ -170,17 +195,25 @@ def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(saved):
             check_summary(r)
             assert r["tp_forwards_restored"], family
             unpatched, patched = r["all_reduces"]
-            print(f"{family} rank {r['rank']}: all-reduces per decoder layer, unpatched "
+            print(f"{mode} {family} rank {r['rank']}: all-reduces per decoder layer, unpatched "
                   f"{unpatched}, patched {patched}; MoE layers {r['moe_layers']}")  # fmt: skip
             for i, (own, ours) in enumerate(zip(unpatched, patched)):
                 if i not in r["moe_layers"]:
                     assert ours == own, (family, i)
-                else:  # the bridge's one, in place of the plan-sharded shared expert's own
-                    assert ours == own - r["shared_sharded"][i] + 1, (family, i)
-        # the plan shards the shared expert where it names it; Qwen2-MoE's is replicated (sliced)
-        assert set(ranks[0]["shared_sharded"].values()) == {family != "qwen2_moe"}, family
+                else:  # the bridge's one, in place of the shared expert's and AllReduceEP's
+                    gone = r["shared_sharded"][i] + r["experts_sharded"][i]
+                    assert ours == own - gone + 1 and ours >= 1, (family, i)
+        # the TP plan shards the shared expert where it names it; Qwen2-MoE's is replicated
+        expected = family != "qwen2_moe" and mode != "ep"
+        assert set(ranks[0]["shared_sharded"].values()) == {expected}, (mode, family)
+        assert set(ranks[0]["experts_sharded"].values()) == {mode != "tp_plan"}, (mode, family)
         assert ranks[0]["logits_checksum"] == ranks[1]["logits_checksum"], family
         assert ranks[0]["sequences"] == ranks[1]["sequences"], family
+
+
+def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(per_rank, saved):
+    assert "deepseek_v3" in saved and "qwen2_moe" in saved
+    _check_mode(per_rank, saved, "tp_plan")
     for r in range(2):
         bad = per_rank[r]["bad"]
         assert (
@@ -197,10 +230,41 @@ def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(saved):
         assert "group must be the model's own tensor-parallel group (its device mesh's 'tp' " \
             f"group, ranks [0, 1]), or None to use it; got a group of ranks [{r}]" \
             in bad["wrong_group"], bad["wrong_group"]  # fmt: skip
-        expected = (
-            "expert parallelism (DistributedConfig(ep_size=2)) under transformers 5.25"
-            if NEWEST
-            else "router-hooked expert parallelism (DistributedConfig(enable_expert_parallel="
-            "True)) under transformers 5.17"
-        )
-        assert expected in bad["expert_parallel"], bad["expert_parallel"]
+        if not NEWEST:
+            assert (
+                "router-hooked expert parallelism (DistributedConfig(enable_expert_parallel="
+                "True)) under transformers 5.17" in bad["expert_parallel"]
+            ), bad["expert_parallel"]
+
+
+@pytest.mark.skipif(
+    not NEWEST,
+    reason=f"transformers {transformers.__version__} has no DistributedConfig(ep_size=...) "
+    "expert parallelism (5.25 has; 5.17's router-hooked one is refused, tested above)",
+)
+@pytest.mark.parametrize("mode", ["tp_ep", "ep"])
+def test_models_loaded_with_expert_parallelism_on_two_gloo_ranks(per_rank, saved, mode):
+    """DistributedConfig(tp_size=2, ep_size=2) (mode tp_ep) and with tp_plan={} (mode ep)."""
+    _check_mode(per_rank, saved, mode)
+
+
+@pytest.mark.skipif(not NEWEST, reason=f"transformers {transformers.__version__}: no ep_size")
+def test_expert_parallelism_the_patch_cannot_take_over_is_refused(per_rank):
+    for r in range(2):
+        bad = per_rank[r]["bad"]
+        assert (
+            "expert parallelism (DistributedConfig(ep_size=2)) under transformers "
+            f"{transformers.__version__}, which "
+            "the patch cannot take over: ep_implementation='all_to_all' exchanges tokens"
+            in bad["expert_parallel"]
+        ), bad["expert_parallel"]
+        # every refused layer is named, each with its reason and plan entry
+        unknown = bad["unknown_plan"]
+        assert "2 of the sharded model's 2 MoE layers cannot be patched (layers [0, 2])" in unknown
+        for i in (0, 2):
+            assert (
+                f"MoE layer {i} (model.layers.{i}.mlp) of the sharded model cannot be patched "
+                f"under transformers {transformers.__version__}: sharded parameters or installed forwards the patch "
+                f"does not know (model.layers.{i}.mlp: a replaced forward" in unknown
+            ), unknown
+        assert "'model.layers.*.mlp': 'all_reduce'" in unknown, unknown
