@@ -15,6 +15,7 @@ from fusion_bridge.integrations.hf_experts import routed_rows, shared_partial
 from fusion_bridge.integrations.hf_families import Family
 from fusion_bridge.integrations.hf_forward import ForwardAccount
 from fusion_bridge.integrations.hf_handoff import HANDOFF_ATTR
+from fusion_bridge.integrations.hf_param_watch import ParameterWatch
 
 
 @dataclass
@@ -41,6 +42,8 @@ class PatchedMoELayer:
     # the routed experts are the EP plan's local shard: local_experts are the global ids of its
     # experts 0.. (transformers 5.25's expert parallelism), not a block of replicated experts
     experts_sharded: bool = False
+    # the parameters the layer reads, as patched: every call checks them first (hf_param_watch)
+    watch: Optional[ParameterWatch] = None
 
     def explain(self, tokens: Optional[int] = None):
         """The bridge's report for this layer (strategy per token bucket, every rejection)."""
@@ -50,7 +53,10 @@ class PatchedMoELayer:
         """This rank's share of the block on x [T, H] (the post-attention-norm activations):
         (gemm2_out, index map, expert weights, shared output or None), the bridge's inputs. A
         shared expert of the decoder layer (`shared_on_layer`) is left to `shared_share`, which
-        its own patched forward calls."""
+        its own patched forward calls. Raises RuntimeError first when a parameter the layer reads
+        was replaced or re-sharded since patching (hf_param_watch)."""
+        if self.watch is not None:
+            self.watch.check()
         weights, ids = self.family.routing(self.block, x)
         held_from = self.local_experts.start if self.experts_sharded else 0
         gemm2_out, index_map = routed_rows(

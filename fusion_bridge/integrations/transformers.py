@@ -79,6 +79,7 @@ from fusion_bridge.integrations.hf_handoff import (
 )
 from fusion_bridge import tensor_digest
 from fusion_bridge.integrations.hf_layer import PatchedMoELayer
+from fusion_bridge.integrations.hf_param_watch import ParameterWatch
 from fusion_bridge.integrations.hf_model_check import agree_on_model, resolve_group
 from fusion_bridge.integrations.hf_expert_parallel import expert_parallel
 from fusion_bridge.integrations.hf_sharding import LayerLayout, layer_layouts, tp_group
@@ -280,6 +281,7 @@ def patch_moe_epilogues(
                 account,
                 layout.shared_sharded,
                 layout.experts is not None,
+                ParameterWatch({paths[id(m)]: m for m in (block, shared, norm) if m is not None}),
             )
             patch.layers[i] = layer_patch
             account.layers[i] = layer_patch

@@ -138,6 +138,45 @@ def _bad_models(saved: dict, rank: int) -> dict:
     return out
 
 
+def _replaced(saved: dict, rank: int, prompt) -> dict:
+    """Parameters changed after patching, alike on both ranks: the next forward's error."""
+    from torch.distributed.tensor import Replicate
+
+    def router(model):
+        return model.model.layers[0].mlp.gate
+
+    def swap(model):  # a parameter object swapped for an equal one
+        weight = router(model).weight
+        router(model)._parameters["weight"] = torch.nn.Parameter(weight.detach().clone())
+
+    def reshard(model):  # EP-sharded experts made whole on every rank (re-sharded)
+        experts = model.model.layers[0].mlp.experts
+        p = experts.gate_up_proj
+        whole = p.detach().redistribute(p.device_mesh, [Replicate()])
+        experts._parameters["gate_up_proj"] = torch.nn.Parameter(whole, requires_grad=False)
+
+    cases = {
+        "swapped": ("tp_plan", swap),
+        "assigned": ("tp_plan", lambda m: m.load_state_dict(m.state_dict(), assign=True)),
+        "cast": ("tp_plan", lambda m: m.to(torch.float16)),
+    }
+    if NEWEST:
+        cases["resharded"] = ("tp_ep", reshard)
+    out = {}
+    for case, (mode, change) in cases.items():
+        model = _load(*saved["qwen2_moe"], **_modes(2)[mode])
+        patch = patch_moe_epilogues(model)
+        change(model)
+        try:
+            with torch.no_grad():
+                model(prompt)
+            out[case] = "ran"
+        except RuntimeError as exc:
+            out[case] = str(exc)
+        patch.unpatch()
+    return out
+
+
 def _refusal(model, **kwargs) -> str:
     try:
         patch_moe_epilogues(model, **kwargs).unpatch()
@@ -157,6 +196,7 @@ def _rank(rank: int, world: int, saved: dict) -> dict:
     for mode, load in _modes(world).items():
         out[mode] = {f: _family(f, *where, rank, world, prompt, load) for f, where in saved.items()}
     out["bad"] = _bad_models(saved, rank)
+    out["replaced"] = _replaced(saved, rank, prompt)
     return out
 
 
@@ -264,7 +304,30 @@ def test_expert_parallelism_the_patch_cannot_take_over_is_refused(per_rank):
         for i in (0, 2):
             assert (
                 f"MoE layer {i} (model.layers.{i}.mlp) of the sharded model cannot be patched "
-                f"under transformers {transformers.__version__}: sharded parameters or installed forwards the patch "
-                f"does not know (model.layers.{i}.mlp: a replaced forward" in unknown
+                f"under transformers {transformers.__version__}: sharded parameters or "
+                f"installed forwards the patch does not know (model.layers.{i}.mlp: a "
+                "replaced forward" in unknown
             ), unknown
         assert "'model.layers.*.mlp': 'all_reduce'" in unknown, unknown
+
+
+def test_parameters_replaced_or_resharded_after_patching_are_named_at_the_next_call(per_rank):
+    expected = {
+        "swapped": "model.layers.0.mlp.gate.weight was replaced by another parameter object",
+        "assigned": "model.layers.0.mlp.gate.weight was replaced by another parameter object",
+        "cast": "model.layers.0.mlp.gate.weight",
+    }
+    if NEWEST:
+        expected["resharded"] = (
+            "model.layers.0.mlp.experts.gate_up_proj was replaced by another parameter object "
+            "(local shape, dtype, device, placements ((8, 64, 64), torch.bfloat16"
+        )
+    for r in range(2):
+        replaced = per_rank[r]["replaced"]
+        assert sorted(replaced) == sorted(expected), replaced
+        for case, text in expected.items():
+            assert "a parameter the patched layer reads changed after patching" in replaced[case]
+            assert text in replaced[case] and "Call patch.unpatch()" in replaced[case], (
+                case,
+                replaced[case],
+            )
