@@ -29,8 +29,10 @@ A model transformers loaded with tensor parallelism (`from_pretrained(path, tp_p
 patched over its own TP group (its device mesh's): the routed experts, replicated by every
 supported family's plan, are split as above; a shared expert the plan shards (gate/up colwise,
 down rowwise) is computed from its local shards, without its own all-reduce, so each MoE layer
-makes one reduction, the bridge's (hf_sharding says what is refused: expert parallelism, any other
-sharding of the MoE block).
+makes one reduction, the bridge's (hf_sharding says what is refused: any other sharding of the MoE
+block). A model loaded with transformers 5.25's expert parallelism (hf_expert_parallel) has each
+rank compute its own experts' shards, with their global ids, in place of `AllReduceEP`; a call
+whose parameters were replaced or re-sharded since patching raises (hf_param_watch).
 
 Contract: every rank holds the whole model (or transformers' TP shards of it) and runs the same
 forward calls with identical inputs
