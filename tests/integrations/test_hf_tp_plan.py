@@ -1,14 +1,19 @@
 """fusion_bridge.integrations.transformers on models transformers itself loaded sharded: tiny random
-models saved with `save_pretrained` and loaded with `from_pretrained(path, tp_plan="auto")` on 2
-gloo ranks (one spawned group for every family and every refusal).
+models saved with `save_pretrained` and loaded with `from_pretrained` on 2 gloo ranks (one spawned
+group for every family, every mode and every refusal): `tp_plan="auto"` (TP), and on transformers
+5.25 `DistributedConfig(tp_size=2, ep_size=2)` (TP + EP) and with `tp_plan={}` (EP alone).
 
 Patched-sharded is judged against unpatched-sharded within the bound test_hf_transformers uses
 (hf_moe.compare: forward, greedy generate with a KV cache, unpatch exact); the ranks agree; and the
 all-reduces of one forward, counted per decoder layer by wrapping torch.distributed.all_reduce
-(transformers' rowwise layers reduce through it), are transformers' own in every layer except the
-MoE layers, which make exactly one each (the bridge's): attention's own plus one, the plan-sharded
-shared expert's own gone. transformers 5.17's plan shards the routed experts of some families
-(`moe_tp_experts`): those are refused, with the version and the plan entry named."""
+(transformers' rowwise layers and AllReduceEP reduce through it), are transformers' own in every
+layer except the MoE layers, which make exactly one each (the bridge's): the plan-sharded shared
+expert's own and AllReduceEP's gone. transformers 5.17's plan shards the routed experts of some
+families (`moe_tp_experts`): those are refused, with the version and the plan entry named; its
+router-hooked EP is refused by name. Refused too: all-to-all EP, a plan entry on the MoE block
+(every such layer named in one error). Parameters replaced or re-sharded after patching are named
+at the next call. On 4 gloo ranks (opt-in, TEST_HF_FOUR_RANKS=1): every mode for a plan-sharded and
+a replicated shared expert, with heads, KV heads and experts in multiples of 4."""
 
 import os
 
@@ -26,6 +31,7 @@ from fusion_bridge.integrations.transformers import (  # noqa: E402
 )
 from migration.examples.hf_moe import PROMPT, TINY, build_model, compare  # noqa: E402
 from migration.examples.hf_moe_models import why_skipped  # noqa: E402
+from tests.helpers import once_per_run  # noqa: E402
 from tests.integrations.test_hf_transformers import NEW_TOKENS, check_summary  # noqa: E402
 
 # a shared expert the plan shards (DeepSeek-V3, GLM-4-MoE, Qwen3.5-MoE) and one it replicates
@@ -185,7 +191,7 @@ def _refusal(model, **kwargs) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def _rank(rank: int, world: int, saved: dict) -> dict:
+def _rank(rank: int, world: int, saved: dict, refusals: bool = True) -> dict:
     """Every saved family loaded with tp_plan='auto' on this rank (_family), then the refusals."""
     # what torchrun sets, and transformers reads to size its mesh
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
@@ -195,27 +201,49 @@ def _rank(rank: int, world: int, saved: dict) -> dict:
     out = {}
     for mode, load in _modes(world).items():
         out[mode] = {f: _family(f, *where, rank, world, prompt, load) for f, where in saved.items()}
-    out["bad"] = _bad_models(saved, rank)
-    out["replaced"] = _replaced(saved, rank, prompt)
+    if refusals:  # the bad inputs and refusals: on 2 ranks only
+        out["bad"] = _bad_models(saved, rank)
+        out["replaced"] = _replaced(saved, rank, prompt)
     return out
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_plan")
+def _save(root, families, size: dict) -> dict:
+    """{family: (path, class name)}: each family this transformers has, saved under root."""
     out = {}
-    for family in FAMILIES:
+    for family in families:
         if why_skipped(family) is None:
-            model = build_model(family, TINY)
+            model = build_model(family, size)
             model.save_pretrained(root / family)
             out[family] = (str(root / family), type(model).__name__)
     return out
 
 
+def _spawned(world: int, families, size: dict, refusals: bool):
+    def compute(root):
+        saved = _save(root, families, size)
+        # the ranks' results carry no paths: the directory is gone for a worker that loads them
+        return {f: None for f in saved}, run_distributed(
+            _rank, world, saved, refusals, timeout_s=600
+        )
+
+    return compute
+
+
 @pytest.fixture(scope="module")
-def per_rank(saved):
-    """Every mode's results and the refusals, from one spawned 2-rank gloo group."""
-    return run_distributed(_rank, 2, saved, timeout_s=600)
+def two(tmp_path_factory):
+    """({family: None} of the families saved, every rank's results): one spawned 2-rank gloo
+    group for every mode, family and refusal (once per run under xdist)."""
+    return once_per_run(tmp_path_factory, "hf_tp_plan_2", _spawned(2, FAMILIES, TINY, True))
+
+
+@pytest.fixture(scope="module")
+def saved(two):
+    return two[0]
+
+
+@pytest.fixture(scope="module")
+def per_rank(two):
+    return two[1]
 
 
 def _check_mode(per_rank, saved, mode: str) -> None:
@@ -223,7 +251,7 @@ def _check_mode(per_rank, saved, mode: str) -> None:
     moe_tp_experts), else within the bound, ranks identical, unpatch exact, and one all-reduce
     per MoE layer: the layer's own, less the plan-sharded shared expert's and AllReduceEP's."""
     for family in saved:
-        ranks = [per_rank[r][mode][family] for r in range(2)]
+        ranks = [per_rank[r][mode][family] for r in range(len(per_rank))]
         if "refused" in ranks[0]:
             # only where transformers' plan shards the routed experts (5.17's moe_tp_experts)
             assert not NEWEST and ranks[0]["routed_sharded"], ranks[0]["refused"]
@@ -247,8 +275,9 @@ def _check_mode(per_rank, saved, mode: str) -> None:
         expected = family != "qwen2_moe" and mode != "ep"
         assert set(ranks[0]["shared_sharded"].values()) == {expected}, (mode, family)
         assert set(ranks[0]["experts_sharded"].values()) == {mode != "tp_plan"}, (mode, family)
-        assert ranks[0]["logits_checksum"] == ranks[1]["logits_checksum"], family
-        assert ranks[0]["sequences"] == ranks[1]["sequences"], family
+        for other in ranks[1:]:
+            assert other["logits_checksum"] == ranks[0]["logits_checksum"], family
+            assert other["sequences"] == ranks[0]["sequences"], family
 
 
 def test_models_loaded_with_tp_plan_auto_on_two_gloo_ranks(per_rank, saved):
@@ -331,3 +360,27 @@ def test_parameters_replaced_or_resharded_after_patching_are_named_at_the_next_c
                 case,
                 replaced[case],
             )
+
+
+# 4 ranks: attention, KV heads (kv_heads) and routed experts (8) in multiples of 4; a shared expert
+# the plan shards (DeepSeek-V3, MLA attention) and one it replicates (Qwen2-MoE, grouped KV heads)
+FOUR = dict(TINY, kv_heads=4)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """One spawned 4-rank gloo group for every mode (no refusals: those are the 2-rank group's)."""
+    families = ("deepseek_v3", "qwen2_moe")
+    return once_per_run(tmp_path_factory, "hf_tp_plan_4", _spawned(4, families, FOUR, False))
+
+
+@pytest.mark.skipif(
+    os.environ.get("TEST_HF_FOUR_RANKS") != "1",
+    reason="4 spawned gloo ranks (about 55 s on a 2-core machine, most of it 4 processes "
+    "importing torch and transformers): run with TEST_HF_FOUR_RANKS=1",
+)
+def test_every_mode_on_four_gloo_ranks(four):
+    saved, ranks = four
+    assert set(saved) == {"deepseek_v3", "qwen2_moe"}
+    for mode in ranks[0]:
+        _check_mode(ranks, saved, mode)
