@@ -117,7 +117,7 @@ def routed_rows(
     n_local = len(local)
     # this rank holds every expert (world size 1): each id is its own sort key and every slot has
     # a row, so the held mask and its two selections are left out (the same keys, rows and map)
-    whole = local.start == 0 and n_local == experts.gate_up_proj.shape[0]  # a DTensor's: global
+    whole = local.start == 0 and n_local == experts.gate_up_proj.shape[0]
     if whole:
         key = flat
     else:
