@@ -255,6 +255,14 @@ def main(argv=None) -> int:
     sharded = (args.tp_plan, args.expert_parallel)
     if (args.tp_plan or args.expert_parallel) and args.world_size < 2:
         ap.error("--tp-plan / --expert-parallel need --world-size 2 or more")
+    if args.expert_parallel:
+        import transformers
+
+        if not hasattr(transformers.DistributedConfig(), "ep_size"):
+            ap.error(
+                f"--expert-parallel needs transformers' DistributedConfig(ep_size=...) (5.25); "
+                f"this is transformers {transformers.__version__}"
+            )
     if args.world_size == 1:
         per_rank = [run_rank(0, 1, families)]
     else:
