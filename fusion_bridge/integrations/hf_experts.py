@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from fusion_bridge.integrations.weights_digest import local
 
+_local = local  # under the name routed_rows' `local` (its held range) does not shadow
+
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -94,7 +96,7 @@ def _in_out(weights: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 def routed_rows(
-    x: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module, local: range
+    x: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module, local: range, held_from: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's routed experts on x [T, H] with top-k ids [T, K], computed as transformers'
     grouped_mm / batched_mm experts compute one row: gate_up GEMM (+ its bias, added in the
@@ -104,7 +106,12 @@ def routed_rows(
     Returns gemm2_out [T*K, H] x.dtype (the down projection's output, unweighted, rows sorted by
     expert: the permuted layout a grouped GEMM produces; rows of slots this rank does not hold are
     left uninitialised) and expanded_idx_to_permuted_idx [T, K] int32 (the row of each (token, k)
-    slot, -1 where another rank holds the expert)."""
+    slot, -1 where another rank holds the expert).
+
+    held_from: the global id of the first expert of the tensors this rank holds: 0 for replicated
+    experts (every rank holds all E), `local.start` for experts transformers' expert parallelism
+    sharded by expert (each rank's DTensor parameters hold its local.stop - local.start experts;
+    their local shards are read, never the DTensors, whose indexing would communicate)."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     n_local = len(local)
@@ -126,19 +133,19 @@ def routed_rows(
     ends = torch.searchsorted(sorted_key, _group_bounds(n_local, x.device), out_int32=True)
     rows = x[order // top_k]
     transposed = bool(getattr(experts, "is_transposed", False))
-    held_experts = slice(local.start, local.stop)
-    gate_up = _in_out(experts.gate_up_proj[held_experts], transposed)
-    down = _in_out(experts.down_proj[held_experts], transposed)
+    held_experts = slice(local.start - held_from, local.stop - held_from)
+    gate_up = _in_out(_local(experts.gate_up_proj)[held_experts], transposed)
+    down = _in_out(_local(experts.down_proj)[held_experts], transposed)
     biased = bool(getattr(experts, "has_bias", False))
     if biased:  # each row's expert's biases (rows held elsewhere: any expert, never read)
         expert_of_row = sorted_key.clamp(max=n_local - 1)
     projected = _grouped_linear(rows, gate_up, ends)
     if biased:
-        projected.add_(experts.gate_up_proj_bias[held_experts][expert_of_row])
+        projected.add_(_local(experts.gate_up_proj_bias)[held_experts][expert_of_row])
     hidden = experts._apply_gate(projected)
     out = _grouped_linear(hidden, down, ends)
     if biased:
-        out.add_(experts.down_proj_bias[held_experts][expert_of_row])
+        out.add_(_local(experts.down_proj_bias)[held_experts][expert_of_row])
     return out, index_map
 
 

@@ -15,6 +15,7 @@ from fusion_bridge.integrations.hf_experts import routed_rows, shared_partial
 from fusion_bridge.integrations.hf_families import Family
 from fusion_bridge.integrations.hf_forward import ForwardAccount
 from fusion_bridge.integrations.hf_handoff import HANDOFF_ATTR
+from fusion_bridge.integrations.hf_param_watch import ParameterWatch
 
 
 @dataclass
@@ -22,7 +23,8 @@ class PatchedMoELayer:
     """One MoE decoder layer on the bridge. local_experts: the routed experts this rank computes;
     shared_columns: its intermediate columns of the shared expert (None: the family has none);
     next_norm: the name of the RMSNorm the bridge computes in this layer's epilogue;
-    shared_sharded: the shared expert is the TP plan's shard (its local weights are used whole)."""
+    shared_sharded: the shared expert is the TP plan's shard (its local weights are used whole);
+    experts_sharded: the routed experts are the EP plan's shard (its local weights, global ids)."""
 
     index: int
     bridge: FusionBridge
@@ -37,6 +39,11 @@ class PatchedMoELayer:
     account: Optional[ForwardAccount] = None  # the forward's bridge calls (hf_forward)
     # the shared expert is sharded by transformers' TP plan: shared_columns are its local shard's
     shared_sharded: bool = False
+    # the routed experts are the EP plan's local shard: local_experts are the global ids of its
+    # experts 0.. (transformers 5.25's expert parallelism), not a block of replicated experts
+    experts_sharded: bool = False
+    # the parameters the layer reads, as patched: every call checks them first (hf_param_watch)
+    watch: Optional[ParameterWatch] = None
 
     def explain(self, tokens: Optional[int] = None):
         """The bridge's report for this layer (strategy per token bucket, every rejection)."""
@@ -46,9 +53,15 @@ class PatchedMoELayer:
         """This rank's share of the block on x [T, H] (the post-attention-norm activations):
         (gemm2_out, index map, expert weights, shared output or None), the bridge's inputs. A
         shared expert of the decoder layer (`shared_on_layer`) is left to `shared_share`, which
-        its own patched forward calls."""
+        its own patched forward calls. Raises RuntimeError first when a parameter the layer reads
+        was replaced or re-sharded since patching (hf_param_watch)."""
+        if self.watch is not None:
+            self.watch.check()
         weights, ids = self.family.routing(self.block, x)
-        gemm2_out, index_map = routed_rows(x, ids, self.block.experts, self.local_experts)
+        held_from = self.local_experts.start if self.experts_sharded else 0
+        gemm2_out, index_map = routed_rows(
+            x, ids, self.block.experts, self.local_experts, held_from=held_from
+        )
         shared = None
         if self.shared is not None and not self.family.shared_on_layer:
             shared = self.shared_share(x)

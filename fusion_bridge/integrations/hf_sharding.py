@@ -14,24 +14,30 @@ this rank's columns), never calling its forward, so its own all-reduce does not 
 bridge's one reduction sums both partials; slices a replicated shared expert as usual; and runs
 over the model's own TP group, read from its device mesh.
 
-What it cannot establish on a layer it refuses, naming the layer and the reason, before anything
-is patched: any other sharded (DTensor) parameter or replaced `forward` (a TP style) on the MoE
-block or its shared expert (5.17's `moe_tp_experts` plan, which shards the routed experts by their
-intermediate columns; a plan entry on the block), a sharded or wrapped next norm. Forward hooks are
-not refused: the patched block runs its router's and its own hooks as the model does. Expert
-parallelism (transformers 5.25's `DistributedConfig(ep_size=...)`, 5.17's router-hooked
-`enable_expert_parallel`) and meshes with other dimensions than TP are refused for the whole
-model, naming the mode and the version.
+A model loaded with transformers 5.25's expert parallelism (hf_expert_parallel) holds each
+layer's routed experts as whole-expert shards over the TP group: the patch computes this rank's
+experts from them (global ids), in place of `AllReduceEP`'s masked experts and all-reduce.
+
+What it cannot establish on a layer it refuses, naming every such layer and its reason, before
+anything is patched: any other sharded (DTensor) parameter or replaced `forward` (a TP or EP
+style) on the MoE block or its shared expert (5.17's `moe_tp_experts` plan, which shards the
+routed experts by their intermediate columns; any other plan entry on the block), a sharded or
+wrapped next norm. Forward hooks are not refused: the patched block runs its router's and its own
+hooks as the model does. Expert parallelism the patch cannot take over (all-to-all, 5.17's
+router-hooked `enable_expert_parallel`) and meshes with other dimensions than TP are refused for
+the whole model, naming the mode and the version.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from fusion_bridge.integrations.hf_expert_parallel import held_experts
 from fusion_bridge.integrations.hf_families import UnsupportedModelError
 from fusion_bridge.integrations.weights_digest import is_dtensor, is_sharded
 
@@ -54,25 +60,6 @@ def is_sharded_model(model: torch.nn.Module) -> bool:
     if getattr(model, "_device_mesh", None) is not None:
         return True
     return any(is_dtensor(p) for p in model.parameters())
-
-
-def refuse_expert_parallel(model: torch.nn.Module) -> None:
-    """Raise UnsupportedModelError for a model transformers loaded with expert parallelism."""
-    config = getattr(getattr(model, "config", None), "distributed_config", None)
-    if config is None:
-        return
-    ep_size = getattr(config, "ep_size", None) or 1
-    if ep_size > 1:
-        mode = f"expert parallelism (DistributedConfig(ep_size={ep_size}))"
-    elif getattr(config, "enable_expert_parallel", False):
-        mode = "router-hooked expert parallelism (DistributedConfig(enable_expert_parallel=True))"
-    else:
-        return
-    raise UnsupportedModelError(
-        f"patch_moe_epilogues: the model was loaded with {mode} under {_version()}; the patch "
-        "supports models loaded whole or with tensor parallelism (tp_plan='auto'), not expert "
-        "parallelism yet: load it with tp_plan='auto', or without a distributed_config"
-    )
 
 
 def _ranks(group) -> list[int]:
@@ -112,11 +99,11 @@ def tp_group(model: torch.nn.Module, group):
     return group
 
 
-def _plan_entries(model: torch.nn.Module, names) -> dict[str, str]:
-    """{plan key: style} of the model's TP plan entries that name one of the modules `names`
-    ('*' in a key stands for one path component, a layer index)."""
+def _plan_entries(model: torch.nn.Module, names, plan: str = "_tp_plan") -> dict[str, str]:
+    """{plan key: style} of the model's TP plan (or `plan`: "_ep_plan") entries that name one of
+    the modules `names` ('*' in a key stands for one path component, a layer index)."""
     out = {}
-    for key, style in (getattr(model, "_tp_plan", None) or {}).items():
+    for key, style in (getattr(model, plan, None) or {}).items():
         pattern = re.compile(re.escape(key).replace(r"\*", r"[^.]+"))
         if any(pattern.fullmatch(name) for name in names):
             out[key] = style
@@ -129,11 +116,45 @@ def _installed(module: torch.nn.Module) -> Optional[str]:
     return "a replaced forward (a TP style)" if "forward" in vars(module) else None
 
 
-def shared_is_sharded(model: torch.nn.Module, index: int, paths: dict, block, shared, norm) -> bool:
-    """For MoE layer `index` of a sharded model: True when its shared expert is plan-sharded as
-    SHARDED_SHARED (use the local shards as they are), False when nothing under the block and
-    the shared expert is sharded or wrapped. Raises UnsupportedModelError naming the layer, what
-    is in the way and the plan entries that put it there."""
+@dataclass(frozen=True)
+class LayerLayout:
+    """How transformers sharded one MoE layer. shared_sharded: its shared expert is the TP plan's
+    shard (use the local weights whole); experts: the global ids of the routed experts this rank
+    holds as the EP plan's local shard (None: replicated, split by the patch)."""
+
+    shared_sharded: bool = False
+    experts: Optional[range] = None
+
+
+def layer_layouts(model, family, indices, paths, blocks, layers, norms, ep) -> dict:
+    """{MoE layer index: LayerLayout} ({} for a model transformers did not shard); raises one
+    UnsupportedModelError naming every layer the patch cannot take over, each with its reason.
+    ep: the model's hf_expert_parallel.expert_parallel (None: without it)."""
+    if not is_sharded_model(model):
+        return {}
+    out, refused = {}, []
+    for i in indices:
+        shared = family.shared_module(blocks[i], layers[i])
+        try:
+            out[i] = layer_layout(model, i, paths, blocks[i], shared, norms[i], ep)
+        except UnsupportedModelError as exc:
+            refused.append((i, str(exc).removeprefix("patch_moe_epilogues: ")))
+    if refused:
+        raise UnsupportedModelError(
+            f"patch_moe_epilogues: {len(refused)} of the sharded model's {len(indices)} MoE "
+            f"layers cannot be patched (layers {[i for i, _ in refused]}):\n"
+            + "\n".join(f"- {why}" for _, why in refused)
+        )
+    return out
+
+
+def layer_layout(
+    model: torch.nn.Module, index: int, paths: dict, block, shared, norm, ep=None
+) -> LayerLayout:
+    """For MoE layer `index` of a sharded model: its LayerLayout (a shared expert plan-sharded as
+    SHARDED_SHARED, routed experts EP-sharded as hf_expert_parallel.held_experts accepts, or
+    either replicated). Raises UnsupportedModelError naming the layer, what is in the way and the
+    plan entries that put it there."""
     where = paths[id(block)]
     modules = {paths[id(m)]: m for m in block.modules()}
     if shared is not None:
@@ -150,14 +171,26 @@ def shared_is_sharded(model: torch.nn.Module, index: int, paths: dict, block, sh
 
     def refuse(why: str):
         entries = _plan_entries(model, modules)
+        names = [*modules, *(f"{n}.{p}" for n, m in modules.items() for p, _ in
+                             m.named_parameters(recurse=False))]  # fmt: skip
+        ep_entries = _plan_entries(model, names, "_ep_plan")
         raise UnsupportedModelError(
             f"patch_moe_epilogues: MoE layer {index} ({where}) of the sharded model cannot be "
-            f"patched under {_version()}: {why}; its TP plan entries: {entries or 'none'}. The "
-            "patch supports routed experts replicated and a shared expert either replicated or "
-            "sharded as gate_proj/up_proj colwise, down_proj rowwise (the layer then makes one "
-            "reduction, the bridge's)"
+            f"patched under {_version()}: {why}; its TP plan entries: {entries or 'none'}"
+            + (f", its EP plan entries: {ep_entries}" if ep_entries else "")
+            + ". The patch supports routed experts replicated or sharded by expert parallelism "
+            "(whole experts, Shard(0) over the TP group) and a shared expert either replicated "
+            "or sharded as gate_proj/up_proj colwise, down_proj rowwise (the layer then makes "
+            "one reduction, the bridge's)"
         )
 
+    experts = None
+    if ep is not None and hasattr(block, "experts"):  # 5.25's EP: its shards, else refused
+        experts_path = paths[id(block.experts)]
+        experts, why = held_experts(model, block.experts, experts_path, ep)
+        if why is not None:
+            refuse(why)
+        found.pop(experts_path, None)  # EP-sharded as the plan says, or replicated
     extra = sorted(set(found) - set(trio))
     if extra:
         details = "; ".join(
@@ -169,7 +202,7 @@ def shared_is_sharded(model: torch.nn.Module, index: int, paths: dict, block, sh
     if is_sharded(norm.weight) or _installed(norm):
         refuse("its next norm is sharded or wrapped")
     if not found:
-        return False
+        return LayerLayout(False, experts)
     if set(found) != set(trio) or len(trio) != len(SHARDED_SHARED):
         refuse(f"only part of its shared expert is sharded ({sorted(found)})")
     for name, short in trio.items():
@@ -179,4 +212,4 @@ def shared_is_sharded(model: torch.nn.Module, index: int, paths: dict, block, sh
         ok = len(placements) == 1 and getattr(placements[0], "dim", None) in (dim, dim - 2)
         if not ok or getattr(linear, "bias", None) is not None:
             refuse(f"{name} is not sharded {SHARDED_SHARED[short][0]} without bias ({placements})")
-    return True
+    return LayerLayout(True, experts)

@@ -29,8 +29,10 @@ A model transformers loaded with tensor parallelism (`from_pretrained(path, tp_p
 patched over its own TP group (its device mesh's): the routed experts, replicated by every
 supported family's plan, are split as above; a shared expert the plan shards (gate/up colwise,
 down rowwise) is computed from its local shards, without its own all-reduce, so each MoE layer
-makes one reduction, the bridge's (hf_sharding says what is refused: expert parallelism, any other
-sharding of the MoE block).
+makes one reduction, the bridge's (hf_sharding says what is refused: any other sharding of the MoE
+block). A model loaded with transformers 5.25's expert parallelism (hf_expert_parallel) has each
+rank compute its own experts' shards, with their global ids, in place of `AllReduceEP`; a call
+whose parameters were replaced or re-sharded since patching raises (hf_param_watch).
 
 Contract: every rank holds the whole model (or transformers' TP shards of it) and runs the same
 forward calls with identical inputs
@@ -79,13 +81,10 @@ from fusion_bridge.integrations.hf_handoff import (
 )
 from fusion_bridge import tensor_digest
 from fusion_bridge.integrations.hf_layer import PatchedMoELayer
+from fusion_bridge.integrations.hf_param_watch import ParameterWatch
 from fusion_bridge.integrations.hf_model_check import agree_on_model, resolve_group
-from fusion_bridge.integrations.hf_sharding import (
-    is_sharded_model,
-    refuse_expert_parallel,
-    shared_is_sharded,
-    tp_group,
-)
+from fusion_bridge.integrations.hf_expert_parallel import expert_parallel
+from fusion_bridge.integrations.hf_sharding import LayerLayout, layer_layouts, tp_group
 from fusion_bridge.integrations.weights_digest import local
 
 __all__ = [
@@ -119,9 +118,11 @@ class MoEEpiloguePatch:
         parts = []
         for i, p in self.layers.items():
             held = f"routed experts {p.local_experts.start}..{p.local_experts.stop - 1}"
+
             if p.shared_columns is not None:
                 held += f", shared columns {p.shared_columns.start}..{p.shared_columns.stop - 1}"
                 held += " of its TP-plan shard" if p.shared_sharded else ""
+            held += " (its EP shard)" if p.experts_sharded else ""
             parts.append(
                 f"layer {i} ({self.family.name}, rank {self.rank}/{self.world_size}: {held}; "
                 f"norm fused: {p.next_norm})\n{p.explain(tokens)}"
@@ -198,8 +199,7 @@ def patch_moe_epilogues(
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise ValueError("patch_moe_epilogues: model is already patched (call .unpatch() first)")
     family, text = family_of(model)
-    refuse_expert_parallel(model)
-    sharded = is_sharded_model(model)
+    ep = expert_parallel(model)  # refuses the modes it cannot take over, naming them
     if model.training:
         raise ValueError(
             "patch_moe_epilogues: model must be in eval mode (call model.eval()): the bridge is "
@@ -219,15 +219,15 @@ def patch_moe_epilogues(
             f"dtypes), got {dtype} ({'fp32' if dtype == torch.float32 else 'fp64'}): "
             "cast it first, e.g. model.to(torch.bfloat16)"
         )
-    next_norms, shared_sharded = {}, {}
+    norms = {i: layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+             for i in moe_indices}  # fmt: skip
+    # what transformers' TP / EP plans put on each layer (hf_sharding; every refused layer named)
+    layouts = layer_layouts(model, family, moe_indices, paths, blocks, layers, norms, ep)
+    next_norms = {}
     for i in moe_indices:
-        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        if sharded:  # what transformers' TP plan put on this layer (hf_sharding)
-            shared = family.shared_module(blocks[i], layers[i])
-            shared_sharded[i] = shared_is_sharded(model, i, paths, blocks[i], shared, norm)
         check_moe_block(family, blocks[i], paths[id(blocks[i])], hidden, layers[i])
-        name = paths[id(norm)]
-        next_norms[i] = (name, norm, check_rmsnorm(family, norm, name, hidden))
+        name = paths[id(norms[i])]
+        next_norms[i] = (name, norms[i], check_rmsnorm(family, norms[i], name, hidden))
     device = blocks[moe_indices[0]].experts.gate_up_proj.device
     family.check_device(device)
     group, rank, world = resolve_group(tp_group(model, group), device)
@@ -262,9 +262,10 @@ def patch_moe_epilogues(
             if spec not in bridges:  # layers with equal specs share one bridge and its workspaces
                 bridges[spec] = FusionBridge(spec, group, strategy, device=device, **bridge_options)
                 patch._bridges.append(bridges[spec])
-            shared_columns = None
+            shared_columns, layout = None, layouts.get(i, LayerLayout())
+            experts = block.experts.gate_up_proj.shape[0]  # E (a DTensor's: its global shape)
             shared = family.shared_module(block, layers[i])
-            if shared is not None and shared_sharded.get(i):  # its plan's shard: all of it
+            if shared is not None and layout.shared_sharded:  # its plan's shard: all of it
                 shared_columns = range(local(_first_linear(shared).weight).shape[0])
             elif shared is not None:
                 shared_columns = block_of(rank, world, shared_width(shared))
@@ -273,14 +274,16 @@ def patch_moe_epilogues(
                 bridges[spec],
                 family,
                 block,
-                block_of(rank, world, block.experts.gate_up_proj.shape[0]),
+                layout.experts if layout.experts is not None else block_of(rank, world, experts),
                 shared_columns,
                 name,
                 norm,
                 multiplier,
                 shared,
                 account,
-                bool(shared_sharded.get(i)),
+                layout.shared_sharded,
+                layout.experts is not None,
+                ParameterWatch({paths[id(m)]: m for m in (block, shared, norm) if m is not None}),
             )
             patch.layers[i] = layer_patch
             account.layers[i] = layer_patch

@@ -1,6 +1,9 @@
 """Hugging Face transformers MoE models on the bridge, against the unmodified model.
 
     python -m migration.examples.hf_moe --world-size 2     # gloo on CPU; NCCL when 2 GPUs exist
+    python -m migration.examples.hf_moe --world-size 2 --tp-plan auto            # TP plan
+    python -m migration.examples.hf_moe --world-size 2 --tp-plan auto --expert-parallel   # TP + EP
+    python -m migration.examples.hf_moe --world-size 2 --expert-parallel         # EP alone
 
 Builds small random-weight models from transformers configs (no download) of every supported family
 (hf_moe_models.FAMILIES: one per row of the family table; a family this transformers lacks, or whose
@@ -10,6 +13,13 @@ it again, then unpatches it and runs the forward a third time; prints how far th
 moved against the bound derived in `logits_bound` (hf_moe_bound.py), whether greedy generation
 agrees, which strategy each patched layer runs, and whether unpatching restored the model exactly.
 The same model and the same prompt are built on every rank (same seeds).
+
+With `--tp-plan auto` and/or `--expert-parallel` (transformers 5.25 for expert parallelism;
+`accelerate` installed) the models are saved with `save_pretrained` once and every rank loads
+them sharded with transformers' own machinery: `from_pretrained(path, tp_plan="auto")`, or
+`distributed_config=DistributedConfig(tp_size=W, ep_size=W)` (with `tp_plan={}` for expert
+parallelism alone); the patch then runs over the model's own TP group. Every rank still feeds the
+model the same inputs, which is transformers' own tensor-parallel contract.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import sys
 
 import torch
 
-from fusion_bridge.integrations.transformers import patch_moe_epilogues
+from fusion_bridge.integrations.transformers import UnsupportedModelError, patch_moe_epilogues
 
 from migration.examples.hf_moe_bound import Recorder, generate_steps, tainted_positions
 from migration.examples.hf_moe_models import FAMILIES, LARGE, TINY, build_model, why_skipped
@@ -30,15 +40,26 @@ __all__ = ["FAMILIES", "LARGE", "TINY", "build_model", "compare", "run_rank", "m
 PROMPT = (2, 8)  # batch, sequence
 
 
-def _patched_attributes(model: torch.nn.Module) -> list[str]:
-    """Modules that still carry an instance attribute the patch sets."""
-    names = ("forward", "moe_epilogue", "_fusion_bridge_patch", "_fusion_bridge_handoff")
-    return [n for n, m in model.named_modules() if any(a in vars(m) for a in names)]
+def _own_forwards(model: torch.nn.Module) -> dict:
+    """{module name: its instance `forward`} before patching: transformers' TP / EP styles."""
+    return {n: vars(m)["forward"] for n, m in model.named_modules() if "forward" in vars(m)}
+
+
+def _patched_attributes(model: torch.nn.Module, own: dict) -> list[str]:
+    """Modules that still carry an instance attribute the patch sets (a `forward` other than the
+    module's own from before patching, `own`)."""
+    names = ("moe_epilogue", "_fusion_bridge_patch", "_fusion_bridge_handoff")
+    return [
+        n
+        for n, m in model.named_modules()
+        if any(a in vars(m) for a in names) or vars(m).get("forward", own.get(n)) is not own.get(n)
+    ]
 
 
 def compare(model, group, world: int, prompt: torch.Tensor, new_tokens: int, **patch_options):
     """Unmodified model, then patched, then unpatched again: forward logits and greedy generate.
     -> summary dict."""
+    own = _own_forwards(model)
     recorder = Recorder(model)
     batch, seq = prompt.shape
     gen = dict(max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
@@ -102,16 +123,52 @@ def compare(model, group, world: int, prompt: torch.Tensor, new_tokens: int, **p
         "moe_layers": moe,
         "explain": explain,
         "unpatch_restores_logits": torch.equal(restored, ref),
-        "left_patched": _patched_attributes(model),
+        "left_patched": _patched_attributes(model, own),
         **steps,
     }
 
 
+def sharded_load(world: int, tp_plan: str | None, expert_parallel: bool) -> dict:
+    """The from_pretrained keyword arguments of a sharded load ({}: build the model whole):
+    tp_plan="auto" (transformers' TP plan), DistributedConfig(tp_size=W, ep_size=W) (TP + EP) or
+    with tp_plan={} (EP alone)."""
+    if not expert_parallel:
+        return {"tp_plan": tp_plan} if tp_plan else {}
+    import transformers
+
+    extra = {} if tp_plan else {"tp_plan": {}}
+    config = transformers.DistributedConfig(tp_size=world, ep_size=world, **extra)
+    return {"distributed_config": config}
+
+
+def _load_sharded(saved: tuple, rank: int, world: int, **kwargs) -> torch.nn.Module:
+    """Every rank: the saved model (path, class name) loaded sharded by transformers."""
+    import os
+
+    import transformers
+
+    # what torchrun sets, and transformers reads to size its mesh and pick the device
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world))
+    path, class_name = saved
+    model_class = getattr(transformers, class_name)
+    return model_class.from_pretrained(path, dtype=torch.bfloat16, **kwargs).eval()
+
+
 def run_rank(
-    rank: int, world: int, families=FAMILIES, size=TINY, new_tokens: int = 6, **patch_options
+    rank: int,
+    world: int,
+    families=FAMILIES,
+    size=TINY,
+    new_tokens: int = 6,
+    saved: dict | None = None,
+    sharded: tuple = (None, False),
+    **patch_options,
 ) -> list:
     """Every family in `families` that this transformers has, on this rank: compare(...) with the
-    same model and prompt on every rank."""
+    same model and prompt on every rank. saved: {family: (path, class name)} of models saved with
+    save_pretrained, loaded sharded as `sharded` = (tp_plan, expert_parallel) says
+    (sharded_load); None: each rank builds the model whole."""
     import torch.distributed as dist
 
     device = (
@@ -126,10 +183,20 @@ def run_rank(
         if why is not None:
             results.append({"family": family, "rank": rank, "skipped": why})
             continue
-        model = build_model(family, size, seed=0, device=device)
+        if saved is not None:
+            model = _load_sharded(saved[family], rank, world, **sharded_load(world, *sharded))
+            device = model.device
+        else:
+            model = build_model(family, size, seed=0, device=device)
         g = torch.Generator().manual_seed(1)  # the same prompt on every rank
         prompt = torch.randint(1, size["vocab"], PROMPT, generator=g).to(device)
-        summary = compare(model, group, world, prompt, new_tokens, **patch_options)
+        try:
+            summary = compare(model, group, world, prompt, new_tokens, **patch_options)
+        except UnsupportedModelError as exc:  # a sharded layout the patch refuses, said why
+            if saved is None:
+                raise
+            results.append({"family": family, "rank": rank, "skipped": str(exc)})
+            continue
         results.append({"family": family, "rank": rank, **summary})
     return results
 
@@ -153,6 +220,18 @@ def _line(r: dict) -> str:
     )
 
 
+def _save(families, root: str) -> dict:
+    """{family: (path, class name)}: every family this transformers has, built and saved under
+    root with save_pretrained (the checkpoints the ranks load sharded)."""
+    out = {}
+    for family in families:
+        if why_skipped(family) is None:
+            model = build_model(family, TINY)
+            model.save_pretrained(f"{root}/{family}")
+            out[family] = (f"{root}/{family}", type(model).__name__)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -160,14 +239,42 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--family", choices=FAMILIES, action="append")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--tp-plan",
+        choices=["auto"],
+        help="load the models sharded with transformers' TP plan (from_pretrained(tp_plan='auto'))",
+    )
+    ap.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="load them with transformers' expert parallelism: DistributedConfig(tp_size=W, "
+        "ep_size=W), with tp_plan={} unless --tp-plan auto (transformers 5.25)",
+    )
     args = ap.parse_args(argv)
     families = tuple(args.family or FAMILIES)
+    sharded = (args.tp_plan, args.expert_parallel)
+    if (args.tp_plan or args.expert_parallel) and args.world_size < 2:
+        ap.error("--tp-plan / --expert-parallel need --world-size 2 or more")
+    if args.expert_parallel:
+        import transformers
+
+        if not hasattr(transformers.DistributedConfig(), "ep_size"):
+            ap.error(
+                f"--expert-parallel needs transformers' DistributedConfig(ep_size=...) (5.25); "
+                f"this is transformers {transformers.__version__}"
+            )
     if args.world_size == 1:
         per_rank = [run_rank(0, 1, families)]
     else:
+        import tempfile
+
         from fusion_bridge.cli.launch import run_distributed
 
-        per_rank = run_distributed(run_rank, args.world_size, families, timeout_s=600)
+        with tempfile.TemporaryDirectory(prefix="hf_moe_") as root:
+            saved = _save(families, root) if args.tp_plan or args.expert_parallel else None
+            per_rank = run_distributed(
+                run_rank, args.world_size, families, TINY, 6, saved, sharded, timeout_s=600
+            )
     results = [r for rank in per_rank for r in rank if "skipped" not in r]
     skipped = sorted({r["family"] for rank in per_rank for r in rank if "skipped" in r})
     ok = all(

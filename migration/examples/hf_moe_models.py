@@ -150,7 +150,7 @@ def _deepseek(s: dict, **extra) -> dict:
 
 def _configs(family: str, s: dict, common: dict) -> tuple[str, dict]:
     """(model class name, config keyword arguments) of `family` at size s."""
-    heads = dict(num_key_value_heads=2, head_dim=s["head_dim"])
+    heads = dict(num_key_value_heads=s.get("kv_heads", 2), head_dim=s["head_dim"])
     qwen = dict(heads, moe_intermediate_size=s["moe_inter"], num_experts=s["experts"])
     if family == "deepseek_v3":
         return "DeepseekV3ForCausalLM", dict(common, **_deepseek(s))

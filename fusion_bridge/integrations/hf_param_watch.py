@@ -1,0 +1,75 @@
+"""The parameters a patched MoE layer reads, as they were when it was patched: a call checks them.
+
+The patch's model check (hf_model_check) agrees on the model's parameters once, at patch time, and
+the patched layer reads its block's, shared expert's and fused norm's parameters on every call
+(the routed experts' local shards of an expert-parallel model, a plan-sharded shared expert's
+local shards). A parameter replaced or re-sharded after patching, on some ranks or on all
+(`load_state_dict(..., assign=True)`, `.to(dtype)` or `.to(device)`, transformers' plan applied
+again, a parameter object swapped), would make the layer read weights the check never saw, or
+shards laid out other than the split the patch computed. So each call first checks, for every
+such parameter, that its module still holds the same object with the same local shape, dtype,
+device and placements; otherwise it raises, naming the parameter and what changed, through the
+layer's failure protocol (its peers' call completes with a NaN payload, no hang).
+
+A value change in place (`load_state_dict` without assign, `param.copy_(...)`) keeps the object
+and its layout and is not seen here: the ranks must then change it alike, as for any model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusion_bridge.integrations.weights_digest import is_dtensor, local
+
+
+def _layout(p: torch.Tensor) -> tuple:
+    """(local shape, dtype, device, placements) of a parameter (placements None: not a DTensor)."""
+    placements = tuple(repr(x) for x in p.placements) if is_dtensor(p) else None
+    return tuple(local(p).shape), p.dtype, p.device, placements
+
+
+class ParameterWatch:
+    """The parameters of `modules` ({path: module}, submodules included, each parameter once) as
+    they are now; `check()` raises RuntimeError naming the first one replaced or changed since."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module]) -> None:
+        self.entries: list[tuple[str, torch.nn.Module, str, torch.Tensor, tuple]] = []
+        seen: set[int] = set()
+        for path, module in modules.items():
+            for sub, owner in module.named_modules(prefix=path):
+                if id(owner) in seen:
+                    continue
+                seen.add(id(owner))
+                for name, p in owner._parameters.items():
+                    if p is not None:
+                        self.entries.append((f"{sub}.{name}", owner, name, p, _layout(p)))
+
+    def changed(self) -> Optional[str]:
+        """What changed about the first watched parameter that did (None: none did)."""
+        for full, owner, name, p, layout in self.entries:
+            now = owner._parameters.get(name)
+            if now is not p:
+                what = "removed" if now is None else "replaced by another parameter object"
+                if now is not None and _layout(now) != layout:
+                    what += f" (local shape, dtype, device, placements {_layout(now)})"
+                return f"{full} was {what}"
+            if _layout(now) != layout:
+                return (
+                    f"{full} changed its local shape, dtype, device or placements from {layout} "
+                    f"to {_layout(now)}"
+                )
+        return None
+
+    def check(self) -> None:
+        """Raise RuntimeError if a watched parameter was replaced or changed its layout."""
+        what = self.changed()
+        if what is not None:
+            raise RuntimeError(
+                f"patch_moe_epilogues: a parameter the patched layer reads changed after "
+                f"patching: {what}. The patch computes its split from the parameters the "
+                "ranks agreed on when patching (load_state_dict(assign=True), .to(), a plan "
+                "applied again or a swapped parameter replace them). Call patch.unpatch() "
+                "before changing the model's parameters, then patch_moe_epilogues(model) again"
+            )
