@@ -24,6 +24,8 @@ NORM_ROUNDINGS = {
     "Qwen3NextRMSNorm": 1,
     "MiniMaxM3VLRMSNorm": 1,  # `output * (1.0 + self.weight.float()); return output.type_as(x)`
     "FlintRMSNorm": 1,  # `return (self.weight * hidden_states).to(input_dtype)`
+    # `return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)`: one rounding
+    "LaraMiniRMSNorm": 1,
 }
 # A^2 of a token mixer (see logits_bound): attention passes on its input's relative error once
 # (1; MLA and DeepSeek-V3.2's / GLM-MoE-DSA's sparse attention too, whose indexer keeps more tokens
@@ -44,6 +46,18 @@ MIXER_GAIN = {
     "KimiLinearDeltaAttention": 7,
     # `attn_output * gate_states.sigmoid()`, its gate a half of q_gate_proj(x): as Qwen3-Next's
     "MiniCPM5MoeAttention": 2,
+    # the output times a gate of a second linear path of the same input, as Qwen3-Next's: Laguna's
+    # `F.softplus(self.g_proj(hidden_states))` (softplus' slope below 1), dots.3-note's per-head
+    # `gate.sigmoid()` of g_proj(x) and Bailing-Hybrid's MLA `torch.sigmoid(self.g_proj(x))`
+    "LagunaAttention": 2,
+    "Dots3NoteTextAttention": 2,
+    "BailingHybridAttention": 2,
+    # Bailing-Hybrid's KDA (BailingHybridDeltaAttention) has Kimi-Linear's seven paths: q, k twice,
+    # v, the forget gate (forget_gate(x)), the write strength b_proj and the output gate g_proj
+    # into its gated norm; Lara-mini's LaraMiniGatedDeltaNet is Qwen3.5's gated DeltaNet (q, k
+    # twice, v, z, a, b from in_proj_qkv / in_proj_z / in_proj_a / in_proj_b)
+    "BailingHybridDeltaAttention": 7,
+    "LaraMiniGatedDeltaNet": 7,
 }
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from migration.examples.hf_moe_models_late import LATE_CONFIG_CLASS, LATE_FAMILIES, late_configs
+
 FAMILIES = (
     "deepseek_v3",
     "kimi_k25",
@@ -57,8 +59,7 @@ FAMILIES = (
     "minicpm5_moe",
     "mellum",
     "flint",
-    "aria_text",
-)
+) + LATE_FAMILIES
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
 CONFIG_CLASS = {
@@ -96,7 +97,7 @@ CONFIG_CLASS = {
     "minicpm5_moe": "MiniCPM5MoeConfig",
     "mellum": "MellumConfig",
     "flint": "FlintConfig",
-    "aria_text": "AriaTextConfig",
+    **LATE_CONFIG_CLASS,
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -353,12 +354,7 @@ def _grouped_and_softmax_configs(family, s, common, grouped, dense_first) -> tup
     if family == "flint":
         flint = dict(qwen, shared_expert_intermediate_size=s["shared_inter"], mlp_only_layers=[0])
         return "FlintForCausalLM", flint
-    if family == "aria_text":  # every layer MoE; experts and shared MLP at intermediate_size
-        aria = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **ids)
-        aria.update(intermediate_size=s["moe_inter"], moe_num_experts=s["experts"])
-        aria.update(moe_topk=s["top_k"], moe_num_shared_experts=2)
-        return "AriaTextForCausalLM", aria
-    raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
+    return late_configs(family, s, common, _deepseek(s), dense_first)
 
 
 def build_model(family: str, size: dict, seed: int = 0, device="cpu") -> torch.nn.Module:
@@ -390,6 +386,8 @@ def build_model(family: str, size: dict, seed: int = 0, device="cpu") -> torch.n
                 p.copy_(1 + 0.1 * torch.randn(p.shape))
             elif name.endswith("proj_bias"):  # gpt-oss expert biases
                 p.copy_(0.5 * torch.randn(p.shape))
+            elif name.endswith("e_score_correction_bias"):  # laguna's is a parameter
+                p.copy_(0.05 * torch.randn(p.shape))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape))
