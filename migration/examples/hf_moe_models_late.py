@@ -15,6 +15,7 @@ LATE_FAMILIES = (
     "unlimited_ocr",
     "bailing_hybrid",
     "lara_mini",
+    "dots3_note",
 )
 # the transformers config class each family needs
 LATE_CONFIG_CLASS = {
@@ -26,6 +27,7 @@ LATE_CONFIG_CLASS = {
     "unlimited_ocr": "UnlimitedOcrConfig",
     "bailing_hybrid": "BailingHybridConfig",
     "lara_mini": "LaraMiniConfig",
+    "dots3_note": "Dots3NoteConfig",
 }
 
 _IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # defaults: their vocabularies
@@ -44,12 +46,32 @@ def late_configs(family: str, s: dict, common: dict, deepseek: dict, dense_first
         vision.update(num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=16)
         kwargs = dict(text_config=aria, vision_config=vision, image_token_index=1 << 20)
         return "AriaForConditionalGeneration", dict(kwargs, projector_patch_to_query_dict={4: 2})
-    if family == "dots3_note_text":  # its text model (Dots3NoteForCausalLM): as DeepSeek-V3.2's
+    if family in ("dots3_note_text", "dots3_note"):  # its text model: as DeepSeek-V3.2's
         dsa = dict(q_lora_rank=s["head_dim"] * 2, index_topk=64, index_head_dim=s["head_dim"])
         dots = dict(deepseek, **dsa, index_n_heads=2, mlp_layer_types=dense_first)
         dots.pop("first_k_dense_replace")
         dots.update(shared_experts_intermediate_size=s["shared_inter"], head_dim=s["head_dim"])
-        return "Dots3NoteForCausalLM", dict(common, **dots, **_IDS)
+        # its sliding-window layers take their attention shape from swa_* (defaults: the released
+        # 64 heads at rank 1024, 77 MB of weights in a tiny model): the MLA shape above instead
+        swa = dict(num_attention_heads=s["heads"], num_key_value_heads=s["heads"])
+        swa.update(q_lora_rank=dots["q_lora_rank"], kv_lora_rank=dots["kv_lora_rank"])
+        swa.update(head_dim=dots["qk_nope_head_dim"] + dots["qk_rope_head_dim"])
+        swa.update(qk_nope_head_dim=dots["qk_nope_head_dim"], v_head_dim=dots["v_head_dim"])
+        dots.update({f"swa_{k}": v for k, v in swa.items()}, sliding_window=4)
+        text = dict(common, **dots, **_IDS)
+        if family == "dots3_note_text":
+            return "Dots3NoteForCausalLM", text
+        # the wrapper: its text model at model.language_model, one-layer vision and audio towers
+        vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
+        vision.update(num_attention_heads=2, moe_intermediate_size=16, num_local_experts=4)
+        vision.update(num_experts_per_tok=2, router_scaling_factor=1.0, mlp_layer_types=["dense"])
+        vision.update(adapter_in_dim=32, adapter_out_dim=s["hidden"])
+        audio = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
+        audio.update(num_attention_heads=2, downsample_hidden_size=16, adapter_input_size=32)
+        audio.update(adapter_out_dim=s["hidden"])
+        kwargs = dict(text_config=text, vision_config=vision, audio_config=audio)
+        kwargs.update(image_token_id=1 << 20, video_token_id=1 << 21, audio_token_id=1 << 22)
+        return "Dots3NoteForConditionalGeneration", kwargs
     if family == "laguna":  # the block's own moe_routed_scaling_factor; sliding-window layers
         laguna = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **_IDS)
         laguna.update(intermediate_size=s["inter"], moe_intermediate_size=s["moe_inter"])

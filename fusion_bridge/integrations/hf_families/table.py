@@ -156,8 +156,9 @@ FAMILY_ROWS: tuple[Family, ...] = (
         ("dots3_note_text",),
         "dots3_note",
         "modeling_dots3_note (5.25): Dots3NoteTextMoE as DeepseekV3MoE; MLA with DSA indexer "
-        "attention; its text model (the multimodal wrapper has no row: its text path is not "
-        "tested)",
+        "attention and a per-head sigmoid gate; the text model, alone or at the wrapper's "
+        "model.language_model (its vision encoder's MoE blocks are refused by their structure)",
+        wrappers=("dots3_note",),
     ),
     _sigmoid_grouped(
         "DeepSeek-OCR-2",
