@@ -15,7 +15,9 @@ KDA, Qwen3-Next's gated DeltaNet), wrappers (Qwen3-VL-MoE, Qwen3-Omni-MoE's thin
 layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU;
 HunYuan-MoE-V1 (every layer MoE, a shared MLP), MiMo-V2-Flash (no shared expert, sliding windows),
 HY-V3 (its router's own factor name), GLM-4.5V in its wrapper (multimodal rope), MiniCPM5-MoE
-(gated attention), Mellum and Flint (a dense first layer, Flint's ungated shared expert).
+(gated attention), Mellum and Flint (a dense first layer, Flint's ungated shared expert). The
+families added last (Aria, dots.3-note, Laguna, the OCR models, Bailing-Hybrid, Lara-mini) are in
+hf_moe_models_late.py.
 """
 
 from __future__ import annotations
