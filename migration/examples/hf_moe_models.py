@@ -253,7 +253,7 @@ def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str,
         vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
         vision.update(out_hidden_size=s["hidden"], deepstack_visual_indexes=[])
         audio = dict(encoder_layers=1, d_model=32, encoder_attention_heads=2)
-        audio.update(encoder_ffn_dim=32, output_dim=s["hidden"])
+        audio.update(encoder_ffn_dim=32, output_dim=s["hidden"], downsample_hidden_size=16)
         kwargs = dict(text_config=text, vision_config=vision, audio_config=audio)
         # generate's rope index reads it; no prompt token (all below the vocabulary) matches
         kwargs.update(vision_start_token_id=1 << 20)

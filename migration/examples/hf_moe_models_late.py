@@ -95,7 +95,6 @@ def late_configs(family: str, s: dict, common: dict, deepseek: dict, dense_first
         vision = _ocr_vision(s)
         vision["encoder_config"] = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
         vision["encoder_config"].update(num_attention_heads=2, image_size=32, patch_size=16)
-        vision["sam_config"].update(mlp_dim=32, downsample_channels=[16, 32])
         kwargs = dict(text_config=text, vision_config=vision, image_token_id=1 << 20)
         return "UnlimitedOcrForConditionalGeneration", kwargs
     return _hybrid_configs(family, s, common, deepseek, dense_first)
@@ -126,6 +125,7 @@ def _ocr_vision(s: dict) -> dict:
     """A one-layer SAM encoder and a one-layer vision encoder (never run: text-only prompts)."""
     sam = dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2)
     sam.update(image_size=64, patch_size=16, window_size=2, global_attn_indexes=[0])
+    sam.update(mlp_dim=32, downsample_channels=[16, 32])  # defaults: 512 / 1024-channel convs
     encoder = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1)
     encoder.update(num_attention_heads=2, num_key_value_heads=2, vocab_size=16)
     return dict(sam_config=sam, encoder_config=encoder)
