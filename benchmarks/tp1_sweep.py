@@ -27,7 +27,7 @@ from benchmarks.tp1_local import _spec, _strategy  # noqa: E402
 from fusion_bridge.tuning.timing import sets_to_rotate, time_graph  # noqa: E402
 
 
-QUANT_CODE = {"none": 0, "fp8": 1, "nvfp4": 2}
+QUANT_CODE = {"none": 0, "fp8": 1, "nvfp4": 2, "nvfp4_linear": 2}  # nvfp4: swizzled scales
 
 
 @triton.jit
@@ -43,11 +43,12 @@ def configs(
     prefetches=(0, 1),
     row_warps=(16, 32),
     default_only=False,
+    whole_warps=(),
 ) -> list:
     """The launch configs to time at T: the default, whole rows at `row_warps` warps per 8192
-    columns (at least 4), split rows at each chunk that fits; each with each of `prefetches` (the L2
-    prefetch of the row), and programmatic dependent launch as in the default. default_only: the
-    default alone."""
+    columns (at least 4) and at each of `whole_warps` warps (absolute), split rows at each chunk
+    that fits; each with each of `prefetches` (the L2 prefetch of the row), and programmatic
+    dependent launch as in the default. default_only: the default alone."""
     from fusion_bridge.kernels.quant import row_block
     from fusion_bridge.kernels.tp1.configs import Tp1Config, split_ok, tp1_config
 
@@ -59,6 +60,8 @@ def configs(
     for prefetch in prefetches:
         for warps in row_warps if tokens > 32 else ():  # whole rows lose below (tp1_sweep_h200*)
             out.append(Tp1Config(rb, max(4, warps * rb // 8192), prefetch, default.pdl))
+        for warps in whole_warps:
+            out.append(Tp1Config(rb, warps, prefetch, default.pdl))
         for chunk in (256, 512) if tokens == 1 else (512, 1024, 2048, 4096):
             for warps in (1, 2, 4, 8, 16):
                 per_thread = chunk // (warps * 32)
@@ -104,7 +107,12 @@ def tokens_for(args, quant: str) -> list:
 def main() -> None:
     ap = parser(__doc__)
     add_common(
-        ap, tokens=[1, 4, 16, 32, 64], hidden=[7168], top_k=8, quant=["none", "fp8", "nvfp4"]
+        ap,
+        tokens=[1, 4, 16, 32, 64],
+        hidden=[7168],
+        top_k=8,
+        quant=["none", "fp8", "nvfp4"],
+        quant_choices=tuple(QUANT_CODE),
     )
     ap.add_argument("--quant-tokens", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--jobs", type=int, default=12)
@@ -113,9 +121,17 @@ def main() -> None:
     ap.add_argument(
         "--row-warps", type=int, nargs="+", default=[16, 32], help="whole rows: warps per 8192"
     )
+    ap.add_argument(
+        "--whole-warps", type=int, nargs="*", default=[], help="whole rows: also these warps"
+    )
     ap.add_argument("--default-only", action="store_true", help="time the default config alone")
     args = ap.parse_args()
-    pick = dict(prefetches=args.prefetch, row_warps=args.row_warps, default_only=args.default_only)
+    pick = dict(
+        prefetches=args.prefetch,
+        row_warps=args.row_warps,
+        default_only=args.default_only,
+        whole_warps=args.whole_warps,
+    )
     from fusion_bridge.oracle.synthetic import make_inputs
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -12,10 +12,15 @@ On a GPU the quotient takes one reciprocal per group (`_div_by_group_scale`: the
 and the conversion is the hardware's; under the Triton interpreter both are done in software.
 
 Per token is the same with the whole row as one group (GROUP = the row's block: every program
-that calls it holds the whole row). Scales are fp32, stored in the layout's storage (docs/math.md
-section 3): row_major [T, G] (`sf_stride` = G), column_major [G, T] (`sf_stride` = T),
-column_major_tma [G, round_up(T, 4)] (`sf_stride` = round_up(T, 4); the padding columns, rows
-T .. round_up(T, 4) of the view, are written 0 by the programs past T).
+that calls it holds the whole row). `fused_tp1`'s split rows, where a program holds one chunk of
+the row, take per token through `chunk_amax_bits` (a chunk's amax, exchanged between the row's
+programs: kernels/tp1/split_rows.py) and `quantize_chunk_fp8_per_token` (the chunk's codes from
+the row's amax): the same scale and codes.
+
+Scales are fp32, stored in the layout's storage (docs/math.md section 3): row_major [T, G]
+(`sf_stride` = G), column_major [G, T] (`sf_stride` = T), column_major_tma [G, round_up(T, 4)]
+(`sf_stride` = round_up(T, 4); the padding columns, rows T .. round_up(T, 4) of the view, are
+written 0 by the programs past T).
 """
 
 from __future__ import annotations
@@ -61,6 +66,34 @@ def _store_where_held(ptrs, values, mask):
 
 
 @triton.jit
+def fp8_dynamic_scale(amax):
+    """The fp32 scales [GROUPS] of groups whose amax (NaN-keeping) is `amax` [GROUPS]."""
+    scale = tl.maximum(amax, QC.FP8_AMAX_EPS) * QC.E4M3_MAX_RECIP
+    scale = tl.where(amax != amax, float("nan"), scale)  # the engines' max would drop the NaN
+    return scale
+
+
+@triton.jit
+def fp8_dynamic_codes(xg, scale, HW_CVT: tl.constexpr):
+    """The e4m3 codes (uint8 [GROUPS, GROUP]) of xg (fp32 [GROUPS, GROUP]) divided by its groups'
+    scales (fp32 [GROUPS], `fp8_dynamic_scale`): e4m3(clamp(div_rn(x, scale), -448, 448)), every
+    NaN quotient 0x7F."""
+    if HW_CVT:
+        # the quotient through one reciprocal per group, then a clamp keeping a NaN (a plain one
+        # returns the number): the GPU's RNE conversion takes the canonical NaN the clamp returns
+        # for every NaN quotient to 0x7F
+        v = _div_by_group_scale(xg, scale)
+        c = tl.maximum(v, -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        c = tl.minimum(c, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        v = tl.math.div_rn(xg, scale[:, None])
+        code, _ = _e4m3_rne_satfinite(v)
+        code = tl.where(v != v, QC.E4M3_NAN, code)  # every NaN code 0x7F, whatever the NaN's sign
+    return code
+
+
+@triton.jit
 def quantize_span_fp8_dynamic(
     y,
     row,
@@ -101,20 +134,8 @@ def quantize_span_fp8_dynamic(
         # wholly past it, and one past it stores nothing
         xg = tl.where(tl.reshape(in_row, [GROUPS, GROUP]), xg, 0.0)
     amax = block_amax(xg, HW_CVT)  # NaN where the group holds one
-    scale = tl.maximum(amax, QC.FP8_AMAX_EPS) * QC.E4M3_MAX_RECIP
-    scale = tl.where(amax != amax, float("nan"), scale)  # the engines' max would drop the NaN
-    if HW_CVT:
-        # the quotient through one reciprocal per group, then a clamp keeping a NaN (a plain one
-        # returns the number): the GPU's RNE conversion takes the canonical NaN the clamp returns
-        # for every NaN quotient to 0x7F
-        v = _div_by_group_scale(xg, scale)
-        c = tl.maximum(v, -QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        c = tl.minimum(c, QC.E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        code = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        v = tl.math.div_rn(xg, scale[:, None])
-        code, _ = _e4m3_rne_satfinite(v)
-        code = tl.where(v != v, QC.E4M3_NAN, code)  # every NaN code 0x7F, whatever the NaN's sign
+    scale = fp8_dynamic_scale(amax)
+    code = fp8_dynamic_codes(xg, scale, HW_CVT)
     # the same offsets, contiguous over 8 only: the codes stored in the row's own register layout
     # (8 per thread, as its bf16 stores want), not the whole row in a 16-per-thread one
     lean = (cols // 8) * 8 + cols % 8
@@ -146,3 +167,35 @@ def tma_padding_row(row, hidden, out, sf_stride, GROUP: tl.constexpr, BLOCK: tl.
     gi = tl.arange(0, BLOCK // GROUP)
     tl.store(out.sf + gi * sf_stride + row, tl.zeros([BLOCK // GROUP], dtype=tl.float32),
              mask=(gi * GROUP < hidden) & ((gi * 0 + row) < sf_stride))  # fmt: skip
+
+
+@triton.jit
+def chunk_amax_bits(y, col0, hidden):
+    """Per token in split rows: the bits (int32 scalar) of max |y| over a chunk's columns of the
+    row (y [BLOCK]: columns col0 .. col0 + BLOCK, those past H ignored). The bits of a
+    non-negative fp32 order as its value does, and a NaN's (sign cleared) lie above +inf's, so the
+    integer max of the row's chunks' bits is the bits of the whole row's NaN-keeping amax (the
+    `block_amax` of a whole-row program), exactly and in any order."""
+    cols = col0 + tl.arange(0, y.shape[0])
+    bits = y.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(tl.where(cols < hidden, bits, 0), axis=0)
+
+
+@triton.jit
+def quantize_chunk_fp8_per_token(y, row, col0, hidden, out, amax, sf_stride, HW_CVT: tl.constexpr):
+    """Per token in split rows: one chunk of `row` (y [BLOCK], columns col0 .. col0 + BLOCK,
+    rounded to the activation dtype; past H ignored) quantized with the row's one scale, from
+    `amax` (fp32 scalar: the whole row's NaN-keeping amax, from every chunk's `chunk_amax_bits`),
+    into out.q (uint8 [T, H]); the row's first chunk (col0 == 0) stores the scale at
+    out.sf[row * sf_stride] (scales [T, 1]). The same codes and scale, bit for bit, as
+    `quantize_span_fp8_dynamic` gives the whole row (GROUP = the row's block)."""
+    BLOCK: tl.constexpr = y.shape[0]
+    cols = col0 + tl.arange(0, BLOCK)
+    scale = fp8_dynamic_scale(tl.zeros([1], dtype=tl.float32) + amax)
+    code = fp8_dynamic_codes(tl.reshape(y.to(tl.float32), [1, BLOCK]), scale, HW_CVT)
+    lean = (cols // 8) * 8 + cols % 8  # the row's own register layout, as the whole span's
+    tl.store(
+        out.q + row * hidden + lean, tl.reshape(code, [BLOCK]).to(tl.uint8), mask=cols < hidden
+    )
+    if col0 == 0:
+        tl.store(out.sf + row * sf_stride + tl.arange(0, 1), scale)

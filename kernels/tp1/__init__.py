@@ -5,8 +5,9 @@
 - split rows (`split_rows`, few rows): a row's columns are spread over several programs, so a
   row's K gathers run on several SMs at once instead of one SM serially. A program finalizes and
   stores its chunk, publishes its chunk's sum of squares, waits for the row's other chunks' sums
-  (the only exchange, inside the launch) and normalizes and quantizes its own columns; the
-  protocol and its memory-ordering argument are in split_rows.py.
+  (the exchange, inside the launch) and normalizes and quantizes its own columns; per token
+  (dynamic FP8) a second exchange, of the chunks' amaxes of the normalized row, gives the row its
+  one scale. The protocol and its memory-ordering argument are in split_rows.py.
 
 `configs` picks the launch config per T; `launcher.Tp1Launcher` binds a layer once and launches
 through the launch cache.

@@ -20,9 +20,11 @@ from fusion_bridge.kernels.quant import (
     row_block,
     sf_padding_items,
 )
-from fusion_bridge.kernels.quant_codes import dynamic_scale_dims, is_dynamic
+from fusion_bridge.kernels.quant_codes import QUANT_FP8_TOKEN, dynamic_scale_dims, is_dynamic
 from fusion_bridge.kernels.records import RowForm, RowOutputs, RowSource
 from fusion_bridge.kernels.tp1.configs import (  # noqa: F401 (limits and phase bits: re-exported)
+    AMAX_PHASE,
+    AMAX_WORDS,
     BOTH_PHASES,
     MAX_CHUNKS,
     MAX_POLLS,
@@ -124,8 +126,14 @@ class Tp1Launcher:
                 "fused_tp1: build the bridge (prepare its strategies) before capturing a CUDA "
                 "graph: its synchronization words must be zeroed outside any capture"
             )
+        # per token's split rows exchange their chunk amaxes too: words after the sums
+        per_token = layer.quant.code == QUANT_FP8_TOKEN
+        self.words = SYNC_WORDS + (AMAX_WORDS if per_token else 0)
+        # the interpreter's launches of a split call, one phase each (programs run one by one)
+        self.phases = (PUBLISH_PHASE, AMAX_PHASE, OUTPUT_PHASE) if per_token else (
+            PUBLISH_PHASE, OUTPUT_PHASE)  # fmt: skip
         self._sync: dict[object, torch.Tensor] = {
-            GRAPH_WORDS: torch.zeros(SYNC_WORDS, dtype=torch.int64, device=device)
+            GRAPH_WORDS: torch.zeros(self.words, dtype=torch.int64, device=device)
         }
         self._split_sync: dict[object, SplitSync] = {}  # the record of each set, built once
         self._error = torch.zeros(1, dtype=torch.int32)
@@ -149,12 +157,13 @@ class Tp1Launcher:
         return torch._C._cuda_getCurrentRawStream(self.device.index or 0)
 
     def sync_words(self) -> torch.Tensor:
-        """The split-kernel words of this call: the graphs' set while capturing, else the current
-        stream's (allocated zeroed on first use)."""
+        """The split-kernel words of this call (int64 [self.words]: SYNC_WORDS, per token
+        AMAX_WORDS more): the graphs' set while capturing, else the current stream's (allocated
+        zeroed on first use)."""
         key = self._sync_key()
         got = self._sync.get(key)
         if got is None:
-            got = torch.zeros(SYNC_WORDS, dtype=torch.int64, device=self.device)
+            got = torch.zeros(self.words, dtype=torch.int64, device=self.device)
             self._sync[key] = got
         return got
 
@@ -293,7 +302,7 @@ class Tp1Launcher:
             plan.launch(given, out, self.split_sync())
         else:  # the interpreter runs programs one after another: publish all, then wait
             plan, args = self.call_args(src, out, config)
-            for phase in (PUBLISH_PHASE, OUTPUT_PHASE):
+            for phase in self.phases:
                 plan.kernel(plan.grid, args, plan.constexprs._replace(PHASES=phase), plan.warps)
 
     def bound(

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from fusion_bridge.environment import Environment
-from fusion_bridge.epilogue_tensors import EpilogueOutputs, allocate_outputs
+from fusion_bridge.epilogue_tensors import EpilogueInputs, EpilogueOutputs, allocate_outputs
 from fusion_bridge.kernels.add_rmsnorm import add_rmsnorm_into
 from fusion_bridge.kernels.quant_codes import quant_args
 from fusion_bridge.kernels.records import RowOutputs, RowSource
+from fusion_bridge.kernels.tp1 import configs as tp1_configs
 from fusion_bridge.kernels.tp1.configs import MAX_CHUNKS, Tp1Config
 from fusion_bridge.oracle import quant_ref
+from fusion_bridge.oracle.numerics import rel_err
 from fusion_bridge.oracle.synthetic import make_inputs
 from fusion_bridge.spec import EpilogueSpec, QuantSpec, ScaleLayout
 from fusion_bridge.strategies.fused_tp1 import FusedTp1Strategy
@@ -184,12 +186,14 @@ def _launch(strat: FusedTp1Strategy, inp, config) -> tuple[EpilogueOutputs, int]
 @pytest.mark.parametrize("quant", QUANTS, ids=_id)
 def test_fused_tp1_whole_and_split_rows_bit_for_bit(quant: QuantSpec) -> None:
     """Whole rows (the launcher's own config) and split rows in chunks of 64 and 128 columns (3 and
-    2 chunks of H=192: chunks of whole groups); per token asks for split rows and gets whole rows
-    (its row amax would need a second exchange, not built). K=1 at T=1 and 3, K=3 at T=9 (split
-    in 64s only: interpreter time)."""
+    2 chunks of H=192: chunks of whole groups; per token exchanges the row's amax between them).
+    K=1 at T=1 and 3, K=3 at T=9 (split in 64s only: interpreter time); per token split at T=1
+    only (its split rows: test_fused_tp1_per_token_split_rows_exchange_the_row_amax)."""
     problems = []
     whole, by64, by128 = None, Tp1Config(64, 2), Tp1Config(128, 2)
     cases = {1: ((1, (whole, by64, by128)), (3, (whole, by64, by128))), 3: ((9, (whole, by64)),)}
+    if quant.group_size is None:  # per token (three interpreter launches per split call)
+        cases = {1: ((1, (whole, by64)), (3, (whole,))), 3: ((9, (whole,)),)}
     for top_k, shapes in cases.items():
         spec = EpilogueSpec(hidden_size=HIDDEN, top_k=top_k, quant=quant, routed_scaling_factor=2.5)
         strat = _tp1(spec)
@@ -198,7 +202,7 @@ def test_fused_tp1_whole_and_split_rows_bit_for_bit(quant: QuantSpec) -> None:
             for config in configs:
                 got, chunks = _launch(strat, inp, config)
                 tag = f"K={top_k} T={tokens} config={config} chunks={chunks}"
-                split = config is not None and (quant.group_size or 1 << 20) <= config.columns
+                split = config is not None and (quant.group_size or 0) <= config.columns
                 if bool(chunks) != split:
                     problems.append(f"{tag}: planned {chunks} chunks")
                 problems += check(spec, got, tag)
@@ -216,3 +220,144 @@ def test_fused_tp1_zero_tokens_and_the_bridge() -> None:
         got = bridge(*make_inputs(spec, 3, seed=5))
     assert empty.quant.shape == (0, HIDDEN) and empty.scale.shape == (0, HIDDEN // 16)
     assert not check(spec, got, "bridge")
+
+
+def _per_token_rows(spec: EpilogueSpec, seed: int):
+    """7 rows (odd T) for per token in split rows of H=192 (chunks of 64: 3; of 128: 2, the last
+    partial): rows 0 and 6 random; row 1 its largest magnitude in the last chunk (column 187),
+    row 2 in the middle (column 90); row 3 a NaN in the last chunk only; row 4 all zero; row 5
+    3e38 in the last chunk (its sum of squares overflows: the rescue, then the row's amax)."""
+    inp = make_inputs(spec, 7, seed=seed)
+    inp.residual[1, 187] = 1e4
+    inp.residual[2, 90] = -1e4
+    inp.residual[3, 180] = float("nan")
+    inp.residual[4] = 0
+    inp.expanded_idx_to_permuted_idx[4] = -1
+    if inp.shared_output is not None:
+        inp.shared_output[4] = 0
+    inp.residual[5, 170] = 3e38
+    return inp
+
+
+def _same_as_whole_rows(
+    spec: EpilogueSpec, whole: EpilogueOutputs, got: EpilogueOutputs, tag: str
+) -> list[str]:
+    """Split rows against whole rows (per token): residual_out bit for bit, norm_out within the
+    strategy's bound, and the codes and scale of every row whose norm_out is bit for bit the whole
+    rows' bit for bit too. Every row's norm_out is, here: under the interpreter these rows' chunk
+    sums round as the whole row's sum (a GPU's reductions may differ by an ulp: then the codes are
+    checked against the reference on the row's own norm_out alone, `check`)."""
+    problems = []
+    if not torch.equal(got.residual_out.view(torch.int16), whole.residual_out.view(torch.int16)):
+        problems.append(f"{tag}: residual_out")
+    same = [
+        r
+        for r in range(got.norm_out.shape[0])
+        if torch.equal(got.norm_out[r].view(torch.int16), whole.norm_out[r].view(torch.int16))
+    ]
+    if len(same) < got.norm_out.shape[0]:
+        problems.append(f"{tag}: norm_out bit for bit the whole rows' in rows {same} only")
+    for r in same:
+        if not torch.equal(got.quant[r].view(torch.uint8), whole.quant[r].view(torch.uint8)):
+            problems.append(f"{tag}: row {r} codes differ from the whole rows'")
+        if not torch.equal(got.scale[r].view(torch.int32), whole.scale[r].view(torch.int32)):
+            problems.append(f"{tag}: row {r} scale {got.scale[r]} != {whole.scale[r]}")
+    finite = torch.isfinite(whole.norm_out).all(dim=1)
+    bound = FusedTp1Strategy.error_bound(spec, ENV)
+    if rel_err(got.norm_out[finite], whole.norm_out[finite]) > bound:
+        problems.append(f"{tag}: norm_out off the whole rows'")
+    return problems
+
+
+def test_fused_tp1_per_token_split_rows_exchange_the_row_amax() -> None:
+    """Per token in split rows: each chunk's program publishes its chunk's amax of the normalized
+    row and takes the row's one scale from every chunk's (the second exchange), so codes and
+    scales are bit for bit the reference's on the kernel's own norm_out and the whole rows'. Rows
+    whose amax lies in the last or a middle chunk (a chunk left out of the exchange, or a scale
+    from a chunk's own amax, gives other codes), a NaN in the last chunk only (every chunk's codes
+    0x7F, the scale NaN), an all-zero row, an overflowing sum; then gamma +inf in the last chunk
+    and -inf in the middle (scale +inf, finite elements +-0, infinite ones 0x7F)."""
+    spec = EpilogueSpec(hidden_size=HIDDEN, top_k=2, quant=QuantSpec.fp8_per_token(),
+                        routed_scaling_factor=2.5, weight_bias=0.5)  # fmt: skip
+    strat = _tp1(spec)
+    rows = _per_token_rows(spec, seed=3)
+    gamma_inf = rows.gamma.clone()
+    gamma_inf[170], gamma_inf[100] = float("inf"), -float("inf")
+    problems = []
+    # the infinite columns on rows 0-2 only (interpreter time)
+    first3 = EpilogueInputs(
+        *(rows.gemm2_out, *(None if t is None else t[:3] for t in rows[1:5]), rows.gamma)
+    )
+    for label, inp in (("rows", rows), ("inf", first3._replace(gamma=gamma_inf))):
+        whole, chunks = _launch(strat, inp, None)
+        assert chunks == 0
+        problems += check(spec, whole, f"{label} whole rows")
+        for config, count in ((Tp1Config(64, 2), 3), (Tp1Config(128, 2), 2)):
+            got, chunks = _launch(strat, inp, config)
+            tag = f"{label} in {count} chunks of {config.columns}"
+            assert chunks == count, tag
+            problems += check(spec, got, tag)
+            problems += _same_as_whole_rows(spec, whole, got, tag)
+            if label == "rows":  # the rows are what they claim
+                where = got.norm_out.float().abs().nan_to_num(0.0).argmax(dim=1)
+                assert where[1] == 187 and where[2] == 90 and where[5] == 170, where
+                assert (
+                    torch.isnan(got.scale[3]).all()
+                    and (got.quant[3].view(torch.uint8) == 0x7F).all()
+                )
+            else:  # the rows' largest magnitudes are +-inf
+                assert (got.scale[:, 0] == float("inf")).all(), got.scale
+    assert not problems, problems
+
+
+def test_per_token_split_rows_whose_partner_amax_never_arrives_are_nan_and_reported() -> None:
+    """The second exchange's wait is bounded: a call's sums published (its publish launch), then
+    its outputs launch without the launch that publishes the later chunks' amaxes (3 polls): the
+    chunks that wait for an amax that never comes give codes 0x7F and the row's scale NaN (the
+    norm is whole: the sums arrived), not a hang; the strategy's next call raises, once."""
+    spec = EpilogueSpec(hidden_size=HIDDEN, top_k=2, quant=QuantSpec.fp8_per_token())
+    strat = _tp1(spec)
+    inp = make_inputs(spec, 1, seed=5)
+    config = Tp1Config(64, 2)
+    out, chunks = _launch(strat, inp, config)  # a whole call: every word tagged with epoch 1
+    assert chunks == 3 and not check(spec, out, "first call")
+    plan, args = strat._launcher.call_args(RowSource.of(inp), RowOutputs.of(out, strat._unused),
+                                           config)  # fmt: skip
+    for phase in (tp1_configs.PUBLISH_PHASE, tp1_configs.OUTPUT_PHASE):
+        fixed = plan.constexprs._replace(MAX_POLLS=3, PHASES=phase)
+        plan.kernel(plan.grid, args, fixed, plan.warps)
+    assert torch.isfinite(out.norm_out).all()
+    assert torch.isnan(out.scale).all()
+    assert (out.quant[0, :128].view(torch.uint8) == 0x7F).all()  # chunks 0 and 1 waited in vain
+    with pytest.raises(RuntimeError, match="fused_tp1: an earlier call's split rows timed out"):
+        strat.run(inp)
+    assert not check(spec, strat.run(inp), "after")  # reported once; the next call runs
+
+
+def test_per_token_takes_split_rows_where_the_other_formats_do() -> None:
+    """`tp1_config` (132 SMs) gives per token static FP8's config at T=1, 16, 64 and 256 for
+    H=7168, 4096, 2048 and 2880 (not a multiple of 256): below the launch table (T < 64) the
+    unquantized call's split; from T=64 the table's FP8 entry, split ones included. A
+    per-token launcher's words hold the chunk amaxes after the sums (AMAX_WORDS more); the other
+    formats' hold the sums alone."""
+    from fusion_bridge.kernels.layer import LayerRecord
+    from fusion_bridge.kernels.quant import row_block
+    from fusion_bridge.kernels.quant_codes import QUANT_FP8, QUANT_FP8_TOKEN, QUANT_NONE
+    from fusion_bridge.kernels.tp1.launcher import Tp1Launcher
+
+    for quant, words in (
+        (QuantSpec.fp8_per_token(), tp1_configs.SYNC_WORDS + tp1_configs.AMAX_WORDS),
+        (QuantSpec.fp8_per_token_group(64), tp1_configs.SYNC_WORDS),
+    ):
+        spec = EpilogueSpec(hidden_size=HIDDEN, top_k=2, quant=quant)
+        launcher = Tp1Launcher(LayerRecord.of(spec), 16, torch.device("cpu"))
+        assert launcher.sync_words().numel() == words, quant
+
+    for hidden in (7168, 4096, 2048, 2880):
+        for tokens in (1, 16, 64, 256):
+            static = tp1_configs.tp1_config(tokens, hidden, QUANT_FP8, 132)
+            got = tp1_configs.tp1_config(tokens, hidden, QUANT_FP8_TOKEN, 132)
+            assert got == static, (hidden, tokens, got, static)
+            if tokens < 64:  # below the launch table: the rule's split, as unquantized
+                plain = tp1_configs.tp1_config(tokens, hidden, QUANT_NONE, 132)
+                assert got == plain and got.columns < row_block(hidden), (hidden, tokens, got)

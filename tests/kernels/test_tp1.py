@@ -383,7 +383,8 @@ def test_a_split_row_whose_partner_never_arrives_is_reported_not_silent():
 @pytest.mark.parametrize("hidden", [1344, 2880, 7744])
 def test_swizzled_nvfp4_with_an_odd_count_of_scale_groups_takes_whole_rows(hidden):
     """H not a multiple of 128 (H/64 odd) with swizzled NVFP4 scales: whole rows at every T, where
-    every other output format, the linear scales and the next multiple of 128 keep the split."""
+    below the launch table's T every other output format, the linear scales and the next multiple
+    of 128 keep the split."""
     from fusion_bridge.kernels.quant import QUANT_NONE, QUANT_NVFP4, row_block
     from fusion_bridge.kernels.tp1.configs import tp1_config
 
@@ -392,6 +393,8 @@ def test_swizzled_nvfp4_with_an_odd_count_of_scale_groups_takes_whole_rows(hidde
         whole = tp1_config(tokens, hidden, QUANT_NVFP4, sms, swizzled=True)
         assert whole.columns == row_block(hidden), (tokens, whole)
         assert whole.prefetch == 0
+        if tokens >= 64:  # the measured launch table decides from T=64 (test_tp1_launch_table)
+            continue
         for quant, swizzled, h in (
             (QUANT_NVFP4, False, hidden),
             (QUANT_NONE, False, hidden),
