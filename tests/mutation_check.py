@@ -8,6 +8,9 @@ Each mutant (tests/mutants.json) is one observable breakage: an exact text `find
   survived    its tests pass with the edit applied: a gap in the suite
   stale       `find` does not occur exactly once: the code moved; re-derive the mutant
   error       pytest could not run (collection error, usage error, timeout): look at `output`
+  skipped     the mutant's `requires` (e.g. ["transformers>=5.25"]: a family only that release
+              has) is not met by the installed packages; the reason is reported, its tests are
+              not run, and it counts neither as killed nor as a survivor
 `--baseline` first runs every selected mutant's tests on the unmodified copy; a test that fails
 there makes every verdict on it meaningless, so the run stops.
 
@@ -42,7 +45,7 @@ OUTPUT_TAIL = 3000  # characters of pytest's output kept per run
 
 
 def load_mutants(path: pathlib.Path) -> list[dict]:
-    """The mutant list: a JSON array of {id, file, find, replace, tests, why, tags?}."""
+    """The mutant list: a JSON array of {id, file, find, replace, tests, why, tags?, requires?}."""
     mutants = json.loads(path.read_text())
     seen = set()
     for m in mutants:
@@ -123,14 +126,39 @@ def verdict(rc: int) -> str:
     return {0: "survived", 1: "killed"}.get(rc, "error")
 
 
-def select(mutants: list[dict], only: list[str], tags: list[str]) -> list[dict]:
+def unmet(mutant: dict) -> Optional[str]:
+    """Why the installed packages cannot run this mutant's tests (its `requires`, pip-style
+    requirement strings such as "transformers>=5.25"), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import Requirement
+
+    for spec in mutant.get("requires", ()):
+        req = Requirement(spec)
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            return f"needs {spec}; {req.name} is not installed"
+        if not req.specifier.contains(have, prereleases=True):
+            return f"needs {spec}; installed {req.name} {have}"
+    return None
+
+
+def select(mutants: list[dict], only: list[str], tags: list[str]) -> tuple[list[dict], list[dict]]:
+    """(mutants to run, rows of the selected mutants skipped for an unmet `requires`)."""
     unknown = set(only) - {m["id"] for m in mutants}
     if unknown:
         raise SystemExit(f"mutation_check: unknown mutant id(s) {sorted(unknown)}")
     chosen = [m for m in mutants if not only or m["id"] in only]
     if tags:
         chosen = [m for m in chosen if set(tags) & set(m.get("tags", ()))]
-    return chosen
+    skipped = [
+        {**{k: m[k] for k in ("id", "file", "why", "tests")}, "status": "skipped", "detail": why}
+        for m in chosen
+        if (why := unmet(m)) is not None
+    ]
+    ids = {row["id"] for row in skipped}
+    return [m for m in chosen if m["id"] not in ids], skipped
 
 
 def markdown(mutants: list[dict]) -> str:
@@ -182,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
-    chosen = select(load_mutants(args.mutants), args.only, args.tag)
+    chosen, skipped = select(load_mutants(args.mutants), args.only, args.tag)
     if args.list:
         for m in chosen:
             print(f"{m['id']:40s} {m['file']}: {m['why']}")
@@ -197,7 +225,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="mutation_check_"))
     tree = workdir / "tree"
     copy_tree(args.root.resolve(), tree)
-    report: dict = {"root": str(args.root.resolve()), "copy": str(tree), "mutants": []}
+    report: dict = {"root": str(args.root.resolve()), "copy": str(tree), "mutants": skipped}
+    for row in skipped:
+        say(f"skipped  {row['id']} ({row['detail']})")
     status = 0
     try:
         if args.baseline:
@@ -240,7 +270,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for row in report["mutants"]:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     report["summary"] = counts
-    report["survivors"] = [r["id"] for r in report["mutants"] if r["status"] != "killed"]
+    report["survivors"] = [
+        r["id"] for r in report["mutants"] if r["status"] not in ("killed", "skipped")
+    ]
     if args.json:
         print(json.dumps(report, indent=1))
     else:

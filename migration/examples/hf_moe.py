@@ -190,6 +190,7 @@ def run_rank(
             model = build_model(family, size, seed=0, device=device)
         g = torch.Generator().manual_seed(1)  # the same prompt on every rank
         prompt = torch.randint(1, size["vocab"], PROMPT, generator=g).to(device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         try:
             summary = compare(model, group, world, prompt, new_tokens, **patch_options)
         except UnsupportedModelError as exc:  # a sharded layout the patch refuses, said why
@@ -197,7 +198,7 @@ def run_rank(
                 raise
             results.append({"family": family, "rank": rank, "skipped": str(exc)})
             continue
-        results.append({"family": family, "rank": rank, **summary})
+        results.append({"family": family, "rank": rank, "weight_bytes": weight_bytes, **summary})
     return results
 
 

@@ -13,7 +13,8 @@ U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 #   Llama style (default; every other family's RMSNorm, the ones added with the family table
 #   included: DeepSeek-V3.2, GLM-4-MoE-Lite, GLM-MoE-DSA, Mistral-4, Kimi-Linear, Qwen3-VL-MoE's
 #   and Qwen3-Omni-MoE's text norms, OLMoE, ERNIE-4.5-MoE, HunYuan-MoE-V1, MiMo-V2-Flash, HY-V3,
-#   GLM-4.5V's text norm, MiniCPM5-MoE, Mellum), `return self.weight *
+#   GLM-4.5V's text norm, MiniCPM5-MoE, Mellum, Laguna, dots.3-note, DeepSeek-OCR-2's and
+#   Unlimited-OCR's text norms, Bailing-Hybrid), `return self.weight *
 #   hidden_states.to(input_dtype)`: the normalized row, then its product with the weight: 2;
 #   GptOssRMSNorm, `return (self.weight * hidden_states).to(input_dtype)`: 1;
 #   Qwen3_5MoeRMSNorm and Qwen3NextRMSNorm, `output = output * (1.0 + self.weight.float());
@@ -24,12 +25,15 @@ NORM_ROUNDINGS = {
     "Qwen3NextRMSNorm": 1,
     "MiniMaxM3VLRMSNorm": 1,  # `output * (1.0 + self.weight.float()); return output.type_as(x)`
     "FlintRMSNorm": 1,  # `return (self.weight * hidden_states).to(input_dtype)`
+    # `return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)`: one rounding
+    "LaraMiniRMSNorm": 1,
 }
 # A^2 of a token mixer (see logits_bound): attention passes on its input's relative error once
-# (1; MLA and DeepSeek-V3.2's / GLM-MoE-DSA's sparse attention too, whose indexer keeps more tokens
-# than the tests' sequences hold, so it attends to all as dense attention does); Qwen3.5's and
-# Qwen3-Next's full attention multiply their output by sigmoid(gate(x)), a second linear path of
-# the same input whose error adds in quadrature (2); Qwen3.5's and Qwen3-Next's gated DeltaNet
+# (1; the OCR models' and Lara-mini's plain attention, MLA and DeepSeek-V3.2's / GLM-MoE-DSA's
+# sparse attention too, whose indexer keeps more tokens than the tests' sequences hold, so it
+# attends to all as dense attention does); Qwen3.5's and Qwen3-Next's full attention multiply
+# their output by sigmoid(gate(x)), a second linear path of the same input whose error adds in
+# quadrature (2); Qwen3.5's and Qwen3-Next's gated DeltaNet
 # reach their output through seven projections of its input (q; k twice: the state's erase and
 # write terms; v; the output gate z; the decay a; the write strength b), each passing on the
 # input's relative error at most once (normalised q and k, slopes of silu, sigmoid and softplus at
@@ -44,6 +48,18 @@ MIXER_GAIN = {
     "KimiLinearDeltaAttention": 7,
     # `attn_output * gate_states.sigmoid()`, its gate a half of q_gate_proj(x): as Qwen3-Next's
     "MiniCPM5MoeAttention": 2,
+    # the output times a gate of a second linear path of the same input, as Qwen3-Next's: Laguna's
+    # `F.softplus(self.g_proj(hidden_states))` (softplus' slope below 1), dots.3-note's per-head
+    # `gate.sigmoid()` of g_proj(x) and Bailing-Hybrid's MLA `torch.sigmoid(self.g_proj(x))`
+    "LagunaAttention": 2,
+    "Dots3NoteTextAttention": 2,
+    "BailingHybridAttention": 2,
+    # Bailing-Hybrid's KDA (BailingHybridDeltaAttention) has Kimi-Linear's seven paths: q, k twice,
+    # v, the forget gate (forget_gate(x)), the write strength b_proj and the output gate g_proj
+    # into its gated norm; Lara-mini's LaraMiniGatedDeltaNet is Qwen3.5's gated DeltaNet (q, k
+    # twice, v, z, a, b from in_proj_qkv / in_proj_z / in_proj_a / in_proj_b)
+    "BailingHybridDeltaAttention": 7,
+    "LaraMiniGatedDeltaNet": 7,
 }
 
 

@@ -15,12 +15,16 @@ KDA, Qwen3-Next's gated DeltaNet), wrappers (Qwen3-VL-MoE, Qwen3-Omni-MoE's thin
 layer where the family has one, Granite's multipliers and MiniMax-M3's own scaling and shared GLU;
 HunYuan-MoE-V1 (every layer MoE, a shared MLP), MiMo-V2-Flash (no shared expert, sliding windows),
 HY-V3 (its router's own factor name), GLM-4.5V in its wrapper (multimodal rope), MiniCPM5-MoE
-(gated attention), Mellum and Flint (a dense first layer, Flint's ungated shared expert).
+(gated attention), Mellum and Flint (a dense first layer, Flint's ungated shared expert). The
+families added last (Aria, dots.3-note, Laguna, the OCR models, Bailing-Hybrid, Lara-mini) are in
+hf_moe_models_late.py.
 """
 
 from __future__ import annotations
 
 import torch
+
+from migration.examples.hf_moe_models_late import LATE_CONFIG_CLASS, LATE_FAMILIES, late_configs
 
 FAMILIES = (
     "deepseek_v3",
@@ -57,8 +61,7 @@ FAMILIES = (
     "minicpm5_moe",
     "mellum",
     "flint",
-    "aria_text",
-)
+) + LATE_FAMILIES
 # the transformers config class each family needs (a family whose class this transformers lacks
 # is not built: `available` says so)
 CONFIG_CLASS = {
@@ -96,7 +99,7 @@ CONFIG_CLASS = {
     "minicpm5_moe": "MiniCPM5MoeConfig",
     "mellum": "MellumConfig",
     "flint": "FlintConfig",
-    "aria_text": "AriaTextConfig",
+    **LATE_CONFIG_CLASS,
 }
 
 # CPU tests: small enough that every family builds and generates in well under a second
@@ -250,7 +253,7 @@ def _newer_configs(family: str, s: dict, common: dict, qwen: dict) -> tuple[str,
         vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32)
         vision.update(out_hidden_size=s["hidden"], deepstack_visual_indexes=[])
         audio = dict(encoder_layers=1, d_model=32, encoder_attention_heads=2)
-        audio.update(encoder_ffn_dim=32, output_dim=s["hidden"])
+        audio.update(encoder_ffn_dim=32, output_dim=s["hidden"], downsample_hidden_size=16)
         kwargs = dict(text_config=text, vision_config=vision, audio_config=audio)
         # generate's rope index reads it; no prompt token (all below the vocabulary) matches
         kwargs.update(vision_start_token_id=1 << 20)
@@ -353,12 +356,7 @@ def _grouped_and_softmax_configs(family, s, common, grouped, dense_first) -> tup
     if family == "flint":
         flint = dict(qwen, shared_expert_intermediate_size=s["shared_inter"], mlp_only_layers=[0])
         return "FlintForCausalLM", flint
-    if family == "aria_text":  # every layer MoE; experts and shared MLP at intermediate_size
-        aria = dict(common, num_key_value_heads=2, head_dim=s["head_dim"], **ids)
-        aria.update(intermediate_size=s["moe_inter"], moe_num_experts=s["experts"])
-        aria.update(moe_topk=s["top_k"], moe_num_shared_experts=2)
-        return "AriaTextForCausalLM", aria
-    raise ValueError(f"build_model: family must be one of {FAMILIES}, got {family!r}")
+    return late_configs(family, s, common, _deepseek(s), dense_first)
 
 
 def build_model(family: str, size: dict, seed: int = 0, device="cpu") -> torch.nn.Module:
@@ -390,6 +388,8 @@ def build_model(family: str, size: dict, seed: int = 0, device="cpu") -> torch.n
                 p.copy_(1 + 0.1 * torch.randn(p.shape))
             elif name.endswith("proj_bias"):  # gpt-oss expert biases
                 p.copy_(0.5 * torch.randn(p.shape))
+            elif name.endswith("e_score_correction_bias"):  # laguna's is a parameter
+                p.copy_(0.05 * torch.randn(p.shape))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape))

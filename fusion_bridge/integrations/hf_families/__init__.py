@@ -30,6 +30,7 @@ from fusion_bridge.integrations.hf_families.structure import (
     moe_model_types,
     refusal,
 )
+from fusion_bridge.integrations.hf_families.stack import stack_refusal
 from fusion_bridge.integrations.hf_families.table import FAMILY_ROWS
 
 __all__ = [
@@ -69,6 +70,8 @@ def refusal_of(model_type: str) -> Optional[str]:
     multiplier_ok = family is not None and family.residual_multiplier is not None
     layer_shared = family.shared_attr if family is not None and family.shared_on_layer else None
     reason = refusal(module, multiplier_ok, layer_shared) if module else None
+    # the type's own model class (a vision encoder or talker sharing a supported modeling file)
+    reason = reason or (stack_refusal(model_type, module) if module else None)
     if reason is not None:
         return reason
     if family is None:

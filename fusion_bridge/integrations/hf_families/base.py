@@ -179,7 +179,11 @@ def scaling_factor(router: torch.nn.Module, attr: str = "routed_scaling_factor")
 
 
 _ZERO_CENTRED = ("(1.0 + self.weight", "(1 + self.weight", "(self.weight + 1")
-_PLAIN = ("self.weight * hidden_states", "(self.weight * hidden_states")
+_PLAIN = (
+    "self.weight * hidden_states",
+    "(self.weight * hidden_states",
+    "(self.weight.to(torch.float32) * hidden_states",  # lara_mini: the weight applied in fp32
+)
 
 
 def norm_weight_offset(norm: Union[torch.nn.Module, type]) -> float:

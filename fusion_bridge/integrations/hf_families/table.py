@@ -36,6 +36,16 @@ def _clamped_glu(shared: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) 
     return (up + 1.0) * glu
 
 
+def _limited_swiglu(shared: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """BailingHybridMLP's activation, as its forward writes it (elementwise): act_fn(gate) clamped
+    above and up clamped both ways at the layer's `limit` where it has one (None: no clamp)."""
+    gate = shared.act_fn(gate)
+    if shared.limit is not None:
+        gate = gate.clamp(max=shared.limit)
+        up = up.clamp(min=-shared.limit, max=shared.limit)
+    return gate * up
+
+
 _QWEN_GATED = dict(shared_attr="shared_expert", shared_gate_attr="shared_expert_gate")
 
 FAMILY_ROWS: tuple[Family, ...] = (
@@ -142,6 +152,42 @@ FAMILY_ROWS: tuple[Family, ...] = (
         scaling_attr="router_scaling_factor",
     ),
     _sigmoid_grouped(
+        "dots3.note",
+        ("dots3_note_text",),
+        "dots3_note",
+        "modeling_dots3_note (5.25): Dots3NoteTextMoE as DeepseekV3MoE; MLA with DSA indexer "
+        "attention and a per-head sigmoid gate; the text model, alone or at the wrapper's "
+        "model.language_model (its vision encoder's MoE blocks are refused by their structure)",
+        wrappers=("dots3_note",),
+    ),
+    _sigmoid_grouped(
+        "DeepSeek-OCR-2",
+        ("deepseek_ocr2_text",),
+        "deepseek_ocr2",
+        "modeling_deepseek_ocr2: DeepseekOcr2TextMoe as DeepseekV2Moe (softmax router, greedy or "
+        "group-limited, weights times routed_scaling_factor, never renormalised), plus "
+        "shared_experts(x) unscaled; the text model at model.language_model (the SAM and vision "
+        "encoders are not patched)",
+        wrappers=("deepseek_ocr2",),
+    ),
+    _sigmoid_grouped(
+        "Unlimited-OCR",
+        ("unlimited_ocr_text",),
+        "unlimited_ocr",
+        "modeling_unlimited_ocr (5.25): UnlimitedOcrTextMoe as DeepSeek-OCR-2's; reference "
+        "sliding-window attention; the text model at model.language_model",
+        wrappers=("unlimited_ocr",),
+    ),
+    _sigmoid_grouped(
+        "Bailing-Hybrid",
+        ("bailing_hybrid",),
+        "bailing_hybrid",
+        "modeling_bailing_hybrid (5.25): BailingHybridMoE as DeepseekV3MoE, its experts' "
+        "_apply_gate and its shared MLP clamp the SwiGLU at per-layer limits; KDA linear "
+        "attention and gated MLA layers",
+        shared_act=_limited_swiglu,
+    ),
+    _sigmoid_grouped(
         "MiniCPM5-MoE",
         ("minicpm5_moe",),
         "minicpm5_moe",
@@ -176,6 +222,15 @@ FAMILY_ROWS: tuple[Family, ...] = (
         "flint",
         "modeling_flint: FlintSparseMoeBlock, a sigmoid top-k router renormalised per the config, "
         "plus shared_expert(x) ungated",
+        shared_attr="shared_expert",
+    ),
+    _softmax_topk(
+        "Lara-mini",
+        ("lara_mini",),
+        "lara_mini",
+        "modeling_lara_mini (5.25): LaraMiniSparseMoeBlock, a softmax router over fp32 logits "
+        "renormalised per the config, plus shared_expert(x) ungated; gated DeltaNet layers; its "
+        "RMSNorm applies the weight in fp32",
         shared_attr="shared_expert",
     ),
     _softmax_topk("Qwen3-MoE", ("qwen3_moe",), "qwen3_moe", "modeling_qwen3_moe: no shared expert"),
@@ -244,9 +299,9 @@ FAMILY_ROWS: tuple[Family, ...] = (
         ("aria_text",),
         ("aria",),
         "modeling_aria (5.25): AriaTextMoELayer, its `router` a softmax over the top-k logits, "
-        "plus shared_experts(x) unscaled; transposed experts; its text model (the Aria wrapper "
-        "has no row: its text path is not tested; 5.17's block scales the expert input: refused "
-        "there)",
+        "plus shared_experts(x) unscaled; transposed experts; the text model, alone or at the "
+        "wrapper's model.language_model (5.17's block scales the expert input: refused there)",
+        wrappers=("aria",),
         router_attr="router",
         shared_attr="shared_experts",
     ),
@@ -269,6 +324,16 @@ FAMILY_ROWS: tuple[Family, ...] = (
         shared_attr="shared_experts",
         shared_act=_clamped_glu,
         weight_bias=1.0,
+    ),
+    Family(
+        "Laguna",
+        ("laguna",),
+        ("laguna",),
+        "modeling_laguna: LagunaSparseMoeBlock, its TopKRouter a sigmoid top-k chosen with "
+        "e_score_correction_bias and renormalised; the block multiplies its routed output by its "
+        "own routed_scaling_factor and adds shared_experts(x) unscaled; softplus-gated attention",
+        block_scaling=True,
+        shared_attr="shared_experts",
     ),
     Family(
         "Granite-MoE",
