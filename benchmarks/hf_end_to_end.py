@@ -279,6 +279,14 @@ def main(argv=None) -> int:
         transformers=transformers.__version__, argv=list(sys.argv[1:] if argv is None else argv),
     )  # fmt: skip
     families = args.family or list(REAL)
+
+    def save() -> None:  # after every family: a run cut short keeps what it measured
+        if args.csv:
+            with contextlib.redirect_stdout(None):  # its "wrote N rows" line
+                rows.write(args.csv)
+        if args.json:
+            results.write_json(args.json)
+
     for i, family in enumerate(families):
         if deadline and time.perf_counter() - started > deadline:
             results.not_run = families[i:]
@@ -293,11 +301,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         left = len(families) - i - 1
         log(f"{i + 1} of {len(families)} families done" + (f", {left} left" if left else ""))
-        if args.csv:
-            with contextlib.redirect_stdout(None):  # its "wrote N rows" line, once per family
-                rows.write(args.csv)
-        if args.json:
-            results.write_json(args.json)
+        save()
+    save()
     print("\n" + "\n".join(results.table() + [""] + results.summary()), flush=True)
     return 0
 
