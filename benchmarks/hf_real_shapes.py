@@ -334,21 +334,20 @@ def weights_gb(family: str, layers: int) -> float:
 
 def size_for(family: str, budget_gb: float, max_layers: int) -> tuple[int, float]:
     """(decoder layers, weights GB): the most layers (at least 2, at most max_layers) within
-    budget_gb."""
-    best = (2, weights_gb(family, 2))
-    for layers in range(3, max_layers + 1):
+    budget_gb; 2 where even those exceed it."""
+    for layers in range(max_layers, 2, -1):  # the default run's models fit at once: one count
         gb = weights_gb(family, layers)
-        if gb > budget_gb:
-            break
-        best = (layers, gb)
-    return best
+        if gb <= budget_gb:
+            return layers, gb
+    return 2, weights_gb(family, 2)
 
 
 def build(family: str, layers: int, device: torch.device, smoke: bool) -> torch.nn.Module:
     """The model in eval mode, bf16 (the modules transformers keeps in fp32, its routers, fp32),
     built on `device` without transformers' initialisation; then every floating parameter drawn
-    there: N(0, 0.02), norm weights N(1, 0.1) (the defaults, ones, would hide a wrong gamma).
-    Buffers (rotary frequencies, routing biases) are the constructors' own."""
+    there: N(0, 0.02), norm weights N(1, 0.1) (the defaults, ones, would hide a wrong gamma), and
+    the embeddings tied where the config ties them. Buffers (rotary frequencies, routing biases)
+    are the constructors' own."""
     import transformers
     from transformers.initialization import no_init_weights
 
@@ -361,6 +360,7 @@ def build(family: str, layers: int, device: torch.device, smoke: bool) -> torch.
             if p.is_floating_point():
                 norm = name.endswith("norm.weight")
                 p.normal_(1.0 if norm else 0.0, 0.1 if norm else 0.02, generator=generator)
+    model.tie_weights()  # what the skipped init_weights also does (tied embeddings)
     return model.eval()
 
 

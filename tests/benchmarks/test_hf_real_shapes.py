@@ -8,7 +8,8 @@
   top-k as the spec says, at least two MoE layers of four, and four layers within the default
   weights budget (so the default run times four layers of every family).
 - The on-device init (build) leaves every buffer as transformers' own init makes it (rotary
-  frequencies, routing biases) and every parameter finite, on the CPU tests' tiny models.
+  frequencies, routing biases), ties the embeddings where it does, and draws every parameter
+  (finite, not constant), on the CPU tests' tiny models.
 - A row refused on CUDA is skipped there, with the row's reason.
 """
 
@@ -71,6 +72,12 @@ def test_on_device_init_keeps_buffers_and_draws_every_parameter(family):
             continue
         theirs = buffers[name]  # build_model casts every buffer to bf16; build keeps fp32 ones
         assert torch.equal(b.to(theirs.dtype), theirs), f"{family}: buffer {name} differs"
+
+    def tied(model):
+        out = model.get_output_embeddings()
+        return out is not None and out.weight is model.get_input_embeddings().weight
+
+    assert tied(mine) == tied(own)
     for name, p in mine.named_parameters():
         assert torch.isfinite(p).all(), f"{family}: {name} has non-finite values"
         assert p.float().std() > 0 or p.numel() == 1, f"{family}: {name} was not drawn"
