@@ -28,9 +28,11 @@ migration/examples/hf_moe_bound.py. The run ends with the table and a summary li
 pass / miss, the misses). --csv (the harness schema, benchmarks/harness.py) and --json (the
 verdicts, for tools: `python benchmarks/hf_verdict.py FILE` prints them again) are rewritten
 after every family, so a run cut short keeps what it measured; no family is started after
---deadline-s (default 480; 0: none), and the ones left are listed. --cpu-smoke: tiny models on
-CPU, T 1 and 16, two rounds of one forward, CUDA graphs stood in for by eager forwards: checks the
-script, measures nothing. Nothing runs at import; `--help` works without a GPU.
+--deadline-s (default 480; 0: none), nor after a failure that leaves CUDA unusable, and the
+ones left are listed (any other failure is reported with its family and the run goes on).
+--cpu-smoke: tiny models on CPU, T 1 and 16, two rounds of one forward, CUDA graphs stood in for
+by eager forwards: checks the script, measures nothing. Nothing runs at import; `--help` works
+without a GPU.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch
 
@@ -241,6 +244,17 @@ def _print(tokens, eager, graph, verdicts, split, agree, moe) -> None:
     sys.stdout.flush()
 
 
+def cuda_unusable() -> Optional[str]:
+    """Why the process's CUDA context can no longer run work (a sticky error, e.g. after a failed
+    capture), or None."""
+    try:
+        torch.cuda.synchronize()
+        (torch.ones(1, device="cuda") + 1).item()
+    except Exception as exc:  # noqa: BLE001 - what the run reports
+        return short_error(exc)
+    return None
+
+
 def main(argv=None) -> int:
     ap = harness.add_common(harness.parser(__doc__), tokens=list(TOKENS))
     ap.add_argument("--family", nargs="+", choices=list(REAL), default=None)
@@ -297,6 +311,13 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - one family's failure is reported, the run goes on
             results.errors[family] = short_error(exc)
             log(f"{family}: FAILED: {short_error(exc)}\n{traceback.format_exc(limit=-4)}")
+            broken = None if args.cpu_smoke else cuda_unusable()
+            if broken is not None:  # every later family would fail the same way
+                results.not_run = families[i + 1 :]
+                results.stopped = f"CUDA unusable after {family}"
+                log(f"CUDA unusable after {family}'s failure ({broken}): stopping")
+                save()
+                break
         if not args.cpu_smoke:
             torch.cuda.empty_cache()
         left = len(families) - i - 1

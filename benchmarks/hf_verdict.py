@@ -92,8 +92,8 @@ def judge(
 @dataclass
 class Results:
     """What one run found: the verdicts, each family's shape line and its per-T details (the
-    breakdown, the logits check), the families skipped (why), failed (the error) and not run (the
-    deadline)."""
+    breakdown, the logits check), the families skipped (why), failed (the error) and not run (why:
+    `stopped`, the deadline or a CUDA context a failure left unusable)."""
 
     meta: dict = field(default_factory=dict)
     verdicts: list = field(default_factory=list)
@@ -102,6 +102,7 @@ class Results:
     skipped: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
     not_run: list = field(default_factory=list)
+    stopped: str = "deadline"  # why the families in not_run were not run
 
     def summary(self) -> list:
         """The summary lines: how many rows pass / miss, the misses, what was not judged or run."""
@@ -120,7 +121,7 @@ class Results:
                     f"{title}: {len(items)}: " + "; ".join(f"{k} ({v})" for k, v in items.items())
                 )
         if self.not_run:
-            lines.append(f"not run (deadline): {len(self.not_run)}: {' '.join(self.not_run)}")
+            lines.append(f"not run ({self.stopped}): {len(self.not_run)}: {' '.join(self.not_run)}")
         return lines
 
     def table(self) -> list:
@@ -148,6 +149,7 @@ class Results:
             skipped=self.skipped,
             errors=self.errors,
             not_run=self.not_run,
+            stopped=self.stopped,
             summary=self.summary(),
         )
 
@@ -175,6 +177,7 @@ class Results:
             data.get("skipped", {}),
             data.get("errors", {}),
             data.get("not_run", []),
+            data.get("stopped", "deadline"),
         )
 
 
