@@ -163,6 +163,8 @@ def run_family(family: str, args, rows: harness.Rows, results: Results, log) -> 
     eager = eager_rounds(model, inputs, variants, args, log)
     graph, notes = ({}, {}) if args.no_graphs else graph_rounds(model, inputs, variants, args, log)
     split = breakdown(model, inputs, args.iters)
+    if not split:
+        log(f"{family}: no breakdown: the patched layers lack expert_share / _finalize to clock")
     check = max([t for t in args.tokens if t <= CHECK_T] or [min(args.tokens)])
     agree = agreement(model, inputs[check], variants)
     for tokens in args.tokens:
