@@ -116,9 +116,10 @@ class Results:
         if unjudged:
             lines.append(f"not judged: {len(unjudged)}: " + "; ".join(map(_where, unjudged)))
         for title, items in (("skipped", self.skipped), ("failed", self.errors)):
-            if items:
+            if items:  # each reason cut to a line's length here; whole in the JSON
+                why = {k: v if len(v) <= 100 else v[:99] + "…" for k, v in items.items()}
                 lines.append(
-                    f"{title}: {len(items)}: " + "; ".join(f"{k} ({v})" for k, v in items.items())
+                    f"{title}: {len(items)}: " + "; ".join(f"{k} ({v})" for k, v in why.items())
                 )
         if self.not_run:
             lines.append(f"not run ({self.stopped}): {len(self.not_run)}: {' '.join(self.not_run)}")
