@@ -162,11 +162,20 @@ def run_family(family: str, args, rows: harness.Rows, results: Results, log) -> 
     variants = VARIANTS if args.separate else VARIANTS[:2]
     eager = eager_rounds(model, inputs, variants, args, log)
     graph, notes = ({}, {}) if args.no_graphs else graph_rounds(model, inputs, variants, args, log)
-    split = breakdown(model, inputs, args.iters)
-    if not split:
-        log(f"{family}: no breakdown: the patched layers lack expert_share / _finalize to clock")
+    split, agree = {}, {}  # secondary to the verdicts: a failure is reported, the rows kept
+    try:
+        split = breakdown(model, inputs, args.iters)
+        if not split:
+            log(f"{family}: no breakdown: the patched layers lack expert_share / _finalize")
+    except Exception as exc:  # noqa: BLE001 - reported
+        results.errors[f"{family} breakdown"] = short_error(exc)
+        log(f"{family}: breakdown FAILED: {short_error(exc)}")
     check = max([t for t in args.tokens if t <= CHECK_T] or [min(args.tokens)])
-    agree = agreement(model, inputs[check], variants)
+    try:
+        agree = agreement(model, inputs[check], variants)
+    except Exception as exc:  # noqa: BLE001 - reported
+        results.errors[f"{family} logits check"] = short_error(exc)
+        log(f"{family}: logits check FAILED: {short_error(exc)}")
     for tokens in args.tokens:
         verdicts = [
             judge(family, tokens, "eager", eager["unpatched"][tokens], eager["auto"][tokens])

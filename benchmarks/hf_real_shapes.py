@@ -225,11 +225,12 @@ REAL = {
               "shared_expert_intermediate_size=1024 vocab_size=150144 num_attention_heads=32 "
               "num_key_value_heads=4 head_dim=128 num_experts_per_tok=6 norm_topk_prob=True "
               "sliding_window=513 mlp_only_layers=[0]"),
-    # Aria's language model (64)
+    # Aria's language model (64); num_experts_per_tok repeats moe_topk for hf_moe_bound.py, which
+    # reads the top-k under that name (AriaTextConfig has none)
     "aria_text": ("moe_num_experts", 64,
                   "hidden_size=2560 intermediate_size=1664 vocab_size=100352 "
                   "num_attention_heads=20 num_key_value_heads=20 head_dim=128 moe_topk=6 "
-                  "moe_num_shared_experts=2"),
+                  "num_experts_per_tok=6 moe_num_shared_experts=2"),
 }  # fmt: skip
 
 LIN, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"

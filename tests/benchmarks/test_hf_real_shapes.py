@@ -55,6 +55,7 @@ def test_real_shape_builds_on_meta_as_specified(family):
     assert len(blocks) >= 2, f"{family}: {len(blocks)} MoE layers of 4"
     assert {b.experts.down_proj.shape[0] for b in blocks} == {experts}
     top_k = next(spec[k] for k in TOP_K_KEYS if k in spec)
+    assert getattr(text_config, "num_experts_per_tok", None) == top_k  # hf_moe_bound.py reads it
     row, _ = family_of(model)
     assert row.top_k(blocks[0]) == top_k
     assert weights_gb(family, 4) <= DEFAULT_BUDGET_GB
