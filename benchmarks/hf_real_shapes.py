@@ -188,7 +188,7 @@ REAL = {
     "hunyuan_v1_moe": ("num_experts", 32,
                        "hidden_size=4096 intermediate_size=3072 vocab_size=128167 "
                        "num_attention_heads=32 num_key_value_heads=8 head_dim=128 moe_topk=8"),
-    # MiMo-V2-Flash (256): sliding-window layers 5 to 1 with full ones
+    # MiMo-V2-Flash (256): sliding-window layers between full ones (the config's default order)
     "mimo_v2_flash": ("n_routed_experts", 32,
                       "hidden_size=4096 intermediate_size=16384 moe_intermediate_size=2048 "
                       "vocab_size=152576 num_attention_heads=64 num_key_value_heads=4 head_dim=192 "
@@ -252,7 +252,7 @@ LAYOUT: dict[str, dict[str, Callable[[int], list]]] = {
     "kimi_linear": dict(layer_types=_cycle(LIN, LIN, LIN, FULL), mlp_layer_types=_dense_first),
     "gpt_oss": dict(layer_types=_cycle(SLIDING, FULL)),
     "mimo_v2_flash": dict(
-        layer_types=_cycle(FULL, SLIDING, SLIDING, SLIDING, SLIDING, SLIDING),
+        layer_types=_cycle(FULL, SLIDING, SLIDING, SLIDING, SLIDING),
         mlp_layer_types=_dense_first,
     ),
     "exaone_moe": dict(layer_types=_cycle(SLIDING, SLIDING, SLIDING, FULL)),
@@ -261,7 +261,6 @@ LAYOUT: dict[str, dict[str, Callable[[int], list]]] = {
     "mistral_large4": dict(mlp_layer_types=_dense_first),
     "hy_v3": dict(mlp_layer_types=_dense_first),
     "minicpm5_moe": dict(mlp_layer_types=_dense_first),
-    "mellum": dict(layer_types=_cycle(SLIDING, FULL)),  # unsure: its default is every layer full
 }
 
 
