@@ -1,0 +1,403 @@
+"""The real per-family shapes that benchmarks/hf_end_to_end.py times, and how a model is built at
+them (random weights, no download).
+
+    python benchmarks/hf_real_shapes.py     # every family: its shape here, or why it is skipped
+
+REAL holds, per family of migration/examples/hf_moe_models.FAMILIES (one name per builder there;
+each is a row, or a wrapper of a row, of the patch's family table), its language model's config
+as the public model's config.json has it (hidden size, top-k, routed / shared expert intermediate
+sizes, attention heads / KV heads / head_dim, vocabulary, and what the family adds: MLA ranks,
+linear-attention heads, multipliers), with two cuts: the routed experts (the count kept is the
+number after the config key, the real count in the comment) and the decoder layers (at most one
+dense layer first, so most of the few layers timed are MoE). A value not known from the public
+config says so in its comment and is the transformers config class's own default. The model's
+structure (its class, a multimodal wrapper with a one-layer vision tower that text-only input does
+not run) is the CPU tests' builder's (hf_moe_models._configs), so the CPU smoke builds the same
+classes at the tests' tiny size.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from typing import Callable, Optional
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+
+# DeepSeek-V3 attention (MLA): also DeepSeek-V3.2's and Kimi-K2's
+MLA = "q_lora_rank=1536 kv_lora_rank=512 qk_rope_head_dim=64 qk_nope_head_dim=128 v_head_dim=128"
+V3 = (
+    "hidden_size=7168 intermediate_size=18432 moe_intermediate_size=2048 num_experts_per_tok=8 "
+    "num_attention_heads=128 num_key_value_heads=128 n_shared_experts=1 first_k_dense_replace=1 "
+)
+GRANITE = (  # granite-3.0-3b-a800m
+    "hidden_size=1536 intermediate_size=512 vocab_size=49155 num_attention_heads=24 "
+    "num_key_value_heads=8 num_experts_per_tok=8 embedding_multiplier=12.0 "
+    "attention_multiplier=0.015625 residual_multiplier=0.22 logits_scaling=6.0 "
+)
+QWEN3 = "num_experts_per_tok=8 norm_topk_prob=True vocab_size=151936 head_dim=128 "
+# family -> (the config key of the routed expert count, the experts kept, the language model's
+# config). The public model each is read from, and its real routed expert count, in the comment.
+REAL = {
+    # DeepSeek-V3 (256 experts)
+    "deepseek_v3": ("n_routed_experts", 32, V3 + MLA + " vocab_size=129280 n_group=8 topk_group=4 "
+                    "routed_scaling_factor=2.5"),
+    # Kimi-K2.5's language model (384)
+    "kimi_k25": ("n_routed_experts", 32, V3.replace("heads=128", "heads=64") + MLA
+                 + " vocab_size=163840 n_group=1 topk_group=1 routed_scaling_factor=2.827"),
+    # DeepSeek-V2 (160)
+    "deepseek_v2": ("n_routed_experts", 32,
+                    "hidden_size=5120 intermediate_size=12288 moe_intermediate_size=1536 "
+                    "vocab_size=102400 num_attention_heads=128 num_key_value_heads=128 "
+                    "num_experts_per_tok=6 n_group=8 topk_group=3 routed_scaling_factor=16.0 "
+                    "n_shared_experts=2 topk_method='group_limited_greedy' first_k_dense_replace=1 "
+                    + MLA),
+    # GLM-4.5 (160)
+    "glm4_moe": ("n_routed_experts", 32,
+                 "hidden_size=5120 intermediate_size=12288 moe_intermediate_size=1536 "
+                 "vocab_size=151552 num_attention_heads=96 num_key_value_heads=8 head_dim=128 "
+                 "num_experts_per_tok=8 n_group=1 topk_group=1 routed_scaling_factor=2.5 "
+                 "n_shared_experts=1 first_k_dense_replace=1 use_qk_norm=True"),
+    # Qwen2-57B-A14B (64)
+    "qwen2_moe": ("num_experts", 64,
+                  "hidden_size=3584 intermediate_size=18944 moe_intermediate_size=2560 "
+                  "vocab_size=151936 shared_expert_intermediate_size=20480 num_attention_heads=28 "
+                  "num_key_value_heads=4 num_experts_per_tok=8 norm_topk_prob=False"),
+    # Qwen3-30B-A3B (128)
+    "qwen3_moe": ("num_experts", 128, QWEN3 + "hidden_size=2048 intermediate_size=6144 "
+                  "moe_intermediate_size=768 num_attention_heads=32 num_key_value_heads=4"),
+    # Qwen3.5-397B-A17B's language model (512)
+    "qwen3_5_moe": ("num_experts", 64,
+                    "hidden_size=4096 moe_intermediate_size=1024 "
+                    "shared_expert_intermediate_size=1024 vocab_size=248320 "
+                    "num_attention_heads=32 num_key_value_heads=2 head_dim=256 "
+                    "num_experts_per_tok=10 linear_num_key_heads=16 linear_num_value_heads=64 "
+                    "linear_key_head_dim=128 linear_value_head_dim=128"),
+    # Mixtral-8x7B (8)
+    "mixtral": ("num_local_experts", 8,
+                "hidden_size=4096 intermediate_size=14336 vocab_size=32000 num_attention_heads=32 "
+                "num_key_value_heads=8 num_experts_per_tok=2"),
+    # MiniMax-M2 (256)
+    "minimax_m2": ("num_local_experts", 64,
+                   "hidden_size=3072 intermediate_size=1536 vocab_size=200064 "
+                   "num_attention_heads=48 num_key_value_heads=8 head_dim=128 "
+                   "num_experts_per_tok=8"),
+    # gpt-oss-120b (128)
+    "gpt_oss": ("num_local_experts", 32,
+                "hidden_size=2880 intermediate_size=2880 vocab_size=201088 num_attention_heads=64 "
+                "num_key_value_heads=8 head_dim=64 num_experts_per_tok=4 sliding_window=128"),
+    # DeepSeek-V3.2 (256): V3 with the DSA indexer (64 heads of 128, top 2048 tokens)
+    "deepseek_v32": ("n_routed_experts", 32, V3 + MLA + " vocab_size=129280 n_group=8 topk_group=4 "
+                     "routed_scaling_factor=2.5 index_n_heads=64 index_head_dim=128 "
+                     "index_topk=2048"),
+    # GLM-4.7-Flash (64)
+    "glm4_moe_lite": ("n_routed_experts", 64,
+                      "hidden_size=2048 intermediate_size=10240 moe_intermediate_size=1536 "
+                      "vocab_size=154880 num_attention_heads=20 num_key_value_heads=20 "
+                      "num_experts_per_tok=4 n_shared_experts=1 routed_scaling_factor=1.8 "
+                      "n_group=1 topk_group=1 q_lora_rank=768 kv_lora_rank=512 "
+                      "qk_rope_head_dim=64 qk_nope_head_dim=192 v_head_dim=256"),
+    # GLM-5 (256); unsure of every value: transformers' GlmMoeDsaConfig defaults
+    "glm_moe_dsa": ("n_routed_experts", 32,
+                    "hidden_size=6144 intermediate_size=12288 moe_intermediate_size=2048 "
+                    "vocab_size=154880 num_attention_heads=64 num_key_value_heads=64 "
+                    "num_experts_per_tok=8 n_shared_experts=1 routed_scaling_factor=2.5 n_group=1 "
+                    "topk_group=1 q_lora_rank=2048 kv_lora_rank=512 qk_rope_head_dim=64 "
+                    "qk_nope_head_dim=192 v_head_dim=256 index_n_heads=32 index_head_dim=128 "
+                    "index_topk=2048 first_k_dense_replace=1"),
+    # Mistral-4 (128); unsure of every value: transformers' Mistral4Config defaults
+    "mistral4": ("n_routed_experts", 32,
+                 "hidden_size=4096 intermediate_size=12288 moe_intermediate_size=2048 "
+                 "vocab_size=131072 num_attention_heads=32 num_key_value_heads=32 "
+                 "num_experts_per_tok=4 n_shared_experts=1 routed_scaling_factor=1.0 n_group=1 "
+                 "topk_group=1 q_lora_rank=1024 kv_lora_rank=256 qk_rope_head_dim=64 "
+                 "qk_nope_head_dim=64 v_head_dim=128"),
+    # Mistral-Large-4's language model (128, experts of 6144); unsure of every value:
+    # transformers' MistralLarge4TextConfig defaults (5.25 only)
+    "mistral_large4": ("n_routed_experts", 16,
+                       "hidden_size=6144 intermediate_size=24576 moe_intermediate_size=6144 "
+                       "vocab_size=204800 num_attention_heads=64 num_key_value_heads=64 "
+                       "num_experts_per_tok=4 n_shared_experts=1 routed_scaling_factor=1.0 "
+                       "n_group=1 topk_group=1 kv_lora_rank=512 qk_rope_head_dim=64 "
+                       "qk_nope_head_dim=64 v_head_dim=128 index_n_heads=32 index_head_dim=128 "
+                       "index_topk=2048"),
+    # Kimi-Linear-48B-A3B (256): KDA layers 3 to 1 with MLA (no q LoRA)
+    "kimi_linear": ("num_local_experts", 64,
+                    "hidden_size=2304 intermediate_size=9216 moe_intermediate_size=1024 "
+                    "vocab_size=163840 num_attention_heads=32 num_key_value_heads=32 "
+                    "num_experts_per_tok=8 n_shared_experts=1 routed_scaling_factor=2.446 "
+                    "n_group=1 topk_group=1 q_lora_rank=None kv_lora_rank=512 qk_rope_head_dim=64 "
+                    "qk_nope_head_dim=128 v_head_dim=128 linear_head_dim=128 linear_num_heads=32 "
+                    "linear_conv_kernel_dim=4"),
+    # Qwen3-Next-80B-A3B (512): gated DeltaNet layers 3 to 1 with gated attention
+    "qwen3_next": ("num_experts", 128,
+                   "hidden_size=2048 intermediate_size=5632 moe_intermediate_size=512 "
+                   "shared_expert_intermediate_size=512 vocab_size=151936 num_attention_heads=16 "
+                   "num_key_value_heads=2 head_dim=256 num_experts_per_tok=10 norm_topk_prob=True "
+                   "linear_num_key_heads=16 linear_num_value_heads=32 linear_key_head_dim=128 "
+                   "linear_value_head_dim=128 linear_conv_kernel_dim=4"),
+    # Qwen3-VL-235B-A22B's language model (128)
+    "qwen3_vl_moe": ("num_experts", 64, QWEN3 + "hidden_size=4096 intermediate_size=12288 "
+                     "moe_intermediate_size=1536 num_attention_heads=64 num_key_value_heads=4"),
+    # Qwen3-Omni-30B-A3B's thinker language model (128)
+    "qwen3_omni_moe": ("num_experts", 128, QWEN3.replace("151936", "152064")
+                       + "hidden_size=2048 intermediate_size=6144 moe_intermediate_size=768 "
+                       "num_attention_heads=32 num_key_value_heads=4"),
+    # OLMoE-1B-7B (64)
+    "olmoe": ("num_experts", 64,
+              "hidden_size=2048 intermediate_size=1024 vocab_size=50304 num_attention_heads=16 "
+              "num_key_value_heads=16 num_experts_per_tok=8 norm_topk_prob=False"),
+    # ERNIE-4.5-21B-A3B (64): MoE from layer 1
+    "ernie4_5_moe": ("moe_num_experts", 64,
+                     "hidden_size=2560 intermediate_size=12288 moe_intermediate_size=1536 "
+                     "vocab_size=103424 num_attention_heads=20 num_key_value_heads=4 moe_k=6 "
+                     "moe_num_shared_experts=2 moe_layer_start_index=1 moe_layer_interval=1"),
+    # granite-3.0-3b-a800m (40)
+    "granitemoe": ("num_local_experts", 40, GRANITE),
+    # Granite-MoE with a shared MLP: granite-3.0-3b-a800m's shapes; the shared MLP's width is
+    # unsure (no public config known here): 1024
+    "granitemoeshared": ("num_local_experts", 40, GRANITE + "shared_intermediate_size=1024"),
+    # MiniMax-M3's language model (128); unsure of every value: transformers' defaults
+    "minimax_m3_vl": ("num_local_experts", 32,
+                      "hidden_size=6144 intermediate_size=3072 shared_intermediate_size=3072 "
+                      "dense_intermediate_size=12288 vocab_size=200064 num_attention_heads=64 "
+                      "num_key_value_heads=4 head_dim=128 rotary_dim=64 num_experts_per_tok=4 "
+                      "routed_scaling_factor=2.0"),
+    # dots.llm1 (128)
+    "dots1": ("n_routed_experts", 64,
+              "hidden_size=4096 intermediate_size=10944 moe_intermediate_size=1408 "
+              "vocab_size=152064 num_attention_heads=32 num_key_value_heads=32 "
+              "num_experts_per_tok=6 n_shared_experts=2 routed_scaling_factor=2.5 n_group=1 "
+              "topk_group=1 norm_topk_prob=True first_k_dense_replace=1"),
+    # Solar-Open-100B (128); unsure of every value: transformers' SolarOpenConfig defaults
+    "solar_open": ("n_routed_experts", 64,
+                   "hidden_size=4096 moe_intermediate_size=1280 vocab_size=196608 "
+                   "num_attention_heads=64 num_key_value_heads=8 head_dim=128 "
+                   "num_experts_per_tok=8 n_shared_experts=1 routed_scaling_factor=1.0 n_group=1 "
+                   "topk_group=1"),
+    # K-EXAONE (64 in the default); unsure of every value: transformers' ExaoneMoeConfig defaults
+    "exaone_moe": ("num_experts", 64,
+                   "hidden_size=4096 intermediate_size=16384 moe_intermediate_size=1024 "
+                   "vocab_size=102400 num_attention_heads=32 num_key_value_heads=32 "
+                   "num_experts_per_tok=8 num_shared_experts=1 routed_scaling_factor=2.5 "
+                   "n_group=1 topk_group=1 first_k_dense_replace=1 sliding_window=4096"),
+    # Hunyuan-A13B (64): every layer MoE, experts and shared MLP of intermediate_size
+    "hunyuan_v1_moe": ("num_experts", 32,
+                       "hidden_size=4096 intermediate_size=3072 vocab_size=128167 "
+                       "num_attention_heads=32 num_key_value_heads=8 head_dim=128 moe_topk=8"),
+    # MiMo-V2-Flash (256): sliding-window layers between full ones (the config's default order)
+    "mimo_v2_flash": ("n_routed_experts", 32,
+                      "hidden_size=4096 intermediate_size=16384 moe_intermediate_size=2048 "
+                      "vocab_size=152576 num_attention_heads=64 num_key_value_heads=4 head_dim=192 "
+                      "v_head_dim=128 num_experts_per_tok=8 sliding_window=128 n_group=1 "
+                      "topk_group=1"),
+    # HY-V3 (192); unsure of every value: transformers' HYV3Config defaults
+    "hy_v3": ("num_experts", 64,
+              "hidden_size=4096 intermediate_size=13312 moe_intermediate_size=1536 "
+              "vocab_size=120832 num_attention_heads=64 num_key_value_heads=8 head_dim=128 "
+              "num_experts_per_tok=8 num_shared_experts=1 router_scaling_factor=2.826 "
+              "enable_moe_fp32_combine=True"),
+    # GLM-4.5V's language model, GLM-4.5-Air's shape (128); its multimodal rope on half of head_dim
+    "glm4v_moe": ("n_routed_experts", 64,
+                  "hidden_size=4096 intermediate_size=10944 moe_intermediate_size=1408 "
+                  "vocab_size=151552 num_attention_heads=96 num_key_value_heads=8 head_dim=128 "
+                  "num_experts_per_tok=8 n_shared_experts=1 routed_scaling_factor=1.0 n_group=1 "
+                  "topk_group=1 first_k_dense_replace=1 attention_bias=True rope_parameters="
+                  "{'rope_type':'default','rope_theta':10000.0,'partial_rotary_factor':0.5,"
+                  "'mrope_section':[8,12,12]}"),
+    # MiniCPM5-MoE (160, top 16); unsure of every value: transformers' defaults (5.25 only)
+    "minicpm5_moe": ("n_routed_experts", 160,
+                     "hidden_size=2048 intermediate_size=8192 moe_intermediate_size=512 "
+                     "vocab_size=130560 num_attention_heads=32 num_key_value_heads=2 head_dim=128 "
+                     "num_experts_per_tok=16 n_shared_experts=1 routed_scaling_factor=3.66 "
+                     "n_group=1 topk_group=1"),
+    # Mellum (64); unsure of every value: transformers' MellumConfig defaults
+    "mellum": ("num_experts", 64,
+               "hidden_size=2304 intermediate_size=7168 moe_intermediate_size=896 vocab_size=98304 "
+               "num_attention_heads=32 num_key_value_heads=4 head_dim=128 num_experts_per_tok=8 "
+               "norm_topk_prob=True sliding_window=1024"),
+    # Flint (256); unsure of every value: transformers' FlintConfig defaults (5.25 only)
+    "flint": ("num_experts", 128,
+              "hidden_size=2048 intermediate_size=6144 moe_intermediate_size=512 "
+              "shared_expert_intermediate_size=1024 vocab_size=150144 num_attention_heads=32 "
+              "num_key_value_heads=4 head_dim=128 num_experts_per_tok=6 norm_topk_prob=True "
+              "sliding_window=513 mlp_only_layers=[0]"),
+    # Aria's language model (64); num_experts_per_tok repeats moe_topk for hf_moe_bound.py, which
+    # reads the top-k under that name (AriaTextConfig has none)
+    "aria_text": ("moe_num_experts", 64,
+                  "hidden_size=2560 intermediate_size=1664 vocab_size=100352 "
+                  "num_attention_heads=20 num_key_value_heads=20 head_dim=128 moe_topk=6 "
+                  "num_experts_per_tok=6 moe_num_shared_experts=2"),
+}  # fmt: skip
+
+LIN, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"
+
+
+def _cycle(*kinds: str) -> Callable[[int], list]:
+    return lambda layers: [kinds[i % len(kinds)] for i in range(layers)]
+
+
+def _dense_first(layers: int) -> list:
+    return ["dense"] + ["sparse"] * (layers - 1)
+
+
+# per-layer lists, for `layers` decoder layers, where the config's own would put every timed
+# layer in one kind (the real patterns, begun where they mix within four layers)
+LAYOUT: dict[str, dict[str, Callable[[int], list]]] = {
+    "qwen3_5_moe": dict(layer_types=_cycle(LIN, LIN, LIN, FULL)),
+    "qwen3_next": dict(layer_types=_cycle(LIN, LIN, LIN, FULL)),
+    "kimi_linear": dict(layer_types=_cycle(LIN, LIN, LIN, FULL), mlp_layer_types=_dense_first),
+    "gpt_oss": dict(layer_types=_cycle(SLIDING, FULL)),
+    "mimo_v2_flash": dict(
+        layer_types=_cycle(FULL, SLIDING, SLIDING, SLIDING, SLIDING),
+        mlp_layer_types=_dense_first,
+    ),
+    "exaone_moe": dict(layer_types=_cycle(SLIDING, SLIDING, SLIDING, FULL)),
+    "glm4_moe_lite": dict(mlp_layer_types=_dense_first),
+    "glm_moe_dsa": dict(mlp_layer_types=_dense_first),
+    "mistral_large4": dict(mlp_layer_types=_dense_first),
+    "hy_v3": dict(mlp_layer_types=_dense_first),
+    "minicpm5_moe": dict(mlp_layer_types=_dense_first),
+}
+
+
+def parse(spec: str) -> dict:
+    """ "a=1 b='x'" -> {"a": 1, "b": "x"} (Python literals)."""
+    return {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in spec.split())}
+
+
+def _tiny_common() -> dict:
+    from migration.examples.hf_moe_models import TINY
+
+    common = dict(vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], num_hidden_layers=3)
+    common.update(num_attention_heads=TINY["heads"], num_experts_per_tok=TINY["top_k"])
+    return common
+
+
+def config_for(family: str, layers: int, smoke: bool, cpu: bool = False):
+    """(config, model class name) of `family`: at the CPU tests' tiny size (smoke: 3 layers), or at
+    its real shape (REAL) with `layers` decoder layers. cpu: transformers' batched_mm experts path
+    (its default, grouped_mm, is slow on CPU)."""
+    import transformers
+    from migration.examples.hf_moe_models import CONFIG_CLASS, TINY, _configs
+
+    common = _tiny_common()
+    common.update(max_position_embeddings=256, experts_implementation="batched_mm" if cpu else None)
+    if smoke:
+        class_name, kwargs = _configs(family, TINY, common)
+    else:
+        key, experts, spec = REAL[family]
+        text = dict(parse(spec), num_hidden_layers=layers, **{key: experts})
+        text.update({k: make(layers) for k, make in LAYOUT.get(family, {}).items()})
+        # the structure (class, wrapper and its tiny towers) at the real hidden size
+        class_name, kwargs = _configs(family, dict(TINY, hidden=text["hidden_size"]), common)
+        if "text_config" in kwargs:
+            if "model_type" in kwargs["text_config"]:  # e.g. Kimi-K2.5's "kimi_k2"
+                text["model_type"] = kwargs["text_config"]["model_type"]
+            kwargs["text_config"] = text
+        else:
+            kwargs = dict(text, experts_implementation=common["experts_implementation"])
+    if "text_config" in kwargs:  # a wrapper sets the experts path of every sub-model
+        kwargs["experts_implementation"] = common["experts_implementation"]
+    return getattr(transformers, CONFIG_CLASS[family])(**kwargs), class_name
+
+
+def why_skipped(family: str, device: torch.device) -> Optional[str]:
+    """Why `family` is not timed with this transformers on `device` (its config class is missing,
+    the patch refuses its modeling code here, or the patch's row refuses the device), or None."""
+    from migration.examples.hf_moe_models import why_skipped as tests_reason
+
+    from fusion_bridge.integrations.hf_families import FAMILIES
+
+    reason = tests_reason(family)
+    if reason is not None:
+        import transformers
+
+        return f"{reason} (transformers {transformers.__version__})"
+    row = next((f for f in FAMILIES if family in f.model_types + f.wrappers), None)
+    refusal = getattr(row, "cuda_refusal", None) if device.type == "cuda" else None
+    return None if refusal is None else f"the patch refuses it on CUDA: {refusal}"
+
+
+def weights_gb(family: str, layers: int) -> float:
+    """The model's bf16 weights in GB at its real shape, counted on the meta device."""
+    import transformers
+
+    config, class_name = config_for(family, layers, smoke=False)
+    with torch.device("meta"):
+        model = getattr(transformers, class_name)(config)
+    return sum(p.numel() for p in model.parameters()) * 2 / 1e9
+
+
+def size_for(family: str, budget_gb: float, max_layers: int) -> tuple[int, float]:
+    """(decoder layers, weights GB): the most layers (at least 2, at most max_layers) within
+    budget_gb; 2 where even those exceed it."""
+    for layers in range(max_layers, 2, -1):  # the default run's models fit at once: one count
+        gb = weights_gb(family, layers)
+        if gb <= budget_gb:
+            return layers, gb
+    return 2, weights_gb(family, 2)
+
+
+def build(family: str, layers: int, device: torch.device, smoke: bool) -> torch.nn.Module:
+    """The model in eval mode, bf16 (the modules transformers keeps in fp32, its routers, fp32),
+    built on `device` without transformers' initialisation; then every floating parameter drawn
+    there: N(0, 0.02), norm weights N(1, 0.1) (the defaults, ones, would hide a wrong gamma), and
+    the embeddings tied where the config ties them. Buffers (rotary frequencies, routing biases)
+    are the constructors' own."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    config, class_name = config_for(family, layers, smoke, cpu=device.type == "cpu")
+    with torch.device(device), no_init_weights():
+        model = getattr(transformers, class_name)._from_config(config, dtype=torch.bfloat16)
+    generator = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point():
+                norm = name.endswith("norm.weight")
+                p.normal_(1.0 if norm else 0.0, 0.1 if norm else 0.02, generator=generator)
+    model.tie_weights()  # what the skipped init_weights also does (tied embeddings)
+    return model.eval()
+
+
+def describe(family: str, layers: int = 4) -> str:
+    """One line: the family's real shape at `layers` layers, read back from the meta model."""
+    import transformers
+
+    from fusion_bridge.integrations.hf_families import family_of
+
+    config, class_name = config_for(family, layers, smoke=False)
+    with torch.device("meta"):
+        model = getattr(transformers, class_name)(config)
+    row, text = family_of(model)
+    blocks = [b for b in (row.moe_block(layer) for layer in text.layers) if b is not None]
+    gb = sum(p.numel() for p in model.parameters()) * 2 / 1e9
+    down = blocks[0].experts.down_proj  # [E, H, I] or [E, I, H] (transposed experts)
+    return (
+        f"{family}: {class_name} H={text.config.hidden_size} K={row.top_k(blocks[0])} "
+        f"E={down.shape[0]} moe_inter={down[0].numel() // text.config.hidden_size} "
+        f"vocab={text.config.vocab_size} L={layers} "
+        f"({len(blocks)} MoE) {gb:.1f} GB"
+    )
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from migration.examples.hf_moe_models import FAMILIES
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers")
+    args = ap.parse_args(argv)
+    for family in FAMILIES:
+        why = why_skipped(family, torch.device("cpu"))
+        print(describe(family, args.layers) if why is None else f"{family}: skipped: {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
