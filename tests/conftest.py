@@ -35,29 +35,7 @@ if not HAS_CUDA:  # about a third less CPU per interpreted kernel (tests/helpers
     launch.SERVER_PRELOAD.append("tests.spawn_preload")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Under `-n` (pyproject's addopts say `--dist loadgroup`), the tests of a file that use a
-    module-scoped fixture of its own (a spawned group, a child compiling kernels, a model saved to
-    disk) go to one xdist worker together: that worker sets the fixture up once. Spread over two
-    workers, the second would set it up again or, for a fixture shared through
-    tests/helpers.py's once_per_run, sit idle waiting for the first. Every other test is
-    scheduled on its own, as `--dist load` does."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        module_fixture = any(
-            d.scope in ("module", "class") and d.baseid
-            for defs in info.name2fixturedefs.values()
-            for d in defs
-        )
-        if module_fixture:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    skip_gpu_tests_without_cuda(items)
-
-
-def skip_gpu_tests_without_cuda(items):
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (on a GPU machine: `python -m pytest -m gpu`)")
