@@ -28,6 +28,12 @@ if not HAS_CUDA:  # about a third less CPU per interpreted kernel (tests/helpers
 
     patch_the_interpreter_once_per_launch()
 
+    # The spawned gloo ranks fork from a server that has these imported (tests/spawn_preload.py
+    # says which and why): each rank would otherwise import flashinfer and transformers again.
+    from fusion_bridge.cli import launch  # noqa: E402
+
+    launch.SERVER_PRELOAD.append("tests.spawn_preload")
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:

@@ -9,7 +9,7 @@ loud on every rank, never a wrong value, never a killed peer.
 
   peer calls   the issue's case (index map, expert weights and shared output with 0 rows, the
                residual with T) while rank 0 calls with valid inputs, on a group of their own:
-               rank 0's call raises at the group's timeout, it returns no value
+               rank 0's call raises at the group's (short) timeout, it returns no value
   alone        each disagreement on its own bridge, rank 0 not calling (it would wait for the
                group's timeout): the erring rank raises naming every input's rows, enters no
                collective, and refuses the next call at once
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from fusion_bridge.cli.launch import run_distributed
+from tests.distributed.round_two_cases import SHORT_TIMEOUT
 from tests.distributed.test_rank_disagreement import (
     RUN_TIMEOUT_S,
     _assert_correct,
@@ -56,9 +57,13 @@ HOWS = ("three_empty", "three_extra", "index_extra_row", "residual_shape")
 def _wrong_majority(rank, world_size):
     group = _group(world_size)
     out = {"alone": {}}
-    # a group of its own: the peer's call fails at its timeout (GROUP_TIMEOUT), which leaves it
-    # unusable; every collective of the build before that is an ordinary one
-    apart = _group(world_size)
+    # a group of its own: the peer's call fails at its timeout, which leaves it unusable; every
+    # collective of the build before that is an ordinary one. The timeout is round two's
+    # SHORT_TIMEOUT (3 s, as for the subgroups where a peer waits out a collective there), not
+    # GROUP_TIMEOUT's 20 s: the peer sits idle for all of it.
+    apart = torch.distributed.new_group(
+        list(range(world_size)), timeout=SHORT_TIMEOUT, backend="gloo"
+    )
     with _build(apart) as bridge:
         inputs, exact = _good(world_size, rank, 4, seed=40)
         if rank == 1:
