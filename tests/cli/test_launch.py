@@ -54,7 +54,8 @@ def _sleeps(rank, world_size, pid_dir):
 
 
 CALLER = """
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump on a timeout
 sys.path.insert(0, {root!r})
 from fusion_bridge.cli.launch import run_distributed
 from tests.cli.test_launch import _sleeps
@@ -105,7 +106,16 @@ def test_every_process_the_launcher_started_ends_with_its_caller(tmp_path, how):
         ranks = {int(p.read_text()) for p in tmp_path.glob("rank*")}
         started = _descendants(caller.pid) | ranks  # the fork server, the ranks, their helpers
         caller.send_signal(how)
-        caller.wait(BOUND_S)
+        try:
+            caller.wait(BOUND_S)
+        except subprocess.TimeoutExpired:  # where the caller is stuck, for whoever reads this
+            caller.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            caller.kill()
+            caller.wait()
+            os.set_blocking(caller.stderr.fileno(), False)  # its ranks may still hold the pipe
+            stacks = (caller.stderr.read() or b"").decode()[-6000:]
+            pytest.fail(f"the caller did not end within {BOUND_S:.0f} s of {how!r}:\n{stacks}")
         deadline = time.monotonic() + BOUND_S
         while not all(_gone(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.2)
