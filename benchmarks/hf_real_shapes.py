@@ -27,6 +27,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
+from benchmarks.hf_real_shapes_late import LATE_REAL  # noqa: E402
+
 # DeepSeek-V3 attention (MLA): also DeepSeek-V3.2's and Kimi-K2's
 MLA = "q_lora_rank=1536 kv_lora_rank=512 qk_rope_head_dim=64 qk_nope_head_dim=128 v_head_dim=128"
 V3 = (
@@ -225,12 +227,7 @@ REAL = {
               "shared_expert_intermediate_size=1024 vocab_size=150144 num_attention_heads=32 "
               "num_key_value_heads=4 head_dim=128 num_experts_per_tok=6 norm_topk_prob=True "
               "sliding_window=513 mlp_only_layers=[0]"),
-    # Aria's language model (64); num_experts_per_tok repeats moe_topk for hf_moe_bound.py, which
-    # reads the top-k under that name (AriaTextConfig has none)
-    "aria_text": ("moe_num_experts", 64,
-                  "hidden_size=2560 intermediate_size=1664 vocab_size=100352 "
-                  "num_attention_heads=20 num_key_value_heads=20 head_dim=128 moe_topk=6 "
-                  "num_experts_per_tok=6 moe_num_shared_experts=2"),
+    **LATE_REAL,  # the families added last: hf_real_shapes_late.py
 }  # fmt: skip
 
 LIN, FULL, SLIDING = "linear_attention", "full_attention", "sliding_attention"
@@ -261,6 +258,10 @@ LAYOUT: dict[str, dict[str, Callable[[int], list]]] = {
     "mistral_large4": dict(mlp_layer_types=_dense_first),
     "hy_v3": dict(mlp_layer_types=_dense_first),
     "minicpm5_moe": dict(mlp_layer_types=_dense_first),
+    "deepseek_ocr2": dict(mlp_layer_types=_dense_first),  # its config derives none
+    "bailing_hybrid": dict(
+        layer_types=_cycle(LIN, LIN, LIN, FULL, LIN, LIN), mlp_layer_types=_dense_first
+    ),
 }
 
 

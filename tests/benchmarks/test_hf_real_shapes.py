@@ -63,8 +63,9 @@ def test_real_shape_builds_on_meta_as_specified(family):
 
 @pytest.mark.parametrize("family", sorted(REAL))
 def test_on_device_init_keeps_buffers_and_draws_every_parameter(family):
-    if not available(family):
-        pytest.skip(f"{family}: not in this transformers")
+    why = why_skipped(family, torch.device("cpu"))
+    if why is not None:  # the run never builds it (5.17's Aria wrapper config fails to build)
+        pytest.skip(f"{family}: {why}")
     mine = build(family, 3, torch.device("cpu"), smoke=True)
     own = build_model(family, TINY)  # transformers' own init (then its norms randomised)
     buffers = dict(own.named_buffers())
