@@ -56,11 +56,22 @@ def _sleeps(rank, world_size, pid_dir):
 CALLER = """
 import faulthandler, signal, sys
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump on a timeout
+print("caller SIGINT:", signal.getsignal(signal.SIGINT),
+      "blocked:", sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])), file=sys.stderr, flush=True)
 sys.path.insert(0, {root!r})
 from fusion_bridge.cli.launch import run_distributed
 from tests.cli.test_launch import _sleeps
 run_distributed(_sleeps, 2, {pid_dir!r}, backend="gloo", timeout_s=600)
 """
+
+
+def _as_from_a_terminal() -> None:
+    """The caller starts as a shell starts a command: SIGINT at its default action and no signal
+    blocked. A pytest-xdist worker's state is not a user's: a mask or an ignored SIGINT inherited
+    from it would make Ctrl-C a no-op in the caller (the full suite's failures of this test showed
+    the caller still waiting in `_wait` a minute after SIGINT)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _gone(pid: int) -> bool:
@@ -96,6 +107,7 @@ def test_every_process_the_launcher_started_ends_with_its_caller(tmp_path, how):
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        preexec_fn=_as_from_a_terminal,
     )
     try:
         deadline = time.monotonic() + 180
