@@ -213,10 +213,13 @@ def output_check(
                 )
             ):
                 return False
-            start = r.data_ptr()
-            spans = [(start, start + row_bytes)]
-            start = n.data_ptr()
-            spans.append((start, start + row_bytes))
+            r0 = r.data_ptr()
+            r1 = r0 + row_bytes
+            n0 = n.data_ptr()
+            n1 = n0 + row_bytes
+            if r0 < n1 and n0 < r1:  # the rows share memory
+                return False
+            extra: list[tuple[int, int]] = []  # the spans of quant and scale
             for t, want in ((out.quant, quant_want), (out.scale, scale_want)):
                 if want is None:
                     if t is not None:
@@ -240,20 +243,24 @@ def output_check(
                 ):  # a TMA scale's storage holds its padding (fp32: 4 bytes an element)
                     return False
                 start = t.data_ptr()
-                spans.append((start, start + reach))
+                end = start + reach
+                if (start < r1 and r0 < end) or (start < n1 and n0 < end):
+                    return False
+                for a, b in extra:
+                    if a < end and start < b:
+                        return False
+                extra.append((start, end))
             for t in inputs:  # valid inputs: contiguous, so [data_ptr, data_ptr + nbytes)
                 if t is not None:
                     size = t.nbytes
                     if size:
                         low = t.data_ptr()
                         high = low + size
-                        for a, b in spans:
+                        if (r0 < high and low < r1) or (n0 < high and low < n1):
+                            return False
+                        for a, b in extra:
                             if a < high and low < b:
                                 return False
-            for i, (a, b) in enumerate(spans):
-                for low, high in spans[:i]:
-                    if a < high and low < b:
-                        return False
             return True
         except Exception:  # noqa: BLE001 - not a tensor, an exotic layout: validate_out says what
             return False
