@@ -338,10 +338,12 @@ def test_an_empty_input_shares_no_memory_even_at_an_outputs_address():
     assert check(moved, out, T)
 
 
-def test_a_check_for_a_cuda_device_refuses_cpu_outputs():
+@pytest.mark.parametrize("quant", ["none", "nvfp4_swizzled"])
+def test_a_check_for_a_cuda_device_refuses_cpu_outputs(quant):
     """The CUDA branch of the device check (device index against `get_device()`), on CPU: a
-    check bound to cuda:0 refuses outputs on the CPU, as validate_out does."""
-    spec = _spec("nvfp4_swizzled")
+    check bound to cuda:0 refuses outputs on the CPU, as validate_out does (without quant the
+    rows are the only outputs whose device is read)."""
+    spec = _spec(quant)
     cuda = torch.device("cuda", 0)
     inp = make_inputs(spec, T, seed=7)
     out = allocate_outputs(spec, T, CPU)
