@@ -3,7 +3,7 @@ stage of the call timed on its own, by calling the real function the call runs f
 whole call (issue 50).
 
     python benchmarks/eager_breakdown.py                       # one GPU: every stage
-    python benchmarks/eager_breakdown.py --device cpu          # no GPU: the host stages only
+    python benchmarks/eager_breakdown.py --device cpu          # no GPU: host stages, no launch
     python benchmarks/eager_breakdown.py --tokens 1 --quant nvfp4 --rounds 9
 
 Per (quant, T), every stage runs `--calls` times per round in alternating rounds (`--rounds`), and
@@ -41,8 +41,9 @@ With `--device cpu` the bridge is built with TRITON_INTERPRET=1 and no self-test
 that launch (launch, strategy_run*, finalize_epilogue*) are n/a; in their place the `*_no_launch`
 rows time the same calls with the strategy's launcher replaced by a no-op (benchmark only: no
 plan lookup, split_sync, launch key or launch in them), and `unattributed*_no_launch` is each
-less the stages before the launcher (one_caller .. records). `--sms 132` plans the launches as on
-an H100 (split rows at small T: split_sync, and the split kernel's key). Nothing runs at import.
+less its path's stages before the launcher (one_caller .. records, with output_allocation or
+out_check). `--sms 132` plans the launches as on an H100 (split rows at small T: split_sync, and
+the split kernel's key). Nothing runs at import.
 """
 
 from __future__ import annotations
