@@ -3,7 +3,7 @@ stage of the call timed on its own, by calling the real function the call runs f
 whole call (issue 50).
 
     python benchmarks/eager_breakdown.py                       # one GPU: every stage
-    python benchmarks/eager_breakdown.py --device cpu          # no GPU: the host stages only
+    python benchmarks/eager_breakdown.py --device cpu          # no GPU: host stages, no launch
     python benchmarks/eager_breakdown.py --tokens 1 --quant nvfp4 --rounds 9
 
 Per (quant, T), every stage runs `--calls` times per round in alternating rounds (`--rounds`), and
@@ -13,11 +13,14 @@ synchronize). Stages, in the order a call runs them:
 - one_caller: `one_caller.enter` + `leave` (one call at a time per process group);
 - inputs_record: the call's `EpilogueInputs`;
 - validation: the metadata check (`bridge._looks_valid`, `call/validation.py`'s `input_check`);
+- out_check (the out= path only): the caller's preallocated outputs checked
+  (`bridge._out_looks_valid`, `call/out_check.py`'s `output_check`, then `validate_out` where it
+  refuses; a tree without it: `validate_out`);
 - routing: the planned route for T (`bridge._route`: the eager or graph routes, by bucket);
 - capture_query: whether the current stream is capturing (`bridge._capturing`, for the counter);
 - check_error: the pinned error word of an earlier split launch (`FusedTp1Strategy.check_error`);
-- output_allocation: the call's outputs (the strategy's `OutputAllocator`: `allocate_outputs`'s
-  outputs from templates kept per T);
+- output_allocation (the allocating call only): the call's outputs (the strategy's
+  `OutputAllocator`: `allocate_outputs`'s outputs from templates kept per T);
 - records: `RowSource` / `RowOutputs` of the call (`call_records` with the outputs given: the two
   records `FusedTp1Strategy.run` builds in place);
 - plan_lookup: the launch decided for T (`Tp1Launcher.plan`);
@@ -25,14 +28,22 @@ synchronize). Stages, in the order a call runs them:
 - launch_key: the launch cache's key of the call (the plan's bound launch keys only the records);
 - launch: the bare launch of the kernel the call runs, records built once, outputs preallocated
   (`Tp1Launcher.bound`; also eager_cost.py's `fused_tp1_kernel_cached`); it includes launch_key;
-- strategy_run: the strategy's whole run (`FusedTp1Strategy.run`);
-- finalize_epilogue: the whole call; `unattributed` is it less the stages above (launch_key is
-  inside launch, so counted once): the Python frames between them.
+- strategy_run / strategy_run_out: the strategy's whole run (`FusedTp1Strategy.run`), allocating
+  / into outputs preallocated once (`run(inputs, out=out)`);
+- finalize_epilogue / finalize_epilogue_out: the whole call, allocating its outputs / with
+  `out=` outputs the caller preallocated once (as a serving engine that owns its buffers calls
+  it). `unattributed` is finalize_epilogue less the stages of its path (every stage above but
+  out_check; launch_key is inside launch, so counted once), `unattributed_out` is
+  finalize_epilogue_out less its path's (every stage but output_allocation): the Python frames
+  between them.
 
 With `--device cpu` the bridge is built with TRITON_INTERPRET=1 and no self-test, and the stages
-that launch (launch, strategy_run, finalize_epilogue) are n/a; `--sms 132` plans its launches as
-on an H100 (split rows at small T: split_sync, and the split kernel's key). Nothing runs at
-import.
+that launch (launch, strategy_run*, finalize_epilogue*) are n/a; in their place the `*_no_launch`
+rows time the same calls with the strategy's launcher replaced by a no-op (benchmark only: no
+plan lookup, split_sync, launch key or launch in them), and `unattributed*_no_launch` is each
+less its path's stages before the launcher (one_caller .. records, with output_allocation or
+out_check). `--sms 132` plans the launches as on an H100 (split rows at small T: split_sync, and
+the split kernel's key). Nothing runs at import.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ STAGES = (
     "one_caller",
     "inputs_record",
     "validation",
+    "out_check",
     "routing",
     "capture_query",
     "check_error",
@@ -58,10 +70,25 @@ STAGES = (
     "launch_key",
     "launch",
     "strategy_run",
+    "strategy_run_out",
     "finalize_epilogue",
+    "finalize_epilogue_out",
 )
-# launch holds launch_key; strategy_run and finalize_epilogue hold everything
-NOT_SUMMED = ("launch_key", "strategy_run", "finalize_epilogue")
+# the stages each whole call is made of (launch holds launch_key): the allocating call's and the
+# out= call's; on CPU the no-launch calls hold those before the launcher
+BEFORE_LAUNCHER = ("one_caller", "inputs_record", "validation", "routing", "capture_query",
+                   "check_error", "records")  # fmt: skip
+LAUNCHER = ("plan_lookup", "split_sync", "launch")
+PATHS = {  # the whole call: (its stages, its unattributed row)
+    "finalize_epilogue": (BEFORE_LAUNCHER + ("output_allocation",) + LAUNCHER, "unattributed"),
+    "finalize_epilogue_out": (BEFORE_LAUNCHER + ("out_check",) + LAUNCHER, "unattributed_out"),
+    "finalize_epilogue_no_launch": (
+        BEFORE_LAUNCHER + ("output_allocation",), "unattributed_no_launch"),
+    "finalize_epilogue_out_no_launch": (
+        BEFORE_LAUNCHER + ("out_check",), "unattributed_out_no_launch"),
+}  # fmt: skip
+NO_LAUNCH = ("strategy_run_no_launch", "strategy_run_out_no_launch",
+             "finalize_epilogue_no_launch", "finalize_epilogue_out_no_launch")  # fmt: skip
 TP1_TARGET = 2.0  # issue 50: an eager call within 2x its kernel's bare cached launch
 
 
@@ -82,18 +109,40 @@ def tp1_anchor(bridge, inp, tokens: int, eager_kw: dict) -> dict[str, Callable[[
 def target_check(ratio_lines: list[dict]) -> list[str]:
     """Issue 50's eager target, one line per (quant, T) at world size 1 (`ratio_lines`:
     eager_cost.ratios): finalize_epilogue within TP1_TARGET x fused_tp1_kernel_cached of the same
-    run, pass or miss."""
+    run, pass or miss; and, where the run has it, the same for finalize_epilogue_out (the call
+    with `out=` outputs the caller preallocated, as the anchor's are)."""
     lines = []
     for line in ratio_lines:
         ratio = line.get("eager_vs_tp1_kernel")
         if line["world_size"] != 1 or ratio is None:
             continue
-        verdict = "pass" if ratio <= TP1_TARGET else "miss"
-        lines.append(
+        text = (
             f"target TP1 {line['quant']} T={line['tokens']}: finalize_epilogue / "
-            f"fused_tp1_kernel_cached = {ratio:.2f} (<= {TP1_TARGET:g}): {verdict}"
+            f"fused_tp1_kernel_cached = {ratio:.2f} (<= {TP1_TARGET:g}): {_verdict(ratio)}"
         )
+        out_ratio = line.get("eager_out_vs_tp1_kernel")
+        if out_ratio is not None:
+            text += (
+                f"; finalize_epilogue_out (out=) / fused_tp1_kernel_cached = {out_ratio:.2f}: "
+                f"{_verdict(out_ratio)}"
+            )
+        lines.append(text)
     return lines
+
+
+def _verdict(ratio: float) -> str:
+    return "pass" if ratio <= TP1_TARGET else "miss"
+
+
+class _NoLaunch:
+    """A CPU breakdown's stand-in for the strategy's launcher in the `*_no_launch` calls (benchmark
+    only): the real launcher's error word, no launch."""
+
+    def __init__(self, real):
+        self._error_word, self.take_error = real._error_word, real.take_error
+
+    def __call__(self, src, out, config=None) -> None:
+        return None
 
 
 def _time(fns: dict[str, Callable[[], object]], calls: int, rounds: int, sync) -> dict:
@@ -115,7 +164,7 @@ def _time(fns: dict[str, Callable[[], object]], calls: int, rounds: int, sync) -
 
 def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable[[], object]]:
     """{stage: a function running that stage of `bridge`'s eager call on `inputs` once}."""
-    from fusion_bridge.call import one_caller
+    from fusion_bridge.call import one_caller, out_check
     from fusion_bridge.epilogue_tensors import EpilogueInputs, allocate_outputs
     from fusion_bridge.kernels import launch_cache
 
@@ -144,10 +193,22 @@ def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable
         if allocator
         else (lambda: allocate_outputs(spec, tokens, device))
     )
+    # the out= path: outputs the caller preallocated once, checked as the call checks them
+    # (`validate_out` when the fast check refuses; a tree without it: `validate_out` alone)
+    out_buf = allocate_outputs(spec, tokens, device)
+    fast_out = getattr(bridge, "_out_looks_valid", None)
+    if fast_out is not None and not fast_out(inputs, out_buf, tokens):
+        raise SystemExit("eager_breakdown: the out= fast check refuses allocate_outputs' outputs")
+
+    def check_out():
+        if fast_out is None or not fast_out(inputs, out_buf, tokens):
+            out_check.validate_out(spec, inputs, out_buf, tokens, device)
+
     fns: dict[str, Callable[[], object]] = {
         "one_caller": lambda: (one_caller.enter(bridge), one_caller.leave(bridge)),
         "inputs_record": lambda: EpilogueInputs(*inputs),
         "validation": lambda: bridge._looks_valid(inputs),
+        "out_check": check_out,
         "routing": lambda: bridge._route(inputs, tokens),
         "capture_query": bridge._capturing,
         "check_error": strategy.check_error,
@@ -158,10 +219,17 @@ def stage_fns(bridge, inputs, tokens: int, launches: bool) -> dict[str, Callable
     }
     if plan.chunks and hasattr(launcher, "split_sync"):
         fns["split_sync"] = launcher.split_sync
+    calls = {
+        "strategy_run": lambda: strategy.run(inputs),
+        "strategy_run_out": lambda: strategy.run(inputs, out=out_buf),
+        "finalize_epilogue": lambda: bridge.finalize_epilogue(*inputs),
+        "finalize_epilogue_out": lambda: bridge.finalize_epilogue(*inputs, out=out_buf),
+    }
     if launches:
         fns["launch"] = launcher.bound(src, dst)
-        fns["strategy_run"] = lambda: strategy.run(inputs)
-        fns["finalize_epilogue"] = lambda: bridge.finalize_epilogue(*inputs)
+        fns.update(calls)
+    else:  # timed with the strategy's launcher a no-op (`breakdown` installs `_NoLaunch`)
+        fns.update((f"{name}_no_launch", call) for name, call in calls.items())
     return fns
 
 
@@ -191,15 +259,24 @@ def breakdown(quants: list[str], token_counts: list[int], calls: int, rounds: in
                 launcher._plans.clear()
             for tokens in token_counts:
                 inputs = make_inputs(spec, tokens, device=bridge.device)
-                timed = _time(stage_fns(bridge, inputs, tokens, cuda), calls, rounds, sync)
-                for stage in STAGES:
+                fns = stage_fns(bridge, inputs, tokens, cuda)
+                strategy = bridge._instances["fused_tp1"]
+                real = strategy._launcher
+                if not cuda:  # the *_no_launch calls: every stage above took the real one
+                    strategy._launcher = _NoLaunch(real)
+                try:
+                    timed = _time(fns, calls, rounds, sync)
+                finally:
+                    strategy._launcher = real
+                for stage in STAGES + (() if cuda else NO_LAUNCH):
                     rows.append(
                         {"quant": quant, "tokens": tokens, "stage": stage, "us": timed.get(stage)}
                     )
-                if "finalize_epilogue" in timed:
-                    summed = sum(v for k, v in timed.items() if k not in NOT_SUMMED)
-                    rows.append({"quant": quant, "tokens": tokens, "stage": "unattributed",
-                                 "us": timed["finalize_epilogue"] - summed})  # fmt: skip
+                for whole, (stages, name) in PATHS.items():
+                    if whole in timed:
+                        summed = sum(timed[k] for k in stages if k in timed)
+                        rows.append({"quant": quant, "tokens": tokens, "stage": name,
+                                     "us": timed[whole] - summed})  # fmt: skip
     return rows
 
 
@@ -208,13 +285,14 @@ def print_rows(rows: list[dict]) -> None:
     value = {(r["quant"], r["tokens"], r["stage"]): r["us"] for r in rows}
     stages = list(dict.fromkeys(r["stage"] for r in rows))
     head = ["stage (us per call)"] + [f"{q} T={t}" for q, t in configs]
-    print("  ".join(h.ljust(20) for h in head))
+    first = max(len(x) for x in [head[0], *stages])
+    print("  ".join(h.ljust(first if i == 0 else 20) for i, h in enumerate(head)))
     for stage in stages:
         cells = [stage] + [
             "n/a" if value.get((q, t, stage)) is None else f"{value[(q, t, stage)]:.2f}"
             for q, t in configs
         ]
-        print("  ".join(c.ljust(20) for c in cells))
+        print("  ".join(c.ljust(first if i == 0 else 20) for i, c in enumerate(cells)))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -10,7 +10,10 @@ Per (world size, quant, T), every rank times each item in interleaved rounds of 
 time to issue the calls). The median over rounds is taken per rank and the maximum over ranks
 reported. Items (n/a where they cannot run, e.g. FlashInfer's comm kernels at TP1):
 
-- finalize_epilogue: the bridge's call (validation, dispatch, the selected strategy);
+- finalize_epilogue: the bridge's call (validation, dispatch, the selected strategy), its outputs
+  allocated per call;
+- finalize_epilogue_out: the same call with `out=` outputs the caller preallocated once (as a
+  serving engine that owns its buffers calls it; `allocate_outputs(spec, T, device)`);
 - strategy_run: the selected strategy's own run for T (the eager plan's, if the bridge has one);
 - fused_tp1_kernel_cached (world size 1, where the eager route is fused_tp1; issue 50's anchor):
   the kernel the call runs (fused_tp1's launch for T, its config), through the launch the call
@@ -31,8 +34,10 @@ Writes benchmarks/results/eager_cost_h200.csv (--csv; the harness schema, benchm
 us_median is the wall time, extra holds the host time, the routes and notes) and prints a table
 with the ratios the issues' targets are stated in, then issue 50's target check: at world size 1,
 finalize_epilogue <= 2x fused_tp1_kernel_cached (same run, medians of the alternating rounds),
-pass or miss per quant and T. `--breakdown` then times each stage of the world-size-1 eager call
-on its own (benchmarks/eager_breakdown.py), in the same process. Nothing runs at import.
+pass or miss per quant and T, and on the same line finalize_epilogue_out's ratio to the same
+anchor (whose outputs are preallocated too). `--breakdown` then times each stage of the
+world-size-1 eager call on its own, both paths (benchmarks/eager_breakdown.py), in the same
+process. Nothing runs at import.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ DEFAULT_OUT = os.path.join(
 H, K = 7168, 8
 ITEMS = (
     "finalize_epilogue",
+    "finalize_epilogue_out",
     "strategy_run",
     "fused_tp1_kernel_cached",
     "finalize_kernel_normal",
@@ -258,6 +264,7 @@ def rank_main(
 
     from benchmarks.eager_breakdown import tp1_anchor
     from fusion_bridge import FusionBridge
+    from fusion_bridge.epilogue_tensors import allocate_outputs
     from fusion_bridge.kernels import finalize_add as fa
     from fusion_bridge.oracle.synthetic import make_inputs
     from fusion_bridge.tuning.timing import time_graph
@@ -278,8 +285,10 @@ def rank_main(
                 args = tuple(inp)
                 raw = bridge.selected_run(tokens, **eager_kw)
                 graph_raw = bridge.selected_run(tokens)
+                out = allocate_outputs(spec, tokens, bridge.device)  # the caller's, made once
                 fns: dict[str, Callable[[], object]] = {
                     "finalize_epilogue": lambda: bridge.finalize_epilogue(*args),
+                    "finalize_epilogue_out": lambda: bridge.finalize_epilogue(*args, out=out),
                     "strategy_run": lambda: raw(inp),
                 }
                 if world_size == 1:
@@ -375,6 +384,9 @@ def ratios(rows: list[dict]) -> list[dict]:
             line["bridge_overhead_us"] = round(fe - v["strategy_run"], 2)
         if fe is not None and v.get("fused_tp1_kernel_cached"):
             line["eager_vs_tp1_kernel"] = round(fe / v["fused_tp1_kernel_cached"], 3)
+        fe_out = v.get("finalize_epilogue_out")
+        if fe_out is not None and v.get("fused_tp1_kernel_cached"):
+            line["eager_out_vs_tp1_kernel"] = round(fe_out / v["fused_tp1_kernel_cached"], 3)
         out.append(line)
     return out
 
@@ -440,7 +452,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument(
         "--breakdown",
         action="store_true",
-        help="then time each stage of the world-size-1 eager call (benchmarks/eager_breakdown.py)",
+        help="then time each stage of the world-size-1 eager call, allocating and out= "
+        "(benchmarks/eager_breakdown.py)",
     )
     args = ap.parse_args(argv)
     import torch

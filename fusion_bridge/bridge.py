@@ -101,6 +101,7 @@ class FusionBridge(FailurePath, BridgeTools):
         # the call path's own state: what every call checks, and its counters
         self._check_values = self.device.type == "cpu" or self.debug  # index range: a sync on GPU
         self._looks_valid = input_check(self.spec, self.device)
+        self._out_looks_valid = out_check.output_check(self.spec, self.device)  # out=: the same
         self._max_tokens = self.spec.max_tokens
         # a replicated shared output is added once: zeros in its place off rank 0 (None: as given)
         self._shared_once = shared_once(self.spec, self.group, self.env.world_size, self.device)
@@ -232,7 +233,7 @@ class FusionBridge(FailurePath, BridgeTools):
         if not self._looks_valid(inputs):
             validate_inputs(self.spec, inputs, self.device)  # raises, naming what is wrong
         tokens = residual.shape[0]  # valid inputs: every [T, ...] tensor agrees on T
-        if out is not None:
+        if out is not None and not self._out_looks_valid(inputs, out, tokens):
             out_check.validate_out(self.spec, inputs, out, tokens, self.device)
         if self._check_values:
             validate_index_values(inputs)
@@ -248,9 +249,11 @@ class FusionBridge(FailurePath, BridgeTools):
         self._running = (strategy, variant, True)  # from here, its stage says where a failure is
         key = (strategy.name, variant, bool(self._capturing()))
         self._calls[key] = self._calls.get(key, 0) + 1
-        if out is None:  # run_into's own first case, without its frame
+        if out is None:  # run_into's own two common cases, without its frame
             out = strategy.run(inputs, variant)
-        else:
+        elif out_check.TAKES_OUT.get(type(strategy)):
+            out = strategy.run(inputs, variant, out=out)
+        else:  # a class not seen yet, or a run without `out`: its outputs copied into `out`
             out = out_check.run_into(strategy, inputs, variant, out)
         if self._shadow is not None and self._shadow.due():
             shadow = self._instances[self._shadow.strategy]

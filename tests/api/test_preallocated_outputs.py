@@ -256,6 +256,27 @@ def test_a_strategy_whose_run_takes_no_out_gets_its_outputs_copied_into_it():
     assert got is out and _same(out, strategy.run(inp))
 
 
+def test_a_route_whose_strategy_takes_no_out_gets_its_outputs_copied_by_the_bridge():
+    """The bridge's own dispatch (its inline case of run_into): after calls through a strategy
+    class whose run takes `out`, the route's strategy becomes one of a class whose run does not;
+    its outputs are copied into `out` rather than `out=` passed to a run that takes none."""
+    from fusion_bridge.strategies.separate import SeparateStrategy
+
+    class OldSignature(SeparateStrategy):
+        def run(self, inputs, variant="default"):
+            return super().run(inputs, variant)
+
+    inp = make_inputs(SPEC, 4, seed=2)
+    with FusionBridge(SPEC, strategy="separate", self_test=False) as bridge:
+        fresh = bridge(*inp)
+        first = allocate_outputs(SPEC, 4, torch.device("cpu"))
+        assert bridge(*inp, out=first) is first and _same(first, fresh)
+        bridge._instances["separate"].__class__ = OldSignature  # the route's own instance
+        out = _sentinel_outputs(SPEC, 4)
+        got = bridge(*inp, out=out)
+    assert got is out and _same(out, fresh)
+
+
 def _debug_ranks(rank, world_size):
     spec = EpilogueSpec(hidden_size=64, top_k=2)
     inp = make_inputs(spec, 4, rank=rank, seed=9)
