@@ -10,8 +10,11 @@ ARIA = (
     "hidden_size=2560 intermediate_size=1664 vocab_size=100352 num_attention_heads=20 "
     "num_key_value_heads=20 head_dim=128 moe_topk=6 num_experts_per_tok=6 moe_num_shared_experts=2"
 )
-# dots.3-note-prev's language model; unsure of every value: transformers' Dots3NoteTextConfig
-# defaults (its sliding-window layers' MLA shape: the config's swa_* defaults)
+# dots.3-note-prev's language model; transformers' Dots3NoteTextConfig defaults (its
+# sliding-window layers' MLA shape: the config's swa_* defaults). Public loaders' checks of the
+# release agree where they state a value (256 routed experts, top 8, one dense first layer, 46
+# layers of which 13 full attention, kv_lora 512, qk_rope 64, index_head_dim 128); the hidden,
+# expert and head sizes are unsure: no public config.json with them was found
 DOTS3 = (
     "hidden_size=5120 intermediate_size=13824 moe_intermediate_size=1536 "
     "shared_experts_intermediate_size=1536 vocab_size=152064 num_attention_heads=128 "
@@ -36,23 +39,29 @@ LATE_REAL = {
     "dots3_note_text": ("n_routed_experts", 32, DOTS3),
     # dots.3-note-prev in its wrapper (256); unsure of every value (DOTS3) (5.25 only)
     "dots3_note": ("n_routed_experts", 32, DOTS3),
-    # Laguna-XS.2 (256); unsure of every value: transformers' LagunaConfig defaults; every layer
-    # full attention, the config's own (its sliding/full order is not known here)
+    # Laguna-XS-2.1 (256): poolside's config.json as lablup/mlxcel's src/models/laguna_tests.rs
+    # pins it (XS_2_1_CONFIG); its routed scaling 2.5 and per-head gate; a full-attention layer
+    # of 48 heads then three sliding-window ones of 64 (LAYOUT), the dense first layer its own
     "laguna": ("num_experts", 128,
                "hidden_size=2048 intermediate_size=8192 moe_intermediate_size=512 "
                "shared_expert_intermediate_size=512 vocab_size=100352 num_attention_heads=48 "
                "num_key_value_heads=8 head_dim=128 num_experts_per_tok=8 "
-               "moe_routed_scaling_factor=1.0 sliding_window=512"),
+               "moe_routed_scaling_factor=2.5 gating='per-head' sliding_window=512"),
     # DeepSeek-OCR-2's language model (64): DeepSeek-OCR's decoder, which OCR-2 keeps (from
-    # DeepSeek-OCR's published config, not checked against OCR-2's own; DeepseekOcr2TextConfig's
-    # defaults are a generic 4096-wide model with no top-k)
+    # DeepSeek-OCR's published config, not checked against OCR-2's own: the public copies of
+    # OCR-2's config.json found here give only its top level, model_type deepseek_vl_v2;
+    # DeepseekOcr2TextConfig's defaults are a generic 4096-wide model with no top-k)
     "deepseek_ocr2": ("n_routed_experts", 64, OCR),
-    # Unlimited-OCR's language model (64); unsure of every value: transformers'
-    # UnlimitedOcrTextConfig defaults (DeepSeek-OCR's decoder; every layer reference sliding
-    # window) (5.25 only)
+    # Unlimited-OCR's language model (64): DeepSeek-OCR's decoder with every layer a reference
+    # sliding window of 128; a public cache-layout test's copy of its text_config (hidden 1280,
+    # 10 heads and KV heads, sliding_window_size 128, no MLA) agrees; its expert sizes are not
+    # in that copy: DeepSeek-OCR's (5.25 only)
     "unlimited_ocr": ("n_routed_experts", 64, OCR + " sliding_window=128"),
-    # Ling-3.0-Flash (512): KDA layers 5 to 1 with MLA (no q LoRA); unsure of every value:
-    # transformers' BailingHybridConfig defaults (SwiGLU limits off) (5.25 only)
+    # Ling-3.0-Flash (512): KDA layers 5 to 1 with MLA (no q LoRA); transformers'
+    # BailingHybridConfig defaults, which every value here of a public Vulkan loader's pinned
+    # "Ling-3.0-flash-int4 config facts" matches (hidden 2560, 32 heads, kv_lora 512, 512 experts
+    # of 768, top 8, one shared of 768, scaling 2.5, 8 groups / 4, layer groups of 6); its two
+    # dense first layers cut to one; SwiGLU limits off (5.25 only)
     "bailing_hybrid": ("num_local_experts", 64,
                        "hidden_size=2560 intermediate_size=6144 moe_intermediate_size=768 "
                        "vocab_size=157184 num_attention_heads=32 num_key_value_heads=32 "
@@ -62,7 +71,7 @@ LATE_REAL = {
                        "qk_nope_head_dim=128 v_head_dim=128 short_conv_kernel_size=4"),
     # Lara-4-Mini-Base (128): gated DeltaNet, sliding and full layers in the config's own
     # (released, period-5) order; unsure of every value: transformers' LaraMiniConfig defaults
-    # (5.25 only)
+    # (no public copy of its config.json was found) (5.25 only)
     "lara_mini": ("num_experts", 128,
                   "hidden_size=1024 moe_intermediate_size=512 shared_expert_intermediate_size=512 "
                   "vocab_size=151936 num_attention_heads=16 num_key_value_heads=4 head_dim=128 "

@@ -26,7 +26,8 @@ from tests.helpers import once_per_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-MODULES = ("harness.py", "offline_cases.py", "hf_real_shapes_late.py")  # imported, not run
+# imported, not run
+MODULES = ("harness.py", "offline_cases.py", "hf_real_shapes_late.py", "hf_real_shapes_table.py")
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name not in MODULES)
 SHELL = sorted(p.name for p in BENCH.glob("*.sh"))
 OURS = ("fusion_bridge", "benchmarks")
