@@ -18,10 +18,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import transformers
 
 from fusion_bridge.integrations.transformers import UnsupportedModelError, patch_moe_epilogues
 from migration.examples import hf_moe_models
 from migration.examples.hf_moe import compare
+from tests.integrations.test_hf_transformers import check_summary
 
 NEW_TOKENS = 6  # as test_hf_transformers
 
@@ -34,22 +36,22 @@ _KIMI = ("load", ("DeepseekV3Attention has no attribute `k_proj`",))
 _LITE = ("forward", ("The size of tensor a (4) must match the size of tensor b (2)",
                      "mat1 and mat2 shapes cannot be multiplied"))  # fmt: skip
 TRANSFORMERS_FAILS = {
-    # Kimi-K2.5's plan (its wrapper's, written for GQA attention) names k_proj / v_proj, which
-    # the DeepSeek-V3 MLA text model it wraps does not have: loading stops at the first one
+    # Kimi-K2.5 (a DeepSeek-V3 MLA text model in its wrapper): a sharded load looks up a k_proj
+    # in the text model's attention, which MLA does not have (the unsharded load is fine)
     ("5.25", "kimi_k25", "*"): _KIMI,
     ("5.17", "kimi_k25", "*"): _KIMI,
-    # GLM-4-MoE-Lite's plan splits its MLA attention so that the query and key / value heads
-    # (or the output projection's input) no longer agree: its own forward raises in attention
+    # GLM-4-MoE-Lite's own sharded forward raises in its MLA attention: on 2 ranks a head count
+    # mismatch in SDPA, on 4 a matmul of mismatched shapes
     ("5.25", "glm4_moe_lite", "tp_plan"): _LITE,
     ("5.25", "glm4_moe_lite", "tp_ep"): _LITE,
     ("5.17", "glm4_moe_lite", "tp_plan"): _LITE,
-    # Qwen3-VL-MoE saves its experts' down_proj as [E, I, H] and transposes it when loading;
-    # under expert parallelism the shard is taken before that, and the load report's size
-    # mismatch ([4, 32, 64] against [4, 64, 32]) stops the load
+    # Qwen3-VL-MoE under expert parallelism: the load report finds each rank's down_proj shard
+    # of the checkpoint [4, 32, 64] where the model holds [4, 64, 32] (the checkpoint stores the
+    # experts transposed; the transpose made on a whole load is missing) and stops the load
     ("5.25", "qwen3_vl_moe", "tp_ep"): ("load", ("ignore_mismatched_sizes",)),
     ("5.25", "qwen3_vl_moe", "ep"): ("load", ("ignore_mismatched_sizes",)),
-    # transformers 5.17's plans leave a plain tensor beside the DTensors they make: its own
-    # forward mixes them (Qwen3-Omni-MoE's experts in grouped_mm, MiMo-V2-Flash's attention)
+    # transformers 5.17's own sharded forward meets a plain tensor beside the DTensors its plan
+    # made (Qwen3-Omni-MoE in its experts' grouped_mm, MiMo-V2-Flash in a cat of its attention)
     ("5.17", "qwen3_omni_moe", "tp_plan"): ("forward", ("got mixed torch.Tensor and DTensor",)),
     ("5.17", "mimo_v2_flash", "tp_plan"): ("forward", ("got mixed torch.Tensor and DTensor",)),
 }
@@ -58,8 +60,6 @@ TRANSFORMERS_FAILS = {
 def load(path: str, class_name: str, **kwargs) -> torch.nn.Module:
     """The model saved at `path` loaded by transformers with `kwargs` (default: tp_plan="auto"),
     bf16, in eval mode."""
-    import transformers
-
     kwargs = kwargs or dict(tp_plan="auto")
     model = getattr(transformers, class_name).from_pretrained(path, dtype=torch.bfloat16, **kwargs)
     return model.eval()
@@ -93,15 +93,11 @@ def all_reduces_per_layer(model, layers, prompt) -> list[int]:
 
 def newest() -> bool:
     """Whether the installed transformers has DistributedConfig(ep_size=...) (5.25)."""
-    import transformers
-
     return hasattr(transformers.DistributedConfig(), "ep_size")
 
 
 def modes(world: int) -> dict:
     """{mode: from_pretrained keyword arguments} this transformers offers (built in the rank)."""
-    import transformers
-
     out = {"tp_plan": dict(tp_plan="auto")}
     if newest():  # transformers 5.25's expert parallelism: TP + EP, and EP alone (tp_plan={})
         config = transformers.DistributedConfig
@@ -140,14 +136,12 @@ def own_groups():
     """Inside: a model's load makes its device meshes' process groups (transformers makes new
     ones at every from_pretrained; each gloo group keeps threads of its own). On leaving, after a
     barrier, the groups made inside are destroyed, so one process can load every family in every
-    mode without piling up thousands of threads."""
+    mode without piling up thousands of threads. Nothing is destroyed when the body raises."""
     before = _groups()
-    try:
-        yield
-    finally:
-        dist.barrier()  # every rank is done with them
-        for group in _groups() - before:
-            dist.destroy_process_group(group)
+    yield  # a rank that raised inside ends with its groups (no barrier its peers would not reach)
+    dist.barrier()  # every rank is done with them
+    for group in _groups() - before:
+        dist.destroy_process_group(group)
 
 
 def family_result(family, path, class_name, rank, world, prompt, kwargs) -> dict:
@@ -257,3 +251,109 @@ def kv_heads_multiple_of(world: int):
         yield
     finally:
         hf_moe_models._configs = original
+
+
+def ep_refusals(saved: dict, world: int) -> dict:
+    """transformers 5.25 models whose expert parallelism the patch refuses as a whole, loaded for
+    real: an EP group that is not the TP group (FSDP over the ranks makes room for it:
+    DistributedConfig(tp_size=W/2, fsdp_size=2, ep_size=W), the mesh transformers builds; AutoEP
+    then exchanges tokens all-to-all) and DeepGEMM Mega MoE experts (the load-time choice
+    experts_implementation="deepgemm_megamoe": the refusal comes before any forward, so no
+    DeepGEMM kernel is needed on CPU)."""
+    config, where = transformers.DistributedConfig, saved["qwen2_moe"]
+    apart = config(tp_size=world // 2, fsdp_size=2, ep_size=world)
+    mega = dict(distributed_config=config(tp_size=world, ep_size=world))
+    return {
+        "ep_not_tp": refusal(load(*where, distributed_config=apart)),
+        "megamoe": refusal(load(*where, experts_implementation="deepgemm_megamoe", **mega)),
+    }
+
+
+def check_ep_refusals(per_rank: list) -> None:
+    """Every rank refused both models of ep_refusals, naming the groups / the experts."""
+    world = len(per_rank)
+    for rank, r in enumerate(per_rank):
+        ep_ranks, tp_ranks = list(range(world)), [rank - rank % (world // 2) + i
+                                                    for i in range(world // 2)]  # fmt: skip
+        refused = r["ep_refusals"]
+        head = (
+            f"UnsupportedModelError: patch_moe_epilogues: the model was loaded with expert "
+            f"parallelism (DistributedConfig(ep_size={world})) under transformers "
+            f"{transformers.__version__}, which the patch cannot take over: "
+        )
+        assert refused["ep_not_tp"].startswith(
+            head + f"its EP group (ranks {ep_ranks}) is not its TP group (ranks {tp_ranks})"
+        ), refused["ep_not_tp"]
+        assert refused["megamoe"].startswith(
+            head + "DeepGEMM Mega MoE experts exchange tokens inside their kernel"
+        ), refused["megamoe"]
+
+
+def refusal(model, **kwargs) -> str:
+    try:
+        patch_moe_epilogues(model, **kwargs).unpatch()
+        return "patched"
+    except ValueError as exc:  # UnsupportedModelError is one
+        return f"{type(exc).__name__}: {exc}"
+
+
+def check_mode(per_rank, saved, mode: str) -> None:
+    """Every family loaded in `mode` on every rank: transformers' own failures only where
+    TRANSFORMERS_FAILS lists them, with their reason; refused only where expected (5.17's
+    moe_tp_experts); else within the bound, ranks identical, unpatch exact, and one all-reduce
+    per MoE layer: the layer's own, less the plan-sharded shared expert's and AllReduceEP's."""
+    for family in saved:
+        ranks = [per_rank[r][mode][family] for r in range(len(per_rank))]
+        known = expected_failure(transformers.__version__, family, mode)
+        if known is not None or "transformers_failed" in ranks[0]:
+            for r in ranks:  # listed with its reason, and failing for that reason
+                assert known is not None, (mode, family, r.get("transformers_failed"), r)
+                assert r.get("transformers_failed") == known[0], (mode, family, r)
+                assert any(text in r["error"] for text in known[1]), (mode, family, r["error"])
+            continue
+        if "refused" in ranks[0]:
+            # only where transformers' plan shards the routed experts (5.17's moe_tp_experts)
+            assert not newest() and ranks[0]["routed_sharded"], ranks[0]["refused"]
+            for r in ranks:
+                assert "cannot be patched under transformers 5.17" in r["refused"]
+                assert "'moe_tp_experts'" in r["refused"] and "experts: a replaced" in r["refused"]
+            continue
+        for r in ranks:
+            assert "refused" not in r and "transformers_failed" not in r, (family, r)
+            check_summary(r)
+            assert r["tp_forwards_restored"], family
+            unpatched, patched = r["all_reduces"]
+            print(f"{mode} {family} rank {r['rank']}: all-reduces per decoder layer, unpatched "
+                  f"{unpatched}, patched {patched}; MoE layers {r['moe_layers']}")  # fmt: skip
+            for i, (own, ours) in enumerate(zip(unpatched, patched)):
+                if i not in r["moe_layers"]:
+                    assert ours == own, (family, i)
+                else:  # the bridge's one, in place of the shared expert's and AllReduceEP's
+                    gone = r["shared_sharded"][i] + r["experts_sharded"][i]
+                    assert ours == own - gone + 1 and ours >= 1, (family, i)
+        # the shared expert is the plan's shard exactly where the TP plan names it
+        assert ranks[0]["shared_sharded"] == ranks[0]["plan_shards_shared"], (mode, family)
+        assert set(ranks[0]["experts_sharded"].values()) == {mode != "tp_plan"}, (mode, family)
+        for other in ranks[1:]:
+            assert other["logits_checksum"] == ranks[0]["logits_checksum"], family
+            assert other["sequences"] == ranks[0]["sequences"], family
+
+
+def print_matrix(per_rank, saved, world: int, seconds: float) -> None:
+    """One line per family and mode: the outcome, all-reduces per decoder layer (transformers'
+    own -> patched), worst error / bound; then the group's wall time."""
+    for mode in modes(world):
+        for family in saved:
+            r = per_rank[0][mode][family]
+            took = max(p["seconds"][mode, family] for p in per_rank)
+            if "transformers_failed" in r:
+                what = f"transformers fails at {r['transformers_failed']}: {r['error'][:120]}"
+            elif "refused" in r:
+                what = "refused: " + r["refused"].splitlines()[0][:160]
+            else:
+                unpatched, patched = r["all_reduces"]
+                what = (f"pass; all-reduces {unpatched} -> {patched} (MoE layers "
+                        f"{r['moe_layers']}); worst error/bound {r['max_rel_err_over_bound']:.2f}"
+                        f"; {' / '.join(r['behaviour'][1:])}")  # fmt: skip
+            print(f"MATRIX W={world} {mode} {family}: {what} ({took:.1f} s)")
+    print(f"MATRIX W={world}: {len(saved)} families, group wall time {seconds:.0f} s")
