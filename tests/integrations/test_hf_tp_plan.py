@@ -16,8 +16,8 @@ group, DeepGEMM Mega MoE experts, a plan entry on the MoE block (every such laye
 error). Parameters replaced or re-sharded after patching are named at the next call.
 
 Which families and world sizes. TEST_HF_SHARDED_ALL=1: every family the patch supports in the
-installed transformers, every mode it offers, on 2 and on 4 ranks (about 1 minute on 5.17 and 6
-on 5.25 on 2 cores), printing one MATRIX line per family, mode and world size. Otherwise (CI):
+installed transformers, every mode it offers, on 2 and on 4 ranks (on 2 cores about 40 s on
+5.17, 5 minutes on 5.25), printing one MATRIX line per family, mode and world size. Otherwise (CI):
 DEFAULT_FAMILIES on 2 ranks, and on 4 with TEST_HF_FOUR_RANKS=1. The rule for DEFAULT_FAMILIES:
 the first family in hf_moe_models.FAMILIES order of each behaviour row (hf_sharded.behaviour:
 refused or not and why; shared expert plan-sharded, replicated or absent, gated, the decoder
