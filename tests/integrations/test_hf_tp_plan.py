@@ -333,7 +333,7 @@ def four(tmp_path_factory):
 
 @pytest.mark.skipif(
     not FOUR_RANKS,
-    reason="4 spawned gloo ranks (about 2 minutes on a 2-core machine for the CI subset): run "
+    reason="4 spawned gloo ranks (the CI subset: about 45 s on a 2-core machine): run "
     "with TEST_HF_FOUR_RANKS=1 (the CI subset) or TEST_HF_SHARDED_ALL=1 (every family)",
 )
 def test_every_mode_on_four_gloo_ranks(four):
