@@ -17,7 +17,7 @@ and its layout and is not seen here: the ranks must then change it alike, as for
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -30,12 +30,33 @@ def _layout(p: torch.Tensor) -> tuple:
     return tuple(local(p).shape), p.dtype, p.device, placements
 
 
+class _Entry(NamedTuple):
+    """One watched parameter: where it is, the object, and what a call compares."""
+
+    full: str  # its path in the model
+    owner: torch.nn.Module  # the module holding it
+    name: str  # its name in owner._parameters
+    param: torch.Tensor  # the object as patched
+    dtype: torch.dtype
+    device: torch.device
+    shape: torch.Size  # its global shape (a DTensor's: the whole tensor's)
+    local_shape: torch.Size  # what this rank holds (a plain tensor: shape)
+    placements: Optional[tuple]  # a DTensor's placements (None: a plain tensor)
+    layout: tuple  # _layout(param), for the message
+
+
+def _entry(full: str, owner: torch.nn.Module, name: str, p: torch.Tensor) -> _Entry:
+    placements = tuple(p.placements) if is_dtensor(p) else None
+    return _Entry(full, owner, name, p, p.dtype, p.device, p.shape, local(p).shape, placements,
+                  _layout(p))  # fmt: skip
+
+
 class ParameterWatch:
     """The parameters of `modules` ({path: module}, submodules included, each parameter once) as
     they are now; `check()` raises RuntimeError naming the first one replaced or changed since."""
 
     def __init__(self, modules: dict[str, torch.nn.Module]) -> None:
-        self.entries: list[tuple[str, torch.nn.Module, str, torch.Tensor, tuple]] = []
+        self.entries: list[_Entry] = []
         seen: set[int] = set()
         for path, module in modules.items():
             for sub, owner in module.named_modules(prefix=path):
@@ -44,23 +65,47 @@ class ParameterWatch:
                 seen.add(id(owner))
                 for name, p in owner._parameters.items():
                     if p is not None:
-                        self.entries.append((f"{sub}.{name}", owner, name, p, _layout(p)))
+                        self.entries.append(_entry(f"{sub}.{name}", owner, name, p))
+        # what changed() compares on every call, one plain tuple a parameter
+        self._compared = [
+            (e.owner, e.name, e.param, e.dtype, e.shape, e.device, e.placements, e.local_shape)
+            for e in self.entries
+        ]
 
     def changed(self) -> Optional[str]:
-        """What changed about the first watched parameter that did (None: none did)."""
-        for full, owner, name, p, layout in self.entries:
+        """What changed about the first watched parameter that did (None: none did): each is
+        compared field by field with what it was (the same object, dtype, global shape, device,
+        and a DTensor's placements and local shape); _layout is built only for the message."""
+        for i, (owner, name, param, dtype, shape, device, placements, local_shape) in enumerate(
+            self._compared
+        ):
             now = owner._parameters.get(name)
-            if now is not p:
-                what = "removed" if now is None else "replaced by another parameter object"
-                if now is not None and _layout(now) != layout:
-                    what += f" (local shape, dtype, device, placements {_layout(now)})"
-                return f"{full} was {what}"
-            if _layout(now) != layout:
-                return (
-                    f"{full} changed its local shape, dtype, device or placements from {layout} "
-                    f"to {_layout(now)}"
+            if (
+                now is param
+                and now.dtype is dtype
+                and now.shape == shape
+                and now.device == device
+                and (
+                    placements is None
+                    or (now.placements == placements and now._local_tensor.shape == local_shape)
                 )
+            ):
+                continue
+            return self._what(self.entries[i], now)
         return None
+
+    @staticmethod
+    def _what(e: _Entry, now: Optional[torch.Tensor]) -> str:
+        """How `now`, the parameter at e's place, differs from e."""
+        if now is not e.param:
+            what = "removed" if now is None else "replaced by another parameter object"
+            if now is not None and _layout(now) != e.layout:
+                what += f" (local shape, dtype, device, placements {_layout(now)})"
+            return f"{e.full} was {what}"
+        return (
+            f"{e.full} changed its local shape, dtype, device or placements from {e.layout} "
+            f"to {_layout(now)}"
+        )
 
     def check(self) -> None:
         """Raise RuntimeError if a watched parameter was replaced or changed its layout."""
