@@ -27,7 +27,15 @@ from tests.helpers import once_per_run
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 # imported, not run
-MODULES = ("harness.py", "offline_cases.py", "hf_real_shapes_late.py", "hf_real_shapes_table.py")
+MODULES = (
+    "harness.py",
+    "offline_cases.py",
+    "offline_launches.py",
+    "hf_real_shapes_late.py",
+    "hf_real_shapes_table.py",
+    "eager_cost_items.py",
+    "eager_cost_report.py",
+)
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name not in MODULES)
 SHELL = sorted(p.name for p in BENCH.glob("*.sh"))
 OURS = ("fusion_bridge", "benchmarks")
