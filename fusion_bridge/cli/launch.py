@@ -87,8 +87,22 @@ def _rank_main(
             dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which raises it
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(path, "wb") as f:
-        pickle.dump(result, f)
+    _write_result(path, result, rank)
+
+
+def _write_result(path: str, result: tuple, rank: int) -> None:
+    """Pickle `result` to `path` whole or not at all: written under a temporary name and renamed,
+    so a rank killed mid-write (the launcher ends every rank once one dies) leaves no truncated
+    file for the parent to misread; a result that cannot be pickled is reported as this rank's
+    error."""
+    partial = f"{path}.partial"
+    try:
+        with open(partial, "wb") as f:
+            pickle.dump(result, f)
+    except Exception as exc:
+        with open(partial, "wb") as f:
+            pickle.dump(("error", f"rank {rank}: its result could not be pickled: {exc!r}"), f)
+    os.replace(partial, path)
 
 
 def run_distributed(

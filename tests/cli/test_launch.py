@@ -48,6 +48,46 @@ def test_a_rank_that_dies_is_reported_with_its_rank_and_cause():
         run_distributed(_dies, 2, backend="gloo", timeout_s=120)
 
 
+def test_a_result_cut_off_mid_write_leaves_no_file_to_misread(tmp_path):
+    """A rank killed while pickling its result (the launcher ends every rank once one dies) must
+    leave nothing at its result path that the parent would read as truncated: stood in for by a
+    result whose pickling fails after a megabyte is written."""
+    import pickle
+
+    from fusion_bridge.cli.launch import _write_result
+
+    path = tmp_path / "rank0.pkl"
+    _write_result(str(path), ("ok", [b"x" * (1 << 20), lambda: None]), 0)
+    status, value = pickle.loads(path.read_bytes())  # whole, not the first megabyte
+    assert status == "error"
+    assert value.startswith("rank 0: its result could not be pickled")
+
+
+class _KilledWhilePickled:
+    def __reduce__(self):
+        raise SystemExit("stands in for a SIGKILL: nothing after it runs")
+
+
+def test_a_rank_ended_mid_write_leaves_no_result_file(tmp_path):
+    """The result is renamed into place only once whole: ended mid-pickle (after a megabyte),
+    nothing is at its path, so the parent reports the rank as ended without a result."""
+    from fusion_bridge.cli.launch import _write_result
+
+    path = tmp_path / "rank0.pkl"
+    with pytest.raises(SystemExit):
+        _write_result(str(path), ("ok", [b"x" * (1 << 20), _KilledWhilePickled()]), 0)
+    assert not path.exists()
+
+
+def _unpicklable(rank, world_size):
+    return (lambda: None) if rank == 1 else rank
+
+
+def test_a_result_that_cannot_be_pickled_is_reported_with_its_rank():
+    with pytest.raises(RuntimeError, match="rank 1: its result could not be pickled"):
+        run_distributed(_unpicklable, 2, backend="gloo", timeout_s=120)
+
+
 def _sleeps(rank, world_size, pid_dir):
     pathlib.Path(pid_dir, f"rank{rank}").write_text(str(os.getpid()))
     time.sleep(600)
