@@ -31,24 +31,28 @@ def _layout(p: torch.Tensor) -> tuple:
 
 
 class _Entry(NamedTuple):
-    """One watched parameter: where it is, the object, and what a call compares."""
+    """One watched parameter: where it is, and what a call compares (as it was when patched)."""
 
     full: str  # its path in the model
     owner: torch.nn.Module  # the module holding it
     name: str  # its name in owner._parameters
     param: torch.Tensor  # the object as patched
     dtype: torch.dtype
-    device: torch.device
     shape: torch.Size  # its global shape (a DTensor's: the whole tensor's)
-    local_shape: torch.Size  # what this rank holds (a plain tensor: shape)
+    device: torch.device
     placements: Optional[tuple]  # a DTensor's placements (None: a plain tensor)
-    layout: tuple  # _layout(param), for the message
+    local_shape: torch.Size  # what this rank holds (a plain tensor: shape)
 
 
 def _entry(full: str, owner: torch.nn.Module, name: str, p: torch.Tensor) -> _Entry:
     placements = tuple(p.placements) if is_dtensor(p) else None
-    return _Entry(full, owner, name, p, p.dtype, p.device, p.shape, local(p).shape, placements,
-                  _layout(p))  # fmt: skip
+    return _Entry(full, owner, name, p, p.dtype, p.shape, p.device, placements, local(p).shape)
+
+
+def _layout_of(e: _Entry) -> tuple:
+    """_layout of the parameter as it was when patched (from the entry's fields)."""
+    placements = None if e.placements is None else tuple(repr(x) for x in e.placements)
+    return tuple(e.local_shape), e.dtype, e.device, placements
 
 
 class ParameterWatch:
@@ -66,19 +70,13 @@ class ParameterWatch:
                 for name, p in owner._parameters.items():
                     if p is not None:
                         self.entries.append(_entry(f"{sub}.{name}", owner, name, p))
-        # what changed() compares on every call, one plain tuple a parameter
-        self._compared = [
-            (e.owner, e.name, e.param, e.dtype, e.shape, e.device, e.placements, e.local_shape)
-            for e in self.entries
-        ]
 
     def changed(self) -> Optional[str]:
         """What changed about the first watched parameter that did (None: none did): each is
         compared field by field with what it was (the same object, dtype, global shape, device,
         and a DTensor's placements and local shape); _layout is built only for the message."""
-        for i, (owner, name, param, dtype, shape, device, placements, local_shape) in enumerate(
-            self._compared
-        ):
+        for e in self.entries:
+            _, owner, name, param, dtype, shape, device, placements, local_shape = e
             now = owner._parameters.get(name)
             if (
                 now is param
@@ -91,7 +89,7 @@ class ParameterWatch:
                 )
             ):
                 continue
-            return self._what(self.entries[i], now)
+            return self._what(e, now)
         return None
 
     @staticmethod
@@ -99,12 +97,12 @@ class ParameterWatch:
         """How `now`, the parameter at e's place, differs from e."""
         if now is not e.param:
             what = "removed" if now is None else "replaced by another parameter object"
-            if now is not None and _layout(now) != e.layout:
+            if now is not None and _layout(now) != _layout_of(e):
                 what += f" (local shape, dtype, device, placements {_layout(now)})"
             return f"{e.full} was {what}"
         return (
-            f"{e.full} changed its local shape, dtype, device or placements from {e.layout} "
-            f"to {_layout(now)}"
+            f"{e.full} changed its local shape, dtype, device or placements from "
+            f"{_layout_of(e)} to {_layout(now)}"
         )
 
     def check(self) -> None:
