@@ -90,6 +90,11 @@ def _padded_elements(spec: EpilogueSpec, tokens: int, groups: int) -> Optional[i
     return rows * width
 
 
+def _held_elements(t: torch.Tensor) -> int:
+    """The elements of t's storage from t's first on (what a writer past the view can reach)."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+
+
 def validate_out(
     spec: EpilogueSpec,
     inputs: EpilogueInputs,
@@ -238,10 +243,8 @@ def output_check(
                     )
                 ):
                     return False
-                if padded is not None and (
-                    t.untyped_storage().nbytes() // 4 - t.storage_offset() < padded
-                ):  # a TMA scale's storage holds its padding (fp32: 4 bytes an element)
-                    return False
+                if padded is not None and _held_elements(t) < padded:
+                    return False  # a TMA scale's storage holds its padding
                 start = t.data_ptr()
                 end = start + reach
                 if (start < r1 and r0 < end) or (start < n1 and n0 < end):
@@ -291,7 +294,7 @@ def _check_scale_view(spec: EpilogueSpec, t: torch.Tensor, field: str) -> Option
         )
     padded = _padded_elements(spec, tokens, groups)
     if padded is not None:
-        held = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+        held = _held_elements(t)
         if held < padded:
             _fail(
                 field,
