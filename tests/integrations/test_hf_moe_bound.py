@@ -74,7 +74,7 @@ def test_a_per_token_gain_and_the_mixers_roundings_enter_only_where_the_input_di
 def test_the_recorder_bounds_a_delta_rule_layer_with_its_derived_gain():
     # Qwen3-Next: gated DeltaNet layers 0 and 2 around full attention; the recorded call carries
     # each DeltaNet layer's derived gain per token, and the bound uses it (a gain of 1 there, the
-    # default of a mixer without a MIXER_GAIN row, gives a smaller bound)
+    # default of a mixer without a MIXER_GAIN row, with the same roundings, gives a smaller bound)
     if why_skipped("qwen3_next") is not None:
         pytest.skip(f"qwen3_next: {why_skipped('qwen3_next')}")
     model = build_model("qwen3_next", TINY, seed=0)
@@ -90,7 +90,5 @@ def test_the_recorder_bounds_a_delta_rule_layer_with_its_derived_gain():
         assert gain.shape == roundings.shape == (prompt.numel(),)
         assert bool(torch.isfinite(gain).all()) and float(gain.min()) >= 1.0
     derived = recorder.bound(call, model, 1)[1]
-    call["gain"] = {
-        i: (torch.ones_like(g), torch.zeros_like(r)) for i, (g, r) in call["gain"].items()
-    }
+    call["gain"] = {i: (torch.ones_like(g), r) for i, (g, r) in call["gain"].items()}
     assert bool((recorder.bound(call, model, 1)[1] < derived).all())
