@@ -60,10 +60,10 @@ def _energy(path: torch.Tensor, rounding: torch.Tensor) -> torch.Tensor:
 
 class DeltaGain:
     """Forward hooks on one delta-rule mixer's own submodules (its input projections, its gated
-    norm, its output projection) that derive, per call and token, how the mixer's output error depends on its input's:
-    |d out|^2 / |out|^2 <= `gain` * eps_in^2 + `roundings` * u^2 wherever the two models' inputs
-    differ (eps_in: the input's relative error; `gain`, `roundings`: [B*T] fp32 each, of the last
-    call).
+    norm, its output projection) that derive, per call and token, how the mixer's output error
+    depends on its input's: |d out|^2 / |out|^2 <= `gain` * eps_in^2 + `roundings` * u^2 wherever
+    the two models' inputs differ (eps_in: the input's relative error; `gain`, `roundings`: [B*T]
+    fp32 each, of the last call).
 
     Error model (hf_moe_bound's own): a linear map passes its input's relative error on, spread
     over its outputs (output i of W x moves by eps |x| |W_i| / sqrt(N) for an error in a random
@@ -304,9 +304,9 @@ class DeltaGain:
         n = m * _gate(act, z)
         # the normalised o's error per element: rel * its mean square (1 where |o|^2 / dv >> the
         # norm's epsilon: scale-invariant; below it the norm is linear in o and passes rel on)
-        dn2 = (weight * _gate(act, z)).pow(2) * (rel * normed.pow(2).mean(-1))[..., None] + _energy(
-            0, ROUND * self.norm_roundings * n**2
-        )
+        per_element = (rel * normed.pow(2).mean(-1))[..., None]
+        dn2 = (weight * _gate(act, z)).pow(2) * per_element
+        dn2 = dn2 + _energy(0, ROUND * self.norm_roundings * n**2)  # the norm's roundings
         dn2 = dn2 + (m * _gate_slope(act, z)).pow(2) * e_z.reshape(2, *o.shape)  # the gate
         # out = W n: E|W dn|^2 = sum_i |W_:i|^2 E[dn_i^2] for independent element errors
         columns = _full(module.weight).pow(2).sum(0)  # [H * dv]
