@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from migration.examples.hf_delta_gain import DELTA_MIXERS, DeltaGain
+
 U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
 
 # Roundings to the activation dtype in one call of a family's RMSNorm (its forward, quoted):
@@ -33,24 +35,16 @@ NORM_ROUNDINGS = {
 # sparse attention too, whose indexer keeps more tokens than the tests' sequences hold, so it
 # attends to all as dense attention does); Qwen3.5's and Qwen3-Next's full attention multiply
 # their output by sigmoid(gate(x)), a second linear path of the same input whose error adds in
-# quadrature (2); Qwen3.5's and Qwen3-Next's gated DeltaNet
-# reach their output through seven projections of its input (q; k twice: the state's erase and
-# write terms; v; the output gate z; the decay a; the write strength b), each passing on the
-# input's relative error at most once (normalised q and k, slopes of silu, sigmoid and softplus at
-# most about 1 at these small random weights), so seven paths in quadrature (7); Kimi-Linear's
-# KDA (KimiLinearDeltaAttention) has the same seven: q, k twice, v, the forget gate
-# (f_a_proj -> f_b_proj), the write strength b_proj and the output gate (g_a_proj -> g_b_proj) (7).
-# Known gap (issue 47): a delta rule's output is linear in q.k and in its state's sum (no
-# softmax), so where those cancel, its relative error exceeds its input's by far more than
-# sqrt(7); measured at the one-GPU test's size (Qwen3-Next, CPU, bf16) A^2 up to 671 at a token
-# whose DeltaNet output is 1/50 of the median. The tests' sizes keep such tokens' share of the
-# residual small; a bound from the unmodified model's own q.k and state magnitudes is not built.
+# quadrature (2). The delta-rule mixers (hf_delta_gain.DELTA_MIXERS: the gated DeltaNet of
+# Qwen3.5, Qwen3-Next and Lara-mini, the KDA of Kimi-Linear and Bailing-Hybrid) have no constant:
+# their output is linear in q.k and in their state (no softmax), so where those cancel, its
+# relative error exceeds its input's by far more than any constant (issue 47: measured on the
+# CPU, bf16, at the one-GPU test's size, Qwen3-Next, up to thousands at a token whose DeltaNet
+# output cancels); hf_delta_gain.DeltaGain derives theirs per call and token from the unmodified
+# model's own recorded values.
 MIXER_GAIN = {
     "Qwen3_5MoeAttention": 2,
-    "Qwen3_5MoeGatedDeltaNet": 7,
     "Qwen3NextAttention": 2,
-    "Qwen3NextGatedDeltaNet": 7,
-    "KimiLinearDeltaAttention": 7,
     # `attn_output * gate_states.sigmoid()`, its gate a half of q_gate_proj(x): as Qwen3-Next's
     "MiniCPM5MoeAttention": 2,
     # the output times a gate of a second linear path of the same input, as Qwen3-Next's: Laguna's
@@ -59,12 +53,6 @@ MIXER_GAIN = {
     "LagunaAttention": 2,
     "Dots3NoteTextAttention": 2,
     "BailingHybridAttention": 2,
-    # Bailing-Hybrid's KDA (BailingHybridDeltaAttention) has Kimi-Linear's seven paths: q, k twice,
-    # v, the forget gate (forget_gate(x)), the write strength b_proj and the output gate g_proj
-    # into its gated norm; Lara-mini's LaraMiniGatedDeltaNet is Qwen3.5's gated DeltaNet (q, k
-    # twice, v, z, a, b from in_proj_qkv / in_proj_z / in_proj_a / in_proj_b)
-    "BailingHybridDeltaAttention": 7,
-    "LaraMiniGatedDeltaNet": 7,
 }
 
 
@@ -127,7 +115,12 @@ def _relative(err: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
 
 
 def logits_bound(
-    magnitudes: dict, moe_layers: list, epilogue: int, norm: int, gains: dict
+    magnitudes: dict,
+    moe_layers: list,
+    epilogue: int,
+    norm: int,
+    gains: dict,
+    roundings: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, norm-wise: (bound on |n_patched - n_unmodified| / |n_unmodified| for the final
     normed hidden state n, bound on |logits_patched - logits_unmodified| / |logits_unmodified|),
@@ -145,10 +138,13 @@ def logits_bound(
         unmodified model's `norm` and the bridge's one; where both compute it on differing
         inputs, 2 * norm; the norm passes on its input's relative error (it is scale-invariant);
       - a sublayer passes on its input's relative error amplified by A^2 norm-wise at its output's
-        size: the token mixer `gains[layer]` (MIXER_GAIN; plain attention 1: linear in its input
-        at fixed softmax weights, the weights moving by the same relative amount times the spread
-        of the scores, which random small weights keep below 1), gated MLP / experts A^2 = 2
-        (silu(gate) * up: two linear maps of the input whose errors add in quadrature);
+        size: the token mixer `gains[layer]`, a number (MIXER_GAIN; plain attention 1: linear in
+        its input at fixed softmax weights, the weights moving by the same relative amount times
+        the spread of the scores, which random small weights keep below 1) or, for a delta-rule
+        mixer, a tensor shaped like the tokens (hf_delta_gain.DeltaGain), which also adds
+        `roundings[layer]` (u^2, per token: the mixer's own roundings of values that differ)
+        wherever its input differs; gated MLP / experts A^2 = 2 (silu(gate) * up: two linear
+        maps of the input whose errors add in quadrature);
       - an MoE layer adds `epilogue` roundings (epilogue_roundings) at its output's size;
       - at the end: the final norm (as above) and the lm_head's output rounding (2); the lm_head,
         a random linear map, keeps the relative error.
@@ -164,7 +160,10 @@ def logits_bound(
             err = torch.zeros_like(r0)
         differs = bool(err.any()) or prev_moe
         eps_in = _relative(err, r0) + (norm + 1 if prev_moe else (2 * norm if differs else 0))
-        err = err + gains.get(layer, 1) * attn**2 * eps_in + (2 * r1**2 if differs else 0)
+        gain, rounds = gains.get(layer, 1), (roundings or {}).get(layer, 0)
+        # no error in, none out (also where a derived gain is infinite); NaN stays NaN
+        mixed = torch.where(eps_in == 0, torch.zeros_like(eps_in), gain * eps_in + rounds)
+        err = err + attn**2 * mixed + (2 * r1**2 if differs else 0)
         differs = differs or layer in moe_layers
         eps_mlp = _relative(err, r1) + (2 * norm if bool(err.any()) else 0)
         err = err + 2 * mlp**2 * eps_mlp + (epilogue * mlp**2 if layer in moe_layers else 0)
@@ -201,6 +200,12 @@ class Recorder:
         self.norm = norm_roundings(lm.norm)
         mixers = [type(self._mixer(layer)).__name__ for layer in layers]
         self.gains = {i: MIXER_GAIN.get(name, 1) for i, name in enumerate(mixers)}
+        # a delta-rule mixer's gain, derived per call (recorded in call["gain"])
+        self.delta = {
+            i: DeltaGain(self._mixer(layer))
+            for i, layer in enumerate(layers)
+            if mixers[i] in DELTA_MIXERS
+        }
         self.weights_dtype = None
         self.calls: list[dict] = []
         self._handles = [lm.norm.register_forward_hook(self._final)]
@@ -230,7 +235,7 @@ class Recorder:
     def _pre(self, index: int):
         def hook(module, args, kwargs):
             if index == 0:
-                self.calls.append({"routing": {}, "mag": {}})
+                self.calls.append({"routing": {}, "mag": {}, "gain": {}})
             self.calls[-1]["mag"][index] = {"in": args[0] if args else kwargs["hidden_states"]}
 
         return hook
@@ -238,6 +243,9 @@ class Recorder:
     def _store(self, index: int, what: str):
         def hook(module, args, output):
             self.calls[-1]["mag"][index][what] = output[0] if isinstance(output, tuple) else output
+            if what == "attn" and index in self.delta:  # its norm's hook has just derived it
+                delta = self.delta[index]
+                self.calls[-1]["gain"][index] = (delta.gain, delta.roundings)
 
         return hook
 
@@ -252,12 +260,21 @@ class Recorder:
         return hook
 
     def start(self) -> None:
+        """A new run: no calls recorded, every delta-rule mixer's state forgotten."""
         self.calls = []
+        for delta in self.delta.values():
+            delta.reset()
 
     def bound(self, call: dict, model: torch.nn.Module, world: int):
         """logits_bound for one recorded call of the unmodified model."""
         epilogue = epilogue_roundings(model, world, self.weights_dtype)
-        return logits_bound(self.magnitudes(call), self.moe_layers, epilogue, self.norm, self.gains)
+        missing = sorted(set(self.delta) - set(call["gain"]))
+        if missing:
+            raise ValueError(f"call holds no derived gain of delta-rule layer(s) {missing}")
+        gains = {**self.gains, **{i: g for i, (g, _) in call["gain"].items()}}
+        rounds = {i: r for i, (_, r) in call["gain"].items()}
+        magnitudes = self.magnitudes(call)
+        return logits_bound(magnitudes, self.moe_layers, epilogue, self.norm, gains, rounds)
 
     def magnitudes(self, call: dict) -> dict:
         out = {}
@@ -275,6 +292,8 @@ class Recorder:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        for delta in self.delta.values():
+            delta.remove()
 
 
 class Tainted:

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from migration.examples.hf_moe import TINY, build_model, compare  # noqa: E402
-from migration.examples.hf_moe_bound import logits_bound  # noqa: E402
+from migration.examples.hf_moe_bound import Recorder, logits_bound  # noqa: E402
 from migration.examples.hf_moe_models import why_skipped  # noqa: E402
 
 
@@ -53,3 +53,42 @@ def test_a_zero_value_that_carries_an_error_has_no_bound():
     per_hidden, per_logits = logits_bound(magnitudes, [0], 8, 2, {})
     assert math.isfinite(float(per_logits[0])) and math.isfinite(float(per_hidden[0]))
     assert math.isnan(float(per_logits[1])) and math.isnan(float(per_hidden[1]))
+
+
+def test_a_per_token_gain_and_the_mixers_roundings_enter_only_where_the_input_differs():
+    # layer 0 is the MoE layer (every value differs after it); layer 1's token mixer has a
+    # derived gain per token: token 1's gain of 1000 and the roundings (u^2 units) enlarge its
+    # bound alone; layer 0's mixer sees identical inputs, so its roundings add nothing
+    one = torch.ones(2)
+    magnitudes = {0: (one, one, one, one, one), 1: (one, one, one, one, one)}
+    base = logits_bound(magnitudes, [0], 8, 2, {})[0]
+    gains = {1: torch.tensor([1.0, 1000.0])}
+    per_token = logits_bound(magnitudes, [0], 8, 2, gains)[0]
+    assert float(per_token[0]) == float(base[0]) and float(per_token[1]) > 10 * float(base[1])
+    rounded = logits_bound(magnitudes, [0], 8, 2, {}, {1: torch.tensor([0.0, 500.0])})[0]
+    assert float(rounded[0]) == float(base[0]) and float(rounded[1]) > 4 * float(base[1])
+    untouched = logits_bound(magnitudes, [0], 8, 2, {}, {0: torch.tensor([500.0, 500.0])})[0]
+    assert torch.equal(untouched, base)
+
+
+def test_the_recorder_bounds_a_delta_rule_layer_with_its_derived_gain():
+    # Qwen3-Next: gated DeltaNet layers 0 and 2 around full attention; the recorded call carries
+    # each DeltaNet layer's derived gain per token, and the bound uses it (a gain of 1 there, the
+    # default of a mixer without a MIXER_GAIN row, with the same roundings, gives a smaller bound)
+    if why_skipped("qwen3_next") is not None:
+        pytest.skip(f"qwen3_next: {why_skipped('qwen3_next')}")
+    model = build_model("qwen3_next", TINY, seed=0)
+    recorder = Recorder(model)
+    prompt = torch.randint(1, TINY["vocab"], (2, 8), generator=torch.Generator().manual_seed(1))
+    recorder.start()
+    with torch.no_grad():
+        model(prompt)
+    recorder.remove()
+    call = recorder.calls[0]
+    assert sorted(call["gain"]) == sorted(recorder.delta) == [0, 2], sorted(call["gain"])
+    for gain, roundings in call["gain"].values():
+        assert gain.shape == roundings.shape == (prompt.numel(),)
+        assert bool(torch.isfinite(gain).all()) and float(gain.min()) >= 1.0
+    derived = recorder.bound(call, model, 1)[1]
+    call["gain"] = {i: (torch.ones_like(g), r) for i, (g, r) in call["gain"].items()}
+    assert bool((recorder.bound(call, model, 1)[1] < derived).all())
