@@ -255,7 +255,9 @@ class Recorder:
             if index == 0:  # a new call: its (B, S), and the call of the same run before it
                 prev = self.calls[-1] if self.calls else None
                 call = {"routing": {}, "mag": {}, "gain": {}, "prev": prev, "carry": {}}
-                self.calls.append({**call, "shape": (x.shape[0], x[0].numel() // x.shape[-1])})
+                # [B, S, H]; any other layout as one sequence (bounds any split from above)
+                shape = tuple(x.shape[:2]) if x.dim() == 3 else (1, x.numel() // x.shape[-1])
+                self.calls.append({**call, "shape": shape})
             self.calls[-1]["mag"][index] = {"in": x}
 
         return hook
