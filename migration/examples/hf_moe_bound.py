@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from migration.examples.hf_causal import mixer_term
 from migration.examples.hf_delta_gain import DELTA_MIXERS, DeltaGain
 
 U_BF16 = 2.0**-8  # one rounding to bf16 moves a value by at most this, relative
@@ -41,7 +42,10 @@ NORM_ROUNDINGS = {
 # relative error exceeds its input's by far more than any constant (issue 47: measured on the
 # CPU, bf16, at the one-GPU test's size, Qwen3-Next, up to thousands at a token whose DeltaNet
 # output cancels); hf_delta_gain.DeltaGain derives theirs per call and token from the unmodified
-# model's own recorded values.
+# model's own recorded values. Measured (tests/integrations/test_hf_causal_bound.py, fp32, each
+# input element moved by up to 2^-8): attention's A^2 up to 1.7 (Mixtral) and 13 (Qwen3-Next's
+# gated attention) at the tiny size, 2.0 and 7.3 at the one-GPU test's: above these constants,
+# which are not a proven bound (open).
 MIXER_GAIN = {
     "Qwen3_5MoeAttention": 2,
     "Qwen3NextAttention": 2,
@@ -121,6 +125,8 @@ def logits_bound(
     norm: int,
     gains: dict,
     roundings: dict | None = None,
+    shape: tuple[int, int] | None = None,
+    carry: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, norm-wise: (bound on |n_patched - n_unmodified| / |n_unmodified| for the final
     normed hidden state n, bound on |logits_patched - logits_unmodified| / |logits_unmodified|),
@@ -138,9 +144,16 @@ def logits_bound(
         unmodified model's `norm` and the bridge's one; where both compute it on differing
         inputs, 2 * norm; the norm passes on its input's relative error (it is scale-invariant);
       - a sublayer passes on its input's relative error amplified by A^2 norm-wise at its output's
-        size: the token mixer `gains[layer]`, a number (MIXER_GAIN; plain attention 1: linear in
-        its input at fixed softmax weights, the weights moving by the same relative amount times
-        the spread of the scores, which random small weights keep below 1) or, for a delta-rule
+        size: the MLP its own token's; the token mixer, whose output at position t reads every
+        position <= t of its sequence (attention through its keys and values, a delta rule
+        through its state), the largest of theirs (hf_causal.mixer_term: a running maximum over
+        the sequence, continued by `carry`; the gains hold for one relative error over all the
+        positions mixed, and grow with each one's, so the largest bounds them: issue 47, where
+        an earlier position's error exceeds this one's, a padding token's, a cancelling
+        output's). The token mixer's A^2 is `gains[layer]`, a number (MIXER_GAIN; plain
+        attention 1: linear in its input at fixed softmax weights, the weights moving by the
+        same relative amount times the spread of the scores, which random small weights keep
+        below 1) or, for a delta-rule
         mixer, a tensor shaped like the tokens (hf_delta_gain.DeltaGain), which also adds
         `roundings[layer]` (u^2, per token: the mixer's own roundings of values that differ)
         wherever its input differs; gated MLP / experts A^2 = 2 (silu(gate) * up: two linear
@@ -151,6 +164,12 @@ def logits_bound(
     A relative error is E over a squared magnitude (`_relative`); a zero magnitude with no error
     is no error: the padding token's embedding row is zero (nn.Embedding's padding_idx), and
     Mistral-4's pad_token_id (11) lies inside a random prompt of a 512-token vocabulary.
+
+    `shape`: (B, S), the tokens flattened sequence by sequence (None: all of them one sequence,
+    which bounds any split into sequences from above); `carry`: {layer: [B] running maximum of
+    the token mixer's input error over the earlier calls of the same run}, a generate's decode
+    steps continuing its prefill; None or {} for a first call; updated in place with this call's
+    positions (`Recorder.bound` keeps it per run).
     """
     err = None
     prev_moe = False
@@ -161,8 +180,7 @@ def logits_bound(
         differs = bool(err.any()) or prev_moe
         eps_in = _relative(err, r0) + (norm + 1 if prev_moe else (2 * norm if differs else 0))
         gain, rounds = gains.get(layer, 1), (roundings or {}).get(layer, 0)
-        # no error in, none out (also where a derived gain is infinite); NaN stays NaN
-        mixed = torch.where(eps_in == 0, torch.zeros_like(eps_in), gain * eps_in + rounds)
+        mixed = mixer_term(eps_in, gain, rounds, shape, carry, layer)
         err = err + attn**2 * mixed + (2 * r1**2 if differs else 0)
         differs = differs or layer in moe_layers
         eps_mlp = _relative(err, r1) + (2 * norm if bool(err.any()) else 0)
@@ -234,9 +252,14 @@ class Recorder:
 
     def _pre(self, index: int):
         def hook(module, args, kwargs):
-            if index == 0:
-                self.calls.append({"routing": {}, "mag": {}, "gain": {}})
-            self.calls[-1]["mag"][index] = {"in": args[0] if args else kwargs["hidden_states"]}
+            x = args[0] if args else kwargs["hidden_states"]
+            if index == 0:  # a new call: its (B, S), and the call of the same run before it
+                prev = self.calls[-1] if self.calls else None
+                call = {"routing": {}, "mag": {}, "gain": {}, "prev": prev, "carry": {}}
+                # [B, S, H]; any other layout as one sequence (bounds any split from above)
+                shape = tuple(x.shape[:2]) if x.dim() == 3 else (1, x.numel() // x.shape[-1])
+                self.calls.append({**call, "shape": shape})
+            self.calls[-1]["mag"][index] = {"in": x}
 
         return hook
 
@@ -266,15 +289,26 @@ class Recorder:
             delta.reset()
 
     def bound(self, call: dict, model: torch.nn.Module, world: int):
-        """logits_bound for one recorded call of the unmodified model."""
+        """logits_bound for one recorded call of the unmodified model; a call that continues the
+        calls before it in the same run (a generate's decode step) continues their token mixers'
+        running maxima (`carry`: each call keeps those at its end, computed on first need)."""
         epilogue = epilogue_roundings(model, world, self.weights_dtype)
-        missing = sorted(set(self.delta) - set(call["gain"]))
-        if missing:
-            raise ValueError(f"call holds no derived gain of delta-rule layer(s) {missing}")
-        gains = {**self.gains, **{i: g for i, (g, _) in call["gain"].items()}}
-        rounds = {i: r for i, (_, r) in call["gain"].items()}
-        magnitudes = self.magnitudes(call)
-        return logits_bound(magnitudes, self.moe_layers, epilogue, self.norm, gains, rounds)
+        chain = [call]  # back to the first call of the run, or to one whose maxima are known
+        while chain[-1]["prev"] is not None and epilogue not in chain[-1]["prev"]["carry"]:
+            chain.append(chain[-1]["prev"])
+        for c in reversed(chain):
+            missing = sorted(set(self.delta) - set(c["gain"]))
+            if missing:
+                raise ValueError(f"call holds no derived gain of delta-rule layer(s) {missing}")
+            gains = {**self.gains, **{i: g for i, (g, _) in c["gain"].items()}}
+            rounds = {i: r for i, (_, r) in c["gain"].items()}
+            carry = dict(c["prev"]["carry"][epilogue]) if c["prev"] is not None else {}
+            out = logits_bound(
+                self.magnitudes(c), self.moe_layers, epilogue, self.norm, gains, rounds,
+                c["shape"], carry,
+            )  # fmt: skip
+            c["carry"][epilogue] = carry  # per epilogue count: the maxima depend on it
+        return out
 
     def magnitudes(self, call: dict) -> dict:
         out = {}
