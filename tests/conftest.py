@@ -55,3 +55,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         reasons[reason] = reasons.get(reason, 0) + 1
     for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{count} skipped: {reason}")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op torch thread for the test (restored after it): tiny models do each op in
+    microseconds with one thread, while several threads on a shared or busy CPU spend far longer
+    waiting for each other. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

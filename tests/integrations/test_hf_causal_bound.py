@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from migration.examples.hf_causal import mixer_term  # noqa: E402
 from migration.examples.hf_moe_bound import U_BF16, Recorder, language_model  # noqa: E402
 from migration.examples.hf_moe_models import TINY, build_model, why_skipped  # noqa: E402
+from tests.integrations.hf_decode import decode_steps_and_one_forward  # noqa: E402
 
 PROMPT = (2, 12)
 FIRST_CLEAN = 6  # positions 0..5 of each sequence get a moved mixer input, 6..11 keep theirs
@@ -22,12 +23,7 @@ FIRST_CLEAN = 6  # positions 0..5 of each sequence get a moved mixer input, 6..1
 SEEDS = 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 class _Stop(Exception):
@@ -158,20 +154,7 @@ def test_a_generates_decode_steps_continue_the_running_maxima_of_the_calls_befor
     # 4.4% (Qwen3-Next) and 0.45 to 1.2% (Mixtral) below the forward's.
     if why_skipped(family) is not None:
         pytest.skip(f"{family}: {why_skipped(family)}")
-    model = build_model(family, TINY, seed=0)
-    recorder = Recorder(model)
-    prompt = torch.randint(1, TINY["vocab"], (2, 8), generator=torch.Generator().manual_seed(1))
-    try:
-        recorder.start()
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        steps = recorder.calls
-        recorder.start()
-        with torch.no_grad():
-            model(out[:, :-1], use_cache=False)
-        whole = recorder.calls[0]
-    finally:
-        recorder.remove()
+    model, recorder, steps, whole = decode_steps_and_one_forward(family)
     assert len(steps) == 5 and [c["shape"] for c in steps] == [(2, 8)] + [(2, 1)] * 4, steps
     for part in (0, 1):  # the final normed hidden state's bound, the logits'
         # last step first: its bound must find the maxima of the calls before it by itself

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from migration.examples.hf_delta_gain import DELTA_MIXERS, DeltaGain  # noqa: E402
 from migration.examples.hf_moe_bound import U_BF16, Recorder, language_model  # noqa: E402
 from migration.examples.hf_moe_models import LARGE, TINY, build_model, why_skipped  # noqa: E402
+from tests.integrations.hf_decode import decode_steps_and_one_forward  # noqa: E402
 
 DELTA_FAMILIES = ("qwen3_next", "qwen3_5_moe", "kimi_linear", "lara_mini", "bailing_hybrid")
 PROMPT = (2, 12)  # the one-GPU test's prompt shape (tests/integrations/test_hf_transformers_on_gpu)
@@ -28,12 +29,7 @@ SEEDS = 16
 OLD_GAIN = 7  # the constant the delta-rule mixers had before issue 47 (seven paths)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _mixer_inputs(family: str, size: dict, new_tokens: int = 0):
@@ -165,20 +161,7 @@ def test_a_decode_step_continues_the_state_and_conv_window_of_the_calls_before(f
     # to bf16 once each: measured within 3.4e-4 of each other; 1e-2 leaves room for that only)
     if why_skipped(family) is not None:
         pytest.skip(f"{family}: {why_skipped(family)}")
-    model = build_model(family, TINY, seed=0)
-    recorder = Recorder(model)
-    prompt = torch.randint(1, TINY["vocab"], (2, 8), generator=torch.Generator().manual_seed(1))
-    try:
-        recorder.start()
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        steps = recorder.calls
-        recorder.start()
-        with torch.no_grad():
-            model(out[:, :-1], use_cache=False)
-        whole = recorder.calls[0]
-    finally:
-        recorder.remove()
+    _, recorder, steps, whole = decode_steps_and_one_forward(family)
     assert len(steps) == 5 and recorder.delta, (len(steps), recorder.delta)
     for layer in recorder.delta:
         for part in (0, 1):  # the gain, the roundings

@@ -14,13 +14,7 @@ from migration.examples.hf_moe_bound import Recorder, logits_bound  # noqa: E402
 from migration.examples.hf_moe_models import why_skipped  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A tiny model: one intra-op thread does each op in microseconds on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_a_prompt_holding_the_padding_token_gets_a_finite_bound_and_passes_it():

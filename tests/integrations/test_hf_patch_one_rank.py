@@ -23,12 +23,7 @@ from fusion_bridge.integrations.transformers import patch_moe_epilogues  # noqa:
 from migration.examples.hf_moe import TINY, build_model  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _prompt(seed: int = 2) -> torch.Tensor:

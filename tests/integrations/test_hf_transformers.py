@@ -32,14 +32,7 @@ from migration.examples.hf_moe_models import why_skipped  # noqa: E402
 NEW_TOKENS = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread per process does each op in microseconds, while
-    several threads on a shared or busy CPU spend far longer waiting for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def check_summary(r: dict, config: dict = TINY) -> None:
@@ -100,7 +93,7 @@ SHARDS = 3  # the families over this many 2-rank groups, so xdist workers share 
 
 def _two_ranks(rank: int, world: int, shard: int) -> list:
     """Every SHARDS-th family from `shard` on, on this rank of a 2-rank group."""
-    torch.set_num_threads(1)  # as one_thread: tiny models, two processes on a shared CPU
+    torch.set_num_threads(1)  # as one_torch_thread: tiny models, two processes on a shared CPU
     return run_rank(rank, world, families=FAMILIES[shard::SHARDS], new_tokens=NEW_TOKENS)
 
 
